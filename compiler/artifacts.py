@@ -1,0 +1,135 @@
+"""Stage artifacts: small frozen records written as JSON next to the files they describe.
+
+Each carries `inputs_hash`, the hash of everything that made it (inputs, spec section, tool
+versions); the stage cache reuses an artifact when that hash matches and its files are intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from llmc.compiler.hashing import sha256_file
+from llmc.errors import ArtifactError
+from llmc.runtime.layout import KVLayout
+
+A = TypeVar("A", bound="Artifact")
+
+
+class Artifact(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    filename: ClassVar[str]
+    inputs_hash: str
+    files: dict[str, str] = {}  # file name (relative to the artifact's folder) -> sha256
+
+    def save(self, folder: Path) -> Path:
+        path = folder / self.filename
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(self.model_dump_json(indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls: type[A], folder: Path) -> A:
+        path = folder / cls.filename
+        if not path.is_file():
+            raise ArtifactError(f"{path}: missing (is {folder} a finished llmc build?)")
+        try:
+            return cls.model_validate_json(path.read_text())
+        except ValidationError as err:
+            raise ArtifactError(f"{path}: unreadable {cls.__name__} record ({err.error_count()} problem(s)); rebuild") from None
+
+    @classmethod
+    def load_cached(cls: type[A], folder: Path, inputs_hash: str) -> A | None:
+        """The artifact in `folder` if it was made from the same inputs and its files are intact."""
+        try:
+            art = cls.load(folder)
+        except ArtifactError:
+            return None
+        if art.inputs_hash != inputs_hash or not art.files_intact(folder):
+            return None
+        return art
+
+    def files_intact(self, folder: Path) -> bool:
+        return all((folder / n).is_file() and sha256_file(folder / n) == h for n, h in self.files.items())
+
+
+def hash_outputs(folder: Path, names: list[str]) -> dict[str, str]:
+    return {n: sha256_file(folder / n) for n in names}
+
+
+class TensorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    dtype: str
+    shape: list[int | str]
+
+
+class ModelInfo(BaseModel):
+    """Facts about the source model that later stages and the runtime need."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_type: str
+    family: str
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_position_embeddings: int
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = []
+    has_tokenizer: bool
+
+
+class ExportedModel(Artifact):
+    filename: ClassVar[str] = "exported.json"
+
+    onnx: str
+    opset: int
+    source_hash: str
+    model: ModelInfo
+    kv_layout: KVLayout
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    external_data: bool
+    versions: dict[str, str]
+
+
+class VerifyCase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    batch: int
+    prompt_lengths: list[int]
+    decode_steps: int
+    max_abs_logit_diff: float
+    token_agreement: float  # fraction of generated tokens equal to PyTorch's
+    first_divergence: list[int | None]  # per row: first step whose token differs, or None
+    passed: bool
+
+
+class VerifyReport(Artifact):
+    filename: ClassVar[str] = "verify.json"
+
+    reference: str
+    candidate: str
+    tolerance: float
+    max_abs_logit_diff: float
+    cases: list[VerifyCase]
+    passed: bool
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+def dump(art: BaseModel) -> dict[str, Any]:
+    return json.loads(art.model_dump_json())

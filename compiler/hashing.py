@@ -1,0 +1,31 @@
+"""Content hashes: what the stage cache keys on and what artifacts record about their inputs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_files(paths: Iterable[Path], root: Path) -> str:
+    """One hash over several files, keyed by their path relative to `root` (order-independent)."""
+    h = hashlib.sha256()
+    for path in sorted(paths, key=lambda p: p.relative_to(root).as_posix()):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(sha256_file(path).encode())
+    return h.hexdigest()
+
+
+def hash_json(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()

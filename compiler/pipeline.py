@@ -1,0 +1,216 @@
+"""`build`: run the stages over a spec, reuse what is unchanged, publish the output atomically.
+
+    source -> export -> verify        (quantize, engine and package join here as they land)
+
+Each stage has an inputs hash; when the previous output holds an artifact with the same hash and
+intact files, the stage is reused (hard-linked) instead of run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Protocol
+
+from llmc.compiler import output as out
+from llmc.compiler.artifacts import ExportedModel, VerifyReport
+from llmc.compiler.hashing import hash_json
+from llmc.compiler.source import SourceInfo, inspect_source, load_model
+from llmc.compiler.spec import BuildSpec, QuantMode, Target
+from llmc.errors import SpecError, UnsupportedError, VerifyError
+
+STAGES = ("source", "export", "verify")
+BUILD_RECORD = "build.json"
+
+
+class Reporter(Protocol):
+    def stage_started(self, name: str, description: str) -> None: ...
+    def stage_progress(self, done: int, total: int) -> None: ...
+    def stage_finished(self, result: "StageResult") -> None: ...
+
+
+class NullReporter:
+    def stage_started(self, name: str, description: str) -> None: ...
+    def stage_progress(self, done: int, total: int) -> None: ...
+    def stage_finished(self, result: "StageResult") -> None: ...
+
+
+@dataclass(frozen=True)
+class StageResult:
+    name: str
+    status: str  # "ran" | "cached" | "skipped"
+    seconds: float
+    summary: str
+
+
+@dataclass
+class BuildResult:
+    output: Path
+    stages: list[StageResult] = field(default_factory=list)
+    exported: ExportedModel | None = None
+    verify: VerifyReport | None = None
+
+
+def preflight(spec: BuildSpec) -> None:
+    """Refuse what this version cannot build before any work is done."""
+    if spec.target is Target.tensorrt:
+        raise UnsupportedError(
+            "target: tensorrt is not available in this version of llmc (the TensorRT engine stage "
+            "is not implemented yet); use target: onnxruntime"
+        )
+    if spec.quantization.mode is not QuantMode.none:
+        raise UnsupportedError(
+            f"quantization.mode: {spec.quantization.mode.value} is not implemented in this version "
+            "of llmc; use mode: none"
+        )
+
+
+class _Model:
+    """The PyTorch model and tokenizer, loaded on first use (cached stages never load them)."""
+
+    def __init__(self, info: SourceInfo):
+        self.info, self._loaded = info, None
+
+    def get(self):
+        if self._loaded is None:
+            self._loaded = load_model(self.info)
+        return self._loaded
+
+
+class _Build:
+    def __init__(self, spec: BuildSpec, output: Path, reporter: Reporter, force: set[str]):
+        self.spec, self.output, self.reporter, self.force = spec, output, reporter, force
+        self.result = BuildResult(output=output)
+
+    def stage(self, name: str, description: str, run) -> None:
+        self.reporter.stage_started(name, description)
+        start = time.perf_counter()
+        status, summary = run()
+        res = StageResult(name, status, time.perf_counter() - start, summary)
+        self.result.stages.append(res)
+        self.reporter.stage_finished(res)
+
+    def reuse(self, name: str, cls, inputs_hash: str, staging: Path):
+        if name in self.force:
+            return None
+        cached = cls.load_cached(self.output / name, inputs_hash)
+        if cached is not None:
+            out.link_tree(self.output / name, staging / name)
+        return cached
+
+
+def _check_limits(spec: BuildSpec, exported: ExportedModel) -> None:
+    limit = exported.model.max_position_embeddings
+    if spec.limits.max_seq_len > limit:
+        raise SpecError(
+            f"limits.max_seq_len ({spec.limits.max_seq_len}) exceeds the model's "
+            f"max_position_embeddings ({limit}); lower it to {limit} or less"
+        )
+
+
+def build(spec: BuildSpec, *, output: Path | None = None, until: str = "verify", force: set[str] | None = None,
+          reporter: Reporter | None = None, external_threshold: int | None = None) -> BuildResult:
+    """Build `spec` into `output` (default: the spec's). Stages after `until` are not run; stages
+    named in `force` run even when cached."""
+    assert until in STAGES, until
+    preflight(spec)
+    output = Path(output or spec.output_dir).absolute()
+    b = _Build(spec, output, reporter or NullReporter(), set(force or ()))
+    staging = out.make_staging(output)
+    try:
+        _run_stages(b, staging, until, external_threshold)
+        _write_record(b, staging)
+        out.publish(staging, output)
+    except BaseException:
+        out.discard(staging)
+        raise
+    return b.result
+
+
+def _run_stages(b: _Build, staging: Path, until: str, external_threshold: int | None) -> None:
+    from llmc.compiler import export as export_stage
+
+    spec, state = b.spec, {}
+
+    def source():
+        info = inspect_source(spec.source)
+        state["info"], state["hash"], state["model"] = info, info.content_hash(), _Model(info)
+        return "ran", f"{info.kind} {info.model_type}, {len(info.weight_files)} weight file(s)"
+
+    b.stage("source", f"hashing {spec.source.path.name}", source)
+    threshold = external_threshold or export_stage.PROTOBUF_LIMIT
+    export_key = hash_json({"stage": "export", "source": state["hash"], "target": spec.target.value,
+                            "precision": spec.precision.value, "versions": export_stage.tool_versions(),
+                            "opset": export_stage.OPSET, "external_threshold": threshold})
+
+    def export():
+        cached = b.reuse("export", ExportedModel, export_key, staging)
+        if cached is None:
+            model, tokenizer = state["model"].get()
+            cached = export_stage.export(model, tokenizer, staging / "export", source_hash=state["hash"],
+                                         inputs_hash=export_key, external_threshold=threshold)
+            status = "ran"
+        else:
+            status = "cached"
+        b.result.exported = cached
+        size = sum((staging / "export" / f).stat().st_size for f in cached.files) / 2**20
+        return status, f"{cached.onnx}, opset {cached.opset}, {cached.model.num_layers} layers, {size:.1f} MiB"
+
+    b.stage("export", "exporting to ONNX", export)
+    _check_limits(spec, b.result.exported)
+    if until == "export":
+        return
+    b.stage("verify", "PyTorch vs ONNX Runtime", lambda: _verify(b, staging, state["model"], state["hash"]))
+
+
+def _verify(b: _Build, staging: Path, model: _Model, source_hash: str):
+    from llmc.compiler import verify as verify_stage
+
+    spec, exported = b.spec, b.result.exported
+    if not spec.verify.enabled:
+        return "skipped", "verify.enabled is false"
+    import onnxruntime
+
+    key = hash_json({"stage": "verify", "source": source_hash, "export": exported.files, "verify": spec.section_hash("verify"),
+                     "onnxruntime": onnxruntime.__version__})
+    report = b.reuse("verify", VerifyReport, key, staging)
+    status = "cached"
+    if report is None:
+        torch_model, tokenizer = model.get()
+        report = verify_stage.verify(
+            exported, staging / "export", torch_model, tokenizer, staging / "verify", inputs_hash=key,
+            steps=spec.verify.decode_steps, tolerance=spec.verify.max_logit_diff,
+            num_threads=spec.serving.num_threads, progress=b.reporter.stage_progress)
+        status = "ran"
+    b.result.verify = report
+    summary = verify_summary(report)
+    if not report:
+        raise VerifyError(f"verification failed: {summary}\n"
+                          + "\n".join(f"  {c.name}: {c.token_agreement:.1%} tokens equal, first divergence "
+                                      f"{c.first_divergence}, max |Δlogit| {c.max_abs_logit_diff:.2e}"
+                                      for c in report.cases))
+    return status, summary
+
+
+def verify_summary(report: VerifyReport) -> str:
+    steps = report.cases[0].decode_steps
+    agree = min(c.token_agreement for c in report.cases)
+    verdict = "greedy tokens equal" if agree == 1.0 else f"greedy tokens {agree:.1%} equal"
+    return (f"{verdict} over {steps} steps (batch 1 + padded batch 3), max |Δlogit| "
+            f"{report.max_abs_logit_diff:.1e} (tolerance {report.tolerance:.0e})")
+
+
+def _write_record(b: _Build, staging: Path) -> None:
+    import json
+
+    import llmc
+
+    record = {
+        "name": b.spec.name, "llmc": llmc.__version__, "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "spec": b.spec.model_dump(mode="json"),
+        "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "summary": s.summary}
+                   for s in b.result.stages],
+    }
+    (staging / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")

@@ -1,0 +1,193 @@
+"""Model sources: find, check and load a HuggingFace checkpoint folder or a GGUF file.
+
+Safetensors is the default; pickle checkpoints (`pytorch_model*.bin`) load only with
+`source.allow_pickle: true`, and then through `torch.load(weights_only=True)`. Remote code is never
+run and nothing is downloaded: transformers is used with `local_files_only` in offline mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmc.compiler.hashing import sha256_files
+from llmc.compiler.spec import SourceSpec
+from llmc.errors import SourceError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+#: HF `model_type` -> family. SmolLM2 checkpoints are `llama`.
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "merges.txt", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """What a source is, found without loading any weights."""
+
+    path: Path
+    kind: str  # "hf" | "gguf"
+    model_type: str
+    weight_files: tuple[Path, ...]
+    hashed_files: tuple[Path, ...]
+    uses_pickle: bool
+
+    @property
+    def root(self) -> Path:
+        return self.path if self.kind == "hf" else self.path.parent
+
+    def content_hash(self) -> str:
+        return sha256_files(self.hashed_files, self.root)
+
+
+def _check_model_type(model_type: Any, where: Path) -> str:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+        raise SourceError(
+            f"{where}: model_type {model_type!r} is not supported; supported architectures: "
+            f"{supported} (Llama family incl. SmolLM2, and GPT-2)"
+        )
+    return model_type
+
+
+def _gguf_info(path: Path) -> SourceInfo:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+        arch = reader.fields["general.architecture"].contents()
+    except Exception as err:  # gguf raises ValueError/KeyError/struct errors on bad files
+        raise SourceError(f"{path}: not a readable GGUF file ({err})") from None
+    return SourceInfo(path, "gguf", _check_model_type(arch, path), (path,), (path,), False)
+
+
+def _hf_info(path: Path, allow_pickle: bool) -> SourceInfo:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise SourceError(
+            f"{path}: no config.json; point `source` at a HuggingFace checkpoint folder "
+            "(config.json + *.safetensors) or at a .gguf file"
+        )
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise SourceError(f"{config_path}: not valid JSON ({err})") from None
+    model_type = _check_model_type(config.get("model_type"), config_path)
+    weights = tuple(sorted(path.glob("*.safetensors")))
+    uses_pickle = False
+    if not weights:
+        weights = tuple(sorted(path.glob("pytorch_model*.bin")))
+        if not weights:
+            raise SourceError(f"{path}: no weights found (expected *.safetensors or pytorch_model*.bin)")
+        if not allow_pickle:
+            raise SourceError(
+                f"{path}: only pickle weights ({weights[0].name}); convert them to safetensors, "
+                "or set `source.allow_pickle: true` to load them with torch.load(weights_only=True)"
+            )
+        uses_pickle = True
+    extras = [path / n for n in ("config.json", "generation_config.json", *_TOKENIZER_FILES)]
+    hashed = tuple(weights) + tuple(p for p in extras if p.is_file())
+    return SourceInfo(path, "hf", model_type, weights, hashed, uses_pickle)
+
+
+def inspect_source(source: SourceSpec) -> SourceInfo:
+    path = source.path
+    if not path.exists():
+        raise SourceError(f"source.path: {path} does not exist (a checkpoint folder or a .gguf file)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise SourceError(f"source.path: {path} is a file but not a .gguf; use a checkpoint folder or a GGUF file")
+        return _gguf_info(path)
+    return _hf_info(path, source.allow_pickle)
+
+
+def load_model(info: SourceInfo):
+    """The model in fp32 eval mode, and its tokenizer (None when the source has none)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    common = dict(dtype=torch.float32, trust_remote_code=False, local_files_only=True)
+    try:
+        if info.kind == "gguf":
+            model = _load_gguf(info, common)
+        elif info.uses_pickle:
+            model = _load_pickle_checkpoint(info)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(info.path), use_safetensors=True, **common)
+    except SourceError:
+        raise
+    except Exception as err:
+        raise SourceError(f"{info.path}: could not load the checkpoint: {err}") from err
+    return model.eval(), load_tokenizer(info)
+
+
+def _load_gguf(info: SourceInfo, common: dict[str, Any]):
+    """transformers dequantizes GGUF weights on load but marks the model as gguf-quantized (and so
+    unsaveable); rebuild a plain fp32 model from the config and move the weights over."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(info.path.parent), gguf_file=info.path.name, **common)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=common["dtype"])
+    model.load_state_dict(loaded.state_dict())
+    return model
+
+
+def _load_pickle_checkpoint(info: SourceInfo):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(info.path), trust_remote_code=False, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state: dict[str, Any] = {}
+    for f in info.weight_files:
+        state.update(torch.load(f, map_location="cpu", weights_only=True))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if "lm_head" in k} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise SourceError(
+            f"{info.path}: weights do not match the config (missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]})"
+        )
+    model.tie_weights()
+    return model
+
+
+def load_tokenizer(info: SourceInfo):
+    from transformers import AutoTokenizer
+
+    try:
+        if info.kind == "gguf":
+            return AutoTokenizer.from_pretrained(str(info.path.parent), gguf_file=info.path.name, local_files_only=True)
+        if any((info.path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            return AutoTokenizer.from_pretrained(str(info.path), trust_remote_code=False, local_files_only=True)
+    except Exception as err:
+        raise SourceError(f"{info.path}: could not load the tokenizer: {err}") from err
+    return None
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Write a GGUF model as a plain safetensors checkpoint folder (weights dequantized to fp32)."""
+    info = _gguf_info(Path(gguf_path))
+    model, tokenizer = load_model(info)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir

@@ -1,0 +1,210 @@
+"""The build spec (`model.yaml`): one Pydantic model, unknown keys rejected, limits in the types.
+
+The smallest valid spec is `name` and `source`; everything else has a default. Relative paths in
+the file are resolved against the file's own folder; the default output is `build/<name>` under
+the current directory (the CLI's `--output` overrides both).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from llmc.errors import SpecError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class Target(str, enum.Enum):
+    onnxruntime = "onnxruntime"
+    tensorrt = "tensorrt"
+
+
+class Precision(str, enum.Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class QuantMode(str, enum.Enum):
+    none = "none"
+    int8 = "int8"
+    fp8 = "fp8"
+    int8_weight_only = "int8-weight-only"
+    int4_weight_only = "int4-weight-only"
+
+
+class CalibrationMethod(str, enum.Enum):
+    max = "max"
+    entropy = "entropy"
+    percentile = "percentile"
+
+
+class SourceSpec(_Strict):
+    """Where the checkpoint is: a HuggingFace checkpoint folder or a `.gguf` file."""
+
+    path: Path
+    allow_pickle: bool = Field(
+        False,
+        description="Allow pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True)).",
+    )
+
+
+class CalibrationSpec(_Strict):
+    data: str = Field("builtin", description="'builtin', or a .txt / .jsonl (field `text`) file.")
+    num_samples: Annotated[int, Field(ge=1, le=4096)] = 128
+    seq_len: Annotated[int, Field(ge=8, le=8192)] = 512
+    method: CalibrationMethod = CalibrationMethod.max
+
+
+class QuantizationSpec(_Strict):
+    mode: QuantMode = QuantMode.none
+    calibration: CalibrationSpec = CalibrationSpec()
+    max_perplexity_increase: Annotated[float, Field(ge=0.0, le=10.0)] = Field(
+        0.05, description="Relative increase allowed over the unquantized model (0.05 = 5%)."
+    )
+
+
+class LimitsSpec(_Strict):
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 8
+    max_seq_len: Annotated[int, Field(ge=16, le=1_048_576)] = 2048
+    max_num_tokens: Annotated[int, Field(ge=1, le=1_048_576)] = 8192
+
+    @model_validator(mode="after")
+    def _tokens_cover_batch(self) -> "LimitsSpec":
+        if self.max_num_tokens < self.max_batch_size:
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) must be >= max_batch_size "
+                f"({self.max_batch_size}): every running sequence needs one token per step"
+            )
+        return self
+
+
+class ServingSpec(_Strict):
+    max_queue_size: Annotated[int, Field(ge=1, le=100_000)] = 256
+    default_max_tokens: Annotated[int, Field(ge=1)] = 256
+    max_stop_words: Annotated[int, Field(ge=0, le=64)] = 8
+    num_threads: Annotated[int, Field(ge=0, le=512)] = Field(0, description="0 = all cores")
+
+
+class VerifySpec(_Strict):
+    enabled: bool = True
+    decode_steps: Annotated[int, Field(ge=1, le=1024)] = 32
+    max_logit_diff: Annotated[float, Field(gt=0.0)] = Field(
+        1e-3, description="Largest |logit difference| allowed between PyTorch and the artifact."
+    )
+
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+class BuildSpec(_Strict):
+    name: str
+    source: SourceSpec
+    target: Target = Target.onnxruntime
+    precision: Precision = Precision.fp32
+    quantization: QuantizationSpec = QuantizationSpec()
+    limits: LimitsSpec = LimitsSpec()
+    serving: ServingSpec = ServingSpec()
+    verify: VerifySpec = VerifySpec()
+    output: Path | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_model_name(cls, value: str) -> str:
+        if not _NAME_RE.fullmatch(value):
+            raise ValueError(
+                "use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit "
+                "(it becomes the Triton model name and the output folder)"
+            )
+        return value
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _source_shorthand(cls, value: Any) -> Any:
+        return {"path": value} if isinstance(value, (str, Path)) else value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "BuildSpec":
+        if self.serving.default_max_tokens > self.limits.max_seq_len:
+            raise ValueError(
+                f"serving.default_max_tokens ({self.serving.default_max_tokens}) must be <= "
+                f"limits.max_seq_len ({self.limits.max_seq_len})"
+            )
+        if self.target is Target.onnxruntime and self.precision is not Precision.fp32:
+            raise ValueError(
+                f"precision {self.precision.value} needs target: tensorrt; target onnxruntime "
+                "builds fp32 (use quantization.mode for smaller CPU models)"
+            )
+        return self
+
+    @property
+    def output_dir(self) -> Path:
+        return self.output if self.output is not None else Path("build") / self.name
+
+    def section_hash(self, *sections: str) -> str:
+        """Hash of the named top-level sections: what a stage depends on, for the stage cache."""
+        data = self.model_dump(mode="json", include=set(sections))
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _format_validation_error(err: ValidationError, origin: str) -> str:
+    lines = [f"{origin}: invalid build spec ({err.error_count()} problem(s)):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; remove it or check its spelling"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif e["loc"] and e["type"] not in ("model_type", "dict_type"):
+            msg += f" (got {e['input']!r})"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_spec(data: Any, origin: str = "<spec>", base_dir: Path | None = None) -> BuildSpec:
+    """Validate a spec mapping; relative paths are resolved against `base_dir`."""
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else type(data).__name__
+        raise SpecError(f"{origin}: a build spec must be a YAML mapping with at least `name` and `source` (got {kind})")
+    try:
+        spec = BuildSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_validation_error(err, origin)) from None
+    if base_dir is not None:
+        spec = _resolve_paths(spec, base_dir)
+    return spec
+
+
+def _resolve_paths(spec: BuildSpec, base_dir: Path) -> BuildSpec:
+    source = spec.source.model_copy(update={"path": (base_dir / spec.source.path.expanduser()).resolve()})
+    update: dict[str, Any] = {"source": source}
+    if spec.output is not None:
+        update["output"] = (base_dir / spec.output.expanduser()).resolve()
+    return spec.model_copy(update=update)
+
+
+def load_spec(path: str | Path) -> BuildSpec:
+    """Read and validate a `model.yaml`. Every error names the file and the field at fault."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: spec file not found (pass the path to a model.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise SpecError(f"{path}: not valid YAML{at}: {getattr(err, 'problem', err)}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a UTF-8 text file") from None
+    return parse_spec(data, origin=str(path), base_dir=path.resolve().parent)

@@ -1,0 +1,66 @@
+"""Terminal output for the CLI: stage progress with timings and the build summary table."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+console = Console(stderr=True, highlight=False)
+out = Console(highlight=False)
+
+_STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow"}
+
+
+class RichReporter:
+    """The pipeline's Reporter: one progress line per running stage, one result line per finished one."""
+
+    def __init__(self) -> None:
+        self.progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[stage]:<8}"),
+                                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=console, transient=True)
+        self.task = None
+
+    def __enter__(self) -> "RichReporter":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def stage_started(self, name: str, description: str) -> None:
+        self.task = self.progress.add_task(description, stage=name, total=None)
+
+    def stage_progress(self, done: int, total: int) -> None:
+        self.progress.update(self.task, completed=done, total=total)
+
+    def stage_finished(self, result) -> None:
+        self.progress.remove_task(self.task)
+        style = _STATUS_STYLE.get(result.status, "white")
+        line = Text.assemble(("✓ ", style), (f"{result.name:<8} ", "bold"), (f"{result.status:<7}", style),
+                             f"{result.seconds:6.1f}s  {result.summary}")
+        self.progress.console.print(line)
+
+
+def summary_table(result) -> Table:
+    table = Table(title=f"llmc build → {result.output}", title_justify="left")
+    for col in ("stage", "status", "time", "result"):
+        table.add_column(col)
+    for s in result.stages:
+        table.add_row(s.name, Text(s.status, style=_STATUS_STYLE.get(s.status, "white")), f"{s.seconds:.1f}s",
+                      Text(s.summary))
+    table.add_row("total", "", f"{sum(s.seconds for s in result.stages):.1f}s", "", style="bold")
+    return table
+
+
+def sections_table(sections) -> list[Table]:
+    tables = []
+    for sec in sections:
+        t = Table(title=sec.title, title_justify="left", show_header=False)
+        t.add_column(style="bold")
+        t.add_column(overflow="fold")
+        for k, v in sec.rows:
+            t.add_row(Text(k), Text(v))  # plain text: shapes like [batch, seq] are not markup
+        tables.append(t)
+    return tables

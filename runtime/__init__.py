@@ -1,0 +1,1 @@
+"""The serving engine. Imports no torch and no transformers: numpy and ONNX Runtime only."""

