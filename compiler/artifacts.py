@@ -6,10 +6,9 @@ versions); the stage cache reuses an artifact when that hash matches and its fil
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -129,7 +128,3 @@ class VerifyReport(Artifact):
 
     def __bool__(self) -> bool:
         return self.passed
-
-
-def dump(art: BaseModel) -> dict[str, Any]:
-    return json.loads(art.model_dump_json())
