@@ -1,0 +1,61 @@
+"""The HF model rebuilt around `llmc::attention`, so export depends on no transformers attention code.
+
+`LlamaFamilyDecoder` reuses a Llama / Mistral / Qwen2 model's own submodules (embedding, norms,
+projections, MLPs, rotary frequencies, LM head) and runs its own forward:
+
+    forward(input_ids [B, S], cache_position int64 [B], k_caches, v_caches)
+        -> logits [B, S, V], new k_caches, new v_caches       (caches [B, KVH, C, D] per layer)
+
+Row b's tokens sit at positions `cache_position[b] ..`; rows may be at different positions, so no
+attention mask and no left padding are needed (a shorter prompt in a batch is right-padded and its
+pad tokens' outputs are ignored).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+import llmc.plugins.attention  # noqa: F401  (registers torch.ops.llmc.attention)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaFamilyDecoder(nn.Module):
+    def __init__(self, hf_model):
+        super().__init__()
+        config = hf_model.config
+        window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", window is not None) and window is not None \
+                and window < config.max_position_embeddings:
+            raise NotImplementedError(f"sliding-window attention ({window} tokens) is not supported by llmc::attention yet")
+        inner = hf_model.model
+        self.embed_tokens, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
+        self.rotary_emb, self.lm_head = inner.rotary_emb, hf_model.lm_head
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+
+    def forward(self, input_ids: Tensor, cache_position: Tensor, k_caches: list[Tensor], v_caches: list[Tensor]):
+        b, s = input_ids.shape
+        positions = cache_position[:, None] + torch.arange(s, device=input_ids.device)
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(hidden, positions)  # [B, S, D]
+        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads in [B, S, H, D]
+        new_k, new_v = [], []
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+            k = attn.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            out, k_cache, v_cache = torch.ops.llmc.attention(q, k, v, k_cache, v_cache, cache_position, attn.scaling)
+            hidden = hidden + attn.o_proj(out.reshape(b, s, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            new_k.append(k_cache)
+            new_v.append(v_cache)
+        return self.lm_head(self.norm(hidden)), new_k, new_v
