@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,8 +183,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     info = _gguf_info(Path(gguf_path))
     model, tokenizer = load_model(info)
     tmp = out_dir.with_name(out_dir.name + ".partial")
-    import shutil
-
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:

@@ -71,8 +71,7 @@ def build(
 ) -> None:
     """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch.
 
-    Unchanged stages are reused from the previous output; the output folder is replaced
-    atomically, so a failed or interrupted build leaves the previous one intact.
+    Unchanged stages are reused from the previous output; the output folder is replaced atomically, so a failed or interrupted build leaves the previous one intact.
     """
     _run_build(spec, output, "verify", {"export", "verify"} if force else set())
 
@@ -90,9 +89,7 @@ def export(spec: SpecArg, output: OutputOpt = None,
 def verify(spec: SpecArg, output: OutputOpt = None) -> None:
     """Verify the spec's ONNX export against PyTorch (exports first if needed).
 
-    Prefill plus `verify.decode_steps` greedy steps at batch 1 and for a left-padded batch of 3
-    prompts; fails (exit code 5) if any greedy token differs or |Δlogit| exceeds
-    `verify.max_logit_diff`.
+    Prefill plus `verify.decode_steps` greedy steps at batch 1 and for a left-padded batch of 3 prompts; fails (exit code 5) if any greedy token differs or |Δlogit| exceeds `verify.max_logit_diff`.
     """
     _run_build(spec, output, "verify", {"verify"})
 
