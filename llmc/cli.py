@@ -111,7 +111,10 @@ def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C so staging folders
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:  # an interrupt that surfaced outside a command body (e.g. during teardown)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
