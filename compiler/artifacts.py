@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmc.compiler.hashing import sha256_file
 from llmc.errors import ArtifactError
+from llmc.plugins.lowering import Lowering
 from llmc.runtime.layout import KVLayout
 
 A = TypeVar("A", bound="Artifact")
@@ -96,6 +97,7 @@ class ExportedModel(Artifact):
     opset: int
     source_hash: str
     model: ModelInfo
+    lowering: Lowering
     kv_layout: KVLayout
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]

@@ -1,7 +1,7 @@
-"""The HF model rebuilt around `llmc::attention`, so export depends on no transformers attention code.
+"""HF models rebuilt around `llmc::attention`, so export depends on no transformers attention code.
 
-`LlamaFamilyDecoder` reuses a Llama / Mistral / Qwen2 model's own submodules (embedding, norms,
-projections, MLPs, rotary frequencies, LM head) and runs its own forward:
+A decoder reuses the HF model's own submodules (embeddings, norms, projections, MLPs, rotary
+frequencies, LM head) and runs its own forward:
 
     forward(input_ids [B, S], cache_position int64 [B], k_caches, v_caches)
         -> logits [B, S, V], new k_caches, new v_caches       (caches [B, KVH, C, D] per layer)
@@ -12,6 +12,8 @@ pad tokens' outputs are ignored).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +26,13 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _positions(input_ids: Tensor, cache_position: Tensor) -> Tensor:
+    return cache_position[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)  # [B, S]
+
+
 class LlamaFamilyDecoder(nn.Module):
+    """Llama, Mistral, Qwen2 (and SmolLM, which is Llama): pre-norm blocks, rotary, GQA."""
+
     def __init__(self, hf_model):
         super().__init__()
         config = hf_model.config
@@ -41,9 +49,8 @@ class LlamaFamilyDecoder(nn.Module):
 
     def forward(self, input_ids: Tensor, cache_position: Tensor, k_caches: list[Tensor], v_caches: list[Tensor]):
         b, s = input_ids.shape
-        positions = cache_position[:, None] + torch.arange(s, device=input_ids.device)
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(hidden, positions)  # [B, S, D]
+        cos, sin = self.rotary_emb(hidden, _positions(input_ids, cache_position))  # [B, S, D]
         cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads in [B, S, H, D]
         new_k, new_v = [], []
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
@@ -59,3 +66,44 @@ class LlamaFamilyDecoder(nn.Module):
             new_k.append(k_cache)
             new_v.append(v_cache)
         return self.lm_head(self.norm(hidden)), new_k, new_v
+
+
+class GPT2Decoder(nn.Module):
+    """GPT-2: learned positions, fused QKV projection (Conv1D), multi-head attention."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        config = hf_model.config
+        if getattr(config, "add_cross_attention", False):
+            raise NotImplementedError("GPT-2 with cross-attention is an encoder-decoder; llmc exports decoder-only models")
+        inner = hf_model.transformer
+        self.wte, self.wpe, self.blocks, self.ln_f = inner.wte, inner.wpe, inner.h, inner.ln_f
+        self.lm_head = hf_model.lm_head
+        self.num_heads = self.num_kv_heads = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        base = 1 / math.sqrt(self.head_dim) if config.scale_attn_weights else 1.0
+        inverse = config.scale_attn_by_inverse_layer_idx
+        self.scales = [base / (i + 1) if inverse else base for i in range(config.n_layer)]
+
+    def forward(self, input_ids: Tensor, cache_position: Tensor, k_caches: list[Tensor], v_caches: list[Tensor]):
+        b, s = input_ids.shape
+        hidden = self.wte(input_ids) + self.wpe(_positions(input_ids, cache_position))
+        new_k, new_v = [], []
+        for block, scale, k_cache, v_cache in zip(self.blocks, self.scales, k_caches, v_caches):
+            q, k, v = block.attn.c_attn(block.ln_1(hidden)).split(self.num_heads * self.head_dim, dim=2)
+            shape = (b, s, self.num_heads, self.head_dim)
+            out, k_cache, v_cache = torch.ops.llmc.attention(
+                q.view(shape), k.view(shape), v.view(shape), k_cache, v_cache, cache_position, scale)
+            hidden = hidden + block.attn.c_proj(out.reshape(b, s, -1))
+            hidden = hidden + block.mlp(block.ln_2(hidden))
+            new_k.append(k_cache)
+            new_v.append(v_cache)
+        return self.lm_head(self.ln_f(hidden)), new_k, new_v
+
+
+DECODERS = {"llama": LlamaFamilyDecoder, "gpt2": GPT2Decoder}
+
+
+def decoder_for(hf_model, family: str) -> nn.Module:
+    """The llmc decoder for an HF model of a supported family (see source.SUPPORTED_MODEL_TYPES)."""
+    return DECODERS[family](hf_model).eval()

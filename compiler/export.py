@@ -1,11 +1,15 @@
 """Export stage: a HuggingFace causal LM -> an ONNX graph with explicit KV-cache inputs and outputs.
 
-The graph follows optimum / onnxruntime-genai names: `input_ids`, `attention_mask`, `position_ids`,
-`past_key_values.{i}.key|value` -> `logits`, `present.{i}.key|value`, KV shape
-`[batch, kv_heads, seq, head_dim]`, named dynamic dims. It is exported with
-`torch.onnx.export(dynamo=True)` at opset 23, where attention, rotary and RMSNorm become the standard
-`Attention` / `RotaryEmbedding` / `RMSNormalization` ops. Weights go to external data only when the
-model is too big for one protobuf (2 GB).
+The HF model is first rebuilt around `llmc::attention` (decoder.py), so what is exported is our
+forward, not transformers' attention code; the op is then lowered to the form the target runs
+(plugins/lowering.py: ONNX Runtime's fused GroupQueryAttention, opset-23 reference ops, or a
+TensorRT plugin node), and the graph must pass `onnx.checker` with full shape inference.
+
+Graph I/O (optimum / onnxruntime-genai names where they exist): `input_ids [batch, sequence_length]`,
+`cache_position [batch]`, `past_key_values.{i}.key|value [batch, kv_heads, kv_capacity, head_dim]`
+-> `logits`, `present.{i}.key|value` (same shape; see runtime/layout.py for the semantics).
+Exported with `torch.onnx.export(dynamo=True)` at opset 23. Weights go to external data only when
+the model is too big for one protobuf (2 GB).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
 from llmc.compiler.source import SUPPORTED_MODEL_TYPES
 from llmc.errors import ExportError
+from llmc.plugins.lowering import Heads, Lowering, translation_table, trim_unused_outputs
 from llmc.runtime.layout import KVLayout
 
 OPSET = 23
@@ -48,57 +53,47 @@ def model_info(model, tokenizer) -> ModelInfo:
     )
 
 
-def kv_layout(info: ModelInfo) -> KVLayout:
-    return KVLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim)
+def kv_layout(info: ModelInfo, lowering: Lowering) -> KVLayout:
+    fused = lowering is Lowering.fused
+    return KVLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                    in_place=fused, max_prefill_rows=1 if fused else None)
 
 
-def _wrapper(model, num_layers: int):
+def _flat(decoder):
+    """The decoder with its caches as one flat tuple `(k0, v0, k1, v1, ...)` in and out."""
     import torch
-    from transformers import DynamicCache
 
-    class FlatKVDecoder(torch.nn.Module):
-        """forward(input_ids, attention_mask, position_ids, past) with the cache as flat tensors."""
-
+    class FlatCacheDecoder(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.model = model
+            self.decoder = decoder
 
-        def forward(self, input_ids, attention_mask, position_ids, past):
-            cache = DynamicCache(config=self.model.config)
-            for i in range(num_layers):
-                cache.update(past[2 * i], past[2 * i + 1], i)
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=cache, use_cache=True)
-            present = []
-            for layer in out.past_key_values.layers:
-                present += [layer.keys, layer.values]
-            return (out.logits, *present)
+        def forward(self, input_ids, cache_position, past):
+            logits, keys, values = self.decoder(input_ids, cache_position, list(past[0::2]), list(past[1::2]))
+            return (logits, *(t for pair in zip(keys, values) for t in pair))
 
-    return FlatKVDecoder().eval()
+    return FlatCacheDecoder().eval()
 
 
 def _example_inputs(info: ModelInfo, layout: KVLayout):
     import torch
 
-    batch, seq, past_len = 2, 3, 4  # all > 1 so no dim is specialized to a constant
+    batch, seq, capacity = 2, 3, 16  # all > 1 and distinct, so no dim is specialized to a constant
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, info.vocab_size, (batch, seq), generator=gen)
-    attention_mask = torch.ones(batch, past_len + seq, dtype=torch.int64)
-    position_ids = torch.arange(past_len, past_len + seq).expand(batch, seq).contiguous()
-    past = tuple(torch.zeros(layout.shape(batch, past_len)) for _ in range(2 * layout.num_layers))
-    return input_ids, attention_mask, position_ids, past
+    cache_position = torch.tensor([4, 2])
+    past = tuple(torch.zeros(layout.shape(batch, capacity)) for _ in range(2 * layout.num_layers))
+    return input_ids, cache_position, past
 
 
 def _dynamic_shapes(layout: KVLayout):
     from torch.export import Dim
 
-    batch, seq = Dim("batch"), Dim("sequence_length")
-    past_len, total = Dim("past_sequence_length"), Dim("total_sequence_length")
+    batch, seq, capacity = Dim("batch"), Dim("sequence_length"), Dim(layout.dims[2])
     return {
         "input_ids": {0: batch, 1: seq},
-        "attention_mask": {0: batch, 1: total},
-        "position_ids": {0: batch, 1: seq},
-        "past": tuple({0: batch, 2: past_len} for _ in range(2 * layout.num_layers)),
+        "cache_position": {0: batch},
+        "past": tuple({0: batch, 2: capacity} for _ in range(2 * layout.num_layers)),
     }
 
 
@@ -117,31 +112,42 @@ def _quiet():
     return stack, buf
 
 
-def export_onnx(model, info: ModelInfo, out_dir: Path, external_threshold: int = PROTOBUF_LIMIT) -> bool:
-    """Write `out_dir/model.onnx` (+ `model.onnx.data` when over the threshold). Returns whether
-    weights went to external data."""
+def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
+                external_threshold: int = PROTOBUF_LIMIT) -> bool:
+    """Write `out_dir/model.onnx` (+ `model.onnx.data` when over the threshold) with attention in
+    `lowering`'s form. Returns whether weights went to external data."""
     import onnx
     import torch
 
-    layout = kv_layout(info)
-    in_names = ["input_ids", "attention_mask", "position_ids", *layout.past_names()]
+    from llmc.compiler.decoder import decoder_for
+
+    layout = kv_layout(info, lowering)
+    in_names = ["input_ids", layout.positions, *layout.past_names()]
     out_names = ["logits", *layout.present_names()]
+    table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))
     stack, log = _quiet()
     try:
         with stack, torch.no_grad():
             program = torch.onnx.export(
-                _wrapper(model, info.num_layers), _example_inputs(info, layout),
+                _flat(decoder_for(model, info.family)), _example_inputs(info, layout),
                 dynamic_shapes=_dynamic_shapes(layout), input_names=in_names, output_names=out_names,
-                opset_version=OPSET, dynamo=True, optimize=True, verbose=False, report=False,
+                opset_version=OPSET, dynamo=True, custom_translation_table=table, optimize=True,
+                verbose=False, report=False,
             )
     except Exception as err:
         tail = "\n".join(log.getvalue().splitlines()[-20:])
         raise ExportError(f"torch.onnx.export failed for {info.model_type}: {err}\n{tail}".rstrip()) from err
     proto = program.model_proto
+    trim_unused_outputs(proto.graph)
     weight_bytes = sum(t.ByteSize() for t in proto.graph.initializer)
     external = weight_bytes > external_threshold
-    onnx.save_model(proto, out_dir / ONNX_NAME, save_as_external_data=external, all_tensors_to_one_file=True,
+    path = out_dir / ONNX_NAME
+    onnx.save_model(proto, path, save_as_external_data=external, all_tensors_to_one_file=True,
                     location=EXTERNAL_DATA_NAME, size_threshold=1024)
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except onnx.checker.ValidationError as err:
+        raise ExportError(f"{path}: the exported graph fails onnx.checker: {err}") from err
     return external
 
 
@@ -168,19 +174,19 @@ def tool_versions() -> dict[str, str]:
             "onnx": onnx.__version__, "onnxscript": onnxscript.__version__}
 
 
-def export(model, tokenizer, out_dir: Path, *, source_hash: str, inputs_hash: str,
+def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: str, inputs_hash: str,
            external_threshold: int = PROTOBUF_LIMIT) -> ExportedModel:
-    """Export `model` into `out_dir` and describe the result."""
+    """Export `model` into `out_dir` with attention lowered as `lowering`, and describe the result."""
     import onnx
 
     info = model_info(model, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    external = export_onnx(model, info, out_dir, external_threshold)
+    external = export_onnx(model, info, lowering, out_dir, external_threshold)
     graph = onnx.load(str(out_dir / ONNX_NAME), load_external_data=False).graph
     files = [ONNX_NAME] + ([EXTERNAL_DATA_NAME] if external else [])
     artifact = ExportedModel(
         inputs_hash=inputs_hash, files=hash_outputs(out_dir, files), onnx=ONNX_NAME, opset=OPSET,
-        source_hash=source_hash, model=info, kv_layout=kv_layout(info), inputs=tensor_infos(graph.input),
+        source_hash=source_hash, model=info, lowering=lowering, kv_layout=kv_layout(info, lowering), inputs=tensor_infos(graph.input),
         outputs=tensor_infos(graph.output), external_data=external, versions=tool_versions(),
     )
     artifact.save(out_dir)

@@ -35,7 +35,10 @@ def exported_sections(art: ExportedModel, folder: Path) -> list[Section]:
         ("onnx", str(folder / art.onnx)), ("opset", str(art.opset)),
         ("model", f"{m.model_type} ({m.family} family), {m.num_layers} layers, {m.num_heads} heads, "
                   f"{m.num_kv_heads} KV heads, head dim {m.head_dim}, vocab {m.vocab_size}"),
-        ("kv layout", f"[{', '.join(kv.dims)}] {kv.dtype}, {kv.past_key} -> {kv.present_key}, update {kv.update}"),
+        ("attention", f"{art.lowering.value} lowering of llmc::attention"),
+        ("kv layout", f"[{', '.join(kv.dims)}] {kv.dtype}, {kv.past_key} -> {kv.present_key}, positions from "
+                      f"{kv.positions}, {'updated in place' if kv.in_place else 'copied each step'}"
+                      + (f", prefill {kv.max_prefill_rows} row(s) per step" if kv.max_prefill_rows else "")),
         ("external data", "yes" if art.external_data else "no"),
         ("source hash", art.source_hash), ("inputs hash", art.inputs_hash),
         *[(f"sha256 {name}", h) for name, h in art.files.items()],

@@ -20,6 +20,7 @@ from llmc.compiler.hashing import hash_json
 from llmc.compiler.source import SourceInfo, inspect_source, load_model
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
 from llmc.errors import SpecError, UnsupportedError, VerifyError
+from llmc.plugins.lowering import Lowering
 
 STAGES = ("source", "export", "verify")
 BUILD_RECORD = "build.json"
@@ -53,12 +54,12 @@ class BuildResult:
     verify: VerifyReport | None = None
 
 
-def preflight(spec: BuildSpec) -> None:
+def preflight(spec: BuildSpec, until: str = "verify") -> None:
     """Refuse what this version cannot build before any work is done."""
-    if spec.target is Target.tensorrt:
+    if spec.target is Target.tensorrt and until != "export":
         raise UnsupportedError(
-            "target: tensorrt is not available in this version of llmc (the TensorRT engine stage "
-            "is not implemented yet); use target: onnxruntime"
+            "target: tensorrt can be exported (`llmc export`) but not built in this version of llmc "
+            "(the TensorRT engine stage is not implemented yet); use target: onnxruntime"
         )
     if spec.quantization.mode is not QuantMode.none:
         raise UnsupportedError(
@@ -115,7 +116,7 @@ def build(spec: BuildSpec, *, output: Path | None = None, until: str = "verify",
     """Build `spec` into `output` (default: the spec's). Stages after `until` are not run; stages
     named in `force` run even when cached."""
     assert until in STAGES, until
-    preflight(spec)
+    preflight(spec, until)
     output = Path(output or spec.output_dir).absolute()
     b = _Build(spec, output, reporter or NullReporter(), set(force or ()))
     staging = out.make_staging(output)
@@ -141,7 +142,8 @@ def _run_stages(b: _Build, staging: Path, until: str, external_threshold: int | 
 
     b.stage("source", f"hashing {spec.source.path.name}", source)
     threshold = external_threshold or export_stage.PROTOBUF_LIMIT
-    export_key = hash_json({"stage": "export", "source": state["hash"], "target": spec.target.value,
+    lowering = Lowering(spec.attention_lowering)
+    export_key = hash_json({"stage": "export", "source": state["hash"], "lowering": lowering.value,
                             "precision": spec.precision.value, "versions": export_stage.tool_versions(),
                             "opset": export_stage.OPSET, "external_threshold": threshold})
 
@@ -149,20 +151,22 @@ def _run_stages(b: _Build, staging: Path, until: str, external_threshold: int | 
         cached = b.reuse("export", ExportedModel, export_key, staging)
         if cached is None:
             model, tokenizer = state["model"].get()
-            cached = export_stage.export(model, tokenizer, staging / "export", source_hash=state["hash"],
-                                         inputs_hash=export_key, external_threshold=threshold)
+            cached = export_stage.export(model, tokenizer, staging / "export", lowering=lowering,
+                                         source_hash=state["hash"], inputs_hash=export_key,
+                                         external_threshold=threshold)
             status = "ran"
         else:
             status = "cached"
         b.result.exported = cached
         size = sum((staging / "export" / f).stat().st_size for f in cached.files) / 2**20
-        return status, f"{cached.onnx}, opset {cached.opset}, {cached.model.num_layers} layers, {size:.1f} MiB"
+        return status, (f"{cached.onnx}, opset {cached.opset}, {cached.model.num_layers} layers, "
+                        f"{cached.lowering.value} attention, {size:.1f} MiB")
 
     b.stage("export", "exporting to ONNX", export)
     _check_limits(spec, b.result.exported)
     if until == "export":
         return
-    b.stage("verify", "PyTorch vs ONNX Runtime", lambda: _verify(b, staging, state["model"], state["hash"]))
+    b.stage("verify", f"PyTorch vs ONNX Runtime ({lowering.value} attention)", lambda: _verify(b, staging, state["model"], state["hash"]))
 
 
 def _verify(b: _Build, staging: Path, model: _Model, source_hash: str):
@@ -198,7 +202,8 @@ def verify_summary(report: VerifyReport) -> str:
     steps = report.cases[0].decode_steps
     agree = min(c.token_agreement for c in report.cases)
     verdict = "greedy tokens equal" if agree == 1.0 else f"greedy tokens {agree:.1%} equal"
-    return (f"{verdict} over {steps} steps (batch 1 + padded batch 3), max |Δlogit| "
+    batches = " + ".join(f"batch {c.batch}" for c in report.cases)
+    return (f"{verdict} over {steps} steps ({batches}), max |Δlogit| "
             f"{report.max_abs_logit_diff:.1e} (tolerance {report.tolerance:.0e})")
 
 

@@ -49,6 +49,13 @@ class CalibrationMethod(str, enum.Enum):
     percentile = "percentile"
 
 
+class AttentionLowering(str, enum.Enum):
+    auto = "auto"  # fused for onnxruntime, plugin for tensorrt
+    fused = "fused"  # com.microsoft.GroupQueryAttention, KV cache updated in place (ONNX Runtime)
+    reference = "reference"  # standard opset-23 ops, for tools that need plain ONNX
+    plugin = "plugin"  # the LlmcFusedAttention TensorRT plugin node
+
+
 class SourceSpec(_Strict):
     """Where the checkpoint is: a HuggingFace checkpoint folder or a `.gguf` file."""
 
@@ -71,6 +78,13 @@ class QuantizationSpec(_Strict):
     calibration: CalibrationSpec = CalibrationSpec()
     max_perplexity_increase: Annotated[float, Field(ge=0.0, le=10.0)] = Field(
         0.05, description="Relative increase allowed over the unquantized model (0.05 = 5%)."
+    )
+
+
+class ExportSpec(_Strict):
+    attention: AttentionLowering = Field(
+        AttentionLowering.auto,
+        description="How llmc::attention is lowered to ONNX; auto picks the target's fused form.",
     )
 
 
@@ -112,6 +126,7 @@ class BuildSpec(_Strict):
     source: SourceSpec
     target: Target = Target.onnxruntime
     precision: Precision = Precision.fp32
+    export: ExportSpec = ExportSpec()
     quantization: QuantizationSpec = QuantizationSpec()
     limits: LimitsSpec = LimitsSpec()
     serving: ServingSpec = ServingSpec()
@@ -145,7 +160,20 @@ class BuildSpec(_Strict):
                 f"precision {self.precision.value} needs target: tensorrt; target onnxruntime "
                 "builds fp32 (use quantization.mode for smaller CPU models)"
             )
+        attention = self.export.attention
+        if (attention is AttentionLowering.fused and self.target is not Target.onnxruntime) or \
+                (attention is AttentionLowering.plugin and self.target is not Target.tensorrt):
+            runs_on = "onnxruntime" if attention is AttentionLowering.fused else "tensorrt"
+            raise ValueError(f"export.attention: {attention.value} runs only with target: {runs_on} "
+                             f"(target is {self.target.value}); use auto or reference")
         return self
+
+    @property
+    def attention_lowering(self) -> str:
+        """The lowering `export.attention` resolves to for this target."""
+        if self.export.attention is AttentionLowering.auto:
+            return "fused" if self.target is Target.onnxruntime else "plugin"
+        return self.export.attention.value
 
     @property
     def output_dir(self) -> Path:

@@ -80,7 +80,10 @@ def build(
 @_friendly
 def export(spec: SpecArg, output: OutputOpt = None,
            force: Annotated[bool, typer.Option("--force", help="Export even if unchanged.")] = False) -> None:
-    """Export only: checkpoint -> ONNX with explicit KV cache (no verification)."""
+    """Export only: checkpoint -> ONNX with explicit KV cache (no verification).
+
+    Attention is lowered as `export.attention` says: `fused` (ONNX Runtime GroupQueryAttention, in-place KV), `reference` (plain opset-23 ops) or `plugin` (TensorRT LlmcFusedAttention node; works with target: tensorrt, which cannot be built further yet).
+    """
     _run_build(spec, output, "export", {"export"} if force else set())
 
 
@@ -89,7 +92,7 @@ def export(spec: SpecArg, output: OutputOpt = None,
 def verify(spec: SpecArg, output: OutputOpt = None) -> None:
     """Verify the spec's ONNX export against PyTorch (exports first if needed).
 
-    Prefill plus `verify.decode_steps` greedy steps at batch 1 and for a left-padded batch of 3 prompts; fails (exit code 5) if any greedy token differs or |Δlogit| exceeds `verify.max_logit_diff`.
+    The HF model runs each prompt alone; the graph runs as serving runs it: each prompt prefilled into its own KV slot, then all rows decoding side by side at their own positions. Prefill plus `verify.decode_steps` greedy steps at batch 1 and for a batch of 3 prompts of different lengths; fails (exit code 5) if any greedy token differs or |Δlogit| exceeds `verify.max_logit_diff`.
     """
     _run_build(spec, output, "verify", {"verify"})
 

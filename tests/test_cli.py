@@ -54,7 +54,7 @@ def test_build_then_inspect(tiny_checkpoints, tmp_path):
 
     shown = run("inspect", out).stdout
     for text in ("input_ids", "int64[batch, sequence_length]", "past_key_values.0.key .. past_key_values.1.value",
-                 "present.0.key", "opset", "23", "sha256 model.onnx", "passed", "padded-batch-3"):
+                 "present.0.key", "opset", "23", "sha256 model.onnx", "passed", "batch-3", "fused"):
         assert text in shown, text
     graph = run("inspect", out / "export" / "model.onnx")
     assert graph.returncode == 0 and "ai.onnx 23" in graph.stdout and "Attention" in graph.stdout

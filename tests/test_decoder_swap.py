@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from llmc.compiler.decoder import LlamaFamilyDecoder
+from llmc.compiler.decoder import LlamaFamilyDecoder, decoder_for
+from llmc.compiler.source import SUPPORTED_MODEL_TYPES
 
 
 
@@ -13,16 +14,16 @@ def _load(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gpt2"])
 def test_batch_at_different_positions_matches_each_row_alone(tiny_checkpoints, model_type):
     hf = _load(tiny_checkpoints[model_type])
-    dec = LlamaFamilyDecoder(hf)
+    dec = decoder_for(hf, SUPPORTED_MODEL_TYPES[model_type])
     prompts = [[5, 17, 99, 3, 42, 8, 1], [7, 7, 200], [31, 64, 2, 9, 120]]  # 7, 3 and 5 tokens
     steps, capacity = 6, 32
     width = max(map(len, prompts))
     shape = (len(prompts), dec.num_kv_heads, capacity, dec.head_dim)
-    kc = [torch.zeros(shape) for _ in dec.layers]
-    vc = [torch.zeros(shape) for _ in dec.layers]
+    kc = [torch.zeros(shape) for _ in range(hf.config.num_hidden_layers)]
+    vc = [torch.zeros(shape) for _ in range(hf.config.num_hidden_layers)]
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])  # right-padded
     with torch.no_grad():
         logits, kc, vc = dec(ids, torch.zeros(3, dtype=torch.int64), kc, vc)

@@ -1,4 +1,4 @@
-"""Export: graph I/O names and dynamic dims, every supported family, reproducible bytes, external data."""
+"""Export: graph I/O names and dynamic dims, every family and lowering, reproducible bytes, external data."""
 
 import onnx
 import pytest
@@ -13,24 +13,35 @@ def _spec(ckpt, name="tiny", **extra):
     return parse_spec({"name": name, "source": str(ckpt), **extra})
 
 
+ATTENTION_OPS = {"fused": ("com.microsoft", "GroupQueryAttention"), "reference": ("", "Attention")}
+
+
+@pytest.mark.parametrize("attention", ["fused", "reference"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gpt2"])
-def test_each_family_exports_and_verifies(tiny_checkpoints, tmp_path, model_type):
-    result = build(_spec(tiny_checkpoints[model_type]), output=tmp_path / "out")
+def test_each_family_and_lowering_exports_and_verifies(tiny_checkpoints, tmp_path, model_type, attention):
+    result = build(_spec(tiny_checkpoints[model_type], export={"attention": attention}), output=tmp_path / "out")
     exported = result.exported
     layout = exported.kv_layout
-    graph = onnx.load(str(tmp_path / "out" / "export" / "model.onnx")).graph
-    onnx.checker.check_model(str(tmp_path / "out" / "export" / "model.onnx"))
+    path = tmp_path / "out" / "export" / "model.onnx"
+    graph = onnx.load(str(path)).graph
+    onnx.checker.check_model(str(path), full_check=True)
     names_in = [i.name for i in graph.input]
     names_out = [o.name for o in graph.output]
-    assert names_in == ["input_ids", "attention_mask", "position_ids", *layout.past_names()]
+    assert names_in == ["input_ids", "cache_position", *layout.past_names()]
     assert names_out == ["logits", *layout.present_names()]
-    assert names_in[3:5] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert names_in[2:4] == ["past_key_values.0.key", "past_key_values.0.value"]
     dims = {t.name: t.shape for t in exported.inputs + exported.outputs}
     assert dims["input_ids"] == ["batch", "sequence_length"]
-    assert dims["attention_mask"] == ["batch", "total_sequence_length"]
-    assert dims["past_key_values.1.value"] == ["batch", layout.num_kv_heads, "past_sequence_length", layout.head_dim]
+    assert dims["cache_position"] == ["batch"]
+    kv_shape = ["batch", layout.num_kv_heads, "kv_capacity", layout.head_dim]
+    assert dims["past_key_values.1.value"] == dims["present.1.value"] == kv_shape
     assert dims["logits"] == ["batch", "sequence_length", exported.model.vocab_size]
     assert exported.opset == 23 and exported.model.model_type == model_type
+    attention_nodes = [n for n in graph.node if (n.domain, n.op_type) == ATTENTION_OPS[attention]]
+    assert len(attention_nodes) == exported.model.num_layers
+    assert not any(n.op_type in ("Softmax", "Attention", "GroupQueryAttention") for n in graph.node
+                   if n not in attention_nodes)  # nothing of transformers' attention is left over
+    assert exported.lowering.value == attention and layout.in_place == (attention == "fused")
     assert result.verify.passed
     assert all(c.token_agreement == 1.0 for c in result.verify.cases)
 

@@ -1,4 +1,4 @@
-"""Verify: parity at batch 1 and for a padded batch, and a broken export is caught."""
+"""Verify: parity at batch 1 and for a batch decoding at different positions; a broken export is caught."""
 
 import numpy as np
 import onnx
@@ -9,27 +9,23 @@ from llmc.compiler import build
 from llmc.compiler.artifacts import ExportedModel
 from llmc.compiler.spec import parse_spec
 from llmc.compiler.source import inspect_source, load_model
-from llmc.compiler.verify import left_pad, positions, verify
+from llmc.compiler.verify import verify
 from llmc.errors import VerifyError
 
 
-def test_parity_batch1_and_padded_batch(tiny_llama, tmp_path):
-    report = build(parse_spec({"name": "t", "source": str(tiny_llama)}), output=tmp_path / "out").verify
+@pytest.mark.parametrize("attention", ["fused", "reference"])
+def test_parity_batch1_and_batch3_at_different_positions(tiny_llama, tmp_path, attention):
+    spec = parse_spec({"name": "t", "source": str(tiny_llama), "export": {"attention": attention}})
+    report = build(spec, output=tmp_path / "out").verify
     assert report and report.passed
+    assert attention in report.candidate
     by_name = {c.name: c for c in report.cases}
     assert by_name["batch-1"].batch == 1
-    padded = by_name["padded-batch-3"]
-    assert padded.batch == 3 and len(set(padded.prompt_lengths)) == 3
-    assert padded.decode_steps == 32 and padded.token_agreement == 1.0
-    assert padded.first_divergence == [None, None, None]
+    batch = by_name["batch-3"]
+    assert batch.batch == 3 and len(set(batch.prompt_lengths)) == 3
+    assert batch.decode_steps == 32 and batch.token_agreement == 1.0
+    assert batch.first_divergence == [None, None, None]
     assert 0 <= report.max_abs_logit_diff < 1e-4
-
-
-def test_left_padding_positions():
-    ids, mask = left_pad([[5, 6, 7], [9]])
-    assert ids.tolist() == [[5, 6, 7], [0, 0, 9]]
-    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert positions(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
 
 
 def _perturb(onnx_path, scale):
@@ -64,8 +60,8 @@ def test_broken_export_fails_the_build_and_keeps_previous_output(tiny_llama, tmp
 
     real = export_stage.export_onnx
 
-    def broken(model, info, out_dir, threshold):
-        external = real(model, info, out_dir, threshold)
+    def broken(model, info, lowering, out_dir, threshold):
+        external = real(model, info, lowering, out_dir, threshold)
         _perturb(out_dir / "model.onnx", 1.0)
         return external
 

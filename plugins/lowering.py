@@ -1,0 +1,200 @@
+"""ONNX lowerings of `llmc::attention`: one torch op, one ONNX form per consumer.
+
+    fused      com.microsoft.GroupQueryAttention (ONNX Runtime). The cache inputs are full-capacity
+               buffers and the op writes the new tokens into them; bound through IO binding as both
+               `past_key_values.*` and `present.*`, the update happens in place. Rotary stays in the
+               model (`do_rotary=0`), so GQA sees only what the op's contract says.
+    reference  standard ONNX (opset 23): ScatterElements writes the new tokens into a copy of the
+               cache, `Attention` runs over the whole capacity under a causal, per-row mask. For
+               tools that need plain ONNX; ONNX Runtime runs it too (with a cache copy per step).
+    plugin     one `LlmcFusedAttention` node for TensorRT's ONNX parser, which imports a node whose
+               op type is a registered plugin's name (`plugin_version`, `plugin_namespace`
+               attributes). Its kernel and registration live with the TensorRT target.
+
+Every form maps `cache_position` (int64 [B], tokens already cached per row) to what the op wants:
+GQA takes `seqlens_k = cache_position + S - 1` (int32, last index written) and
+`total_sequence_length = max(cache_position) + S`; the plugin takes int32 positions.
+
+`register_schemas()` must run before export: onnxscript builds nodes from `onnx.defs` schemas,
+and `onnx.checker` validates the custom domains against them (with shape inference).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import onnx
+from onnx import TensorProto
+from onnx.defs import OpSchema
+
+MICROSOFT_DOMAIN = "com.microsoft"
+LLMC_DOMAIN = "llmc"
+PLUGIN_OP = "LlmcFusedAttention"
+PLUGIN_NAMESPACE = "llmc"
+PLUGIN_VERSION = "1"
+_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+
+
+class Lowering(str, enum.Enum):
+    fused = "fused"
+    reference = "reference"
+    plugin = "plugin"
+
+    @property
+    def runs_on_onnxruntime(self) -> bool:
+        return self is not Lowering.plugin
+
+    @property
+    def opsets(self) -> dict[str, int]:
+        """Custom domains the lowered graph imports (beyond the default ONNX domain)."""
+        return {Lowering.fused: {MICROSOFT_DOMAIN: 1}, Lowering.plugin: {LLMC_DOMAIN: 1}}.get(self, {})
+
+
+@dataclass(frozen=True)
+class Heads:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _copy_types(pairs: list[tuple[int, int]]):
+    """Shape inference that gives output `o` the type and shape of input `i` for each (o, i)."""
+    def infer(ctx) -> None:
+        for o, i in pairs:
+            ctx.set_output_type(o, ctx.get_input_type(i))
+    return infer
+
+
+def _schema(name: str, domain: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
+            attributes: list[OpSchema.Attribute], doc: str, infer) -> OpSchema:
+    schema = OpSchema(
+        name, domain, 1, doc,
+        inputs=[OpSchema.FormalParameter(n, t) for n, t in inputs],
+        outputs=[OpSchema.FormalParameter(n, t) for n, t in outputs],
+        type_constraints=[("T", _FLOATS, "activations and cache"), ("M", ["tensor(int32)"], "lengths")],
+        attributes=attributes,
+    )
+    schema.set_type_and_shape_inference_function(infer)
+    return schema
+
+
+def _gqa_schema() -> OpSchema:
+    A = OpSchema.AttrType
+    return _schema(
+        "GroupQueryAttention", MICROSOFT_DOMAIN,
+        [("query", "T"), ("key", "T"), ("value", "T"), ("past_key", "T"), ("past_value", "T"),
+         ("seqlens_k", "M"), ("total_sequence_length", "M")],
+        [("output", "T"), ("present_key", "T"), ("present_value", "T")],
+        [OpSchema.Attribute("num_heads", A.INT, "query heads"),
+         OpSchema.Attribute("kv_num_heads", A.INT, "key/value heads"),
+         OpSchema.Attribute("scale", A.FLOAT, "softmax scale", required=False),
+         OpSchema.Attribute("do_rotary", A.INT, "apply rotary inside the op", required=False)],
+        "ONNX Runtime contrib op, the subset of inputs llmc emits (see onnxruntime ContribOperators.md).",
+        _copy_types([(0, 0), (1, 3), (2, 4)]),  # shared buffers: present has the past's shape
+    )
+
+
+def _plugin_schema() -> OpSchema:
+    A = OpSchema.AttrType
+    return _schema(
+        PLUGIN_OP, LLMC_DOMAIN,
+        [("query", "T"), ("key", "T"), ("value", "T"), ("k_cache", "T"), ("v_cache", "T"), ("cache_position", "M")],
+        [("output", "T"), ("k_cache_out", "T"), ("v_cache_out", "T")],
+        [OpSchema.Attribute(n, A.STRING, "TensorRT plugin registry key") for n in ("plugin_version", "plugin_namespace")]
+        + [OpSchema.Attribute(n, A.INT, "") for n in ("num_heads", "num_kv_heads", "head_dim")]
+        + [OpSchema.Attribute("scale", A.FLOAT, "softmax scale")],
+        "llmc::attention as a TensorRT plugin node: query [B,S,H,D], key/value [B,S,KVH,D], "
+        "caches [B,KVH,C,D] written at cache_position (int32 [B]).",
+        _copy_types([(0, 0), (1, 3), (2, 4)]),
+    )
+
+
+def register_schemas() -> None:
+    """Make the custom ops known to onnx (and so to onnxscript and onnx.checker). Idempotent."""
+    for make, name, domain in ((_gqa_schema, "GroupQueryAttention", MICROSOFT_DOMAIN),
+                               (_plugin_schema, PLUGIN_OP, LLMC_DOMAIN)):
+        if not onnx.defs.has(name, domain):
+            onnx.defs.register_schema(make())
+
+
+def _fused(heads: Heads):
+    from onnxscript import opset23 as op
+    from onnxscript.values import Opset
+
+    msft = Opset(MICROSOFT_DOMAIN, 1)
+
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float):
+        seq = op.Shape(query, start=1, end=2)  # [1]
+        last = op.Sub(op.Add(cache_position, seq), op.Constant(value_int=1))
+        seqlens_k = op.Cast(last, to=TensorProto.INT32)
+        total = op.Cast(op.Add(op.ReduceMax(cache_position, keepdims=0), op.Squeeze(seq)), to=TensorProto.INT32)
+        flat = op.Constant(value_ints=[0, 0, -1])
+        out, k_out, v_out = msft.GroupQueryAttention(
+            op.Reshape(query, flat), op.Reshape(key, flat), op.Reshape(value, flat), k_cache, v_cache,
+            seqlens_k, total, num_heads=heads.num_heads, kv_num_heads=heads.num_kv_heads, scale=scale, do_rotary=0)
+        return op.Reshape(out, op.Constant(value_ints=[0, 0, heads.num_heads, heads.head_dim])), k_out, v_out
+
+    return attention
+
+
+def _reference(heads: Heads):
+    from onnxscript import opset23 as op
+
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float):
+        zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+        steps = op.Range(zero, op.Squeeze(op.Shape(query, start=1, end=2)), one)  # [S]
+        positions = op.Add(op.Unsqueeze(cache_position, op.Constant(value_ints=[1])), steps)  # [B, S]
+        k_new = op.Transpose(key, perm=[0, 2, 1, 3])  # [B, KVH, S, D]
+        v_new = op.Transpose(value, perm=[0, 2, 1, 3])
+        index = op.Expand(op.Unsqueeze(positions, op.Constant(value_ints=[1, 3])), op.Shape(k_new))
+        k_out = op.ScatterElements(k_cache, index, k_new, axis=2)
+        v_out = op.ScatterElements(v_cache, index, v_new, axis=2)
+        slots = op.Range(zero, op.Squeeze(op.Shape(k_cache, start=2, end=3)), one)  # [C]
+        visible = op.LessOrEqual(slots, op.Unsqueeze(positions, op.Constant(value_ints=[2])))  # [B, S, C]
+        mask = op.Unsqueeze(visible, op.Constant(value_ints=[1]))  # [B, 1, S, C]
+        # the exporter emits all four outputs of Attention; the unused optional ones are dropped after
+        # export (trim_unused_outputs) so ONNX Runtime does not compute them
+        out = op.Attention(op.Transpose(query, perm=[0, 2, 1, 3]), k_out, v_out, mask, scale=scale)[0]
+        return op.Transpose(out, perm=[0, 2, 1, 3]), k_out, v_out
+
+    return attention
+
+
+def _plugin(heads: Heads):
+    from onnxscript import opset23 as op
+    from onnxscript.values import Opset
+
+    llmc = Opset(LLMC_DOMAIN, 1)
+
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float):
+        return llmc.LlmcFusedAttention(
+            query, key, value, k_cache, v_cache, op.Cast(cache_position, to=TensorProto.INT32),
+            plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE, num_heads=heads.num_heads,
+            num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim, scale=scale)
+
+    return attention
+
+
+def trim_unused_outputs(graph: onnx.GraphProto) -> None:
+    """Blank the trailing optional outputs of `Attention` nodes that nothing reads."""
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    for node in graph.node:
+        if node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
+            outputs = list(node.output)
+            while len(outputs) > 1 and outputs[-1] not in used:
+                outputs.pop()
+            outputs = [o if o in used or i == 0 else "" for i, o in enumerate(outputs)]
+            del node.output[:]
+            node.output.extend(outputs)
+
+
+def translation_table(lowering: Lowering, heads: Heads) -> dict:
+    """`custom_translation_table` for torch.onnx.export: llmc::attention -> the lowering's ONNX."""
+    import torch
+
+    import llmc.plugins.attention  # noqa: F401  (registers torch.ops.llmc.attention)
+
+    register_schemas()
+    make = {Lowering.fused: _fused, Lowering.reference: _reference, Lowering.plugin: _plugin}[lowering]
+    return {torch.ops.llmc.attention.default: make(heads)}

@@ -1,0 +1,113 @@
+"""Run an exported decoder graph on ONNX Runtime, its KV cache kept in preallocated slots.
+
+`KVCache` holds one key and one value buffer per layer, `[max_batch, kv_heads, capacity, head_dim]`;
+row r of every buffer is slot r. `OrtRunner.step(input_ids, cache_position, first_row)` runs the
+rows `first_row .. first_row + n` (a contiguous range, so each buffer's rows are one contiguous
+block of memory) and returns their logits.
+
+In-place graphs (`layout.in_place`, the fused lowering) get each slot range bound through IO
+binding as both `past_key_values.*` input and `present.*` output: a step writes only the new
+tokens' entries. Other graphs are run with the rows as inputs and their `present.*` outputs copied
+back (the whole buffer is swapped instead when the step covers every row).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from llmc.runtime.layout import KVLayout
+
+
+def make_session(onnx_path: Path, num_threads: int = 0):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = num_threads or (os.cpu_count() or 1)
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+
+
+class KVCache:
+    """The per-layer key/value buffers, `[k0, v0, k1, v1, ...]`, each `[max_batch, KVH, capacity, D]`."""
+
+    def __init__(self, layout: KVLayout, max_batch: int, capacity: int):
+        self.layout, self.max_batch, self.capacity = layout, max_batch, capacity
+        shape = layout.shape(max_batch, capacity)
+        self.buffers = [np.zeros(shape, dtype=layout.dtype) for _ in range(2 * layout.num_layers)]
+
+    def rows(self, first: int, count: int) -> list[np.ndarray]:
+        return [b[first:first + count] for b in self.buffers]
+
+    def store(self, first: int, count: int, present: list[np.ndarray]) -> None:
+        if first == 0 and count == self.max_batch:
+            self.buffers = list(present)
+            return
+        for buf, new in zip(self.buffers, present):
+            buf[first:first + count] = new
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+
+class OrtRunner:
+    """`step(input_ids [n, S], cache_position [n], first_row) -> logits [n, S, vocab]`."""
+
+    def __init__(self, onnx_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, num_threads: int = 0):
+        self.layout = layout
+        self.session = make_session(onnx_path, num_threads)
+        self.cache = KVCache(layout, max_batch, capacity)
+        self.vocab_size = self.session.get_outputs()[0].shape[-1]
+        self._bindings: dict[tuple[int, int], object] = {}
+
+    def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0) -> np.ndarray:
+        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        cache_position = np.ascontiguousarray(cache_position, dtype=np.int64)
+        n, s = input_ids.shape
+        self._check(n, s, cache_position, first_row)
+        if self.layout.in_place:
+            return self._step_in_place(input_ids, cache_position, first_row)
+        names = self.layout.past_names()
+        feeds = {"input_ids": input_ids, self.layout.positions: cache_position,
+                 **dict(zip(names, self.cache.rows(first_row, n)))}
+        logits, *present = self.session.run(["logits", *self.layout.present_names()], feeds)
+        self.cache.store(first_row, n, present)
+        return logits
+
+    def _check(self, n: int, s: int, cache_position: np.ndarray, first_row: int) -> None:
+        if cache_position.shape != (n,):
+            raise ValueError(f"cache_position has shape {cache_position.shape}; expected ({n},), one per row")
+        if not 0 <= first_row <= first_row + n <= self.cache.max_batch:
+            raise ValueError(f"rows {first_row}..{first_row + n - 1} are outside the cache's {self.cache.max_batch} slots")
+        end = int(cache_position.max()) + s
+        if int(cache_position.min()) < 0 or end > self.cache.capacity:
+            raise ValueError(f"KV cache overflow: a row would reach {end} tokens; capacity is {self.cache.capacity}")
+        limit = self.layout.max_prefill_rows
+        if s > 1 and limit is not None and n > limit:
+            raise ValueError(f"a step with {s} tokens per row may run at most {limit} row(s) on this graph; got {n}")
+
+    def _step_in_place(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int) -> np.ndarray:
+        n, s = input_ids.shape
+        binding = self._bindings.get((first_row, n)) or self._bind_cache(first_row, n)
+        logits = np.empty((n, s, self.vocab_size), dtype=np.float32)
+        binding.bind_cpu_input("input_ids", input_ids)
+        binding.bind_cpu_input(self.layout.positions, cache_position)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return logits
+
+    def _bind_cache(self, first_row: int, n: int):
+        """An IO binding with rows `first_row ..+n` of every buffer as both past input and present output."""
+        binding = self.session.io_binding()
+        names = zip(self.layout.past_names(), self.layout.present_names(), self.cache.rows(first_row, n))
+        for past, present, rows in names:
+            assert rows.flags.c_contiguous  # a strided view would be copied by ORT and the writes lost
+            args = ("cpu", 0, rows.dtype.type, list(rows.shape), rows.ctypes.data)
+            binding.bind_input(past, *args)
+            binding.bind_output(present, *args)
+        self._bindings[(first_row, n)] = binding
+        return binding
