@@ -30,8 +30,30 @@ def _positions(input_ids: Tensor, cache_position: Tensor) -> Tensor:
     return cache_position[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)  # [B, S]
 
 
+def _concat_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear computing several over the same input (outputs side by side): one GEMM instead of
+    several small ones, which is what decode steps are made of."""
+    weight = torch.cat([l.weight for l in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
+                      dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([l.bias for l in linears]))
+    return fused.requires_grad_(False)
+
+
+# RoPE variants whose frequencies change with the sequence length: no fixed cos/sin table exists
+POSITION_DEPENDENT_ROPE = {"dynamic", "longrope"}
+
+
 class LlamaFamilyDecoder(nn.Module):
-    """Llama, Mistral, Qwen2 (and SmolLM, which is Llama): pre-norm blocks, rotary, GQA."""
+    """Llama, Mistral, Qwen2 (and SmolLM, which is Llama): pre-norm blocks, rotary, GQA.
+
+    Rotary embeddings go to the op as cos/sin tables (one row per position up to
+    max_position_embeddings, built with the model's own rotary module), so fused lowerings apply
+    them inside attention; RoPE variants without a fixed table are applied here instead.
+    """
 
     def __init__(self, hf_model):
         super().__init__()
@@ -46,21 +68,37 @@ class LlamaFamilyDecoder(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.fuse_rotary = getattr(self.rotary_emb, "rope_type", "default") not in POSITION_DEPENDENT_ROPE
+        if self.fuse_rotary:
+            table = torch.arange(config.max_position_embeddings)[None]
+            with torch.no_grad():
+                cos, sin = self.rotary_emb(torch.zeros(1), table)  # [1, P, D], the two halves equal
+            half = self.head_dim // 2
+            self.register_buffer("cos_cache", cos[0, :, :half].contiguous(), persistent=False)
+            self.register_buffer("sin_cache", sin[0, :, :half].contiguous(), persistent=False)
+        self.qkv = nn.ModuleList(_concat_linears(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)
+                                 for l in self.layers)
+        self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
 
     def forward(self, input_ids: Tensor, cache_position: Tensor, k_caches: list[Tensor], v_caches: list[Tensor]):
         b, s = input_ids.shape
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(hidden, _positions(input_ids, cache_position))  # [B, S, D]
-        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads in [B, S, H, D]
+        if self.fuse_rotary:
+            tables = (self.cos_cache, self.sin_cache)
+        else:
+            cos, sin = self.rotary_emb(hidden, _positions(input_ids, cache_position))  # [B, S, D]
+            cos, sin, tables = cos[:, :, None], sin[:, :, None], (None, None)  # broadcast over heads
         new_k, new_v = [], []
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+        for layer, qkv, k_cache, v_cache in zip(self.layers, self.qkv, k_caches, v_caches):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            out, k_cache, v_cache = torch.ops.llmc.attention(q, k, v, k_cache, v_cache, cache_position, attn.scaling)
+            q, k, v = qkv(layer.input_layernorm(hidden)).split(self.qkv_sizes, dim=-1)
+            q = q.view(b, s, self.num_heads, self.head_dim)
+            k = k.view(b, s, self.num_kv_heads, self.head_dim)
+            v = v.view(b, s, self.num_kv_heads, self.head_dim)
+            if not self.fuse_rotary:
+                q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            out, k_cache, v_cache = torch.ops.llmc.attention(q, k, v, k_cache, v_cache, cache_position, attn.scaling,
+                                                             *tables)
             hidden = hidden + attn.o_proj(out.reshape(b, s, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             new_k.append(k_cache)

@@ -29,3 +29,16 @@ def sha256_files(paths: Iterable[Path], root: Path) -> str:
 
 def hash_json(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def code_hash(*modules: str) -> str:
+    """Hash of the named modules' source files: a stage's key includes the code that runs it, so
+    editing the exporter invalidates cached exports even before the version number changes."""
+    import importlib.util
+
+    h = hashlib.sha256()
+    for name in sorted(modules):
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin, name
+        h.update(name.encode() + b"\0" + sha256_file(Path(spec.origin)).encode())
+    return h.hexdigest()

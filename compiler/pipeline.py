@@ -16,13 +16,17 @@ from typing import Protocol
 
 from llmc.compiler import output as out
 from llmc.compiler.artifacts import ExportedModel, VerifyReport
-from llmc.compiler.hashing import hash_json
+from llmc.compiler.hashing import code_hash, hash_json
 from llmc.compiler.source import SourceInfo, inspect_source, load_model
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
 from llmc.errors import SpecError, UnsupportedError, VerifyError
 from llmc.plugins.lowering import Lowering
 
 STAGES = ("source", "export", "verify")
+# the modules whose code decides each stage's output (part of its cache key)
+EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.plugins.attention", "llmc.plugins.lowering",
+               "llmc.runtime.layout")
+VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
 BUILD_RECORD = "build.json"
 
 
@@ -145,7 +149,8 @@ def _run_stages(b: _Build, staging: Path, until: str, external_threshold: int | 
     lowering = Lowering(spec.attention_lowering)
     export_key = hash_json({"stage": "export", "source": state["hash"], "lowering": lowering.value,
                             "precision": spec.precision.value, "versions": export_stage.tool_versions(),
-                            "opset": export_stage.OPSET, "external_threshold": threshold})
+                            "opset": export_stage.OPSET, "external_threshold": threshold,
+                            "code": code_hash(*EXPORT_CODE)})
 
     def export():
         cached = b.reuse("export", ExportedModel, export_key, staging)
@@ -178,6 +183,7 @@ def _verify(b: _Build, staging: Path, model: _Model, source_hash: str):
     import onnxruntime
 
     key = hash_json({"stage": "verify", "source": source_hash, "export": exported.files, "verify": spec.section_hash("verify"),
+                     "code": code_hash(*VERIFY_CODE),
                      "onnxruntime": onnxruntime.__version__})
     report = b.reuse("verify", VerifyReport, key, staging)
     status = "cached"

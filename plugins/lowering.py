@@ -2,11 +2,13 @@
 
     fused      com.microsoft.GroupQueryAttention (ONNX Runtime). The cache inputs are full-capacity
                buffers and the op writes the new tokens into them; bound through IO binding as both
-               `past_key_values.*` and `present.*`, the update happens in place. Rotary stays in the
-               model (`do_rotary=0`), so GQA sees only what the op's contract says.
-    reference  standard ONNX (opset 23): ScatterElements writes the new tokens into a copy of the
-               cache, `Attention` runs over the whole capacity under a causal, per-row mask. For
-               tools that need plain ONNX; ONNX Runtime runs it too (with a cache copy per step).
+               `past_key_values.*` and `present.*`, the update happens in place. Rotary tables,
+               when the op gets them, go to GQA too (`do_rotary=1`): it rotates at the positions
+               it derives from `seqlens_k`, which are exactly the op's `cache_position + i`.
+    reference  standard ONNX (opset 23): `RotaryEmbedding` when there are tables, ScatterElements
+               writes the new tokens into a copy of the cache, `Attention` runs over the whole
+               capacity under a causal, per-row mask. For tools that need plain ONNX; ONNX Runtime
+               runs it too (with a cache copy per step).
     plugin     one `LlmcFusedAttention` node for TensorRT's ONNX parser, which imports a node whose
                op type is a registered plugin's name (`plugin_version`, `plugin_namespace`
                attributes). Its kernel and registration live with the TensorRT target.
@@ -66,11 +68,30 @@ def _copy_types(pairs: list[tuple[int, int]]):
     return infer
 
 
+def _infer_gqa(ctx) -> None:
+    """Output [B, S, H * D] (query is [B, S, (H + 2 KVH) * D] when K and V come packed in it);
+    present has the past's shape (shared buffers)."""
+    out = onnx.TypeProto()
+    out.CopyFrom(ctx.get_input_type(0))
+    packed = not (ctx.has_input(1) and ctx.has_input(2))
+    dims = out.tensor_type.shape.dim
+    if packed and len(dims) == 3 and dims[2].HasField("dim_value"):
+        heads = onnx.helper.get_attribute_value(ctx.get_attribute("num_heads"))
+        kv_heads = onnx.helper.get_attribute_value(ctx.get_attribute("kv_num_heads"))
+        dims[2].dim_value = dims[2].dim_value // (heads + 2 * kv_heads) * heads
+    ctx.set_output_type(0, out)
+    ctx.set_output_type(1, ctx.get_input_type(3))
+    ctx.set_output_type(2, ctx.get_input_type(4))
+
+
 def _schema(name: str, domain: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
             attributes: list[OpSchema.Attribute], doc: str, infer) -> OpSchema:
+    """Inputs named with a trailing '?' are optional."""
+    optional = OpSchema.FormalParameterOption.Optional
     schema = OpSchema(
         name, domain, 1, doc,
-        inputs=[OpSchema.FormalParameter(n, t) for n, t in inputs],
+        inputs=[OpSchema.FormalParameter(n.rstrip("?"), t, **({"param_option": optional} if n.endswith("?") else {}))
+                for n, t in inputs],
         outputs=[OpSchema.FormalParameter(n, t) for n, t in outputs],
         type_constraints=[("T", _FLOATS, "activations and cache"), ("M", ["tensor(int32)"], "lengths")],
         attributes=attributes,
@@ -83,15 +104,15 @@ def _gqa_schema() -> OpSchema:
     A = OpSchema.AttrType
     return _schema(
         "GroupQueryAttention", MICROSOFT_DOMAIN,
-        [("query", "T"), ("key", "T"), ("value", "T"), ("past_key", "T"), ("past_value", "T"),
-         ("seqlens_k", "M"), ("total_sequence_length", "M")],
+        [("query", "T"), ("key?", "T"), ("value?", "T"), ("past_key", "T"), ("past_value", "T"),
+         ("seqlens_k", "M"), ("total_sequence_length", "M"), ("cos_cache?", "T"), ("sin_cache?", "T")],
         [("output", "T"), ("present_key", "T"), ("present_value", "T")],
         [OpSchema.Attribute("num_heads", A.INT, "query heads"),
          OpSchema.Attribute("kv_num_heads", A.INT, "key/value heads"),
          OpSchema.Attribute("scale", A.FLOAT, "softmax scale", required=False),
          OpSchema.Attribute("do_rotary", A.INT, "apply rotary inside the op", required=False)],
         "ONNX Runtime contrib op, the subset of inputs llmc emits (see onnxruntime ContribOperators.md).",
-        _copy_types([(0, 0), (1, 3), (2, 4)]),  # shared buffers: present has the past's shape
+        _infer_gqa,
     )
 
 
@@ -99,13 +120,15 @@ def _plugin_schema() -> OpSchema:
     A = OpSchema.AttrType
     return _schema(
         PLUGIN_OP, LLMC_DOMAIN,
-        [("query", "T"), ("key", "T"), ("value", "T"), ("k_cache", "T"), ("v_cache", "T"), ("cache_position", "M")],
+        [("query", "T"), ("key", "T"), ("value", "T"), ("k_cache", "T"), ("v_cache", "T"), ("cache_position", "M"),
+         ("cos_cache?", "T"), ("sin_cache?", "T")],
         [("output", "T"), ("k_cache_out", "T"), ("v_cache_out", "T")],
         [OpSchema.Attribute(n, A.STRING, "TensorRT plugin registry key") for n in ("plugin_version", "plugin_namespace")]
         + [OpSchema.Attribute(n, A.INT, "") for n in ("num_heads", "num_kv_heads", "head_dim")]
         + [OpSchema.Attribute("scale", A.FLOAT, "softmax scale")],
         "llmc::attention as a TensorRT plugin node: query [B,S,H,D], key/value [B,S,KVH,D], "
-        "caches [B,KVH,C,D] written at cache_position (int32 [B]).",
+        "caches [B,KVH,C,D] written at cache_position (int32 [B]); with cos/sin tables [P,D/2] the "
+        "plugin applies rotary embeddings (rotate-half) to the new queries and keys.",
         _copy_types([(0, 0), (1, 3), (2, 4)]),
     )
 
@@ -124,15 +147,17 @@ def _fused(heads: Heads):
 
     msft = Opset(MICROSOFT_DOMAIN, 1)
 
-    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float):
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None):
         seq = op.Shape(query, start=1, end=2)  # [1]
         last = op.Sub(op.Add(cache_position, seq), op.Constant(value_int=1))
         seqlens_k = op.Cast(last, to=TensorProto.INT32)
         total = op.Cast(op.Add(op.ReduceMax(cache_position, keepdims=0), op.Squeeze(seq)), to=TensorProto.INT32)
-        flat = op.Constant(value_ints=[0, 0, -1])
+        rotary = [] if cos_cache is None else [cos_cache, sin_cache]  # GQA rotates at seqlens-derived positions
+        flat = op.Constant(value_ints=[0, 0, -1])  # [B, S, heads, D] -> [B, S, heads * D]
         out, k_out, v_out = msft.GroupQueryAttention(
             op.Reshape(query, flat), op.Reshape(key, flat), op.Reshape(value, flat), k_cache, v_cache,
-            seqlens_k, total, num_heads=heads.num_heads, kv_num_heads=heads.num_kv_heads, scale=scale, do_rotary=0)
+            seqlens_k, total, *rotary, num_heads=heads.num_heads, kv_num_heads=heads.num_kv_heads, scale=scale,
+            do_rotary=int(bool(rotary)))
         return op.Reshape(out, op.Constant(value_ints=[0, 0, heads.num_heads, heads.head_dim])), k_out, v_out
 
     return attention
@@ -141,12 +166,16 @@ def _fused(heads: Heads):
 def _reference(heads: Heads):
     from onnxscript import opset23 as op
 
-    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float):
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None):
         zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
         steps = op.Range(zero, op.Squeeze(op.Shape(query, start=1, end=2)), one)  # [S]
         positions = op.Add(op.Unsqueeze(cache_position, op.Constant(value_ints=[1])), steps)  # [B, S]
+        q = op.Transpose(query, perm=[0, 2, 1, 3])  # [B, H, S, D]
         k_new = op.Transpose(key, perm=[0, 2, 1, 3])  # [B, KVH, S, D]
         v_new = op.Transpose(value, perm=[0, 2, 1, 3])
+        if cos_cache is not None:
+            q = op.RotaryEmbedding(q, cos_cache, sin_cache, positions, interleaved=0)
+            k_new = op.RotaryEmbedding(k_new, cos_cache, sin_cache, positions, interleaved=0)
         index = op.Expand(op.Unsqueeze(positions, op.Constant(value_ints=[1, 3])), op.Shape(k_new))
         k_out = op.ScatterElements(k_cache, index, k_new, axis=2)
         v_out = op.ScatterElements(v_cache, index, v_new, axis=2)
@@ -155,7 +184,7 @@ def _reference(heads: Heads):
         mask = op.Unsqueeze(visible, op.Constant(value_ints=[1]))  # [B, 1, S, C]
         # the exporter emits all four outputs of Attention; the unused optional ones are dropped after
         # export (trim_unused_outputs) so ONNX Runtime does not compute them
-        out = op.Attention(op.Transpose(query, perm=[0, 2, 1, 3]), k_out, v_out, mask, scale=scale)[0]
+        out = op.Attention(q, k_out, v_out, mask, scale=scale)[0]
         return op.Transpose(out, perm=[0, 2, 1, 3]), k_out, v_out
 
     return attention
@@ -167,13 +196,34 @@ def _plugin(heads: Heads):
 
     llmc = Opset(LLMC_DOMAIN, 1)
 
-    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float):
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None):
+        rotary = [] if cos_cache is None else [cos_cache, sin_cache]
         return llmc.LlmcFusedAttention(
-            query, key, value, k_cache, v_cache, op.Cast(cache_position, to=TensorProto.INT32),
+            query, key, value, k_cache, v_cache, op.Cast(cache_position, to=TensorProto.INT32), *rotary,
             plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE, num_heads=heads.num_heads,
             num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim, scale=scale)
 
     return attention
+
+
+def pack_qkv(graph) -> None:
+    """GroupQueryAttention nodes fed by the three outputs of one last-axis Split (a fused QKV
+    projection) take the Split's input instead: GQA's packed-QKV form, one node less per layer.
+    Works on an onnx_ir graph after export; the orphaned Split is left for dead-code removal."""
+    for node in graph:
+        if node.op_type != "GroupQueryAttention" or node.domain != MICROSOFT_DOMAIN:
+            continue
+        q, k, v = node.inputs[:3]
+        split = q.producer() if q is not None else None
+        if split is None or split.op_type != "Split" or len(split.outputs) != 3 \
+                or any(a is not b for a, b in zip(split.outputs, (q, k, v))):
+            continue
+        source = split.inputs[0]
+        if source.shape is None or split.attributes.get_int("axis", 0) not in (-1, len(source.shape) - 1):
+            continue
+        node.replace_input_with(0, source)
+        node.replace_input_with(1, None)
+        node.replace_input_with(2, None)
 
 
 def trim_unused_outputs(graph: onnx.GraphProto) -> None:

@@ -107,3 +107,23 @@ def test_op_survives_torch_export():
     program = torch.export.export(Wrap(), args)
     assert any(n.target is torch.ops.llmc.attention.default for n in program.graph.nodes)
     torch.testing.assert_close(program.module()(*args)[0], Wrap()(*args)[0])
+
+
+def test_rotary_tables_rotate_new_queries_and_keys_at_their_positions():
+    """With cos/sin tables the op equals rotating q and k first (rotate-half RoPE) and calling it without."""
+    q, k, v, kc, vc, pos, scale = random_case(3, 2, 6, 2, 16, [0, 4, 11])
+    d = q.shape[-1]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.arange(16).float()[:, None] * inv_freq  # [P, D/2]
+    cos, sin = angles.cos(), angles.sin()
+    positions = pos[:, None] + torch.arange(2)
+    full_cos = torch.cat([cos[positions]] * 2, -1)[:, :, None]
+    full_sin = torch.cat([sin[positions]] * 2, -1)[:, :, None]
+
+    def rope(x):
+        return x * full_cos + torch.cat((-x[..., d // 2:], x[..., :d // 2]), -1) * full_sin
+
+    expected = naive(rope(q), rope(k), v, kc, vc, pos, scale)
+    got = attention(q, k, v, kc, vc, pos, scale, cos, sin)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

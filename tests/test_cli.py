@@ -70,3 +70,12 @@ def test_export_and_verify_commands(tiny_llama, tmp_path):
     res = run("verify", spec, "-o", out)
     assert res.returncode == 0, res.stderr
     assert "cached" in res.stdout and (out / "verify" / "verify.json").is_file()
+
+
+def test_tensorrt_target_exports_but_does_not_build(tiny_llama, tmp_path):
+    spec = write_spec(tmp_path, {"name": "m", "source": str(tiny_llama), "target": "tensorrt"})
+    res = run("export", spec, "-o", tmp_path / "out")
+    assert res.returncode == 0, res.stderr
+    assert "plugin attention" in res.stdout
+    res = run("build", spec, "-o", tmp_path / "out2")
+    assert res.returncode == 7 and "llmc export" in res.stderr and "target: onnxruntime" in res.stderr

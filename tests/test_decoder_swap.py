@@ -50,3 +50,40 @@ def test_sliding_window_models_are_refused(tmp_path):
                                   sliding_window=16)
     with pytest.raises(NotImplementedError, match="sliding-window"):
         LlamaFamilyDecoder(AutoModelForCausalLM.from_config(config))
+
+
+def _matches_hf(hf, dec, prompt=(5, 17, 9, 3), steps=3):
+    capacity = 16
+    shape = (1, dec.num_kv_heads, capacity, dec.head_dim)
+    kc = [torch.zeros(shape) for _ in range(hf.config.num_hidden_layers)]
+    vc = [torch.zeros(shape) for _ in range(hf.config.num_hidden_layers)]
+    seq = list(prompt)
+    with torch.no_grad():
+        logits, kc, vc = dec(torch.tensor([seq]), torch.zeros(1, dtype=torch.int64), kc, vc)
+        for _ in range(steps):
+            seq.append(int(logits[0, -1].argmax()))
+            logits, kc, vc = dec(torch.tensor([seq[-1:]]), torch.tensor([len(seq) - 1]), kc, vc)
+        torch.testing.assert_close(logits[0, -1], hf(torch.tensor([seq])).logits[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_rope_without_a_fixed_table_is_applied_in_the_model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                  rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    dec = LlamaFamilyDecoder(hf)
+    assert not dec.fuse_rotary
+    _matches_hf(hf, dec)
+
+
+def test_gpt2_scaled_by_inverse_layer_index():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gpt2", vocab_size=64, n_embd=32, n_layer=3, n_head=2, n_positions=64,
+                                  scale_attn_by_inverse_layer_idx=True, initializer_range=0.2)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    _matches_hf(hf, decoder_for(hf, "gpt2"))

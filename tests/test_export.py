@@ -42,6 +42,8 @@ def test_each_family_and_lowering_exports_and_verifies(tiny_checkpoints, tmp_pat
     assert not any(n.op_type in ("Softmax", "Attention", "GroupQueryAttention") for n in graph.node
                    if n not in attention_nodes)  # nothing of transformers' attention is left over
     assert exported.lowering.value == attention and layout.in_place == (attention == "fused")
+    if attention == "fused":  # the fused QKV projection feeds GQA packed: no Split, no reshapes between
+        assert all(list(n.input[1:3]) == ["", ""] for n in attention_nodes)
     assert result.verify.passed
     assert all(c.token_agreement == 1.0 for c in result.verify.cases)
 

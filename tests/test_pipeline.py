@@ -130,3 +130,14 @@ def test_kill_between_the_two_renames_is_repaired(tiny_llama, tmp_path):
     recover(out)
     assert (out / "build.json").is_file()
     assert not list(tmp_path.glob(".out.*"))
+
+
+def test_code_hash_follows_the_source_of_the_named_modules(tmp_path, monkeypatch):
+    from llmc.compiler.hashing import code_hash
+
+    (tmp_path / "llmc_probe_mod.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = code_hash("llmc_probe_mod", "llmc.compiler.export")
+    assert code_hash("llmc.compiler.export", "llmc_probe_mod") == before  # order does not matter
+    (tmp_path / "llmc_probe_mod.py").write_text("X = 2\n")
+    assert code_hash("llmc_probe_mod", "llmc.compiler.export") != before

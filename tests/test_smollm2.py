@@ -11,9 +11,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_example_build_passes_verification(smollm2, tmp_path):
-    spec = load_spec(REPO / "examples" / "smollm2.yaml")
+@pytest.mark.parametrize("attention", ["fused", "reference"])
+def test_example_build_passes_verification(smollm2, tmp_path, attention):
+    from llmc.compiler.spec import parse_spec
+
+    example = load_spec(REPO / "examples" / "smollm2.yaml")
+    spec = parse_spec({**example.model_dump(mode="json"), "export": {"attention": attention}})
     result = build(spec, output=tmp_path / "smollm2")
+    assert result.exported.lowering.value == attention
     m = result.exported.model
     assert (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size) == (30, 9, 3, 64, 49152)
     assert m.has_tokenizer
