@@ -23,7 +23,8 @@ from pathlib import Path
 from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
 from llmc.compiler.source import SUPPORTED_MODEL_TYPES
 from llmc.errors import ExportError
-from llmc.plugins.lowering import Heads, Lowering, pack_qkv, translation_table, trim_unused_outputs
+from llmc.compiler.graph_passes import simplify
+from llmc.plugins.lowering import Heads, Lowering, translation_table, trim_unused_outputs
 from llmc.runtime.layout import KVLayout
 
 OPSET = 23
@@ -112,43 +113,6 @@ def _quiet():
     return stack, buf
 
 
-def _drop_reshape_round_trips(graph) -> None:
-    """Reshape(Reshape(x)) back to x's own shape (attention output viewed as heads, then flattened
-    again) is x: point the outer Reshape's users at x."""
-    for node in list(graph):
-        inner = node.inputs[0].producer() if node.op_type == "Reshape" and node.inputs[0] is not None else None
-        if inner is None or inner.op_type != "Reshape":
-            continue
-        x, y = inner.inputs[0], node.outputs[0]
-        if x.shape is None or y.shape is None or list(x.shape) != list(y.shape) or y.is_graph_output():
-            continue
-        if any(isinstance(d, int) is False and getattr(d, "value", None) is None for d in x.shape):
-            continue  # an anonymous dim: equality of shapes says nothing
-        y.replace_all_uses_with(x)
-
-
-def _simplify(model) -> None:
-    """Merge what every layer's attention recomputes (sequence lengths, shapes) into one copy."""
-    from onnx_ir.passes.common import (CommonSubexpressionEliminationPass, DeduplicateInitializersPass,
-                                       RemoveUnusedNodesPass)
-
-    # each layer's lowering reads S off its own query; read it off input_ids instead, so the
-    # sequence-length arithmetic is the same expression in every layer and CSE keeps one copy
-    input_ids = model.graph.inputs[0]
-    seq_dim = input_ids.shape[1]
-    for node in model.graph:
-        source = node.inputs[0] if node.op_type == "Shape" and node.inputs else None
-        if source is not None and source is not input_ids and source.shape is not None and len(source.shape) > 1 \
-                and source.shape[1] == seq_dim and node.attributes.get_int("start", 0) == 1 \
-                and node.attributes.get_int("end", -1) == 2:
-            node.replace_input_with(0, input_ids)
-    _drop_reshape_round_trips(model.graph)
-    pack_qkv(model.graph)
-    DeduplicateInitializersPass()(model)
-    CommonSubexpressionEliminationPass()(model)
-    RemoveUnusedNodesPass()(model)
-
-
 def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
                 external_threshold: int = PROTOBUF_LIMIT) -> bool:
     """Write `out_dir/model.onnx` (+ `model.onnx.data` when over the threshold) with attention in
@@ -174,7 +138,7 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     except Exception as err:
         tail = "\n".join(log.getvalue().splitlines()[-20:])
         raise ExportError(f"torch.onnx.export failed for {info.model_type}: {err}\n{tail}".rstrip()) from err
-    _simplify(program.model)
+    simplify(program.model)
     proto = program.model_proto
     trim_unused_outputs(proto.graph)
     weight_bytes = sum(t.ByteSize() for t in proto.graph.initializer)

@@ -24,8 +24,8 @@ from llmc.plugins.lowering import Lowering
 
 STAGES = ("source", "export", "verify")
 # the modules whose code decides each stage's output (part of its cache key)
-EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.plugins.attention", "llmc.plugins.lowering",
-               "llmc.runtime.layout")
+EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.graph_passes",
+               "llmc.plugins.attention", "llmc.plugins.lowering", "llmc.runtime.layout")
 VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
 BUILD_RECORD = "build.json"
 
