@@ -47,11 +47,6 @@ class Lowering(str, enum.Enum):
     def runs_on_onnxruntime(self) -> bool:
         return self is not Lowering.plugin
 
-    @property
-    def opsets(self) -> dict[str, int]:
-        """Custom domains the lowered graph imports (beyond the default ONNX domain)."""
-        return {Lowering.fused: {MICROSOFT_DOMAIN: 1}, Lowering.plugin: {LLMC_DOMAIN: 1}}.get(self, {})
-
 
 @dataclass(frozen=True)
 class Heads:
