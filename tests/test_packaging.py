@@ -29,7 +29,8 @@ def test_wheel_imports_and_runs(tmp_path):
 
 
 def test_serving_side_imports_no_torch():
-    code = ("import sys, llmc.runtime.ort_runner, llmc.runtime.layout, llmc.compiler.spec, llmc.cli; "
+    code = ("import sys, llmc.runtime.ort_runner, llmc.runtime.layout, llmc.runtime.engine, llmc.compiler.spec, "
+            "llmc.cli; "
             "bad = {'torch', 'transformers'} & set(sys.modules); assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -1,0 +1,138 @@
+"""The engine: requests in, token ids and text out, one batched step at a time.
+
+    step() = cancel -> admit -> prefill one sequence (a chunk of its prompt) -> decode every
+             decoding sequence in one batch -> sample -> stream -> release finished slots
+
+Prefill runs one sequence per step (ONNX Runtime's GroupQueryAttention takes one row when a step
+has several tokens and a past; the layout records it) in chunks of at most `max_num_tokens`, so a
+long prompt cannot stall the running batch for long. Decode runs the contiguous slot range that
+holds the decoding sequences; free or still-prefilling slots inside it ride along as dummy rows
+that write only where nothing will be read (position 0 of a free slot, or the position a
+prefilling sequence will overwrite next). `add_request` and `cancel` may be called from other
+threads; `step` belongs to one loop thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmc.runtime.detokenizer import IncrementalDetokenizer
+from llmc.runtime.sampling import SamplingParams, sample
+from llmc.runtime.scheduler import Scheduler
+from llmc.runtime.sequence import FinishReason, Sequence, Status
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    token_ids: list[int]  # sampled this step (empty for a cancelled request)
+    text: str  # text made final this step
+    finish_reason: FinishReason | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class LLMEngine:
+    def __init__(self, runner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_queue_size: int = 256,
+                 max_num_tokens: int = 8192):
+        self.runner, self.tokenizer, self.end_ids = runner, tokenizer, tuple(end_ids)
+        self.capacity, self.max_num_tokens = runner.cache.capacity, max_num_tokens
+        self.scheduler = Scheduler(runner.cache.max_batch, max_queue_size)
+        self._lock = threading.Lock()
+        self._active: dict[str, Sequence] = {}
+        self._cancelled: list[Sequence] = []
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; raises ValueError for a request that cannot run and QueueFull when busy."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.capacity:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; at most {self.capacity - 1} fit max_seq_len "
+                             f"({self.capacity}) with room to generate")
+        if not params.end_ids and self.end_ids:
+            params = params.model_copy(update={"end_ids": self.end_ids})
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
+        seq = Sequence(request_id, list(prompt_ids), params, detokenizer=detok)
+        with self._lock:
+            if request_id in self._active:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self.scheduler.add(seq)
+            self._active[request_id] = seq
+        return seq
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request at the next step; its slot is freed then."""
+        with self._lock:
+            seq = self._active.get(request_id)
+            if seq is not None:
+                self._cancelled.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._active)
+
+    def step(self) -> list[StepOutput]:
+        with self._lock:
+            finished = self._apply_cancellations()
+            self.scheduler.admit()
+        sampled: dict[str, list[int]] = {}
+        seq = self.scheduler.next_prefill()
+        if seq is not None:
+            self._prefill(seq, sampled)
+        self._decode(self.scheduler.decoding(), sampled)
+        touched = [s for s in self.scheduler.running.values() if s.request_id in sampled or s.is_finished] + finished
+        outputs = [StepOutput(s.request_id, sampled.get(s.request_id, []), s.take_text(), s.finish_reason)
+                   for s in touched]
+        with self._lock:
+            for s in touched:
+                if s.is_finished:
+                    self.scheduler.release(s)
+                    self._active.pop(s.request_id, None)
+        return outputs
+
+    def _apply_cancellations(self) -> list[Sequence]:
+        cancelled, self._cancelled = self._cancelled, []
+        for seq in cancelled:
+            seq.finish(FinishReason.cancelled)
+            self.scheduler.drop_waiting(seq)
+            self.scheduler.release(seq)  # before admitting: a waiting request takes the slot this step
+        return [s for s in cancelled if s.finish_reason is FinishReason.cancelled]
+
+    def _sample(self, seq: Sequence, logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
+        token = sample(logits, seq.params, seq.prompt_array(), seq.output_array(), seq.rng)
+        sampled.setdefault(seq.request_id, []).append(token)
+        seq.append(token)
+
+    def _prefill(self, seq: Sequence, sampled: dict[str, list[int]]) -> None:
+        chunk = seq.prompt_ids[seq.num_cached:seq.num_cached + self.max_num_tokens]
+        logits = self.runner.step(np.array([chunk]), np.array([seq.num_cached]), first_row=seq.slot)
+        seq.num_cached += len(chunk)
+        if seq.num_cached == len(seq.prompt_ids):
+            seq.status = Status.decoding
+            self._sample(seq, logits[0, -1], sampled)
+
+    def _decode(self, seqs: list[Sequence], sampled: dict[str, list[int]]) -> None:
+        for seq in seqs:
+            if not seq.is_finished and seq.num_cached >= self.capacity:
+                seq.finish(FinishReason.length)  # the KV slot is full
+        seqs = [s for s in seqs if not s.is_finished]
+        if not seqs:
+            return
+        first, last = seqs[0].slot, seqs[-1].slot
+        ids = np.zeros((last - first + 1, 1), dtype=np.int64)
+        positions = np.zeros(last - first + 1, dtype=np.int64)
+        for slot in range(first, last + 1):  # dummy rows write where nothing will be read
+            other = self.scheduler.running.get(slot)
+            if other is not None and other.status is Status.prefilling:
+                positions[slot - first] = other.num_cached
+        for seq in seqs:
+            ids[seq.slot - first, 0], positions[seq.slot - first] = seq.output_ids[-1], seq.num_cached
+        logits = self.runner.step(ids, positions, first_row=first)
+        for seq in seqs:
+            seq.num_cached += 1
+            self._sample(seq, logits[seq.slot - first, -1], sampled)
