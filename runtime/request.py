@@ -1,0 +1,101 @@
+"""A served request, parsed from its Triton input tensors (TensorRT-LLM names, see DESIGN.md).
+
+Every problem raises `RequestError` whose message names the tensor, so the client gets an answer
+it can act on; nothing here touches the engine. Scalars may come with shape [], [1] or [1, 1]
+(Triton adds a batch dimension); `stop_words` is a BYTES list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+from pydantic import ValidationError
+
+from llmc.runtime.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the server refuses; the message is sent back as the response's error."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_seq_len: int
+    default_max_tokens: int
+    max_stop_words: int
+
+
+# name -> (numpy kinds accepted, SamplingParams field or None)
+_INTS, _FLOATS, _BOOLS, _UINTS = "iu", "f", "b", "u"
+SCALARS: dict[str, tuple[str, str | None]] = {
+    "max_tokens": (_INTS, "max_tokens"), "min_tokens": (_INTS, "min_tokens"), "top_k": (_INTS, "top_k"),
+    "end_id": (_INTS, None), "pad_id": (_INTS, None), "seed": (_UINTS + "i", "seed"),
+    "temperature": (_FLOATS, "temperature"), "top_p": (_FLOATS, "top_p"), "min_p": (_FLOATS, "min_p"),
+    "repetition_penalty": (_FLOATS, "repetition_penalty"), "frequency_penalty": (_FLOATS, "frequency_penalty"),
+    "presence_penalty": (_FLOATS, "presence_penalty"),
+    "stream": (_BOOLS, None), "exclude_input_in_output": (_BOOLS, None), "return_log_probs": (_BOOLS, None),
+    "return_num_input_tokens": (_BOOLS, None), "return_num_output_tokens": (_BOOLS, None),
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = True
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    return_log_probs: bool = False
+
+
+def _text(value, name: str) -> str:
+    raw = value if isinstance(value, (bytes, bytearray)) else str(value).encode()
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RequestError(f"{name}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
+
+
+def _scalar(array: np.ndarray, name: str, kinds: str):
+    array = np.asarray(array)
+    if array.size != 1 or array.ndim > 2:
+        raise RequestError(f"{name}: expected one value (shape [1]), got shape {list(array.shape)}")
+    if array.dtype.kind not in kinds:
+        raise RequestError(f"{name}: wrong dtype {array.dtype}; expected "
+                           + {"b": "BOOL", "f": "FP32", "u": "UINT64"}.get(kinds[0], "INT32"))
+    return array.reshape(()).item()
+
+
+def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits) -> Request:
+    if "text_input" not in inputs:
+        raise RequestError("text_input: required input is missing")
+    text = np.asarray(inputs["text_input"])
+    if text.size != 1 or text.dtype.kind not in "OSU":
+        raise RequestError(f"text_input: expected one BYTES value, got {text.dtype} of shape {list(text.shape)}")
+    prompt = _text(text.reshape(()).item(), "text_input")
+    if not prompt:
+        raise RequestError("text_input: the prompt is empty")
+    values = {name: _scalar(inputs[name], name, kinds) for name, (kinds, _) in SCALARS.items() if name in inputs}
+    fields = {SCALARS[n][1]: v for n, v in values.items() if SCALARS[n][1] is not None}
+    fields.setdefault("max_tokens", limits.default_max_tokens)
+    if not 1 <= fields["max_tokens"] <= limits.max_seq_len:
+        raise RequestError(f"max_tokens: must be between 1 and {limits.max_seq_len} (got {fields['max_tokens']})")
+    if "end_id" in values:
+        fields["end_ids"] = (values["end_id"],)
+    if "stop_words" in inputs:
+        words = [_text(w, "stop_words") for w in np.asarray(inputs["stop_words"]).reshape(-1)]
+        if len(words) > limits.max_stop_words:
+            raise RequestError(f"stop_words: at most {limits.max_stop_words} allowed (got {len(words)})")
+        fields["stop_words"] = tuple(w for w in words if w)
+    try:
+        params = SamplingParams(**fields)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "request"
+        raise RequestError(f"{where}: {first['msg'].removeprefix('Value error, ')} (got {first.get('input')!r})") from None
+    flags = {n: bool(values[n]) for n in ("stream", "exclude_input_in_output", "return_num_input_tokens",
+                                          "return_num_output_tokens", "return_log_probs") if n in values}
+    return Request(prompt=prompt, params=params, **flags)
