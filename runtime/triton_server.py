@@ -1,0 +1,157 @@
+"""A real NVIDIA Triton Inference Server, assembled from the `nvidia-pytriton` wheel and run locally.
+
+The wheel ships `tritonserver` (CPU build, Python backend included) and Python-backend stubs per
+Python version. `assemble()` copies the server and the stub for this Python into one folder;
+`TritonServer` starts it on 127.0.0.1 with the given (or free) ports, waits until it is ready and
+stops it (SIGTERM, then SIGKILL after a grace period), as a context manager.
+
+The Python backend stub embeds the `python3` found first on PATH, so that interpreter's
+environment is what `model.py` imports from; it must have numpy < 2 (the stub is built against
+numpy 1's ABI: with numpy 2 it misreads every output tensor). `serving_env` names that
+environment (a venv's folder); scripts/setup.sh creates one in `.venv-serving`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+EXIT_TIMEOUT = 10  # seconds Triton waits for in-flight requests and open connections when stopping
+
+
+class TritonError(RuntimeError):
+    """The server could not be assembled, started or reached."""
+
+
+def _pytriton_root() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise TritonError("the nvidia-pytriton wheel is not installed (scripts/setup.sh installs it)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def assemble(dest: Path, python_version: str | None = None) -> Path:
+    """Copy tritonserver and the Python-backend stub for `python_version` into `dest` (once)."""
+    version = python_version or sysconfig.get_python_version()
+    server = dest / "bin" / "tritonserver"
+    stub = dest / "backends" / "python" / "triton_python_backend_stub"
+    if server.is_file() and stub.is_file():
+        return dest
+    source = _pytriton_root() / "tritonserver"
+    stub_source = source / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub_source.is_file():
+        raise TritonError(f"nvidia-pytriton has no Python-backend stub for Python {version}")
+    tmp = dest.with_name(dest.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("python_backend_stubs", "__pycache__"))
+    shutil.copy2(stub_source, tmp / "backends" / "python" / "triton_python_backend_stub")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int
+    grpc: int
+    metrics: int
+
+    @classmethod
+    def free(cls) -> "Ports":
+        return cls(free_port(), free_port(), free_port())
+
+
+class TritonServer:
+    def __init__(self, repository: Path, *, server_dir: Path, serving_env: Path, ports: Ports | None = None,
+                 log_path: Path | None = None, extra_args: tuple[str, ...] = ()):
+        self.repository, self.server_dir, self.serving_env = Path(repository), Path(server_dir), Path(serving_env)
+        self.ports = ports or Ports.free()
+        self.log_path = log_path or self.server_dir / "tritonserver.log"
+        self.extra_args = extra_args
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    def _env(self) -> dict[str, str]:
+        libs = [str(_pytriton_root().parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+        env["PATH"] = os.pathsep.join([str(self.serving_env / "bin"), env.get("PATH", "")])
+        return env
+
+    def start(self, timeout: float = 60.0) -> "TritonServer":
+        if not (self.serving_env / "bin" / "python3").exists():
+            raise TritonError(f"{self.serving_env}: no serving environment there (scripts/setup.sh creates .venv-serving)")
+        cmd = [str(self.server_dir / "bin" / "tritonserver"), "--model-repository", str(self.repository),
+               "--backend-directory", str(self.server_dir / "backends"),
+               "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1",
+               "--http-port", str(self.ports.http), "--grpc-port", str(self.ports.grpc),
+               "--metrics-port", str(self.ports.metrics), "--allow-metrics", "true", "--allow-gpu-metrics", "false",
+               "--exit-timeout-secs", str(EXIT_TIMEOUT), *self.extra_args]
+        log = open(self.log_path, "ab")
+        try:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
+                                            start_new_session=True)
+        finally:
+            log.close()
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise TritonError(f"tritonserver exited with {self.process.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TritonError(f"tritonserver was not ready after {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self, grace: float = EXIT_TIMEOUT + 20.0) -> None:
+        """SIGTERM the server (it drains for up to EXIT_TIMEOUT, unloads models, stops their stubs and
+        removes their shared memory); SIGKILL its process group only if it hangs past `grace`."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the group we started: server and its stubs
+            self.process.wait()
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
