@@ -18,12 +18,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-import llmc.plugins.attention  # noqa: F401  (registers torch.ops.llmc.attention)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from llmc.plugins.attention import rotate_half  # importing it registers torch.ops.llmc.attention
 
 
 def _positions(input_ids: Tensor, cache_position: Tensor) -> Tensor:
@@ -96,7 +91,7 @@ class LlamaFamilyDecoder(nn.Module):
             k = k.view(b, s, self.num_kv_heads, self.head_dim)
             v = v.view(b, s, self.num_kv_heads, self.head_dim)
             if not self.fuse_rotary:
-                q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+                q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             out, k_cache, v_cache = torch.ops.llmc.attention(q, k, v, k_cache, v_cache, cache_position, attn.scaling,
                                                              *tables)
             hidden = hidden + attn.o_proj(out.reshape(b, s, -1))

@@ -37,14 +37,18 @@ def _check(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: 
     assert cache_position.shape == (b,), cache_position.shape
 
 
+def rotate_half(x: Tensor) -> Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dim: the rotate-half RoPE convention of Llama-family models."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def rotate(x: Tensor, cos_cache: Tensor, sin_cache: Tensor, positions: Tensor) -> Tensor:
     """Rotary embedding, rotate-half convention: x [B, S, heads, D] at `positions` [B, S]."""
     cos = torch.cat([cos_cache[positions]] * 2, dim=-1)[:, :, None].to(torch.float32)  # [B, S, 1, D]
     sin = torch.cat([sin_cache[positions]] * 2, dim=-1)[:, :, None].to(torch.float32)
     x32 = x.to(torch.float32)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
 
 
 def reference_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
