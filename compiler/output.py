@@ -77,10 +77,10 @@ def discard(staging: Path) -> None:
 def link_tree(src: Path, dst: Path) -> None:
     """Reuse a cached stage folder: hard links where the filesystem allows (files are never
     modified in place), copies elsewhere."""
-    shutil.copytree(src, dst, copy_function=_link_or_copy)
+    shutil.copytree(src, dst, copy_function=link_or_copy)
 
 
-def _link_or_copy(src: str, dst: str) -> None:
+def link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)
     except OSError:

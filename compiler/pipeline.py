@@ -1,9 +1,10 @@
 """`build`: run the stages over a spec, reuse what is unchanged, publish the output atomically.
 
-    source -> export -> verify        (quantize, engine and package join here as they land)
+    source -> export -> verify -> package        (quantize and the TensorRT engine join as they land)
 
 Each stage has an inputs hash; when the previous output holds an artifact with the same hash and
-intact files, the stage is reused (hard-linked) instead of run.
+intact files, the stage is reused (hard-linked) instead of run. Packaging (links, small files)
+always runs.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from llmc.compiler.source import SourceInfo, inspect_source, load_model
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
 from llmc.errors import SpecError, UnsupportedError, VerifyError
 from llmc.plugins.lowering import Lowering
+from llmc.runtime.manifest import RepositoryManifest
 
-STAGES = ("source", "export", "verify")
+STAGES = ("source", "export", "verify", "package")
+REPOSITORY_DIR = "model_repository"
 # the modules whose code decides each stage's output (part of its cache key)
 EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.graph_passes",
                "llmc.plugins.attention", "llmc.plugins.lowering", "llmc.runtime.layout")
@@ -56,6 +59,11 @@ class BuildResult:
     stages: list[StageResult] = field(default_factory=list)
     exported: ExportedModel | None = None
     verify: VerifyReport | None = None
+    manifest: RepositoryManifest | None = None
+
+    @property
+    def repository(self) -> Path | None:
+        return self.output / REPOSITORY_DIR if self.manifest is not None else None
 
 
 def preflight(spec: BuildSpec, until: str = "verify") -> None:
@@ -115,7 +123,7 @@ def _check_limits(spec: BuildSpec, exported: ExportedModel) -> None:
         )
 
 
-def build(spec: BuildSpec, *, output: Path | None = None, until: str = "verify", force: set[str] | None = None,
+def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package", force: set[str] | None = None,
           reporter: Reporter | None = None, external_threshold: int | None = None) -> BuildResult:
     """Build `spec` into `output` (default: the spec's). Stages after `until` are not run; stages
     named in `force` run even when cached."""
@@ -172,6 +180,21 @@ def _run_stages(b: _Build, staging: Path, until: str, external_threshold: int | 
     if until == "export":
         return
     b.stage("verify", f"PyTorch vs ONNX Runtime ({lowering.value} attention)", lambda: _verify(b, staging, state["model"], state["hash"]))
+    if until == "verify":
+        return
+    b.stage("package", "writing the Triton model repository", lambda: _package(b, staging, state["info"]))
+
+
+def _package(b: _Build, staging: Path, info: SourceInfo):
+    from llmc.compiler.package import package
+
+    exported = b.result.exported
+    if not exported.model.has_tokenizer:
+        return "skipped", "the checkpoint has no tokenizer, so there is no text to serve"
+    b.result.manifest = package(b.spec, exported, staging / "export", info, staging / REPOSITORY_DIR)
+    lim = b.result.manifest.limits
+    return "ran", (f"{REPOSITORY_DIR}/{b.spec.name}: {lim.max_batch_size} KV slots x {lim.max_seq_len} tokens, "
+                   f"queue {lim.max_queue_size}")
 
 
 def _verify(b: _Build, staging: Path, model: _Model, source_hash: str):

@@ -69,11 +69,11 @@ def build(
     output: OutputOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Run every stage, even unchanged ones.")] = False,
 ) -> None:
-    """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch.
+    """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch, package a Triton model repository.
 
     Unchanged stages are reused from the previous output; the output folder is replaced atomically, so a failed or interrupted build leaves the previous one intact.
     """
-    _run_build(spec, output, "verify", {"export", "verify"} if force else set())
+    _run_build(spec, output, "package", {"export", "verify"} if force else set())
 
 
 @app.command()

@@ -72,6 +72,16 @@ class LLMEngine:
             if seq is not None:
                 self._cancelled.append(seq)
 
+    def abort_all(self) -> None:
+        """Drop every request (after a failed step, whose state cannot be trusted); slots are freed."""
+        with self._lock:
+            for seq in self._active.values():
+                seq.finish(FinishReason.cancelled)
+                self.scheduler.drop_waiting(seq)
+                self.scheduler.release(seq)
+            self._active.clear()
+            self._cancelled.clear()
+
     @property
     def has_work(self) -> bool:
         return bool(self._active)

@@ -27,17 +27,23 @@ class Limits:
     max_stop_words: int
 
 
-# name -> (numpy kinds accepted, SamplingParams field or None)
-_INTS, _FLOATS, _BOOLS, _UINTS = "iu", "f", "b", "u"
+# The served model's optional scalar inputs: name -> (Triton datatype, SamplingParams field or None).
+# config.pbtxt, the client and the parser all read this table.
 SCALARS: dict[str, tuple[str, str | None]] = {
-    "max_tokens": (_INTS, "max_tokens"), "min_tokens": (_INTS, "min_tokens"), "top_k": (_INTS, "top_k"),
-    "end_id": (_INTS, None), "pad_id": (_INTS, None), "seed": (_UINTS + "i", "seed"),
-    "temperature": (_FLOATS, "temperature"), "top_p": (_FLOATS, "top_p"), "min_p": (_FLOATS, "min_p"),
-    "repetition_penalty": (_FLOATS, "repetition_penalty"), "frequency_penalty": (_FLOATS, "frequency_penalty"),
-    "presence_penalty": (_FLOATS, "presence_penalty"),
-    "stream": (_BOOLS, None), "exclude_input_in_output": (_BOOLS, None), "return_log_probs": (_BOOLS, None),
-    "return_num_input_tokens": (_BOOLS, None), "return_num_output_tokens": (_BOOLS, None),
+    "max_tokens": ("INT32", "max_tokens"), "min_tokens": ("INT32", "min_tokens"), "top_k": ("INT32", "top_k"),
+    "end_id": ("INT32", None), "pad_id": ("INT32", None), "seed": ("UINT64", "seed"),
+    "temperature": ("FP32", "temperature"), "top_p": ("FP32", "top_p"), "min_p": ("FP32", "min_p"),
+    "repetition_penalty": ("FP32", "repetition_penalty"), "frequency_penalty": ("FP32", "frequency_penalty"),
+    "presence_penalty": ("FP32", "presence_penalty"),
+    "stream": ("BOOL", None), "exclude_input_in_output": ("BOOL", None), "return_log_probs": ("BOOL", None),
+    "return_num_input_tokens": ("BOOL", None), "return_num_output_tokens": ("BOOL", None),
 }
+# outputs: name -> (Triton datatype, dims)
+OUTPUTS: dict[str, tuple[str, list[int]]] = {
+    "text_output": ("BYTES", [-1]), "output_ids": ("INT32", [-1]), "finish_reason": ("BYTES", [1]),
+    "num_input_tokens": ("INT32", [1]), "num_output_tokens": ("INT32", [1]),
+}
+_KINDS = {"INT32": "iu", "UINT64": "ui", "FP32": "f", "BOOL": "b"}  # numpy kinds each accepts
 
 
 @dataclass(frozen=True)
@@ -59,13 +65,12 @@ def _text(value, name: str) -> str:
         raise RequestError(f"{name}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
 
 
-def _scalar(array: np.ndarray, name: str, kinds: str):
+def _scalar(array: np.ndarray, name: str, datatype: str):
     array = np.asarray(array)
     if array.size != 1 or array.ndim > 2:
         raise RequestError(f"{name}: expected one value (shape [1]), got shape {list(array.shape)}")
-    if array.dtype.kind not in kinds:
-        raise RequestError(f"{name}: wrong dtype {array.dtype}; expected "
-                           + {"b": "BOOL", "f": "FP32", "u": "UINT64"}.get(kinds[0], "INT32"))
+    if array.dtype.kind not in _KINDS[datatype]:
+        raise RequestError(f"{name}: wrong dtype {array.dtype}; expected {datatype}")
     return array.reshape(()).item()
 
 
@@ -78,7 +83,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits) -> Request:
     prompt = _text(text.reshape(()).item(), "text_input")
     if not prompt:
         raise RequestError("text_input: the prompt is empty")
-    values = {name: _scalar(inputs[name], name, kinds) for name, (kinds, _) in SCALARS.items() if name in inputs}
+    values = {name: _scalar(inputs[name], name, datatype) for name, (datatype, _) in SCALARS.items() if name in inputs}
     fields = {SCALARS[n][1]: v for n, v in values.items() if SCALARS[n][1] is not None}
     fields.setdefault("max_tokens", limits.default_max_tokens)
     if not 1 <= fields["max_tokens"] <= limits.max_seq_len:

@@ -25,9 +25,21 @@ TINY = {
 }
 
 
-def make_checkpoint(model_type: str, folder: Path, seed: int = 0, safe: bool = True) -> Path:
+def byte_tokenizer():
+    """A byte-level tokenizer with exactly 256 ids (one per byte, no merges): fits the tiny vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def make_checkpoint(model_type: str, folder: Path, seed: int = 0, safe: bool = True, tokenizer: bool = True) -> Path:
+    """A random-weight checkpoint (with a byte-level tokenizer.json unless `tokenizer` is False)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **TINY[model_type])
@@ -38,6 +50,8 @@ def make_checkpoint(model_type: str, folder: Path, seed: int = 0, safe: bool = T
         folder.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(folder)
         torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    if tokenizer:
+        PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer()).save_pretrained(folder)
     return folder
 
 

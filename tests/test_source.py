@@ -49,7 +49,7 @@ def test_bad_sources_are_named(tmp_path, layout, message):
 
 
 def test_pickle_checkpoint_needs_opt_in(tmp_path):
-    ckpt = make_checkpoint("llama", tmp_path / "pickled", safe=False)
+    ckpt = make_checkpoint("llama", tmp_path / "pickled", safe=False, tokenizer=False)
     with pytest.raises(SourceError, match="allow_pickle: true"):
         inspect_source(SourceSpec(path=ckpt))
     info = inspect_source(SourceSpec(path=ckpt, allow_pickle=True))

@@ -1,0 +1,86 @@
+"""Package stage: a Triton model repository that serves the build.
+
+    <output>/model_repository/<name>/config.pbtxt        decoupled Python-backend model (triton_config.py)
+    <output>/model_repository/<name>/1/model.py          the thin model from model_repository/
+    <output>/model_repository/<name>/1/model.onnx ...    the engine (hard links to the export stage's files)
+    <output>/model_repository/<name>/1/tokenizer.json
+    <output>/model_repository/<name>/1/manifest.json     RepositoryManifest: what the runtime reads
+    <output>/model_repository/<name>/1/llmc/             a copy of the serving runtime (no torch, no transformers)
+    <output>/model_repository/<name>/requirements.txt    what the serving Python needs
+
+Copying `model_repository/` to any Triton server whose Python has the requirements is a deployment.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.resources
+import shutil
+from pathlib import Path
+
+import llmc
+from llmc.compiler.artifacts import ExportedModel
+from llmc.compiler.output import link_or_copy
+from llmc.compiler.source import SourceInfo
+from llmc.compiler.spec import BuildSpec
+from llmc.compiler.triton_config import model_config, render
+from llmc.errors import SourceError
+from llmc.runtime.manifest import RepositoryManifest, ServingLimits
+
+VERSION = "1"
+# the runtime modules the served model imports (checked by a test that imports them in isolation)
+SERVING_MODULES = ("__init__", "detokenizer", "engine", "layout", "manifest", "metrics", "ort_runner", "request",
+                   "sampling", "scheduler", "sequence", "serving")
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def requirements() -> list[str]:
+    """The serving Python's packages: the exact runtime versions verified here; numpy 1 for the stub."""
+    pins = [f"{dist}=={importlib.metadata.version(dist)}" for dist in ("onnxruntime", "tokenizers")]
+    return ["numpy<2", *pins, "pydantic>=2.6"]
+
+
+def package(spec: BuildSpec, exported: ExportedModel, export_dir: Path, source: SourceInfo, repo_dir: Path) -> RepositoryManifest:
+    model_dir = repo_dir / spec.name
+    version_dir = model_dir / VERSION
+    version_dir.mkdir(parents=True)
+    for name in exported.files:  # the graph and its external data, side by side as ORT expects
+        link_or_copy(str(export_dir / name), str(version_dir / name))
+    _write_tokenizer(source, version_dir / TOKENIZER_FILE)
+    _copy_runtime(version_dir / "llmc")
+    shutil.copyfile(importlib.resources.files("llmc.model_repository") / "model.py", version_dir / "model.py")
+    (model_dir / "config.pbtxt").write_text(render(model_config(spec.name)))
+    (model_dir / "requirements.txt").write_text("\n".join(requirements()) + "\n")
+    limits, serving = spec.limits, spec.serving
+    manifest = RepositoryManifest(
+        name=spec.name, llmc_version=llmc.__version__, target=spec.target.value, engine=exported.onnx,
+        tokenizer=TOKENIZER_FILE, kv_layout=exported.kv_layout, vocab_size=exported.model.vocab_size,
+        end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash,
+        limits=ServingLimits(max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
+                             max_num_tokens=limits.max_num_tokens, max_queue_size=serving.max_queue_size,
+                             default_max_tokens=serving.default_max_tokens, max_stop_words=serving.max_stop_words,
+                             num_threads=serving.num_threads))
+    manifest.save(version_dir)
+    return manifest
+
+
+def _write_tokenizer(source: SourceInfo, dest: Path) -> None:
+    """tokenizer.json (HF `tokenizers` format): copied when the checkpoint has one, else converted."""
+    if source.kind != "gguf" and (source.path / TOKENIZER_FILE).is_file():
+        shutil.copyfile(source.path / TOKENIZER_FILE, dest)
+        return
+    from llmc.compiler.source import load_tokenizer
+
+    tokenizer = load_tokenizer(source)
+    if tokenizer is None or not getattr(tokenizer, "is_fast", False):
+        raise SourceError(f"{source.path}: the served model needs a fast tokenizer (tokenizer.json) and none "
+                          "could be made from this checkpoint")
+    tokenizer.backend_tokenizer.save(str(dest))
+
+
+def _copy_runtime(dest: Path) -> None:
+    runtime = Path(importlib.resources.files("llmc.runtime"))
+    (dest / "runtime").mkdir(parents=True)
+    shutil.copyfile(Path(llmc.__file__), dest / "__init__.py")
+    for module in SERVING_MODULES:
+        shutil.copyfile(runtime / f"{module}.py", dest / "runtime" / f"{module}.py")

@@ -1,0 +1,44 @@
+"""config.pbtxt for a packaged model, built as tritonclient's `ModelConfig` protobuf and printed
+with protobuf's text_format (no string templates).
+
+Tensor names and types come from `llmc.runtime.request` (TensorRT-LLM's names, see DESIGN.md), so
+tritonclient, the HTTP generate endpoints and Triton's OpenAI-compatible frontend work unchanged.
+The model is decoupled (responses stream); batching happens inside the runtime, so Triton's own
+batching is off (`max_batch_size: 0`, scalars have shape [1]).
+"""
+
+from __future__ import annotations
+
+from llmc.runtime.request import OUTPUTS, SCALARS
+
+_TYPES = {"BYTES": "TYPE_STRING", "INT32": "TYPE_INT32", "UINT64": "TYPE_UINT64", "FP32": "TYPE_FP32",
+          "BOOL": "TYPE_BOOL"}
+
+
+def model_config(name: str, *, instances: int = 1, gpu: bool = False):
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
+    cfg.model_transaction_policy.decoupled = True
+    cfg.input.add(name="text_input", data_type=mc.TYPE_STRING, dims=[1])
+    for tensor, (datatype, _) in SCALARS.items():
+        cfg.input.add(name=tensor, data_type=mc.DataType.Value(_TYPES[datatype]), dims=[1], optional=True)
+    cfg.input.add(name="stop_words", data_type=mc.TYPE_STRING, dims=[-1], optional=True)
+    for tensor, (datatype, dims) in OUTPUTS.items():
+        cfg.output.add(name=tensor, data_type=mc.DataType.Value(_TYPES[datatype]), dims=dims)
+    kind = mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU
+    cfg.instance_group.add(kind=kind, count=instances)
+    return cfg
+
+
+def render(cfg) -> str:
+    from google.protobuf import text_format
+
+    return text_format.MessageToString(cfg)
+
+
+def parse(text: str):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    return text_format.Parse(text, mc.ModelConfig())

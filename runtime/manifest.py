@@ -1,0 +1,63 @@
+"""The repository manifest: everything the served model needs to know, written by the build's
+package stage next to the engine (`<repo>/<name>/1/manifest.json`) and read by the runtime.
+
+Nothing is encoded in file names: the engine, tokenizer, KV layout and serving limits are all here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from llmc.runtime.layout import KVLayout
+
+
+class ManifestError(RuntimeError):
+    """A repository without a readable manifest (not a finished llmc build, or another version's)."""
+
+
+class ServingLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch_size: int = Field(ge=1)  # KV slots: sequences decoded together
+    max_seq_len: int = Field(ge=2)  # KV capacity per slot: prompt + generated tokens
+    max_num_tokens: int = Field(ge=1)  # prompt tokens prefilled per step (longer prompts are chunked)
+    max_queue_size: int = Field(ge=1)
+    default_max_tokens: int = Field(ge=1)
+    max_stop_words: int = Field(ge=0)
+    num_threads: int = Field(0, ge=0)  # 0 = all cores
+
+
+class RepositoryManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    filename: ClassVar[str] = "manifest.json"
+
+    name: str
+    llmc_version: str
+    target: str  # "onnxruntime"
+    engine: str  # file name in the version folder
+    tokenizer: str  # tokenizer.json (HuggingFace `tokenizers` format)
+    kv_layout: KVLayout
+    vocab_size: int
+    end_ids: list[int]
+    limits: ServingLimits
+    source_hash: str
+
+    def save(self, folder: Path) -> Path:
+        path = folder / self.filename
+        path.write_text(self.model_dump_json(indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, folder: Path) -> "RepositoryManifest":
+        path = Path(folder) / cls.filename
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ManifestError(f"{path}: missing (is {folder} a model version built by `llmc build`?)") from None
+        except (ValueError, ValidationError) as err:
+            raise ManifestError(f"{path}: unreadable manifest ({err}); rebuild with this llmc version") from None

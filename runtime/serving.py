@@ -1,0 +1,214 @@
+"""The serving loop: Triton-style requests in, streamed responses out, one engine thread batching.
+
+`submit(inputs, sink)` parses and queues a request and returns at once (a bad request is answered
+with an error right there); one thread runs `LLMEngine.step()` while there is work and sends each
+request's new text through its `sink`. A sink is whatever delivers responses: the Python-backend
+model wraps Triton's response sender, tests use a recording one.
+
+    sink.send(outputs: dict[str, np.ndarray], final: bool)   # a response; the last has final=True
+    sink.error(message: str)                                  # a final error response
+    sink.is_cancelled() -> bool                               # the client went away
+
+Every request ends with exactly one final response (text, error, or finish_reason `cancelled`);
+a failing step ends the requests in flight with an error and the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from llmc.runtime.engine import LLMEngine, StepOutput
+from llmc.runtime.metrics import ServingMetrics, null_metrics
+from llmc.runtime.request import Limits, Request, RequestError, parse_request
+from llmc.runtime.scheduler import QueueFull
+from llmc.runtime.sequence import FinishReason
+
+CANCEL_CHECK_INTERVAL = 0.02  # seconds between polls of the clients' cancellation flags
+
+
+class Sink(Protocol):
+    def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
+    def error(self, message: str) -> None: ...
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass
+class _Live:
+    request: Request
+    sink: Sink
+    num_prompt_tokens: int
+    arrived: float
+    last_token_at: float | None = None
+    ids: list[int] = field(default_factory=list)  # not yet sent (streaming) / all (otherwise)
+    text: list[str] = field(default_factory=list)
+    num_output_tokens: int = 0
+
+
+def _bytes(value: str) -> np.ndarray:
+    return np.array([value.encode("utf-8")], dtype=np.object_)
+
+
+def _int32(value: int) -> np.ndarray:
+    return np.array([value], dtype=np.int32)
+
+
+class ServingLoop:
+    def __init__(self, engine: LLMEngine, tokenizer, limits: Limits, metrics: ServingMetrics | None = None):
+        self.engine, self.tokenizer, self.limits = engine, tokenizer, limits
+        self.metrics = metrics or null_metrics()
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._wake, self._stopping = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmc-engine", daemon=True)
+        self._last_cancel_check = 0.0
+
+    @classmethod
+    def from_manifest(cls, folder: Path, metrics: ServingMetrics | None = None) -> "ServingLoop":
+        """Load the engine and tokenizer a packaged model version describes."""
+        from tokenizers import Tokenizer
+
+        from llmc.runtime.manifest import RepositoryManifest
+        from llmc.runtime.ort_runner import OrtRunner
+
+        m = RepositoryManifest.load(folder)
+        lim = m.limits
+        runner = OrtRunner(Path(folder) / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
+                           capacity=lim.max_seq_len, num_threads=lim.num_threads)
+        tokenizer = Tokenizer.from_file(str(Path(folder) / m.tokenizer))
+        engine = LLMEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_queue_size=lim.max_queue_size,
+                           max_num_tokens=lim.max_num_tokens)
+        return cls(engine, tokenizer, Limits(lim.max_seq_len, lim.default_max_tokens, lim.max_stop_words), metrics)
+
+    def start(self) -> "ServingLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._fail_all("the model is being unloaded")
+
+    def submit(self, inputs: Mapping[str, np.ndarray], sink: Sink) -> None:
+        """Queue a request (never blocks); a request that cannot run is answered with an error now."""
+        rid = f"r{next(self._ids)}"
+        try:
+            request = parse_request(inputs, self.limits)
+            if request.return_log_probs:
+                raise RequestError("return_log_probs: log probabilities are not supported by this llmc version")
+            prompt_ids = self.tokenizer.encode(request.prompt).ids
+            with self._lock:
+                self._live[rid] = _Live(request, sink, len(prompt_ids), time.monotonic())
+                self.engine.add_request(rid, prompt_ids, request.params)
+        except (RequestError, ValueError, QueueFull) as err:
+            with self._lock:
+                self._live.pop(rid, None)
+            message = str(err)
+            if isinstance(err, QueueFull):
+                message = f"busy, retry: {err}"
+            elif not isinstance(err, RequestError):
+                message = f"text_input: {err}"
+            self.metrics.failed()
+            _call(sink.error, message)
+            return
+        self.metrics.admitted(len(prompt_ids))
+        self._wake.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._live)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()
+            if not self.engine.has_work:
+                self._wake.wait(0.1)
+                continue
+            self._poll_cancellations()
+            try:
+                outputs = self.engine.step()
+            except Exception as err:  # the step failed: end what was in flight, keep serving
+                self.engine.abort_all()
+                self._fail_all(f"internal error while generating: {err!r}")
+                continue
+            now = time.monotonic()
+            for out in outputs:
+                self._respond(out, now)
+            s = self.engine.scheduler
+            self.metrics.load(s.num_running, s.num_waiting, self.engine.runner.cache.max_batch)
+        self.metrics.load(0, 0, self.engine.runner.cache.max_batch)
+
+    def _poll_cancellations(self) -> None:
+        now = time.monotonic()
+        if now - self._last_cancel_check < CANCEL_CHECK_INTERVAL:
+            return
+        self._last_cancel_check = now
+        with self._lock:
+            live = list(self._live.items())
+        for rid, entry in live:
+            reachable, cancelled = _call(entry.sink.is_cancelled)
+            if cancelled or not reachable:
+                self.engine.cancel(rid)
+
+    def _respond(self, out: StepOutput, now: float) -> None:
+        entry = self._live.get(out.request_id)
+        if entry is None:
+            return
+        if out.token_ids:
+            if entry.last_token_at is None:
+                self.metrics.first_token(now - entry.arrived)
+                self.metrics.tokens(len(out.token_ids), None)
+            else:
+                self.metrics.tokens(len(out.token_ids), now - entry.last_token_at)
+            entry.last_token_at = now
+        entry.ids += out.token_ids
+        entry.text.append(out.text)
+        entry.num_output_tokens += len(out.token_ids)
+        if out.finished:
+            with self._lock:
+                self._live.pop(out.request_id, None)
+            self.metrics.finished(now - entry.arrived, out.finish_reason is not FinishReason.cancelled)
+            self._send(out.request_id, entry, out.finish_reason)
+        elif entry.request.stream and out.text:
+            self._send(out.request_id, entry, None)
+
+    def _send(self, rid: str, entry: _Live, reason: FinishReason | None) -> None:
+        req, text = entry.request, "".join(entry.text)
+        if not req.stream and not req.exclude_input_in_output:
+            text = req.prompt + text
+        outputs = {"text_output": _bytes(text), "output_ids": np.array(entry.ids, dtype=np.int32)}
+        if reason is not None:
+            outputs["finish_reason"] = _bytes(reason.value)
+            if req.return_num_input_tokens:
+                outputs["num_input_tokens"] = _int32(entry.num_prompt_tokens)
+            if req.return_num_output_tokens:
+                outputs["num_output_tokens"] = _int32(entry.num_output_tokens)
+        entry.ids, entry.text = [], []
+        sent, _ = _call(entry.sink.send, outputs, reason is not None)
+        if not sent and reason is None:
+            self.engine.cancel(rid)  # the client cannot be reached: stop generating for it
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            live, self._live = list(self._live.values()), {}
+        for entry in live:
+            self.metrics.failed()
+            _call(entry.sink.error, message)
+
+
+def _call(fn, *args) -> tuple[bool, object]:
+    """Call into a sink: (whether it worked, its result). A sink that raises (its client is gone)
+    must not stop the loop."""
+    try:
+        return True, fn(*args)
+    except Exception:
+        return False, None
