@@ -108,6 +108,48 @@ def inspect(path: Annotated[Path, typer.Argument(help="A build folder, a stage f
         out.print(table)
 
 
+@app.command()
+@_friendly
+def serve(
+    build_dir: Annotated[Path, typer.Argument(help="A build folder (or its model_repository/).", show_default=False)],
+    http_port: Annotated[int, typer.Option(help="HTTP port (generate / generate_stream endpoints).")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="gRPC port (tritonclient, llmc generate).")] = 8001,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port.")] = 8002,
+    serving_env: Annotated[Optional[Path], typer.Option(help="The venv model.py runs in (default: $LLMC_SERVING_ENV or the .venv-serving made by scripts/setup.sh).")] = None,
+) -> None:
+    """Serve a build on a local Triton Inference Server (127.0.0.1) until Ctrl-C or SIGTERM.
+
+    The server comes from the nvidia-pytriton wheel (assembled once under ~/.cache/llmc). Call it with `llmc generate`, tritonclient, or HTTP: curl -d '{"text_input": "Hi", "max_tokens": 16}' 127.0.0.1:8000/v2/models/NAME/generate
+    """
+    from llmc.serve import serve_forever
+
+    serve_forever(build_dir, http_port, grpc_port, metrics_port, serving_env)
+
+
+@app.command()
+@_friendly
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt text.", show_default=False)],
+    url: Annotated[str, typer.Option(help="The server's gRPC address.")] = "127.0.0.1:8001",
+    model: Annotated[Optional[str], typer.Option(help="Model name (default: the server's only ready model).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Tokens to generate at most (default: the build's serving.default_max_tokens).")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (the default); higher samples more freely.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling: keep the most likely tokens up to this probability mass.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample among the k most likely tokens (0 = no limit).")] = None,
+    min_p: Annotated[Optional[float], typer.Option(help="Drop tokens less likely than min_p x the most likely one.")] = None,
+    repetition_penalty: Annotated[Optional[float], typer.Option(help="> 1 discourages tokens already in prompt or output.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Same seed, same sampled output.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable); it is cut from the output.")] = None,
+    no_stream: Annotated[bool, typer.Option("--no-stream", help="Wait for the whole text instead of streaming it.")] = False,
+) -> None:
+    """Generate text from a served model, printing tokens as they arrive (gRPC streaming)."""
+    from llmc.serve import generate_to
+
+    params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                  repetition_penalty=repetition_penalty, seed=seed, stop_words=stop or None)
+    generate_to(sys.stdout, prompt, url=url, model=model, stream=not no_stream, **params)
+
+
 def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C so staging folders are removed
     raise KeyboardInterrupt
 

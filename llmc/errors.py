@@ -45,3 +45,9 @@ class UnsupportedError(LlmcError):
     """A valid request this version of llmc (or this machine) cannot carry out."""
 
     exit_code = 7
+
+
+class ServingError(LlmcError):
+    """The Triton server could not be started or reached, or it refused a request."""
+
+    exit_code = 8

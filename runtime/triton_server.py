@@ -61,6 +61,56 @@ def assemble(dest: Path, python_version: str | None = None) -> Path:
     return dest
 
 
+def find_repository(path: Path) -> Path:
+    """The model repository in a build folder (`<build>/model_repository`), or `path` itself if it is one."""
+    path = Path(path)
+    for candidate in (path / "model_repository", path):
+        if candidate.is_dir() and any((d / "config.pbtxt").is_file() for d in candidate.iterdir() if d.is_dir()):
+            return candidate
+    if not path.exists():
+        raise TritonError(f"{path}: no such folder (pass a build folder made by `llmc build`)")
+    raise TritonError(f"{path}: no model repository there (a build folder holds model_repository/<name>/config.pbtxt; "
+                      "builds of checkpoints without a tokenizer have none)")
+
+
+def find_serving_env(explicit: Path | None = None) -> Path:
+    """The serving Python: `explicit`, else $LLMC_SERVING_ENV, else the .venv-serving scripts/setup.sh made."""
+    import llmc
+
+    source_root = Path(llmc.__file__).resolve().parents[1]
+    candidates = [explicit] if explicit else [Path(p) for p in [os.environ.get("LLMC_SERVING_ENV")] if p] or [
+        Path.cwd() / ".venv-serving", source_root / ".venv-serving"]
+    for env in candidates:
+        if (env / "bin" / "python3").exists():
+            return env.absolute()
+    raise TritonError(f"no serving environment at {', '.join(map(str, candidates))}: run scripts/setup.sh, or pass "
+                      "a venv with the repository's requirements.txt installed (--serving-env / LLMC_SERVING_ENV)")
+
+
+def cache_dir() -> Path:
+    """Where the assembled server lives between runs ($XDG_CACHE_HOME/llmc)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmc"
+
+
+def default_server_dir() -> Path:
+    """The assembled server for this nvidia-pytriton and Python version, under `cache_dir()`."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("nvidia-pytriton")
+    except importlib.metadata.PackageNotFoundError:
+        raise TritonError("the nvidia-pytriton wheel is not installed (scripts/setup.sh installs it)") from None
+    return cache_dir() / f"tritonserver-{version}-py{sysconfig.get_python_version()}"
+
+
+def check_port_free(port: int, flag: str) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise TritonError(f"port {port} on 127.0.0.1 is in use; pick another with {flag}") from None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -83,3 +83,29 @@ def smollm2() -> Path:
 @pytest.fixture(autouse=True)
 def _quiet_threads(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "2"))
+
+
+TINY_SERVING_SPEC = {"limits": {"max_batch_size": 4, "max_seq_len": 128, "max_num_tokens": 64},
+                     "serving": {"default_max_tokens": 16, "max_queue_size": 64}}
+
+
+@pytest.fixture(scope="session")
+def tiny_build(tiny_checkpoints, tmp_path_factory):
+    """The tiny Llama built through packaging: `.repository` is a Triton model repository."""
+    from llmc.compiler import build
+    from llmc.compiler.spec import parse_spec
+
+    spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), **TINY_SERVING_SPEC})
+    return build(spec, output=tmp_path_factory.mktemp("tiny_build") / "tiny")
+
+
+def greedy_reference(model, prompt_ids: list[int], max_tokens: int, end_ids=()) -> list[int]:
+    """PyTorch greedy tokens for one prompt, ending after an end id as the runtime does."""
+    from llmc.compiler.verify import torch_greedy
+
+    _, last = torch_greedy(model, prompt_ids, max_tokens, lambda: None)
+    tokens = [int(l.argmax()) for l in last]
+    for i, t in enumerate(tokens):
+        if t in end_ids:
+            return tokens[:i + 1]
+    return tokens

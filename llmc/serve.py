@@ -1,0 +1,70 @@
+"""What `llmc serve` and `llmc generate` do, as functions (the CLI only parses arguments).
+
+Runtime errors (TritonError, GenerationError) become `ServingError`, so the CLI prints one line.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from llmc.errors import ServingError
+
+
+def start_server(build_dir: Path, http_port: int, grpc_port: int, metrics_port: int, serving_env: Path | None):
+    from llmc.runtime.triton_server import (Ports, TritonError, TritonServer, assemble, check_port_free,
+                                            default_server_dir, find_repository, find_serving_env)
+
+    try:
+        repository = find_repository(build_dir)
+        env = find_serving_env(serving_env)
+        for port, flag in ((http_port, "--http-port"), (grpc_port, "--grpc-port"), (metrics_port, "--metrics-port")):
+            check_port_free(port, flag)
+        server_dir = assemble(default_server_dir())
+        log = server_dir.parent / "logs" / f"serve-{repository.resolve().parent.name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        server = TritonServer(repository.resolve(), server_dir=server_dir, serving_env=env,
+                              ports=Ports(http_port, grpc_port, metrics_port), log_path=log)
+        return server.start(timeout=300)
+    except TritonError as err:
+        raise ServingError(str(err)) from None
+
+
+def serve_forever(build_dir: Path, http_port: int, grpc_port: int, metrics_port: int, serving_env: Path | None) -> None:
+    from llmc.console import console
+
+    server = start_server(build_dir, http_port, grpc_port, metrics_port, serving_env)
+    try:
+        models = sorted(d.name for d in server.repository.iterdir() if (d / "config.pbtxt").is_file())
+        console.print(f"[green]serving[/] {', '.join(models)} from {server.repository}")
+        console.print(f"  gRPC     {server.grpc_url}   llmc generate --url {server.grpc_url} \"Hello\"")
+        console.print(f"  HTTP     http://{server.http_url}/v2/models/{models[0]}/generate (and generate_stream)")
+        console.print(f"  metrics  http://127.0.0.1:{server.ports.metrics}/metrics")
+        console.print(f"  log      {server.log_path}")
+        console.print("Ctrl-C to stop")
+        while server.process.poll() is None:
+            time.sleep(0.5)
+        raise ServingError(f"tritonserver exited with {server.process.returncode}; see {server.log_path}")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the normal way to stop
+        console.print("stopping Triton (requests in flight get up to 10 s)...")
+    finally:
+        server.stop()
+    console.print("stopped")
+
+
+def generate_to(out: TextIO, prompt: str, *, url: str, model: str | None, stream: bool, **params) -> None:
+    from llmc.console import console
+    from llmc.runtime.client import Client, Generation, GenerationError
+
+    client = Client(url, model)
+    gen = Generation()
+    try:
+        for chunk in client.generate(prompt, stream, gen, **{k: v for k, v in params.items() if v is not None}):
+            out.write(chunk)
+            out.flush()
+    except GenerationError as err:
+        raise ServingError(str(err)) from None
+    out.write("\n")
+    console.print(f"[dim]finish_reason: {gen.finish_reason}, {len(gen.output_ids)} tokens[/]")

@@ -1,0 +1,167 @@
+"""The serving loop in process (no Triton): streamed responses, errors, cancellation, metrics."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import byte_tokenizer, greedy_reference
+from llmc.runtime.metrics import ServingMetrics
+from llmc.runtime.serving import ServingLoop
+
+
+class RecordingSink:
+    def __init__(self, cancel_after: int | None = None):
+        self.responses, self.errors, self.done = [], [], threading.Event()
+        self.cancel_after = cancel_after
+
+    def send(self, outputs, final):
+        self.responses.append(outputs)
+        if final:
+            self.done.set()
+
+    def error(self, message):
+        self.errors.append(message)
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancel_after is not None and len(self.responses) >= self.cancel_after
+
+    def wait(self, timeout=30):
+        assert self.done.wait(timeout), "no final response"
+        return self
+
+    @property
+    def text(self):
+        return "".join(r["text_output"][0].decode() for r in self.responses)
+
+    @property
+    def ids(self):
+        return [int(i) for r in self.responses for i in r["output_ids"]]
+
+    @property
+    def finish_reason(self):
+        return self.responses[-1]["finish_reason"][0].decode() if self.responses else None
+
+
+class Recorder:
+    def __init__(self):
+        self.values = {}
+
+    def __call__(self, kind, name, doc, buckets):
+        rec = self
+
+        class Metric:
+            def observe(self, v):
+                rec.values.setdefault(name, []).append(v)
+
+            def increment(self, v):
+                rec.values[name] = rec.values.get(name, 0) + v
+
+            def set(self, v):
+                rec.values[name] = v
+
+        return Metric()
+
+
+@pytest.fixture
+def served(tiny_build):
+    recorder = Recorder()
+    version = tiny_build.repository / "tiny" / "1"
+    loop = ServingLoop.from_manifest(version, ServingMetrics(recorder)).start()
+    yield loop, recorder
+    loop.stop()
+
+
+def _req(prompt="hello there", **kw):
+    inputs = {"text_input": np.array([prompt.encode()], dtype=object)}
+    for name, value in kw.items():
+        dtype = {bool: np.bool_, float: np.float32, int: np.int32}[type(value)]
+        inputs[name] = np.array([value], dtype=dtype)
+    return inputs
+
+
+def test_streamed_chunks_add_up_to_the_whole_text_and_match_pytorch(served, tiny_checkpoints):
+    from llmc.compiler.source import inspect_source, load_model
+    from llmc.compiler.spec import SourceSpec
+
+    loop, recorder = served
+    whole = RecordingSink()
+    loop.submit(_req(max_tokens=12), whole)
+    streamed = RecordingSink()
+    loop.submit(_req(max_tokens=12, stream=True), streamed)
+    whole.wait(), streamed.wait()
+    assert len(whole.responses) == 1 and len(streamed.responses) > 1
+    assert streamed.text == whole.text and streamed.ids == whole.ids
+    assert whole.finish_reason == streamed.finish_reason
+    model, _ = load_model(inspect_source(SourceSpec(path=tiny_checkpoints["llama"])))
+    prompt_ids = byte_tokenizer().encode("hello there").ids
+    assert whole.ids == greedy_reference(model, prompt_ids, 12, end_ids=(2,))
+    assert recorder.values["llmc_generation_tokens_total"] == 2 * len(whole.ids)
+    assert len(recorder.values["llmc_time_to_first_token_seconds"]) == 2
+
+
+def test_bad_requests_get_an_error_naming_the_input_and_others_go_on(served):
+    loop, recorder = served
+    good = RecordingSink()
+    loop.submit(_req(max_tokens=40, stream=True), good)
+    bad = {"temperature": _req(temperature=-1.0), "top_p": _req(top_p=0.0), "max_tokens": _req(max_tokens=0),
+           "text_input": _req("x" * 200), "stop_words": {**_req(), "stop_words": np.array([b"a"] * 9, dtype=object)},
+           "return_log_probs": _req(return_log_probs=True)}
+    sinks = {name: RecordingSink() for name in bad}
+    for name, inputs in bad.items():
+        loop.submit(inputs, sinks[name])
+    for name, sink in sinks.items():
+        assert sink.wait().responses == [] and len(sink.errors) == 1 and sink.errors[0].startswith(name), sink.errors
+    assert good.wait().errors == [] and good.finish_reason in ("length", "stop")
+    assert recorder.values["llmc_request_failure_total"] == len(bad)
+
+
+def test_cancelled_request_frees_its_slot_and_the_gauges_return_to_zero(served, monkeypatch):
+    from llmc.runtime import serving
+
+    monkeypatch.setattr(serving, "CANCEL_CHECK_INTERVAL", 0.0)  # poll every step: the tiny model is fast
+    loop, recorder = served
+    sink = RecordingSink(cancel_after=2)
+    loop.submit(_req(max_tokens=100, stream=True, min_tokens=100), sink)
+    assert sink.wait().finish_reason == "cancelled" and len(sink.ids) < 100
+    deadline = time.monotonic() + 5
+    while loop.engine.has_work and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop.engine.scheduler.num_running == 0 and loop.num_in_flight == 0
+    time.sleep(0.3)  # the idle loop publishes the gauges
+    assert recorder.values["llmc_requests_running"] == 0 and recorder.values["llmc_kv_cache_usage_ratio"] == 0
+
+
+def test_full_queue_answers_busy_retry(tiny_build):
+    from llmc.runtime.serving import ServingLoop
+
+    loop = ServingLoop.from_manifest(tiny_build.repository / "tiny" / "1")  # not started: nothing leaves the queue
+    loop.engine.scheduler.max_queue_size = 1
+    first, second = RecordingSink(), RecordingSink()
+    loop.submit(_req(), first)
+    loop.submit(_req(), second)
+    assert second.errors and second.errors[0].startswith("busy, retry")
+    loop.stop()
+    assert first.errors == ["the model is being unloaded"]  # stopping answers what was still queued
+
+
+def test_a_failing_step_ends_requests_in_flight_and_the_loop_keeps_serving(served, monkeypatch):
+    loop, _ = served
+    real_step, calls = loop.engine.runner.step, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop.engine.runner, "step", failing_once)
+    victim = RecordingSink()
+    loop.submit(_req(max_tokens=5), victim)
+    assert victim.wait().errors and "boom" in victim.errors[0]
+    after = RecordingSink()
+    loop.submit(_req(max_tokens=5), after)
+    assert after.wait().errors == [] and len(after.ids) == 5
+    assert loop.engine.scheduler.num_running == 0
