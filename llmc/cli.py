@@ -150,6 +150,43 @@ def generate(
     generate_to(sys.stdout, prompt, url=url, model=model, stream=not no_stream, **params)
 
 
+@app.command()
+@_friendly
+def bench(
+    build_dir: Annotated[Optional[Path], typer.Argument(help="A build folder to serve for the run (or pass --url).", show_default=False)] = None,
+    url: Annotated[Optional[str], typer.Option(help="Benchmark a running server at this gRPC address instead.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model name (default: the server's only ready model).")] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Streams in flight at once.")] = 16,
+    requests: Annotated[Optional[int], typer.Option(min=1, help="Requests in the concurrent run (default: 2 x concurrency).")] = None,
+    prompt_words: Annotated[int, typer.Option(min=1, help="Prompt length in words (the server reports tokens).")] = 96,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request (end ids ignored).")] = 64,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results here.")] = None,
+    serving_env: Annotated[Optional[Path], typer.Option(help="The venv model.py runs in (as for llmc serve).")] = None,
+) -> None:
+    """Measure a served model: a sequential baseline, then concurrent streams, in one run.
+
+    Prints time to first token, inter-token latency and request latency (p50 / p99), tokens/s and errors, and the concurrent run's throughput as a multiple of the sequential one. With BUILD_DIR a server is started on free ports and stopped afterwards.
+    """
+    import json
+
+    from llmc.console import bench_table, out
+    from llmc.errors import UnsupportedError
+    from llmc.serve import bench as run_bench
+
+    if (build_dir is None) == (url is None):
+        raise UnsupportedError("pass a BUILD_DIR to serve for the benchmark, or --url of a running server (not both)")
+    results = run_bench(build_dir, url=url, model=model, concurrency=concurrency, num_requests=requests or 2 * concurrency,
+                        prompt_words=prompt_words, max_tokens=max_tokens, serving_env=serving_env)
+    out.print(bench_table(results))
+    out.print(f"throughput at concurrency {concurrency}: {results['throughput_ratio']:.2f}x the sequential baseline")
+    for name, r in results.items():
+        if isinstance(r, dict) and r.get("first_error"):
+            out.print(f"[red]{name}: {r['errors']} error(s)[/], first: {r['first_error']}")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C so staging folders are removed
     raise KeyboardInterrupt
 

@@ -64,3 +64,34 @@ def sections_table(sections) -> list[Table]:
             t.add_row(Text(k), Text(v))  # plain text: shapes like [batch, seq] are not markup
         tables.append(t)
     return tables
+
+
+class progress_bar:
+    """`with progress_bar("what") as advance: advance(done, total)`: a transient bar on stderr."""
+
+    def __init__(self, description: str):
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=console, transient=True)
+        self.description = description
+
+    def __enter__(self):
+        self.progress.start()
+        task = self.progress.add_task(self.description, total=None)
+        return lambda done, total: self.progress.update(task, completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+
+def bench_table(results: dict) -> Table:
+    table = Table(title="llmc bench (streaming over gRPC)", title_justify="left")
+    for col in ("run", "requests", "errors", "TTFT p50 / p99", "ITL p50 / p99", "latency p50 / p99", "tokens/s"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    ms = lambda v: "-" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
+    for name, r in results.items():
+        if not isinstance(r, dict):
+            continue
+        table.add_row(name, str(r["requests"]), str(r["errors"]), f"{ms(r['ttft_s_p50'])} / {ms(r['ttft_s_p99'])}",
+                      f"{ms(r['itl_s_p50'])} / {ms(r['itl_s_p99'])}", f"{ms(r['latency_s_p50'])} / {ms(r['latency_s_p99'])}",
+                      f"{r['tokens_per_s']:.1f}")
+    return table

@@ -13,13 +13,16 @@ from typing import TextIO
 from llmc.errors import ServingError
 
 
-def start_server(build_dir: Path, http_port: int, grpc_port: int, metrics_port: int, serving_env: Path | None):
+def start_server(build_dir: Path, http_port: int | None, grpc_port: int | None, metrics_port: int | None,
+                 serving_env: Path | None):
+    """Start Triton on a build's repository (ports None: free ones); errors name what to change."""
     from llmc.runtime.triton_server import (Ports, TritonError, TritonServer, assemble, check_port_free,
-                                            default_server_dir, find_repository, find_serving_env)
+                                            default_server_dir, find_repository, find_serving_env, free_port)
 
     try:
         repository = find_repository(build_dir)
         env = find_serving_env(serving_env)
+        http_port, grpc_port, metrics_port = (p or free_port() for p in (http_port, grpc_port, metrics_port))
         for port, flag in ((http_port, "--http-port"), (grpc_port, "--grpc-port"), (metrics_port, "--metrics-port")):
             check_port_free(port, flag)
         server_dir = assemble(default_server_dir())
@@ -68,3 +71,39 @@ def generate_to(out: TextIO, prompt: str, *, url: str, model: str | None, stream
         raise ServingError(str(err)) from None
     out.write("\n")
     console.print(f"[dim]finish_reason: {gen.finish_reason}, {len(gen.output_ids)} tokens[/]")
+
+
+def bench(build_dir: Path | None, *, url: str | None, model: str | None, concurrency: int, num_requests: int,
+          prompt_words: int, max_tokens: int, serving_env: Path | None = None) -> dict:
+    """A sequential baseline, then `num_requests` streams at `concurrency`, against `url` or a server
+    started here on `build_dir` (free ports, stopped afterwards). Returns both summaries."""
+    import asyncio
+
+    from llmc.console import progress_bar
+    from llmc.runtime.bench import run_load
+
+    server = start_server(build_dir, None, None, None, serving_env) if url is None else None
+    target = url or server.grpc_url
+    try:
+        results = {}
+        for name, c, n in (("sequential", 1, max(3, num_requests // concurrency)),
+                           (f"{concurrency} concurrent", concurrency, num_requests)):
+            with progress_bar(f"{name}: {n} requests, {max_tokens} tokens each") as advance:
+                load = asyncio.run(run_load(target, model, concurrency=c, num_requests=n,
+                                            prompt_words=prompt_words, max_tokens=max_tokens, progress=advance))
+            results[name] = load.summary()
+            if results[name]["errors"]:
+                first = next(r.error for r in load.requests if r.error)
+                results[name]["first_error"] = first
+    except Exception as err:
+        from llmc.runtime.client import GenerationError
+
+        if isinstance(err, GenerationError):
+            raise ServingError(str(err)) from None
+        raise
+    finally:
+        if server is not None:
+            server.stop()
+    seq, conc = results.values()
+    results["throughput_ratio"] = conc["tokens_per_s"] / seq["tokens_per_s"]
+    return results

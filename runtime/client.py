@@ -39,6 +39,7 @@ class Generation:
     chunks: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    num_input_tokens: int | None = None  # when requested with return_num_input_tokens=True
 
     @property
     def text(self) -> str:
@@ -50,6 +51,9 @@ class Generation:
         ids = result.as_numpy("output_ids")
         if ids is not None:
             self.output_ids += ids.reshape(-1).tolist()
+        count = result.as_numpy("num_input_tokens")
+        if count is not None:
+            self.num_input_tokens = int(count.reshape(-1)[0])
         reason = result.as_numpy("finish_reason")
         if reason is not None:
             self.finish_reason = reason.reshape(-1)[0].decode()
