@@ -40,10 +40,20 @@ class Generation:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_input_tokens: int | None = None  # when requested with return_num_input_tokens=True
+    done: bool = False  # the final response (or an error) has arrived
 
     @property
     def text(self) -> str:
         return "".join(self.chunks)
+
+    def take(self, result, error) -> str:
+        """Add one streamed response and return its text; an error response raises GenerationError."""
+        if error is not None:
+            self.done = True
+            raise GenerationError(_message(error))
+        chunk = self._add(result)
+        self.done = _is_final(result)
+        return chunk
 
     def _add(self, result) -> str:
         text = result.as_numpy("text_output")
@@ -140,25 +150,17 @@ class Client:
         model = self.model
         responses: queue.Queue = queue.Queue()
         client = self._connect()
-        finished = False
         try:
             client.start_stream(callback=lambda result, error: responses.put((result, error)),
                                 stream_timeout=self.timeout)
             client.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex)
-            while True:
-                result, error = responses.get()
-                if error is not None:
-                    finished = True
-                    raise GenerationError(_message(error))
-                chunk = gen._add(result)
-                finished = _is_final(result)
+            while not gen.done:
+                chunk = gen.take(*responses.get())
                 if chunk:
                     yield chunk
-                if finished:
-                    return
         finally:
             try:
-                client.stop_stream(cancel_requests=not finished)  # left early: cancel on the server
+                client.stop_stream(cancel_requests=not gen.done)  # left early: cancel on the server
             finally:
                 client.close()
 
@@ -202,28 +204,22 @@ class AsyncClient:
             yield request
 
         responses = self._client.stream_infer(requests())
-        finished = False
         try:
             async for result, error in responses:
-                if error is not None:
-                    finished = True
-                    raise GenerationError(_message(error))
-                chunk = gen._add(result)
-                finished = _is_final(result)
+                chunk = gen.take(result, error)
                 if chunk:
                     yield chunk
-                if finished:
+                if gen.done:
                     return
-            if not finished:
-                raise GenerationError(f"{self.url}: the stream ended before the final response")
+            raise GenerationError(f"{self.url}: the stream ended before the final response")
         except GenerationError:
             raise
-        except Exception as err:
-            finished = True
+        except Exception as err:  # grpc errors: the server went away, the stream broke
+            gen.done = True
             raise GenerationError(_message(err)) from None
         finally:
-            if not finished:
-                responses.cancel()
+            if not gen.done:
+                responses.cancel()  # left early: cancel on the server
 
     async def complete(self, prompt: str, **params) -> Generation:
         gen = Generation()

@@ -140,11 +140,11 @@ class ServingLoop:
                 self.engine.abort_all()
                 self._fail_all(f"internal error while generating: {err!r}")
                 continue
+            s = self.engine.scheduler  # gauges first: a client that sees a response sees them current
+            self.metrics.load(s.num_running, s.num_waiting, self.engine.runner.cache.max_batch)
             now = time.monotonic()
             for out in outputs:
                 self._respond(out, now)
-            s = self.engine.scheduler
-            self.metrics.load(s.num_running, s.num_waiting, self.engine.runner.cache.max_batch)
         self.metrics.load(0, 0, self.engine.runner.cache.max_batch)
 
     def _poll_cancellations(self) -> None:
