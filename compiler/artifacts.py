@@ -13,6 +13,8 @@ from typing import ClassVar, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmc.compiler.hashing import sha256_file
+from llmc.compiler.quality import QualityReport
+from llmc.compiler.spec import QuantMode
 from llmc.errors import ArtifactError
 from llmc.plugins.lowering import Lowering
 from llmc.runtime.layout import KVLayout
@@ -102,6 +104,19 @@ class ExportedModel(Artifact):
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
     external_data: bool
+    versions: dict[str, str]
+
+
+class QuantizedModel(Artifact):
+    filename: ClassVar[str] = "quantized.json"
+
+    onnx: str
+    mode: QuantMode
+    bits: int
+    method: str
+    calibration: str
+    kv_layout: KVLayout
+    report: QualityReport
     versions: dict[str, str]
 
 

@@ -141,15 +141,23 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     simplify(program.model)
     proto = program.model_proto
     trim_unused_outputs(proto.graph)
-    weight_bytes = sum(t.ByteSize() for t in proto.graph.initializer)
-    external = weight_bytes > external_threshold
+    external = save_model(proto, out_dir, external_threshold)
     path = out_dir / ONNX_NAME
-    onnx.save_model(proto, path, save_as_external_data=external, all_tensors_to_one_file=True,
-                    location=EXTERNAL_DATA_NAME, size_threshold=1024)
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except onnx.checker.ValidationError as err:
         raise ExportError(f"{path}: the exported graph fails onnx.checker: {err}") from err
+    return external
+
+
+def save_model(proto, out_dir: Path, external_threshold: int = PROTOBUF_LIMIT) -> bool:
+    """Write `out_dir/model.onnx`, weights in `model.onnx.data` only when they would not fit
+    protobuf's limit. Returns whether they went to external data."""
+    import onnx
+
+    external = sum(t.ByteSize() for t in proto.graph.initializer) > external_threshold
+    onnx.save_model(proto, out_dir / ONNX_NAME, save_as_external_data=external, all_tensors_to_one_file=True,
+                    location=EXTERNAL_DATA_NAME, size_threshold=1024)
     return external
 
 

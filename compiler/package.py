@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 import llmc
-from llmc.compiler.artifacts import ExportedModel
+from llmc.compiler.artifacts import ExportedModel, QuantizedModel
 from llmc.compiler.output import link_or_copy
 from llmc.compiler.source import SourceInfo
 from llmc.compiler.spec import BuildSpec
@@ -40,12 +40,14 @@ def requirements() -> list[str]:
     return ["numpy<2", *pins, "pydantic>=2.6"]
 
 
-def package(spec: BuildSpec, exported: ExportedModel, export_dir: Path, source: SourceInfo, repo_dir: Path) -> RepositoryManifest:
+def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | QuantizedModel, engine_dir: Path,
+            source: SourceInfo, repo_dir: Path) -> RepositoryManifest:
+    """Write the repository for `engine` (the export, or its quantized form) found in `engine_dir`."""
     model_dir = repo_dir / spec.name
     version_dir = model_dir / VERSION
     version_dir.mkdir(parents=True)
-    for name in exported.files:  # the graph and its external data, side by side as ORT expects
-        link_or_copy(str(export_dir / name), str(version_dir / name))
+    for name in engine.files:  # the graph and its external data, side by side as ORT expects
+        link_or_copy(str(engine_dir / name), str(version_dir / name))
     _write_tokenizer(source, version_dir / TOKENIZER_FILE)
     _copy_runtime(version_dir / "llmc")
     shutil.copyfile(importlib.resources.files("llmc.model_repository") / "model.py", version_dir / "model.py")
@@ -53,7 +55,7 @@ def package(spec: BuildSpec, exported: ExportedModel, export_dir: Path, source: 
     (model_dir / "requirements.txt").write_text("\n".join(requirements()) + "\n")
     limits, serving = spec.limits, spec.serving
     manifest = RepositoryManifest(
-        name=spec.name, llmc_version=llmc.__version__, target=spec.target.value, engine=exported.onnx,
+        name=spec.name, llmc_version=llmc.__version__, target=spec.target.value, engine=engine.onnx,
         tokenizer=TOKENIZER_FILE, kv_layout=exported.kv_layout, vocab_size=exported.model.vocab_size,
         end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash,
         limits=ServingLimits(max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,

@@ -1,6 +1,6 @@
 """`build`: run the stages over a spec, reuse what is unchanged, publish the output atomically.
 
-    source -> export -> verify -> package        (quantize and the TensorRT engine join as they land)
+    source -> export -> verify -> quantize -> package        (the TensorRT engine joins as it lands)
 
 Each stage has an inputs hash; when the previous output holds an artifact with the same hash and
 intact files, the stage is reused (hard-linked) instead of run. Packaging (links, small files)
@@ -16,20 +16,21 @@ from pathlib import Path
 from typing import Protocol
 
 from llmc.compiler import output as out
-from llmc.compiler.artifacts import ExportedModel, VerifyReport
+from llmc.compiler.artifacts import ExportedModel, QuantizedModel, VerifyReport
 from llmc.compiler.hashing import code_hash, hash_json
 from llmc.compiler.source import SourceInfo, inspect_source, load_model
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
-from llmc.errors import SpecError, UnsupportedError, VerifyError
+from llmc.errors import QuantizationError, SpecError, UnsupportedError, VerifyError
 from llmc.plugins.lowering import Lowering
 from llmc.runtime.manifest import RepositoryManifest
 
-STAGES = ("source", "export", "verify", "package")
+STAGES = ("source", "export", "verify", "quantize", "package")
 REPOSITORY_DIR = "model_repository"
 # the modules whose code decides each stage's output (part of its cache key)
 EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.graph_passes",
                "llmc.plugins.attention", "llmc.plugins.lowering", "llmc.runtime.layout")
 VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
+QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.quality", "llmc.compiler.textdata", "llmc.runtime.ort_runner")
 BUILD_RECORD = "build.json"
 
 
@@ -59,6 +60,7 @@ class BuildResult:
     stages: list[StageResult] = field(default_factory=list)
     exported: ExportedModel | None = None
     verify: VerifyReport | None = None
+    quantized: QuantizedModel | None = None
     manifest: RepositoryManifest | None = None
 
     @property
@@ -74,9 +76,13 @@ def preflight(spec: BuildSpec, until: str = "verify") -> None:
             "(the TensorRT engine stage is not implemented yet); use target: onnxruntime"
         )
     if spec.quantization.mode is not QuantMode.none:
+        from llmc.compiler.textdata import load_documents
+
+        load_documents(spec.quantization.calibration.data, "quantization.calibration.data")  # fail early
+    if spec.quantization.mode in (QuantMode.int8, QuantMode.fp8):
         raise UnsupportedError(
-            f"quantization.mode: {spec.quantization.mode.value} is not implemented in this version "
-            "of llmc; use mode: none"
+            f"quantization.mode: {spec.quantization.mode.value} (static Q/DQ for TensorRT) is not implemented in "
+            "this version of llmc; use int8-weight-only or int4-weight-only (ONNX Runtime), or none"
         )
 
 
@@ -182,7 +188,57 @@ def _run_stages(b: _Build, staging: Path, until: str, external_threshold: int | 
     b.stage("verify", f"PyTorch vs ONNX Runtime ({lowering.value} attention)", lambda: _verify(b, staging, state["model"], state["hash"]))
     if until == "verify":
         return
+    b.stage("quantize", f"quantizing ({spec.quantization.mode.value}) and measuring quality",
+            lambda: _quantize(b, staging, state["info"], state["hash"]))
+    if until == "quantize":
+        return
     b.stage("package", "writing the Triton model repository", lambda: _package(b, staging, state["info"]))
+
+
+def _quantize(b: _Build, staging: Path, info: SourceInfo, source_hash: str):
+    from llmc.compiler.source import load_tokenizer
+
+    spec, exported = b.spec, b.result.exported
+    q = spec.quantization
+    if q.mode is QuantMode.none:
+        return "skipped", "quantization.mode is none"
+    import onnxruntime
+
+    key = hash_json({"stage": "quantize", "export": exported.files, "code": code_hash(*QUANTIZE_CODE),
+                     "quantization": q.model_dump(mode="json", exclude={"max_perplexity_increase"}),
+                     "onnxruntime": onnxruntime.__version__})
+    art = b.reuse("quantize", QuantizedModel, key, staging)
+    status = "cached"
+    if art is None:
+        from llmc.compiler.quantize import quantize
+
+        tokenizer = load_tokenizer(info)
+        if tokenizer is None:
+            raise SpecError(f"quantization.mode: {q.mode.value} needs the checkpoint's tokenizer (to measure "
+                            f"perplexity on text); {info.path} has none")
+        art = quantize(exported, staging / "export", staging / "quantize", q, tokenizer, inputs_hash=key,
+                       num_threads=spec.serving.num_threads, progress=b.reporter.stage_progress)
+        status = "ran"
+    b.result.quantized = art
+    r = art.report
+    summary = (f"{art.mode.value}: perplexity {r.perplexity_reference:.2f} -> {r.perplexity_quantized:.2f} "
+               f"({r.perplexity_increase:+.1%}), greedy agreement {r.token_agreement:.0%}, "
+               f"{_mib(r.size_reference_mib)} -> {_mib(r.size_quantized_mib)} MiB, decode "
+               f"{r.decode_tok_s_quantized / r.decode_tok_s_reference:.1f}x")
+    check_quality_gate(r, q.max_perplexity_increase)
+    return status, summary
+
+
+def check_quality_gate(report, limit: float) -> None:
+    if report.perplexity_increase > limit:
+        raise QuantizationError(
+            f"quality gate: perplexity rose {report.perplexity_increase:.1%} ({report.perplexity_reference:.3f} -> "
+            f"{report.perplexity_quantized:.3f}), above quantization.max_perplexity_increase ({limit:.1%}); raise "
+            "the limit, or use a mode with more bits or a smaller block_size")
+
+
+def _mib(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.2f}"
 
 
 def _package(b: _Build, staging: Path, info: SourceInfo):
@@ -191,7 +247,9 @@ def _package(b: _Build, staging: Path, info: SourceInfo):
     exported = b.result.exported
     if not exported.model.has_tokenizer:
         return "skipped", "the checkpoint has no tokenizer, so there is no text to serve"
-    b.result.manifest = package(b.spec, exported, staging / "export", info, staging / REPOSITORY_DIR)
+    engine = b.result.quantized or exported
+    engine_dir = staging / ("quantize" if b.result.quantized else "export")
+    b.result.manifest = package(b.spec, exported, engine, engine_dir, info, staging / REPOSITORY_DIR)
     lim = b.result.manifest.limits
     return "ran", (f"{REPOSITORY_DIR}/{b.spec.name}: {lim.max_batch_size} KV slots x {lim.max_seq_len} tokens, "
                    f"queue {lim.max_queue_size}")

@@ -79,6 +79,18 @@ class QuantizationSpec(_Strict):
     max_perplexity_increase: Annotated[float, Field(ge=0.0, le=10.0)] = Field(
         0.05, description="Relative increase allowed over the unquantized model (0.05 = 5%)."
     )
+    block_size: int = Field(32, description="Weights per scale in the weight-only modes (16, 32, 64, 128 or 256).")
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_is_a_kernel_size(cls, value: int) -> int:
+        if value not in (16, 32, 64, 128, 256):
+            raise ValueError("must be 16, 32, 64, 128 or 256 (the block sizes MatMulNBits kernels take)")
+        return value
+
+    @property
+    def weight_only(self) -> bool:
+        return self.mode in (QuantMode.int8_weight_only, QuantMode.int4_weight_only)
 
 
 class ExportSpec(_Strict):
@@ -160,6 +172,9 @@ class BuildSpec(_Strict):
                 f"precision {self.precision.value} needs target: tensorrt; target onnxruntime "
                 "builds fp32 (use quantization.mode for smaller CPU models)"
             )
+        if self.quantization.weight_only and self.target is not Target.onnxruntime:
+            raise ValueError(f"quantization.mode: {self.quantization.mode.value} is ONNX Runtime's MatMulNBits and "
+                             "needs target: onnxruntime; TensorRT takes int8 or fp8")
         attention = self.export.attention
         if (attention is AttentionLowering.fused and self.target is not Target.onnxruntime) or \
                 (attention is AttentionLowering.plugin and self.target is not Target.tensorrt):
@@ -219,6 +234,11 @@ def _resolve_paths(spec: BuildSpec, base_dir: Path) -> BuildSpec:
     update: dict[str, Any] = {"source": source}
     if spec.output is not None:
         update["output"] = (base_dir / spec.output.expanduser()).resolve()
+    calibration = spec.quantization.calibration
+    if calibration.data != "builtin":
+        data = str((base_dir / Path(calibration.data).expanduser()).resolve())
+        update["quantization"] = spec.quantization.model_copy(
+            update={"calibration": calibration.model_copy(update={"data": data})})
     return spec.model_copy(update=update)
 
 

@@ -51,3 +51,9 @@ class ServingError(LlmcError):
     """The Triton server could not be started or reached, or it refused a request."""
 
     exit_code = 8
+
+
+class QuantizationError(LlmcError):
+    """The quantized model failed the spec's quality gate."""
+
+    exit_code = 9

@@ -24,19 +24,19 @@ def _statuses(result):
 def test_rebuild_with_nothing_changed_reuses_every_stage(tiny_llama, tmp_path):
     spec = parse_spec({"name": "t", "source": str(tiny_llama)})
     first = build(spec, output=tmp_path / "out")
-    assert _statuses(first) == {"source": "ran", "export": "ran", "verify": "ran", "package": "ran"}
+    assert _statuses(first) == {"source": "ran", "export": "ran", "verify": "ran", "quantize": "skipped", "package": "ran"}
     second = build(spec, output=tmp_path / "out")
-    assert _statuses(second) == {"source": "ran", "export": "cached", "verify": "cached", "package": "ran"}
+    assert _statuses(second) == {"source": "ran", "export": "cached", "verify": "cached", "quantize": "skipped", "package": "ran"}
     assert second.exported == first.exported and second.verify == first.verify
     record = json.loads((tmp_path / "out" / "build.json").read_text())
-    assert [s["status"] for s in record["stages"]] == ["ran", "cached", "cached", "ran"]  # packaging always runs (links and small files)
+    assert [s["status"] for s in record["stages"]] == ["ran", "cached", "cached", "skipped", "ran"]  # packaging always runs (links, small files)
 
 
 def test_changed_spec_section_reruns_only_what_depends_on_it(tiny_llama, tmp_path):
     build(parse_spec({"name": "t", "source": str(tiny_llama)}), output=tmp_path / "out")
     changed = parse_spec({"name": "t", "source": str(tiny_llama), "verify": {"decode_steps": 8}})
     result = build(changed, output=tmp_path / "out")
-    assert _statuses(result) == {"source": "ran", "export": "cached", "verify": "ran", "package": "ran"}
+    assert _statuses(result) == {"source": "ran", "export": "cached", "verify": "ran", "quantize": "skipped", "package": "ran"}
     assert result.verify.cases[0].decode_steps == 8
 
 

@@ -1,0 +1,108 @@
+"""Quality of a quantized graph against the unquantized one it came from, both on ONNX Runtime.
+
+- perplexity on held-out token windows (never calibration text): each window prefilled in one step,
+  next-token negative log-likelihood averaged over every position;
+- greedy-token agreement on the verify prompts: the unquantized graph decodes greedily, the
+  quantized one is fed the same tokens (teacher forcing) and must pick the same next token;
+- size on disk, and batch-1 decode tokens/s (median step time, both measured here).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from llmc.runtime.layout import KVLayout
+from llmc.runtime.ort_runner import OrtRunner
+
+SPEED_PROMPT, SPEED_STEPS = 64, 24
+
+
+class QualityReport(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    eval_text: str
+    eval_tokens: int
+    perplexity_reference: float
+    perplexity_quantized: float
+    perplexity_increase: float  # relative: 0.03 = 3% higher
+    token_agreement: float  # teacher-forced greedy agreement over the verify prompts
+    agreement_tokens: int
+    size_reference_mib: float
+    size_quantized_mib: float
+    decode_tok_s_reference: float
+    decode_tok_s_quantized: float
+    runtime: str
+
+
+def perplexity(runner: OrtRunner, windows: list[np.ndarray], tick: Callable[[], None]) -> float:
+    nll, count = 0.0, 0
+    for ids in windows:
+        logits = runner.step(ids[None], np.zeros(1, dtype=np.int64))[0, :-1].astype(np.float64)
+        logits -= logits.max(-1, keepdims=True)
+        logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        nll -= logprobs[np.arange(len(ids) - 1), ids[1:]].sum()
+        count += len(ids) - 1
+        tick()
+    return math.exp(nll / count)
+
+
+def greedy(runner: OrtRunner, prompt: list[int], steps: int) -> list[int]:
+    logits = runner.step(np.array([prompt]), np.zeros(1, dtype=np.int64))
+    tokens = [int(logits[0, -1].argmax())]
+    for k in range(steps - 1):
+        logits = runner.step(np.array([[tokens[-1]]]), np.array([len(prompt) + k]))
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+def agreement(runner: OrtRunner, prompt: list[int], reference: list[int]) -> int:
+    """How many of `reference`'s greedy tokens the runner picks when fed the same prefix."""
+    logits = runner.step(np.array([prompt + reference[:-1]]), np.zeros(1, dtype=np.int64))[0, len(prompt) - 1:]
+    return int((logits.argmax(-1) == np.array(reference)).sum())
+
+
+def decode_speed(runner: OrtRunner, vocab_size: int) -> float:
+    prompt = np.random.default_rng(0).integers(0, vocab_size, SPEED_PROMPT)
+    token = runner.step(prompt[None], np.zeros(1, dtype=np.int64))[:, -1].argmax(-1)[:, None]
+    times = []
+    for k in range(SPEED_STEPS + 2):
+        start = time.perf_counter()
+        token = runner.step(token, np.array([SPEED_PROMPT + k]))[:, -1].argmax(-1)[:, None]
+        times.append(time.perf_counter() - start)
+    return 1.0 / statistics.median(times[2:])
+
+
+def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list[np.ndarray], eval_text: str,
+            prompts: list[list[int]], steps: int, vocab_size: int, sizes: tuple[int, int], num_threads: int,
+            progress: Callable[[int, int], None] | None = None) -> QualityReport:
+    capacity = max(max(map(len, windows)), max(map(len, prompts)) + steps, SPEED_PROMPT + SPEED_STEPS + 2)
+    runners = [OrtRunner(p, layout, max_batch=1, capacity=capacity, num_threads=num_threads)
+               for p in (reference, quantized)]
+    total, done = 2 * len(windows) + len(prompts), 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total)
+
+    ppl = [perplexity(r, windows, tick) for r in runners]
+    agreed = 0
+    for prompt in prompts:
+        agreed += agreement(runners[1], prompt, greedy(runners[0], prompt, steps))
+        tick()
+    speed = [decode_speed(r, vocab_size) for r in runners]
+    return QualityReport(
+        eval_text=eval_text, eval_tokens=sum(len(w) for w in windows), perplexity_reference=ppl[0],
+        perplexity_quantized=ppl[1], perplexity_increase=ppl[1] / ppl[0] - 1.0,
+        token_agreement=agreed / (steps * len(prompts)), agreement_tokens=steps * len(prompts),
+        size_reference_mib=sizes[0] / 2**20, size_quantized_mib=sizes[1] / 2**20,
+        decode_tok_s_reference=speed[0], decode_tok_s_quantized=speed[1],
+        runtime=f"onnxruntime CPU, {num_threads or 'all'} thread(s)")

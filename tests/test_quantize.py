@@ -1,0 +1,170 @@
+"""Weight-only quantization (ONNX Runtime MatMulNBits): the stage, its quality report and gate,
+calibration/evaluation text, and a quantized build serving through Triton."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import write_spec
+from llmc.compiler import build
+from llmc.compiler.quantize import untie_lm_head
+from llmc.compiler.spec import parse_spec
+from llmc.compiler.textdata import builtin_documents, load_documents, token_windows
+from llmc.errors import QuantizationError, SpecError, UnsupportedError
+from llmc.runtime.manifest import RepositoryManifest
+
+SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"
+
+
+def _spec(tiny_llama, mode, **quant):
+    return parse_spec({"name": "q", "source": str(tiny_llama), "limits": {"max_batch_size": 2, "max_seq_len": 320},
+                       "serving": {"default_max_tokens": 8},
+                       "quantization": {"mode": mode, "max_perplexity_increase": 1.0, **quant}})
+
+
+@pytest.fixture(scope="module")
+def int4_build(tiny_checkpoints, tmp_path_factory):
+    return build(_spec(tiny_checkpoints["llama"], "int4-weight-only"), output=tmp_path_factory.mktemp("q") / "int4")
+
+
+def _ops(path: Path) -> list[str]:
+    return [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
+
+
+def test_weight_only_builds_quantize_every_matmul_including_the_tied_lm_head(int4_build):
+    out = int4_build.output
+    q = int4_build.quantized
+    assert q.bits == 4 and q.mode.value == "int4-weight-only"
+    ops = _ops(out / "quantize" / q.onnx)
+    exported = _ops(out / "export" / "model.onnx")
+    assert ops.count("MatMulNBits") == exported.count("MatMul") == 2 * 5 + 1  # per layer QKV, out, gate, up, down
+    assert "MatMul" not in ops and "Transpose" not in ops  # the LM head's Transpose(embedding) folded too
+
+
+def test_quality_report_is_measured_and_recorded(int4_build):
+    r = int4_build.quantized.report
+    assert r.perplexity_reference > 1 and r.perplexity_quantized > 1
+    assert r.perplexity_increase == pytest.approx(r.perplexity_quantized / r.perplexity_reference - 1)
+    assert 0 <= r.token_agreement <= 1 and r.agreement_tokens == 3 * 32
+    assert r.size_quantized_mib < r.size_reference_mib and r.eval_tokens >= 256
+    assert r.decode_tok_s_reference > 0 and r.decode_tok_s_quantized > 0
+    saved = json.loads((int4_build.output / "quantize" / "quantized.json").read_text())
+    assert saved["report"]["perplexity_quantized"] == r.perplexity_quantized
+
+
+def test_the_repository_serves_the_quantized_graph(int4_build):
+    manifest = RepositoryManifest.load(int4_build.repository / "q" / "1")
+    served = int4_build.repository / "q" / "1" / manifest.engine
+    assert served.read_bytes() == (int4_build.output / "quantize" / "model.onnx").read_bytes()
+
+
+def test_quality_gate_fails_the_build_and_keeps_the_previous_output(tiny_llama, tmp_path, int4_build):
+    increase = int4_build.quantized.report.perplexity_increase
+    assert increase > 0.0  # the tiny model does lose a little at 4 bits; the gate below must trip on it
+    first = build(_spec(tiny_llama, "int4-weight-only"), output=tmp_path / "out")
+    with pytest.raises(QuantizationError, match=r"quantization.max_perplexity_increase \(0.0%\)"):
+        build(_spec(tiny_llama, "int4-weight-only", max_perplexity_increase=0.0), output=tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "build.json").read_text())["spec"]["quantization"]["max_perplexity_increase"] == 1.0
+    again = build(_spec(tiny_llama, "int4-weight-only", max_perplexity_increase=0.5), output=tmp_path / "out")
+    statuses = {s.name: s.status for s in again.stages}
+    assert statuses["quantize"] == "cached" and again.quantized == first.quantized  # the limit is not in the key
+
+
+def test_int8_weight_only_is_closer_than_int4(tiny_llama, tmp_path, int4_build):
+    q8 = build(_spec(tiny_llama, "int8-weight-only"), output=tmp_path / "int8").quantized
+    assert q8.bits == 8
+    assert q8.report.perplexity_increase < int4_build.quantized.report.perplexity_increase
+    assert q8.report.size_quantized_mib > int4_build.quantized.report.size_quantized_mib
+
+
+def test_static_modes_are_refused_before_any_work(tiny_llama, tmp_path):
+    for mode in ("int8", "fp8"):
+        with pytest.raises(UnsupportedError, match=f"quantization.mode: {mode} .*not implemented"):
+            build(_spec(tiny_llama, mode), output=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_untie_lm_head_folds_a_transposed_initializer():
+    from onnx import helper, numpy_helper
+
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["emb"], ["emb_t"], perm=[1, 0]), helper.make_node("MatMul", ["x", "emb_t"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], [numpy_helper.from_array(table, "emb")])
+    assert untie_lm_head(graph) == 1
+    assert [n.op_type for n in graph.node] == ["MatMul"]
+    folded = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    np.testing.assert_array_equal(folded["emb_t"], table.T)
+    np.testing.assert_array_equal(folded["emb"], table)  # the Gather side keeps the original table
+
+
+def test_builtin_corpus_splits_are_disjoint_and_nonempty():
+    calibration, heldout = builtin_documents("calibration"), builtin_documents("heldout")
+    assert len(calibration) >= 8 and len(heldout) >= 8 and not set(calibration) & set(heldout)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("missing.txt", None, "not found"),
+    ("empty.txt", "\n\n  \n", "has no text"),
+    ("data.csv", "a,b", "must be a .txt or .jsonl"),
+    ("bad.jsonl", '{"text": "ok"}\nnot json\n', "line 2 is not JSON"),
+    ("nofield.jsonl", '{"body": "x"}\n', "line 1 has no string field `text`"),
+])
+def test_calibration_file_problems_name_the_field_and_file(tmp_path, name, content, message):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SpecError, match=message) as err:
+        load_documents(str(path), "quantization.calibration.data")
+    assert "quantization.calibration.data" in str(err.value) and name in str(err.value)
+
+
+def test_text_and_jsonl_files_are_read_and_windows_need_enough_tokens(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import byte_tokenizer
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer())
+    (tmp_path / "a.txt").write_text("first document\n\nsecond one")
+    (tmp_path / "b.jsonl").write_text('{"text": "first document"}\n\n{"text": "second one"}\n')
+    assert load_documents(str(tmp_path / "a.txt"), "f") == load_documents(str(tmp_path / "b.jsonl"), "f")
+    windows = token_windows(tok, ["abcdefgh" * 4], 8, 3, "f", "it")
+    assert [w.tolist() for w in windows] == [tok("abcdefgh")["input_ids"]] * 3
+    with pytest.raises(SpecError, match="too short: 8 tokens.*seq_len = 16"):
+        token_windows(tok, ["abcdefgh"], 16, 1, "quantization.calibration.data", "a.txt")
+
+
+def test_a_missing_calibration_file_fails_the_build_early(tiny_llama, tmp_path):
+    spec_path = write_spec(tmp_path, {"name": "q", "source": str(tiny_llama),
+                                      "quantization": {"mode": "int8-weight-only", "calibration": {"data": "calib.txt"}}})
+    from llmc.compiler import load_spec
+
+    spec = load_spec(spec_path)
+    assert spec.quantization.calibration.data == str(tmp_path / "calib.txt")  # resolved against the spec's folder
+    with pytest.raises(SpecError, match="quantization.calibration.data: .*calib.txt not found"):
+        build(spec, output=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.triton
+def test_a_quantized_build_serves_through_triton(int4_build, tmp_path):
+    from llmc.compiler.quality import greedy
+    from llmc.runtime.client import Client
+    from llmc.runtime.ort_runner import OrtRunner
+    from llmc.runtime.triton_server import TritonServer, assemble
+
+    from conftest import byte_tokenizer
+
+    if not (SERVING_ENV / "bin" / "python3").exists():
+        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    q = int4_build.quantized
+    runner = OrtRunner(int4_build.output / "quantize" / q.onnx, q.kv_layout, max_batch=1, capacity=64)
+    expected = greedy(runner, byte_tokenizer().encode("quantized hello").ids, 12)
+    with TritonServer(int4_build.repository, server_dir=assemble(tmp_path / "server"), serving_env=SERVING_ENV,
+                      log_path=tmp_path / "server.log") as server:
+        gen = Client(server.grpc_url).complete("quantized hello", max_tokens=12, min_tokens=12)
+    assert gen.output_ids == expected
