@@ -23,7 +23,7 @@ from pathlib import Path
 from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
 from llmc.compiler.source import SUPPORTED_MODEL_TYPES
 from llmc.errors import ExportError
-from llmc.compiler.graph_passes import simplify
+from llmc.compiler.graph_passes import fuse_skip_rms_norm, simplify
 from llmc.plugins.lowering import Heads, Lowering, translation_table, trim_unused_outputs
 from llmc.runtime.layout import KVLayout
 
@@ -141,6 +141,8 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     simplify(program.model)
     proto = program.model_proto
     trim_unused_outputs(proto.graph)
+    if lowering is Lowering.fused:
+        fuse_skip_rms_norm(proto.graph)
     external = save_model(proto, out_dir, external_threshold)
     path = out_dir / ONNX_NAME
     try:

@@ -7,7 +7,7 @@ and none of the latter, which matters on CPU where a decode step is hundreds of 
 
 from __future__ import annotations
 
-from llmc.plugins.lowering import pack_qkv
+from llmc.plugins.lowering import MICROSOFT_DOMAIN, pack_qkv
 
 
 def drop_reshape_round_trips(graph) -> None:
@@ -52,3 +52,44 @@ def simplify(model) -> None:
     DeduplicateInitializersPass()(model)
     CommonSubexpressionEliminationPass()(model)
     RemoveUnusedNodesPass()(model)
+
+
+def fuse_skip_rms_norm(graph) -> int:
+    """`RMSNormalization(Add(a, b))`, where the sum is also the residual stream, becomes one
+    `com.microsoft.SkipSimplifiedLayerNormalization(a, b, gamma)` returning both the normalized
+    value and the sum (what onnxruntime-genai's builder emits; ORT's own fusions do not match the
+    opset-23 op). Works on a GraphProto; the fused node takes the Add's place, so every reader of
+    the sum still comes after it. Returns how many pairs were fused."""
+    from onnx import helper
+
+    producers = {out: node for node in graph.node for out in node.output}
+    initializers = {t.name for t in graph.initializer}
+    constants = initializers | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    fused = []
+    for norm in graph.node:
+        if norm.op_type != "RMSNormalization" or norm.domain not in ("", "ai.onnx") or len(norm.input) < 2:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in norm.attribute}
+        add = producers.get(norm.input[0])
+        if attrs.get("axis", -1) != -1 or add is None or add.op_type != "Add" or norm.input[1] not in initializers \
+                or any(i in constants for i in add.input):
+            continue
+        fused.append((add, norm, attrs.get("epsilon", 1e-5)))
+    for add, norm, epsilon in fused:
+        node = helper.make_node("SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], norm.input[1]],
+                                [norm.output[0], "", "", add.output[0]], name=f"{norm.name}_skip",
+                                domain=MICROSOFT_DOMAIN, epsilon=epsilon)
+        add.CopyFrom(node)
+        graph.node.remove(norm)
+    return len(fused)
+
+
+def deduplicate_initializers(proto):
+    """One copy of every repeated constant, whatever its size (ModelOpt's Q/DQ placement gives each
+    reader of a shared constant its own copy: SmolLM2's rotary caches would be stored 30 times)."""
+    import onnx_ir as ir
+    from onnx_ir.passes.common import DeduplicateInitializersPass
+
+    model = ir.from_proto(proto)
+    DeduplicateInitializersPass(size_limit=2**62)(model)
+    return ir.to_proto(model)

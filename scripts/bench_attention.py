@@ -113,12 +113,13 @@ def hf_opset23_step_time(path: Path, batch: int, context: int, threads: int, ste
     return statistics.median(times[2:])
 
 
-def genai_build(threads: int) -> Path:
-    out = BENCH / "genai-fp32"
+def genai_build(threads: int, precision: str = "fp32") -> Path:
+    """onnxruntime-genai's own CPU build of SmolLM2 (`precision`: fp32, int8 or int4), made once."""
+    out = BENCH / f"genai-{precision}"
     if not (out / "genai_config.json").is_file():
-        print("building the onnxruntime-genai fp32 model ...", file=sys.stderr)
+        print(f"building the onnxruntime-genai {precision} model ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(REPO / "models" / "smollm2"),
-                        "-o", str(out), "-p", "fp32", "-e", "cpu"], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                        "-o", str(out), "-p", precision, "-e", "cpu"], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     config = json.loads((out / "genai_config.json").read_text())
     options = config["model"]["decoder"].setdefault("session_options", {})
