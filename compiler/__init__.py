@@ -1,4 +1,4 @@
-"""The build pipeline: spec -> export -> verify (-> quantize -> engine -> package, in later stages).
+"""The build pipeline: spec -> export -> verify -> quantize -> package (-> TensorRT engine, later).
 
 Library API (the CLI only calls these):
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmc.compiler.artifacts import ExportedModel, TensorInfo, VerifyReport
+from llmc.compiler.artifacts import ExportedModel, QuantizedModel, TensorInfo, VerifyReport
 from llmc.errors import ArtifactError
 
 
@@ -57,6 +57,22 @@ def verify_sections(report: VerifyReport) -> list[Section]:
     return [Section("verify", rows)]
 
 
+def quantized_sections(art: QuantizedModel, folder: Path) -> list[Section]:
+    r = art.report
+    return [Section("quantization", [
+        ("mode", art.mode.value), ("method", art.method), ("calibration", art.calibration),
+        ("onnx", str(folder / art.onnx)),
+        ("perplexity", f"{r.perplexity_reference:.3f} -> {r.perplexity_quantized:.3f} ({r.perplexity_increase:+.2%}) "
+                       f"on {r.eval_tokens} tokens of {r.eval_text}"),
+        ("greedy agreement", f"{r.token_agreement:.1%} of {r.agreement_tokens} tokens (teacher-forced, verify prompts)"),
+        ("size", f"{r.size_reference_mib:.1f} -> {r.size_quantized_mib:.1f} MiB "
+                 f"({r.size_quantized_mib / r.size_reference_mib:.0%})"),
+        ("decode, batch 1", f"{r.decode_tok_s_reference:.1f} -> {r.decode_tok_s_quantized:.1f} tok/s "
+                            f"({r.decode_tok_s_quantized / r.decode_tok_s_reference:.2f}x, {r.runtime})"),
+        ("inputs hash", art.inputs_hash),
+    ])]
+
+
 def onnx_sections(path: Path) -> list[Section]:
     import onnx
 
@@ -96,6 +112,9 @@ def inspect_path(path: Path) -> list[Section]:
     for folder in (path, path / "verify"):
         if (folder / VerifyReport.filename).is_file():
             sections += verify_sections(VerifyReport.load(folder))
+    for folder in (path, path / "quantize"):
+        if (folder / QuantizedModel.filename).is_file():
+            sections += quantized_sections(QuantizedModel.load(folder), folder)
     if not sections:
-        raise ArtifactError(f"{path}: holds no llmc artifact (build.json, exported.json or verify.json)")
+        raise ArtifactError(f"{path}: holds no llmc artifact (build.json, exported.json, verify.json or quantized.json)")
     return sections

@@ -30,7 +30,9 @@ REPOSITORY_DIR = "model_repository"
 EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.graph_passes",
                "llmc.plugins.attention", "llmc.plugins.lowering", "llmc.runtime.layout")
 VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
-QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.quality", "llmc.compiler.textdata", "llmc.runtime.ort_runner")
+QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.qdq", "llmc.compiler.calibrate", "llmc.compiler.smoothquant",
+                 "llmc.compiler.quality",
+                 "llmc.compiler.textdata", "llmc.runtime.ort_runner")
 BUILD_RECORD = "build.json"
 
 
@@ -79,11 +81,13 @@ def preflight(spec: BuildSpec, until: str = "verify") -> None:
         from llmc.compiler.textdata import load_documents
 
         load_documents(spec.quantization.calibration.data, "quantization.calibration.data")  # fail early
-    if spec.quantization.mode in (QuantMode.int8, QuantMode.fp8):
-        raise UnsupportedError(
-            f"quantization.mode: {spec.quantization.mode.value} (static Q/DQ for TensorRT) is not implemented in "
-            "this version of llmc; use int8-weight-only or int4-weight-only (ONNX Runtime), or none"
-        )
+    if spec.quantization.static:
+        try:
+            import modelopt.onnx.quantization  # noqa: F401
+        except ImportError as err:
+            raise UnsupportedError(
+                f"quantization.mode: {spec.quantization.mode.value} needs NVIDIA ModelOpt's ONNX quantizer "
+                f"({err.name} is missing); install llmc with the `quantize` extra") from None
 
 
 class _Model:
@@ -156,6 +160,8 @@ def _run_stages(b: _Build, staging: Path, until: str, external_threshold: int | 
     def source():
         info = inspect_source(spec.source)
         state["info"], state["hash"], state["model"] = info, info.content_hash(), _Model(info)
+        if spec.quantization.mode is not QuantMode.none and STAGES.index(until) >= STAGES.index("quantize"):
+            _check_quantization_inputs(spec, info)
         return "ran", f"{info.kind} {info.model_type}, {len(info.weight_files)} weight file(s)"
 
     b.stage("source", f"hashing {spec.source.path.name}", source)
@@ -195,6 +201,21 @@ def _run_stages(b: _Build, staging: Path, until: str, external_threshold: int | 
     b.stage("package", "writing the Triton model repository", lambda: _package(b, staging, state["info"]))
 
 
+def _check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:
+    """Before exporting: the tokenizer exists and the calibration text yields a sample (static modes)."""
+    from llmc.compiler.source import load_tokenizer
+
+    q = spec.quantization
+    tokenizer = load_tokenizer(info)
+    if tokenizer is None:
+        raise SpecError(f"quantization.mode: {q.mode.value} needs the checkpoint's tokenizer (to measure "
+                        f"perplexity on text); {info.path} has none")
+    if q.static:
+        from llmc.compiler.quantize import calibration_windows
+
+        calibration_windows(q, tokenizer)
+
+
 def _quantize(b: _Build, staging: Path, info: SourceInfo, source_hash: str):
     from llmc.compiler.source import load_tokenizer
 
@@ -206,18 +227,17 @@ def _quantize(b: _Build, staging: Path, info: SourceInfo, source_hash: str):
 
     key = hash_json({"stage": "quantize", "export": exported.files, "code": code_hash(*QUANTIZE_CODE),
                      "quantization": q.model_dump(mode="json", exclude={"max_perplexity_increase"}),
-                     "onnxruntime": onnxruntime.__version__})
+                     "onnxruntime": onnxruntime.__version__, "modelopt": _modelopt_version() if q.static else None})
     art = b.reuse("quantize", QuantizedModel, key, staging)
     status = "cached"
     if art is None:
         from llmc.compiler.quantize import quantize
 
         tokenizer = load_tokenizer(info)
-        if tokenizer is None:
-            raise SpecError(f"quantization.mode: {q.mode.value} needs the checkpoint's tokenizer (to measure "
-                            f"perplexity on text); {info.path} has none")
+        previous = b.output / "quantize"
         art = quantize(exported, staging / "export", staging / "quantize", q, tokenizer, inputs_hash=key,
-                       num_threads=spec.serving.num_threads, progress=b.reporter.stage_progress)
+                       num_threads=spec.serving.num_threads, previous=previous if previous.is_dir() else None,
+                       progress=b.reporter.stage_progress)
         status = "ran"
     b.result.quantized = art
     r = art.report
@@ -227,6 +247,12 @@ def _quantize(b: _Build, staging: Path, info: SourceInfo, source_hash: str):
                f"{r.decode_tok_s_quantized / r.decode_tok_s_reference:.1f}x")
     check_quality_gate(r, q.max_perplexity_increase)
     return status, summary
+
+
+def _modelopt_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("nvidia-modelopt")
 
 
 def check_quality_gate(report, limit: float) -> None:

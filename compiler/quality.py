@@ -81,10 +81,11 @@ def decode_speed(runner: OrtRunner, vocab_size: int) -> float:
 
 def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list[np.ndarray], eval_text: str,
             prompts: list[list[int]], steps: int, vocab_size: int, sizes: tuple[int, int], num_threads: int,
-            progress: Callable[[int, int], None] | None = None) -> QualityReport:
+            optimize_quantized: bool = True, progress: Callable[[int, int], None] | None = None) -> QualityReport:
+    """`optimize_quantized=False` runs the quantized graph with ONNX Runtime's graph optimizations off."""
     capacity = max(max(map(len, windows)), max(map(len, prompts)) + steps, SPEED_PROMPT + SPEED_STEPS + 2)
-    runners = [OrtRunner(p, layout, max_batch=1, capacity=capacity, num_threads=num_threads)
-               for p in (reference, quantized)]
+    runners = [OrtRunner(p, layout, max_batch=1, capacity=capacity, num_threads=num_threads, optimize=opt)
+               for p, opt in ((reference, True), (quantized, optimize_quantized))]
     total, done = 2 * len(windows) + len(prompts), 0
 
     def tick() -> None:
@@ -105,4 +106,5 @@ def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list
         token_agreement=agreed / (steps * len(prompts)), agreement_tokens=steps * len(prompts),
         size_reference_mib=sizes[0] / 2**20, size_quantized_mib=sizes[1] / 2**20,
         decode_tok_s_reference=speed[0], decode_tok_s_quantized=speed[1],
-        runtime=f"onnxruntime CPU, {num_threads or 'all'} thread(s)")
+        runtime=f"onnxruntime CPU, {num_threads or 'all'} thread(s)"
+                + ("" if optimize_quantized else "; quantized graph with graph optimizations off (reference path)"))

@@ -8,26 +8,36 @@ fast CPU path). Written here, because the quantizer lacks it: tied embeddings re
 that transpose into its own initializer first, so the LM head (a fifth of SmolLM2's weights) is
 quantized too while the embedding Gather keeps the original table.
 
-`int8` and `fp8` (static Q/DQ for TensorRT, with calibration) are not implemented yet; the
-pipeline's preflight refuses them.
+Static modes (`int8`, `fp8`: Q/DQ for TensorRT, W8A8) calibrate activation ranges on the spec's
+calibration text (calibrate.py) and place Q/DQ with NVIDIA ModelOpt (qdq.py). They quantize the
+reference lowering (plain ONNX: TensorRT reads it, and ONNX Runtime runs it to calibrate and to
+measure quality); fp8 is measured with ONNX Runtime's graph optimizations off, as a reference path.
+
+Every mode ends with the same quality report (quality.py) against the unquantized graph.
 """
 
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel, QuantizedModel, hash_outputs
+from llmc.compiler.calibrate import Calibration, calibrate, calibration_key
+from llmc.compiler.graph_passes import deduplicate_initializers
+from llmc.compiler.hashing import hash_json
 from llmc.compiler.export import EXTERNAL_DATA_NAME, ONNX_NAME, PROTOBUF_LIMIT, save_model, tool_versions
 from llmc.compiler.quality import compare
+from llmc.compiler.smoothquant import smooth
 from llmc.compiler.spec import QuantizationSpec, QuantMode
-from llmc.compiler.textdata import builtin_documents, token_windows
+from llmc.compiler.textdata import builtin_documents, load_documents, token_windows
 from llmc.compiler.verify import PROMPTS
+from llmc.errors import QuantizationError
 
-WEIGHT_ONLY_BITS = {QuantMode.int8_weight_only: 8, QuantMode.int4_weight_only: 4}
+BITS = {QuantMode.int8_weight_only: 8, QuantMode.int4_weight_only: 4, QuantMode.int8: 8, QuantMode.fp8: 8}
 ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations: the fast CPU kernels
 EVAL_SEQ_LEN, EVAL_WINDOWS, AGREEMENT_STEPS = 256, 8, 32
 
@@ -64,27 +74,84 @@ def weight_only(source: Path, bits: int, block_size: int):
     return quantizer.model.model
 
 
+def calibration_windows(spec: QuantizationSpec, tokenizer) -> list[np.ndarray]:
+    """The calibration samples: `num_samples` windows of `seq_len` tokens (fewer if the text runs out)."""
+    cal = spec.calibration
+    origin = "the built-in corpus" if cal.data == "builtin" else cal.data
+    return token_windows(tokenizer, load_documents(cal.data, "quantization.calibration.data"), cal.seq_len,
+                         cal.num_samples, "quantization.calibration", origin)
+
+
+def static_qdq(source: Path, exported: ExportedModel, spec: QuantizationSpec, tokenizer, work: Path, *,
+               previous: Path | None, num_threads: int, progress) -> tuple[object, Calibration]:
+    """The Q/DQ graph and the calibration behind it (reused from `previous` when its key matches)."""
+    import onnx
+
+    from llmc.compiler.qdq import place_qdq, set_activation_scales
+
+    cal = spec.calibration
+    windows = calibration_windows(spec, tokenizer)
+    model = onnx.load(str(source))
+    untie_lm_head(model.graph)
+    if spec.smoothquant:
+        smooth(model, exported.kv_layout, windows, spec.smoothquant_alpha, num_threads=num_threads, progress=progress)
+    external = save_model(model, work)
+    graph = hash_json({"export": exported.files, "smoothquant": spec.smoothquant and spec.smoothquant_alpha})
+    key = calibration_key(graph, windows, cal.method.value)
+    calibration = Calibration.load_cached(previous, key) if previous is not None else None
+    if calibration is None:
+        calibration = calibrate(model, exported.kv_layout, windows, cal.method.value, key=key,
+                                num_threads=num_threads, progress=progress)
+    del model
+    proto = deduplicate_initializers(place_qdq(work / ONNX_NAME, spec.mode, exported.kv_layout, windows[0], external))
+    if set_activation_scales(proto.graph, calibration, spec.mode) == 0:
+        raise QuantizationError(f"quantization.mode {spec.mode.value}: no activation was quantized "
+                                f"(the graph has no linear layer ModelOpt could place Q/DQ on)")
+    return proto, calibration
+
+
 def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: QuantizationSpec, tokenizer, *,
              inputs_hash: str, num_threads: int = 0, external_threshold: int = PROTOBUF_LIMIT,
-             progress: Callable[[int, int], None] | None = None) -> QuantizedModel:
-    bits = WEIGHT_ONLY_BITS[spec.mode]
+             previous: Path | None = None, progress: Callable[[int, int], None] | None = None) -> QuantizedModel:
+    """Quantize the export in `export_dir` into `out_dir`; `previous` is the last build's quantize
+    folder, whose calibration is reused when the graph, the samples and the method are the same."""
+    bits = BITS[spec.mode]
     out_dir.mkdir(parents=True, exist_ok=True)
-    proto = weight_only(export_dir / exported.onnx, bits, spec.block_size)
+    source = export_dir / exported.onnx
+    calibration = None
+    if spec.weight_only:
+        proto = weight_only(source, bits, spec.block_size)
+        method = (f"onnxruntime MatMulNBits: {bits}-bit symmetric weights, blocks of {spec.block_size}, round to "
+                  f"nearest, accuracy_level {ACCURACY_LEVEL} (int8 activations); LM head untied and quantized")
+        calibration_note = "none (weight-only round to nearest needs no calibration data)"
+    else:
+        with tempfile.TemporaryDirectory(prefix="llmc-quantize-", dir=out_dir.parent) as work:
+            proto, calibration = static_qdq(source, exported, spec, tokenizer, Path(work), previous=previous,
+                                            num_threads=num_threads, progress=progress)
+        kind = "int8" if spec.mode is QuantMode.int8 else "float8e4m3fn"
+        method = (f"ModelOpt Q/DQ ({kind}): weights per output channel, symmetric, stored quantized behind "
+                  f"DequantizeLinear; activations per tensor, symmetric (zero point 0); on both inputs of every "
+                  f"linear-layer MatMul, LM head included"
+                  + (f"; SmoothQuant alpha {spec.smoothquant_alpha}" if spec.smoothquant else ""))
+        calibration_note = (f"{calibration.method} over {calibration.samples} sample(s) of {calibration.seq_len} "
+                            f"tokens from {spec.calibration.data}")
     external = save_model(proto, out_dir, external_threshold)
+    del proto
+    if calibration is not None:
+        calibration.save(out_dir)
     files = [ONNX_NAME] + ([EXTERNAL_DATA_NAME] if external else [])
     windows = token_windows(tokenizer, builtin_documents("heldout"), EVAL_SEQ_LEN, EVAL_WINDOWS,
                             "quantization", "the built-in held-out text")
-    report = compare(export_dir / exported.onnx, out_dir / ONNX_NAME, exported.kv_layout, windows=windows,
+    report = compare(source, out_dir / ONNX_NAME, exported.kv_layout, windows=windows,
                      eval_text="built-in held-out corpus (not used for calibration)",
                      prompts=[tokenizer(p)["input_ids"] for p in PROMPTS], steps=AGREEMENT_STEPS,
                      vocab_size=exported.model.vocab_size, num_threads=num_threads, progress=progress,
+                     optimize_quantized=spec.mode is not QuantMode.fp8,
                      sizes=(sum((export_dir / f).stat().st_size for f in exported.files),
                             sum((out_dir / f).stat().st_size for f in files)))
     art = QuantizedModel(
         inputs_hash=inputs_hash, files=hash_outputs(out_dir, files), onnx=ONNX_NAME, mode=spec.mode, bits=bits,
-        method=(f"onnxruntime MatMulNBits: {bits}-bit symmetric weights, blocks of {spec.block_size}, round to "
-                f"nearest, accuracy_level {ACCURACY_LEVEL} (int8 activations); LM head untied and quantized"),
-        calibration="none (weight-only round to nearest needs no calibration data)",
-        kv_layout=exported.kv_layout, report=report, versions=tool_versions())
+        method=method, calibration=calibration_note, kv_layout=exported.kv_layout, report=report,
+        versions=tool_versions())
     art.save(out_dir)
     return art

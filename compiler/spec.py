@@ -50,7 +50,7 @@ class CalibrationMethod(str, enum.Enum):
 
 
 class AttentionLowering(str, enum.Enum):
-    auto = "auto"  # fused for onnxruntime, plugin for tensorrt
+    auto = "auto"  # fused for onnxruntime, plugin for tensorrt; reference under int8/fp8 quantization
     fused = "fused"  # com.microsoft.GroupQueryAttention, KV cache updated in place (ONNX Runtime)
     reference = "reference"  # standard opset-23 ops, for tools that need plain ONNX
     plugin = "plugin"  # the LlmcFusedAttention TensorRT plugin node
@@ -80,6 +80,9 @@ class QuantizationSpec(_Strict):
         0.05, description="Relative increase allowed over the unquantized model (0.05 = 5%)."
     )
     block_size: int = Field(32, description="Weights per scale in the weight-only modes (16, 32, 64, 128 or 256).")
+    smoothquant: bool = Field(False, description="int8: migrate activation outliers into the weights (SmoothQuant).")
+    smoothquant_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        0.5, description="SmoothQuant migration strength: 0 keeps activations as they are, 1 moves all into weights.")
 
     @field_validator("block_size")
     @classmethod
@@ -88,9 +91,20 @@ class QuantizationSpec(_Strict):
             raise ValueError("must be 16, 32, 64, 128 or 256 (the block sizes MatMulNBits kernels take)")
         return value
 
+    @model_validator(mode="after")
+    def _smoothquant_is_for_int8(self) -> "QuantizationSpec":
+        if self.smoothquant and self.mode is not QuantMode.int8:
+            raise ValueError(f"smoothquant applies to mode int8 (per-tensor int8 activations), not {self.mode.value}")
+        return self
+
     @property
     def weight_only(self) -> bool:
         return self.mode in (QuantMode.int8_weight_only, QuantMode.int4_weight_only)
+
+    @property
+    def static(self) -> bool:
+        """Q/DQ with calibrated activation scales (int8, fp8): the TensorRT modes."""
+        return self.mode in (QuantMode.int8, QuantMode.fp8)
 
 
 class ExportSpec(_Strict):
@@ -181,12 +195,18 @@ class BuildSpec(_Strict):
             runs_on = "onnxruntime" if attention is AttentionLowering.fused else "tensorrt"
             raise ValueError(f"export.attention: {attention.value} runs only with target: {runs_on} "
                              f"(target is {self.target.value}); use auto or reference")
+        if self.quantization.static and attention in (AttentionLowering.fused, AttentionLowering.plugin):
+            raise ValueError(f"quantization.mode: {self.quantization.mode.value} quantizes the reference attention "
+                             f"lowering (plain ONNX, which ONNX Runtime calibrates and TensorRT reads), not "
+                             f"export.attention: {attention.value}; use auto or reference")
         return self
 
     @property
     def attention_lowering(self) -> str:
         """The lowering `export.attention` resolves to for this target."""
         if self.export.attention is AttentionLowering.auto:
+            if self.quantization.static:
+                return "reference"
             return "fused" if self.target is Target.onnxruntime else "plugin"
         return self.export.attention.value
 

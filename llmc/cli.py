@@ -69,11 +69,13 @@ def build(
     output: OutputOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Run every stage, even unchanged ones.")] = False,
 ) -> None:
-    """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch, package a Triton model repository.
+    """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch, quantize (quantization.mode), package a Triton model repository.
+
+    A quantized build measures perplexity (held-out text), greedy agreement, size and decode speed against the unquantized graph and fails (exit code 9) when perplexity rises more than quantization.max_perplexity_increase; `llmc inspect` shows that report.
 
     Unchanged stages are reused from the previous output; the output folder is replaced atomically, so a failed or interrupted build leaves the previous one intact.
     """
-    _run_build(spec, output, "package", {"export", "verify"} if force else set())
+    _run_build(spec, output, "package", {"export", "verify", "quantize"} if force else set())
 
 
 @app.command()
@@ -100,7 +102,7 @@ def verify(spec: SpecArg, output: OutputOpt = None) -> None:
 @app.command()
 @_friendly
 def inspect(path: Annotated[Path, typer.Argument(help="A build folder, a stage folder (export/, verify/) or an .onnx file.", show_default=False)]) -> None:
-    """Show what an artifact holds: IO names and shapes, opset, KV layout, hashes, verify results."""
+    """Show what an artifact holds: IO names and shapes, opset, KV layout, hashes, verify results, the quantization quality report."""
     from llmc.compiler import inspect_path
     from llmc.console import out, sections_table
 

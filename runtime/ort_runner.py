@@ -21,10 +21,13 @@ import numpy as np
 from llmc.runtime.layout import KVLayout
 
 
-def make_session(onnx_path: Path, num_threads: int = 0):
+def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True):
+    """A CPU session; `optimize=False` turns ONNX Runtime's graph optimizations off (the fp8 reference path)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = num_threads or (os.cpu_count() or 1)
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
@@ -57,9 +60,10 @@ class KVCache:
 class OrtRunner:
     """`step(input_ids [n, S], cache_position [n], first_row) -> logits [n, S, vocab]`."""
 
-    def __init__(self, onnx_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, num_threads: int = 0):
+    def __init__(self, onnx_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, num_threads: int = 0,
+                 optimize: bool = True):
         self.layout = layout
-        self.session = make_session(onnx_path, num_threads)
+        self.session = make_session(onnx_path, num_threads, optimize)
         self.cache = KVCache(layout, max_batch, capacity)
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
         self._bindings: dict[tuple[int, int], object] = {}

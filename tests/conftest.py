@@ -109,3 +109,26 @@ def greedy_reference(model, prompt_ids: list[int], max_tokens: int, end_ids=()) 
         if t in end_ids:
             return tokens[:i + 1]
     return tokens
+
+
+SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"
+
+
+def assert_serves_like_its_graph(result, tmp_path: Path, prompt: str = "quantized hello", tokens: int = 12) -> None:
+    """Serve a build's repository through Triton: greedy output equals the built graph's own greedy
+    decode (the quantized graph when there is one) run in process."""
+    from llmc.compiler.quality import greedy
+    from llmc.runtime.client import Client
+    from llmc.runtime.ort_runner import OrtRunner
+    from llmc.runtime.triton_server import TritonServer, assemble
+
+    if not (SERVING_ENV / "bin" / "python3").exists():
+        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    engine = result.quantized or result.exported
+    folder = "quantize" if result.quantized else "export"
+    runner = OrtRunner(result.output / folder / engine.onnx, engine.kv_layout, max_batch=1, capacity=64)
+    expected = greedy(runner, byte_tokenizer().encode(prompt).ids, tokens)
+    with TritonServer(result.repository, server_dir=assemble(tmp_path / "server"), serving_env=SERVING_ENV,
+                      log_path=tmp_path / "server.log") as server:
+        gen = Client(server.grpc_url).complete(prompt, max_tokens=tokens, min_tokens=tokens)
+    assert gen.output_ids == expected

@@ -62,9 +62,6 @@ def test_preflight_refuses_what_this_version_cannot_build(tiny_llama, tmp_path):
     with pytest.raises(UnsupportedError, match="target: tensorrt"):
         build(parse_spec({"name": "t", "source": str(tiny_llama), "target": "tensorrt", "precision": "fp16"}),
               output=tmp_path / "out")
-    with pytest.raises(UnsupportedError, match="quantization.mode: int8"):
-        build(parse_spec({"name": "t", "source": str(tiny_llama), "quantization": {"mode": "int8"}}),
-              output=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

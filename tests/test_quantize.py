@@ -8,15 +8,13 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import write_spec
+from conftest import assert_serves_like_its_graph, write_spec
 from llmc.compiler import build
 from llmc.compiler.quantize import untie_lm_head
 from llmc.compiler.spec import parse_spec
 from llmc.compiler.textdata import builtin_documents, load_documents, token_windows
 from llmc.errors import QuantizationError, SpecError, UnsupportedError
 from llmc.runtime.manifest import RepositoryManifest
-
-SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"
 
 
 def _spec(tiny_llama, mode, **quant):
@@ -53,6 +51,11 @@ def test_quality_report_is_measured_and_recorded(int4_build):
     assert r.decode_tok_s_reference > 0 and r.decode_tok_s_quantized > 0
     saved = json.loads((int4_build.output / "quantize" / "quantized.json").read_text())
     assert saved["report"]["perplexity_quantized"] == r.perplexity_quantized
+    from llmc.compiler import inspect_path
+
+    section = next(s for s in inspect_path(int4_build.output) if s.title == "quantization")
+    rows = dict(section.rows)
+    assert rows["mode"] == "int4-weight-only" and f"{r.perplexity_increase:+.2%}" in rows["perplexity"]
 
 
 def test_the_repository_serves_the_quantized_graph(int4_build):
@@ -80,9 +83,12 @@ def test_int8_weight_only_is_closer_than_int4(tiny_llama, tmp_path, int4_build):
     assert q8.report.size_quantized_mib > int4_build.quantized.report.size_quantized_mib
 
 
-def test_static_modes_are_refused_before_any_work(tiny_llama, tmp_path):
+def test_static_modes_without_modelopt_are_refused_before_any_work(tiny_llama, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "modelopt.onnx.quantization", None)  # import raises ImportError
     for mode in ("int8", "fp8"):
-        with pytest.raises(UnsupportedError, match=f"quantization.mode: {mode} .*not implemented"):
+        with pytest.raises(UnsupportedError, match=f"quantization.mode: {mode} needs NVIDIA ModelOpt.*`quantize` extra"):
             build(_spec(tiny_llama, mode), output=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -152,19 +158,4 @@ def test_a_missing_calibration_file_fails_the_build_early(tiny_llama, tmp_path):
 
 @pytest.mark.triton
 def test_a_quantized_build_serves_through_triton(int4_build, tmp_path):
-    from llmc.compiler.quality import greedy
-    from llmc.runtime.client import Client
-    from llmc.runtime.ort_runner import OrtRunner
-    from llmc.runtime.triton_server import TritonServer, assemble
-
-    from conftest import byte_tokenizer
-
-    if not (SERVING_ENV / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
-    q = int4_build.quantized
-    runner = OrtRunner(int4_build.output / "quantize" / q.onnx, q.kv_layout, max_batch=1, capacity=64)
-    expected = greedy(runner, byte_tokenizer().encode("quantized hello").ids, 12)
-    with TritonServer(int4_build.repository, server_dir=assemble(tmp_path / "server"), serving_env=SERVING_ENV,
-                      log_path=tmp_path / "server.log") as server:
-        gen = Client(server.grpc_url).complete("quantized hello", max_tokens=12, min_tokens=12)
-    assert gen.output_ids == expected
+    assert_serves_like_its_graph(int4_build, tmp_path)

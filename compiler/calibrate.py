@@ -1,0 +1,113 @@
+"""Activation calibration for static Q/DQ: the range (absolute max) of every activation that enters
+a weight MatMul, measured by running the unquantized graph on ONNX Runtime CPU over token windows.
+
+Methods (spec `quantization.calibration.method`):
+- `max`: the largest |x| seen over all samples;
+- `entropy`: the threshold minimizing the KL divergence between the fp32 and the quantized histogram;
+- `percentile`: the 99.99th percentile of |x|, so a few outliers do not stretch the range.
+`entropy` and `percentile` use ONNX Runtime's own `HistogramCollector` (the collector behind its
+static quantizer); what is written here is the graph augmentation that exposes only the tensors
+needed (ORT's calibrators would also record every MatMul output, the logits included) and the
+sample loop with its progress ticks.
+
+The result is kept as `calibration.json` next to the quantized graph, keyed by the graph, the
+samples and the method, and reused while those are unchanged (switching int8 <-> fp8 or the quality
+gate reuses it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from llmc.compiler.hashing import hash_json
+from llmc.runtime.layout import KVLayout
+
+PERCENTILE, NUM_BINS, NUM_QUANTIZED_BINS = 99.99, 2048, 128
+CACHE_NAME = "calibration.json"
+
+
+class Calibration(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str
+    method: str
+    samples: int
+    seq_len: int
+    amax: dict[str, float]  # activation tensor -> calibrated absolute max
+
+    def save(self, folder: Path) -> None:
+        (folder / CACHE_NAME).write_text(self.model_dump_json(indent=1) + "\n")
+
+    @classmethod
+    def load_cached(cls, folder: Path, key: str) -> "Calibration | None":
+        try:
+            cached = cls.model_validate(json.loads((folder / CACHE_NAME).read_text()))
+        except (OSError, ValueError):
+            return None
+        return cached if cached.key == key else None
+
+
+def calibration_key(graph_hash: str, windows: list[np.ndarray], method: str) -> str:
+    return hash_json({"graph": graph_hash, "method": method,
+                      "tokens": [hash_json(w.tolist()) for w in windows]})
+
+
+def weight_matmul_inputs(graph) -> list[str]:
+    """The activation input of every MatMul whose other input is an initializer (a linear layer)."""
+    initializers = {t.name for t in graph.initializer}
+    return list(dict.fromkeys(n.input[0] for n in graph.node
+                              if n.op_type == "MatMul" and n.input[1] in initializers and n.input[0] not in initializers))
+
+
+def feeds(layout: KVLayout, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """One prefill step of `ids` from an empty cache sized to the window."""
+    empty = np.zeros(layout.shape(1, len(ids)), dtype=layout.dtype)
+    return {"input_ids": ids[None].astype(np.int64), layout.positions: np.zeros(1, dtype=np.int64),
+            **{name: empty for name in layout.past_names()}}
+
+
+def calibrate(model, layout: KVLayout, windows: list[np.ndarray], method: str, *, key: str, num_threads: int = 0,
+              progress: Callable[[int, int], None] | None = None) -> Calibration:
+    """Ranges of `model`'s (an onnx ModelProto, weights loaded) linear-layer inputs over `windows`."""
+    import onnx
+    from onnxruntime.quantization.calibrate import HistogramCollector
+
+    from llmc.compiler.export import save_model
+    from llmc.runtime.ort_runner import make_session
+
+    tensors = weight_matmul_inputs(model.graph)
+    augmented = onnx.ModelProto()
+    augmented.CopyFrom(model)
+    del augmented.graph.output[:]
+    augmented.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in tensors)
+    with tempfile.TemporaryDirectory(prefix="llmc-calibrate-") as tmp:
+        save_model(augmented, Path(tmp))
+        session = make_session(Path(tmp) / "model.onnx", num_threads)
+        del augmented
+        collector = None if method == "max" else HistogramCollector(
+            method=method, symmetric=True, num_bins=NUM_BINS, num_quantized_bins=NUM_QUANTIZED_BINS,
+            percentile=PERCENTILE, scenario="same")
+        amax = dict.fromkeys(tensors, 0.0)
+        for done, ids in enumerate(windows, 1):
+            values = dict(zip(tensors, session.run(tensors, feeds(layout, ids))))
+            if collector is None:
+                for name, value in values.items():
+                    amax[name] = max(amax[name], float(np.abs(value).max()))
+            else:
+                with contextlib.redirect_stdout(io.StringIO()):  # the collector prints a line per call
+                    collector.collect({name: [value] for name, value in values.items()})
+            if progress:
+                progress(done, len(windows))
+    if collector is not None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = collector.compute_collection_result()
+        amax = {name: float(max(abs(result[name][0]), abs(result[name][1]))) for name in tensors}
+    return Calibration(key=key, method=method, samples=len(windows), seq_len=len(windows[0]), amax=amax)

@@ -1,0 +1,147 @@
+"""SmoothQuant (Xiao et al., 2023) on the ONNX graph, before int8 calibration.
+
+Activation outliers sit in a few channels, which a per-tensor int8 scale cannot cover without
+crushing the rest. For every normalization whose output feeds only linear layers, each channel j is
+divided by s_j in the norm's weight and multiplied back into row j of every consumer's weight:
+
+    s_j = max|X_j| ** alpha / max|W_j| ** (1 - alpha)
+
+so the fp32 function is unchanged and the difficulty moves from activations into the (per-channel
+quantized) weights. Besides the norms, a gated MLP's up projection plays the norm's part for the
+down projection (its output columns take 1/s; `Mul(act(gate), up)` is linear in `up`). Written here because neither ModelOpt's ONNX quantizer nor ONNX Runtime's
+(without Intel Neural Compressor) offers it. Per-channel activation maxima come from the same
+calibration windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from llmc.runtime.layout import KVLayout
+
+NORMS = {"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"}
+
+
+@dataclass
+class Site:
+    """A tensor whose channels can be divided by s upstream and multiplied back in its readers."""
+
+    tensor: str  # what the readers (linear layers) take
+    readers: list  # MatMul nodes with constant weights [K, N]: row j multiplied by s_j
+    divide: list  # (node, input slot, axis): constants whose `axis` entries are divided by s
+
+
+def smoothable(graph) -> list[Site]:
+    """The sites of a decoder graph:
+    - a normalization with constant scale (and bias) read only by linear layers (attention QKV, MLP
+      gate/up, LM head): divide the norm's scale;
+    - a gated MLP's `Mul(act(gate), up)` read only by the down projection, where `up` is a linear
+      layer read only by that Mul: divide the up projection's output columns. This is where
+      SmolLM2's and Llama's largest activations (thousands) live, out of a norm's reach."""
+    initializers = {t.name for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+
+    def linear_readers(tensor: str) -> list:
+        users = readers.get(tensor, [])
+        ok = users and tensor not in outputs and all(
+            u.op_type == "MatMul" and u.input[0] == tensor and u.input[1] in initializers for u in users)
+        return users if ok else []
+
+    sites = []
+    for node in graph.node:
+        users = linear_readers(node.output[0])
+        if not users:
+            continue
+        if node.op_type in NORMS and len(node.input) > 1 and node.input[1] in initializers:
+            sites.append(Site(node.output[0], users, [(node, slot, 0) for slot in range(1, len(node.input))
+                                                      if node.input[slot] in initializers]))
+        elif node.op_type == "Mul":
+            up = next((producers.get(i) for i in node.input
+                       if producers.get(i) is not None and producers[i].op_type == "MatMul"
+                       and producers[i].input[1] in initializers and len(readers.get(i, [])) == 1), None)
+            if up is not None:
+                sites.append(Site(node.output[0], users, [(up, 1, 1)]))
+    return sites
+
+
+def channel_amax(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,
+                 progress: Callable[[int, int], None] | None) -> dict[str, np.ndarray]:
+    """max |x| per channel (last axis) of each tensor over all windows."""
+    import tempfile
+    from pathlib import Path
+
+    import onnx
+
+    from llmc.compiler.calibrate import feeds
+    from llmc.compiler.export import save_model
+    from llmc.runtime.ort_runner import make_session
+
+    augmented = onnx.ModelProto()
+    augmented.CopyFrom(model)
+    del augmented.graph.output[:]
+    augmented.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in tensors)
+    amax: dict[str, np.ndarray] = {}
+    with tempfile.TemporaryDirectory(prefix="llmc-smoothquant-") as tmp:
+        save_model(augmented, Path(tmp))
+        del augmented
+        session = make_session(Path(tmp) / "model.onnx", num_threads)
+        for done, ids in enumerate(windows, 1):
+            for name, value in zip(tensors, session.run(tensors, feeds(layout, ids))):
+                here = np.abs(value).reshape(-1, value.shape[-1]).max(0)
+                amax[name] = np.maximum(amax[name], here) if name in amax else here
+            if progress:
+                progress(done, len(windows))
+    return amax
+
+
+def smooth(model, layout: KVLayout, windows: list[np.ndarray], alpha: float, *, num_threads: int = 0,
+           progress: Callable[[int, int], None] | None = None) -> int:
+    """Migrate activation outliers into the weights of `model` (in place); returns how many sites were smoothed."""
+    from onnx import numpy_helper
+
+    sites = smoothable(model.graph)
+    if not sites:
+        return 0
+    act = channel_amax(model, layout, windows, [site.tensor for site in sites], num_threads, progress)
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    uses: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+
+    def own(node, slot: int) -> str:
+        """The initializer at `node.input[slot]`, made this node's own if others read it too (the
+        export deduplicates equal tensors, e.g. norm weights that are all ones)."""
+        name = node.input[slot]
+        if uses[name] > 1:
+            uses[name] -= 1
+            copy = f"{name}.smooth.{node.name or node.output[0]}"
+            graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(initializers[name]), copy))
+            initializers[copy] = graph.initializer[-1]
+            uses[copy] = 1
+            node.input[slot] = copy
+        return node.input[slot]
+
+    def update(name: str, fn) -> None:
+        value = fn(numpy_helper.to_array(initializers[name]))
+        initializers[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
+
+    for site in sites:
+        weights = [own(reader, 1) for reader in site.readers]
+        w_amax = np.max([np.abs(numpy_helper.to_array(initializers[w])).max(1) for w in weights], axis=0)  # per row
+        s = np.power(np.maximum(act[site.tensor], 1e-5), alpha) / np.power(np.maximum(w_amax, 1e-5), 1 - alpha)
+        s = np.clip(s, 1e-5, None).astype(np.float32)
+        for node, slot, axis in site.divide:
+            update(own(node, slot), lambda v: v / (s if axis == 0 or v.ndim == 1 else s[None, :]))
+        for w in weights:
+            update(w, lambda v: v * s[:, None])
+    return len(sites)

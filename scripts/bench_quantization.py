@@ -1,0 +1,113 @@
+"""Quantization benchmark, every ratio measured within one run:
+
+    .venv/bin/python scripts/bench_quantization.py [--threads 2] [--passes 3] [--static]
+
+Batch-1 decode tokens/s of SmolLM2 through llmc's runner (same prompt of 128 tokens, 64 new
+tokens, greedy) for llmc's fp32, int8-weight-only and int4-weight-only builds, and through
+onnxruntime-genai's `generate()` on its own int8 and int4 CPU builds of the same checkpoint. Each
+pass measures everything once (llmc/genai order alternating); ratios are medians of per-pass
+ratios. Perplexity increases come from each llmc build's quality report. Builds go to build/bench/
+and are reused while unchanged. Writes build/bench/quantization.json. `--static` adds the quality
+reports of the TensorRT Q/DQ modes (int8 with SmoothQuant, fp8), built after the timed passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "build" / "bench"
+PROMPT, NEW = 128, 64
+TARGETS = {"int8": (2.0, 1.0, 0.03), "int4": (3.0, 1.0, 0.15)}  # x fp32, x genai, max perplexity increase
+STATIC = {"int8": {"smoothquant": True}, "fp8": {}}  # --static: the TensorRT Q/DQ modes
+
+
+def _attention_bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", REPO / "scripts" / "bench_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def llmc_quantized(mode: str, threads: int, **quantization):
+    from llmc.compiler import build, load_spec
+    from llmc.compiler.spec import parse_spec
+
+    data = load_spec(REPO / "examples" / "smollm2.yaml").model_dump(mode="json", exclude={"output"})
+    data.update(name=f"smollm2-{mode}", quantization={"mode": mode, "max_perplexity_increase": 10.0, **quantization})
+    data["serving"]["num_threads"] = threads
+    data["verify"]["enabled"] = False  # the fp32 export is verified by the example build
+    result = build(parse_spec(data), output=BENCH / f"smollm2-{mode}", until="quantize")
+    q = result.quantized
+    return (BENCH / f"smollm2-{mode}" / "quantize" / q.onnx, q.kv_layout), q.report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default 2)")
+    parser.add_argument("--passes", type=int, default=3, help="passes over all measurements (default 3)")
+    parser.add_argument("--json", type=Path, default=BENCH / "quantization.json", help="where to write the results")
+    parser.add_argument("--static", action="store_true",
+                        help="also build the TensorRT Q/DQ modes (int8 with SmoothQuant, fp8) and print their quality "
+                             "reports (ONNX Runtime runs them only as a reference path, so no speed targets)")
+    args = parser.parse_args()
+    t, ab = args.threads, _attention_bench()
+    models = {"fp32": ab.llmc_build("fused", t)}
+    reports = {}
+    for bits in ("int8", "int4"):
+        models[bits], reports[bits] = llmc_quantized(f"{bits}-weight-only", t)
+    genai = {bits: ab.genai_build(t, bits) for bits in ("int8", "int4")}
+    prompt = np.random.default_rng(1).integers(100, 40000, PROMPT).tolist()
+    runs: dict[str, list[float]] = {}
+
+    def record(name: str, value: float) -> None:
+        runs.setdefault(name, []).append(value)
+        print(f"  {name:<22} {value:8.1f}", file=sys.stderr)
+
+    for p in range(args.passes):
+        print(f"pass {p + 1}/{args.passes}", file=sys.stderr)
+        record("llmc fp32 tok/s", ab.llmc_generate(models["fp32"], prompt, 1, NEW, t))
+        for bits in ("int8", "int4"):
+            pair = [(f"llmc {bits} tok/s", lambda: ab.llmc_generate(models[bits], prompt, 1, NEW, t)),
+                    (f"genai {bits} tok/s", lambda: ab.genai_generate(genai[bits], prompt, 1, NEW))]
+            for name, measure in (reversed(pair) if p % 2 else pair):
+                record(name, measure())
+
+    def paired(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(runs[a], runs[b]))
+
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"\nSmolLM2 batch-1 decode, {t} threads, {args.passes} passes: medians")
+    for name, value in medians.items():
+        print(f"  {name:<22} {value:8.1f}")
+    rows = {}
+    for bits, (x_fp32, x_genai, max_ppl) in TARGETS.items():
+        r = reports[bits]
+        rows[bits] = {"vs fp32": paired(f"llmc {bits} tok/s", "llmc fp32 tok/s"),
+                      "vs genai": paired(f"llmc {bits} tok/s", f"genai {bits} tok/s"),
+                      "perplexity increase": r.perplexity_increase}
+        checks = [(rows[bits]["vs fp32"] >= x_fp32, f"{rows[bits]['vs fp32']:.2f}x fp32 (target {x_fp32}x)"),
+                  (rows[bits]["vs genai"] >= x_genai, f"{rows[bits]['vs genai']:.2f}x genai {bits} (target {x_genai}x)"),
+                  (r.perplexity_increase <= max_ppl, f"perplexity {r.perplexity_increase:+.1%} (target <= {max_ppl:.0%})")]
+        print(f"  {bits}-weight-only: " + ", ".join(f"{text} {'ok' if ok else 'MISSED'}" for ok, text in checks))
+    if args.static:
+        for mode, extra in STATIC.items():
+            r = llmc_quantized(mode, t, **extra)[1]
+            rows[mode] = {"perplexity increase": r.perplexity_increase, "greedy agreement": r.token_agreement,
+                          "size MiB": r.size_quantized_mib}
+            print(f"  {mode} ({', '.join(f'{k} {v}' for k, v in extra.items()) or 'max calibration'}): perplexity "
+                  f"{r.perplexity_reference:.2f} -> {r.perplexity_quantized:.2f} ({r.perplexity_increase:+.1%}), greedy "
+                  f"agreement {r.token_agreement:.0%}, {r.size_reference_mib:.0f} -> {r.size_quantized_mib:.0f} MiB")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"threads": t, "passes": runs, "medians": medians, "ratios": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
