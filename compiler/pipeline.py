@@ -31,6 +31,7 @@ EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.g
                "llmc.plugins.attention", "llmc.plugins.lowering", "llmc.runtime.layout")
 VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
 QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.qdq", "llmc.compiler.calibrate", "llmc.compiler.smoothquant",
+                 "llmc.compiler.awq",
                  "llmc.compiler.quality",
                  "llmc.compiler.textdata", "llmc.runtime.ort_runner")
 BUILD_RECORD = "build.json"
@@ -210,7 +211,7 @@ def _check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:
     if tokenizer is None:
         raise SpecError(f"quantization.mode: {q.mode.value} needs the checkpoint's tokenizer (to measure "
                         f"perplexity on text); {info.path} has none")
-    if q.static:
+    if q.static or (q.weight_only and q.awq):
         from llmc.compiler.quantize import calibration_windows
 
         calibration_windows(q, tokenizer)

@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel, QuantizedModel, hash_outputs
+from llmc.compiler.awq import awq
 from llmc.compiler.calibrate import Calibration, calibrate, calibration_key
 from llmc.compiler.graph_passes import deduplicate_initializers
 from llmc.compiler.hashing import hash_json
@@ -59,14 +60,12 @@ def untie_lm_head(graph) -> int:
     return folded
 
 
-def weight_only(source: Path, bits: int, block_size: int):
-    import onnx
+def weight_only(model, bits: int, block_size: int):
+    """`model` (untied) with every constant-weight MatMul replaced by ORT's MatMulNBits."""
     from onnxruntime.quantization import QuantFormat
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
-    model = onnx.load(str(source))
-    untie_lm_head(model.graph)
     quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True,
                                      accuracy_level=ACCURACY_LEVEL, quant_format=QuantFormat.QOperator,
                                      op_types_to_quantize=("MatMul",))
@@ -120,10 +119,24 @@ def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: Qua
     source = export_dir / exported.onnx
     calibration = None
     if spec.weight_only:
-        proto = weight_only(source, bits, spec.block_size)
-        method = (f"onnxruntime MatMulNBits: {bits}-bit symmetric weights, blocks of {spec.block_size}, round to "
-                  f"nearest, accuracy_level {ACCURACY_LEVEL} (int8 activations); LM head untied and quantized")
-        calibration_note = "none (weight-only round to nearest needs no calibration data)"
+        import onnx
+
+        model = onnx.load(str(source))
+        untie_lm_head(model.graph)
+        scaling = "round to nearest"
+        calibration_note = "none (round to nearest needs no calibration data)"
+        if spec.awq:
+            windows = calibration_windows(spec, tokenizer)
+            alphas = awq(model, exported.kv_layout, windows, bits, spec.block_size, num_threads=num_threads,
+                         progress=progress)
+            scaling = (f"AWQ scaling on {len(alphas)} layer inputs (alpha median "
+                       f"{float(np.median(alphas)) if alphas else 0:.1f}), then round to nearest")
+            calibration_note = (f"AWQ over {len(windows)} sample(s) of {len(windows[0])} tokens from "
+                                f"{spec.calibration.data}")
+        proto = weight_only(model, bits, spec.block_size)
+        del model
+        method = (f"onnxruntime MatMulNBits: {bits}-bit symmetric weights, blocks of {spec.block_size}, {scaling}, "
+                  f"accuracy_level {ACCURACY_LEVEL} (int8 activations); LM head untied and quantized")
     else:
         with tempfile.TemporaryDirectory(prefix="llmc-quantize-", dir=out_dir.parent) as work:
             proto, calibration = static_qdq(source, exported, spec, tokenizer, Path(work), previous=previous,

@@ -22,7 +22,9 @@ import numpy as np
 
 from llmc.runtime.layout import KVLayout
 
-NORMS = {"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"}
+# normalizations and the input slots of their per-channel constants (scale, bias); output 0 is normalized
+NORMS = {"RMSNormalization": (1,), "LayerNormalization": (1, 2), "SimplifiedLayerNormalization": (1,),
+         "SkipSimplifiedLayerNormalization": (2,), "SkipLayerNormalization": (2, 3)}
 
 
 @dataclass
@@ -60,9 +62,9 @@ def smoothable(graph) -> list[Site]:
         users = linear_readers(node.output[0])
         if not users:
             continue
-        if node.op_type in NORMS and len(node.input) > 1 and node.input[1] in initializers:
-            sites.append(Site(node.output[0], users, [(node, slot, 0) for slot in range(1, len(node.input))
-                                                      if node.input[slot] in initializers]))
+        slots = [i for i in NORMS.get(node.op_type, ()) if i < len(node.input) and node.input[i]]
+        if slots and node.input[slots[0]] in initializers:
+            sites.append(Site(node.output[0], users, [(node, i, 0) for i in slots if node.input[i] in initializers]))
         elif node.op_type == "Mul":
             up = next((producers.get(i) for i in node.input
                        if producers.get(i) is not None and producers[i].op_type == "MatMul"
@@ -72,9 +74,9 @@ def smoothable(graph) -> list[Site]:
     return sites
 
 
-def channel_amax(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,
-                 progress: Callable[[int, int], None] | None) -> dict[str, np.ndarray]:
-    """max |x| per channel (last axis) of each tensor over all windows."""
+def _run_sites(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,
+               progress: Callable[[int, int], None] | None):
+    """Yield, per window, {tensor: value [tokens, channels]} for the named tensors of `model`."""
     import tempfile
     from pathlib import Path
 
@@ -88,29 +90,46 @@ def channel_amax(model, layout: KVLayout, windows: list[np.ndarray], tensors: li
     augmented.CopyFrom(model)
     del augmented.graph.output[:]
     augmented.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in tensors)
-    amax: dict[str, np.ndarray] = {}
-    with tempfile.TemporaryDirectory(prefix="llmc-smoothquant-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="llmc-sites-") as tmp:
         save_model(augmented, Path(tmp))
         del augmented
         session = make_session(Path(tmp) / "model.onnx", num_threads)
         for done, ids in enumerate(windows, 1):
-            for name, value in zip(tensors, session.run(tensors, feeds(layout, ids))):
-                here = np.abs(value).reshape(-1, value.shape[-1]).max(0)
-                amax[name] = np.maximum(amax[name], here) if name in amax else here
+            values = session.run(tensors, feeds(layout, ids))
+            yield {name: v.reshape(-1, v.shape[-1]) for name, v in zip(tensors, values)}
             if progress:
                 progress(done, len(windows))
+
+
+def channel_amax(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,
+                 progress: Callable[[int, int], None] | None) -> dict[str, np.ndarray]:
+    """max |x| per channel (last axis) of each tensor over all windows."""
+    amax: dict[str, np.ndarray] = {}
+    for values in _run_sites(model, layout, windows, tensors, num_threads, progress):
+        for name, value in values.items():
+            here = np.abs(value).max(0)
+            amax[name] = np.maximum(amax[name], here) if name in amax else here
     return amax
 
 
-def smooth(model, layout: KVLayout, windows: list[np.ndarray], alpha: float, *, num_threads: int = 0,
-           progress: Callable[[int, int], None] | None = None) -> int:
-    """Migrate activation outliers into the weights of `model` (in place); returns how many sites were smoothed."""
+def site_activations(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], tokens: int,
+                     num_threads: int) -> dict[str, np.ndarray]:
+    """Up to `tokens` rows [tokens, channels] of each tensor, spread evenly over the windows."""
+    per_window = max(1, tokens // len(windows))
+    rows: dict[str, list[np.ndarray]] = {t: [] for t in tensors}
+    for values in _run_sites(model, layout, windows, tensors, num_threads, None):
+        for name, value in values.items():
+            pick = np.linspace(0, len(value) - 1, min(per_window, len(value))).astype(int)
+            rows[name].append(value[pick].astype(np.float32))
+    return {name: np.concatenate(chunks)[:tokens] for name, chunks in rows.items()}
+
+
+def apply_scales(model, sites: list[Site], scales: list[np.ndarray]) -> None:
+    """Multiply each site's readers' weight rows by s and divide its producer constants by s (in place).
+    A constant read by other nodes too (the export deduplicates equal tensors, e.g. norm weights
+    that are all ones) is copied first, so only this site's readers see the change."""
     from onnx import numpy_helper
 
-    sites = smoothable(model.graph)
-    if not sites:
-        return 0
-    act = channel_amax(model, layout, windows, [site.tensor for site in sites], num_threads, progress)
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     uses: dict[str, int] = {}
@@ -119,8 +138,6 @@ def smooth(model, layout: KVLayout, windows: list[np.ndarray], alpha: float, *, 
             uses[name] = uses.get(name, 0) + 1
 
     def own(node, slot: int) -> str:
-        """The initializer at `node.input[slot]`, made this node's own if others read it too (the
-        export deduplicates equal tensors, e.g. norm weights that are all ones)."""
         name = node.input[slot]
         if uses[name] > 1:
             uses[name] -= 1
@@ -135,13 +152,27 @@ def smooth(model, layout: KVLayout, windows: list[np.ndarray], alpha: float, *, 
         value = fn(numpy_helper.to_array(initializers[name]))
         initializers[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
 
-    for site in sites:
-        weights = [own(reader, 1) for reader in site.readers]
-        w_amax = np.max([np.abs(numpy_helper.to_array(initializers[w])).max(1) for w in weights], axis=0)  # per row
-        s = np.power(np.maximum(act[site.tensor], 1e-5), alpha) / np.power(np.maximum(w_amax, 1e-5), 1 - alpha)
-        s = np.clip(s, 1e-5, None).astype(np.float32)
+    for site, s in zip(sites, scales):
         for node, slot, axis in site.divide:
             update(own(node, slot), lambda v: v / (s if axis == 0 or v.ndim == 1 else s[None, :]))
-        for w in weights:
-            update(w, lambda v: v * s[:, None])
+        for reader in site.readers:
+            update(own(reader, 1), lambda v: v * s[:, None])
+
+
+def smooth(model, layout: KVLayout, windows: list[np.ndarray], alpha: float, *, num_threads: int = 0,
+           progress: Callable[[int, int], None] | None = None) -> int:
+    """Migrate activation outliers into the weights of `model` (in place); returns how many sites were smoothed."""
+    from onnx import numpy_helper
+
+    sites = smoothable(model.graph)
+    if not sites:
+        return 0
+    act = channel_amax(model, layout, windows, [site.tensor for site in sites], num_threads, progress)
+    initializers = {t.name: t for t in model.graph.initializer}
+    scales = []
+    for site in sites:
+        w_amax = np.max([np.abs(numpy_helper.to_array(initializers[r.input[1]])).max(1) for r in site.readers], axis=0)
+        s = np.power(np.maximum(act[site.tensor], 1e-5), alpha) / np.power(np.maximum(w_amax, 1e-5), 1 - alpha)
+        scales.append(np.clip(s, 1e-5, None).astype(np.float32))
+    apply_scales(model, sites, scales)
     return len(sites)

@@ -80,9 +80,12 @@ class QuantizationSpec(_Strict):
         0.05, description="Relative increase allowed over the unquantized model (0.05 = 5%)."
     )
     block_size: int = Field(32, description="Weights per scale in the weight-only modes (16, 32, 64, 128 or 256).")
+    awq: bool = Field(True, description="Weight-only modes: activation-aware weight scaling (AWQ) on calibration "
+                                        "text before rounding; false = plain round to nearest.")
     smoothquant: bool = Field(False, description="int8: migrate activation outliers into the weights (SmoothQuant).")
     smoothquant_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
-        0.5, description="SmoothQuant migration strength: 0 keeps activations as they are, 1 moves all into weights.")
+        0.8, description="SmoothQuant migration strength: 0 keeps activations as they are, 1 moves all into weights "
+                         "(0.8 measured best on SmolLM2 among 0.5 / 0.8 / 0.9).")
 
     @field_validator("block_size")
     @classmethod

@@ -159,3 +159,47 @@ def test_a_missing_calibration_file_fails_the_build_early(tiny_llama, tmp_path):
 @pytest.mark.triton
 def test_a_quantized_build_serves_through_triton(int4_build, tmp_path):
     assert_serves_like_its_graph(int4_build, tmp_path)
+
+
+def test_fake_quantize_puts_every_weight_on_its_blocks_grid():
+    from llmc.compiler.awq import fake_quantize
+
+    w = np.random.default_rng(0).standard_normal((70, 5)).astype(np.float32)  # 70: a ragged last block
+    q = fake_quantize(w, bits=4, block=32)
+    for start in range(0, 70, 32):
+        block, qb = w[start:start + 32], q[start:start + 32]
+        scale = np.abs(block).max(0) / 7
+        np.testing.assert_allclose(qb / scale, np.round(qb / scale), atol=1e-4)  # integers
+        assert (np.abs(qb - block) <= scale / 2 + 1e-6).all()
+
+
+def test_awq_search_never_does_worse_than_round_to_nearest():
+    from llmc.compiler.awq import fake_quantize, search_scale
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((128, 64)).astype(np.float32)
+    x[:, [3, 17]] *= 40  # two outlier channels, as in real activations
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    s, alpha = search_scale(x, [w], bits=4, block=32)
+    rtn = np.square(x @ w - x @ fake_quantize(w, 4, 32)).sum()
+    scaled = np.square(x @ w - (x / s) @ fake_quantize(w * s[:, None], 4, 32)).sum()
+    assert alpha > 0 and scaled < 0.9 * rtn
+
+
+def test_awq_keeps_the_fp32_function(int4_build):
+    import onnxruntime as ort
+
+    from llmc.compiler.awq import awq
+    from llmc.compiler.calibrate import feeds
+
+    layout = int4_build.exported.kv_layout
+    model = onnx.load(str(int4_build.output / "export" / "model.onnx"))
+    untie_lm_head(model.graph)
+    original = model.SerializeToString()
+    windows = [np.random.default_rng(2).integers(0, 250, 24) for _ in range(3)]
+    alphas = awq(model, layout, windows, bits=4, block=32)
+    assert len(alphas) == 2 * 3 + 1  # fused lowering: skip-norms, the MLP up -> down, the final norm
+    logits = [ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(["logits"], feeds(layout, windows[0]))[0]
+              for m in (original, model.SerializeToString())]  # fresh KV buffers per run: the graph updates them
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    assert "AWQ scaling on 7 layer inputs" in int4_build.quantized.method
