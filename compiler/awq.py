@@ -25,14 +25,15 @@ TOKENS = 256  # calibration tokens per site used to score a scale
 
 
 def fake_quantize(w: np.ndarray, bits: int, block: int) -> np.ndarray:
-    """w [K, N] quantized symmetrically in blocks of `block` along K, and dequantized."""
+    """w [K, N] quantized and dequantized as ONNX Runtime's symmetric MatMulNBits quantizer does it:
+    blocks of `block` along K, the weight of largest magnitude mapped to the lowest code
+    (scale = w / -2^(bits-1)), codes -2^(bits-1) .. 2^(bits-1) - 1."""
     k, n = w.shape
-    pad = (-k) % block
-    blocks = np.pad(w, ((0, pad), (0, 0))).reshape(-1, block, n)
-    qmax = 2 ** (bits - 1) - 1
-    scale = np.abs(blocks).max(1, keepdims=True) / qmax
+    blocks = np.pad(w, ((0, (-k) % block), (0, 0))).reshape(-1, block, n)
+    lo = -(2 ** (bits - 1))
+    scale = np.take_along_axis(blocks, np.abs(blocks).argmax(1)[:, None, :], 1) / lo
     scale[scale == 0] = 1.0
-    q = np.clip(np.round(blocks / scale), -qmax - 1, qmax)
+    q = np.clip(np.round(blocks / scale), lo, -lo - 1)
     return (q * scale).reshape(-1, n)[:k]
 
 

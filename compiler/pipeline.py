@@ -211,7 +211,7 @@ def _check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:
     if tokenizer is None:
         raise SpecError(f"quantization.mode: {q.mode.value} needs the checkpoint's tokenizer (to measure "
                         f"perplexity on text); {info.path} has none")
-    if q.static or (q.weight_only and q.awq):
+    if q.static or (q.weight_only and q.algorithm.value != "rtn"):
         from llmc.compiler.quantize import calibration_windows
 
         calibration_windows(q, tokenizer)

@@ -33,7 +33,7 @@ from llmc.compiler.hashing import hash_json
 from llmc.compiler.export import EXTERNAL_DATA_NAME, ONNX_NAME, PROTOBUF_LIMIT, save_model, tool_versions
 from llmc.compiler.quality import compare
 from llmc.compiler.smoothquant import smooth
-from llmc.compiler.spec import QuantizationSpec, QuantMode
+from llmc.compiler.spec import QuantizationSpec, QuantMode, WeightOnlyAlgorithm
 from llmc.compiler.textdata import builtin_documents, load_documents, token_windows
 from llmc.compiler.verify import PROMPTS
 from llmc.errors import QuantizationError
@@ -71,6 +71,28 @@ def weight_only(model, bits: int, block_size: int):
                                      op_types_to_quantize=("MatMul",))
     quantizer.process()
     return quantizer.model.model
+
+
+def weight_only_model(source: Path, exported: ExportedModel, spec: QuantizationSpec, bits: int, tokenizer, *,
+                      num_threads: int, progress) -> tuple[object, str, str]:
+    """The MatMulNBits graph, how it was made, and what calibrated it."""
+    import onnx
+
+    model = onnx.load(str(source))
+    untie_lm_head(model.graph)
+    algorithm = spec.algorithm
+    windows = calibration_windows(spec, tokenizer) if algorithm is not WeightOnlyAlgorithm.rtn else []
+    kernel = (f"onnxruntime MatMulNBits: {bits}-bit symmetric weights, blocks of {spec.block_size}, accuracy_level "
+              f"{ACCURACY_LEVEL} (int8 activations), LM head untied and quantized")
+    how = "round to nearest by onnxruntime's MatMulNBitsQuantizer"
+    if algorithm is WeightOnlyAlgorithm.awq:
+        alphas = awq(model, exported.kv_layout, windows, bits, spec.block_size, num_threads=num_threads,
+                     progress=progress)
+        how = f"AWQ scaling on {len(alphas)} layer inputs (alpha median {np.median(alphas):.1f}), then " + how
+    model = weight_only(model, bits, spec.block_size)
+    note = (f"{algorithm.value} over {len(windows)} sample(s) of {len(windows[0])} tokens from {spec.calibration.data}"
+            if windows else "none (round to nearest needs no calibration data)")
+    return model, f"{kernel}; {how}", note
 
 
 def calibration_windows(spec: QuantizationSpec, tokenizer) -> list[np.ndarray]:
@@ -119,24 +141,8 @@ def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: Qua
     source = export_dir / exported.onnx
     calibration = None
     if spec.weight_only:
-        import onnx
-
-        model = onnx.load(str(source))
-        untie_lm_head(model.graph)
-        scaling = "round to nearest"
-        calibration_note = "none (round to nearest needs no calibration data)"
-        if spec.awq:
-            windows = calibration_windows(spec, tokenizer)
-            alphas = awq(model, exported.kv_layout, windows, bits, spec.block_size, num_threads=num_threads,
-                         progress=progress)
-            scaling = (f"AWQ scaling on {len(alphas)} layer inputs (alpha median "
-                       f"{float(np.median(alphas)) if alphas else 0:.1f}), then round to nearest")
-            calibration_note = (f"AWQ over {len(windows)} sample(s) of {len(windows[0])} tokens from "
-                                f"{spec.calibration.data}")
-        proto = weight_only(model, bits, spec.block_size)
-        del model
-        method = (f"onnxruntime MatMulNBits: {bits}-bit symmetric weights, blocks of {spec.block_size}, {scaling}, "
-                  f"accuracy_level {ACCURACY_LEVEL} (int8 activations); LM head untied and quantized")
+        proto, method, calibration_note = weight_only_model(source, exported, spec, bits, tokenizer,
+                                                            num_threads=num_threads, progress=progress)
     else:
         with tempfile.TemporaryDirectory(prefix="llmc-quantize-", dir=out_dir.parent) as work:
             proto, calibration = static_qdq(source, exported, spec, tokenizer, Path(work), previous=previous,

@@ -74,7 +74,7 @@ def smoothable(graph) -> list[Site]:
     return sites
 
 
-def _run_sites(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,
+def run_tensors(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,
                progress: Callable[[int, int], None] | None):
     """Yield, per window, {tensor: value [tokens, channels]} for the named tensors of `model`."""
     import tempfile
@@ -105,7 +105,7 @@ def channel_amax(model, layout: KVLayout, windows: list[np.ndarray], tensors: li
                  progress: Callable[[int, int], None] | None) -> dict[str, np.ndarray]:
     """max |x| per channel (last axis) of each tensor over all windows."""
     amax: dict[str, np.ndarray] = {}
-    for values in _run_sites(model, layout, windows, tensors, num_threads, progress):
+    for values in run_tensors(model, layout, windows, tensors, num_threads, progress):
         for name, value in values.items():
             here = np.abs(value).max(0)
             amax[name] = np.maximum(amax[name], here) if name in amax else here
@@ -117,7 +117,7 @@ def site_activations(model, layout: KVLayout, windows: list[np.ndarray], tensors
     """Up to `tokens` rows [tokens, channels] of each tensor, spread evenly over the windows."""
     per_window = max(1, tokens // len(windows))
     rows: dict[str, list[np.ndarray]] = {t: [] for t in tensors}
-    for values in _run_sites(model, layout, windows, tensors, num_threads, None):
+    for values in run_tensors(model, layout, windows, tensors, num_threads, None):
         for name, value in values.items():
             pick = np.linspace(0, len(value) - 1, min(per_window, len(value))).astype(int)
             rows[name].append(value[pick].astype(np.float32))

@@ -49,6 +49,11 @@ class CalibrationMethod(str, enum.Enum):
     percentile = "percentile"
 
 
+class WeightOnlyAlgorithm(str, enum.Enum):
+    rtn = "rtn"  # round to nearest
+    awq = "awq"  # activation-aware scaling, then round to nearest
+
+
 class AttentionLowering(str, enum.Enum):
     auto = "auto"  # fused for onnxruntime, plugin for tensorrt; reference under int8/fp8 quantization
     fused = "fused"  # com.microsoft.GroupQueryAttention, KV cache updated in place (ONNX Runtime)
@@ -80,8 +85,9 @@ class QuantizationSpec(_Strict):
         0.05, description="Relative increase allowed over the unquantized model (0.05 = 5%)."
     )
     block_size: int = Field(32, description="Weights per scale in the weight-only modes (16, 32, 64, 128 or 256).")
-    awq: bool = Field(True, description="Weight-only modes: activation-aware weight scaling (AWQ) on calibration "
-                                        "text before rounding; false = plain round to nearest.")
+    algorithm: WeightOnlyAlgorithm = Field(
+        WeightOnlyAlgorithm.awq, description="Weight-only modes: awq (activation-aware scaling on calibration text, "
+                                             "then round to nearest) or rtn (round to nearest, no calibration).")
     smoothquant: bool = Field(False, description="int8: migrate activation outliers into the weights (SmoothQuant).")
     smoothquant_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
         0.8, description="SmoothQuant migration strength: 0 keeps activations as they are, 1 moves all into weights "

@@ -161,16 +161,19 @@ def test_a_quantized_build_serves_through_triton(int4_build, tmp_path):
     assert_serves_like_its_graph(int4_build, tmp_path)
 
 
-def test_fake_quantize_puts_every_weight_on_its_blocks_grid():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fake_quantize_is_what_onnx_runtime_s_quantizer_stores(bits):
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
+
     from llmc.compiler.awq import fake_quantize
 
-    w = np.random.default_rng(0).standard_normal((70, 5)).astype(np.float32)  # 70: a ragged last block
-    q = fake_quantize(w, bits=4, block=32)
-    for start in range(0, 70, 32):
-        block, qb = w[start:start + 32], q[start:start + 32]
-        scale = np.abs(block).max(0) / 7
-        np.testing.assert_allclose(qb / scale, np.round(qb / scale), atol=1e-4)  # integers
-        assert (np.abs(qb - block) <= scale / 2 + 1e-6).all()
+    w = np.random.default_rng(0).standard_normal((64, 5)).astype(np.float32)
+    w[3, 0], w[40, 2] = -5.0, 4.0  # extremes of both signs
+    cfg = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, bits=bits)
+    packed, scales, _ = DefaultWeightOnlyQuantizer(cfg).qbits_block_quant(w)  # [N, blocks, bytes], [N, blocks]
+    codes = np.stack([packed & 15, packed >> 4], -1).reshape(5, 2, 32) if bits == 4 else packed
+    stored = (codes.astype(np.float32) - 2 ** (bits - 1)) * scales.reshape(5, 2)[:, :, None]
+    np.testing.assert_allclose(fake_quantize(w, bits, 32), stored.reshape(5, 64).T, rtol=1e-6, atol=1e-7)
 
 
 def test_awq_search_never_does_worse_than_round_to_nearest():
