@@ -6,9 +6,8 @@ Methods (spec `quantization.calibration.method`):
 - `entropy`: the threshold minimizing the KL divergence between the fp32 and the quantized histogram;
 - `percentile`: the 99.99th percentile of |x|, so a few outliers do not stretch the range.
 `entropy` and `percentile` use ONNX Runtime's own `HistogramCollector` (the collector behind its
-static quantizer); what is written here is the graph augmentation that exposes only the tensors
-needed (ORT's calibrators would also record every MatMul output, the logits included) and the
-sample loop with its progress ticks.
+static quantizer); what is written here is `run_tensors` (also used by SmoothQuant and AWQ), which
+exposes only the tensors needed, and the sample loop with its progress ticks.
 
 The result is kept as `calibration.json` next to the quantized graph, keyed by the graph, the
 samples and the method, and reused while those are unchanged (switching int8 <-> fp8 or the quality
@@ -74,38 +73,49 @@ def feeds(layout: KVLayout, ids: np.ndarray) -> dict[str, np.ndarray]:
             **{name: empty for name in layout.past_names()}}
 
 
-def calibrate(model, layout: KVLayout, windows: list[np.ndarray], method: str, *, key: str, num_threads: int = 0,
-              progress: Callable[[int, int], None] | None = None) -> Calibration:
-    """Ranges of `model`'s (an onnx ModelProto, weights loaded) linear-layer inputs over `windows`."""
+def run_tensors(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,
+               progress: Callable[[int, int], None] | None):
+    """Yield, per window, {tensor: value [tokens, channels]} for the named tensors of `model` (an
+    onnx ModelProto, weights loaded), run on ONNX Runtime CPU from an empty cache. ONNX Runtime's own
+    calibrators would also record every MatMul output (the logits included); this exposes only
+    what is asked for."""
     import onnx
-    from onnxruntime.quantization.calibrate import HistogramCollector
 
     from llmc.compiler.export import save_model
     from llmc.runtime.ort_runner import make_session
 
-    tensors = weight_matmul_inputs(model.graph)
     augmented = onnx.ModelProto()
     augmented.CopyFrom(model)
     del augmented.graph.output[:]
     augmented.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in tensors)
     with tempfile.TemporaryDirectory(prefix="llmc-calibrate-") as tmp:
         save_model(augmented, Path(tmp))
-        session = make_session(Path(tmp) / "model.onnx", num_threads)
         del augmented
-        collector = None if method == "max" else HistogramCollector(
-            method=method, symmetric=True, num_bins=NUM_BINS, num_quantized_bins=NUM_QUANTIZED_BINS,
-            percentile=PERCENTILE, scenario="same")
-        amax = dict.fromkeys(tensors, 0.0)
+        session = make_session(Path(tmp) / "model.onnx", num_threads)
         for done, ids in enumerate(windows, 1):
-            values = dict(zip(tensors, session.run(tensors, feeds(layout, ids))))
-            if collector is None:
-                for name, value in values.items():
-                    amax[name] = max(amax[name], float(np.abs(value).max()))
-            else:
-                with contextlib.redirect_stdout(io.StringIO()):  # the collector prints a line per call
-                    collector.collect({name: [value] for name, value in values.items()})
+            values = session.run(tensors, feeds(layout, ids))
+            yield {name: v.reshape(-1, v.shape[-1]) for name, v in zip(tensors, values)}
             if progress:
                 progress(done, len(windows))
+
+
+def calibrate(model, layout: KVLayout, windows: list[np.ndarray], method: str, *, key: str, num_threads: int = 0,
+              progress: Callable[[int, int], None] | None = None) -> Calibration:
+    """Ranges of `model`'s (an onnx ModelProto, weights loaded) linear-layer inputs over `windows`."""
+    from onnxruntime.quantization.calibrate import HistogramCollector
+
+    tensors = weight_matmul_inputs(model.graph)
+    collector = None if method == "max" else HistogramCollector(
+        method=method, symmetric=True, num_bins=NUM_BINS, num_quantized_bins=NUM_QUANTIZED_BINS,
+        percentile=PERCENTILE, scenario="same")
+    amax = dict.fromkeys(tensors, 0.0)
+    for values in run_tensors(model, layout, windows, tensors, num_threads, progress):
+        if collector is None:
+            for name, value in values.items():
+                amax[name] = max(amax[name], float(np.abs(value).max()))
+        else:
+            with contextlib.redirect_stdout(io.StringIO()):  # the collector prints a line per call
+                collector.collect({name: [value] for name, value in values.items()})
     if collector is not None:
         with contextlib.redirect_stdout(io.StringIO()):
             result = collector.compute_collection_result()

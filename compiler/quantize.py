@@ -3,10 +3,11 @@
 Weight-only modes (`int8-weight-only`, `int4-weight-only`) are ONNX Runtime's own
 `MatMulNBitsQuantizer`: every MatMul with constant weights becomes a `com.microsoft.MatMulNBits`
 (symmetric, block-wise round-to-nearest, `accuracy_level` 4 = int8 activations in the kernel, the
-fast CPU path). Written here, because the quantizer lacks it: tied embeddings reach the LM head as
-`Transpose(embedding)`, which the quantizer skips as "no constant weight"; `untie_lm_head` folds
-that transpose into its own initializer first, so the LM head (a fifth of SmolLM2's weights) is
-quantized too while the embedding Gather keeps the original table.
+fast CPU path), after AWQ scaling (awq.py) unless `algorithm: rtn`. Written here, because the
+quantizer lacks it: tied embeddings reach the LM head as `Transpose(embedding)`, which the
+quantizer skips as "no constant weight"; `untie_lm_head` folds that transpose into its own
+initializer first, so the LM head (a fifth of SmolLM2's weights) is quantized too while the
+embedding Gather keeps the original table.
 
 Static modes (`int8`, `fp8`: Q/DQ for TensorRT, W8A8) calibrate activation ranges on the spec's
 calibration text (calibrate.py) and place Q/DQ with NVIDIA ModelOpt (qdq.py). They quantize the

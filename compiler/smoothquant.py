@@ -20,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from llmc.compiler.calibrate import run_tensors
 from llmc.runtime.layout import KVLayout
 
 # normalizations and the input slots of their per-channel constants (scale, bias); output 0 is normalized
@@ -72,33 +73,6 @@ def smoothable(graph) -> list[Site]:
             if up is not None:
                 sites.append(Site(node.output[0], users, [(up, 1, 1)]))
     return sites
-
-
-def run_tensors(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,
-               progress: Callable[[int, int], None] | None):
-    """Yield, per window, {tensor: value [tokens, channels]} for the named tensors of `model`."""
-    import tempfile
-    from pathlib import Path
-
-    import onnx
-
-    from llmc.compiler.calibrate import feeds
-    from llmc.compiler.export import save_model
-    from llmc.runtime.ort_runner import make_session
-
-    augmented = onnx.ModelProto()
-    augmented.CopyFrom(model)
-    del augmented.graph.output[:]
-    augmented.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in tensors)
-    with tempfile.TemporaryDirectory(prefix="llmc-sites-") as tmp:
-        save_model(augmented, Path(tmp))
-        del augmented
-        session = make_session(Path(tmp) / "model.onnx", num_threads)
-        for done, ids in enumerate(windows, 1):
-            values = session.run(tensors, feeds(layout, ids))
-            yield {name: v.reshape(-1, v.shape[-1]) for name, v in zip(tensors, values)}
-            if progress:
-                progress(done, len(windows))
 
 
 def channel_amax(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,

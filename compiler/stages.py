@@ -1,0 +1,141 @@
+"""The verify, quantize and package stages as the pipeline runs them: each reuses its artifact
+when the inputs hash matches, runs the library function otherwise, and returns (status, summary)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmc.compiler.artifacts import QuantizedModel, VerifyReport
+from llmc.compiler.hashing import code_hash, hash_json
+from llmc.compiler.source import SourceInfo
+from llmc.compiler.spec import BuildSpec, QuantMode
+from llmc.errors import QuantizationError, SpecError, VerifyError
+
+if TYPE_CHECKING:
+    from llmc.compiler.pipeline import _Build, _Model
+
+REPOSITORY_DIR = "model_repository"
+VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
+QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.qdq", "llmc.compiler.calibrate", "llmc.compiler.smoothquant",
+                 "llmc.compiler.awq",
+                 "llmc.compiler.quality",
+                 "llmc.compiler.textdata", "llmc.runtime.ort_runner")
+
+def check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:
+    """Before exporting: the tokenizer exists and the calibration text yields a sample (static modes)."""
+    from llmc.compiler.source import load_tokenizer
+
+    q = spec.quantization
+    tokenizer = load_tokenizer(info)
+    if tokenizer is None:
+        raise SpecError(f"quantization.mode: {q.mode.value} needs the checkpoint's tokenizer (to measure "
+                        f"perplexity on text); {info.path} has none")
+    if q.static or (q.weight_only and q.algorithm.value != "rtn"):
+        from llmc.compiler.quantize import calibration_windows
+
+        calibration_windows(q, tokenizer)
+
+
+def quantize_stage(b: "_Build", staging: Path, info: SourceInfo, source_hash: str):
+    from llmc.compiler.source import load_tokenizer
+
+    spec, exported = b.spec, b.result.exported
+    q = spec.quantization
+    if q.mode is QuantMode.none:
+        return "skipped", "quantization.mode is none"
+    import onnxruntime
+
+    key = hash_json({"stage": "quantize", "export": exported.files, "code": code_hash(*QUANTIZE_CODE),
+                     "quantization": q.model_dump(mode="json", exclude={"max_perplexity_increase"}),
+                     "onnxruntime": onnxruntime.__version__, "modelopt": _modelopt_version() if q.static else None})
+    art = b.reuse("quantize", QuantizedModel, key, staging)
+    status = "cached"
+    if art is None:
+        from llmc.compiler.quantize import quantize
+
+        tokenizer = load_tokenizer(info)
+        previous = b.output / "quantize"
+        art = quantize(exported, staging / "export", staging / "quantize", q, tokenizer, inputs_hash=key,
+                       num_threads=spec.serving.num_threads, previous=previous if previous.is_dir() else None,
+                       progress=b.reporter.stage_progress)
+        status = "ran"
+    b.result.quantized = art
+    r = art.report
+    summary = (f"{art.mode.value}: perplexity {r.perplexity_reference:.2f} -> {r.perplexity_quantized:.2f} "
+               f"({r.perplexity_increase:+.1%}), greedy agreement {r.token_agreement:.0%}, "
+               f"{_mib(r.size_reference_mib)} -> {_mib(r.size_quantized_mib)} MiB, decode "
+               f"{r.decode_tok_s_quantized / r.decode_tok_s_reference:.1f}x")
+    check_quality_gate(r, q.max_perplexity_increase)
+    return status, summary
+
+
+def _modelopt_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("nvidia-modelopt")
+
+
+def check_quality_gate(report, limit: float) -> None:
+    if report.perplexity_increase > limit:
+        raise QuantizationError(
+            f"quality gate: perplexity rose {report.perplexity_increase:.1%} ({report.perplexity_reference:.3f} -> "
+            f"{report.perplexity_quantized:.3f}), above quantization.max_perplexity_increase ({limit:.1%}); raise "
+            "the limit, or use a mode with more bits or a smaller block_size")
+
+
+def _mib(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.2f}"
+
+
+def package_stage(b: "_Build", staging: Path, info: SourceInfo):
+    from llmc.compiler.package import package
+
+    exported = b.result.exported
+    if not exported.model.has_tokenizer:
+        return "skipped", "the checkpoint has no tokenizer, so there is no text to serve"
+    engine = b.result.quantized or exported
+    engine_dir = staging / ("quantize" if b.result.quantized else "export")
+    b.result.manifest = package(b.spec, exported, engine, engine_dir, info, staging / REPOSITORY_DIR)
+    lim = b.result.manifest.limits
+    return "ran", (f"{REPOSITORY_DIR}/{b.spec.name}: {lim.max_batch_size} KV slots x {lim.max_seq_len} tokens, "
+                   f"queue {lim.max_queue_size}")
+
+
+def verify_stage(b: "_Build", staging: Path, model: "_Model", source_hash: str):
+    from llmc.compiler import verify as verify_module
+
+    spec, exported = b.spec, b.result.exported
+    if not spec.verify.enabled:
+        return "skipped", "verify.enabled is false"
+    import onnxruntime
+
+    key = hash_json({"stage": "verify", "source": source_hash, "export": exported.files, "verify": spec.section_hash("verify"),
+                     "code": code_hash(*VERIFY_CODE),
+                     "onnxruntime": onnxruntime.__version__})
+    report = b.reuse("verify", VerifyReport, key, staging)
+    status = "cached"
+    if report is None:
+        torch_model, tokenizer = model.get()
+        report = verify_module.verify(
+            exported, staging / "export", torch_model, tokenizer, staging / "verify", inputs_hash=key,
+            steps=spec.verify.decode_steps, tolerance=spec.verify.max_logit_diff,
+            num_threads=spec.serving.num_threads, progress=b.reporter.stage_progress)
+        status = "ran"
+    b.result.verify = report
+    summary = verify_summary(report)
+    if not report:
+        raise VerifyError(f"verification failed: {summary}\n"
+                          + "\n".join(f"  {c.name}: {c.token_agreement:.1%} tokens equal, first divergence "
+                                      f"{c.first_divergence}, max |Δlogit| {c.max_abs_logit_diff:.2e}"
+                                      for c in report.cases))
+    return status, summary
+
+
+def verify_summary(report: VerifyReport) -> str:
+    steps = report.cases[0].decode_steps
+    agree = min(c.token_agreement for c in report.cases)
+    verdict = "greedy tokens equal" if agree == 1.0 else f"greedy tokens {agree:.1%} equal"
+    batches = " + ".join(f"batch {c.batch}" for c in report.cases)
+    return (f"{verdict} over {steps} steps ({batches}), max |Δlogit| "
+            f"{report.max_abs_logit_diff:.1e} (tolerance {report.tolerance:.0e})")
