@@ -115,10 +115,10 @@ def static_qdq(source: Path, exported: ExportedModel, spec: QuantizationSpec, to
     windows = calibration_windows(spec, tokenizer)
     model = onnx.load(str(source))
     untie_lm_head(model.graph)
-    if spec.smoothquant:
+    if spec.smoothed:
         smooth(model, exported.kv_layout, windows, spec.smoothquant_alpha, num_threads=num_threads, progress=progress)
     external = save_model(model, work)
-    graph = hash_json({"export": exported.files, "smoothquant": spec.smoothquant and spec.smoothquant_alpha})
+    graph = hash_json({"export": exported.files, "smoothquant": spec.smoothed and spec.smoothquant_alpha})
     key = calibration_key(graph, windows, cal.method.value)
     calibration = Calibration.load_cached(previous, key) if previous is not None else None
     if calibration is None:
@@ -152,7 +152,7 @@ def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: Qua
         method = (f"ModelOpt Q/DQ ({kind}): weights per output channel, symmetric, stored quantized behind "
                   f"DequantizeLinear; activations per tensor, symmetric (zero point 0); on both inputs of every "
                   f"linear-layer MatMul, LM head included"
-                  + (f"; SmoothQuant alpha {spec.smoothquant_alpha}" if spec.smoothquant else ""))
+                  + (f"; SmoothQuant alpha {spec.smoothquant_alpha}" if spec.smoothed else ""))
         calibration_note = (f"{calibration.method} over {calibration.samples} sample(s) of {calibration.seq_len} "
                             f"tokens from {spec.calibration.data}")
     external = save_model(proto, out_dir, external_threshold)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from llmc.compiler.artifacts import QuantizedModel, VerifyReport
 from llmc.compiler.hashing import code_hash, hash_json
 from llmc.compiler.source import SourceInfo
-from llmc.compiler.spec import BuildSpec, QuantMode
+from llmc.compiler.spec import BuildSpec, QuantMode, WeightOnlyAlgorithm
 from llmc.errors import QuantizationError, SpecError, VerifyError
 
 if TYPE_CHECKING:
@@ -18,9 +18,8 @@ if TYPE_CHECKING:
 REPOSITORY_DIR = "model_repository"
 VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
 QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.qdq", "llmc.compiler.calibrate", "llmc.compiler.smoothquant",
-                 "llmc.compiler.awq",
-                 "llmc.compiler.quality",
-                 "llmc.compiler.textdata", "llmc.runtime.ort_runner")
+                 "llmc.compiler.awq", "llmc.compiler.quality", "llmc.compiler.textdata", "llmc.runtime.ort_runner")
+
 
 def check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:
     """Before exporting: the tokenizer exists and the calibration text yields a sample (static modes)."""
@@ -31,7 +30,7 @@ def check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:
     if tokenizer is None:
         raise SpecError(f"quantization.mode: {q.mode.value} needs the checkpoint's tokenizer (to measure "
                         f"perplexity on text); {info.path} has none")
-    if q.static or (q.weight_only and q.algorithm.value != "rtn"):
+    if q.static or (q.weight_only and q.algorithm is not WeightOnlyAlgorithm.rtn):
         from llmc.compiler.quantize import calibration_windows
 
         calibration_windows(q, tokenizer)

@@ -88,7 +88,8 @@ def test_reports_are_measured_and_fp8_says_it_is_the_reference_path(int8_build, 
 def test_calibration_is_reused_across_modes_and_redone_when_the_method_changes(tiny_llama, tmp_path, monkeypatch):
     import llmc.compiler.quantize as quantize_module
 
-    first = build(_spec(tiny_llama, "int8"), output=tmp_path / "out")
+    plain = {"smoothquant": False}  # SmoothQuant changes the int8 graph, so its ranges would differ from fp8's
+    first = build(_spec(tiny_llama, "int8", extra_quant=plain), output=tmp_path / "out")
     calls = []
     real = quantize_module.calibrate
     monkeypatch.setattr(quantize_module, "calibrate", lambda *a, **k: calls.append(k["key"]) or real(*a, **k))
@@ -197,9 +198,11 @@ def test_smoothquant_keeps_the_fp32_function_and_moves_range_out_of_activations(
     assert spread[1] < spread[0]  # channels evened out: the outlier ratio per tensor shrank
 
 
-def test_smoothquant_is_only_for_int8(tiny_llama):
+def test_smoothquant_is_only_for_int8(tiny_llama, int8_build):
     with pytest.raises(SpecError, match="smoothquant applies to mode int8"):
         _spec(tiny_llama, "fp8", extra_quant={"smoothquant": True})
+    assert not _spec(tiny_llama, "fp8").quantization.smoothed  # on by default, for int8 only
+    assert "SmoothQuant alpha 0.8" in int8_build.quantized.method
 
 
 def test_a_too_short_calibration_file_fails_before_export(tiny_llama, tmp_path):
