@@ -6,7 +6,8 @@ Batch-1 decode tokens/s of SmolLM2 through llmc's runner (same prompt of 128 tok
 tokens, greedy) for llmc's fp32, int8-weight-only and int4-weight-only builds, and through
 onnxruntime-genai's `generate()` on its own int8 and int4 CPU builds of the same checkpoint. Each
 pass measures everything once (llmc/genai order alternating); ratios are medians of per-pass
-ratios. Perplexity increases come from each llmc build's quality report. Builds go to build/bench/
+ratios. Perplexity increases come from each llmc build's quality report, and for onnxruntime-genai's
+builds from the same held-out windows (relative to llmc's fp32 graph). Builds go to build/bench/
 and are reused while unchanged. Writes build/bench/quantization.json. `--static` adds the quality
 reports of the TensorRT Q/DQ modes (int8 with SmoothQuant, fp8), built after the timed passes.
 """
@@ -47,6 +48,32 @@ def llmc_quantized(mode: str, threads: int, **quantization):
     result = build(parse_spec(data), output=BENCH / f"smollm2-{mode}", until="quantize")
     q = result.quantized
     return (BENCH / f"smollm2-{mode}" / "quantize" / q.onnx, q.kv_layout), q.report
+
+
+def genai_perplexity(model_dir: Path) -> float:
+    """Perplexity of an onnxruntime-genai build on the held-out windows llmc's quality report uses."""
+    import math
+
+    import onnxruntime_genai as og
+    from transformers import AutoTokenizer
+
+    from llmc.compiler.quantize import EVAL_SEQ_LEN, EVAL_WINDOWS
+    from llmc.compiler.textdata import builtin_documents, token_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "smollm2")
+    windows = token_windows(tokenizer, builtin_documents("heldout"), EVAL_SEQ_LEN, EVAL_WINDOWS, "eval", "held-out")
+    model, nll, count = og.Model(str(model_dir)), 0.0, 0
+    for ids in windows:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + 1, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(ids[None].astype(np.int32))
+        logits = np.asarray(gen.get_output("logits"))[0].astype(np.float64)  # [tokens, vocab] after the prefill
+        logits -= logits.max(-1, keepdims=True)
+        logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        nll -= logprobs[np.arange(len(ids) - 1), ids[1:]].sum()
+        count += len(ids) - 1
+    return math.exp(nll / count)
 
 
 def main() -> None:
@@ -90,13 +117,15 @@ def main() -> None:
     rows = {}
     for bits, (x_fp32, x_genai, max_ppl) in TARGETS.items():
         r = reports[bits]
+        peer = genai_perplexity(genai[bits]) / r.perplexity_reference - 1.0  # same windows, llmc's fp32 as reference
         rows[bits] = {"vs fp32": paired(f"llmc {bits} tok/s", "llmc fp32 tok/s"),
                       "vs genai": paired(f"llmc {bits} tok/s", f"genai {bits} tok/s"),
-                      "perplexity increase": r.perplexity_increase}
+                      "perplexity increase": r.perplexity_increase, "genai perplexity increase": peer}
         checks = [(rows[bits]["vs fp32"] >= x_fp32, f"{rows[bits]['vs fp32']:.2f}x fp32 (target {x_fp32}x)"),
                   (rows[bits]["vs genai"] >= x_genai, f"{rows[bits]['vs genai']:.2f}x genai {bits} (target {x_genai}x)"),
                   (r.perplexity_increase <= max_ppl, f"perplexity {r.perplexity_increase:+.1%} (target <= {max_ppl:.0%})")]
         print(f"  {bits}-weight-only: " + ", ".join(f"{text} {'ok' if ok else 'MISSED'}" for ok, text in checks))
+        print(f"    (onnxruntime-genai's {bits} build on the same held-out text: perplexity {peer:+.1%})")
     if args.static:
         for mode, extra in STATIC.items():
             r = llmc_quantized(mode, t, **extra)[1]
