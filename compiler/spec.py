@@ -88,8 +88,8 @@ class QuantizationSpec(_Strict):
     algorithm: WeightOnlyAlgorithm = Field(
         WeightOnlyAlgorithm.awq, description="Weight-only modes: awq (activation-aware scaling on calibration text, "
                                              "then round to nearest) or rtn (round to nearest, no calibration).")
-    smoothquant: bool = Field(True, description="int8: migrate activation outliers into the weights (SmoothQuant); "
-                                                "other modes ignore it.")
+    smoothquant: bool | None = Field(
+        None, description="int8: migrate activation outliers into the weights (SmoothQuant); unset = on for int8.")
     smoothquant_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
         0.8, description="SmoothQuant migration strength: 0 keeps activations as they are, 1 moves all into weights "
                          "(0.8 measured best on SmolLM2 among 0.5 / 0.8 / 0.9).")
@@ -103,7 +103,7 @@ class QuantizationSpec(_Strict):
 
     @model_validator(mode="after")
     def _smoothquant_is_for_int8(self) -> "QuantizationSpec":
-        if self.smoothquant and "smoothquant" in self.model_fields_set and self.mode is not QuantMode.int8:
+        if self.smoothquant and self.mode is not QuantMode.int8:
             raise ValueError(f"smoothquant applies to mode int8 (per-tensor int8 activations), not {self.mode.value}")
         return self
 
@@ -113,8 +113,8 @@ class QuantizationSpec(_Strict):
 
     @property
     def smoothed(self) -> bool:
-        """SmoothQuant is applied (int8 only)."""
-        return self.smoothquant and self.mode is QuantMode.int8
+        """SmoothQuant is applied: int8, unless `smoothquant: false`."""
+        return self.mode is QuantMode.int8 and self.smoothquant is not False
 
     @property
     def static(self) -> bool:

@@ -202,6 +202,10 @@ def test_smoothquant_is_only_for_int8(tiny_llama, int8_build):
     with pytest.raises(SpecError, match="smoothquant applies to mode int8"):
         _spec(tiny_llama, "fp8", extra_quant={"smoothquant": True})
     assert not _spec(tiny_llama, "fp8").quantization.smoothed  # on by default, for int8 only
+    assert not _spec(tiny_llama, "int8", extra_quant={"smoothquant": False}).quantization.smoothed
+    for mode in ("int8", "fp8", "none"):  # a recorded spec (build.json) parses back to the same spec
+        spec = _spec(tiny_llama, mode)
+        assert parse_spec(spec.model_dump(mode="json")) == spec
     assert "SmoothQuant alpha 0.8" in int8_build.quantized.method
 
 
