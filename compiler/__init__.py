@@ -2,12 +2,12 @@
 
 Library API (the CLI only calls these):
 
-    from llmc.compiler import load_spec, build, export, verify, inspect_path
+    from llmc.compiler import load_spec, build, plan_build, export, verify, inspect_path
 """
 
 from llmc.compiler.spec import BuildSpec, load_spec
 
-__all__ = ["BuildSpec", "load_spec", "build", "export", "verify", "inspect_path"]
+__all__ = ["BuildSpec", "load_spec", "build", "plan_build", "export", "verify", "inspect_path"]
 
 
 def __getattr__(name: str):
@@ -16,6 +16,10 @@ def __getattr__(name: str):
         from llmc.compiler.pipeline import build
 
         return build
+    if name == "plan_build":
+        from llmc.compiler.plan import plan_build
+
+        return plan_build
     if name == "export":
         from llmc.compiler.export import export
 

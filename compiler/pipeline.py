@@ -70,6 +70,13 @@ class BuildResult:
 def preflight(spec: BuildSpec, until: str = "verify") -> None:
     """Refuse what this version cannot build before any work is done."""
     if spec.target is Target.tensorrt and until != "export":
+        from llmc.compiler.plan import tensorrt_missing
+
+        missing = tensorrt_missing()
+        if missing:
+            raise UnsupportedError(
+                f"target: tensorrt needs {missing}, which this machine lacks; build with target: onnxruntime "
+                "here (`llmc build --dry-run` shows what a TensorRT build would make; `llmc export` writes its ONNX)")
         raise UnsupportedError(
             "target: tensorrt can be exported (`llmc export`) but not built in this version of llmc "
             "(the TensorRT engine stage is not implemented yet); use target: onnxruntime"

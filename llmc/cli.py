@@ -68,6 +68,7 @@ def build(
     spec: SpecArg,
     output: OutputOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Run every stage, even unchanged ones.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the build plan (stages, precision, attention, TensorRT profiles, memory estimate) from the spec and the checkpoint's config, and exit; needs no GPU.")] = False,
 ) -> None:
     """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch, quantize (quantization.mode), package a Triton model repository.
 
@@ -75,6 +76,14 @@ def build(
 
     Unchanged stages are reused from the previous output; the output folder is replaced atomically, so a failed or interrupted build leaves the previous one intact.
     """
+    if dry_run:
+        from llmc.compiler import load_spec, plan_build
+        from llmc.compiler.inspect import Section
+        from llmc.console import out, sections_table
+
+        for table in sections_table([Section(f"build plan: {spec}", plan_build(load_spec(spec)).rows())]):
+            out.print(table)
+        return
     _run_build(spec, output, "package", {"export", "verify", "quantize"} if force else set())
 
 

@@ -79,3 +79,12 @@ def test_tensorrt_target_exports_but_does_not_build(tiny_llama, tmp_path):
     assert "plugin attention" in res.stdout
     res = run("build", spec, "-o", tmp_path / "out2")
     assert res.returncode == 7 and "llmc export" in res.stderr and "target: onnxruntime" in res.stderr
+
+
+def test_dry_run_prints_the_plan_and_builds_nothing(tiny_llama, tmp_path):
+    spec = write_spec(tmp_path, {"name": "m", "source": str(tiny_llama), "target": "tensorrt", "precision": "bf16"})
+    res = run("build", spec, "--dry-run", "-o", tmp_path / "out")
+    assert res.returncode == 0, res.stderr
+    for row in ("profile prefill", "profile decode", "memory: KV cache", "bf16 through ModelOpt AutoCast"):
+        assert row in res.stdout
+    assert not (tmp_path / "out").exists()

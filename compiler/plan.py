@@ -1,0 +1,180 @@
+"""The build plan (`llmc build --dry-run`): what a build of a spec would make, worked out from the
+spec and the checkpoint's config alone — no weights loaded, no TensorRT or GPU needed.
+
+For `target: tensorrt` it lists the optimization profiles the engine gets from `limits` (a prefill
+profile and a decode profile over the same KV-cache inputs), the precision plan (fp16/bf16 through
+ModelOpt AutoCast, int8/fp8 Q/DQ from the quantize stage), the attention nodes, and a memory
+estimate: weights at their stored precision, the KV cache at the serving limits, and the largest
+activations of a prefill chunk (the logits of every prefilled token dominate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmc.compiler.source import SourceInfo
+from llmc.compiler.spec import BuildSpec, QuantMode, Target
+
+BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
+                QuantMode.int4_weight_only: 0.5}
+PREFILL_OPT_TOKENS = 512  # the prefill profile's optimum: a typical prompt chunk
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Config facts the plan needs (read from config.json or the GGUF header, no weights)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def linear_params(self) -> int:
+        """Weights of the linear layers (what quantization shrinks), LM head included when untied."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + (3 if self.model_type != "gpt2" else 2) * h * i
+        return self.num_layers * per_layer + (0 if self.tied_embeddings else self.vocab_size * h)
+
+    @property
+    def other_params(self) -> int:
+        """Embeddings (and GPT-2's positions) and norms."""
+        extra = self.max_position_embeddings * self.hidden_size if self.model_type == "gpt2" else 0
+        return self.vocab_size * self.hidden_size + extra + (2 * self.num_layers + 1) * self.hidden_size
+
+
+def read_dims(info: SourceInfo) -> Dims:
+    from transformers import AutoConfig
+
+    if info.kind == "gguf":
+        c = AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name, local_files_only=True)
+    else:
+        c = AutoConfig.from_pretrained(str(info.path), local_files_only=True, trust_remote_code=False)
+    heads = c.num_attention_heads
+    return Dims(model_type=c.model_type, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+                intermediate_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
+                or 4 * c.hidden_size,
+                num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
+                tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+                max_position_embeddings=c.max_position_embeddings)
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]  # input -> (min, opt, max)
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    target: str
+    stages: list[str]
+    precision: str
+    attention: str
+    attention_nodes: int
+    quantization: str
+    profiles: list[Profile] = field(default_factory=list)
+    weights_bytes: int = 0
+    kv_cache_bytes: int = 0
+    activation_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def rows(self) -> list[tuple[str, str]]:
+        def gib(n: int) -> str:
+            return f"{n / 2**30:.2f} GiB"
+
+        rows = [("target", self.target), ("stages", " -> ".join(self.stages)), ("precision", self.precision),
+                ("attention", f"{self.attention} ({self.attention_nodes} nodes)"), ("quantization", self.quantization)]
+        for p in self.profiles:
+            rows.append((f"profile {p.name}", "; ".join(
+                f"{name} min {list(lo)} opt {list(opt)} max {list(hi)}" for name, (lo, opt, hi) in p.shapes.items())))
+        rows += [("memory: weights", gib(self.weights_bytes)), ("memory: KV cache", gib(self.kv_cache_bytes)),
+                 ("memory: activations (peak prefill, estimate)", gib(self.activation_bytes)),
+                 ("memory: total (estimate)", gib(self.weights_bytes + self.kv_cache_bytes + self.activation_bytes))]
+        rows += [("note", n) for n in self.notes]
+        return rows
+
+
+def profiles(spec: BuildSpec, dims: Dims) -> list[Profile]:
+    """Prefill (many tokens per row) and decode (one token per row) over one set of KV inputs."""
+    lim = spec.limits
+    kv = (dims.num_kv_heads, lim.max_seq_len, dims.head_dim)
+    past = {"past_key_values.*": ((1, *kv), (lim.max_batch_size, *kv), (lim.max_batch_size, *kv))}
+    tokens = lim.max_num_tokens
+    prefill = {"input_ids": ((1, 2), (1, min(PREFILL_OPT_TOKENS, tokens)), (lim.max_batch_size, tokens)),
+               "cache_position": ((1,), (1,), (lim.max_batch_size,)), **past}
+    decode = {"input_ids": ((1, 1), (lim.max_batch_size, 1), (lim.max_batch_size, 1)),
+              "cache_position": ((1,), (lim.max_batch_size,), (lim.max_batch_size,)), **past}
+    return [Profile("prefill", prefill), Profile("decode", decode)]
+
+
+def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
+    q = spec.quantization
+    tensorrt = spec.target is Target.tensorrt
+    dtype_bytes = BYTES[spec.precision.value]
+    linear_bytes = LINEAR_BYTES.get(q.mode, dtype_bytes)
+    weights = int(dims.linear_params * linear_bytes + dims.other_params * dtype_bytes)
+    if q.mode is not QuantMode.none and dims.tied_embeddings:  # untie_lm_head: the LM head gets its own copy
+        weights += int(dims.vocab_size * dims.hidden_size * linear_bytes)
+    kv_bytes = (2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * spec.limits.max_seq_len
+                * spec.limits.max_batch_size * dtype_bytes)
+    tokens = spec.limits.max_num_tokens
+    activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)
+    stages = ["source", "export"]
+    lowering = spec.attention_lowering
+    if not tensorrt or lowering != "plugin":
+        stages.append("verify")
+    if q.mode is not QuantMode.none:
+        stages.append("quantize")
+    stages += ["engine", "package"] if tensorrt else ["package"]
+    notes = []
+    if tensorrt:
+        precision = (f"{spec.precision.value} through ModelOpt AutoCast (strongly typed network)"
+                     if spec.precision.value != "fp32" else "fp32 (strongly typed network)")
+        notes.append("the engine stage (TensorRT) is not implemented in this version: a real build stops at "
+                     "preflight; target: onnxruntime builds and serves on CPU")
+    else:
+        precision = "fp32 (ONNX Runtime CPU)"
+    quant = q.mode.value if q.mode is QuantMode.none else (
+        f"{q.mode.value} ({'Q/DQ' if q.static else 'MatMulNBits'}; calibration {q.calibration.method.value} on "
+        f"{q.calibration.data}, up to {q.calibration.num_samples} x {q.calibration.seq_len} tokens)")
+    return BuildPlan(target=spec.target.value, stages=stages, precision=precision,
+                     attention={"fused": "com.microsoft.GroupQueryAttention", "reference": "opset-23 Attention",
+                                "plugin": "LlmcFusedAttention plugin"}[lowering],
+                     attention_nodes=dims.num_layers, quantization=quant,
+                     profiles=profiles(spec, dims) if tensorrt else [], weights_bytes=weights,
+                     kv_cache_bytes=kv_bytes, activation_bytes=activations, notes=notes)
+
+
+def plan_build(spec: BuildSpec) -> BuildPlan:
+    """The plan for `spec` (reads the checkpoint's config only)."""
+    from llmc.compiler.source import inspect_source
+
+    return build_plan(spec, read_dims(inspect_source(spec.source)))
+
+
+def tensorrt_missing() -> str | None:
+    """What this machine lacks to build TensorRT engines (None: TensorRT and a CUDA GPU are here)."""
+    import importlib.util
+
+    missing = []
+    if importlib.util.find_spec("tensorrt") is None:
+        missing.append("TensorRT (the `tensorrt` Python package)")
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    if not gpu:
+        missing.append("an NVIDIA GPU")
+    return " and ".join(missing) or None

@@ -1,0 +1,70 @@
+"""The build plan (`llmc build --dry-run`): profiles, precision, memory estimate, and the refusal of
+a real TensorRT build on a machine without TensorRT or a GPU."""
+
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from llmc.compiler import build
+from llmc.compiler.plan import plan_build, read_dims, tensorrt_missing
+from llmc.compiler.source import inspect_source
+from llmc.compiler.spec import parse_spec
+from llmc.errors import UnsupportedError
+
+LIMITS = {"max_batch_size": 4, "max_seq_len": 96, "max_num_tokens": 64}
+
+
+def _spec(ckpt, **extra):
+    return parse_spec({"name": "p", "source": str(ckpt), "limits": LIMITS, "serving": {"default_max_tokens": 8},
+                       **extra})
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_weight_estimate_matches_the_exported_initializers(tiny_checkpoints, tmp_path, model_type):
+    spec = _spec(tiny_checkpoints[model_type])
+    planned = plan_build(spec)
+    build(spec, output=tmp_path / "out", until="export")
+    model = onnx.load(str(tmp_path / "out" / "export" / "model.onnx"))
+    stored = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer if len(t.dims) >= 2)
+    rotary = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer if "cache" in t.name)
+    assert planned.weights_bytes == pytest.approx(stored - rotary, rel=0.05)
+    assert planned.attention_nodes == read_dims(inspect_source(spec.source)).num_layers
+
+
+def test_kv_cache_and_activation_estimates_follow_the_limits(tiny_llama):
+    dims = read_dims(inspect_source(_spec(tiny_llama).source))
+    planned = plan_build(_spec(tiny_llama))
+    per_token = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * 4
+    assert planned.kv_cache_bytes == per_token * LIMITS["max_seq_len"] * LIMITS["max_batch_size"]
+    assert planned.activation_bytes >= LIMITS["max_num_tokens"] * dims.vocab_size * 4  # the prefill chunk's logits
+    assert planned.profiles == [] and planned.stages == ["source", "export", "verify", "package"]
+
+
+def test_tensorrt_plan_has_prefill_and_decode_profiles_and_halves_for_fp16(tiny_llama):
+    fp32 = plan_build(_spec(tiny_llama))
+    planned = plan_build(_spec(tiny_llama, target="tensorrt", precision="fp16"))
+    prefill, decode = planned.profiles
+    dims = read_dims(inspect_source(_spec(tiny_llama).source))
+    kv = (dims.num_kv_heads, LIMITS["max_seq_len"], dims.head_dim)
+    assert prefill.shapes["input_ids"] == ((1, 2), (1, LIMITS["max_num_tokens"]), (4, LIMITS["max_num_tokens"]))
+    assert decode.shapes["input_ids"] == ((1, 1), (4, 1), (4, 1))
+    assert prefill.shapes["past_key_values.*"] == decode.shapes["past_key_values.*"] == ((1, *kv), (4, *kv), (4, *kv))
+    assert planned.kv_cache_bytes * 2 == fp32.kv_cache_bytes and planned.weights_bytes * 2 == fp32.weights_bytes
+    assert "AutoCast" in planned.precision and planned.attention.startswith("LlmcFusedAttention")
+    assert planned.stages == ["source", "export", "engine", "package"]  # the plugin graph is not verified on CPU
+    rows = dict(planned.rows())
+    assert "opt [4, 1]" in rows["profile decode"] and "GiB" in rows["memory: total (estimate)"]
+
+
+def test_quantized_tensorrt_plan_counts_one_byte_linear_weights(tiny_llama):
+    fp16 = plan_build(_spec(tiny_llama, target="tensorrt", precision="fp16"))
+    fp8 = plan_build(_spec(tiny_llama, target="tensorrt", precision="fp16", quantization={"mode": "fp8"}))
+    assert fp8.weights_bytes < fp16.weights_bytes and fp8.attention.startswith("opset-23")  # Q/DQ: reference lowering
+    assert "quantize" in fp8.stages and "verify" in fp8.stages and fp8.quantization.startswith("fp8 (Q/DQ")
+
+
+@pytest.mark.skipif(tensorrt_missing() is None, reason="this machine has TensorRT and a GPU")
+def test_a_real_tensorrt_build_stops_at_once_naming_what_is_missing_and_the_target_that_works(tiny_llama, tmp_path):
+    with pytest.raises(UnsupportedError, match="target: tensorrt needs .*(TensorRT|GPU).* target: onnxruntime"):
+        build(_spec(tiny_llama, target="tensorrt"), output=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
