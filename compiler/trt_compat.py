@@ -6,8 +6,9 @@ Checked on the ONNX alone, so it runs anywhere; the TensorRT build (issue 6) is 
 - only QuantizeLinear / DequantizeLinear carry quantization: ONNX Runtime's operator formats
   (QLinearMatMul, MatMulInteger, MatMulNBits, DynamicQuantizeLinear) do not parse in TensorRT;
 - quantized types are int8 or float8e4m3fn, symmetric: a zero point, where given, is all zeros;
-- scales are positive, finite float32 constants: one value (per tensor) for activations, one per
-  output channel (axis 1 of a MatMul weight [K, N]) for weights; no block-wise int8/fp8;
+- scales are positive, finite float constants (fp32, or the network's fp16/bf16): one value (per
+  tensor) for activations, one per output channel (axis 1 of a MatMul weight [K, N]) for weights;
+  no block-wise int8/fp8;
 - placement: a QuantizeLinear feeds only DequantizeLinear; a DequantizeLinear feeds only MatMuls;
   a weight's DequantizeLinear reads a constant stored quantized; a MatMul quantized on one input is
   quantized on both (otherwise TensorRT runs it in high precision);
@@ -21,6 +22,7 @@ import numpy as np
 ORT_QUANT_OPS = {"QLinearMatMul", "MatMulInteger", "MatMulIntegerToFloat", "MatMulNBits", "DynamicQuantizeLinear",
                  "QLinearConv", "QGemm", "QAttention", "DynamicQuantizeMatMul"}
 QUANT_TYPES = {"INT8", "FLOAT8E4M3FN"}
+SCALE_TYPES = {1, 10, 16}  # FLOAT, FLOAT16, BFLOAT16: a DequantizeLinear's output takes its scale's type
 
 
 def qdq_problems(model) -> list[str]:
@@ -55,8 +57,8 @@ def qdq_problems(model) -> list[str]:
             problems.append(f"{where}: scale {n.input[1]} is not a constant")
             continue
         values = numpy_helper.to_array(scale)
-        if scale.data_type != TensorProto.FLOAT:
-            problems.append(f"{where}: scale is {type_name(scale.data_type)}, not FLOAT")
+        if scale.data_type not in SCALE_TYPES:
+            problems.append(f"{where}: scale is {type_name(scale.data_type)}, not FLOAT, FLOAT16 or BFLOAT16")
         if not (np.isfinite(values).all() and (values > 0).all()):
             problems.append(f"{where}: scale has values that are not positive and finite")
         zero = consts.get(n.input[2]) if len(n.input) > 2 and n.input[2] else None

@@ -1,0 +1,40 @@
+"""The ONNX a TensorRT engine is built from: the export (plugin or reference attention) or its Q/DQ
+form, in the spec's precision.
+
+TensorRT 11 builds strongly typed networks only (no precision flags), so the types must already be
+in the graph: fp16/bf16 come from NVIDIA ModelOpt's AutoCast (`convert_to_f16`, the variant that
+does not run the graph — ONNX Runtime cannot run the plugin node), with normalizations kept in fp32
+for their reductions. The KV-cache inputs and outputs take the low precision too (that is where the
+memory is). AutoCast gives each reader of a shared constant its own copy; they are deduplicated
+again. The result passes `onnx.checker` and, for Q/DQ graphs, the TensorRT Q/DQ rules (tested).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmc.compiler.export import ONNX_NAME, save_model
+from llmc.compiler.graph_passes import deduplicate_initializers
+from llmc.plugins.lowering import register_schemas
+
+FP32_OPS = ["RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"]
+
+
+def prepare_for_tensorrt(source: Path, precision: str, out_dir: Path) -> Path:
+    """Write `out_dir/model.onnx`: `source` in `precision` (fp32, fp16 or bf16)."""
+    import onnx
+
+    register_schemas()  # the plugin node's types and shapes, for AutoCast's type inference
+    model = onnx.load(str(source))
+    if precision != "fp32":
+        import contextlib
+        import io
+
+        from modelopt.onnx.autocast.convert import convert_to_f16
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            model = convert_to_f16(model, precision, keep_io_types=False, op_block_list=FP32_OPS)
+        model = deduplicate_initializers(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_model(model, out_dir)
+    return out_dir / ONNX_NAME
