@@ -17,6 +17,8 @@ records ([batch, kv_heads, capacity, head_dim]). Three steps, each one kernel la
    of the row's keys and writes a partial (max, sum, weighted values); `_decode_reduce` merges the
    splits. Splitting the keys keeps a GPU busy when batch x heads alone is too few programs.
 
+The same op in one launch, for the TensorRT plugin, is in kernels_aot.py.
+
 GQA: query head h reads KV head h // (H / KVH). fp16, bf16 and fp32 inputs; accumulation in fp32.
 Runs on CPU under `TRITON_INTERPRET=1` (how the tests check it against the reference) and compiles
 for sm_80 / sm_90 without a GPU (`ptx`).
@@ -205,43 +207,3 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     _decode_reduce[(b * h,)](part_acc, part_m, part_l, out, d, splits, block_d)
     return out
 
-
-_TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
-def compile_ptx(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capability: int, *,
-                rotary: bool, splits: int = 8, position_type: str = "i32") -> dict[str, str]:
-    """PTX of every kernel for one model's shapes and a GPU generation (80: A100, 90: H100), compiled
-    ahead of time without a GPU: what the TensorRT plugin ships (`@trtp.aot_impl`). `position_type`
-    is the cache_position element type the plugin node carries (int32)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    t = _TRITON_TYPES[dtype]
-    block_d = triton.next_power_of_2(head_dim)
-    heads = {"H": num_heads, "KVH": num_kv_heads, "D": head_dim}
-    kernels = {
-        "rope_write": (_rope_write, {**{n: f"*{t}" for n in ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "qo_ptr",
-                                                             "cos_ptr", "sin_ptr")},
-                                     "pos_ptr": f"*{position_type}", "S": "i32", "C": "i32"},
-                       {**heads, "HALF": head_dim // 2, "BLOCK_D": block_d, "ROTARY": rotary}),
-        "prefill": (_prefill, {**{n: f"*{t}" for n in ("q_ptr", "kc_ptr", "vc_ptr", "o_ptr")},
-                               "pos_ptr": f"*{position_type}", "scale": "fp32", "S": "i32", "C": "i32"},
-                    {**heads, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_D": block_d,
-                     "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "UPCAST": False}),
-        "decode_split": (_decode_split, {**{n: f"*{t}" for n in ("q_ptr", "kc_ptr", "vc_ptr")},
-                                         **{n: "*fp32" for n in ("part_acc", "part_m", "part_l")},
-                                         "pos_ptr": f"*{position_type}", "scale": "fp32", "C": "i32",
-                                         "keys_per_split": "i32"},
-                         {**heads, "SPLITS": splits, "BLOCK_N": DECODE_BLOCK, "BLOCK_D": block_d}),
-        "decode_reduce": (_decode_reduce, {**{n: "*fp32" for n in ("part_acc", "part_m", "part_l")}, "o_ptr": f"*{t}"},
-                          {"D": head_dim, "SPLITS": splits, "BLOCK_D": block_d}),
-    }
-    ptx = {}
-    for name, (fn, signature, constexprs) in kernels.items():
-        for c in constexprs:
-            signature[c] = "constexpr"
-        ordered = {arg: signature[arg] for arg in fn.arg_names}
-        source = ASTSource(fn=fn, signature=ordered, constexprs={(fn.arg_names.index(c),): v for c, v in constexprs.items()})
-        ptx[name] = triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["ptx"]
-    return ptx

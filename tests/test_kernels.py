@@ -15,6 +15,7 @@ import torch  # noqa: E402
 
 from llmc.plugins.attention import reference_attention  # noqa: E402
 from llmc.plugins.kernels import decode_splits, fused_attention  # noqa: E402
+from llmc.plugins.kernels_aot import one_launch_attention  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -34,11 +35,14 @@ def _case(batch, new, heads, kv_heads, head_dim, capacity, positions, dtype, rot
     return q, k, v, kc, vc, torch.tensor(positions, dtype=torch.int64, device=device), cos, sin
 
 
-def _check(case, scale, **kwargs):
+KERNELS = {"three launches": fused_attention, "one launch": one_launch_attention}
+
+
+def _check(case, scale, kernel=fused_attention, **kwargs):
     q, k, v, kc, vc, pos, cos, sin = case
     ref_out, ref_k, ref_v = reference_attention(q, k, v, kc, vc, pos, scale, cos, sin)
     kc2, vc2 = kc.clone(), vc.clone()
-    out = fused_attention(q, k, v, kc2, vc2, pos, scale, cos, sin, **kwargs)
+    out = kernel(q, k, v, kc2, vc2, pos, scale, cos, sin, **kwargs)
     tol = TOLERANCE[q.dtype]
     torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(kc2.float(), ref_k.float(), atol=tol, rtol=tol)  # written in place, the rest kept
@@ -48,17 +52,19 @@ def _check(case, scale, **kwargs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])  # GQA ratios 1, 3, 8
 @pytest.mark.parametrize("rotary", [False, True])
-def test_prefill_matches_the_reference(dtype, heads, kv_heads, rotary):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_prefill_matches_the_reference(dtype, heads, kv_heads, rotary, kernel):
     # odd prompt length, rows at different positions (one continuing a prefix), capacity not a block multiple
     case = _case(2, 19, heads, kv_heads, 24, 53, [0, 21], dtype, rotary)
-    _check(case, 24 ** -0.5)
+    _check(case, 24 ** -0.5, KERNELS[kernel])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_decode_matches_the_reference_for_rows_of_mixed_lengths(dtype, heads, kv_heads):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_decode_matches_the_reference_for_rows_of_mixed_lengths(dtype, heads, kv_heads, kernel):
     case = _case(3, 1, heads, kv_heads, 32, 150, [0, 37, 149], dtype, rotary=True, seed=1)
-    _check(case, 32 ** -0.5)
+    _check(case, 32 ** -0.5, KERNELS[kernel])
 
 
 @pytest.mark.parametrize("splits", [1, 2, 8])
@@ -67,12 +73,14 @@ def test_decode_gives_the_same_answer_however_the_keys_are_split(splits):
     _check(case, 0.3, splits=splits)
 
 
-def test_decode_steps_after_prefill_equal_one_prefill():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_decode_steps_after_prefill_equal_one_prefill(kernel):
+    attention = KERNELS[kernel]
     q, k, v, kc, vc, pos, cos, sin = _case(1, 9, 4, 2, 16, 32, [0], torch.float32, rotary=True, seed=3)
-    whole = fused_attention(q, k, v, kc.clone(), vc.clone(), pos, 0.25, cos, sin)
+    whole = attention(q, k, v, kc.clone(), vc.clone(), pos, 0.25, cos, sin)
     kc2, vc2 = kc.clone(), vc.clone()
-    fused_attention(q[:, :5], k[:, :5], v[:, :5], kc2, vc2, pos, 0.25, cos, sin)
-    steps = [fused_attention(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], kc2, vc2, pos + i, 0.25, cos, sin)
+    attention(q[:, :5], k[:, :5], v[:, :5], kc2, vc2, pos, 0.25, cos, sin)
+    steps = [attention(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], kc2, vc2, pos + i, 0.25, cos, sin)
              for i in range(5, 9)]
     torch.testing.assert_close(torch.cat(steps, 1), whole[:, 5:], atol=1e-5, rtol=1e-5)
 
@@ -88,7 +96,7 @@ def test_split_count_fills_a_gpu_but_never_slices_below_a_key_block():
 def test_kernels_compile_to_ptx_without_a_gpu(capability):
     code = (
         "import torch\n"
-        "from llmc.plugins.kernels import compile_ptx\n"
+        "from llmc.plugins.kernels_aot import compile_ptx\n"
         "for dtype in (torch.float16, torch.bfloat16):\n"
         f"    ptx = compile_ptx(9, 3, 64, dtype, {capability}, rotary=True)\n"
         "    for name, text in ptx.items():\n"
@@ -98,7 +106,7 @@ def test_kernels_compile_to_ptx_without_a_gpu(capability):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "ok ['decode_reduce', 'decode_split', 'prefill', 'rope_write']" in run.stdout
+    assert "ok ['attention_one_launch', 'decode_reduce', 'decode_split', 'prefill', 'rope_write']" in run.stdout
 
 
 @pytest.mark.cuda
@@ -109,6 +117,7 @@ def test_kernels_on_the_gpu_match_the_reference():
         "import torch\n"
         "from llmc.plugins.attention import reference_attention\n"
         "from llmc.plugins.kernels import fused_attention\n"
+        "from llmc.plugins.kernels_aot import one_launch_attention\n"
         "torch.manual_seed(0)\n"
         "for dtype in (torch.float16, torch.bfloat16):\n"
         "    for new, pos in ((300, [0, 700]), (1, [4095, 17])):\n"
@@ -117,8 +126,9 @@ def test_kernels_on_the_gpu_match_the_reference():
         "        kc, vc = (torch.randn(2, 8, 4096, 128, device='cuda', dtype=dtype) for _ in range(2))\n"
         "        p = torch.tensor(pos, device='cuda')\n"
         "        ref = reference_attention(q, k, v, kc, vc, p, 128 ** -0.5)[0]\n"
-        "        out = fused_attention(q, k, v, kc.clone(), vc.clone(), p, 128 ** -0.5)\n"
-        "        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)\n"
+        "        for kernel in (fused_attention, one_launch_attention):\n"
+        "            out = kernel(q, k, v, kc.clone(), vc.clone(), p, 128 ** -0.5)\n"
+        "            torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)\n"
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
