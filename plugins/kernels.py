@@ -1,5 +1,4 @@
-"""OpenAI Triton kernels for `llmc::attention` (plugins/attention.py): the GPU implementation behind
-the `LlmcFusedAttention` TensorRT plugin.
+"""OpenAI Triton kernels for `llmc::attention` (plugins/attention.py) on a GPU, called from PyTorch.
 
     fused_attention(query [B,S,H,D], key [B,S,KVH,D], value [B,S,KVH,D],
                     k_cache [B,KVH,C,D], v_cache [B,KVH,C,D], cache_position int [B], scale,
@@ -21,7 +20,7 @@ The same op in one launch, for the TensorRT plugin, is in kernels_aot.py.
 
 GQA: query head h reads KV head h // (H / KVH). fp16, bf16 and fp32 inputs; accumulation in fp32.
 Runs on CPU under `TRITON_INTERPRET=1` (how the tests check it against the reference) and compiles
-for sm_80 / sm_90 without a GPU (`ptx`).
+for sm_80 / sm_90 without a GPU (kernels_aot.compile_ptx).
 """
 
 from __future__ import annotations
