@@ -70,6 +70,17 @@ def _rope_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, qo_ptr, pos_ptr, cos_ptr, s
 
 
 @triton.jit
+def softmax_block(scores, m_i, l_i):
+    """One block of keys in an online softmax over rows: the block's unnormalized probabilities, the
+    factor that rescales what came before, and the new running max and sum (fully masked rows stay 0)."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _prefill(q_ptr, kc_ptr, vc_ptr, o_ptr, pos_ptr, scale, S, C,
              H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -100,11 +111,7 @@ def _prefill(q_ptr, kc_ptr, vc_ptr, o_ptr, pos_ptr, scale, S, C,
         scores = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION) * scale
         visible = n_idx[None, :] <= pos + m_idx[:, None]
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_block(scores, m_i, l_i)
         v = tl.load(vc_ptr + cache + n_idx[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new

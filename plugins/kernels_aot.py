@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from llmc.plugins.kernels import (BLOCK_M, BLOCK_N, DECODE_BLOCK, _decode_reduce, _decode_split, _prefill,
-                                  _rope_write)
+                                  _rope_write, softmax_block)
 
 
 @triton.jit
@@ -87,11 +87,7 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, pos_ptr, c
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = (n[None, :] <= (pos + s)[:, None]) & row_ok[:, None]
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_block(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
