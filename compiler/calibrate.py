@@ -9,9 +9,9 @@ Methods (spec `quantization.calibration.method`):
 static quantizer); what is written here is `run_tensors` (also used by SmoothQuant and AWQ), which
 exposes only the tensors needed, and the sample loop with its progress ticks.
 
-The result is kept as `calibration.json` next to the quantized graph, keyed by the graph, the
-samples and the method, and reused while those are unchanged (switching int8 <-> fp8 or the quality
-gate reuses it).
+The result is kept as `calibration.json` next to the quantized graph, keyed by the graph (after
+SmoothQuant, when it applies), the samples and the method, and reused while those are unchanged
+(switching fp8 <-> int8 without SmoothQuant, or changing the quality gate, reuses it).
 """
 
 from __future__ import annotations

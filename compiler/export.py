@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
-from llmc.compiler.source import SUPPORTED_MODEL_TYPES
+from llmc.compiler.source import SUPPORTED_MODEL_TYPES, attention_shape
 from llmc.errors import ExportError
 from llmc.compiler.graph_passes import fuse_skip_rms_norm, simplify
 from llmc.plugins.lowering import Heads, Lowering, translation_table, trim_unused_outputs
@@ -35,7 +35,7 @@ PROTOBUF_LIMIT = 2**31 - 2**26  # stay clear of protobuf's 2 GiB cap (graph stru
 
 def model_info(model, tokenizer) -> ModelInfo:
     c = model.config
-    num_heads = c.num_attention_heads
+    num_heads, num_kv_heads, head_dim = attention_shape(c)
     eos = c.eos_token_id
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return ModelInfo(
@@ -44,8 +44,8 @@ def model_info(model, tokenizer) -> ModelInfo:
         vocab_size=c.vocab_size,
         num_layers=c.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=getattr(c, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         hidden_size=c.hidden_size,
         max_position_embeddings=c.max_position_embeddings,
         bos_token_id=c.bos_token_id,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmc.compiler.source import SourceInfo
+from llmc.compiler.source import SourceInfo, attention_shape
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -58,12 +58,11 @@ def read_dims(info: SourceInfo) -> Dims:
         c = AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name, local_files_only=True)
     else:
         c = AutoConfig.from_pretrained(str(info.path), local_files_only=True, trust_remote_code=False)
-    heads = c.num_attention_heads
+    heads, kv_heads, head_dim = attention_shape(c)
     return Dims(model_type=c.model_type, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
                 intermediate_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
                 or 4 * c.hidden_size,
-                num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
+                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=c.vocab_size,
                 tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
                 max_position_embeddings=c.max_position_embeddings)
 

@@ -8,9 +8,9 @@ divided by s_j in the norm's weight and multiplied back into row j of every cons
 
 so the fp32 function is unchanged and the difficulty moves from activations into the (per-channel
 quantized) weights. Besides the norms, a gated MLP's up projection plays the norm's part for the
-down projection (its output columns take 1/s; `Mul(act(gate), up)` is linear in `up`). Written here because neither ModelOpt's ONNX quantizer nor ONNX Runtime's
-(without Intel Neural Compressor) offers it. Per-channel activation maxima come from the same
-calibration windows.
+down projection (its output columns take 1/s; `Mul(act(gate), up)` is linear in `up`). Written
+here because neither ModelOpt's ONNX quantizer nor ONNX Runtime's (without Intel Neural
+Compressor) offers it. Per-channel activation maxima come from the same calibration windows.
 """
 
 from __future__ import annotations

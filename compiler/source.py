@@ -47,6 +47,14 @@ class SourceInfo:
         return sha256_files(self.hashed_files, self.root)
 
 
+def attention_shape(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a HF config: GPT-2 and MHA configs name no KV heads,
+    most name no head dim."""
+    heads = config.num_attention_heads
+    return (heads, getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 def _check_model_type(model_type: Any, where: Path) -> str:
     if model_type not in SUPPORTED_MODEL_TYPES:
         supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
