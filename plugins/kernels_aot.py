@@ -14,6 +14,8 @@ No key splitting: at serving batch sizes batch x KV heads already gives a GPU en
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,13 +26,19 @@ from llmc.plugins.kernels import (BLOCK_M, BLOCK_N, DECODE_BLOCK, _decode_reduce
 
 
 @triton.jit
-def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, pos_ptr, cos_ptr, sin_ptr, scale, S, C,
-                          H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr, sin_ptr, S, C,
+                          o_ptr, kc_out, vc_out,
+                          SCALE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                          HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One program per (query-row block, b * KVH + kv head); rows are (new token s, query head of
     the group) pairs. Keys before the row's position come from the cache, the new ones straight from
-    the inputs (rotated on the fly)."""
+    the inputs (rotated on the fly).
+
+    Parameters are in TensorRT's AOT-plugin calling convention: the plugin's input tensors (query,
+    key, value, k_cache, v_cache, cache_position, cos, sin), then integer scalars (S, C), then its
+    output tensors (output, k_cache', v_cache' — the caches aliased to the inputs, so the same
+    memory); the softmax scale is a compile-time constant (AOT extra arguments are integers only)."""
     start_m = tl.program_id(0) * BLOCK_M
     bk = tl.program_id(1)
     b = bk // KVH
@@ -84,7 +92,7 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, pos_ptr, c
             v = v.to(q.dtype)
         else:
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE
         visible = (n[None, :] <= (pos + s)[:, None]) & row_ok[:, None]
         scores = tl.where(visible, scores, float("-inf"))
         p, alpha, m_new, l_i = softmax_block(scores, m_i, l_i)
@@ -103,8 +111,8 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, pos_ptr, c
         k_wp = tl.load(k_ptr + kv_off + partner[None, :], mask=w_mask, other=0.0).to(tl.float32)
         k_w = k_w * wcos.to(tl.float32) + sign[None, :] * k_wp * wsin.to(tl.float32)
     slot = cache + (pos + s)[:, None] * D + d[None, :]
-    tl.store(kc_ptr + slot, k_w.to(kc_ptr.dtype.element_ty), mask=w_mask)
-    tl.store(vc_ptr + slot, tl.load(v_ptr + kv_off + d[None, :], mask=w_mask, other=0.0), mask=w_mask)
+    tl.store(kc_out + slot, k_w.to(kc_out.dtype.element_ty), mask=w_mask)
+    tl.store(vc_out + slot, tl.load(v_ptr + kv_off + d[None, :], mask=w_mask, other=0.0), mask=w_mask)
 
 
 def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, scale, cos_cache=None, sin_cache=None):
@@ -117,24 +125,107 @@ def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, sc
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     grid = (triton.cdiv(s * (h // kvh), BLOCK_M), b * kvh)
-    _attention_one_launch[grid](query, key, value, k_cache, v_cache, out, cache_position,
-                                cos_cache if rotary else query, sin_cache if rotary else query, scale, s, capacity,
-                                h, kvh, d, d // 2, BLOCK_M, BLOCK_N, triton.next_power_of_2(d), rotary, precision,
-                                upcast)
+    _attention_one_launch[grid](query, key, value, k_cache, v_cache, cache_position,
+                                cos_cache if rotary else query, sin_cache if rotary else query, s, capacity,
+                                out, k_cache, v_cache, float(scale), h, kvh, d, d // 2, BLOCK_M, BLOCK_N,
+                                triton.next_power_of_2(d), rotary, precision, upcast)
     return out
 
 
 _TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+PLUGIN_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "pos_ptr", "cos_ptr", "sin_ptr")
+PLUGIN_SCALARS = ("S", "C")
+PLUGIN_OUTPUTS = ("o_ptr", "kc_out", "vc_out")
+SHARED_MEM_LIMIT = 48 * 1024  # what a kernel launch gets without opting in to more
 
 
-def compile_ptx(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capability: int, *,
-                rotary: bool, splits: int = 8, position_type: str = "i32") -> dict[str, str]:
-    """PTX of every kernel for one model's shapes and a GPU generation (80: A100, 90: H100), compiled
-    ahead of time without a GPU: what the TensorRT plugin ships (`@trtp.aot_impl`). `position_type`
-    is the cache_position element type the plugin node carries (int32)."""
+@dataclass(frozen=True)
+class PluginKernel:
+    """The one-launch kernel compiled for one model and GPU generation, as `@trtp.aot_impl` returns it."""
+
+    name: str
+    ptx: str
+    num_warps: int
+    shared_mem: int
+    block_m: int
+
+    def grid(self, tokens, batch, num_heads: int, num_kv_heads: int, cdiv=triton.cdiv):
+        """(grid_x, grid_y) for `tokens` new tokens per row and `batch` rows; works on ints and on
+        TensorRT's symbolic shape expressions alike (pass `trtp.cdiv`)."""
+        return cdiv(tokens * (num_heads // num_kv_heads), self.block_m), batch * num_kv_heads
+
+
+def _compile(fn, signature: dict[str, str], constexprs: dict, capability: int, **options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    signature = {**signature, **{c: "constexpr" for c in constexprs}}
+    ordered = {arg: signature[arg] for arg in fn.arg_names}
+    source = ASTSource(fn=fn, signature=ordered, constexprs={(fn.arg_names.index(c),): v for c, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options or None)
+
+
+def _one_launch_source(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, t: str, rotary: bool,
+                       position_type: str):
+    signature = {**{n: f"*{t}" for n in PLUGIN_INPUTS + PLUGIN_OUTPUTS}, "pos_ptr": f"*{position_type}",
+                 **{n: "i32" for n in PLUGIN_SCALARS}}
+    constexprs = {"SCALE": float(scale), "H": num_heads, "KVH": num_kv_heads, "D": head_dim, "HALF": head_dim // 2,
+                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_D": triton.next_power_of_2(head_dim),
+                  "ROTARY": rotary, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "UPCAST": False}
+    return signature, constexprs
+
+
+def plugin_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str, capability: int, *,
+                  rotary: bool) -> PluginKernel:
+    """The plugin's kernel for `dtype` ("fp16", "bf16", "fp32") on sm_<capability>. TensorRT launches
+    it with exactly its inputs, integer extras and outputs, so the parameters the PTX declares after
+    those (the global/profile scratch pointers newer Tritons append, unused here) are removed."""
+    source = _one_launch_source(num_heads, num_kv_heads, head_dim, scale, dtype, rotary, "i32")
+    compiled = _compile(_attention_one_launch, *source, capability)
+    if compiled.metadata.shared > SHARED_MEM_LIMIT:  # fp32 tiles: software pipelining buffers too much
+        compiled = _compile(_attention_one_launch, *source, capability, num_stages=1)
+    meta = compiled.metadata
+    if meta.shared > SHARED_MEM_LIMIT:
+        raise ValueError(f"the attention kernel for head_dim {head_dim} ({dtype}) needs {meta.shared} bytes of shared "
+                         f"memory, over the {SHARED_MEM_LIMIT} a plugin launch gets")
+    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+        raise RuntimeError(f"{meta.name} needs Triton scratch memory, which a TensorRT AOT plugin cannot provide")
+    ptx = trim_params(compiled.asm["ptx"], meta.name, len(PLUGIN_INPUTS + PLUGIN_SCALARS + PLUGIN_OUTPUTS))
+    return PluginKernel(meta.name, ptx, meta.num_warps, meta.shared, BLOCK_M)
+
+
+_PARAM = re.compile(r"\.param\s+(\.\w+)\s+(?:\.ptr\s+\S+\s+)?(?:\.align\s+\d+\s+)?(\w+)")
+
+
+def _entry(ptx: str, kernel_name: str) -> re.Match:
+    header = re.search(rf"(\.entry\s+{re.escape(kernel_name)}\s*\()(.*?)(\))", ptx, re.S)
+    if header is None:
+        raise ValueError(f"no .entry {kernel_name} in the PTX")
+    return header
+
+
+def entry_params(ptx: str, kernel_name: str) -> list[tuple[str, str]]:
+    """(type, name) of each parameter of the PTX entry `kernel_name`, in order."""
+    return [m.groups() for p in _entry(ptx, kernel_name).group(2).split(",") if (m := _PARAM.search(p))]
+
+
+def trim_params(ptx: str, kernel_name: str, count: int) -> str:
+    """Keep the first `count` parameters of the PTX entry `kernel_name`; the ones after them (the
+    global/profile scratch pointers newer Tritons append) must be unused by the body, and go."""
+    header = _entry(ptx, kernel_name)
+    params, body = header.group(2).split(","), ptx[header.end():]
+    for extra in params[count:]:
+        name = _PARAM.search(extra).group(2)
+        if re.search(rf"\[{re.escape(name)}(\+\d+)?\]", body):
+            raise ValueError(f"{kernel_name} reads its parameter {name} beyond the first {count}")
+    return ptx[:header.start(2)] + ",".join(params[:count]).rstrip() + "\n" + ptx[header.end(2):]
+
+
+def compile_ptx(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capability: int, *,
+                rotary: bool, splits: int = 8, position_type: str = "i32", scale: float = 0.125) -> dict[str, str]:
+    """PTX of every kernel for one model's shapes and a GPU generation (80: A100, 90: H100), compiled
+    ahead of time without a GPU. `position_type` is the cache_position element type (the plugin
+    node carries int32)."""
     t = _TRITON_TYPES[dtype]
     block_d = triton.next_power_of_2(head_dim)
     heads = {"H": num_heads, "KVH": num_kv_heads, "D": head_dim}
@@ -155,18 +246,8 @@ def compile_ptx(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.d
         "decode_reduce": (_decode_reduce, {**{n: "*fp32" for n in ("part_acc", "part_m", "part_l")}, "o_ptr": f"*{t}"},
                           {"D": head_dim, "SPLITS": splits, "BLOCK_D": block_d}),
         "attention_one_launch": (_attention_one_launch,
-                                 {**{n: f"*{t}" for n in ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "o_ptr",
-                                                          "cos_ptr", "sin_ptr")},
-                                  "pos_ptr": f"*{position_type}", "scale": "fp32", "S": "i32", "C": "i32"},
-                                 {**heads, "HALF": head_dim // 2, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-                                  "BLOCK_D": block_d, "ROTARY": rotary,
-                                  "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "UPCAST": False}),
+                                 *_one_launch_source(num_heads, num_kv_heads, head_dim, scale, t, rotary,
+                                                     position_type)),
     }
-    ptx = {}
-    for name, (fn, signature, constexprs) in kernels.items():
-        for c in constexprs:
-            signature[c] = "constexpr"
-        ordered = {arg: signature[arg] for arg in fn.arg_names}
-        source = ASTSource(fn=fn, signature=ordered, constexprs={(fn.arg_names.index(c),): v for c, v in constexprs.items()})
-        ptx[name] = triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["ptx"]
-    return ptx
+    return {name: _compile(fn, signature, constexprs, capability).asm["ptx"]
+            for name, (fn, signature, constexprs) in kernels.items()}

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from llmc.plugins.attention import reference_attention  # noqa: E402
 from llmc.plugins.kernels import decode_splits, fused_attention  # noqa: E402
-from llmc.plugins.kernels_aot import one_launch_attention  # noqa: E402
+from llmc.plugins.kernels_aot import PluginKernel, entry_params, one_launch_attention, trim_params  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -107,6 +107,57 @@ def test_kernels_compile_to_ptx_without_a_gpu(capability):
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ok ['attention_one_launch', 'decode_reduce', 'decode_split', 'prefill', 'rope_write']" in run.stdout
+
+
+def test_plugin_kernel_has_tensorrt_aot_calling_convention():
+    """8 input pointers, 2 int32 extras, 3 output pointers, nothing after (TensorRT passes exactly
+    these), for every float type, with and without rotary, for sm_80 and sm_90."""
+    code = (
+        "from llmc.plugins.kernels_aot import entry_params, plugin_kernel\n"
+        "for cap in (80, 90):\n"
+        "    for dtype in ('fp16', 'bf16', 'fp32'):  # fp32 D=128 needs the one-stage fallback\n"
+        "        for rotary in (True, False):\n"
+        "            k = plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary=rotary)\n"
+        "            types = [t for t, _ in entry_params(k.ptx, k.name)]\n"
+        "            assert types == ['.u64'] * 8 + ['.u32'] * 2 + ['.u64'] * 3, types\n"
+        "            assert f'.target sm_{cap}' in k.ptx and k.num_warps > 0 and 0 < k.shared_mem <= 48 * 1024\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+_PTX = """.visible .entry kern(
+\t.param .u64 .ptr .global .align 1 kern_param_0,
+\t.param .u32 kern_param_1,
+\t.param .u64 .ptr .global .align 1 kern_param_2,
+\t.param .u64 .ptr .global .align 1 kern_param_3
+)
+{
+\tld.param.u64 %rd1, [kern_param_0];
+\tld.param.u32 %r1, [kern_param_1];
+\tld.param.u64 %rd2, [kern_param_2];
+}
+"""
+
+
+def test_trim_params_drops_only_unused_trailing_parameters():
+    trimmed = trim_params(_PTX, "kern", 3)
+    assert [name for _, name in entry_params(trimmed, "kern")] == ["kern_param_0", "kern_param_1", "kern_param_2"]
+    assert "kern_param_3" not in trimmed and trimmed.count("ld.param") == 3
+    with pytest.raises(ValueError, match="reads its parameter kern_param_2"):
+        trim_params(_PTX, "kern", 2)
+    with pytest.raises(ValueError, match="no .entry other"):
+        trim_params(_PTX, "other", 2)
+
+
+def test_plugin_grid_covers_every_row_of_every_kv_group():
+    kernel = PluginKernel("k", "", num_warps=4, shared_mem=0, block_m=16)
+    for tokens, batch, heads, kv_heads in ((1, 32, 32, 8), (300, 1, 9, 3), (7, 5, 4, 4)):
+        grid_x, grid_y = kernel.grid(tokens, batch, heads, kv_heads)
+        assert grid_y == batch * kv_heads
+        assert (grid_x - 1) * 16 < tokens * (heads // kv_heads) <= grid_x * 16
 
 
 @pytest.mark.cuda

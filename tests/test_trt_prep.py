@@ -22,9 +22,11 @@ def _types(model):
     return types
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_plugin_graph_is_cast_with_kv_io_in_low_precision_and_norms_in_fp32(tiny_llama, tmp_path, precision):
-    spec = parse_spec({"name": "t", "source": str(tiny_llama), "target": "tensorrt", "precision": precision})
+@pytest.mark.parametrize(("model_type", "precision"), [("llama", "fp16"), ("llama", "bf16"), ("gpt2", "fp16")])
+def test_plugin_graph_is_cast_with_kv_io_in_low_precision_and_norms_in_fp32(tiny_checkpoints, tmp_path, model_type,
+                                                                            precision):
+    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints[model_type]), "target": "tensorrt",
+                       "precision": precision})
     build(spec, output=tmp_path / "out", until="export")
     path = prepare_for_tensorrt(tmp_path / "out" / "export" / "model.onnx", precision, tmp_path / "trt")
     onnx.checker.check_model(str(path), full_check=True)
@@ -34,7 +36,7 @@ def test_plugin_graph_is_cast_with_kv_io_in_low_precision_and_norms_in_fp32(tiny
     assert io["input_ids"] == TensorProto.INT64
     types = _types(model)
     plugins = [n for n in model.graph.node if n.op_type == PLUGIN_OP]
-    assert plugins and all(types[n.input[0]] == LOW[precision] for n in plugins)
+    assert plugins and all(types[i] == LOW[precision] for n in plugins for i in (n.input[0], n.input[6], n.input[7]))
     norms = [n for n in model.graph.node if n.op_type in FP32_OPS]
     assert norms and all(types[n.output[0]] == TensorProto.FLOAT for n in norms)
     names = [t.name for t in model.graph.initializer]
