@@ -18,6 +18,7 @@ from llmc.compiler.spec import QuantMode
 from llmc.errors import ArtifactError
 from llmc.plugins.lowering import Lowering
 from llmc.runtime.layout import KVLayout
+from llmc.runtime.manifest import TensorRTInfo
 
 A = TypeVar("A", bound="Artifact")
 
@@ -106,6 +107,10 @@ class ExportedModel(Artifact):
     external_data: bool
     versions: dict[str, str]
 
+    @property
+    def engine_file(self) -> str:
+        return self.onnx
+
 
 class QuantizedModel(Artifact):
     filename: ClassVar[str] = "quantized.json"
@@ -118,6 +123,25 @@ class QuantizedModel(Artifact):
     kv_layout: KVLayout
     report: QualityReport
     versions: dict[str, str]
+
+    @property
+    def engine_file(self) -> str:
+        return self.onnx
+
+
+class EngineModel(Artifact):
+    """A TensorRT engine (`plan`) built from the export or its Q/DQ form, checked against ONNX Runtime."""
+
+    filename: ClassVar[str] = "engine.json"
+
+    plan: str
+    kv_layout: KVLayout  # the engine's: caches in its precision, updated in place by the plugin
+    tensorrt: TensorRTInfo
+    verified: str  # the comparison's summary ("" when verify.enabled is false)
+
+    @property
+    def engine_file(self) -> str:
+        return self.plan
 
 
 class VerifyCase(BaseModel):

@@ -1,8 +1,10 @@
 """Package stage: a Triton model repository that serves the build.
 
-    <output>/model_repository/<name>/config.pbtxt        decoupled Python-backend model (triton_config.py)
+    <output>/model_repository/<name>/config.pbtxt        decoupled Python-backend model (triton_config.py),
+                                                         KIND_CPU instances, KIND_GPU for a TensorRT engine
     <output>/model_repository/<name>/1/model.py          the thin model from model_repository/
-    <output>/model_repository/<name>/1/model.onnx ...    the engine (hard links to the export stage's files)
+    <output>/model_repository/<name>/1/model.onnx ...    the engine (hard links to the export, quantize or
+                                                         engine stage's files: model.onnx or model.plan)
     <output>/model_repository/<name>/1/tokenizer.json
     <output>/model_repository/<name>/1/manifest.json     RepositoryManifest: what the runtime reads
     <output>/model_repository/<name>/1/llmc/             a copy of the serving runtime (no torch, no transformers)
@@ -19,7 +21,7 @@ import shutil
 from pathlib import Path
 
 import llmc
-from llmc.compiler.artifacts import ExportedModel, QuantizedModel
+from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel
 from llmc.compiler.output import link_or_copy
 from llmc.compiler.source import SourceInfo
 from llmc.compiler.spec import BuildSpec
@@ -30,34 +32,41 @@ from llmc.runtime.manifest import RepositoryManifest, ServingLimits
 VERSION = "1"
 # the runtime modules the served model imports (checked by a test that imports them in isolation)
 SERVING_MODULES = ("__init__", "detokenizer", "engine", "layout", "manifest", "metrics", "ort_runner", "request",
-                   "sampling", "scheduler", "sequence", "serving")
+                   "sampling", "scheduler", "sequence", "serving", "trt_runner")
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def requirements() -> list[str]:
-    """The serving Python's packages: the exact runtime versions verified here; numpy 1 for the stub."""
-    pins = [f"{dist}=={importlib.metadata.version(dist)}" for dist in ("onnxruntime", "tokenizers")]
-    return ["numpy<2", *pins, "pydantic>=2.6"]
+def requirements(tensorrt_version: str | None = None) -> list[str]:
+    """The serving Python's packages: the exact runtime versions verified here (the engine's
+    TensorRT for a TensorRT build); numpy 1 for the stub."""
+    if tensorrt_version is None:
+        runtime = [f"onnxruntime=={importlib.metadata.version('onnxruntime')}"]
+    else:
+        runtime = [f"tensorrt=={tensorrt_version}", "cuda-python>=12.6"]
+    return ["numpy<2", *runtime, f"tokenizers=={importlib.metadata.version('tokenizers')}", "pydantic>=2.6"]
 
 
-def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | QuantizedModel, engine_dir: Path,
-            source: SourceInfo, repo_dir: Path) -> RepositoryManifest:
-    """Write the repository for `engine` (the export, or its quantized form) found in `engine_dir`."""
+def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | QuantizedModel | EngineModel,
+            engine_dir: Path, source: SourceInfo, repo_dir: Path) -> RepositoryManifest:
+    """Write the repository for `engine` (the export, its quantized form, or the TensorRT engine
+    built from either) found in `engine_dir`."""
     model_dir = repo_dir / spec.name
     version_dir = model_dir / VERSION
     version_dir.mkdir(parents=True)
-    for name in engine.files:  # the graph and its external data, side by side as ORT expects
+    for name in engine.files:  # the graph and its external data side by side as ORT expects, or the plan
         link_or_copy(str(engine_dir / name), str(version_dir / name))
     _write_tokenizer(source, version_dir / TOKENIZER_FILE)
     _copy_runtime(version_dir / "llmc")
     shutil.copyfile(importlib.resources.files("llmc.model_repository") / "model.py", version_dir / "model.py")
-    (model_dir / "config.pbtxt").write_text(render(model_config(spec.name)))
-    (model_dir / "requirements.txt").write_text("\n".join(requirements()) + "\n")
+    tensorrt = engine.tensorrt if isinstance(engine, EngineModel) else None
+    (model_dir / "config.pbtxt").write_text(render(model_config(spec.name, gpu=tensorrt is not None)))
+    (model_dir / "requirements.txt").write_text(
+        "\n".join(requirements(tensorrt.version if tensorrt else None)) + "\n")
     limits, serving = spec.limits, spec.serving
     manifest = RepositoryManifest(
-        name=spec.name, llmc_version=llmc.__version__, target=spec.target.value, engine=engine.onnx,
-        tokenizer=TOKENIZER_FILE, kv_layout=exported.kv_layout, vocab_size=exported.model.vocab_size,
-        end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash,
+        name=spec.name, llmc_version=llmc.__version__, target=spec.target.value, engine=engine.engine_file,
+        tokenizer=TOKENIZER_FILE, kv_layout=engine.kv_layout, vocab_size=exported.model.vocab_size,
+        end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash, tensorrt=tensorrt,
         limits=ServingLimits(max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                              max_num_tokens=limits.max_num_tokens, max_queue_size=serving.max_queue_size,
                              default_max_tokens=serving.default_max_tokens, max_stop_words=serving.max_stop_words,

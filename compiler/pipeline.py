@@ -1,6 +1,10 @@
 """`build`: run the stages over a spec, reuse what is unchanged, publish the output atomically.
 
-    source -> export -> verify -> quantize -> package        (the TensorRT engine joins as it lands)
+    source -> export -> verify -> quantize -> engine -> package
+
+`engine` runs for target: tensorrt only (on a machine with TensorRT and a GPU); `verify` is skipped
+for the plugin lowering, which only TensorRT runs (the engine stage compares the engine with ONNX
+Runtime instead).
 
 Each stage has an inputs hash; when the previous output holds an artifact with the same hash and
 intact files, the stage is reused (hard-linked) instead of run. Packaging (links, small files)
@@ -17,7 +21,7 @@ from typing import Protocol
 
 from llmc.compiler import output as out
 from llmc.compiler import stages
-from llmc.compiler.artifacts import ExportedModel, QuantizedModel, VerifyReport
+from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel, VerifyReport
 from llmc.compiler.hashing import code_hash, hash_json
 from llmc.compiler.source import SourceInfo, inspect_source, load_model
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
@@ -26,7 +30,7 @@ from llmc.plugins.lowering import Lowering
 from llmc.compiler.stages import REPOSITORY_DIR
 from llmc.runtime.manifest import RepositoryManifest
 
-STAGES = ("source", "export", "verify", "quantize", "package")
+STAGES = ("source", "export", "verify", "quantize", "engine", "package")
 # the modules whose code decides each stage's output (part of its cache key)
 EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.graph_passes",
                "llmc.plugins.attention", "llmc.plugins.lowering", "llmc.runtime.layout")
@@ -60,6 +64,7 @@ class BuildResult:
     exported: ExportedModel | None = None
     verify: VerifyReport | None = None
     quantized: QuantizedModel | None = None
+    engine: EngineModel | None = None
     manifest: RepositoryManifest | None = None
 
     @property
@@ -77,10 +82,13 @@ def preflight(spec: BuildSpec, until: str = "verify") -> None:
             raise UnsupportedError(
                 f"target: tensorrt needs {missing}, which this machine lacks; build with target: onnxruntime "
                 "here (`llmc build --dry-run` shows what a TensorRT build would make; `llmc export` writes its ONNX)")
-        raise UnsupportedError(
-            "target: tensorrt can be exported (`llmc export`) but not built in this version of llmc "
-            "(the TensorRT engine stage is not implemented yet); use target: onnxruntime"
-        )
+        for module, extra in (("modelopt.onnx.autocast", "quantize"), ("polygraphy", "quantize"),
+                              ("triton", "kernels"), ("cuda", "tensorrt")):
+            try:
+                __import__(module)
+            except ImportError:
+                raise UnsupportedError(f"target: tensorrt needs {module}; install llmc with the `{extra}` "
+                                       "extra") from None
     if spec.quantization.mode is not QuantMode.none:
         from llmc.compiler.textdata import load_documents
 
@@ -201,6 +209,11 @@ def _run_stages(b: _Build, staging: Path, until: str, external_threshold: int | 
     b.stage("quantize", f"quantizing ({spec.quantization.mode.value}) and measuring quality",
             lambda: stages.quantize_stage(b, staging, state["info"], state["hash"]))
     if until == "quantize":
+        return
+    if spec.target is Target.tensorrt:
+        b.stage("engine", f"building the TensorRT engine ({spec.precision.value})",
+                lambda: stages.engine_stage(b, staging, state["info"], state["model"], state["hash"]))
+    if until == "engine":
         return
     b.stage("package", "writing the Triton model repository", lambda: stages.package_stage(b, staging, state["info"]))
 

@@ -104,15 +104,17 @@ class BuildPlan:
 
 
 def profiles(spec: BuildSpec, dims: Dims) -> list[Profile]:
-    """Prefill (many tokens per row) and decode (one token per row) over one set of KV inputs."""
+    """Prefill (one row, many tokens: the engine prefills one sequence per step) and decode (one
+    token per row, up to every slot) over one set of KV inputs."""
     lim = spec.limits
     kv = (dims.num_kv_heads, lim.max_seq_len, dims.head_dim)
-    past = {"past_key_values.*": ((1, *kv), (lim.max_batch_size, *kv), (lim.max_batch_size, *kv))}
+    one_row = ((1, *kv),) * 3
     tokens = lim.max_num_tokens
-    prefill = {"input_ids": ((1, 2), (1, min(PREFILL_OPT_TOKENS, tokens)), (lim.max_batch_size, tokens)),
-               "cache_position": ((1,), (1,), (lim.max_batch_size,)), **past}
+    prefill = {"input_ids": ((1, 2), (1, min(PREFILL_OPT_TOKENS, tokens)), (1, tokens)),
+               "cache_position": ((1,), (1,), (1,)), "past_key_values.*": one_row}
     decode = {"input_ids": ((1, 1), (lim.max_batch_size, 1), (lim.max_batch_size, 1)),
-              "cache_position": ((1,), (lim.max_batch_size,), (lim.max_batch_size,)), **past}
+              "cache_position": ((1,), (lim.max_batch_size,), (lim.max_batch_size,)),
+              "past_key_values.*": ((1, *kv), (lim.max_batch_size, *kv), (lim.max_batch_size, *kv))}
     return [Profile("prefill", prefill), Profile("decode", decode)]
 
 
@@ -139,8 +141,8 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     if tensorrt:
         precision = (f"{spec.precision.value} through ModelOpt AutoCast (strongly typed network)"
                      if spec.precision.value != "fp32" else "fp32 (strongly typed network)")
-        notes.append("the engine stage (TensorRT) is not implemented in this version: a real build stops at "
-                     "preflight; target: onnxruntime builds and serves on CPU")
+        if spec.attention_lowering == "plugin":
+            notes.append("the engine is verified against ONNX Runtime running the same checkpoint's fused export")
     else:
         precision = "fp32 (ONNX Runtime CPU)"
     quant = q.mode.value if q.mode is QuantMode.none else (

@@ -162,6 +162,23 @@ class VerifySpec(_Strict):
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
+class HardwareCompatibility(str, enum.Enum):
+    none = "none"  # runs on GPUs of the build GPU's model only (fastest)
+    same_compute_capability = "same_compute_capability"  # any GPU of the same compute capability
+    ampere_plus = "ampere_plus"  # any GPU from Ampere on (sm_80+)
+
+
+class TensorRTSpec(_Strict):
+    workspace_gib: Annotated[float, Field(gt=0, le=1024)] = Field(
+        4.0, description="Memory pool limit for the builder's tactics (and the engine's scratch space), GiB.")
+    optimization_level: Annotated[int, Field(ge=0, le=5)] = Field(
+        3, description="Builder optimization level: higher searches longer for faster kernels.")
+    hardware_compatibility: HardwareCompatibility = HardwareCompatibility.none
+    version_compatible: bool = Field(
+        False, description="Engine loads on later TensorRT versions (embeds the lean runtime; a little slower).")
+    timing_cache: bool = Field(True, description="Keep the tactic timings in <output>/timing.cache and reuse them.")
+
+
 class BuildSpec(_Strict):
     name: str
     source: SourceSpec
@@ -172,6 +189,7 @@ class BuildSpec(_Strict):
     limits: LimitsSpec = LimitsSpec()
     serving: ServingSpec = ServingSpec()
     verify: VerifySpec = VerifySpec()
+    tensorrt: TensorRTSpec = TensorRTSpec()
     output: Path | None = None
 
     @field_validator("name")

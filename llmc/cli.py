@@ -70,7 +70,9 @@ def build(
     force: Annotated[bool, typer.Option("--force", help="Run every stage, even unchanged ones.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the build plan (stages, precision, attention, TensorRT profiles, memory estimate) from the spec and the checkpoint's config, and exit; needs no GPU.")] = False,
 ) -> None:
-    """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch, quantize (quantization.mode), package a Triton model repository.
+    """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch, quantize (quantization.mode), build the TensorRT engine (target: tensorrt), package a Triton model repository.
+
+A TensorRT build needs TensorRT and an NVIDIA GPU: the engine gets a prefill and a decode optimization profile from `limits`, the `tensorrt:` options (workspace, optimization level, hardware/version compatibility, timing cache in <output>/timing.cache), and is compared with ONNX Runtime (Polygraphy) before it is packaged with KIND_GPU instances.
 
     A quantized build measures perplexity (held-out text), greedy agreement, size and decode speed against the unquantized graph and fails (exit code 9) when perplexity rises more than quantization.max_perplexity_increase; `llmc inspect` shows that report.
 
@@ -84,7 +86,7 @@ def build(
         for table in sections_table([Section(f"build plan: {spec}", plan_build(load_spec(spec)).rows())]):
             out.print(table)
         return
-    _run_build(spec, output, "package", {"export", "verify", "quantize"} if force else set())
+    _run_build(spec, output, "package", {"export", "verify", "quantize", "engine"} if force else set())
 
 
 @app.command()
@@ -93,7 +95,7 @@ def export(spec: SpecArg, output: OutputOpt = None,
            force: Annotated[bool, typer.Option("--force", help="Export even if unchanged.")] = False) -> None:
     """Export only: checkpoint -> ONNX with explicit KV cache (no verification).
 
-    Attention is lowered as `export.attention` says: `fused` (ONNX Runtime GroupQueryAttention, in-place KV), `reference` (plain opset-23 ops) or `plugin` (TensorRT LlmcFusedAttention node; works with target: tensorrt, which cannot be built further yet).
+    Attention is lowered as `export.attention` says: `fused` (ONNX Runtime GroupQueryAttention, in-place KV), `reference` (plain opset-23 ops) or `plugin` (TensorRT LlmcFusedAttention node, target: tensorrt).
     """
     _run_build(spec, output, "export", {"export"} if force else set())
 
@@ -101,11 +103,17 @@ def export(spec: SpecArg, output: OutputOpt = None,
 @app.command()
 @_friendly
 def verify(spec: SpecArg, output: OutputOpt = None) -> None:
-    """Verify the spec's ONNX export against PyTorch (exports first if needed).
+    """Verify the spec's ONNX export against PyTorch (exports first if needed); for target: tensorrt, the engine against ONNX Runtime.
 
     The HF model runs each prompt alone; the graph runs as serving runs it: each prompt prefilled into its own KV slot, then all rows decoding side by side at their own positions. Prefill plus `verify.decode_steps` greedy steps at batch 1 and for a batch of 3 prompts of different lengths; fails (exit code 5) if any greedy token differs or |Δlogit| exceeds `verify.max_logit_diff`.
+
+    A TensorRT build (re)builds its engine and compares it with ONNX Runtime driven the same way, by Polygraphy's comparator at the precision's tolerance (fp16: atol 0.25, rtol 0.02).
     """
-    _run_build(spec, output, "verify", {"verify"})
+    from llmc.compiler import load_spec
+    from llmc.compiler.spec import Target
+
+    tensorrt = load_spec(spec).target is Target.tensorrt
+    _run_build(spec, output, "engine" if tensorrt else "verify", {"verify", "engine"} if tensorrt else {"verify"})
 
 
 @app.command()

@@ -57,3 +57,9 @@ class QuantizationError(LlmcError):
     """The quantized model failed the spec's quality gate."""
 
     exit_code = 9
+
+
+class EngineError(LlmcError):
+    """TensorRT could not parse the prepared ONNX or build an engine from it."""
+
+    exit_code = 10

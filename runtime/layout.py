@@ -11,12 +11,16 @@ may sit at different positions.
 and `present.*` output (ONNX Runtime IO binding) makes a step copy nothing. Otherwise present is a
 new tensor (the reference lowering copies the cache every step).
 `max_prefill_rows`: a step with more than one token per row may hold at most this many rows
-(GroupQueryAttention on CPU); decode steps (one token per row) take any batch.
+(GroupQueryAttention on CPU, a TensorRT engine's prefill profile); decode steps (one token per
+row) take any batch. `dtype` is float32 on ONNX Runtime, the engine's precision on TensorRT.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
+
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per cache element, by `dtype`
 
 
 class KVLayout(BaseModel):
@@ -45,6 +49,21 @@ class KVLayout(BaseModel):
         return (batch, self.num_kv_heads, capacity, self.head_dim)
 
     def bytes_per_token(self) -> int:
-        import numpy as np
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * ITEMSIZE[self.dtype]
 
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+
+def check_step(layout: KVLayout, max_batch: int, capacity: int, shape: tuple[int, int], cache_position,
+               first_row: int) -> None:
+    """Refuse a step the cache or graph cannot take: rows outside the slots, positions past the
+    capacity, more prefill rows than the graph runs at once."""
+    n, s = shape
+    if cache_position.shape != (n,):
+        raise ValueError(f"cache_position has shape {cache_position.shape}; expected ({n},), one per row")
+    if not 0 <= first_row <= first_row + n <= max_batch:
+        raise ValueError(f"rows {first_row}..{first_row + n - 1} are outside the cache's {max_batch} slots")
+    end = int(cache_position.max()) + s
+    if int(cache_position.min()) < 0 or end > capacity:
+        raise ValueError(f"KV cache overflow: a row would reach {end} tokens; capacity is {capacity}")
+    limit = layout.max_prefill_rows
+    if s > 1 and limit is not None and n > limit:
+        raise ValueError(f"a step with {s} tokens per row may run at most {limit} row(s) on this graph; got {n}")

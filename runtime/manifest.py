@@ -31,6 +31,20 @@ class ServingLimits(BaseModel):
     num_threads: int = Field(0, ge=0)  # 0 = all cores
 
 
+class TensorRTInfo(BaseModel):
+    """Where a TensorRT engine was built and what it accepts: checked before the engine is loaded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: str  # TensorRT that built it
+    gpu: str
+    compute_capability: str  # "9.0"
+    hardware_compatibility: str  # none | same_compute_capability | ampere_plus
+    version_compatible: bool
+    precision: str
+    profiles: dict[str, dict[str, list[list[int]]]]  # profile -> input -> [min, opt, max]
+
+
 class RepositoryManifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -38,14 +52,15 @@ class RepositoryManifest(BaseModel):
 
     name: str
     llmc_version: str
-    target: str  # "onnxruntime"
-    engine: str  # file name in the version folder
+    target: str  # "onnxruntime" | "tensorrt"
+    engine: str  # file name in the version folder (model.onnx, model.plan)
     tokenizer: str  # tokenizer.json (HuggingFace `tokenizers` format)
     kv_layout: KVLayout
     vocab_size: int
     end_ids: list[int]
     limits: ServingLimits
     source_hash: str
+    tensorrt: TensorRTInfo | None = None  # target tensorrt only
 
     def save(self, folder: Path) -> Path:
         path = folder / self.filename

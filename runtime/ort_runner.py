@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.runtime.layout import KVLayout
+from llmc.runtime.layout import KVLayout, check_step
 
 
 def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True):
@@ -72,7 +72,7 @@ class OrtRunner:
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         cache_position = np.ascontiguousarray(cache_position, dtype=np.int64)
         n, s = input_ids.shape
-        self._check(n, s, cache_position, first_row)
+        check_step(self.layout, self.cache.max_batch, self.cache.capacity, (n, s), cache_position, first_row)
         if self.layout.in_place:
             return self._step_in_place(input_ids, cache_position, first_row)
         names = self.layout.past_names()
@@ -81,18 +81,6 @@ class OrtRunner:
         logits, *present = self.session.run(["logits", *self.layout.present_names()], feeds)
         self.cache.store(first_row, n, present)
         return logits
-
-    def _check(self, n: int, s: int, cache_position: np.ndarray, first_row: int) -> None:
-        if cache_position.shape != (n,):
-            raise ValueError(f"cache_position has shape {cache_position.shape}; expected ({n},), one per row")
-        if not 0 <= first_row <= first_row + n <= self.cache.max_batch:
-            raise ValueError(f"rows {first_row}..{first_row + n - 1} are outside the cache's {self.cache.max_batch} slots")
-        end = int(cache_position.max()) + s
-        if int(cache_position.min()) < 0 or end > self.cache.capacity:
-            raise ValueError(f"KV cache overflow: a row would reach {end} tokens; capacity is {self.cache.capacity}")
-        limit = self.layout.max_prefill_rows
-        if s > 1 and limit is not None and n > limit:
-            raise ValueError(f"a step with {s} tokens per row may run at most {limit} row(s) on this graph; got {n}")
 
     def _step_in_place(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int) -> np.ndarray:
         n, s = input_ids.shape

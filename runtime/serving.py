@@ -76,12 +76,19 @@ class ServingLoop:
         from tokenizers import Tokenizer
 
         from llmc.runtime.manifest import RepositoryManifest
-        from llmc.runtime.ort_runner import OrtRunner
 
         m = RepositoryManifest.load(folder)
         lim = m.limits
-        runner = OrtRunner(Path(folder) / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
-                           capacity=lim.max_seq_len, num_threads=lim.num_threads)
+        if m.target == "tensorrt":
+            from llmc.runtime.trt_runner import TrtRunner
+
+            runner = TrtRunner(Path(folder) / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
+                               capacity=lim.max_seq_len, max_num_tokens=lim.max_num_tokens, info=m.tensorrt)
+        else:
+            from llmc.runtime.ort_runner import OrtRunner
+
+            runner = OrtRunner(Path(folder) / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
+                               capacity=lim.max_seq_len, num_threads=lim.num_threads)
         tokenizer = Tokenizer.from_file(str(Path(folder) / m.tokenizer))
         engine = LLMEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_queue_size=lim.max_queue_size,
                            max_num_tokens=lim.max_num_tokens)

@@ -46,9 +46,10 @@ def test_tensorrt_plan_has_prefill_and_decode_profiles_and_halves_for_fp16(tiny_
     prefill, decode = planned.profiles
     dims = read_dims(inspect_source(_spec(tiny_llama).source))
     kv = (dims.num_kv_heads, LIMITS["max_seq_len"], dims.head_dim)
-    assert prefill.shapes["input_ids"] == ((1, 2), (1, LIMITS["max_num_tokens"]), (4, LIMITS["max_num_tokens"]))
+    assert prefill.shapes["input_ids"] == ((1, 2), (1, LIMITS["max_num_tokens"]), (1, LIMITS["max_num_tokens"]))
     assert decode.shapes["input_ids"] == ((1, 1), (4, 1), (4, 1))
-    assert prefill.shapes["past_key_values.*"] == decode.shapes["past_key_values.*"] == ((1, *kv), (4, *kv), (4, *kv))
+    assert prefill.shapes["past_key_values.*"] == ((1, *kv),) * 3  # one sequence prefilled per step
+    assert decode.shapes["past_key_values.*"] == ((1, *kv), (4, *kv), (4, *kv))
     assert planned.kv_cache_bytes * 2 == fp32.kv_cache_bytes and planned.weights_bytes * 2 == fp32.weights_bytes
     assert "AutoCast" in planned.precision and planned.attention.startswith("LlmcFusedAttention")
     assert planned.stages == ["source", "export", "engine", "package"]  # the plugin graph is not verified on CPU
