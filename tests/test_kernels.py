@@ -38,6 +38,15 @@ def _case(batch, new, heads, kv_heads, head_dim, capacity, positions, dtype, rot
 KERNELS = {"three launches": fused_attention, "one launch": one_launch_attention}
 
 
+def _compiled(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh Python with the kernels compiled, not interpreted (this module set
+    TRITON_INTERPRET=1 before they were defined); fails the test on a non-zero exit."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 def _check(case, scale, kernel=fused_attention, **kwargs):
     q, k, v, kc, vc, pos, cos, sin = case
     ref_out, ref_k, ref_v = reference_attention(q, k, v, kc, vc, pos, scale, cos, sin)
@@ -103,9 +112,7 @@ def test_kernels_compile_to_ptx_without_a_gpu(capability):
         f"        assert '.target sm_{capability}' in text and f'.entry _{{name}}' in text, name\n"
         "print('ok', sorted(ptx))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _compiled(code)
     assert "ok ['attention_one_launch', 'decode_reduce', 'decode_split', 'prefill', 'rope_write']" in run.stdout
 
 
@@ -123,9 +130,7 @@ def test_plugin_kernel_has_tensorrt_aot_calling_convention():
         "            assert f'.target sm_{cap}' in k.ptx and k.num_warps > 0 and 0 < k.shared_mem <= 48 * 1024\n"
         "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+    assert "ok" in _compiled(code).stdout
 
 
 _PTX = """.visible .entry kern(
@@ -182,6 +187,4 @@ def test_kernels_on_the_gpu_match_the_reference():
         "            torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)\n"
         "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+    assert "ok" in _compiled(code, timeout=600).stdout
