@@ -206,6 +206,33 @@ def bench(
         json_path.write_text(json.dumps(results, indent=2) + "\n")
 
 
+@app.command()
+@_friendly
+def deploy(
+    build_dir: Annotated[Path, typer.Argument(help="A build folder made by `llmc build`.", show_default=False)],
+    repository: Annotated[Path, typer.Option(help="The model repository Triton serves (may hold other models).", show_default=False)],
+    url: Annotated[str, typer.Option(help="The Triton server's gRPC address; it must run with --model-control-mode explicit.", show_default=False)],
+    model: Annotated[Optional[str], typer.Option(help="Which model of the build (default: its only one).")] = None,
+    keep: Annotated[int, typer.Option(min=1, help="Version folders kept in the repository after a successful deploy.")] = 2,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds the new version may take to become ready.")] = 300.0,
+) -> None:
+    """Deploy a build as a new model version into a Triton model repository and load it.
+
+    The version folder is copied in atomically (staged, then renamed), then loaded through Triton's repository API: the previous version keeps serving until the new one is ready, and its streams in flight finish. A version that fails to load is removed again and the previous one keeps serving (exit code 8).
+    """
+    from llmc.console import out
+    from llmc.errors import ServingError
+    from llmc.runtime.deploy import DeployError, deploy as run_deploy
+
+    try:
+        result = run_deploy(build_dir, repository, url, model=model, keep=keep, timeout=timeout)
+    except DeployError as err:
+        raise ServingError(str(err)) from None
+    was = f" (was version {result.previous})" if result.previous else ""
+    out.print(f"[green]deployed[/] {result.model} version {result.version}{was} to {repository}, ready on {url} "
+              f"in {result.seconds:.1f} s")
+
+
 def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C so staging folders are removed
     raise KeyboardInterrupt
 

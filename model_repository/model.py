@@ -19,6 +19,7 @@ from llmc.runtime.metrics import triton_metrics  # noqa: E402
 from llmc.runtime.serving import ServingLoop  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+DRAIN_SECONDS = 20.0  # below Triton's default 30 s stub timeout
 
 
 class _Sink:
@@ -54,4 +55,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        # unloading (a new version replaced this one, or the server stops): streams in flight may
+        # finish first, so a version swap costs no request
+        self.loop.drain(DRAIN_SECONDS)
         self.loop.stop()

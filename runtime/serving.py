@@ -98,7 +98,16 @@ class ServingLoop:
         self._thread.start()
         return self
 
+    def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the requests in flight to finish (an unloading model version
+        gets no new ones: Triton sends them to the version that replaces it). True if all did."""
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.02)
+        return not self.num_in_flight
+
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still in flight get an error."""
         self._stopping.set()
         self._wake.set()
         if self._thread.is_alive():

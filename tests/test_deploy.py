@@ -1,0 +1,114 @@
+"""`llmc deploy` against a real Triton server in explicit model-control mode: a first deploy, a
+version swap under streaming load with zero failed requests, and a broken build rolled back while
+the previous version keeps serving."""
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from llmc.runtime.client import Client, Generation, GenerationError
+from llmc.runtime.deploy import DeployError, deploy, versions
+from llmc.runtime.triton_server import TritonServer, assemble
+
+SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"
+pytestmark = pytest.mark.triton
+
+
+@pytest.fixture(scope="module")
+def explicit_server(tmp_path_factory):
+    if not (SERVING_ENV / "bin" / "python3").exists():
+        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    root = tmp_path_factory.mktemp("deploy")
+    (root / "repository").mkdir()
+    with TritonServer(root / "repository", server_dir=assemble(root / "server"), serving_env=SERVING_ENV,
+                      log_path=root / "server.log", extra_args=("--model-control-mode", "explicit")) as srv:
+        yield srv
+
+
+class _Load:
+    """Streams greedy requests from `workers` threads until stopped; counts completions and errors."""
+
+    def __init__(self, url: str, workers: int = 4):
+        self.url, self.done, self.errors = url, 0, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._work, args=(i,), daemon=True) for i in range(workers)]
+
+    def _work(self, i: int) -> None:
+        client = Client(self.url, "tiny")
+        while not self._stop.is_set():
+            gen = Generation()
+            try:
+                for _ in client.generate(f"request {i} {self.done}", True, gen, max_tokens=24, min_tokens=24):
+                    pass
+                assert len(gen.output_ids) == 24, gen.output_ids
+                self.done += 1
+            except (GenerationError, AssertionError) as err:
+                self.errors.append(str(err))
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+
+def test_deploy_swaps_versions_under_load_and_rolls_back_a_broken_build(tiny_build, explicit_server, tmp_path):
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    repository, url = explicit_server.repository, explicit_server.grpc_url
+    first = deploy(tiny_build.output, repository, url)
+    assert (first.model, first.version, first.previous) == ("tiny", 1, None)
+    triton = grpcclient.InferenceServerClient(url)
+    assert triton.is_model_ready("tiny", "1")
+    assert Client(url, "tiny").complete("hello", max_tokens=4).output_ids
+
+    with _Load(url) as load:
+        time.sleep(1.0)
+        second = deploy(tiny_build.output, repository, url)
+        before = load.done
+        deadline = time.monotonic() + 30
+        while load.done < before + 8 and time.monotonic() < deadline:  # traffic on the new version
+            time.sleep(0.1)
+    assert (second.version, second.previous) == (2, 1)
+    assert load.errors == [] and load.done >= before + 8
+    assert triton.is_model_ready("tiny", "2") and not triton.is_model_ready("tiny", "1")
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_build.output, broken)
+    (broken / "model_repository" / "tiny" / "1" / "manifest.json").write_text("{}")
+    with pytest.raises(DeployError, match=r"tiny version 3 failed to load: .*ManifestError.*; rolled back, version 2 keeps serving"):
+        deploy(broken, repository, url)
+    assert versions(repository / "tiny") == [1, 2]
+    assert triton.is_model_ready("tiny", "2")
+    assert Client(url, "tiny").complete("still here", max_tokens=4).output_ids
+
+    third = deploy(tiny_build.output, repository, url, keep=2)
+    assert third.version == 3 and versions(repository / "tiny") == [2, 3]
+
+
+def test_deploy_refuses_what_it_cannot_do(tiny_build, tmp_path):
+    with pytest.raises(DeployError, match="no such model repository"):
+        deploy(tiny_build.output, tmp_path / "missing", "127.0.0.1:1")
+    (tmp_path / "repo").mkdir()
+    with pytest.raises(DeployError, match="no Triton server at 127.0.0.1:1"):
+        deploy(tiny_build.output, tmp_path / "repo", "127.0.0.1:1")
+    with pytest.raises(DeployError, match="expected one model named other"):
+        deploy(tiny_build.output, tmp_path / "repo", "127.0.0.1:1", model="other")
+
+
+def test_cli_deploy_names_the_problem_and_exits_with_the_serving_code(tiny_build, tmp_path):
+    import subprocess
+    import sys
+
+    llmc = Path(sys.executable).parent / "llmc"
+    run = subprocess.run([str(llmc), "deploy", str(tiny_build.output), "--repository", str(tmp_path / "nowhere"),
+                          "--url", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 8 and "no such model repository" in run.stdout + run.stderr
