@@ -84,7 +84,11 @@ def _nucleus(ids: np.ndarray, probs: np.ndarray, top_p: float) -> np.ndarray:
 
 def _filtered(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, probabilities) that top-k, then top-p, then min-p allow."""
-    probs = _softmax(logits / params.temperature)
+    # shift before scaling, in float64: a tiny temperature then sends the runners-up to -inf instead
+    # of overflowing everything (or underflowing to 0/0): found by the property tests as NaN
+    # probabilities, which failed the whole batch's step
+    with np.errstate(over="ignore"):  # the runners-up of a tiny temperature: -inf, on purpose
+        probs = _softmax((logits.astype(np.float64) - logits.max()) / params.temperature)
     ids = np.arange(probs.size)
     if 0 < params.top_k < probs.size:
         ids = np.argpartition(-probs, params.top_k - 1)[:params.top_k]
