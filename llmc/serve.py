@@ -16,6 +16,7 @@ from llmc.errors import ServingError
 def start_server(build_dir: Path, http_port: int | None, grpc_port: int | None, metrics_port: int | None,
                  serving_env: Path | None):
     """Start Triton on a build's repository (ports None: free ones); errors name what to change."""
+    from llmc.runtime.supervisor import EXPLICIT_ARGS
     from llmc.runtime.triton_server import (Ports, TritonError, TritonServer, assemble, check_port_free,
                                             default_server_dir, find_repository, find_serving_env, free_port)
 
@@ -29,7 +30,7 @@ def start_server(build_dir: Path, http_port: int | None, grpc_port: int | None, 
         log = server_dir.parent / "logs" / f"serve-{repository.resolve().parent.name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         server = TritonServer(repository.resolve(), server_dir=server_dir, serving_env=env,
-                              ports=Ports(http_port, grpc_port, metrics_port), log_path=log)
+                              ports=Ports(http_port, grpc_port, metrics_port), log_path=log, extra_args=EXPLICIT_ARGS)
         return server.start(timeout=300)
     except TritonError as err:
         raise ServingError(str(err)) from None
@@ -37,19 +38,25 @@ def start_server(build_dir: Path, http_port: int | None, grpc_port: int | None, 
 
 def serve_forever(build_dir: Path, http_port: int, grpc_port: int, metrics_port: int, serving_env: Path | None) -> None:
     from llmc.console import console
+    from llmc.runtime.supervisor import Supervisor
 
     server = start_server(build_dir, http_port, grpc_port, metrics_port, serving_env)
     try:
+        supervisor = Supervisor(server, log=lambda message: console.print(f"[yellow]{time.strftime('%H:%M:%S')}[/] {message}"))
         models = sorted(d.name for d in server.repository.iterdir() if (d / "config.pbtxt").is_file())
         console.print(f"[green]serving[/] {', '.join(models)} from {server.repository}")
         console.print(f"  gRPC     {server.grpc_url}   llmc generate --url {server.grpc_url} \"Hello\"")
         console.print(f"  HTTP     http://{server.http_url}/v2/models/{models[0]}/generate (and generate_stream)")
         console.print(f"  metrics  http://127.0.0.1:{server.ports.metrics}/metrics")
         console.print(f"  log      {server.log_path}")
+        console.print(f"  deploy   llmc deploy BUILD --repository {server.repository} --url {server.grpc_url}")
         console.print("Ctrl-C to stop")
-        while server.process.poll() is None:
+        while True:
             time.sleep(0.5)
-        raise ServingError(f"tritonserver exited with {server.process.returncode}; see {server.log_path}")
+            try:
+                supervisor.check()  # a crashed model instance is reloaded, a crashed server restarted
+            except RuntimeError as err:
+                raise ServingError(str(err)) from None
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the normal way to stop
         console.print("stopping Triton (requests in flight get up to 10 s)...")
     finally:

@@ -175,13 +175,15 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client over one gRPC channel; concurrent `generate` calls run as separate streams."""
+    """asyncio client over one gRPC channel; concurrent `generate` calls run as separate streams.
+    `timeout` bounds each request (seconds), as for `Client`: a request a crashed model instance
+    held then ends with an error instead of waiting forever."""
 
-    def __init__(self, url: str = "127.0.0.1:8001", model: str | None = None):
+    def __init__(self, url: str = "127.0.0.1:8001", model: str | None = None, timeout: float | None = None):
         import tritonclient.grpc as grpc
         import tritonclient.grpc.aio as aio
 
-        self._grpc, self.url, self._model = grpc, url, model
+        self._grpc, self.url, self._model, self.timeout = grpc, url, model, timeout
         self._client = aio.InferenceServerClient(url)
 
     async def model(self) -> str:
@@ -203,7 +205,7 @@ class AsyncClient:
         async def requests():
             yield request
 
-        responses = self._client.stream_infer(requests())
+        responses = self._client.stream_infer(requests(), stream_timeout=self.timeout)
         try:
             async for result, error in responses:
                 chunk = gen.take(result, error)
