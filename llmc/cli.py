@@ -181,10 +181,12 @@ def bench(
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request (end ids ignored).")] = 64,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results here.")] = None,
     serving_env: Annotated[Optional[Path], typer.Option(help="The venv model.py runs in (as for llmc serve).")] = None,
+    sweep: Annotated[Optional[str], typer.Option(help="Concurrency levels to sweep instead, e.g. 1,2,4,8,16 (2 x level requests each).", show_default=False)] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="With --sweep: write a PNG of throughput and latency against concurrency.", show_default=False)] = None,
 ) -> None:
-    """Measure a served model: a sequential baseline, then concurrent streams, in one run.
+    """Measure a served model: a sequential baseline, then concurrent streams, in one run (or a concurrency sweep).
 
-    Prints time to first token, inter-token latency and request latency (p50 / p99), tokens/s and errors, and the concurrent run's throughput as a multiple of the sequential one. With BUILD_DIR a server is started on free ports and stopped afterwards.
+    Prints time to first token, inter-token latency and request latency (p50 / p90 / p99), tokens/s and errors, and the last run's throughput as a multiple of the first (sequential) one. With BUILD_DIR a server is started on free ports and stopped afterwards.
     """
     import json
 
@@ -194,10 +196,25 @@ def bench(
 
     if (build_dir is None) == (url is None):
         raise UnsupportedError("pass a BUILD_DIR to serve for the benchmark, or --url of a running server (not both)")
+    levels = None
+    if sweep is not None:
+        try:
+            levels = sorted({int(v) for v in sweep.split(",") if v.strip()})
+        except ValueError:
+            levels = []
+        if not levels or levels[0] < 1:
+            raise UnsupportedError(f"--sweep {sweep!r}: give positive concurrency levels separated by commas, e.g. 1,2,4,8")
+    if plot is not None and levels is None:
+        raise UnsupportedError("--plot draws a concurrency sweep: add --sweep, e.g. --sweep 1,2,4,8,16")
     results = run_bench(build_dir, url=url, model=model, concurrency=concurrency, num_requests=requests or 2 * concurrency,
-                        prompt_words=prompt_words, max_tokens=max_tokens, serving_env=serving_env)
+                        prompt_words=prompt_words, max_tokens=max_tokens, serving_env=serving_env, sweep=levels)
     out.print(bench_table(results))
-    out.print(f"throughput at concurrency {concurrency}: {results['throughput_ratio']:.2f}x the sequential baseline")
+    last = levels[-1] if levels else concurrency
+    out.print(f"throughput at concurrency {last}: {results['throughput_ratio']:.2f}x the first run's")
+    if plot is not None:
+        from llmc.serve import plot_sweep
+
+        out.print(f"plot: {plot_sweep(results, plot)}")
     for name, r in results.items():
         if isinstance(r, dict) and r.get("first_error"):
             out.print(f"[red]{name}: {r['errors']} error(s)[/], first: {r['first_error']}")

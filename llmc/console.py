@@ -85,13 +85,14 @@ class progress_bar:
 
 def bench_table(results: dict) -> Table:
     table = Table(title="llmc bench (streaming over gRPC)", title_justify="left")
-    for col in ("run", "requests", "errors", "TTFT p50 / p99", "ITL p50 / p99", "latency p50 / p99", "tokens/s"):
+    for col in ("run", "requests", "errors", "TTFT p50 / p90 / p99", "ITL p50 / p90 / p99", "latency p50 / p90 / p99",
+                "tokens/s"):
         table.add_column(col, justify="left" if col == "run" else "right")
     ms = lambda v: "-" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
     for name, r in results.items():
         if not isinstance(r, dict):
             continue
-        table.add_row(name, str(r["requests"]), str(r["errors"]), f"{ms(r['ttft_s_p50'])} / {ms(r['ttft_s_p99'])}",
-                      f"{ms(r['itl_s_p50'])} / {ms(r['itl_s_p99'])}", f"{ms(r['latency_s_p50'])} / {ms(r['latency_s_p99'])}",
+        table.add_row(name, str(r["requests"]), str(r["errors"]),
+                      *(" / ".join(ms(r[f"{m}_{p}"]) for p in ("p50", "p90", "p99")) for m in ("ttft_s", "itl_s", "latency_s")),
                       f"{r['tokens_per_s']:.1f}")
     return table

@@ -81,20 +81,26 @@ def generate_to(out: TextIO, prompt: str, *, url: str, model: str | None, stream
 
 
 def bench(build_dir: Path | None, *, url: str | None, model: str | None, concurrency: int, num_requests: int,
-          prompt_words: int, max_tokens: int, serving_env: Path | None = None) -> dict:
-    """A sequential baseline, then `num_requests` streams at `concurrency`, against `url` or a server
-    started here on `build_dir` (free ports, stopped afterwards). Returns both summaries."""
+          prompt_words: int, max_tokens: int, serving_env: Path | None = None, sweep: list[int] | None = None) -> dict:
+    """Against `url` or a server started here on `build_dir` (free ports, stopped afterwards): a
+    sequential baseline, then `num_requests` streams at `concurrency`; or, with `sweep`, one run per
+    concurrency level (2 x level requests, at least 4). Returns each run's summary by name and
+    `throughput_ratio` (the last run's tokens/s over the first's)."""
     import asyncio
 
     from llmc.console import progress_bar
     from llmc.runtime.bench import run_load
 
+    if sweep:
+        levels = [(f"{c} concurrent" if c > 1 else "sequential", c, max(4, 2 * c)) for c in sweep]
+    else:
+        levels = [("sequential", 1, max(3, num_requests // concurrency)), (f"{concurrency} concurrent", concurrency,
+                                                                          num_requests)]
     server = start_server(build_dir, None, None, None, serving_env) if url is None else None
     target = url or server.grpc_url
     try:
         results = {}
-        for name, c, n in (("sequential", 1, max(3, num_requests // concurrency)),
-                           (f"{concurrency} concurrent", concurrency, num_requests)):
+        for name, c, n in levels:
             with progress_bar(f"{name}: {n} requests, {max_tokens} tokens each") as advance:
                 load = asyncio.run(run_load(target, model, concurrency=c, num_requests=n,
                                             prompt_words=prompt_words, max_tokens=max_tokens, progress=advance))
@@ -111,6 +117,35 @@ def bench(build_dir: Path | None, *, url: str | None, model: str | None, concurr
     finally:
         if server is not None:
             server.stop()
-    seq, conc = results.values()
-    results["throughput_ratio"] = conc["tokens_per_s"] / seq["tokens_per_s"]
+    runs = list(results.values())
+    results["throughput_ratio"] = runs[-1]["tokens_per_s"] / runs[0]["tokens_per_s"]
     return results
+
+
+def plot_sweep(results: dict, path: Path) -> Path:
+    """A PNG of throughput and latency percentiles against concurrency (matplotlib, the bench extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted((r for r in results.values() if isinstance(r, dict)), key=lambda r: r["concurrency"])
+    level = [r["concurrency"] for r in runs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.plot(level, [r["tokens_per_s"] for r in runs], marker="o")
+    left.set(xlabel="concurrent streams", ylabel="generated tokens/s", title="throughput")
+    for metric, label in (("ttft_s", "time to first token"), ("itl_s", "inter-token"), ("latency_s", "request")):
+        for pct, style in (("p50", "-"), ("p99", "--")):
+            values = [r[f"{metric}_{pct}"] * 1000 if r[f"{metric}_{pct}"] is not None else float("nan") for r in runs]
+            right.plot(level, values, style, marker="o", label=f"{label} {pct}")
+    right.set(xlabel="concurrent streams", ylabel="ms", title="latency", yscale="log")
+    right.legend(fontsize=7)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(level, [str(c) for c in level])
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -151,9 +151,13 @@ class Client:
         responses: queue.Queue = queue.Queue()
         client = self._connect()
         try:
-            client.start_stream(callback=lambda result, error: responses.put((result, error)),
-                                stream_timeout=self.timeout)
-            client.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex)
+            try:
+                client.start_stream(callback=lambda result, error: responses.put((result, error)),
+                                    stream_timeout=self.timeout)
+                client.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex)
+            except Exception as err:  # the stream broke before the request went out (server gone)
+                gen.done = True
+                raise GenerationError(f"{self.url}: {_message(err)}") from None
             while not gen.done:
                 chunk = gen.take(*responses.get())
                 if chunk:

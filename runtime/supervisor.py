@@ -61,7 +61,7 @@ def stubs(server_pid: int) -> list[Stub]:
         except OSError:
             continue
         if args and Path(args[0]).name == STUB and len(args) > 8:
-            found.append(Stub(int(entry), Path(args[1]).parent.parent.name, args[8]))
+            found.append(Stub(int(entry), Path(args[1]).parent.parent.name, args[8]))  # <repo>/<model>/<v>/model.py
     return found
 
 
@@ -89,7 +89,14 @@ class InstanceWatch:
         for model in sorted(self.pending):
             client = grpcclient.InferenceServerClient(self.grpc_url)
             try:
-                client.load_model(model)
+                # a load of an unchanged model (even with its own config as an override) can be a
+                # no-op that keeps the dead stub; a config that differs in one parameter cannot
+                import json
+                import time
+
+                config = client.get_model_config(model, as_json=True)["config"]
+                config.setdefault("parameters", {})["llmc_restarted_at"] = {"string_value": str(time.time())}
+                client.load_model(model, config=json.dumps(config))
             except InferenceServerException as err:
                 if self.pending[model] == 0:
                     self.log(f"{model}: reload failed ({err.message()}); retrying")

@@ -101,9 +101,22 @@ def test_bench_runs_a_baseline_and_concurrent_streams(tiny_build, env, tmp_path)
     res = _llmc("bench", tiny_build.output, "--concurrency", "3", "--requests", "6", "--max-tokens", "8",
                 "--prompt-words", "10", "--json", tmp_path / "bench.json", env=env)
     assert res.returncode == 0, res.stderr
-    assert "x the sequential baseline" in res.stdout and "TTFT" in res.stdout
+    assert "x the first run's" in res.stdout and "TTFT" in res.stdout
     results = json.loads((tmp_path / "bench.json").read_text())
     seq, conc = results["sequential"], results["3 concurrent"]
     assert (seq["errors"], conc["errors"]) == (0, 0) and conc["requests"] == 6
     assert conc["output_tokens"] == 6 * 8 and seq["prompt_tokens_mean"] > 10
     assert results["throughput_ratio"] > 0
+
+
+def test_bench_sweeps_concurrency_and_plots_it(tiny_build, env, tmp_path):
+    res = _llmc("bench", tiny_build.output, "--sweep", "1,2,4", "--max-tokens", "6", "--prompt-words", "6",
+                "--json", tmp_path / "sweep.json", "--plot", tmp_path / "sweep.png", env=env)
+    assert res.returncode == 0, res.stderr
+    results = json.loads((tmp_path / "sweep.json").read_text())
+    runs = [results[name] for name in ("sequential", "2 concurrent", "4 concurrent")]
+    assert [r["concurrency"] for r in runs] == [1, 2, 4] and all(r["errors"] == 0 for r in runs)
+    assert [r["requests"] for r in runs] == [4, 4, 8] and all(r["ttft_s_p90"] is not None for r in runs)
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = _llmc("bench", tiny_build.output, "--sweep", "0,x", env=env)
+    assert bad.returncode != 0 and "--sweep" in bad.stdout + bad.stderr
