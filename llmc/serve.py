@@ -5,7 +5,6 @@ Runtime errors (TritonError, GenerationError) become `ServingError`, so the CLI 
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import TextIO

@@ -114,6 +114,62 @@ def greedy_reference(model, prompt_ids: list[int], max_tokens: int, end_ids=()) 
 SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"
 
 
+def serving_env() -> Path:
+    """The numpy<2 venv the Python backend runs in (scripts/setup.sh makes it); skips without it."""
+    if not (SERVING_ENV / "bin" / "python3").exists():
+        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    return SERVING_ENV
+
+
+class BackgroundLoad:
+    """Threads streaming greedy requests of exactly `max_tokens` tokens until stopped: the times of
+    the requests that completed whole, and the errors of the others. Leaving the block stops them
+    and checks that every thread returned (nothing hangs)."""
+
+    def __init__(self, url: str, model: str = "tiny", *, workers: int = 3, max_tokens: int = 24,
+                 timeout: float | None = None):
+        import threading
+
+        self.url, self.model, self.max_tokens, self.timeout = url, model, max_tokens, timeout
+        self.ok: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._work, args=(i,), daemon=True) for i in range(workers)]
+
+    def _work(self, worker: int) -> None:
+        import time
+
+        from llmc.runtime.client import Client, Generation, GenerationError
+
+        client = Client(self.url, self.model, timeout=self.timeout)
+        while not self._stop.is_set():
+            gen = Generation()
+            try:
+                for _ in client.generate(f"request {worker} {len(self.ok)}", True, gen, max_tokens=self.max_tokens,
+                                         min_tokens=self.max_tokens):
+                    pass
+                if len(gen.output_ids) != self.max_tokens:
+                    raise GenerationError(f"{len(gen.output_ids)} tokens, not {self.max_tokens}")
+                self.ok.append(time.monotonic())
+            except GenerationError as err:
+                self.errors.append(str(err))
+                time.sleep(0.05)
+
+    def served_after(self, moment: float) -> bool:
+        return any(t > moment for t in self.ok)
+
+    def __enter__(self) -> "BackgroundLoad":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in self._threads), "a client thread hangs"
+
+
 def assert_serves_like_its_graph(result, tmp_path: Path, prompt: str = "quantized hello", tokens: int = 12) -> None:
     """Serve a build's repository through Triton: greedy output equals the built graph's own greedy
     decode (the quantized graph when there is one) run in process."""
@@ -122,13 +178,12 @@ def assert_serves_like_its_graph(result, tmp_path: Path, prompt: str = "quantize
     from llmc.runtime.ort_runner import OrtRunner
     from llmc.runtime.triton_server import TritonServer, assemble
 
-    if not (SERVING_ENV / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    env = serving_env()
     engine = result.quantized or result.exported
     folder = "quantize" if result.quantized else "export"
     runner = OrtRunner(result.output / folder / engine.onnx, engine.kv_layout, max_batch=1, capacity=64)
     expected = greedy(runner, byte_tokenizer().encode(prompt).ids, tokens)
-    with TritonServer(result.repository, server_dir=assemble(tmp_path / "server"), serving_env=SERVING_ENV,
+    with TritonServer(result.repository, server_dir=assemble(tmp_path / "server"), serving_env=env,
                       log_path=tmp_path / "server.log") as server:
         gen = Client(server.grpc_url).complete(prompt, max_tokens=tokens, min_tokens=tokens)
     assert gen.output_ids == expected

@@ -3,59 +3,26 @@ version swap under streaming load with zero failed requests, and a broken build 
 the previous version keeps serving."""
 
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 
-from llmc.runtime.client import Client, Generation, GenerationError
+from conftest import BackgroundLoad, serving_env
+from llmc.runtime.client import Client
 from llmc.runtime.deploy import DeployError, deploy, versions
 from llmc.runtime.triton_server import TritonServer, assemble
 
-SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"
 pytestmark = pytest.mark.triton
 
 
 @pytest.fixture(scope="module")
 def explicit_server(tmp_path_factory):
-    if not (SERVING_ENV / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    env = serving_env()
     root = tmp_path_factory.mktemp("deploy")
     (root / "repository").mkdir()
-    with TritonServer(root / "repository", server_dir=assemble(root / "server"), serving_env=SERVING_ENV,
+    with TritonServer(root / "repository", server_dir=assemble(root / "server"), serving_env=env,
                       log_path=root / "server.log", extra_args=("--model-control-mode", "explicit")) as srv:
         yield srv
-
-
-class _Load:
-    """Streams greedy requests from `workers` threads until stopped; counts completions and errors."""
-
-    def __init__(self, url: str, workers: int = 4):
-        self.url, self.done, self.errors = url, 0, []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._work, args=(i,), daemon=True) for i in range(workers)]
-
-    def _work(self, i: int) -> None:
-        client = Client(self.url, "tiny")
-        while not self._stop.is_set():
-            gen = Generation()
-            try:
-                for _ in client.generate(f"request {i} {self.done}", True, gen, max_tokens=24, min_tokens=24):
-                    pass
-                assert len(gen.output_ids) == 24, gen.output_ids
-                self.done += 1
-            except (GenerationError, AssertionError) as err:
-                self.errors.append(str(err))
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(60)
 
 
 def test_deploy_swaps_versions_under_load_and_rolls_back_a_broken_build(tiny_build, explicit_server, tmp_path):
@@ -70,15 +37,15 @@ def test_deploy_swaps_versions_under_load_and_rolls_back_a_broken_build(tiny_bui
     assert triton.is_model_ready("tiny", "1")
     assert Client(url, "tiny").complete("hello", max_tokens=4).output_ids
 
-    with _Load(url) as load:
+    with BackgroundLoad(url, workers=4) as load:
         time.sleep(1.0)
         second = deploy(tiny_build.output, repository, url)
-        before = load.done
+        before = len(load.ok)
         deadline = time.monotonic() + 30
-        while load.done < before + 8 and time.monotonic() < deadline:  # traffic on the new version
+        while len(load.ok) < before + 8 and time.monotonic() < deadline:  # traffic on the new version
             time.sleep(0.1)
     assert (second.version, second.previous) == (2, 1)
-    assert load.errors == [] and load.done >= before + 8
+    assert load.errors == [] and len(load.ok) >= before + 8
     assert triton.is_model_ready("tiny", "2") and not triton.is_model_ready("tiny", "1")
 
     broken = tmp_path / "broken"
