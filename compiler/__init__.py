@@ -1,4 +1,4 @@
-"""The build pipeline: spec -> export -> verify -> quantize -> package (-> TensorRT engine, later).
+"""The build pipeline: spec -> export -> verify -> quantize -> engine (target: tensorrt) -> package.
 
 Library API (the CLI only calls these):
 

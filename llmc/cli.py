@@ -1,4 +1,4 @@
-"""The `llmc` command line: a thin layer over `llmc.compiler` (and, later, `llmc.runtime`)."""
+"""The `llmc` command line: a thin layer over `llmc.compiler`, `llmc.runtime` and `llmc.serve`."""
 
 from __future__ import annotations
 

@@ -227,6 +227,10 @@ class AsyncClient:
             if not gen.done:
                 responses.cancel()  # left early: cancel on the server
 
+    async def ready(self) -> bool:
+        """The server and the model are ready."""
+        return await self._client.is_server_ready() and await self._client.is_model_ready(await self.model())
+
     async def complete(self, prompt: str, **params) -> Generation:
         gen = Generation()
         async for _ in self.generate(prompt, stream=False, gen=gen, **params):

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmc.compiler.output import link_tree
 from llmc.runtime.triton_server import find_repository
 
 CONFIG = "config.pbtxt"
@@ -59,17 +60,6 @@ def _built_model(build_dir: Path, model: str | None) -> Path:
     if versions(built) != [1]:
         raise DeployError(f"{built}: a build holds exactly one version folder, 1/")
     return built
-
-
-def _link_tree(src: Path, dest: Path) -> None:
-    """Copy `src` to `dest`, hard-linking files where the file system allows (builds are published
-    as new files, never rewritten in place, so a link stays what was deployed)."""
-    def link(a, b):
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-    shutil.copytree(src, dest, copy_function=link)
 
 
 @contextmanager
@@ -122,7 +112,7 @@ def deploy(build_dir: Path, repository: Path, url: str, *, model: str | None = N
         target.mkdir(exist_ok=True)
         staged = target / f".staging-{new}-{os.getpid()}"
         shutil.rmtree(staged, ignore_errors=True)
-        _link_tree(built / "1", staged)
+        link_tree(built / "1", staged)  # builds are published as new files, so a link stays what was deployed
         _write_atomic(target / CONFIG, (built / CONFIG).read_text())
         os.rename(staged, target / str(new))
         try:

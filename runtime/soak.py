@@ -141,7 +141,7 @@ async def soak(url: str, model: str | None, *, streams: int = 200, seconds: floa
                                        start + seconds, cancel_fraction, bad_fraction, report)
                                for _ in range(streams)])
         report.seconds = time.monotonic() - start
-        report.ready_after = await client._client.is_server_ready() and await client._client.is_model_ready(name)
+        report.ready_after = await client.ready()
     if metrics_url is not None:
         deadline = time.monotonic() + 10  # cancellations reach the engine at its next poll
         while True:

@@ -16,7 +16,9 @@ an uncaught boost::interprocess::lock_exception (SIGABRT; measured: 1 crash in 9
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -32,36 +34,37 @@ class Stub:
     instance: str
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()  # [state, ppid, ...]
-    except OSError:
-        return None
-
-
-def alive(pid: int) -> bool:
-    """Running (not gone, not a zombie its parent has yet to reap)."""
-    stat = _stat(pid)
-    return stat is not None and stat[0] not in ("Z", "X")
-
-
-def stubs(server_pid: int) -> list[Stub]:
-    """The live Python-backend stubs of the server process `server_pid`."""
-    found = []
+def children(parent: int) -> dict[int, str]:
+    """The child processes of `parent`: pid -> state letter from /proc ("Z": a zombie its parent
+    has yet to reap)."""
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        stat = _stat(int(entry))
-        if stat is None or int(stat[1]) != server_pid or stat[0] in ("Z", "X"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == parent:
+            found[int(entry)] = state
+    return found
+
+
+def stubs(server_pid: int) -> list[Stub]:
+    """The live Python-backend stubs of the server process `server_pid` (a killed stub lingers as a
+    zombie its parent never reaps: not live)."""
+    found = []
+    for pid, state in children(server_pid).items():
+        if state in ("Z", "X"):
             continue
         try:
-            with open(f"/proc/{entry}/cmdline") as f:
+            with open(f"/proc/{pid}/cmdline") as f:
                 args = f.read().split("\0")
         except OSError:
             continue
         if args and Path(args[0]).name == STUB and len(args) > 8:
-            found.append(Stub(int(entry), Path(args[1]).parent.parent.name, args[8]))  # <repo>/<model>/<v>/model.py
+            found.append(Stub(pid, Path(args[1]).parent.parent.name, args[8]))  # <repo>/<model>/<v>/model.py
     return found
 
 
@@ -91,9 +94,6 @@ class InstanceWatch:
             try:
                 # a load of an unchanged model (even with its own config as an override) can be a
                 # no-op that keeps the dead stub; a config that differs in one parameter cannot
-                import json
-                import time
-
                 config = client.get_model_config(model, as_json=True)["config"]
                 config.setdefault("parameters", {})["llmc_restarted_at"] = {"string_value": str(time.time())}
                 client.load_model(model, config=json.dumps(config))

@@ -37,8 +37,8 @@ def _script(name: str):
     return module
 
 
-def hf_generate(model, prompt: list[int], new: int) -> tuple[float, float]:
-    """(TTFT, total) seconds of HF greedy generate(); TTFT from a 1-token generate of the same prompt."""
+def hf_generate(model, prompt: list[int], new: int) -> tuple[float, float, int]:
+    """HF greedy generate(): (TTFT from a 1-token generate of the same prompt, total, tokens after the first)."""
     import torch
 
     ids = torch.tensor([prompt])
@@ -48,26 +48,10 @@ def hf_generate(model, prompt: list[int], new: int) -> tuple[float, float]:
         ttft = time.perf_counter() - start
         start = time.perf_counter()
         model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        return ttft, time.perf_counter() - start
+        return ttft, time.perf_counter() - start, new - 1
 
 
-def genai_generate(model_dir: Path, prompt: list[int], new: int) -> tuple[float, float]:
-    import numpy as np
-    import onnxruntime_genai as og
-
-    model = og.Model(str(model_dir))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new, do_sample=False)
-    gen = og.Generator(model, params)
-    start = time.perf_counter()
-    gen.append_tokens(np.array([prompt], dtype=np.int32))  # prefill + first token
-    ttft = time.perf_counter() - start
-    while not gen.is_done():
-        gen.generate_next_token()
-    return ttft, time.perf_counter() - start
-
-
-def llmc_in_process(version_dir: Path, prompt: list[int], new: int) -> tuple[float, float]:
+def llmc_in_process(version_dir: Path, prompt: list[int], new: int) -> tuple[float, float, int]:
     from llmc.runtime.sampling import SamplingParams
     from llmc.runtime.serving import ServingLoop
 
@@ -79,7 +63,7 @@ def llmc_in_process(version_dir: Path, prompt: list[int], new: int) -> tuple[flo
         for out in engine.step():
             ttft = ttft if ttft is not None or not out.token_ids else time.perf_counter() - start
             done = done or out.finished
-    return ttft, time.perf_counter() - start
+    return ttft, time.perf_counter() - start, new - 1
 
 
 def main() -> None:
@@ -108,29 +92,29 @@ def main() -> None:
     new = args.new_tokens
     server = start_server(build_dir, None, None, None, None)
 
-    def triton() -> tuple[float, float]:
+    def triton() -> tuple[float, float, int]:
         s = asyncio.run(run_load(server.grpc_url, None, concurrency=1, num_requests=2, prompt_words=words,
-                                 max_tokens=new)).summary()
-        return s["ttft_s_p50"], s["latency_s_p50"]
+                                 max_tokens=new)).summary()  # min_tokens = max_tokens
+        return s["ttft_s_p50"], s["latency_s_p50"], new - 1
 
     contenders = {"HF transformers generate()": lambda: hf_generate(hf_model, prompt, new),
-                  "onnxruntime-genai generate()": lambda: genai_generate(genai_dir, prompt, new),
+                  "onnxruntime-genai generate()": lambda: attention.genai_timed(genai_dir, prompt, 1, new),
                   "llmc in process": lambda: llmc_in_process(version_dir, prompt, new),
                   "llmc through Triton": triton}
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in contenders}  # (TTFT, total, tokens after)
     try:
         for p in range(args.passes):
             names = list(contenders)
             for name in names[p % len(names):] + names[:p % len(names)]:
-                ttft, total = contenders[name]()
-                runs[name].append((ttft, total))
-                print(f"  pass {p + 1} {name:<30} TTFT {ttft * 1000:7.0f} ms  {(new - 1) / (total - ttft):7.1f} tok/s",
+                ttft, total, after = contenders[name]()
+                runs[name].append((ttft, total, after))
+                print(f"  pass {p + 1} {name:<30} TTFT {ttft * 1000:7.0f} ms  {after / (total - ttft):7.1f} tok/s",
                       file=sys.stderr)
     finally:
         server.stop()
 
-    def decode(ttft: float, total: float) -> float:
-        return (new - 1) / (total - ttft)
+    def decode(ttft: float, total: float, after: int) -> float:
+        return after / (total - ttft)  # genai may stop early at an end id: its own count
 
     base = "llmc through Triton"
     print(f"\nSmolLM2-135M fp32, CPU, {args.threads} threads, batch 1 greedy, {len(prompt)}-token prompt, {new} new "

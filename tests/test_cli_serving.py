@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from llmc.runtime.supervisor import children as children_of
 from llmc.runtime.triton_server import free_port
 
 LLMC = Path(sys.executable).parent / "llmc"
@@ -24,18 +25,6 @@ def env(tmp_path_factory):
         pytest.skip(".venv-serving is missing: run scripts/setup.sh")
     cache = tmp_path_factory.mktemp("cache")
     return {**os.environ, "COLUMNS": "200", "LLMC_SERVING_ENV": str(SERVING_ENV), "XDG_CACHE_HOME": str(cache)}
-
-
-def _children(pid: int) -> set[int]:
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.add(int(stat.parent.name))
-    return found
 
 
 def _shm() -> set[str]:
@@ -60,7 +49,7 @@ def test_serve_generate_and_sigterm_stop_clean(tiny_build, env, tmp_path):
             time.sleep(0.2)
         banner = (tmp_path / "serve.err").read_text()
         assert f"127.0.0.1:{ports[1]}" in banner and f"/v2/models/tiny/generate" in banner
-        children = _children(serve.pid)
+        children = set(children_of(serve.pid))
         assert children  # tritonserver
 
         url = f"127.0.0.1:{ports[1]}"

@@ -16,6 +16,7 @@ from conftest import byte_tokenizer, greedy_reference
 from llmc.compiler.triton_config import parse, render
 from llmc.runtime.client import AsyncClient, Client, Generation, GenerationError
 from llmc.runtime.manifest import RepositoryManifest
+from llmc.runtime.soak import llmc_metrics
 from llmc.runtime.triton_server import TritonServer, assemble
 
 SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"
@@ -55,13 +56,7 @@ def torch_model(tiny_checkpoints):
 
 
 def _metrics(server, model: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("llmc_") and f'model="{model}"' in line:
-            name = line.split("{", 1)[0]
-            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
+    return llmc_metrics(f"http://127.0.0.1:{server.ports.metrics}", model)
 
 
 def test_greedy_output_equals_pytorch(server, torch_model):
