@@ -4,9 +4,9 @@ A few input channels of each linear layer carry most of the activation energy; q
 on their weights costs the most. For every smoothing site (smoothquant.py: a norm, or the MLP's up
 projection, feeding linear layers) the weights' rows are multiplied by s and the producer divided by
 s, with s = mean|X_j| ** alpha, alpha picked per site from a grid to minimize the error of the
-layers' outputs on calibration activations when the scaled weights are quantized the way
-`MatMulNBits` will quantize them (symmetric, blocks along the input dimension). The fp32 function
-is unchanged; only what rounding loses moves. Written here because ONNX Runtime's MatMulNBits
+layers' outputs on calibration activations when the scaled weights are rounded to `MatMulNBits`
+codes (asymmetric, blocks along the input dimension: blockwise.fake_quantize). The fp32 function
+is unchanged; only what rounding loses moves; the final codes are chosen by blockwise.search. Written here because ONNX Runtime's MatMulNBits
 quantizer has no AWQ (only RTN, HQQ, and GPTQ via Intel Neural Compressor) and ModelOpt's ONNX AWQ
 needs CuPy and a GPU (its NumPy path calls `.get()` on arrays).
 """
@@ -17,24 +17,12 @@ from typing import Callable
 
 import numpy as np
 
+from llmc.compiler.blockwise import fake_quantize
 from llmc.compiler.smoothquant import apply_scales, site_activations, smoothable
 from llmc.runtime.layout import KVLayout
 
 ALPHAS = np.linspace(0.0, 1.0, 11)
 TOKENS = 256  # calibration tokens per site used to score a scale
-
-
-def fake_quantize(w: np.ndarray, bits: int, block: int) -> np.ndarray:
-    """w [K, N] quantized and dequantized as ONNX Runtime's symmetric MatMulNBits quantizer does it:
-    blocks of `block` along K, the weight of largest magnitude mapped to the lowest code
-    (scale = w / -2^(bits-1)), codes -2^(bits-1) .. 2^(bits-1) - 1."""
-    k, n = w.shape
-    blocks = np.pad(w, ((0, (-k) % block), (0, 0))).reshape(-1, block, n)
-    lo = -(2 ** (bits - 1))
-    scale = np.take_along_axis(blocks, np.abs(blocks).argmax(1)[:, None, :], 1) / lo
-    scale[scale == 0] = 1.0
-    q = np.clip(np.round(blocks / scale), lo, -lo - 1)
-    return (q * scale).reshape(-1, n)[:k]
 
 
 def search_scale(x: np.ndarray, weights: list[np.ndarray], bits: int, block: int) -> tuple[np.ndarray, float]:
@@ -55,8 +43,7 @@ def search_scale(x: np.ndarray, weights: list[np.ndarray], bits: int, block: int
 def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, num_threads: int = 0,
         progress: Callable[[int, int], None] | None = None) -> list[float]:
     """Scale `model`'s weights in place for `bits`-bit block-wise quantization; returns the alpha
-    chosen per site. (AWQ's second step, a per-block clipping search, was measured on SmolLM2 int4:
-    perplexity increase +26.9% -> +26.1% for 7x the time, so it is not done.)"""
+    chosen per site. (AWQ's second step, a per-block clipping search, is blockwise.search's job.)"""
     from onnx import numpy_helper
 
     sites = smoothable(model.graph)

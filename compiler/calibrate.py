@@ -7,7 +7,8 @@ Methods (spec `quantization.calibration.method`):
 - `percentile`: the 99.99th percentile of |x|, so a few outliers do not stretch the range.
 `entropy` and `percentile` use ONNX Runtime's own `HistogramCollector` (the collector behind its
 static quantizer); what is written here is `run_tensors` (also used by SmoothQuant and AWQ), which
-exposes only the tensors needed, and the sample loop with its progress ticks.
+exposes only the tensors needed, and the sample loop with its progress ticks. `mean_squares` gives the
+weight-only modes their per-channel importance (blockwise.py).
 
 The result is kept as `calibration.json` next to the quantized graph, keyed by the graph (after
 SmoothQuant, when it applies), the samples and the method, and reused while those are unchanged
@@ -121,3 +122,16 @@ def calibrate(model, layout: KVLayout, windows: list[np.ndarray], method: str, *
             result = collector.compute_collection_result()
         amax = {name: float(max(abs(result[name][0]), abs(result[name][1]))) for name in tensors}
     return Calibration(key=key, method=method, samples=len(windows), seq_len=len(windows[0]), amax=amax)
+
+
+def mean_squares(model, layout: KVLayout, windows: list[np.ndarray], *, num_threads: int = 0) -> dict[str, np.ndarray]:
+    """E[x_k^2] per input channel of every linear-layer input of `model` over `windows` (the
+    importance blockwise.search weighs rounding errors by)."""
+    tensors = weight_matmul_inputs(model.graph)
+    sums: dict[str, np.ndarray] = {}
+    count = 0
+    for values in run_tensors(model, layout, windows, tensors, num_threads, None):
+        for name, value in values.items():
+            sums[name] = sums.get(name, 0.0) + np.square(value.astype(np.float64)).sum(0)
+        count += len(next(iter(values.values())))
+    return {name: sums[name] / count for name in tensors}

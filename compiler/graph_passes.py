@@ -1,4 +1,5 @@
-"""Graph cleanups run on the exported model (onnx_ir) before it is saved.
+"""Graph cleanups and fusions: on the exported model (onnx_ir, before it is saved), and on the
+quantized one (`merge_sibling_matmul_nbits`).
 
 The exporter translates each layer separately, so every layer recomputes the same sequence-length
 arithmetic and wraps attention in view/flatten reshapes; these passes leave one copy of the former
@@ -6,6 +7,8 @@ and none of the latter, which matters on CPU where a decode step is hundreds of 
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from llmc.plugins.lowering import MICROSOFT_DOMAIN, pack_qkv
 
@@ -93,3 +96,52 @@ def deduplicate_initializers(proto):
     model = ir.from_proto(proto)
     DeduplicateInitializersPass(size_limit=2**62)(model)
     return ir.to_proto(model)
+
+
+def merge_sibling_matmul_nbits(graph) -> int:
+    """`MatMulNBits` nodes reading the same activation with the same K, bits, block size and
+    accuracy level (the MLP's gate and up projections) become one node over the weights concatenated
+    along N, then a `Split` into the original outputs. Each call quantizes its activation to int8
+    and dispatches to the thread pool; SmolLM2 int4 decode measured 3.48 -> 3.37 ms per step (on
+    fp32 MatMul the same merge gained 1.4%, within noise, so it is not done there). Works on a
+    GraphProto; returns how many groups were merged."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    initializers = {t.name: t for t in graph.initializer}
+    groups: dict[tuple, list] = {}
+    for node in graph.node:
+        if node.op_type != "MatMulNBits" or node.domain != MICROSOFT_DOMAIN or len(node.input) not in (3, 4) \
+                or not all(name in initializers for name in node.input[1:]):
+            continue  # a bias or g_idx input, or weights computed at run time: left alone
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        key = (node.input[0], len(node.input), attrs["K"], attrs["bits"], attrs["block_size"],
+               attrs.get("accuracy_level", 0))
+        groups.setdefault(key, []).append((node, attrs))
+    merged, replaced = 0, set()
+    for siblings in groups.values():
+        if len(siblings) < 2:
+            continue
+        first, attrs = siblings[0]
+        prefix = f"{first.name or first.output[0]}_merged"
+        names = []
+        for slot, role in enumerate(("B", "scales", "zero_points")[:len(first.input) - 1], 1):
+            parts = [numpy_helper.to_array(initializers[node.input[slot]]) for node, _ in siblings]
+            graph.initializer.append(numpy_helper.from_array(np.concatenate(parts), f"{prefix}.{role}"))  # N leads
+            names.append(f"{prefix}.{role}")
+        widths = [a["N"] for _, a in siblings]
+        graph.initializer.append(helper.make_tensor(f"{prefix}.split", TensorProto.INT64, [len(widths)], widths))
+        matmul = helper.make_node("MatMulNBits", [first.input[0], *names], [f"{prefix}.out"], name=prefix,
+                                  domain=MICROSOFT_DOMAIN, **{**attrs, "N": sum(widths)})
+        split = helper.make_node("Split", [f"{prefix}.out", f"{prefix}.split"], [n.output[0] for n, _ in siblings],
+                                 name=f"{prefix}_split", axis=-1)
+        at = list(graph.node).index(first)
+        for node, _ in siblings:
+            replaced.update(node.input[1:])
+            graph.node.remove(node)
+        graph.node.insert(at, split)
+        graph.node.insert(at, matmul)
+        merged += 1
+    used = {name for node in graph.node for name in node.input}
+    for tensor in [t for t in graph.initializer if t.name in replaced - used]:
+        graph.initializer.remove(tensor)
+    return merged

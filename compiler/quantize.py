@@ -1,9 +1,12 @@
 """Quantize stage: the exported graph made smaller and faster, and a measured quality report.
 
-Weight-only modes (`int8-weight-only`, `int4-weight-only`) are ONNX Runtime's own
+Weight-only modes (`int8-weight-only`, `int4-weight-only`) go through ONNX Runtime's own
 `MatMulNBitsQuantizer`: every MatMul with constant weights becomes a `com.microsoft.MatMulNBits`
-(symmetric, block-wise round-to-nearest, `accuracy_level` 4 = int8 activations in the kernel, the
-fast CPU path), after AWQ scaling (awq.py) unless `algorithm: rtn`. Written here, because the
+(block-wise, `accuracy_level` 4 = int8 activations in the kernel, the fast CPU path). With
+`algorithm: rtn` ORT rounds (symmetric, round to nearest); with `awq` (the default) llmc first
+scales the weights (awq.py), then chooses each block's scale and zero point against the
+activation-weighted error (blockwise.py) and hands ORT's quantizer those codes to pack. Sibling
+layers (the MLP's gate and up) are then merged into one MatMulNBits (graph_passes.py). Written here, because the
 quantizer lacks it: tied embeddings reach the LM head as `Transpose(embedding)`, which the
 quantizer skips as "no constant weight"; `untie_lm_head` folds that transpose into its own
 initializer first, so the LM head (a fifth of SmolLM2's weights) is quantized too while the
@@ -28,8 +31,9 @@ import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel, QuantizedModel, hash_outputs
 from llmc.compiler.awq import awq
-from llmc.compiler.calibrate import Calibration, calibrate, calibration_key
-from llmc.compiler.graph_passes import deduplicate_initializers
+from llmc.compiler.blockwise import BlockCodes, pack, search
+from llmc.compiler.calibrate import Calibration, calibrate, calibration_key, mean_squares
+from llmc.compiler.graph_passes import deduplicate_initializers, merge_sibling_matmul_nbits
 from llmc.compiler.hashing import hash_json
 from llmc.compiler.export import EXTERNAL_DATA_NAME, ONNX_NAME, PROTOBUF_LIMIT, save_model, tool_versions
 from llmc.compiler.quality import compare
@@ -38,6 +42,7 @@ from llmc.compiler.spec import QuantizationSpec, QuantMode, WeightOnlyAlgorithm
 from llmc.compiler.textdata import builtin_documents, load_documents, token_windows
 from llmc.compiler.verify import PROMPTS
 from llmc.errors import QuantizationError
+from llmc.runtime.layout import KVLayout
 
 BITS = {QuantMode.int8_weight_only: 8, QuantMode.int4_weight_only: 4, QuantMode.int8: 8, QuantMode.fp8: 8}
 ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations: the fast CPU kernels
@@ -61,17 +66,57 @@ def untie_lm_head(graph) -> int:
     return folded
 
 
-def weight_only(model, bits: int, block_size: int):
-    """`model` (untied) with every constant-weight MatMul replaced by ORT's MatMulNBits."""
+def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] | None = None):
+    """`model` (untied) with every constant-weight MatMul replaced by ORT's MatMulNBits: rounded by
+    ORT (symmetric) when `codes` is None, else with `codes` [weight name -> codes] (asymmetric)."""
     from onnxruntime.quantization import QuantFormat
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
-    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True,
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=codes is None,
                                      accuracy_level=ACCURACY_LEVEL, quant_format=QuantFormat.QOperator,
                                      op_types_to_quantize=("MatMul",))
+    if codes is not None:
+        quantizer.node_quantizer = _preset_quantizer(quantizer.algo_config, codes)
     quantizer.process()
     return quantizer.model.model
+
+
+def _preset_quantizer(config, codes: dict[str, BlockCodes]):
+    """ORT's node quantizer (which rewrites MatMul -> MatMulNBits) taking its codes from `codes`."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
+
+    class PresetCodes(DefaultWeightOnlyQuantizer):
+        weight = ""
+
+        def quantize_matmul(self, node, graph_stack):
+            self.weight = node.input[1]
+            return super().quantize_matmul(node, graph_stack)
+
+        def qbits_block_quant(self, fp32weight):
+            q = codes[self.weight]
+            if fp32weight.shape[0] != q.k:
+                raise QuantizationError(f"{self.weight}: codes for K={q.k}, weight has K={fp32weight.shape[0]}")
+            return pack(q)
+
+    return PresetCodes(config)
+
+
+def searched_codes(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, num_threads: int,
+                   progress) -> dict[str, BlockCodes]:
+    """blockwise.search's codes for every linear layer of `model`, weighted by its input's E[x^2] on `windows`."""
+    from onnx import numpy_helper
+
+    importance = mean_squares(model, layout, windows, num_threads=num_threads)
+    initializers = {t.name: t for t in model.graph.initializer}
+    layers = [(n.input[1], n.input[0]) for n in model.graph.node
+              if n.op_type == "MatMul" and n.input[1] in initializers and n.input[0] in importance]
+    codes = {}
+    for done, (weight, activation) in enumerate(layers, 1):
+        codes[weight] = search(numpy_helper.to_array(initializers[weight]), importance[activation], bits, block)
+        if progress:
+            progress(done, len(layers))
+    return codes
 
 
 def weight_only_model(source: Path, exported: ExportedModel, spec: QuantizationSpec, bits: int, tokenizer, *,
@@ -81,18 +126,28 @@ def weight_only_model(source: Path, exported: ExportedModel, spec: QuantizationS
 
     model = onnx.load(str(source))
     untie_lm_head(model.graph)
-    algorithm = spec.algorithm
-    windows = calibration_windows(spec, tokenizer) if algorithm is not WeightOnlyAlgorithm.rtn else []
-    kernel = (f"onnxruntime MatMulNBits: {bits}-bit symmetric weights, blocks of {spec.block_size}, accuracy_level "
-              f"{ACCURACY_LEVEL} (int8 activations), LM head untied and quantized")
-    how = "round to nearest by onnxruntime's MatMulNBitsQuantizer"
-    if algorithm is WeightOnlyAlgorithm.awq:
+    if spec.algorithm is WeightOnlyAlgorithm.rtn:
+        kernel = f"{bits}-bit symmetric weights"
+        how = "round to nearest by onnxruntime's MatMulNBitsQuantizer"
+        windows = []
+        model = weight_only(model, bits, spec.block_size)
+    else:
+        kernel = f"{bits}-bit asymmetric weights (uint8 zero points)"
+        windows = calibration_windows(spec, tokenizer)
         alphas = awq(model, exported.kv_layout, windows, bits, spec.block_size, num_threads=num_threads,
                      progress=progress)
-        how = f"AWQ scaling on {len(alphas)} layer inputs (alpha median {np.median(alphas):.1f}), then " + how
-    model = weight_only(model, bits, spec.block_size)
-    note = (f"{algorithm.value} over {len(windows)} sample(s) of {len(windows[0])} tokens from {spec.calibration.data}"
-            if windows else "none (round to nearest needs no calibration data)")
+        codes = searched_codes(model, exported.kv_layout, windows, bits, spec.block_size, num_threads=num_threads,
+                               progress=progress)
+        how = (f"AWQ scaling on {len(alphas)} layer inputs (alpha median {np.median(alphas):.1f}), then per-block "
+               f"scales and zero points searched against activation-weighted error (llmc), packed into "
+               f"onnxruntime's MatMulNBitsQuantizer")
+        model = weight_only(model, bits, spec.block_size, codes)
+    merged = merge_sibling_matmul_nbits(model.graph)
+    kernel = (f"onnxruntime MatMulNBits: {kernel}, blocks of {spec.block_size}, accuracy_level "
+              f"{ACCURACY_LEVEL} (int8 activations), LM head untied and quantized"
+              + (f"; layers sharing an input (gate/up) merged into one node in {merged} place(s)" if merged else ""))
+    note = (f"{spec.algorithm.value} over {len(windows)} sample(s) of {len(windows[0])} tokens from "
+            f"{spec.calibration.data}" if windows else "none (round to nearest needs no calibration data)")
     return model, f"{kernel}; {how}", note
 
 

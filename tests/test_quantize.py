@@ -38,8 +38,12 @@ def test_weight_only_builds_quantize_every_matmul_including_the_tied_lm_head(int
     assert q.bits == 4 and q.mode.value == "int4-weight-only"
     ops = _ops(out / "quantize" / q.onnx)
     exported = _ops(out / "export" / "model.onnx")
-    assert ops.count("MatMulNBits") == exported.count("MatMul") == 2 * 5 + 1  # per layer QKV, out, gate, up, down
+    assert exported.count("MatMul") == 2 * 5 + 1  # per layer QKV, out, gate, up, down; the LM head
+    assert ops.count("MatMulNBits") == 2 * 4 + 1 and ops.count("Split") == 2  # gate and up merged
     assert "MatMul" not in ops and "Transpose" not in ops  # the LM head's Transpose(embedding) folded too
+    graph = onnx.load(str(out / "quantize" / q.onnx), load_external_data=False).graph
+    assert all(len(n.input) == 4 for n in graph.node if n.op_type == "MatMulNBits")  # awq: zero points (asymmetric)
+    assert "asymmetric" in q.method and "activation-weighted" in q.method
 
 
 def test_quality_report_is_measured_and_recorded(int4_build):
@@ -80,6 +84,7 @@ def test_int8_weight_only_is_closer_than_int4(tiny_llama, tmp_path):
     q4, q8 = (build(_spec(tiny_llama, f"{bits}-weight-only", algorithm="rtn"), output=tmp_path / bits).quantized
               for bits in ("int4", "int8"))
     assert (q4.bits, q8.bits) == (4, 8) and q4.calibration.startswith("none")  # rtn reads no calibration text
+    assert "symmetric weights" in q4.method and "asymmetric" not in q4.method  # rtn: ORT's own rounding
     assert q8.report.perplexity_increase < q4.report.perplexity_increase
     assert q8.report.size_quantized_mib > q4.report.size_quantized_mib
 
@@ -162,23 +167,83 @@ def test_a_quantized_build_serves_through_triton(int4_build, tmp_path):
     assert_serves_like_its_graph(int4_build, tmp_path)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_fake_quantize_is_what_onnx_runtime_s_quantizer_stores(bits):
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
+@pytest.mark.parametrize("bits,k", [(4, 64), (4, 96), (4, 80), (8, 64), (8, 80)])
+def test_packed_codes_are_what_matmulnbits_computes_with(bits, k):
+    """blockwise.pack's layout read by ONNX Runtime's kernel (odd block counts and a K that is not a
+    multiple of the block included) gives exactly x @ the codes' dequantized weight."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
 
-    from llmc.compiler.awq import fake_quantize
+    from llmc.compiler.blockwise import pack, search
 
-    w = np.random.default_rng(0).standard_normal((64, 5)).astype(np.float32)
-    w[3, 0], w[40, 2] = -5.0, 4.0  # extremes of both signs
-    cfg = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, bits=bits)
-    packed, scales, _ = DefaultWeightOnlyQuantizer(cfg).qbits_block_quant(w)  # [N, blocks, bytes], [N, blocks]
-    codes = np.stack([packed & 15, packed >> 4], -1).reshape(5, 2, 32) if bits == 4 else packed
-    stored = (codes.astype(np.float32) - 2 ** (bits - 1)) * scales.reshape(5, 2)[:, :, None]
-    np.testing.assert_allclose(fake_quantize(w, bits, 32), stored.reshape(5, 64).T, rtol=1e-6, atol=1e-7)
+    rng = np.random.default_rng(bits + k)
+    w = rng.standard_normal((k, 6)).astype(np.float32)
+    w[3, 0] = 9.0
+    q = search(w, rng.random(k) + 0.1, bits, 32)
+    inits = [numpy_helper.from_array(a, name) for a, name in zip(pack(q), ("B", "scales", "zero_points"))]
+    node = helper.make_node("MatMulNBits", ["x", "B", "scales", "zero_points"], ["y"], domain="com.microsoft",
+                            K=k, N=6, bits=bits, block_size=32, accuracy_level=0)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 6])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x @ q.dequantize(), rtol=1e-5, atol=1e-5)
+    assert np.abs(q.dequantize() - w).max() < 1.3 * np.ptp(w) / (2**bits - 1)  # within a (searched) code step of w
+
+
+def test_sibling_matmul_nbits_are_merged_into_one_with_the_same_outputs():
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from llmc.compiler.blockwise import minmax, pack
+    from llmc.compiler.graph_passes import merge_sibling_matmul_nbits
+
+    rng = np.random.default_rng(4)
+    nodes, inits = [], []
+    for name, k, n, source in (("gate", 64, 24, "x"), ("up", 64, 40, "x"), ("down", 64, 8, "x2"), ("other", 64, 8, "x2")):
+        arrays = pack(minmax(rng.standard_normal((k, n)).astype(np.float32), 4, 32))
+        inits += [numpy_helper.from_array(a, f"{name}.{r}") for a, r in zip(arrays, ("B", "s", "z"))]
+        level = 4 if name != "other" else 0  # a different accuracy level: not merged with "down"
+        nodes.append(helper.make_node("MatMulNBits", [source, f"{name}.B", f"{name}.s", f"{name}.z"], [name],
+                                      domain="com.microsoft", K=k, N=n, bits=4, block_size=32, accuracy_level=level))
+    nodes.insert(0, helper.make_node("Neg", ["x"], ["x2"]))
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("gate", "up", "down", "other")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])], outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+    before = run(model)
+    assert merge_sibling_matmul_nbits(model.graph) == 1
+    assert [n.op_type for n in model.graph.node] == ["Neg", "MatMulNBits", "Split", "MatMulNBits", "MatMulNBits"]
+    assert not any(t.name.startswith(("gate.", "up.")) for t in model.graph.initializer)
+    for a, b in zip(before, run(model)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_weighted_search_puts_the_accuracy_where_the_activations_are():
+    from llmc.compiler.blockwise import minmax, search
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 40)).astype(np.float32)
+    importance = np.ones(64)
+    importance[[5, 37]] = 1e4  # two outlier input channels, as in real activations
+
+    def weighted_error(q):
+        return float((importance[:, None] * np.square(q.dequantize() - w)).sum())
+
+    searched, plain = search(w, importance, 4, 32), minmax(w, 4, 32)
+    assert weighted_error(searched) < 0.5 * weighted_error(plain)
+    assert np.abs(searched.dequantize()[[5, 37]] - w[[5, 37]]).max() < np.abs(plain.dequantize()[[5, 37]] - w[[5, 37]]).max()
+    assert searched.codes.max() <= 15 and searched.zero_points.max() <= 15
 
 
 def test_awq_search_never_does_worse_than_round_to_nearest():
-    from llmc.compiler.awq import fake_quantize, search_scale
+    from llmc.compiler.awq import search_scale
+    from llmc.compiler.blockwise import fake_quantize
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((128, 64)).astype(np.float32)
