@@ -51,7 +51,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
-            self.loop.submit(inputs, _Sink(request.get_response_sender()))
+            self.loop.submit(inputs, _Sink(request.get_response_sender()), request.request_id())
         return None
 
     def finalize(self):

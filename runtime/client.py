@@ -9,12 +9,17 @@
 parameters are the served model's optional inputs (`max_tokens`, `temperature`, `top_p`, `top_k`,
 `min_p`, penalties, `seed`, `min_tokens`, `end_id`, `stop_words`, ...). Every failure, a refused
 request, an unreachable server or a missing model, raises `GenerationError` with the server's message.
-Leaving a stream early cancels the request on the server.
+Leaving a stream early ends the request on the server in band: a stop request under the same
+request id, then the stream closes with nothing pending (closing a stream with a request in flight
+can crash Triton 2.51, see serving.py); a server that does not answer the stop within
+`STOP_SECONDS` gets its stream cancelled instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
@@ -24,7 +29,7 @@ import numpy as np
 from llmc.runtime.request import SCALARS
 
 _NUMPY = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}
-_DONE = object()
+STOP_SECONDS = 5.0  # how long leaving a stream early waits for the server to end the request
 
 
 class GenerationError(RuntimeError):
@@ -86,13 +91,28 @@ def make_inputs(grpc_module, prompt: str, stream: bool, params: dict) -> list:
         if name == "stop_words":
             words = [value] if isinstance(value, str) else list(value)
             tensors.append(tensor(name, "BYTES", np.array([w.encode("utf-8") for w in words], dtype=np.object_)))
-        elif name in SCALARS and name != "stream":
+        elif name in SCALARS and name not in ("stream", "stop"):
             datatype = SCALARS[name][0]
             tensors.append(tensor(name, datatype, np.array([value], dtype=_NUMPY[datatype])))
         else:
-            known = sorted(set(SCALARS) - {"stream"} | {"stop_words"})
+            known = sorted(set(SCALARS) - {"stream", "stop"} | {"stop_words"})
             raise TypeError(f"unknown generation parameter {name!r}; known: {', '.join(known)}")
     return tensors
+
+
+def stop_inputs(grpc_module) -> list:
+    """A stop request's inputs (it ends the request sent under the same request id)."""
+    tensors = []
+    for name, datatype, value in (("text_input", "BYTES", np.array([b""], dtype=np.object_)),
+                                  ("stop", "BOOL", np.array([True]))):
+        tensors.append(grpc_module.InferInput(name, [1], datatype))
+        tensors[-1].set_data_from_numpy(value)
+    return tensors
+
+
+def _ends(result, error) -> bool:
+    """The response is some request's last: an error or a final response."""
+    return error is not None or _is_final(result)
 
 
 def _is_final(result) -> bool:
@@ -147,14 +167,14 @@ class Client:
 
     def _run(self, prompt: str, stream: bool, params: dict, gen: Generation) -> Iterator[str]:
         inputs = make_inputs(self._grpc, prompt, stream, params)
-        model = self.model
+        model, rid = self.model, uuid.uuid4().hex
         responses: queue.Queue = queue.Queue()
         client = self._connect()
         try:
             try:
                 client.start_stream(callback=lambda result, error: responses.put((result, error)),
                                     stream_timeout=self.timeout)
-                client.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex)
+                client.async_stream_infer(model, inputs, request_id=rid)
             except Exception as err:  # the stream broke before the request went out (server gone)
                 gen.done = True
                 raise GenerationError(f"{self.url}: {_message(err)}") from None
@@ -164,9 +184,24 @@ class Client:
                     yield chunk
         finally:
             try:
-                client.stop_stream(cancel_requests=not gen.done)  # left early: cancel on the server
+                stopped = gen.done or self._stop(client, model, rid, responses)
+                client.stop_stream(cancel_requests=not stopped)
             finally:
                 client.close()
+
+    def _stop(self, client, model: str, rid: str, responses: queue.Queue) -> bool:
+        """End request `rid` in band (left early); whether it and the stop request both ended in time."""
+        try:
+            client.async_stream_infer(model, stop_inputs(self._grpc), request_id=rid)
+        except Exception:
+            return False
+        deadline, ended = time.monotonic() + STOP_SECONDS, 0
+        while ended < 2:
+            try:
+                ended += _ends(*responses.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                return False
+        return True
 
     def close(self) -> None:  # nothing held between calls
         pass
@@ -205,9 +240,12 @@ class AsyncClient:
         gen = gen if gen is not None else Generation()
         request = {"model_name": await self.model(), "inputs": make_inputs(self._grpc, prompt, stream, params),
                    "request_id": uuid.uuid4().hex}
+        outgoing: asyncio.Queue = asyncio.Queue()  # this stream's requests; None half-closes it
+        outgoing.put_nowait(request)
 
         async def requests():
-            yield request
+            while (item := await outgoing.get()) is not None:
+                yield item
 
         responses = self._client.stream_infer(requests(), stream_timeout=self.timeout)
         try:
@@ -224,8 +262,24 @@ class AsyncClient:
             gen.done = True
             raise GenerationError(_message(err)) from None
         finally:
-            if not gen.done:
-                responses.cancel()  # left early: cancel on the server
+            if not gen.done and not await self._stop(request, outgoing, responses):
+                responses.cancel()  # no answer to the stop: cancel the stream
+            outgoing.put_nowait(None)
+
+    async def _stop(self, request: dict, outgoing: asyncio.Queue, responses) -> bool:
+        """End `request` in band (left early); whether it and the stop request both ended in time."""
+        outgoing.put_nowait({"model_name": request["model_name"], "inputs": stop_inputs(self._grpc),
+                             "request_id": request["request_id"]})
+        ended = 0
+        try:
+            async with asyncio.timeout(STOP_SECONDS):
+                async for result, error in responses:
+                    ended += _ends(result, error)
+                    if ended == 2:
+                        return True
+        except Exception:  # the timeout, or the stream broke
+            pass
+        return False
 
     async def ready(self) -> bool:
         """The server and the model are ready."""

@@ -37,6 +37,7 @@ SCALARS: dict[str, tuple[str, str | None]] = {
     "presence_penalty": ("FP32", "presence_penalty"),
     "stream": ("BOOL", None), "exclude_input_in_output": ("BOOL", None), "return_log_probs": ("BOOL", None),
     "return_num_input_tokens": ("BOOL", None), "return_num_output_tokens": ("BOOL", None),
+    "stop": ("BOOL", None),  # a stop request: end the request sent under the same request id (is_stop)
 }
 # outputs: name -> (Triton datatype, dims)
 OUTPUTS: dict[str, tuple[str, list[int]]] = {
@@ -72,6 +73,13 @@ def _scalar(array: np.ndarray, name: str, datatype: str):
     if array.dtype.kind not in _KINDS[datatype]:
         raise RequestError(f"{name}: wrong dtype {array.dtype}; expected {datatype}")
     return array.reshape(()).item()
+
+
+def is_stop(inputs: Mapping[str, np.ndarray]) -> bool:
+    """A stop request (`stop` true): it asks to end the live request that has its request id; its
+    other inputs are ignored. The in-band way to cancel (closing the gRPC stream instead races
+    Triton 2.51's cancellation handling, which can crash the server: see serving.py)."""
+    return "stop" in inputs and bool(_scalar(inputs["stop"], "stop", "BOOL"))
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits) -> Request:

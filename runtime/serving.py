@@ -9,8 +9,26 @@ model wraps Triton's response sender, tests use a recording one.
     sink.error(message: str)                                  # a final error response
     sink.is_cancelled() -> bool                               # the client went away
 
-Every request ends with exactly one final response (text, error, or finish_reason `cancelled`);
-a failing step ends the requests in flight with an error and the loop keeps serving.
+Every request ends with exactly one final response (text, error, or finish_reason `cancelled`),
+except one whose sink reported it cancelled: Triton's Python backend ends a cancelled decoupled
+request's stream itself when `is_cancelled()` sees it, so nothing more is sent on that sink.
+
+Cancelling: a client ends a request early either by closing its gRPC stream (Triton cancels the
+request; the loop notices at its next poll) or in band, with a stop request (`stop` true) under
+the same request id on the same stream: the request ends with finish_reason `cancelled`, the stop
+request gets one empty final response, and the client closes a stream with nothing pending. llmc's
+clients stop in band, so they never cancel a call with responses in flight, a race Triton 2.51's
+gRPC frontend can crash on (triton-inference-server server#7368, fixed in 24.12).
+
+Known crash, not yet explained: under load that mixes error responses with cancellations, the
+Triton 2.51 server (nvidia-pytriton 0.7.0, the newest wheel) dies, with SIGSEGV in its Python backend
+(libtriton_python.so) or with SIGABRT on a boost::interprocess::lock_exception from the mutex it
+shares with the model's stub process (which suggests the stub died first). 64 streams for 40 s, half
+of them left early and a tenth malformed, crashed it in 24 of 25 runs, whichever way requests were
+cancelled (stream closed or stop request), whichever thread sent the errors, with cancellation
+polling off too; cancellations alone (5 runs) and malformed requests alone did not. The 8-second
+soak test hits it about once in ten runs; `llmc serve`'s supervisor restarts a crashed server.
+A failing step ends the requests in flight with an error and the loop keeps serving.
 """
 
 from __future__ import annotations
@@ -26,7 +44,7 @@ import numpy as np
 
 from llmc.runtime.engine import LLMEngine, StepOutput
 from llmc.runtime.metrics import ServingMetrics, null_metrics
-from llmc.runtime.request import Limits, Request, RequestError, parse_request
+from llmc.runtime.request import Limits, Request, RequestError, is_stop, parse_request
 from llmc.runtime.scheduler import QueueFull
 from llmc.runtime.sequence import FinishReason
 
@@ -49,6 +67,8 @@ class _Live:
     ids: list[int] = field(default_factory=list)  # not yet sent (streaming) / all (otherwise)
     text: list[str] = field(default_factory=list)
     num_output_tokens: int = 0
+    client_id: str = ""  # the request id the client sent it under (what a stop request names)
+    closed: bool = False  # the sink reported a cancellation (or failed): nothing more is sent on it
 
 
 def _bytes(value: str) -> np.ndarray:
@@ -114,16 +134,22 @@ class ServingLoop:
             self._thread.join(timeout)
         self._fail_all("the model is being unloaded")
 
-    def submit(self, inputs: Mapping[str, np.ndarray], sink: Sink) -> None:
-        """Queue a request (never blocks); a request that cannot run is answered with an error now."""
+    def submit(self, inputs: Mapping[str, np.ndarray], sink: Sink, client_id: str = "") -> None:
+        """Queue a request (never blocks); a request that cannot run is answered with an error at once.
+        `client_id` is the request id the client chose (Triton's `request.request_id()`); a stop
+        request ends the live request with the same one and is answered at once."""
         rid = f"r{next(self._ids)}"
         try:
+            if is_stop(inputs):
+                self._stop(client_id)
+                _call(sink.send, {"text_output": _bytes(""), "output_ids": np.zeros(0, dtype=np.int32)}, True)
+                return
             request = parse_request(inputs, self.limits)
             if request.return_log_probs:
                 raise RequestError("return_log_probs: log probabilities are not supported by this llmc version")
             prompt_ids = self.tokenizer.encode(request.prompt).ids
             with self._lock:
-                self._live[rid] = _Live(request, sink, len(prompt_ids), time.monotonic())
+                self._live[rid] = _Live(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id)
                 self.engine.add_request(rid, prompt_ids, request.params)
         except (RequestError, ValueError, QueueFull) as err:
             with self._lock:
@@ -137,6 +163,14 @@ class ServingLoop:
             _call(sink.error, message)
             return
         self.metrics.admitted(len(prompt_ids))
+        self._wake.set()
+
+    def _stop(self, client_id: str) -> None:
+        """Cancel the live request(s) sent under `client_id`; none (it already ended): nothing to do."""
+        with self._lock:
+            rids = [rid for rid, entry in self._live.items() if client_id and entry.client_id == client_id]
+        for rid in rids:
+            self.engine.cancel(rid)
         self._wake.set()
 
     @property
@@ -173,6 +207,7 @@ class ServingLoop:
         for rid, entry in live:
             reachable, cancelled = _call(entry.sink.is_cancelled)
             if cancelled or not reachable:
+                entry.closed = True
                 self.engine.cancel(rid)
 
     def _respond(self, out: StepOutput, now: float) -> None:
@@ -198,6 +233,8 @@ class ServingLoop:
             self._send(out.request_id, entry, None)
 
     def _send(self, rid: str, entry: _Live, reason: FinishReason | None) -> None:
+        if entry.closed:
+            return
         req, text = entry.request, "".join(entry.text)
         if not req.stream and not req.exclude_input_in_output:
             text = req.prompt + text
@@ -211,6 +248,7 @@ class ServingLoop:
         entry.ids, entry.text = [], []
         sent, _ = _call(entry.sink.send, outputs, reason is not None)
         if not sent and reason is None:
+            entry.closed = True
             self.engine.cancel(rid)  # the client cannot be reached: stop generating for it
 
     def _fail_all(self, message: str) -> None:
@@ -218,7 +256,8 @@ class ServingLoop:
             live, self._live = list(self._live.values()), {}
         for entry in live:
             self.metrics.failed()
-            _call(entry.sink.error, message)
+            if not entry.closed:
+                _call(entry.sink.error, message)
 
 
 def _call(fn, *args) -> tuple[bool, object]:

@@ -99,13 +99,23 @@ def test_32_concurrent_mixed_requests_each_equal_their_solo_result(server):
     assert _metrics(server, "tiny")["llmc_requests_running"] == 0
 
 
-def test_cancelling_a_stream_frees_the_slot(server):
+@pytest.mark.parametrize("in_band", [True, False], ids=["stop-request", "stream-cancelled"])
+def test_leaving_a_stream_early_frees_the_slot(server, monkeypatch, in_band):
+    stops = []
+    stop = Client._stop
+
+    def spy(self, *args):  # in band: the server must answer the stop; else: the gRPC stream is cancelled
+        stops.append(stop(self, *args) if in_band else False)
+        return stops[-1]
+
+    monkeypatch.setattr(Client, "_stop", spy)
     client = Client(server.grpc_url, ONE_SLOT)
     before = _metrics(server, ONE_SLOT).get("llmc_request_failure_total", 0)
     stream = client.generate("a long one", max_tokens=2000, min_tokens=2000)
     next(stream)
     assert _metrics(server, ONE_SLOT)["llmc_requests_running"] == 1
-    stream.close()  # leaves the stream early: the request is cancelled on the server
+    stream.close()  # leaves the stream early: the request ends on the server
+    assert stops == [in_band]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         m = _metrics(server, ONE_SLOT)
@@ -115,6 +125,29 @@ def test_cancelling_a_stream_frees_the_slot(server):
     assert m["llmc_requests_running"] == 0 and m["llmc_kv_cache_usage_ratio"] == 0
     assert m["llmc_request_failure_total"] == before + 1
     assert client.complete("next", max_tokens=3).finish_reason == "length"  # the slot serves again
+
+
+def test_an_async_stream_left_early_is_stopped_in_band(server, monkeypatch):
+    from llmc.runtime.client import AsyncClient
+
+    stops = []
+    stop = AsyncClient._stop
+
+    async def spy(self, *args):
+        stops.append(await stop(self, *args))
+        return stops[-1]
+
+    monkeypatch.setattr(AsyncClient, "_stop", spy)
+
+    async def leave_early():
+        async with AsyncClient(server.grpc_url, ONE_SLOT) as client:
+            stream = client.generate("a long one", max_tokens=2000, min_tokens=2000)
+            await stream.__anext__()
+            await stream.aclose()
+            return await client.complete("next", max_tokens=3)
+
+    assert asyncio.run(leave_early()).finish_reason == "length" and stops == [True]  # the slot was freed at once
+    assert _metrics(server, ONE_SLOT)["llmc_requests_running"] == 0
 
 
 def _post(server, endpoint: str, body: dict):

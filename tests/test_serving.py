@@ -118,6 +118,29 @@ def test_bad_requests_get_an_error_naming_the_input_and_others_go_on(served):
     assert recorder.values["llmc_request_failure_total"] == len(bad)
 
 
+def test_a_stop_request_ends_the_request_with_its_id(served):
+    class Held(RecordingSink):  # holds the engine thread in its first send until released
+        entered, release = threading.Event(), threading.Event()
+
+        def send(self, outputs, final):
+            self.entered.set()
+            assert self.release.wait(10)
+            super().send(outputs, final)
+
+    loop, _ = served
+    sink, stop_sink, stray = Held(), RecordingSink(), RecordingSink()
+    loop.submit(_req(max_tokens=100, stream=True, min_tokens=100), sink, "abc")
+    stop = {"text_input": np.array([b""], dtype=np.object_), "stop": np.array([True])}
+    assert sink.entered.wait(10)
+    loop.submit(stop, stop_sink, "abc")
+    loop.submit(stop, stray, "no-such-request")  # already over, or never was: just answered
+    sink.release.set()
+    assert sink.wait().finish_reason == "cancelled" and len(sink.ids) < 100 and sink.errors == []
+    for s in (stop_sink, stray):
+        assert len(s.wait().responses) == 1 and s.text == "" and s.errors == [] and "finish_reason" not in s.responses[0]
+    assert loop.num_in_flight == 0
+
+
 def test_cancelled_request_frees_its_slot_and_the_gauges_return_to_zero(served, monkeypatch):
     from llmc.runtime import serving
 
@@ -125,11 +148,12 @@ def test_cancelled_request_frees_its_slot_and_the_gauges_return_to_zero(served, 
     loop, recorder = served
     sink = RecordingSink(cancel_after=2)
     loop.submit(_req(max_tokens=100, stream=True, min_tokens=100), sink)
-    assert sink.wait().finish_reason == "cancelled" and len(sink.ids) < 100
     deadline = time.monotonic() + 5
-    while loop.engine.has_work and time.monotonic() < deadline:
+    while (loop.engine.has_work or loop.num_in_flight) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert loop.engine.scheduler.num_running == 0 and loop.num_in_flight == 0
+    # Triton ends a cancelled stream itself: nothing more was sent once the sink said it was cancelled
+    assert len(sink.responses) == 2 and sink.errors == [] and not sink.done.is_set()
     time.sleep(0.3)  # the idle loop publishes the gauges
     assert recorder.values["llmc_requests_running"] == 0 and recorder.values["llmc_kv_cache_usage_ratio"] == 0
 
