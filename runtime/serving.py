@@ -17,17 +17,10 @@ Cancelling: a client ends a request early either by closing its gRPC stream (Tri
 request; the loop notices at its next poll) or in band, with a stop request (`stop` true) under
 the same request id on the same stream: the request ends with finish_reason `cancelled`, the stop
 request gets one empty final response, and the client closes a stream with nothing pending. llmc's
-clients stop in band, so they never cancel a call with responses in flight, a race Triton 2.51's
-gRPC frontend can crash on (triton-inference-server server#7368, fixed in 24.12).
-
-Known crash, not yet explained: under load that mixes error responses with cancellations, the
-Triton 2.51 server (nvidia-pytriton 0.7.0, the newest wheel) dies, with SIGSEGV in its Python backend
-(libtriton_python.so) or with SIGABRT on a boost::interprocess::lock_exception from the mutex it
-shares with the model's stub process (which suggests the stub died first). 64 streams for 40 s, half
-of them left early and a tenth malformed, crashed it in 24 of 25 runs, whichever way requests were
-cancelled (stream closed or stop request), whichever thread sent the errors, with cancellation
-polling off too; cancellations alone (5 runs) and malformed requests alone did not. The 8-second
-soak test hits it about once in ten runs; `llmc serve`'s supervisor restarts a crashed server.
+clients stop in band: cancelling a call with responses in flight can crash Triton 2.51's gRPC
+frontend (SIGSEGV in the tritonserver binary; triton-inference-server server#7368, fixed in 24.12):
+measured in 1 of 3 40-second soaks of 64 streams with half of them cancelled that way, and in
+none of 6 that stopped in band.
 A failing step ends the requests in flight with an error and the loop keeps serving.
 """
 

@@ -189,3 +189,38 @@ def test_a_failing_step_ends_requests_in_flight_and_the_loop_keeps_serving(serve
     loop.submit(_req(max_tokens=5), after)
     assert after.wait().errors == [] and len(after.ids) == 5
     assert loop.engine.scheduler.num_running == 0
+
+
+def test_triton_metrics_are_never_updated_from_two_threads_at_once():
+    """The Python backend's metric calls are not thread-safe (unserialized updates from the execute
+    thread and the loop thread crashed Triton 2.51): triton_metrics serializes every update."""
+    from llmc.runtime.metrics import triton_metrics
+
+    inside, overlaps = [0], []
+
+    class Metric:
+        def __init__(self, **_):
+            pass
+
+        def _update(self, value):
+            inside[0] += 1
+            overlaps.append(inside[0] > 1)
+            time.sleep(0.0005)  # long enough for another thread to come in, were it allowed
+            inside[0] -= 1
+
+        observe = increment = set = _update
+
+    class MetricFamily:
+        HISTOGRAM, COUNTER, GAUGE = "h", "c", "g"
+
+        def __init__(self, **_):
+            self.Metric = Metric
+
+    metrics = triton_metrics(type("pb_utils", (), {"MetricFamily": MetricFamily}), {"model": "m"})
+    threads = [threading.Thread(target=lambda: [metrics.failed() or metrics.load(1, 0, 2) for _ in range(50)])
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(overlaps) == 4 * 50 * 4 and not any(overlaps)
