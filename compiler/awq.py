@@ -1,4 +1,4 @@
-"""Activation-aware weight scaling (AWQ, Lin et al., 2024) before weight-only round-to-nearest.
+"""Activation-aware weight scaling (AWQ, Lin et al., 2024) before weight-only rounding.
 
 A few input channels of each linear layer carry most of the activation energy; quantization error
 on their weights costs the most. For every smoothing site (smoothquant.py: a norm, or the MLP's up
@@ -6,9 +6,10 @@ projection, feeding linear layers) the weights' rows are multiplied by s and the
 s, with s = mean|X_j| ** alpha, alpha picked per site from a grid to minimize the error of the
 layers' outputs on calibration activations when the scaled weights are rounded to `MatMulNBits`
 codes (asymmetric, blocks along the input dimension: blockwise.fake_quantize). The fp32 function
-is unchanged; only what rounding loses moves; the final codes are chosen by blockwise.search. Written here because ONNX Runtime's MatMulNBits
-quantizer has no AWQ (only RTN, HQQ, and GPTQ via Intel Neural Compressor) and ModelOpt's ONNX AWQ
-needs CuPy and a GPU (its NumPy path calls `.get()` on arrays).
+is unchanged; only what rounding loses moves; the final codes are chosen by blockwise.search.
+Written here because ONNX Runtime's MatMulNBits quantizer has no AWQ (only RTN, HQQ, and GPTQ via
+Intel Neural Compressor) and ModelOpt's ONNX AWQ needs CuPy and a GPU (its NumPy path calls
+`.get()` on arrays).
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ Weight-only modes (`int8-weight-only`, `int4-weight-only`) go through ONNX Runti
 `algorithm: rtn` ORT rounds (symmetric, round to nearest); with `awq` (the default) llmc first
 scales the weights (awq.py), then chooses each block's scale and zero point against the
 activation-weighted error (blockwise.py) and hands ORT's quantizer those codes to pack. Sibling
-layers (the MLP's gate and up) are then merged into one MatMulNBits (graph_passes.py). Written here, because the
-quantizer lacks it: tied embeddings reach the LM head as `Transpose(embedding)`, which the
-quantizer skips as "no constant weight"; `untie_lm_head` folds that transpose into its own
-initializer first, so the LM head (a fifth of SmolLM2's weights) is quantized too while the
+layers (the MLP's gate and up) are then merged into one MatMulNBits (graph_passes.py). Also
+written here, because the quantizer lacks it: tied embeddings reach the LM head as
+`Transpose(embedding)`, which the quantizer skips as "no constant weight"; `untie_lm_head` folds
+that transpose into its own initializer first, so the LM head (a fifth of SmolLM2's weights) is quantized too while the
 embedding Gather keeps the original table.
 
 Static modes (`int8`, `fp8`: Q/DQ for TensorRT, W8A8) calibrate activation ranges on the spec's
