@@ -73,15 +73,18 @@ class InstanceWatch:
     next call while the reload fails (the server may be busy tearing the instance down)."""
 
     def __init__(self, grpc_url: str, server_pid: int, log: Callable[[str], None] = lambda message: None):
+        # imported now, not at the first check: a cold import takes seconds, and a SIGTERM (llmc
+        # serve's stop) landing inside it surfaced as an ImportError from numpy, not as the stop
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        self._grpc, self._error = grpcclient, InferenceServerException
         self.grpc_url, self.server_pid, self.log = grpc_url, server_pid, log
         self.known = {s.pid: s for s in stubs(server_pid)}
         self.pending: dict[str, int] = {}  # model -> failed reload attempts
 
     def check(self) -> list[str]:
         """The models reloaded by this call."""
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import InferenceServerException
-
         current = {s.pid: s for s in stubs(self.server_pid)}  # one scan: a stub dying mid-check still counts
         dead = [s for pid, s in self.known.items() if pid not in current]
         for model in sorted({s.model for s in dead}):
@@ -90,14 +93,14 @@ class InstanceWatch:
             self.pending.setdefault(model, 0)
         reloaded = []
         for model in sorted(self.pending):
-            client = grpcclient.InferenceServerClient(self.grpc_url)
+            client = self._grpc.InferenceServerClient(self.grpc_url)
             try:
                 # a load of an unchanged model (even with its own config as an override) can be a
                 # no-op that keeps the dead stub; a config that differs in one parameter cannot
                 config = client.get_model_config(model, as_json=True)["config"]
                 config.setdefault("parameters", {})["llmc_restarted_at"] = {"string_value": str(time.time())}
                 client.load_model(model, config=json.dumps(config))
-            except InferenceServerException as err:
+            except self._error as err:
                 if self.pending[model] == 0:
                     self.log(f"{model}: reload failed ({err.message()}); retrying")
                 self.pending[model] += 1
