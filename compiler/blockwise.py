@@ -57,12 +57,21 @@ def _range(b: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
     return lo, np.where(hi > lo, (hi - lo) / qmax, 1.0).astype(b.dtype)
 
 
+def _candidates(lo: np.ndarray, base: np.ndarray, qmax: int):
+    """(scale, zero point) pairs per block: min/max's own first, then the search grid."""
+    yield base, np.clip(np.round(-lo / base), 0, qmax)
+    for factor in FACTORS:
+        scale = base * factor
+        rounded = np.round(-lo / scale)
+        for step in ZERO_POINT_STEPS:
+            yield scale, np.clip(rounded + step, 0, qmax)
+
+
 def minmax(w: np.ndarray, bits: int, block: int) -> BlockCodes:
     """Asymmetric round to nearest: each block's min and max span the codes."""
     qmax = 2**bits - 1
     b = blocks(w.astype(np.float32), block)
-    lo, scale = _range(b, qmax)
-    zero = np.clip(np.round(-lo / scale), 0, qmax)
+    scale, zero = next(_candidates(*_range(b, qmax), qmax))
     codes, _ = _round(b, scale, zero, qmax)
     return BlockCodes(codes.astype(np.uint8), scale, zero.astype(np.uint8), w.shape[0], bits)
 
@@ -74,27 +83,22 @@ def fake_quantize(w: np.ndarray, bits: int, block: int) -> np.ndarray:
 
 def search(w: np.ndarray, importance: np.ndarray, bits: int, block: int) -> BlockCodes:
     """Per block and column, the scale and zero point minimizing sum_k importance_k (w_k - w'_k)^2.
-    `importance` [K] is E[x_k^2] of the layer's input; the min/max codes are among the candidates,
+    `importance` [K] is E[x_k^2] of the layer's input; the min/max codes are the first candidate,
     so the weighted error is never worse than `minmax`'s."""
     qmax = 2**bits - 1
     b = blocks(w.astype(np.float32), block)
     h = blocks(importance.astype(np.float32)[:, None], block)  # [blocks, block, 1]; padding weighs 0
     lo, base = _range(b, qmax)
-    best = minmax(w, bits, block)
-    best_codes, best_scale, best_zero = best.codes.astype(np.float32), best.scales, best.zero_points.astype(np.float32)
-    best_err = (h * np.square((best_codes - best_zero) * best_scale - b)).sum(1, keepdims=True)
-    for factor in FACTORS:
-        scale = base * factor
-        rounded = np.round(-lo / scale)
-        for step in ZERO_POINT_STEPS:
-            zero = np.clip(rounded + step, 0, qmax)
-            codes, values = _round(b, scale, zero, qmax)
-            err = (h * np.square(values - b)).sum(1, keepdims=True)
-            better = err < best_err
-            best_err = np.where(better, err, best_err)
-            best_codes = np.where(better, codes, best_codes)
-            best_scale = np.where(better, scale, best_scale)
-            best_zero = np.where(better, zero, best_zero)
+    best_err = np.full(lo.shape, np.inf, dtype=np.float32)
+    best_codes, best_scale, best_zero = np.zeros_like(b), base, np.zeros_like(lo)
+    for scale, zero in _candidates(lo, base, qmax):
+        codes, values = _round(b, scale, zero, qmax)
+        err = (h * np.square(values - b)).sum(1, keepdims=True)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_codes = np.where(better, codes, best_codes)
+        best_scale = np.where(better, scale, best_scale)
+        best_zero = np.where(better, zero, best_zero)
     return BlockCodes(best_codes.astype(np.uint8), best_scale.astype(np.float32), best_zero.astype(np.uint8),
                       w.shape[0], bits)
 

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 REPOSITORY_DIR = "model_repository"
 VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
 QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.qdq", "llmc.compiler.calibrate", "llmc.compiler.smoothquant",
-                 "llmc.compiler.awq", "llmc.compiler.blockwise", "llmc.compiler.quality", "llmc.compiler.textdata", "llmc.runtime.ort_runner")
+                 "llmc.compiler.awq", "llmc.compiler.blockwise", "llmc.compiler.quality", "llmc.compiler.textdata",
+                 "llmc.runtime.ort_runner")
 
 
 def check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:

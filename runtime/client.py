@@ -30,6 +30,7 @@ from llmc.runtime.request import SCALARS
 
 _NUMPY = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}
 STOP_SECONDS = 5.0  # how long leaving a stream early waits for the server to end the request
+_NOT_PARAMETERS = {"stream", "stop"}  # model inputs the client sets itself
 
 
 class GenerationError(RuntimeError):
@@ -91,11 +92,11 @@ def make_inputs(grpc_module, prompt: str, stream: bool, params: dict) -> list:
         if name == "stop_words":
             words = [value] if isinstance(value, str) else list(value)
             tensors.append(tensor(name, "BYTES", np.array([w.encode("utf-8") for w in words], dtype=np.object_)))
-        elif name in SCALARS and name not in ("stream", "stop"):
+        elif name in SCALARS and name not in _NOT_PARAMETERS:
             datatype = SCALARS[name][0]
             tensors.append(tensor(name, datatype, np.array([value], dtype=_NUMPY[datatype])))
         else:
-            known = sorted(set(SCALARS) - {"stream", "stop"} | {"stop_words"})
+            known = sorted(set(SCALARS) - _NOT_PARAMETERS | {"stop_words"})
             raise TypeError(f"unknown generation parameter {name!r}; known: {', '.join(known)}")
     return tensors
 
