@@ -5,8 +5,9 @@ on their weights costs the most. For every smoothing site (smoothquant.py: a nor
 projection, feeding linear layers) the weights' rows are multiplied by s and the producer divided by
 s, with s = mean|X_j| ** alpha, alpha picked per site from a grid to minimize the error of the
 layers' outputs on calibration activations when the scaled weights are rounded to `MatMulNBits`
-codes (asymmetric, blocks along the input dimension: blockwise.fake_quantize). The fp32 function
-is unchanged; only what rounding loses moves; the final codes are chosen by blockwise.search.
+codes (blocks along the input dimension, symmetric or not like the final codes:
+blockwise.fake_quantize). The fp32 function is unchanged; only what rounding loses moves; the final
+codes are chosen by blockwise.search.
 Written here because ONNX Runtime's MatMulNBits quantizer has no AWQ (only RTN, HQQ, and GPTQ via
 Intel Neural Compressor) and ModelOpt's ONNX AWQ needs CuPy and a GPU (its NumPy path calls
 `.get()` on arrays).
@@ -26,7 +27,8 @@ ALPHAS = np.linspace(0.0, 1.0, 11)
 TOKENS = 256  # calibration tokens per site used to score a scale
 
 
-def search_scale(x: np.ndarray, weights: list[np.ndarray], bits: int, block: int) -> tuple[np.ndarray, float]:
+def search_scale(x: np.ndarray, weights: list[np.ndarray], bits: int, block: int,
+                 symmetric: bool = False) -> tuple[np.ndarray, float]:
     """The per-channel scale s (and its alpha) minimizing sum ||x W - (x / s) Q(W * s)||^2 over the weights."""
     mean = np.abs(x).mean(0) + 1e-8
     reference = [x @ w for w in weights]
@@ -34,17 +36,18 @@ def search_scale(x: np.ndarray, weights: list[np.ndarray], bits: int, block: int
     for alpha in ALPHAS:
         s = mean ** alpha
         s = s / np.sqrt(s.max() * s.min())
-        err = sum(float(np.square(ref - (x / s) @ fake_quantize(w * s[:, None], bits, block)).sum())
+        err = sum(float(np.square(ref - (x / s) @ fake_quantize(w * s[:, None], bits, block, symmetric)).sum())
                   for ref, w in zip(reference, weights))
         if err < best[0]:
             best = (err, s, float(alpha))
     return best[1].astype(np.float32), best[2]
 
 
-def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, num_threads: int = 0,
-        progress: Callable[[int, int], None] | None = None) -> list[float]:
-    """Scale `model`'s weights in place for `bits`-bit block-wise quantization; returns the alpha
-    chosen per site. (AWQ's second step, a per-block clipping search, is blockwise.search's job.)"""
+def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, symmetric: bool = False,
+        num_threads: int = 0, progress: Callable[[int, int], None] | None = None) -> list[float]:
+    """Scale `model`'s weights in place for `bits`-bit block-wise quantization (`symmetric` codes or
+    not); returns the alpha chosen per site. (AWQ's second step, a per-block clipping search, is
+    blockwise.search's job.)"""
     from onnx import numpy_helper
 
     sites = smoothable(model.graph)
@@ -55,7 +58,7 @@ def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: in
     scales, alphas = [], []
     for done, site in enumerate(sites, 1):
         weights = [numpy_helper.to_array(initializers[r.input[1]]) for r in site.readers]
-        s, alpha = search_scale(acts[site.tensor], weights, bits, block)
+        s, alpha = search_scale(acts[site.tensor], weights, bits, block, symmetric)
         scales.append(s)
         alphas.append(alpha)
         if progress:

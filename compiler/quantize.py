@@ -4,8 +4,9 @@ Weight-only modes (`int8-weight-only`, `int4-weight-only`) go through ONNX Runti
 `MatMulNBitsQuantizer`: every MatMul with constant weights becomes a `com.microsoft.MatMulNBits`
 (block-wise, `accuracy_level` 4 = int8 activations in the kernel, the fast CPU path). With
 `algorithm: rtn` ORT rounds (symmetric, round to nearest); with `awq` (the default) llmc first
-scales the weights (awq.py), then chooses each block's scale and zero point against the
-activation-weighted error (blockwise.py) and hands ORT's quantizer those codes to pack. Sibling
+scales the weights (awq.py), then chooses each block's scale (and at 4 bits its zero point:
+SYMMETRIC) against the activation-weighted error (blockwise.py) and hands ORT's quantizer those
+codes to pack. Blocks are 128 weights at 8 bits and 32 at 4 unless the spec says (spec.block). Sibling
 layers (the MLP's gate and up) are then merged into one MatMulNBits (graph_passes.py). Also
 written here, because the quantizer lacks it: tied embeddings reach the LM head as
 `Transpose(embedding)`, which the quantizer skips as "no constant weight"; `untie_lm_head` folds
@@ -46,6 +47,10 @@ from llmc.runtime.layout import KVLayout
 
 BITS = {QuantMode.int8_weight_only: 8, QuantMode.int4_weight_only: 4, QuantMode.int8: 8, QuantMode.fp8: 8}
 ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations: the fast CPU kernels
+# Zero points, by bits (SmolLM2, measured): MatMulNBits' 8-bit kernel decodes ~4% slower with them and
+# 8-bit codes need none (perplexity +0.05% symmetric, +0.2% asymmetric); 4-bit codes need them
+# (+21.7% symmetric, +11.1% asymmetric) and cost at most ~2% there.
+SYMMETRIC = {8: True, 4: False}
 EVAL_SEQ_LEN, EVAL_WINDOWS, AGREEMENT_STEPS = 256, 8, 32
 
 
@@ -68,12 +73,15 @@ def untie_lm_head(graph) -> int:
 
 def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] | None = None):
     """`model` (untied) with every constant-weight MatMul replaced by ORT's MatMulNBits: rounded by
-    ORT (symmetric) when `codes` is None, else with `codes` [weight name -> codes] (asymmetric)."""
+    ORT (symmetric) when `codes` is None, else with `codes` [weight name -> codes]."""
     from onnxruntime.quantization import QuantFormat
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
-    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=codes is None,
+    kinds = {c.symmetric for c in codes.values()} if codes is not None else {True}
+    if len(kinds) > 1:
+        raise ValueError("codes mix symmetric and asymmetric weights; MatMulNBitsQuantizer takes one kind")
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=kinds.pop(),
                                      accuracy_level=ACCURACY_LEVEL, quant_format=QuantFormat.QOperator,
                                      op_types_to_quantize=("MatMul",))
     if codes is not None:
@@ -102,8 +110,8 @@ def _preset_quantizer(config, codes: dict[str, BlockCodes]):
     return PresetCodes(config)
 
 
-def searched_codes(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, num_threads: int,
-                   progress) -> dict[str, BlockCodes]:
+def searched_codes(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, symmetric: bool,
+                   num_threads: int, progress) -> dict[str, BlockCodes]:
     """blockwise.search's codes for every linear layer of `model`, weighted by its input's E[x^2] on `windows`."""
     from onnx import numpy_helper
 
@@ -113,7 +121,8 @@ def searched_codes(model, layout: KVLayout, windows: list[np.ndarray], bits: int
               if n.op_type == "MatMul" and n.input[1] in initializers and n.input[0] in importance]
     codes = {}
     for done, (weight, activation) in enumerate(layers, 1):
-        codes[weight] = search(numpy_helper.to_array(initializers[weight]), importance[activation], bits, block)
+        codes[weight] = search(numpy_helper.to_array(initializers[weight]), importance[activation], bits, block,
+                               symmetric)
         if progress:
             progress(done, len(layers))
     return codes
@@ -130,20 +139,21 @@ def weight_only_model(source: Path, exported: ExportedModel, spec: QuantizationS
         kernel = f"{bits}-bit symmetric weights"
         how = "round to nearest by onnxruntime's MatMulNBitsQuantizer"
         windows = []
-        model = weight_only(model, bits, spec.block_size)
+        model = weight_only(model, bits, spec.block)
     else:
-        kernel = f"{bits}-bit asymmetric weights (uint8 zero points)"
+        symmetric = SYMMETRIC[bits]
+        kernel = f"{bits}-bit " + ("symmetric weights" if symmetric else "asymmetric weights (uint8 zero points)")
         windows = calibration_windows(spec, tokenizer)
-        alphas = awq(model, exported.kv_layout, windows, bits, spec.block_size, num_threads=num_threads,
-                     progress=progress)
-        codes = searched_codes(model, exported.kv_layout, windows, bits, spec.block_size, num_threads=num_threads,
-                               progress=progress)
+        alphas = awq(model, exported.kv_layout, windows, bits, spec.block, symmetric=symmetric,
+                     num_threads=num_threads, progress=progress)
+        codes = searched_codes(model, exported.kv_layout, windows, bits, spec.block, symmetric=symmetric,
+                               num_threads=num_threads, progress=progress)
         how = (f"AWQ scaling on {len(alphas)} layer inputs (alpha median {np.median(alphas):.1f}), then per-block "
-               f"scales and zero points searched against activation-weighted error (llmc), packed into "
-               f"onnxruntime's MatMulNBitsQuantizer")
-        model = weight_only(model, bits, spec.block_size, codes)
+               + ("scales" if symmetric else "scales and zero points")
+               + " searched against activation-weighted error (llmc), packed into onnxruntime's MatMulNBitsQuantizer")
+        model = weight_only(model, bits, spec.block, codes)
     merged = merge_sibling_matmul_nbits(model.graph)
-    kernel = (f"onnxruntime MatMulNBits: {kernel}, blocks of {spec.block_size}, accuracy_level "
+    kernel = (f"onnxruntime MatMulNBits: {kernel}, blocks of {spec.block}, accuracy_level "
               f"{ACCURACY_LEVEL} (int8 activations), LM head untied and quantized"
               + (f"; layers sharing an input (gate/up) merged into one node in {merged} place(s)" if merged else ""))
     note = (f"{spec.algorithm.value} over {len(windows)} sample(s) of {len(windows[0])} tokens from "

@@ -78,13 +78,18 @@ class CalibrationSpec(_Strict):
     method: CalibrationMethod = CalibrationMethod.max
 
 
+DEFAULT_BLOCK = {QuantMode.int8_weight_only: 128, QuantMode.int4_weight_only: 32}
+
+
 class QuantizationSpec(_Strict):
     mode: QuantMode = QuantMode.none
     calibration: CalibrationSpec = CalibrationSpec()
     max_perplexity_increase: Annotated[float, Field(ge=0.0, le=10.0)] = Field(
         0.05, description="Relative increase allowed over the unquantized model (0.05 = 5%)."
     )
-    block_size: int = Field(32, description="Weights per scale in the weight-only modes (16, 32, 64, 128 or 256).")
+    block_size: int | None = Field(
+        None, description="Weights per scale in the weight-only modes (16, 32, 64, 128 or 256); unset: 128 for "
+                          "int8-weight-only, 32 for int4-weight-only.")
     algorithm: WeightOnlyAlgorithm = Field(
         WeightOnlyAlgorithm.awq, description="Weight-only modes: awq (activation-aware scaling on calibration text, "
                                              "then round to nearest) or rtn (round to nearest, no calibration).")
@@ -96,8 +101,8 @@ class QuantizationSpec(_Strict):
 
     @field_validator("block_size")
     @classmethod
-    def _block_is_a_kernel_size(cls, value: int) -> int:
-        if value not in (16, 32, 64, 128, 256):
+    def _block_is_a_kernel_size(cls, value: int | None) -> int | None:
+        if value is not None and value not in (16, 32, 64, 128, 256):
             raise ValueError("must be 16, 32, 64, 128 or 256 (the block sizes MatMulNBits kernels take)")
         return value
 
@@ -110,6 +115,14 @@ class QuantizationSpec(_Strict):
     @property
     def weight_only(self) -> bool:
         return self.mode in (QuantMode.int8_weight_only, QuantMode.int4_weight_only)
+
+    @property
+    def block(self) -> int:
+        """The weight-only block size: `block_size`, else the mode's default. 8-bit codes lose almost
+        nothing to wide blocks and MatMulNBits runs them much faster (SmolLM2 int8 decode, blocks
+        of 32 -> 128: 179 -> 216 tok/s, perplexity +0.05% -> +0.10%); 4-bit codes need narrow
+        ones (blocks of 64: +20% perplexity against +11% with 32)."""
+        return self.block_size or DEFAULT_BLOCK[self.mode]
 
     @property
     def smoothed(self) -> bool:

@@ -72,3 +72,27 @@ def test_bad_steps_are_refused(exports):
         runner.step(np.array([[1]]), np.array([0]), first_row=2)
     with pytest.raises(ValueError, match="one per row"):
         runner.step(np.array([[1], [2]]), np.array([0]))
+
+
+def test_decode_steps_on_any_row_range_match_prefill_and_return_the_callers_logits(exports):
+    """Decode steps run on bindings made once per row range, inputs and logits in shared buffers:
+    every range must see its own tokens and positions, and logits handed out must not change later."""
+    runner, solo = _runner(exports, "fused", max_batch=3), _runner(exports, "fused", max_batch=1)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    for row, p in enumerate(prompts):
+        runner.step(np.array([p]), np.array([0]), first_row=row)
+    fed = [list(p) for p in prompts]
+    kept = []
+    for first, tokens in ((1, [8, 9]), (0, [7, 7, 7]), (0, [11]), (1, [12, 13]), (2, [14])):
+        rows = range(first, first + len(tokens))
+        positions = np.array([len(fed[r]) for r in rows], dtype=np.int32)  # any integer type, converted
+        logits = runner.step(np.array(tokens)[:, None], positions, first_row=first)
+        assert logits.shape == (len(tokens), 1, runner.vocab_size)
+        kept.append((logits, logits.copy()))
+        for r, token, row_logits in zip(rows, tokens, logits[:, -1]):
+            fed[r].append(token)
+            alone = solo.step(np.array([fed[r]]), np.array([0]))[0, -1]  # the prefill path, fresh bindings
+            np.testing.assert_allclose(row_logits, alone, atol=2e-5, rtol=1e-5)
+    assert len(runner._decode_bindings) == 4  # (1, 2), (0, 3), (0, 1), (2, 1): made once each
+    for logits, copy in kept:
+        np.testing.assert_array_equal(logits, copy)

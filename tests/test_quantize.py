@@ -89,6 +89,17 @@ def test_int8_weight_only_is_closer_than_int4(tiny_llama, tmp_path):
     assert q8.report.size_quantized_mib > q4.report.size_quantized_mib
 
 
+def test_int8_weight_only_is_symmetric_in_wide_blocks_by_default(tiny_llama, tmp_path):
+    """8-bit codes: no zero points (MatMulNBits runs them faster) and blocks of 128 unless the spec says."""
+    q8 = build(_spec(tiny_llama, "int8-weight-only"), output=tmp_path / "int8").quantized
+    graph = onnx.load(str(tmp_path / "int8" / "quantize" / q8.onnx), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert nodes and all(len(n.input) == 3 for n in nodes)
+    assert {onnx.helper.get_attribute_value(a) for n in nodes for a in n.attribute if a.name == "block_size"} == {128}
+    assert "8-bit symmetric weights, blocks of 128" in q8.method and "activation-weighted" in q8.method
+    assert q8.report.perplexity_increase < 0.01
+
+
 def test_static_modes_without_modelopt_are_refused_before_any_work(tiny_llama, tmp_path, monkeypatch):
     import sys
 
@@ -167,21 +178,25 @@ def test_a_quantized_build_serves_through_triton(int4_build, tmp_path):
     assert_serves_like_its_graph(int4_build, tmp_path)
 
 
-@pytest.mark.parametrize("bits,k", [(4, 64), (4, 96), (4, 80), (8, 64), (8, 80)])
-def test_packed_codes_are_what_matmulnbits_computes_with(bits, k):
+@pytest.mark.parametrize("bits,k,symmetric", [(4, 64, False), (4, 96, False), (4, 80, False), (8, 64, False),
+                                               (8, 80, False), (8, 80, True), (4, 96, True)])
+def test_packed_codes_are_what_matmulnbits_computes_with(bits, k, symmetric):
     """blockwise.pack's layout read by ONNX Runtime's kernel (odd block counts and a K that is not a
-    multiple of the block included) gives exactly x @ the codes' dequantized weight."""
+    multiple of the block included) gives exactly x @ the codes' dequantized weight; symmetric codes
+    go without zero points (the kernel's default, 2^(bits-1))."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from llmc.compiler.blockwise import pack, search
+    from llmc.compiler.blockwise import minmax, pack, search
 
     rng = np.random.default_rng(bits + k)
     w = rng.standard_normal((k, 6)).astype(np.float32)
     w[3, 0] = 9.0
-    q = search(w, rng.random(k) + 0.1, bits, 32)
-    inits = [numpy_helper.from_array(a, name) for a, name in zip(pack(q), ("B", "scales", "zero_points"))]
-    node = helper.make_node("MatMulNBits", ["x", "B", "scales", "zero_points"], ["y"], domain="com.microsoft",
+    importance = rng.random(k) + 0.1
+    q = search(w, importance, bits, 32, symmetric)
+    names = ("B", "scales", "zero_points")[:2 if symmetric else 3]
+    inits = [numpy_helper.from_array(a, name) for a, name in zip(pack(q), names)]
+    node = helper.make_node("MatMulNBits", ["x", *names], ["y"], domain="com.microsoft",
                             K=k, N=6, bits=bits, block_size=32, accuracy_level=0)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 6])], inits)
@@ -189,7 +204,13 @@ def test_packed_codes_are_what_matmulnbits_computes_with(bits, k):
     x = rng.standard_normal((3, k)).astype(np.float32)
     y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, x @ q.dequantize(), rtol=1e-5, atol=1e-5)
-    assert np.abs(q.dequantize() - w).max() < 1.3 * np.ptp(w) / (2**bits - 1)  # within a (searched) code step of w
+    weighted = [float((importance[:, None] * np.square(c.dequantize() - w)).sum())
+                for c in (q, minmax(w, bits, 32, symmetric))]
+    assert weighted[0] <= weighted[1]  # never worse than round to nearest over the block's range
+    if symmetric:
+        assert q.symmetric and (q.zero_points == 2 ** (bits - 1)).all()
+    else:
+        assert np.abs(q.dequantize() - w).max() < 1.3 * np.ptp(w) / (2**bits - 1)  # within a (searched) code step
 
 
 def test_sibling_matmul_nbits_are_merged_into_one_with_the_same_outputs():
@@ -239,6 +260,9 @@ def test_weighted_search_puts_the_accuracy_where_the_activations_are():
     assert weighted_error(searched) < 0.5 * weighted_error(plain)
     assert np.abs(searched.dequantize()[[5, 37]] - w[[5, 37]]).max() < np.abs(plain.dequantize()[[5, 37]] - w[[5, 37]]).max()
     assert searched.codes.max() <= 15 and searched.zero_points.max() <= 15
+    symmetric = search(w, importance, 4, 32, symmetric=True)  # the scale alone: zero points stay at 8
+    assert (symmetric.zero_points == 8).all()
+    assert weighted_error(symmetric) < 0.5 * weighted_error(minmax(w, 4, 32, symmetric=True))
 
 
 def test_awq_search_never_does_worse_than_round_to_nearest():

@@ -20,6 +20,13 @@ def test_smallest_spec_gets_defaults(tmp_path):
     assert spec.source.allow_pickle is False
 
 
+@pytest.mark.parametrize("mode,block_size,block", [("int8-weight-only", None, 128), ("int4-weight-only", None, 32),
+                                                   ("int8-weight-only", 32, 32), ("int4-weight-only", 64, 64)])
+def test_weight_only_block_size_defaults_by_mode(mode, block_size, block):
+    quantization = {"mode": mode, **({"block_size": block_size} if block_size else {})}
+    assert parse_spec({"name": "m", "source": "x", "quantization": quantization}).quantization.block == block
+
+
 def test_source_long_form_and_output_resolved(tmp_path):
     spec = load_spec(write_spec(tmp_path / "specs", {
         "name": "m", "source": {"path": "../ckpt", "allow_pickle": True}, "output": "out/m"}))
