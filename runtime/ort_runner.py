@@ -9,9 +9,10 @@ In-place graphs (`layout.in_place`, the fused lowering) get each slot range boun
 binding as both `past_key_values.*` input and `present.*` output: a step writes only the new
 tokens' entries. Decode steps (one token per row) go further: their bindings hold every input and
 output, the token ids and positions written into buffers bound once and the logits read out of one,
-so a step costs ONNX Runtime's run and a few microseconds of Python (binding the logits output anew
-each step cost ~30 us, the rest of the per-step Python ~70 us: 2% of a SmolLM2 int4 step). Other graphs are run with the rows as inputs and their `present.*` outputs copied
-back (the whole buffer is swapped instead when the step covers every row).
+so a step costs ONNX Runtime's run and a few microseconds of Python (binding inputs and a fresh
+logits array every step had cost ~100 us, 2-3% of a SmolLM2 int4 step). Other graphs are run with
+the rows as inputs and their `present.*` outputs copied back (the whole buffer is swapped instead
+when the step covers every row).
 """
 
 from __future__ import annotations
