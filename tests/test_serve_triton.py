@@ -229,7 +229,9 @@ def test_a_full_queue_answers_busy_retry(server):
         async with AsyncClient(server.grpc_url, ONE_SLOT) as client:
             async def one(i):
                 try:
-                    return (await client.complete(f"flood {i}", max_tokens=300)).finish_reason
+                    # long enough that the four arrive while the first still holds the slot (300
+                    # tokens of the tiny model once finished before the fourth request came)
+                    return (await client.complete(f"flood {i}", max_tokens=2000, min_tokens=2000)).finish_reason
                 except GenerationError as err:
                     return str(err)
             return await asyncio.gather(*[one(i) for i in range(4)])
