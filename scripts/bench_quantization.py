@@ -114,6 +114,9 @@ def main() -> None:
     print(f"\nSmolLM2 batch-1 decode, {t} threads, {args.passes} passes: medians")
     for name, value in medians.items():
         print(f"  {name:<22} {value:8.1f}")
+    weights = sum(f.stat().st_size for f in models["fp32"][0].parent.iterdir() if f.suffix != ".json")
+    print(f"  (fp32 decode reads {weights * medians['llmc fp32 tok/s'] / 1e9:.0f} GB/s of weights here: the faster the "
+          "host's memory, the lower the quantized modes' ratios to fp32)")
     rows = {}
     for bits, (x_fp32, x_genai, max_ppl) in TARGETS.items():
         r = reports[bits]
