@@ -96,7 +96,9 @@ class OrtRunner:
 
     def _step_in_place(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int) -> np.ndarray:
         n, s = input_ids.shape
-        binding = self._bindings.get((first_row, n)) or self._bind_cache(first_row, n)
+        binding = self._bindings.get((first_row, n))
+        if binding is None:
+            binding = self._bindings[(first_row, n)] = self._bind_cache(first_row, n)
         logits = np.empty((n, s, self.vocab_size), dtype=np.float32)
         binding.bind_cpu_input("input_ids", input_ids)
         binding.bind_cpu_input(self.layout.positions, cache_position)
@@ -107,7 +109,9 @@ class OrtRunner:
     def _decode(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int) -> np.ndarray:
         n = len(input_ids)
         check_step(self.layout, self.cache.max_batch, self.cache.capacity, (n, 1), cache_position, first_row)
-        binding = self._decode_bindings.get((first_row, n)) or self._bind_decode(first_row, n)
+        binding = self._decode_bindings.get((first_row, n))
+        if binding is None:
+            binding = self._decode_bindings[(first_row, n)] = self._bind_decode(first_row, n)
         self._ids[:n] = input_ids  # converts to int64 as it copies
         self._positions[:n] = cache_position
         self.session.run_with_iobinding(binding)
@@ -116,16 +120,15 @@ class OrtRunner:
     def _bind_decode(self, first_row: int, n: int):
         """`_bind_cache`'s binding plus the first n rows of the decode buffers as input ids,
         positions and logits."""
-        binding = self._bind_cache(first_row, n, self._decode_bindings)
+        binding = self._bind_cache(first_row, n)
         for name, buf in (("input_ids", self._ids[:n]), (self.layout.positions, self._positions[:n])):
             binding.bind_input(name, "cpu", 0, np.int64, list(buf.shape), buf.ctypes.data)
         logits = self._logits[:n]
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         return binding
 
-    def _bind_cache(self, first_row: int, n: int, into: dict | None = None):
-        """An IO binding with rows `first_row ..+n` of every buffer as both past input and present
-        output, kept in `into` (default: the prefill bindings)."""
+    def _bind_cache(self, first_row: int, n: int):
+        """A new IO binding with rows `first_row ..+n` of every buffer as both past input and present output."""
         binding = self.session.io_binding()
         names = zip(self.layout.past_names(), self.layout.present_names(), self.cache.rows(first_row, n))
         for past, present, rows in names:
@@ -133,5 +136,4 @@ class OrtRunner:
             args = ("cpu", 0, rows.dtype.type, list(rows.shape), rows.ctypes.data)
             binding.bind_input(past, *args)
             binding.bind_output(present, *args)
-        (self._bindings if into is None else into)[(first_row, n)] = binding
         return binding
