@@ -26,8 +26,12 @@ from llmc.runtime.layout import KVLayout, check_step
 
 
 def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True):
-    """A CPU session; `optimize=False` turns ONNX Runtime's graph optimizations off (the fp8 reference path)."""
+    """A CPU session; `optimize=False` turns ONNX Runtime's graph optimizations off (the fp8 reference
+    path, which also keeps ONNX Runtime's own kernels). 4-bit MatMulNBits nodes run on llmc's kernel
+    where this host has it (runtime/cpu_kernels.py): the graph is loaded, the op swapped in memory."""
     import onnxruntime as ort
+
+    from llmc.runtime import cpu_kernels
 
     options = ort.SessionOptions()
     if not optimize:
@@ -35,7 +39,19 @@ def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True):
     options.intra_op_num_threads = num_threads or (os.cpu_count() or 1)
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
-    return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    model: str | bytes = str(onnx_path)
+    library = cpu_kernels.library() if optimize and cpu_kernels.may_use(onnx_path) else None
+    if library is not None:
+        import onnx
+
+        proto = onnx.load(str(onnx_path), load_external_data=False)
+        if cpu_kernels.accelerate(proto):
+            options.register_custom_ops_library(str(library))
+            # external data, if any, stays where the file names it
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                             str(Path(onnx_path).parent))
+            model = proto.SerializeToString()
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
 class KVCache:

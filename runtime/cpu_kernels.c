@@ -1,0 +1,443 @@
+/* llmc's CPU kernels for ONNX Runtime, loaded as a custom-op library (runtime/cpu_kernels.py builds
+ * and registers it).
+ *
+ * llmc.MatMulNBits4: a drop-in for com.microsoft.MatMulNBits with bits=4, block_size=32 and
+ * accuracy_level=4 (int8 activations) — the same inputs (A, B, scales, optional zero_points), the
+ * same attributes, the same packed layout, so a graph swaps one op type for the other and back.
+ * Why it exists: batch-1 decode is a stream over the weights, and MLAS's 4-bit kernel draws them at
+ * about half the memory bandwidth its fp32 GEMV reaches on the same cores (SmolLM2's layers: 2.66 ms
+ * vs 1.74 ms here, 2 threads). This kernel is a plain loop the hardware prefetcher can follow: for
+ * each output column, its K/2 bytes of weights and K/32 scales are contiguous and read once, two
+ * blocks (64 weights) per AVX512-VNNI dot product, with the activations quantized once per call to
+ * int8 per block of 32 (as MLAS does at accuracy_level 4) and laid out to match the nibble order.
+ * Up to four rows share each unpacked weight vector, so prefill reads the weights once per 4 tokens.
+ *
+ * Written by hand (ONNX Runtime's headers are not installed with its wheel): the few parts of the
+ * ONNX Runtime C ABI used here — OrtApiBase, the OrtApi function-table slots called, and the
+ * OrtCustomOp struct up to KernelComputeV2 (version 16). The table is append-only and versioned, so
+ * the slot numbers hold for every release at or above the version asked for (17, ONNX Runtime 1.17).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <immintrin.h>
+
+/* ---- ONNX Runtime C ABI (the parts used) ---- */
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtValue OrtValue;
+typedef struct OrtTensorTypeAndShapeInfo OrtShape;
+typedef void *const *OrtApiTable; /* OrtApi: a table of function pointers */
+typedef struct {
+  OrtApiTable (*GetApi)(uint32_t version);
+  const char *(*GetVersionString)(void);
+} OrtApiBase;
+
+enum { ORT_API_VERSION_USED = 17, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
+enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2 };                /* ONNXTensorElementDataType */
+enum { IO_REQUIRED = 0, IO_OPTIONAL = 1, IO_VARIADIC = 2 }; /* OrtCustomOpInputOutputCharacteristic */
+/* OrtApi slots (index = byte offset / pointer size) */
+enum {
+  SLOT_CreateStatus = 0,
+  SLOT_CreateCustomOpDomain = 26,
+  SLOT_CustomOpDomain_Add = 27,
+  SLOT_AddCustomOpDomain = 28,
+  SLOT_GetTensorMutableData = 51,
+  SLOT_GetDimensionsCount = 61,
+  SLOT_GetDimensions = 62,
+  SLOT_GetTensorTypeAndShape = 65,
+  SLOT_KernelInfoGetAttribute_int64 = 86,
+  SLOT_KernelContext_GetInputCount = 88,
+  SLOT_KernelContext_GetInput = 90,
+  SLOT_KernelContext_GetOutput = 91,
+  SLOT_ReleaseStatus = 93,
+  SLOT_ReleaseTensorTypeAndShapeInfo = 99,
+  SLOT_KernelContext_ParallelFor = 274,
+};
+
+typedef struct OrtCustomOp {
+  uint32_t version;
+  void *(*CreateKernel)(const struct OrtCustomOp *, OrtApiTable, const OrtKernelInfo *);
+  const char *(*GetName)(const struct OrtCustomOp *);
+  const char *(*GetExecutionProviderType)(const struct OrtCustomOp *);
+  int (*GetInputType)(const struct OrtCustomOp *, size_t);
+  size_t (*GetInputTypeCount)(const struct OrtCustomOp *);
+  int (*GetOutputType)(const struct OrtCustomOp *, size_t);
+  size_t (*GetOutputTypeCount)(const struct OrtCustomOp *);
+  void (*KernelCompute)(void *, OrtKernelContext *);
+  void (*KernelDestroy)(void *);
+  int (*GetInputCharacteristic)(const struct OrtCustomOp *, size_t);
+  int (*GetOutputCharacteristic)(const struct OrtCustomOp *, size_t);
+  int (*GetInputMemoryType)(const struct OrtCustomOp *, size_t);
+  int (*GetVariadicInputMinArity)(const struct OrtCustomOp *);
+  int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp *);
+  int (*GetVariadicOutputMinArity)(const struct OrtCustomOp *);
+  int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp *);
+  OrtStatus *(*CreateKernelV2)(const struct OrtCustomOp *, OrtApiTable, const OrtKernelInfo *, void **);
+  OrtStatus *(*KernelComputeV2)(void *, OrtKernelContext *);
+} OrtCustomOp;
+
+static OrtApiTable api;
+#define CALL(slot, type, ...) (((type)api[SLOT_##slot])(__VA_ARGS__))
+#define TRY(expr)                        \
+  do {                                   \
+    OrtStatus *status_ = (expr);         \
+    if (status_) return status_;         \
+  } while (0)
+typedef OrtStatus *(*fn_create_status)(int, const char *);
+static OrtStatus *fail(int code, const char *msg) { return CALL(CreateStatus, fn_create_status, code, msg); }
+
+/* ---- the kernel ---- */
+#define KERNEL_ISA __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
+enum { ROWS = 4, COLS_PER_TASK = 16, PREFILL_ROWS = 12 };
+
+/* Weights go through in groups of four blocks (128 values, 64 packed bytes: one load; the low
+ * nibbles hold the even k of each block, the high nibbles the odd k) and, when K is an odd number
+ * of 64s, one final pair of blocks. A row of A, quantized, follows the same grouping: per group the
+ * int8 codes of the even k of each block, then those of the odd k (the order the weights unpack
+ * to), and two 16-lane float vectors whose lanes follow the dot product's lanes — each block's
+ * scale, and its code sum divided by its number of lanes (each lane carries that share of the
+ * zero-point correction; dividing by 4 or 8 is exact). */
+typedef struct {
+  int8_t *codes;
+  float *scale16, *sum16;
+  float *block_scale; /* the same per block, for the prefill path */
+  int32_t *block_sum;
+} QRow;
+
+KERNEL_ISA static void quantize_row(const float *a, int64_t k, QRow *q) {
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t start = 0, group = 0; start < k; group++) {
+    int blocks = k - start >= 128 ? 4 : 2, lanes = 16 / blocks;
+    int8_t *out = q->codes + start;
+    for (int j = 0; j < blocks; j++) {
+      const float *x = a + start + 32 * j;
+      __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      float scale = amax / 127.f; /* and its inverse, as MLAS computes them (same codes) */
+      __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+      int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      q->block_scale[start / 32 + j] = scale;
+      q->block_sum[start / 32 + j] = sum;
+      __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(q0)), _mm512_cvtepi32_epi8(q1), 1);
+      codes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(codes, split), 0xD8); /* [even k | odd k] */
+      _mm_storeu_si128((__m128i *)(out + 16 * j), _mm256_castsi256_si128(codes));
+      _mm_storeu_si128((__m128i *)(out + 16 * (blocks + j)), _mm256_extracti128_si256(codes, 1));
+      for (int lane = 0; lane < 16; lane++) {
+        if ((blocks == 4 ? lane / 4 : (lane / 4) % 2) != j) continue;
+        q->scale16[group * 16 + lane] = scale;
+        q->sum16[group * 16 + lane] = (float)sum / (float)lanes;
+      }
+    }
+    start += 32 * blocks;
+  }
+}
+
+/* y[r][n] for rows r < R and columns n0 <= n < n1; R is a constant at each call site (unrolled) */
+KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b, const float *scales,
+                            const uint8_t *zp, int64_t n0, int64_t n1, float *y, int64_t n) {
+  const int64_t blocks = k / 32, quads = k / 128;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), nibble_shift = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  const __m512i quad_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  const __m512i mask4 = _mm512_set1_epi32(15);
+  for (int64_t col = n0; col < n1; col++) {
+    const uint8_t *bc = b + col * blocks * 16, *zc = zp ? zp + col * (blocks / 2) : NULL;
+    const float *sc = scales + col * blocks;
+    __m512 acc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < quads; g++) {
+      __m512i packed = _mm512_loadu_si512((const void *)(bc + g * 64));
+      __m512i lo = _mm512_and_si512(packed, low4), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      __m512 wscale = _mm512_permutexvar_ps(quad_lanes, _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * g)));
+      __m512 wzero = _mm512_set1_ps(8.f);
+      if (zc) {
+        __m512i z = _mm512_set1_epi32(*(const uint16_t *)(zc + 2 * g));
+        wzero = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(z, nibble_shift), mask4));
+      }
+      for (int r = 0; r < R; r++) {
+        const int8_t *codes = rows[r].codes + g * 128;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)codes));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void *)(codes + 64)));
+        __m512 v = _mm512_fnmadd_ps(wzero, _mm512_loadu_ps(rows[r].sum16 + g * 16), _mm512_cvtepi32_ps(dot));
+        acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(wscale, _mm512_loadu_ps(rows[r].scale16 + g * 16)), acc[r]);
+      }
+    }
+    if (blocks % 4) { /* the last pair of blocks: 32 packed bytes as [low nibbles | high nibbles] */
+      __m256i packed = _mm256_loadu_si256((const __m256i *)(bc + quads * 64));
+      __m256i lo = _mm256_and_si256(packed, _mm512_castsi512_si256(low4));
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm512_castsi512_si256(low4));
+      __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      __m512 wscale = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(sc + 4 * quads)))));
+      __m512 wzero = _mm512_set1_ps(8.f);
+      if (zc) {
+        __m512i z = _mm512_set1_epi32(zc[2 * quads]);
+        wzero = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(z, _mm512_and_si512(nibble_shift, _mm512_set1_epi32(4))), mask4));
+      }
+      for (int r = 0; r < R; r++) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512((const void *)(rows[r].codes + quads * 128)));
+        __m512 v = _mm512_fnmadd_ps(wzero, _mm512_loadu_ps(rows[r].sum16 + quads * 16), _mm512_cvtepi32_ps(dot));
+        acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(wscale, _mm512_loadu_ps(rows[r].scale16 + quads * 16)), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) y[r * n + col] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+
+/* Prefill (m >= PREFILL_ROWS): the task's 16 columns are first unpacked into a [K/4][16 columns][4]
+ * byte panel (the codes' order, 4 consecutive codes of every column in one 64-byte vector) with
+ * their scales and zero points as [block][16 columns] floats, so each dot product serves 16
+ * columns of one row with no horizontal sums (the decode path reduces per column instead). */
+KERNEL_ISA static void unpack_panel(int64_t k, const uint8_t *b, const float *scales, const uint8_t *zp,
+                                    int64_t n0, int64_t cols, uint32_t *panel, float *wscale, float *wzero) {
+  const int64_t blocks = k / 32;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  memset(panel, 0, (size_t)k * 16);
+  for (int64_t c = 0; c < COLS_PER_TASK; c++) {
+    for (int64_t blk = 0; blk < blocks; blk++) {
+      wscale[blk * 16 + c] = c < cols ? scales[(n0 + c) * blocks + blk] : 0.f;
+      uint8_t z = c < cols && zp ? zp[(n0 + c) * (blocks / 2) + blk / 2] : 0x88;
+      wzero[blk * 16 + c] = (float)(blk % 2 ? z >> 4 : z & 15);
+    }
+    if (c >= cols) continue;
+    const uint8_t *bc = b + (n0 + c) * blocks * 16;
+    for (int64_t start = 0; start < k / 2;) { /* packed bytes of a group: 64 (four blocks) or 32 (a pair) */
+      int64_t bytes = k / 2 - start >= 64 ? 64 : 32;
+      uint32_t codes[32];
+      __m512i packed = bytes == 64 ? _mm512_loadu_si512((const void *)(bc + start))
+                                   : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(bc + start)));
+      __m512i lo = _mm512_and_si512(packed, low4), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      _mm512_storeu_si512((void *)codes, lo);
+      _mm512_storeu_si512((void *)((uint8_t *)codes + bytes), hi); /* a pair's 32 + 32 sit side by side */
+      for (int64_t d = 0; d < bytes / 2; d++) panel[(start / 2 + d) * 16 + c] = codes[d];
+      start += bytes;
+    }
+  }
+}
+
+KERNEL_ISA INLINE void panel_rows(int R, int64_t k, const QRow *rows, const uint32_t *panel, const float *wscale,
+                                  const float *wzero, float *y, int64_t n, int64_t cols) {
+  const int64_t blocks = k / 32;
+  __m512 acc[ROWS];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; blk++) {
+    /* block blk's 32 codes: 16 even-k then 16 odd-k, 16 or 32 codes apart (a group's even half) */
+    int64_t group = blk / 4 * 4, size = blocks - group >= 4 ? 4 : 2;
+    int64_t even = group * 32 + (blk - group) * 16, odd = even + size * 16;
+    __m512i dot[ROWS];
+    for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+    for (int half = 0; half < 2; half++) {
+      int64_t at = half ? odd : even;
+      for (int64_t d = 0; d < 4; d++) {
+        __m512i w = _mm512_loadu_si512((const void *)(panel + (at / 4 + d) * 16));
+        for (int r = 0; r < R; r++)
+          dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(*(const int32_t *)(rows[r].codes + at + 4 * d)));
+      }
+    }
+    __m512 ws = _mm512_loadu_ps(wscale + blk * 16), wz = _mm512_loadu_ps(wzero + blk * 16);
+    for (int r = 0; r < R; r++) {
+      __m512 v = _mm512_fnmadd_ps(wz, _mm512_set1_ps((float)rows[r].block_sum[blk]), _mm512_cvtepi32_ps(dot[r]));
+      acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(ws, _mm512_set1_ps(rows[r].block_scale[blk])), acc[r]);
+    }
+  }
+  __mmask16 keep = (__mmask16)((1u << cols) - 1u);
+  for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * n, keep, acc[r]);
+}
+
+typedef struct {
+  int64_t m, k, n;
+  const QRow *rows;
+  const uint8_t *b, *zp;
+  const float *scales;
+  float *y;
+} Work;
+
+KERNEL_ISA static void run_task(void *data, size_t task) {
+  const Work *w = (const Work *)data;
+  int64_t n0 = (int64_t)task * COLS_PER_TASK, n1 = n0 + COLS_PER_TASK < w->n ? n0 + COLS_PER_TASK : w->n;
+  if (w->m >= PREFILL_ROWS) {
+    const int64_t blocks = w->k / 32;
+    char *scratch = (char *)malloc((size_t)w->k * 16 + 2 * sizeof(float) * 16 * (size_t)blocks);
+    if (!scratch) return; /* cannot happen for sane K; the output keeps ORT's arena contents */
+    uint32_t *panel = (uint32_t *)scratch;
+    float *wscale = (float *)(scratch + w->k * 16), *wzero = wscale + 16 * blocks;
+    unpack_panel(w->k, w->b, w->scales, w->zp, n0, n1 - n0, panel, wscale, wzero);
+    int64_t r = 0;
+    for (; r + ROWS <= w->m; r += ROWS)
+      panel_rows(ROWS, w->k, w->rows + r, panel, wscale, wzero, w->y + r * w->n + n0, w->n, n1 - n0);
+    for (; r < w->m; r++) panel_rows(1, w->k, w->rows + r, panel, wscale, wzero, w->y + r * w->n + n0, w->n, n1 - n0);
+    free(scratch);
+    return;
+  }
+  for (int64_t r = 0; r < w->m; r += ROWS) {
+    const QRow *rows = w->rows + r;
+    float *y = w->y + r * w->n;
+    switch (w->m - r >= ROWS ? ROWS : w->m - r) {
+      case 4: tile(4, w->k, rows, w->b, w->scales, w->zp, n0, n1, y, w->n); break;
+      case 3: tile(3, w->k, rows, w->b, w->scales, w->zp, n0, n1, y, w->n); break;
+      case 2: tile(2, w->k, rows, w->b, w->scales, w->zp, n0, n1, y, w->n); break;
+      default: tile(1, w->k, rows, w->b, w->scales, w->zp, n0, n1, y, w->n); break;
+    }
+  }
+}
+
+/* ---- the custom op ---- */
+typedef struct {
+  int64_t k, n;
+} Kernel;
+
+typedef OrtStatus *(*fn_attr_int64)(const OrtKernelInfo *, const char *, int64_t *);
+typedef OrtStatus *(*fn_input_count)(const OrtKernelContext *, size_t *);
+typedef OrtStatus *(*fn_input)(const OrtKernelContext *, size_t, const OrtValue **);
+typedef OrtStatus *(*fn_output)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
+typedef OrtStatus *(*fn_data)(const OrtValue *, void **);
+typedef OrtStatus *(*fn_shape)(const OrtValue *, OrtShape **);
+typedef OrtStatus *(*fn_dim_count)(const OrtShape *, size_t *);
+typedef OrtStatus *(*fn_dims)(const OrtShape *, int64_t *, size_t);
+typedef void (*fn_release_shape)(OrtShape *);
+typedef OrtStatus *(*fn_parallel_for)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *);
+
+static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const OrtKernelInfo *info, void **out) {
+  (void)op;
+  (void)table;
+  int64_t k, n, bits, block, level = 0;
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "K", &k));
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "N", &n));
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "bits", &bits));
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "block_size", &block));
+  OrtStatus *missing = CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "accuracy_level", &level);
+  if (missing) return missing;
+  if (bits != 4 || block != 32 || level != 4 || k <= 0 || k % 64 || n <= 0)
+    return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4 takes bits=4, block_size=32, accuracy_level=4 and K a "
+                                      "multiple of 64 (leave other MatMulNBits nodes as they are)");
+  Kernel *kernel = (Kernel *)malloc(sizeof(Kernel));
+  if (!kernel) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
+  kernel->k = k;
+  kernel->n = n;
+  *out = kernel;
+  return NULL;
+}
+
+static OrtStatus *shape_of(const OrtValue *value, int64_t *dims, size_t *count) {
+  OrtShape *shape;
+  TRY(CALL(GetTensorTypeAndShape, fn_shape, value, &shape));
+  OrtStatus *status = CALL(GetDimensionsCount, fn_dim_count, shape, count);
+  if (!status && *count > 8) status = fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: A has more than 8 dimensions");
+  if (!status) status = CALL(GetDimensions, fn_dims, shape, dims, *count);
+  CALL(ReleaseTensorTypeAndShapeInfo, fn_release_shape, shape);
+  return status;
+}
+
+static OrtStatus *compute(void *state, OrtKernelContext *context) {
+  const Kernel *kernel = (const Kernel *)state;
+  const OrtValue *a_value, *b_value, *s_value, *z_value = NULL;
+  size_t inputs;
+  TRY(CALL(KernelContext_GetInputCount, fn_input_count, context, &inputs));
+  TRY(CALL(KernelContext_GetInput, fn_input, context, 0, &a_value));
+  TRY(CALL(KernelContext_GetInput, fn_input, context, 1, &b_value));
+  TRY(CALL(KernelContext_GetInput, fn_input, context, 2, &s_value));
+  if (inputs > 3) TRY(CALL(KernelContext_GetInput, fn_input, context, 3, &z_value));
+  int64_t dims[8], bdims[8];
+  size_t rank, brank;
+  TRY(shape_of(a_value, dims, &rank));
+  TRY(shape_of(b_value, bdims, &brank));
+  if (rank < 1 || dims[rank - 1] != kernel->k)
+    return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: A's last dimension is not K");
+  if (brank != 3 || bdims[0] != kernel->n || bdims[1] != kernel->k / 32 || bdims[2] != 16)
+    return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: B is not [N, K/32, 16]");
+  int64_t m = 1;
+  for (size_t i = 0; i + 1 < rank; i++) m *= dims[i];
+  dims[rank - 1] = kernel->n;
+  OrtValue *y_value;
+  void *a, *b, *s, *z = NULL, *y;
+  TRY(CALL(KernelContext_GetOutput, fn_output, context, 0, dims, rank, &y_value));
+  TRY(CALL(GetTensorMutableData, fn_data, (const OrtValue *)y_value, &y));
+  if (m == 0) return NULL;
+  TRY(CALL(GetTensorMutableData, fn_data, a_value, &a));
+  TRY(CALL(GetTensorMutableData, fn_data, b_value, &b));
+  TRY(CALL(GetTensorMutableData, fn_data, s_value, &s));
+  if (z_value) TRY(CALL(GetTensorMutableData, fn_data, z_value, &z));
+
+  const int64_t k = kernel->k;
+  size_t row_bytes = (size_t)k + sizeof(float) * (size_t)(2 * (k / 4) + 2 * (k / 32));
+  char *scratch = (char *)malloc((size_t)m * (row_bytes + sizeof(QRow)));
+  if (!scratch) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
+  QRow *rows = (QRow *)(scratch + (size_t)m * row_bytes);
+  for (int64_t r = 0; r < m; r++) {
+    char *base = scratch + (size_t)r * row_bytes;
+    rows[r].scale16 = (float *)base;
+    rows[r].sum16 = (float *)base + k / 4;
+    rows[r].block_scale = (float *)base + 2 * (k / 4);
+    rows[r].block_sum = (int32_t *)base + 2 * (k / 4) + k / 32;
+    rows[r].codes = (int8_t *)(base + sizeof(float) * (size_t)(2 * (k / 4) + 2 * (k / 32)));
+    quantize_row((const float *)a + r * k, k, &rows[r]);
+  }
+  Work work = {m, k, kernel->n, rows, (const uint8_t *)b, (const uint8_t *)z, (const float *)s, (float *)y};
+  size_t tasks = (size_t)((kernel->n + COLS_PER_TASK - 1) / COLS_PER_TASK);
+  OrtStatus *status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, run_task, tasks, 0, &work);
+  free(scratch);
+  return status;
+}
+
+static void destroy_kernel(void *kernel) { free(kernel); }
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "MatMulNBits4"; }
+static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 || i == 3 ? TYPE_UINT8 : TYPE_FLOAT; }
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 4; }
+static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
+static int input_characteristic(const OrtCustomOp *op, size_t i) { (void)op; return i == 3 ? IO_OPTIONAL : IO_REQUIRED; }
+static int output_characteristic(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return IO_REQUIRED; }
+static int memory_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; /* OrtMemTypeDefault */ }
+static int variadic_min_arity(const OrtCustomOp *op) { (void)op; return 1; }
+static int variadic_homogeneity(const OrtCustomOp *op) { (void)op; return 1; }
+
+static const OrtCustomOp matmul_nbits4 = {
+    16, NULL, op_name, op_provider, input_type, input_count, output_type, output_count, NULL, destroy_kernel,
+    input_characteristic, output_characteristic, memory_type, variadic_min_arity, variadic_homogeneity,
+    variadic_min_arity, variadic_homogeneity, create_kernel, compute,
+};
+
+/* ---- entry points ---- */
+/* whether this CPU runs the kernel (the Python side asks before rewriting a graph to use it) */
+int llmc_cpu_kernels_supported(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+}
+
+static OrtCustomOpDomain *domain;
+static int domain_failed;
+static pthread_once_t domain_once = PTHREAD_ONCE_INIT;
+typedef OrtStatus *(*fn_create_domain)(const char *, OrtCustomOpDomain **);
+typedef OrtStatus *(*fn_domain_add)(OrtCustomOpDomain *, const OrtCustomOp *);
+typedef OrtStatus *(*fn_add_domain)(OrtSessionOptions *, OrtCustomOpDomain *);
+
+static void make_domain(void) {
+  OrtStatus *status = CALL(CreateCustomOpDomain, fn_create_domain, "llmc", &domain);
+  if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &matmul_nbits4);
+  domain_failed = status != NULL; /* ONNX Runtime owns a returned status: report a fresh one each call */
+  if (status) ((void (*)(OrtStatus *))api[SLOT_ReleaseStatus])(status);
+}
+
+/* called by ONNX Runtime's SessionOptions.register_custom_ops_library */
+OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+  OrtApiTable table = base->GetApi(ORT_API_VERSION_USED);
+  if (!table) return NULL; /* older than 1.17: nothing registered (cpu_kernels.py checks the version first) */
+  api = table;
+  if (!llmc_cpu_kernels_supported())
+    return fail(ORT_FAIL, "llmc CPU kernels need AVX512-VNNI, which this CPU lacks");
+  pthread_once(&domain_once, make_domain);
+  if (domain_failed) return fail(ORT_FAIL, "llmc: could not create the custom-op domain");
+  return CALL(AddCustomOpDomain, fn_add_domain, options, domain);
+}

@@ -1,0 +1,122 @@
+"""llmc's CPU kernels for ONNX Runtime: built from `cpu_kernels.c`, registered as a custom-op library.
+
+`MatMulNBits4` (domain `llmc`) is a drop-in for ONNX Runtime's `MatMulNBits` with bits=4,
+block_size=32 and accuracy_level=4: same inputs, attributes and packed layout, faster on
+AVX512-VNNI CPUs at batch-1 decode (see the C file for why). Stored graphs keep the standard op, so
+they run on any ONNX Runtime and in onnxruntime-genai; `make_session` swaps the op type in memory
+when `library()` is available here, and otherwise the graph runs as stored.
+
+`library()` finds or builds the shared library: a prebuilt copy next to this module (what a packaged
+model repository carries, so a serving host needs no compiler), else one in the cache
+(`$LLMC_CACHE_DIR`, default `~/.cache/llmc`), else it compiles the C file with `$CC` (default `cc`)
+into the cache. None — and the stock kernels — where this CPU lacks AVX512-VNNI, no compiler is
+found, ONNX Runtime is older than 1.17, or `LLMC_CPU_KERNELS=0`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+DOMAIN, OP = "llmc", "MatMulNBits4"
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
+LIBS = ["-lm", "-lpthread"]
+SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels
+log = logging.getLogger(__name__)
+
+
+def library_name() -> str:
+    """The file name of the library built from this source with these flags."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
+    return f"libllmc_cpu_kernels-{digest}.so"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLMC_CACHE_DIR") or Path.home() / ".cache" / "llmc") / "kernels"
+
+
+def build(dest_dir: Path) -> Path:
+    """Compile the library into `dest_dir` (written under a temporary name, then renamed into place)."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / library_name()
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC)")
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        out = Path(tmp) / dest.name
+        result = subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE), *LIBS], capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr.strip()}")
+        os.replace(out, dest)
+    return dest
+
+
+@functools.cache
+def library() -> Path | None:
+    """The loadable library for this host, or None (the reason logged once)."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return None
+    import onnxruntime as ort
+
+    if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 17):
+        log.info("llmc CPU kernels: ONNX Runtime %s is older than 1.17", ort.__version__)
+        return None
+    name = library_name()
+    path = next((p for p in (SOURCE.with_name(name), cache_dir() / name) if p.is_file()), None)
+    try:
+        path = path or build(cache_dir())
+        supported = ctypes.CDLL(str(path)).llmc_cpu_kernels_supported()
+    except (OSError, RuntimeError) as err:
+        log.warning("llmc CPU kernels unavailable, using ONNX Runtime's own: %s", err)
+        return None
+    if not supported:
+        log.info("llmc CPU kernels: this CPU lacks AVX512-VNNI; using ONNX Runtime's own")
+        return None
+    return path
+
+
+def _attributes(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def eligible(node, uint8_initializers: set[str]) -> bool:
+    """Whether a node is a MatMulNBits the llmc kernel computes as ONNX Runtime's does: 4 bits in blocks
+    of 32, int8 activations, K a multiple of 64, no g_idx or bias, zero points (if any) packed uint8."""
+    if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) > 4:
+        return False
+    if len(node.input) == 4 and node.input[3] and node.input[3] not in uint8_initializers:
+        return False
+    a = _attributes(node)
+    return (a.get("bits", 4) == 4 and a.get("block_size") == 32 and a.get("accuracy_level", 0) == 4
+            and a.get("K", 0) % 64 == 0)
+
+
+def accelerate(model) -> int:
+    """Swap eligible MatMulNBits nodes of an ONNX ModelProto for llmc's, in place; returns how many."""
+    from onnx import TensorProto
+
+    uint8 = {t.name for t in model.graph.initializer if t.data_type == TensorProto.UINT8}
+    nodes = [n for n in model.graph.node if eligible(n, uint8)]
+    for node in nodes:
+        node.op_type, node.domain = OP, DOMAIN
+    if nodes and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.add(domain=DOMAIN, version=1)
+    return len(nodes)
+
+
+def may_use(onnx_path: Path) -> bool:
+    """Cheap pre-check (no parse): whether the file names MatMulNBits at all."""
+    import mmap
+
+    with open(onnx_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(b"MatMulNBits") >= 0
