@@ -27,12 +27,13 @@ from llmc.compiler.source import SourceInfo
 from llmc.compiler.spec import BuildSpec
 from llmc.compiler.triton_config import model_config, render
 from llmc.errors import SourceError
+from llmc.runtime import cpu_kernels
 from llmc.runtime.manifest import RepositoryManifest, ServingLimits
 
 VERSION = "1"
 # the runtime modules the served model imports (checked by a test that imports them in isolation)
-SERVING_MODULES = ("__init__", "detokenizer", "engine", "layout", "manifest", "metrics", "ort_runner", "request",
-                   "sampling", "scheduler", "sequence", "serving", "trt_runner")
+SERVING_MODULES = ("__init__", "cpu_kernels", "detokenizer", "engine", "layout", "manifest", "metrics", "ort_runner",
+                   "request", "sampling", "scheduler", "sequence", "serving", "trt_runner")
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -40,7 +41,9 @@ def requirements(tensorrt_version: str | None = None) -> list[str]:
     """The serving Python's packages: the exact runtime versions verified here (the engine's
     TensorRT for a TensorRT build); numpy 1 for the stub."""
     if tensorrt_version is None:
-        runtime = [f"onnxruntime=={importlib.metadata.version('onnxruntime')}"]
+        # onnx: make_session swaps llmc's CPU kernel into 4-bit graphs (runtime/cpu_kernels.py)
+        runtime = [f"onnxruntime=={importlib.metadata.version('onnxruntime')}",
+                   f"onnx=={importlib.metadata.version('onnx')}"]
     else:
         runtime = [f"tensorrt=={tensorrt_version}", "cuda-python>=12.6"]
     return ["numpy<2", *runtime, f"tokenizers=={importlib.metadata.version('tokenizers')}", "pydantic>=2.6"]
@@ -95,3 +98,9 @@ def _copy_runtime(dest: Path) -> None:
     shutil.copyfile(Path(llmc.__file__), dest / "__init__.py")
     for module in SERVING_MODULES:
         shutil.copyfile(runtime / f"{module}.py", dest / "runtime" / f"{module}.py")
+    # llmc's CPU kernel: its source, and the library built here, so a serving host of the same kind
+    # needs no compiler (it rebuilds from the source, or keeps ONNX Runtime's kernels, otherwise)
+    shutil.copyfile(cpu_kernels.SOURCE, dest / "runtime" / cpu_kernels.SOURCE.name)
+    library = cpu_kernels.library()
+    if library is not None:
+        shutil.copyfile(library, dest / "runtime" / library.name)

@@ -155,10 +155,23 @@ def weight_only_model(source: Path, exported: ExportedModel, spec: QuantizationS
     merged = merge_sibling_matmul_nbits(model.graph)
     kernel = (f"onnxruntime MatMulNBits: {kernel}, blocks of {spec.block}, accuracy_level "
               f"{ACCURACY_LEVEL} (int8 activations), LM head untied and quantized"
-              + (f"; layers sharing an input (gate/up) merged into one node in {merged} place(s)" if merged else ""))
+              + (f"; layers sharing an input (gate/up) merged into one node in {merged} place(s)" if merged else "")
+              + _runs_on(model))
     note = (f"{spec.algorithm.value} over {len(windows)} sample(s) of {len(windows[0])} tokens from "
             f"{spec.calibration.data}" if windows else "none (round to nearest needs no calibration data)")
     return model, f"{kernel}; {how}", note
+
+
+def _runs_on(model) -> str:
+    """Which kernel the report's measurements (and serving on a host like this one) run 4-bit nodes on."""
+    from llmc.runtime import cpu_kernels
+
+    taken = len(cpu_kernels.swappable(model))
+    if not taken:
+        return ""
+    if cpu_kernels.library() is None:
+        return "; measured on onnxruntime's kernel (llmc's MatMulNBits4 needs AVX512-VNNI and a C compiler)"
+    return f"; {taken} node(s) measured on llmc's MatMulNBits4 kernel (runtime/cpu_kernels.c), as served on such CPUs"
 
 
 def calibration_windows(spec: QuantizationSpec, tokenizer) -> list[np.ndarray]:

@@ -19,7 +19,16 @@ REPOSITORY_DIR = "model_repository"
 VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
 QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.qdq", "llmc.compiler.calibrate", "llmc.compiler.smoothquant",
                  "llmc.compiler.awq", "llmc.compiler.blockwise", "llmc.compiler.quality", "llmc.compiler.textdata",
-                 "llmc.runtime.ort_runner")
+                 "llmc.runtime.ort_runner", "llmc.runtime.cpu_kernels")
+
+
+def _cpu_kernel() -> str | None:
+    """The llmc CPU kernel the quality report's weight-only measurements run on here (its file name
+    carries its source's hash), or None for ONNX Runtime's own."""
+    from llmc.runtime import cpu_kernels
+
+    library = cpu_kernels.library()
+    return library.name if library else None
 
 
 def check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:
@@ -48,7 +57,8 @@ def quantize_stage(b: "_Build", staging: Path, info: SourceInfo, source_hash: st
 
     key = hash_json({"stage": "quantize", "export": exported.files, "code": code_hash(*QUANTIZE_CODE),
                      "quantization": q.model_dump(mode="json", exclude={"max_perplexity_increase"}),
-                     "onnxruntime": onnxruntime.__version__, "modelopt": _modelopt_version() if q.static else None})
+                     "onnxruntime": onnxruntime.__version__, "modelopt": _modelopt_version() if q.static else None,
+                     "cpu_kernel": None if q.static else _cpu_kernel()})
     art = b.reuse("quantize", QuantizedModel, key, staging)
     status = "cached"
     if art is None:

@@ -29,6 +29,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 DOMAIN, OP = "llmc", "MatMulNBits4"
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 LIBS = ["-lm", "-lpthread"]
+PROTOBUF_LIMIT = 2**31 - 2**24  # a serialized graph must stay under 2 GB (with room for the graph itself)
 SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels
 log = logging.getLogger(__name__)
 
@@ -101,12 +102,17 @@ def eligible(node, uint8_initializers: set[str]) -> bool:
             and a.get("K", 0) % 64 == 0)
 
 
-def accelerate(model) -> int:
-    """Swap eligible MatMulNBits nodes of an ONNX ModelProto for llmc's, in place; returns how many."""
+def swappable(model) -> list:
+    """The nodes of an ONNX ModelProto llmc's kernel takes."""
     from onnx import TensorProto
 
     uint8 = {t.name for t in model.graph.initializer if t.data_type == TensorProto.UINT8}
-    nodes = [n for n in model.graph.node if eligible(n, uint8)]
+    return [n for n in model.graph.node if eligible(n, uint8)]
+
+
+def accelerate(model) -> int:
+    """Swap eligible MatMulNBits nodes of an ONNX ModelProto for llmc's, in place; returns how many."""
+    nodes = swappable(model)
     for node in nodes:
         node.op_type, node.domain = OP, DOMAIN
     if nodes and not any(o.domain == DOMAIN for o in model.opset_import):
@@ -114,9 +120,31 @@ def accelerate(model) -> int:
     return len(nodes)
 
 
-def may_use(onnx_path: Path) -> bool:
-    """Cheap pre-check (no parse): whether the file names MatMulNBits at all."""
+def prepare(onnx_path: Path, options) -> str | bytes:
+    """What to open an ONNX Runtime session on: the graph with llmc's kernel swapped in (and the
+    library registered on `options`) where this host has it and the graph has nodes it takes, else
+    the file's path as it is. The swapped graph goes to ONNX Runtime as bytes, external data read in
+    (ONNX Runtime 1.32 refuses external data next to a graph given as bytes), so a graph whose
+    weights are past protobuf's 2 GB keeps ONNX Runtime's kernels."""
     import mmap
 
+    onnx_path = Path(onnx_path)
     with open(onnx_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return data.find(b"MatMulNBits") >= 0
+        mentioned = data.find(b"MatMulNBits") >= 0  # no parse for graphs without the op
+    path = library() if mentioned else None
+    if path is None:
+        return str(onnx_path)
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    external = {t.external_data[0].value for t in model.graph.initializer if uses_external_data(t)}
+    size = onnx_path.stat().st_size + sum((onnx_path.parent / name).stat().st_size for name in external)
+    if size >= PROTOBUF_LIMIT:
+        log.info("llmc CPU kernels: %s and its weights exceed protobuf's 2 GB; using ONNX Runtime's own", onnx_path)
+        return str(onnx_path)
+    if not accelerate(model):
+        return str(onnx_path)
+    load_external_data_for_model(model, str(onnx_path.parent))
+    options.register_custom_ops_library(str(path))
+    return model.SerializeToString()

@@ -39,18 +39,7 @@ def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True):
     options.intra_op_num_threads = num_threads or (os.cpu_count() or 1)
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
-    model: str | bytes = str(onnx_path)
-    library = cpu_kernels.library() if optimize and cpu_kernels.may_use(onnx_path) else None
-    if library is not None:
-        import onnx
-
-        proto = onnx.load(str(onnx_path), load_external_data=False)
-        if cpu_kernels.accelerate(proto):
-            options.register_custom_ops_library(str(library))
-            # external data, if any, stays where the file names it
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                             str(Path(onnx_path).parent))
-            model = proto.SerializeToString()
+    model = cpu_kernels.prepare(onnx_path, options) if optimize else str(onnx_path)
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 

@@ -296,3 +296,32 @@ def test_awq_keeps_the_fp32_function(int4_build):
               for m in (original, model.SerializeToString())]  # fresh KV buffers per run: the graph updates them
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     assert "AWQ scaling on 7 layer inputs" in int4_build.quantized.method
+
+
+def test_a_4bit_repository_carries_the_cpu_kernel_for_hosts_without_a_compiler(int4_build, tmp_path):
+    """The packaged runtime finds the library built here next to its own copy of the source: the
+    serving Python (no compiler on PATH, an empty cache) swaps the kernel into the served graph."""
+    import subprocess
+
+    from conftest import serving_env
+    from llmc.runtime import cpu_kernels
+
+    if cpu_kernels.library() is None:
+        pytest.skip("llmc's CPU kernel is unavailable on this host")
+    version = int4_build.repository / "q" / "1"
+    assert (version / "llmc" / "runtime" / cpu_kernels.library().name).is_file()
+    code = f"""
+import sys
+sys.path.insert(0, {str(version)!r})
+import onnxruntime as ort
+from llmc.runtime import cpu_kernels
+library = cpu_kernels.library()
+assert library is not None and str(library).startswith({str(version)!r}), library
+source = cpu_kernels.prepare({str(version / "model.onnx")!r}, ort.SessionOptions())
+assert isinstance(source, bytes) and b"MatMulNBits4" in source
+"""
+    env = {"PATH": "/nonexistent", "CC": "no-such-cc", "LLMC_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path)}
+    python = serving_env() / "bin" / "python3"
+    res = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "measured on llmc's MatMulNBits4 kernel" in int4_build.quantized.method  # the report says what it ran
