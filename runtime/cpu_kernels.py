@@ -110,11 +110,15 @@ def swappable(model) -> list:
     return [n for n in model.graph.node if eligible(n, uint8)]
 
 
-def accelerate(model) -> int:
-    """Swap eligible MatMulNBits nodes of an ONNX ModelProto for llmc's, in place; returns how many."""
+def accelerate(model, threads: int) -> int:
+    """Swap eligible MatMulNBits nodes of an ONNX ModelProto for llmc's, in place, for a session of
+    `threads` intra-op threads (decode splits the columns into one run per thread); returns how many."""
+    from onnx import helper
+
     nodes = swappable(model)
     for node in nodes:
         node.op_type, node.domain = OP, DOMAIN
+        node.attribute.append(helper.make_attribute("threads", max(1, threads)))
     if nodes and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.add(domain=DOMAIN, version=1)
     return len(nodes)
@@ -143,7 +147,7 @@ def prepare(onnx_path: Path, options) -> str | bytes:
     if size >= PROTOBUF_LIMIT:
         log.info("llmc CPU kernels: %s and its weights exceed protobuf's 2 GB; using ONNX Runtime's own", onnx_path)
         return str(onnx_path)
-    if not accelerate(model):
+    if not accelerate(model, options.intra_op_num_threads or os.cpu_count() or 1):
         return str(onnx_path)
     load_external_data_for_model(model, str(onnx_path.parent))
     options.register_custom_ops_library(str(path))

@@ -51,7 +51,7 @@ def test_llmc_kernel_computes_what_matmulnbits_computes(k, n, zero_points, rows)
     model = _model(k, n, zero_points=zero_points)
     reference = _session(model)
     swapped = onnx.ModelProto.FromString(model.SerializeToString())
-    assert cpu_kernels.accelerate(swapped) == 1 and swapped.graph.node[0].op_type == cpu_kernels.OP
+    assert cpu_kernels.accelerate(swapped, 2) == 1 and swapped.graph.node[0].op_type == cpu_kernels.OP
     ours = _session(swapped, cpu_kernels.library())
     a = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32) * 3
     a[0, :40] = 0.0  # an all-zero block: scale 0 on the activation side
@@ -64,7 +64,7 @@ def test_llmc_kernel_computes_what_matmulnbits_computes(k, n, zero_points, rows)
 def test_llmc_kernel_takes_leading_dimensions():
     model = _model(128, 24, rank=3)
     swapped = onnx.ModelProto.FromString(model.SerializeToString())
-    cpu_kernels.accelerate(swapped)
+    cpu_kernels.accelerate(swapped, 2)
     a = np.random.default_rng(0).standard_normal((2, 7, 128)).astype(np.float32)
     expected = _session(model).run(None, {"A": a})[0]
     got = _session(swapped, cpu_kernels.library()).run(None, {"A": a})[0]
@@ -77,17 +77,17 @@ def test_only_nodes_the_kernel_computes_as_onnxruntime_does_are_swapped(change):
     k = change.get("K", 128)
     attrs = {key: value for key, value in change.items() if key != "K"}
     model = _model(k, 16, **attrs)
-    assert cpu_kernels.accelerate(model) == 0 and model.graph.node[0].op_type == "MatMulNBits"
+    assert cpu_kernels.accelerate(model, 2) == 0 and model.graph.node[0].op_type == "MatMulNBits"
 
 
 def test_float_zero_points_and_extra_inputs_keep_onnxruntimes_kernel():
     model = _model(128, 16)
     zp = next(t for t in model.graph.initializer if t.name == "zp")
     zp.CopyFrom(numpy_helper.from_array(np.full(16 * 2, 8.0, np.float32), "zp"))
-    assert cpu_kernels.accelerate(model) == 0
+    assert cpu_kernels.accelerate(model, 2) == 0
     model = _model(128, 16)
     model.graph.node[0].input.extend(["", "bias"])  # g_idx, bias
-    assert cpu_kernels.accelerate(model) == 0
+    assert cpu_kernels.accelerate(model, 2) == 0
 
 
 @needs_kernel
