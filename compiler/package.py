@@ -100,7 +100,8 @@ def _copy_runtime(dest: Path) -> None:
         shutil.copyfile(runtime / f"{module}.py", dest / "runtime" / f"{module}.py")
     # llmc's CPU kernel: its source, and the library built here, so a serving host of the same kind
     # needs no compiler (it rebuilds from the source, or keeps ONNX Runtime's kernels, otherwise)
-    shutil.copyfile(cpu_kernels.SOURCE, dest / "runtime" / cpu_kernels.SOURCE.name)
+    for source in cpu_kernels.SOURCES:
+        shutil.copyfile(source, dest / "runtime" / source.name)
     library = cpu_kernels.library()
     if library is not None:
         shutil.copyfile(library, dest / "runtime" / library.name)

@@ -25,7 +25,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")  # the op; it includes the kernel's header
+SOURCES = (SOURCE, SOURCE.with_name("matmul_nbits4.c"), SOURCE.with_name("matmul_nbits4.h"))
 DOMAIN, OP = "llmc", "MatMulNBits4"
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 LIBS = ["-lm", "-lpthread"]
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 def library_name() -> str:
     """The file name of the library built from this source with these flags."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
     return f"libllmc_cpu_kernels-{digest}.so"
 
 
@@ -53,9 +54,10 @@ def build(dest_dir: Path) -> Path:
         raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC)")
     with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
         out = Path(tmp) / dest.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE), *LIBS], capture_output=True, text=True)
+        sources = [str(p) for p in SOURCES if p.suffix == ".c"]
+        result = subprocess.run([compiler, *FLAGS, "-o", str(out), *sources, *LIBS], capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr.strip()}")
+            raise RuntimeError(f"{compiler} failed on {', '.join(p.name for p in SOURCES)}:\n{result.stderr.strip()}")
         os.replace(out, dest)
     return dest
 
@@ -70,9 +72,9 @@ def library() -> Path | None:
     if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 17):
         log.info("llmc CPU kernels: ONNX Runtime %s is older than 1.17", ort.__version__)
         return None
-    name = library_name()
-    path = next((p for p in (SOURCE.with_name(name), cache_dir() / name) if p.is_file()), None)
     try:
+        name = library_name()
+        path = next((p for p in (SOURCE.with_name(name), cache_dir() / name) if p.is_file()), None)
         path = path or build(cache_dir())
         supported = ctypes.CDLL(str(path)).llmc_cpu_kernels_supported()
     except (OSError, RuntimeError) as err:

@@ -1,5 +1,5 @@
-"""llmc's CPU kernel (runtime/cpu_kernels.c): llmc.MatMulNBits4 computes what ONNX Runtime's
-MatMulNBits computes, and make_session swaps it in only where it applies."""
+"""llmc's CPU kernel (runtime/matmul_nbits4.c, the op in runtime/cpu_kernels.c): llmc.MatMulNBits4
+computes what ONNX Runtime's MatMulNBits computes, and make_session swaps it in only where it applies."""
 
 import logging
 
@@ -136,8 +136,9 @@ def test_kernels_can_be_switched_off(monkeypatch):
 def test_a_missing_compiler_falls_back_with_a_warning_that_names_it(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "llmc-no-such-cc")
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))  # nothing prebuilt here
-    monkeypatch.setattr(cpu_kernels, "SOURCE", tmp_path / "cpu_kernels.c")
     (tmp_path / "cpu_kernels.c").write_text("/* a source no library was built from */\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", tmp_path / "cpu_kernels.c")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (tmp_path / "cpu_kernels.c",))
     cpu_kernels.library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
@@ -151,7 +152,17 @@ def test_a_missing_compiler_falls_back_with_a_warning_that_names_it(monkeypatch,
 def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp_path):
     source = tmp_path / "cpu_kernels.c"
     source.write_text("this is not C\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (source,))
     with pytest.raises(RuntimeError, match="failed on cpu_kernels.c"):
         cpu_kernels.build(tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.so"))
+
+
+def test_a_missing_source_falls_back_instead_of_failing(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (tmp_path / "gone.c",))
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library() is None
+    finally:
+        cpu_kernels.library.cache_clear()
