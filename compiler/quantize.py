@@ -171,7 +171,7 @@ def _runs_on(model) -> str:
         return ""
     if cpu_kernels.library() is None:
         return "; measured on onnxruntime's kernel (llmc's MatMulNBits4 needs AVX512-VNNI and a C compiler)"
-    return f"; {taken} node(s) measured on llmc's MatMulNBits4 kernel (runtime/cpu_kernels.c), as served on such CPUs"
+    return f"; {taken} node(s) measured on llmc's MatMulNBits4 kernel (runtime/matmul_nbits4.c), as served on such CPUs"
 
 
 def calibration_windows(spec: QuantizationSpec, tokenizer) -> list[np.ndarray]:

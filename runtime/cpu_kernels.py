@@ -1,15 +1,16 @@
-"""llmc's CPU kernels for ONNX Runtime: built from `cpu_kernels.c`, registered as a custom-op library.
+"""llmc's CPU kernels for ONNX Runtime: `matmul_nbits4.c` and the op around it, `cpu_kernels.c`,
+built into a library registered as a custom-op library.
 
 `MatMulNBits4` (domain `llmc`) is a drop-in for ONNX Runtime's `MatMulNBits` with bits=4,
 block_size=32 and accuracy_level=4: same inputs, attributes and packed layout, faster on
-AVX512-VNNI CPUs at batch-1 decode (see the C file for why). Stored graphs keep the standard op, so
+AVX512-VNNI CPUs at batch-1 decode (matmul_nbits4.c says why and how). Stored graphs keep the standard op, so
 they run on any ONNX Runtime and in onnxruntime-genai; `make_session` swaps the op type in memory
 when `library()` is available here, and otherwise the graph runs as stored.
 
 `library()` finds or builds the shared library: a prebuilt copy next to this module (what a packaged
 model repository carries, so a serving host needs no compiler), else one in the cache
-(`$LLMC_CACHE_DIR`, default `~/.cache/llmc`), else it compiles the C file with `$CC` (default `cc`)
-into the cache. None — and the stock kernels — where this CPU lacks AVX512-VNNI, no compiler is
+(`$LLMC_CACHE_DIR`, default `~/.cache/llmc`), else it compiles the C files with `$CC` (default `cc`)
+into the cache. None — and ONNX Runtime's own kernels — where this CPU lacks AVX512-VNNI, no compiler is
 found, ONNX Runtime is older than 1.17, or `LLMC_CPU_KERNELS=0`.
 """
 
@@ -30,7 +31,6 @@ SOURCES = (SOURCE, SOURCE.with_name("matmul_nbits4.c"), SOURCE.with_name("matmul
 DOMAIN, OP = "llmc", "MatMulNBits4"
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 LIBS = ["-lm", "-lpthread"]
-PROTOBUF_LIMIT = 2**31 - 2**24  # a serialized graph must stay under 2 GB (with room for the graph itself)
 SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,8 @@ def accelerate(model, threads: int) -> int:
 def prepare(onnx_path: Path, options) -> str | bytes:
     """What to open an ONNX Runtime session on: the graph with llmc's kernel swapped in (and the
     library registered on `options`) where this host has it and the graph has nodes it takes, else
-    the file's path as it is. The swapped graph goes to ONNX Runtime as bytes, external data read in
-    (ONNX Runtime 1.32 refuses external data next to a graph given as bytes), so a graph whose
-    weights are past protobuf's 2 GB keeps ONNX Runtime's kernels."""
+    the file's path as it is. The swapped graph goes to ONNX Runtime as bytes; external data, if
+    any, is read by ONNX Runtime from beside the file, as for the file itself."""
     import mmap
 
     onnx_path = Path(onnx_path)
@@ -141,16 +140,10 @@ def prepare(onnx_path: Path, options) -> str | bytes:
     if path is None:
         return str(onnx_path)
     import onnx
-    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
 
     model = onnx.load(str(onnx_path), load_external_data=False)
-    external = {t.external_data[0].value for t in model.graph.initializer if uses_external_data(t)}
-    size = onnx_path.stat().st_size + sum((onnx_path.parent / name).stat().st_size for name in external)
-    if size >= PROTOBUF_LIMIT:
-        log.info("llmc CPU kernels: %s and its weights exceed protobuf's 2 GB; using ONNX Runtime's own", onnx_path)
-        return str(onnx_path)
     if not accelerate(model, options.intra_op_num_threads or os.cpu_count() or 1):
         return str(onnx_path)
-    load_external_data_for_model(model, str(onnx_path.parent))
     options.register_custom_ops_library(str(path))
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(onnx_path.parent))
     return model.SerializeToString()
