@@ -169,9 +169,11 @@ def _runs_on(model) -> str:
     taken = len(cpu_kernels.swappable(model))
     if not taken:
         return ""
-    if cpu_kernels.library() is None:
-        return "; measured on onnxruntime's kernel (llmc's MatMulNBits4 needs AVX512-VNNI and a C compiler)"
-    return f"; {taken} node(s) measured on llmc's MatMulNBits4 kernel (runtime/matmul_nbits4.c), as served on such CPUs"
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return "; measured on onnxruntime's kernel (llmc's MatMulNBits4 needs AVX2 + FMA or AVX512-VNNI and a C compiler)"
+    return (f"; {taken} node(s) measured on llmc's MatMulNBits4 kernel (runtime/matmul_nbits4.c, {kernels.isa}), as "
+            f"served on such CPUs")
 
 
 def calibration_windows(spec: QuantizationSpec, tokenizer) -> list[np.ndarray]:

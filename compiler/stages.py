@@ -24,11 +24,11 @@ QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.qdq", "llmc.compiler.c
 
 def _cpu_kernel() -> str | None:
     """The llmc CPU kernel the quality report's weight-only measurements run on here (its file name
-    carries its source's hash), or None for ONNX Runtime's own."""
+    carries its source's hash, then the instruction set), or None for ONNX Runtime's own."""
     from llmc.runtime import cpu_kernels
 
-    library = cpu_kernels.library()
-    return library.name if library else None
+    kernels = cpu_kernels.load()
+    return f"{kernels.library.name} {kernels.isa}" if kernels else None
 
 
 def check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:

@@ -3,8 +3,9 @@
  *
  * llmc.MatMulNBits4: a drop-in for com.microsoft.MatMulNBits with bits=4, block_size=32 and
  * accuracy_level=4 (int8 activations) — the same inputs (A, B, scales, optional zero_points), the
- * same attributes plus `threads` (the session's intra-op threads), the same packed layout, so a
- * graph swaps one op type for the other and back.
+ * same attributes plus `threads` (the session's intra-op threads) and `isa` (which instruction
+ * set's kernel: "avx512vnni" or "avx2"), the same packed layout, so a graph swaps one op type for
+ * the other and back.
  * The kernel itself is matmul_nbits4.c (why it exists, how it works); this file is the op around it.
  *
  * Written by hand (ONNX Runtime's headers are not installed with its wheel): the few parts of the
@@ -14,9 +15,29 @@
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "matmul_nbits4.h"
+
+/* ---- for the Python side (runtime/cpu_kernels.py, through ctypes) ---- */
+static char isa_names[64];
+static pthread_once_t isa_names_once = PTHREAD_ONCE_INIT;
+
+static void list_isas(void) {
+  for (int isa = 0; isa < Q4_ISA_COUNT; isa++) {
+    if (!q4_isa_supported(isa)) continue;
+    if (*isa_names) strcat(isa_names, ",");
+    strcat(isa_names, q4_isa_name(isa));
+  }
+}
+
+/* the instruction sets this CPU runs the kernel on, best first, comma-separated ("" for none) */
+const char *llmc_cpu_kernels_isas(void) {
+  pthread_once(&isa_names_once, list_isas);
+  return isa_names;
+}
 
 /* ---- ONNX Runtime C ABI (the parts used) ---- */
 typedef struct OrtStatus OrtStatus;
@@ -46,6 +67,7 @@ enum {
   SLOT_GetDimensions = 62,
   SLOT_GetTensorTypeAndShape = 65,
   SLOT_KernelInfoGetAttribute_int64 = 86,
+  SLOT_KernelInfoGetAttribute_string = 87,
   SLOT_KernelContext_GetInputCount = 88,
   SLOT_KernelContext_GetInput = 90,
   SLOT_KernelContext_GetOutput = 91,
@@ -89,9 +111,11 @@ static OrtStatus *fail(int code, const char *msg) { return CALL(CreateStatus, fn
 /* ---- the custom op ---- */
 typedef struct {
   int64_t k, n, threads;
+  int isa;
 } Kernel;
 
 typedef OrtStatus *(*fn_attr_int64)(const OrtKernelInfo *, const char *, int64_t *);
+typedef OrtStatus *(*fn_attr_string)(const OrtKernelInfo *, const char *, char *, size_t *);
 typedef OrtStatus *(*fn_input_count)(const OrtKernelContext *, size_t *);
 typedef OrtStatus *(*fn_input)(const OrtKernelContext *, size_t, const OrtValue **);
 typedef OrtStatus *(*fn_output)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
@@ -102,16 +126,31 @@ typedef OrtStatus *(*fn_dims)(const OrtShape *, int64_t *, size_t);
 typedef void (*fn_release_shape)(OrtShape *);
 typedef OrtStatus *(*fn_parallel_for)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *);
 
+/* the instruction set an `isa` attribute names, if this CPU runs it; else an error saying what does */
+static OrtStatus *isa_named(const OrtKernelInfo *info, int *isa) {
+  char name[32];
+  size_t size = sizeof name;
+  TRY(CALL(KernelInfoGetAttribute_string, fn_attr_string, info, "isa", name, &size));
+  for (*isa = 0; *isa < Q4_ISA_COUNT; ++*isa)
+    if (!strcmp(name, q4_isa_name(*isa)) && q4_isa_supported(*isa)) return NULL;
+  static char message[160];
+  snprintf(message, sizeof message, "llmc.MatMulNBits4: isa '%s' is not one this CPU runs (%s)", name,
+           llmc_cpu_kernels_isas());
+  return fail(ORT_INVALID_ARGUMENT, message);
+}
+
 static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const OrtKernelInfo *info, void **out) {
   (void)op;
   (void)table;
   int64_t k, n, bits, block, level, threads;
+  int isa;
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "K", &k));
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "N", &n));
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "bits", &bits));
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "block_size", &block));
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "accuracy_level", &level));
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "threads", &threads)); /* the session's, set by the swap */
+  TRY(isa_named(info, &isa));
   if (bits != 4 || block != 32 || level != 4 || k <= 0 || k % 64 || n <= 0 || threads < 1)
     return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4 takes bits=4, block_size=32, accuracy_level=4 and K a "
                                       "multiple of 64 (leave other MatMulNBits nodes as they are)");
@@ -120,6 +159,7 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const 
   kernel->k = k;
   kernel->n = n;
   kernel->threads = threads;
+  kernel->isa = isa;
   *out = kernel;
   return NULL;
 }
@@ -167,7 +207,7 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   void *memory = malloc(q4_memory(m, kernel->k));
   if (!memory) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   size_t tasks;
-  Q4Matmul *call = q4_prepare(memory, (const float *)a, m, kernel->k, kernel->n, kernel->threads, (const uint8_t *)b,
+  Q4Matmul *call = q4_prepare(memory, kernel->isa, (const float *)a, m, kernel->k, kernel->n, kernel->threads, (const uint8_t *)b,
                               (const float *)s, (const uint8_t *)z, (float *)y, &tasks);
   OrtStatus *status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, q4_run, tasks, 0, call);
   if (!status && q4_failed(call)) status = fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
@@ -194,9 +234,6 @@ static const OrtCustomOp matmul_nbits4 = {
     variadic_min_arity, variadic_homogeneity, create_kernel, compute,
 };
 
-/* ---- entry points ---- */
-/* whether this CPU runs the kernel (the Python side asks before rewriting a graph to use it) */
-int llmc_cpu_kernels_supported(void) { return q4_supported(); }
 
 static OrtCustomOpDomain *domain;
 static int domain_failed;
@@ -217,8 +254,8 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
   OrtApiTable table = base->GetApi(ORT_API_VERSION_USED);
   if (!table) return NULL; /* older than 1.17: nothing registered (cpu_kernels.py checks the version first) */
   api = table;
-  if (!llmc_cpu_kernels_supported())
-    return fail(ORT_FAIL, "llmc CPU kernels need AVX512-VNNI, which this CPU lacks");
+  if (!*llmc_cpu_kernels_isas())
+    return fail(ORT_FAIL, "llmc CPU kernels need AVX2 and FMA or AVX512-VNNI, which this CPU lacks");
   pthread_once(&domain_once, make_domain);
   if (domain_failed) return fail(ORT_FAIL, "llmc: could not create the custom-op domain");
   return CALL(AddCustomOpDomain, fn_add_domain, options, domain);

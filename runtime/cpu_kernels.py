@@ -1,17 +1,19 @@
-"""llmc's CPU kernels for ONNX Runtime: `matmul_nbits4.c` and the op around it, `cpu_kernels.c`,
-built into a library registered as a custom-op library.
+"""llmc's CPU kernels for ONNX Runtime: the 4-bit matmul `matmul_nbits4*.c` and the op around it,
+`cpu_kernels.c`, built into a library registered as a custom-op library.
 
 `MatMulNBits4` (domain `llmc`) is a drop-in for ONNX Runtime's `MatMulNBits` with bits=4,
-block_size=32 and accuracy_level=4: same inputs, attributes and packed layout, faster on
-AVX512-VNNI CPUs at batch-1 decode (matmul_nbits4.c says why and how). Stored graphs keep the standard op, so
-they run on any ONNX Runtime and in onnxruntime-genai; `make_session` swaps the op type in memory
-when `library()` is available here, and otherwise the graph runs as stored.
+block_size=32 and accuracy_level=4: same inputs, attributes and packed layout, faster at batch-1
+decode (matmul_nbits4.c says why and how), with kernels for AVX512-VNNI and for AVX2 + FMA CPUs.
+Stored graphs keep the standard op, so they run on any ONNX Runtime and in onnxruntime-genai;
+`make_session` swaps the op type in memory when `library()` is available here, and otherwise the
+graph runs as stored.
 
 `library()` finds or builds the shared library: a prebuilt copy next to this module (what a packaged
 model repository carries, so a serving host needs no compiler), else one in the cache
 (`$LLMC_CACHE_DIR`, default `~/.cache/llmc`), else it compiles the C files with `$CC` (default `cc`)
-into the cache. None — and ONNX Runtime's own kernels — where this CPU lacks AVX512-VNNI, no compiler is
-found, ONNX Runtime is older than 1.17, or `LLMC_CPU_KERNELS=0`.
+into the cache. None — and ONNX Runtime's own kernels — where this CPU has neither instruction set,
+no compiler is found, ONNX Runtime is older than 1.17, or `LLMC_CPU_KERNELS=0`.
+`LLMC_CPU_KERNELS=avx2` (or `avx512vnni`) pins one instruction set; by default the best one runs.
 """
 
 from __future__ import annotations
@@ -25,14 +27,23 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")  # the op; it includes the kernel's header
-SOURCES = (SOURCE, SOURCE.with_name("matmul_nbits4.c"), SOURCE.with_name("matmul_nbits4.h"))
+SOURCES = tuple(SOURCE.with_name(name) for name in (
+    "cpu_kernels.c", "matmul_nbits4.h", "matmul_nbits4.c", "matmul_nbits4_isa.h", "matmul_nbits4_avx512.c",
+    "matmul_nbits4_avx2.c"))
 DOMAIN, OP = "llmc", "MatMulNBits4"
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 LIBS = ["-lm", "-lpthread"]
-SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels
+SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels; an instruction set's name pins it
 log = logging.getLogger(__name__)
+
+
+class Kernels(NamedTuple):
+    library: Path
+    isas: tuple[str, ...]  # the instruction sets this CPU runs the kernel on, best first
+    isa: str  # the one swapped graphs run on
 
 
 def library_name() -> str:
@@ -63,9 +74,10 @@ def build(dest_dir: Path) -> Path:
 
 
 @functools.cache
-def library() -> Path | None:
-    """The loadable library for this host, or None (the reason logged once)."""
-    if os.environ.get(SWITCH, "1") == "0":
+def load() -> Kernels | None:
+    """The loadable library for this host and the instruction set it runs, or None (the reason logged once)."""
+    switch = os.environ.get(SWITCH, "1")
+    if switch == "0":
         return None
     import onnxruntime as ort
 
@@ -76,14 +88,26 @@ def library() -> Path | None:
         name = library_name()
         path = next((p for p in (SOURCE.with_name(name), cache_dir() / name) if p.is_file()), None)
         path = path or build(cache_dir())
-        supported = ctypes.CDLL(str(path)).llmc_cpu_kernels_supported()
+        listing = ctypes.CDLL(str(path)).llmc_cpu_kernels_isas
+        listing.restype = ctypes.c_char_p
+        isas = tuple(filter(None, listing().decode().split(",")))
     except (OSError, RuntimeError) as err:
         log.warning("llmc CPU kernels unavailable, using ONNX Runtime's own: %s", err)
         return None
-    if not supported:
-        log.info("llmc CPU kernels: this CPU lacks AVX512-VNNI; using ONNX Runtime's own")
+    if not isas:
+        log.info("llmc CPU kernels: this CPU has neither AVX2 + FMA nor AVX512-VNNI; using ONNX Runtime's own")
         return None
-    return path
+    if switch != "1" and switch not in isas:
+        log.warning("llmc CPU kernels: %s=%s is not an instruction set this CPU runs them on (%s); using ONNX "
+                    "Runtime's own", SWITCH, switch, ", ".join(isas))
+        return None
+    return Kernels(path, isas, switch if switch in isas else isas[0])
+
+
+def library() -> Path | None:
+    """The loadable library for this host, or None."""
+    kernels = load()
+    return kernels.library if kernels else None
 
 
 def _attributes(node) -> dict:
@@ -112,15 +136,16 @@ def swappable(model) -> list:
     return [n for n in model.graph.node if eligible(n, uint8)]
 
 
-def accelerate(model, threads: int) -> int:
+def accelerate(model, threads: int, isa: str) -> int:
     """Swap eligible MatMulNBits nodes of an ONNX ModelProto for llmc's, in place, for a session of
-    `threads` intra-op threads (decode splits the columns into one run per thread); returns how many."""
+    `threads` intra-op threads (decode splits the columns into one run per thread), computed by the
+    kernel for instruction set `isa`; returns how many."""
     from onnx import helper
 
     nodes = swappable(model)
     for node in nodes:
         node.op_type, node.domain = OP, DOMAIN
-        node.attribute.append(helper.make_attribute("threads", max(1, threads)))
+        node.attribute.extend([helper.make_attribute("threads", max(1, threads)), helper.make_attribute("isa", isa)])
     if nodes and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.add(domain=DOMAIN, version=1)
     return len(nodes)
@@ -136,14 +161,14 @@ def prepare(onnx_path: Path, options) -> str | bytes:
     onnx_path = Path(onnx_path)
     with open(onnx_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         mentioned = data.find(b"MatMulNBits") >= 0  # no parse for graphs without the op
-    path = library() if mentioned else None
-    if path is None:
+    kernels = load() if mentioned else None
+    if kernels is None:
         return str(onnx_path)
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
-    if not accelerate(model, options.intra_op_num_threads or os.cpu_count() or 1):
+    if not accelerate(model, options.intra_op_num_threads or os.cpu_count() or 1, kernels.isa):
         return str(onnx_path)
-    options.register_custom_ops_library(str(path))
+    options.register_custom_ops_library(str(kernels.library))
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(onnx_path.parent))
     return model.SerializeToString()

@@ -1,5 +1,6 @@
-"""llmc's CPU kernel (runtime/matmul_nbits4.c, the op in runtime/cpu_kernels.c): llmc.MatMulNBits4
-computes what ONNX Runtime's MatMulNBits computes, and make_session swaps it in only where it applies."""
+"""llmc's CPU kernel (runtime/matmul_nbits4*.c, the op in runtime/cpu_kernels.c): llmc.MatMulNBits4
+computes what ONNX Runtime's MatMulNBits computes on every instruction set this CPU has, and
+make_session swaps it in only where it applies."""
 
 import logging
 
@@ -12,8 +13,10 @@ from onnx import TensorProto, helper, numpy_helper
 from llmc.runtime import cpu_kernels
 from llmc.runtime.ort_runner import make_session
 
-needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None,
-                                  reason="llmc's CPU kernel needs AVX512-VNNI and a C compiler (see the log)")
+KERNELS = cpu_kernels.load()
+needs_kernel = pytest.mark.skipif(KERNELS is None, reason="llmc's CPU kernel needs AVX2 + FMA or AVX512-VNNI, and a "
+                                                          "C compiler (see the log)")
+ISAS = KERNELS.isas if KERNELS else ("avx2",)  # every kernel this CPU runs (AVX512 hosts run both)
 
 
 def _model(k: int, n: int, *, zero_points: bool = True, rank: int = 2, **attrs) -> onnx.ModelProto:
@@ -42,16 +45,18 @@ def _session(model: onnx.ModelProto, library=None) -> ort.InferenceSession:
 
 
 @needs_kernel
-@pytest.mark.parametrize("k, n, zero_points", [(576, 40, True), (128, 576, True), (1536, 33, False), (64, 16, True)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 29])
-def test_llmc_kernel_computes_what_matmulnbits_computes(k, n, zero_points, rows):
-    """Every path of the kernel (one to four rows a tile, the prefill panel from 12 rows, a tail of
-    rows; K with and without a final pair of blocks; N not a multiple of 16; no zero points) against
-    ONNX Runtime's kernel, which quantizes the activations the same way: equal to float rounding."""
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k, n, zero_points", [(576, 40, True), (128, 576, True), (1536, 33, False), (64, 16, True),
+                                               (192, 7, True)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 21, 29])
+def test_llmc_kernel_computes_what_matmulnbits_computes(isa, k, n, zero_points, rows):
+    """Every path of the kernel (one to four rows a tile, the prefill panel from 12 or 20 rows, a tail
+    of rows; K with and without a final pair of blocks; N not a multiple of 4, 8 or 16; no zero points)
+    against ONNX Runtime's kernel, which quantizes the activations the same way: equal to float rounding."""
     model = _model(k, n, zero_points=zero_points)
     reference = _session(model)
     swapped = onnx.ModelProto.FromString(model.SerializeToString())
-    assert cpu_kernels.accelerate(swapped, 2) == 1 and swapped.graph.node[0].op_type == cpu_kernels.OP
+    assert cpu_kernels.accelerate(swapped, 2, isa) == 1 and swapped.graph.node[0].op_type == cpu_kernels.OP
     ours = _session(swapped, cpu_kernels.library())
     a = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32) * 3
     a[0, :40] = 0.0  # an all-zero block: scale 0 on the activation side
@@ -61,10 +66,11 @@ def test_llmc_kernel_computes_what_matmulnbits_computes(k, n, zero_points, rows)
 
 
 @needs_kernel
-def test_llmc_kernel_takes_leading_dimensions():
+@pytest.mark.parametrize("isa", ISAS)
+def test_llmc_kernel_takes_leading_dimensions(isa):
     model = _model(128, 24, rank=3)
     swapped = onnx.ModelProto.FromString(model.SerializeToString())
-    cpu_kernels.accelerate(swapped, 2)
+    cpu_kernels.accelerate(swapped, 2, isa)
     a = np.random.default_rng(0).standard_normal((2, 7, 128)).astype(np.float32)
     expected = _session(model).run(None, {"A": a})[0]
     got = _session(swapped, cpu_kernels.library()).run(None, {"A": a})[0]
@@ -77,17 +83,17 @@ def test_only_nodes_the_kernel_computes_as_onnxruntime_does_are_swapped(change):
     k = change.get("K", 128)
     attrs = {key: value for key, value in change.items() if key != "K"}
     model = _model(k, 16, **attrs)
-    assert cpu_kernels.accelerate(model, 2) == 0 and model.graph.node[0].op_type == "MatMulNBits"
+    assert cpu_kernels.accelerate(model, 2, "avx2") == 0 and model.graph.node[0].op_type == "MatMulNBits"
 
 
 def test_float_zero_points_and_extra_inputs_keep_onnxruntimes_kernel():
     model = _model(128, 16)
     zp = next(t for t in model.graph.initializer if t.name == "zp")
     zp.CopyFrom(numpy_helper.from_array(np.full(16 * 2, 8.0, np.float32), "zp"))
-    assert cpu_kernels.accelerate(model, 2) == 0
+    assert cpu_kernels.accelerate(model, 2, "avx2") == 0
     model = _model(128, 16)
     model.graph.node[0].input.extend(["", "bias"])  # g_idx, bias
-    assert cpu_kernels.accelerate(model, 2) == 0
+    assert cpu_kernels.accelerate(model, 2, "avx2") == 0
 
 
 @needs_kernel
@@ -123,14 +129,38 @@ def test_graphs_without_the_op_open_from_their_file(tmp_path):
     assert cpu_kernels.prepare(tmp_path / "m.onnx", ort.SessionOptions()) == str(tmp_path / "m.onnx")
 
 
+@needs_kernel
+def test_an_isa_the_cpu_does_not_run_is_refused_by_name():
+    swapped = _model(128, 16)
+    cpu_kernels.accelerate(swapped, 2, "sse2")
+    with pytest.raises(Exception, match="isa 'sse2' is not one this CPU runs"):
+        _session(swapped, cpu_kernels.library())
+
+
 def test_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv(cpu_kernels.SWITCH, "0")
-    cpu_kernels.library.cache_clear()
+    cpu_kernels.load.cache_clear()
     try:
         assert cpu_kernels.library() is None
     finally:
         monkeypatch.delenv(cpu_kernels.SWITCH)
-        cpu_kernels.library.cache_clear()
+        cpu_kernels.load.cache_clear()
+
+
+@needs_kernel
+def test_the_switch_pins_an_instruction_set_and_refuses_one_the_cpu_lacks(monkeypatch, caplog):
+    try:
+        monkeypatch.setenv(cpu_kernels.SWITCH, ISAS[-1])
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load().isa == ISAS[-1]
+        monkeypatch.setenv(cpu_kernels.SWITCH, "neon")
+        cpu_kernels.load.cache_clear()
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+            assert cpu_kernels.load() is None
+        assert "LLMC_CPU_KERNELS=neon" in caplog.text and ISAS[0] in caplog.text
+    finally:
+        monkeypatch.delenv(cpu_kernels.SWITCH)
+        cpu_kernels.load.cache_clear()
 
 
 def test_a_missing_compiler_falls_back_with_a_warning_that_names_it(monkeypatch, tmp_path, caplog):
@@ -139,14 +169,14 @@ def test_a_missing_compiler_falls_back_with_a_warning_that_names_it(monkeypatch,
     (tmp_path / "cpu_kernels.c").write_text("/* a source no library was built from */\n")
     monkeypatch.setattr(cpu_kernels, "SOURCE", tmp_path / "cpu_kernels.c")
     monkeypatch.setattr(cpu_kernels, "SOURCES", (tmp_path / "cpu_kernels.c",))
-    cpu_kernels.library.cache_clear()
+    cpu_kernels.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
             assert cpu_kernels.library() is None
         assert "llmc-no-such-cc" in caplog.text and "set CC" in caplog.text
         assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written
     finally:
-        cpu_kernels.library.cache_clear()
+        cpu_kernels.load.cache_clear()
 
 
 def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp_path):
@@ -161,8 +191,8 @@ def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp
 def test_a_missing_source_falls_back_instead_of_failing(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "SOURCES", (tmp_path / "gone.c",))
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
-    cpu_kernels.library.cache_clear()
+    cpu_kernels.load.cache_clear()
     try:
         assert cpu_kernels.library() is None
     finally:
-        cpu_kernels.library.cache_clear()
+        cpu_kernels.load.cache_clear()

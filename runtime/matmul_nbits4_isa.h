@@ -1,0 +1,56 @@
+/* Inside llmc's 4-bit matmul: what matmul_nbits4.c (the ISA-independent driver: the call, its
+ * tasks, the prefill/decode split) shares with the kernels of each instruction set
+ * (matmul_nbits4_avx512.c, matmul_nbits4_avx2.c). Not part of the API (matmul_nbits4.h). */
+#ifndef LLMC_MATMUL_NBITS4_ISA_H
+#define LLMC_MATMUL_NBITS4_ISA_H
+
+#include <stdint.h>
+
+/* ROWS: rows a decode tile or a prefill panel pass computes at once; COLS_PER_TASK: columns of a
+ * prefill panel (calls of Q4Isa.prefill_rows rows and more unpack panels instead of streaming the
+ * packed weights through decode tiles) */
+enum { ROWS = 4, COLS_PER_TASK = 16 };
+
+/* One row of A quantized to int8 per block of 32 (scale amax/127, as MLAS does at accuracy_level 4).
+ * The codes follow the weights' grouping: groups of four blocks (128 values, the 64 packed bytes of
+ * a column) and, when K is an odd number of 64s, one final pair; per group the codes of the even k
+ * of each block, then those of the odd k (the order the low and high nibbles unpack to). Every
+ * kernel reads this same order. lane_scale / lane_sum: each block's scale and code sum laid out as
+ * the ISA's decode tile lays out its lanes (each ISA's quantize_row says how); block_scale /
+ * block_sum: the same per block, plain, for the prefill panel. */
+typedef struct {
+  int8_t *codes;
+  float *lane_scale, *lane_sum; /* k / 4 floats each */
+  float *block_scale;           /* k / 32 */
+  int32_t *block_sum;           /* k / 32 */
+} QRow;
+
+/* Weights in ONNX Runtime's MatMulNBits layout (bits 4, blocks of 32): b [n][k/32][16] bytes,
+ * scales [n][k/32], zero points [n][k/64] bytes or NULL (8). Columns n0 <= c < n1 of `rows` rows go
+ * to y[r * ystride + c - n0]. */
+typedef void (*TileFn)(int64_t k, const QRow *rows, const uint8_t *b, const float *scales, const uint8_t *zp,
+                       int64_t n0, int64_t n1, float *y, int64_t ystride);
+
+/* The prefill panel, the same for every ISA: `cols` (<= COLS_PER_TASK) columns from n0 unpacked to
+ * panel[t][c] (uint32: the 4 weight codes of column c that meet codes bytes 4t..4t+3 of a row),
+ * their scales and zero points as [block][COLS_PER_TASK] floats (columns past `cols` scale 0). */
+typedef void (*UnpackFn)(int64_t k, const uint8_t *b, const float *scales, const uint8_t *zp, int64_t n0,
+                         int64_t cols, uint32_t *panel, float *wscale, float *wzero);
+
+/* `rows` rows (ROWS, or 1 for the tail) against an unpacked panel, `cols` columns into y (stride ystride) */
+typedef void (*PanelFn)(int64_t k, const QRow *rows, const uint32_t *panel, const float *wscale,
+                        const float *wzero, float *y, int64_t ystride, int64_t cols);
+
+typedef struct {
+  const char *name;
+  int64_t prefill_rows; /* from how many rows the prefill panel pays for its unpacking */
+  int (*supported)(void);
+  void (*quantize_row)(const float *a, int64_t k, QRow *q);
+  TileFn tile[ROWS]; /* tile[r - 1] computes r rows */
+  UnpackFn unpack_panel;
+  PanelFn panel_rows, panel_row; /* ROWS rows, one row */
+} Q4Isa;
+
+extern const Q4Isa q4_avx512vnni, q4_avx2;
+
+#endif
