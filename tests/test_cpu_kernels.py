@@ -67,6 +67,24 @@ def test_llmc_kernel_computes_what_matmulnbits_computes(isa, k, n, zero_points, 
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 29])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_llmc_kernel_sums_the_largest_products_without_overflow(isa, rows, sign):
+    """Every weight code 15 against activations that all quantize to +-127: the largest partial sums
+    the kernels form (the AVX2 kernel keeps up to eight products of 15 x 127 in an int16 lane)."""
+    model = _model(256, 24)
+    b = next(t for t in model.graph.initializer if t.name == "B")
+    b.CopyFrom(numpy_helper.from_array(np.full((24, 8, 16), 0xFF, np.uint8), "B"))
+    swapped = onnx.ModelProto.FromString(model.SerializeToString())
+    cpu_kernels.accelerate(swapped, 2, isa)
+    a = np.full((rows, 256), sign * 2.5, np.float32)
+    expected = _session(model).run(None, {"A": a})[0]
+    got = _session(swapped, cpu_kernels.library()).run(None, {"A": a})[0]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
 def test_llmc_kernel_takes_leading_dimensions(isa):
     model = _model(128, 24, rank=3)
     swapped = onnx.ModelProto.FromString(model.SerializeToString())
