@@ -40,7 +40,7 @@ static void panels(const Work *w, int64_t c0, int64_t c1, uint32_t *panel, float
   for (int64_t p = c0; p < c1; p += COLS_PER_TASK) {
     int64_t cols = c1 - p < COLS_PER_TASK ? c1 - p : COLS_PER_TASK;
     float *y = w->y + p;
-    w->isa->unpack_panel(w->k, w->b, w->scales, w->zp, p, cols, panel, wscale, wzero);
+    q4_unpack_panel(w->k, w->b, w->scales, w->zp, p, cols, panel, wscale, wzero);
     int64_t r = 0;
     for (; r + ROWS <= w->m; r += ROWS)
       w->isa->panel_rows(w->k, w->rows + r, panel, wscale, wzero, y + r * w->n, w->n, cols);

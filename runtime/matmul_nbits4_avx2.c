@@ -21,7 +21,6 @@
 
 #define KERNEL_ISA __attribute__((target("avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
-enum { PREFETCH_GROUPS = 2 }; /* as in matmul_nbits4_avx512.c: the column group after next */
 
 KERNEL_ISA INLINE float hmax8(__m256 v) {
   __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -95,15 +94,10 @@ KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b
   const __m256i low4 = _mm256_set1_epi8(0x0F), mask4 = _mm256_set1_epi32(15);
   for (int64_t col = n0; col < n1; col += 4) {
     int64_t c[4];
-    for (int i = 0; i < 4; i++) c[i] = col + i < n1 ? col + i : n1 - 1;
+    column_group(col, n1, c);
     __m256 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    if (col + 4 * PREFETCH_GROUPS < n1) { /* the column group after next: its weights, scales, zero points */
-      int64_t ahead = col + 4 * PREFETCH_GROUPS;
-      for (int64_t at = 0; at < 4 * blocks * 16; at += 64) _mm_prefetch((const char *)(b + ahead * blocks * 16) + at, _MM_HINT_T0);
-      for (int64_t at = 0; at < 4 * blocks * 4; at += 64) _mm_prefetch((const char *)(scales + ahead * blocks) + at, _MM_HINT_T0);
-      if (zp) _mm_prefetch((const char *)(zp + ahead * (blocks / 2)), _MM_HINT_T0);
-    }
+    if (col + 4 * PREFETCH_GROUPS < n1) prefetch_column_group(b, scales, zp, col + 4 * PREFETCH_GROUPS, blocks);
     for (int64_t g = 0; g < groups; g++) {
       const int quad = g < quads;
       /* scales: s[j] = block j's over the four columns; zero points: the group's nibbles per column */
@@ -160,8 +154,9 @@ KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b
   }
 }
 
-/* The prefill panel (layout: matmul_nbits4_isa.h) from the packed weights, a group of blocks at a time */
-KERNEL_ISA static void unpack_panel(int64_t k, const uint8_t *b, const float *scales, const uint8_t *zp,
+/* The prefill panel (layout: matmul_nbits4_isa.h) from the packed weights, a group of blocks at a
+ * time; every ISA's prefill reads it */
+KERNEL_ISA void q4_unpack_panel(int64_t k, const uint8_t *b, const float *scales, const uint8_t *zp,
                                     int64_t n0, int64_t cols, uint32_t *panel, float *wscale, float *wzero) {
   const int64_t blocks = k / 32;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -233,15 +228,7 @@ KERNEL_ISA INLINE void panel_pass(int R, int64_t k, const QRow *rows, const uint
   }
 }
 
-#define TILE(R)                                                                                                   \
-  KERNEL_ISA static void tile##R(int64_t k, const QRow *rows, const uint8_t *b, const float *scales,           \
-                                 const uint8_t *zp, int64_t n0, int64_t n1, float *y, int64_t ystride) {        \
-    tile(R, k, rows, b, scales, zp, n0, n1, y, ystride);                                                       \
-  }
-TILE(1)
-TILE(2)
-TILE(3)
-TILE(4)
+Q4_TILES(KERNEL_ISA)
 
 KERNEL_ISA static void panel_rows4(int64_t k, const QRow *rows, const uint32_t *panel, const float *wscale,
                                    const float *wzero, float *y, int64_t ystride, int64_t cols) {
@@ -260,5 +247,4 @@ static int supported(void) {
 
 /* prefill_rows 20: the panel's unpacking pays from about 20 rows here (one thread, a 576 x 3072 layer:
  * 12 rows 0.53 ms with panels vs 0.46 through decode tiles, 20: 0.72 vs 0.74, 32: 1.03 vs 1.21) */
-const Q4Isa q4_avx2 = {"avx2", 20, supported, quantize_row, {tile1, tile2, tile3, tile4}, unpack_panel, panel_rows4,
-                       panel_row};
+const Q4Isa q4_avx2 = {"avx2", 20, supported, quantize_row, {tile1, tile2, tile3, tile4}, panel_rows4, panel_row};

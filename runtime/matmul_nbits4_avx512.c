@@ -7,19 +7,12 @@
  * dot products serve 16 columns of a row at once (SmolLM2, 512-token prompt: 443 ms with MLAS,
  * 250-275 here).
  */
-#include <stdlib.h>
-#include <string.h>
-
 #include <immintrin.h>
 
 #include "matmul_nbits4_isa.h"
 
 #define KERNEL_ISA __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
-/* PREFETCH_GROUPS: decode streams the weights column group by column group (4 columns); the
- * hardware prefetcher does not follow four interleaved streams well (SmolLM2's layers: 3.3 ms a
- * step without software prefetch, 2.4 ms with the group after next requested ahead; 1 and 3 alike) */
-enum { PREFETCH_GROUPS = 2 };
 
 /* lane_scale / lane_sum here: two 16-lane float vectors per group whose lanes follow the four-column
  * sums' lanes (lane group j: block j of a group of four; j % 2 of a pair, whose halves land in
@@ -77,15 +70,10 @@ KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b
   const __m512i pair_shift = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
   for (int64_t col = n0; col < n1; col += 4) {
     int64_t c[4];
-    for (int i = 0; i < 4; i++) c[i] = col + i < n1 ? col + i : n1 - 1;
+    column_group(col, n1, c);
     __m512 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    if (col + 4 * PREFETCH_GROUPS < n1) { /* the column group after next: its weights, scales, zero points */
-      int64_t ahead = col + 4 * PREFETCH_GROUPS;
-      for (int64_t at = 0; at < 4 * blocks * 16; at += 64) _mm_prefetch((const char *)(b + ahead * blocks * 16) + at, _MM_HINT_T0);
-      for (int64_t at = 0; at < 4 * blocks * 4; at += 64) _mm_prefetch((const char *)(scales + ahead * blocks) + at, _MM_HINT_T0);
-      if (zp) _mm_prefetch((const char *)(zp + ahead * (blocks / 2)), _MM_HINT_T0);
-    }
+    if (col + 4 * PREFETCH_GROUPS < n1) prefetch_column_group(b, scales, zp, col + 4 * PREFETCH_GROUPS, blocks);
     for (int64_t g = 0; g < groups; g++) {
       const int quad = g < quads;
       __m512i lo[4], hi[4];
@@ -143,36 +131,9 @@ KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b
 
 
 /* Prefill (12 rows and more): the task's 16 columns are first unpacked into a [K/4][16 columns][4]
- * byte panel (the codes' order, 4 consecutive codes of every column in one 64-byte vector) with
- * their scales and zero points as [block][16 columns] floats, so each dot product serves 16
- * columns of one row with no horizontal sums (the decode path reduces per column instead). */
-KERNEL_ISA static void unpack_panel(int64_t k, const uint8_t *b, const float *scales, const uint8_t *zp,
-                                    int64_t n0, int64_t cols, uint32_t *panel, float *wscale, float *wzero) {
-  const int64_t blocks = k / 32;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  memset(panel, 0, (size_t)k * 16);
-  for (int64_t c = 0; c < COLS_PER_TASK; c++) {
-    for (int64_t blk = 0; blk < blocks; blk++) {
-      wscale[blk * 16 + c] = c < cols ? scales[(n0 + c) * blocks + blk] : 0.f;
-      uint8_t z = c < cols && zp ? zp[(n0 + c) * (blocks / 2) + blk / 2] : 0x88;
-      wzero[blk * 16 + c] = (float)(blk % 2 ? z >> 4 : z & 15);
-    }
-    if (c >= cols) continue;
-    const uint8_t *bc = b + (n0 + c) * blocks * 16;
-    for (int64_t start = 0; start < k / 2;) { /* packed bytes of a group: 64 (four blocks) or 32 (a pair) */
-      int64_t bytes = k / 2 - start >= 64 ? 64 : 32;
-      uint32_t codes[32];
-      __m512i packed = bytes == 64 ? _mm512_loadu_si512((const void *)(bc + start))
-                                   : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(bc + start)));
-      __m512i lo = _mm512_and_si512(packed, low4), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-      _mm512_storeu_si512((void *)codes, lo);
-      _mm512_storeu_si512((void *)((uint8_t *)codes + bytes), hi); /* a pair's 32 + 32 sit side by side */
-      for (int64_t d = 0; d < bytes / 2; d++) panel[(start / 2 + d) * 16 + c] = codes[d];
-      start += bytes;
-    }
-  }
-}
-
+ * byte panel (q4_unpack_panel: 4 consecutive codes of every column in one 64-byte vector), so each
+ * dot product serves 16 columns of one row with no horizontal sums (the decode path reduces per
+ * column instead). */
 KERNEL_ISA INLINE void panel_rows(int R, int64_t k, const QRow *rows, const uint32_t *panel, const float *wscale,
                                   const float *wzero, float *y, int64_t n, int64_t cols) {
   const int64_t blocks = k / 32;
@@ -202,15 +163,7 @@ KERNEL_ISA INLINE void panel_rows(int R, int64_t k, const QRow *rows, const uint
   for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * n, keep, acc[r]);
 }
 
-#define TILE(R)                                                                                                   \
-  KERNEL_ISA static void tile##R(int64_t k, const QRow *rows, const uint8_t *b, const float *scales,           \
-                                 const uint8_t *zp, int64_t n0, int64_t n1, float *y, int64_t ystride) {        \
-    tile(R, k, rows, b, scales, zp, n0, n1, y, ystride);                                                       \
-  }
-TILE(1)
-TILE(2)
-TILE(3)
-TILE(4)
+Q4_TILES(KERNEL_ISA)
 
 KERNEL_ISA static void panel_rows4(int64_t k, const QRow *rows, const uint32_t *panel, const float *wscale,
                                    const float *wzero, float *y, int64_t ystride, int64_t cols) {
@@ -229,4 +182,4 @@ static int supported(void) {
 }
 
 const Q4Isa q4_avx512vnni = {"avx512vnni", 12, supported, quantize_row, {tile1, tile2, tile3, tile4},
-                             unpack_panel, panel_rows4, panel_row};
+                             panel_rows4, panel_row};
