@@ -133,7 +133,7 @@ static OrtStatus *isa_named(const OrtKernelInfo *info, int *isa) {
   TRY(CALL(KernelInfoGetAttribute_string, fn_attr_string, info, "isa", name, &size));
   for (*isa = 0; *isa < Q4_ISA_COUNT; ++*isa)
     if (!strcmp(name, q4_isa_name(*isa)) && q4_isa_supported(*isa)) return NULL;
-  static char message[160];
+  char message[160]; /* CreateStatus copies it */
   snprintf(message, sizeof message, "llmc.MatMulNBits4: isa '%s' is not one this CPU runs (%s)", name,
            llmc_cpu_kernels_isas());
   return fail(ORT_INVALID_ARGUMENT, message);
@@ -207,8 +207,8 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   void *memory = malloc(q4_memory(m, kernel->k));
   if (!memory) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   size_t tasks;
-  Q4Matmul *call = q4_prepare(memory, kernel->isa, (const float *)a, m, kernel->k, kernel->n, kernel->threads, (const uint8_t *)b,
-                              (const float *)s, (const uint8_t *)z, (float *)y, &tasks);
+  Q4Matmul *call = q4_prepare(memory, kernel->isa, (const float *)a, m, kernel->k, kernel->n, kernel->threads,
+                              (const uint8_t *)b, (const float *)s, (const uint8_t *)z, (float *)y, &tasks);
   OrtStatus *status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, q4_run, tasks, 0, call);
   if (!status && q4_failed(call)) status = fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   free(memory);
@@ -233,7 +233,6 @@ static const OrtCustomOp matmul_nbits4 = {
     input_characteristic, output_characteristic, memory_type, variadic_min_arity, variadic_homogeneity,
     variadic_min_arity, variadic_homogeneity, create_kernel, compute,
 };
-
 
 static OrtCustomOpDomain *domain;
 static int domain_failed;
