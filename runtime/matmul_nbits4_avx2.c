@@ -102,20 +102,10 @@ KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b
       const int quad = g < quads;
       /* scales: s[j] = block j's over the four columns; zero points: the group's nibbles per column */
       __m128 s[4];
-      for (int i = 0; i < 4; i++) {
-        const float *at = scales + c[i] * blocks + g * 4;
-        s[i] = quad ? _mm_loadu_ps(at) : _mm_castpd_ps(_mm_load_sd((const double *)at));
-      }
+      group_scales(scales, blocks, g, quad, c, s);
       _MM_TRANSPOSE4_PS(s[0], s[1], s[2], s[3]);
-      __m256i z8 = _mm256_set1_epi32((int)0x88888888); /* no zero points: 8 in every nibble */
-      if (zp) {
-        const uint8_t *z = zp + g * 2;
-        int64_t stride = blocks / 2;
-        __m128i z4 = quad ? _mm_setr_epi32(*(const uint16_t *)(z + c[0] * stride), *(const uint16_t *)(z + c[1] * stride),
-                                           *(const uint16_t *)(z + c[2] * stride), *(const uint16_t *)(z + c[3] * stride))
-                          : _mm_setr_epi32(z[c[0] * stride], z[c[1] * stride], z[c[2] * stride], z[c[3] * stride]);
-        z8 = _mm256_broadcastsi128_si256(z4);
-      }
+      __m256i z8 = zp ? _mm256_broadcastsi128_si256(group_zero_points(zp, blocks, g, quad, c))
+                      : _mm256_set1_epi32((int)0x88888888); /* no zero points: 8 in every nibble */
       for (int pair = 0; pair < (quad ? 2 : 1); pair++) {
         const int64_t p = g * 2 + pair; /* pairs of blocks so far */
         __m256 wscale = _mm256_set_m128(s[2 * pair + 1], s[2 * pair]);

@@ -77,32 +77,26 @@ KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b
     for (int64_t g = 0; g < groups; g++) {
       const int quad = g < quads;
       __m512i lo[4], hi[4];
+      __m128 s[4];
+      group_scales(scales, blocks, g, quad, c, s);
       __m512 s4 = _mm512_setzero_ps();
       for (int i = 0; i < 4; i++) {
         const uint8_t *packed_at = b + c[i] * blocks * 16 + g * 64;
-        const float *scale_at = scales + c[i] * blocks + g * 4;
         __m512i packed;
-        __m128 s;
         if (quad) {
           packed = _mm512_loadu_si512((const void *)packed_at);
-          s = _mm_loadu_ps(scale_at);
         } else { /* a final pair: 32 bytes, whose low then high nibbles make the 64 codes */
           __m256i half = _mm256_loadu_si256((const __m256i *)packed_at);
           packed = _mm512_inserti64x4(_mm512_castsi256_si512(half), _mm256_srli_epi16(half, 4), 1);
-          s = _mm_castpd_ps(_mm_load_sd((const double *)scale_at));
         }
         lo[i] = _mm512_and_si512(packed, low4);
         hi[i] = quad ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4) : _mm512_setzero_si512();
-        s4 = _mm512_insertf32x4(s4, s, i);
+        s4 = _mm512_insertf32x4(s4, s[i], i);
       }
       __m512 wscale = _mm512_permutexvar_ps(quad ? quad_transpose : pair_transpose, s4);
       __m512 wzero = _mm512_set1_ps(8.f);
       if (zp) {
-        const uint8_t *z = zp + g * 2;
-        int64_t stride = blocks / 2;
-        __m128i z4 = quad ? _mm_setr_epi32(*(const uint16_t *)(z + c[0] * stride), *(const uint16_t *)(z + c[1] * stride),
-                                           *(const uint16_t *)(z + c[2] * stride), *(const uint16_t *)(z + c[3] * stride))
-                          : _mm_setr_epi32(z[c[0] * stride], z[c[1] * stride], z[c[2] * stride], z[c[3] * stride]);
+        __m128i z4 = group_zero_points(zp, blocks, g, quad, c);
         __m512i shifted = _mm512_srlv_epi32(_mm512_broadcast_i32x4(z4), quad ? quad_shift : pair_shift);
         wzero = _mm512_cvtepi32_ps(_mm512_and_si512(shifted, mask4));
       }
@@ -128,7 +122,6 @@ KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b
     }
   }
 }
-
 
 /* Prefill (12 rows and more): the task's 16 columns are first unpacked into a [K/4][16 columns][4]
  * byte panel (q4_unpack_panel: 4 consecutive codes of every column in one 64-byte vector), so each

@@ -6,6 +6,8 @@
 
 #include <stdint.h>
 
+#include <immintrin.h> /* SSE2 only here: every x86-64 CPU has it */
+
 /* ROWS: rows a decode tile or a prefill panel pass computes at once; COLS_PER_TASK: columns of a
  * prefill panel (calls of Q4Isa.prefill_rows rows and more unpack panels instead of streaming the
  * packed weights through decode tiles) */
@@ -42,6 +44,26 @@ void q4_unpack_panel(int64_t k, const uint8_t *b, const float *scales, const uin
  * repeated past n1 (its sums computed again and not stored). */
 static inline void column_group(int64_t col, int64_t n1, int64_t c[4]) {
   for (int i = 0; i < 4; i++) c[i] = col + i < n1 ? col + i : n1 - 1;
+}
+
+/* The four columns' scales for group g of their blocks: s[i] = column c[i]'s four (a quad) or two
+ * (the final pair; the upper two lanes 0) */
+static inline void group_scales(const float *scales, int64_t blocks, int64_t g, int quad, const int64_t c[4],
+                                __m128 s[4]) {
+  for (int i = 0; i < 4; i++) {
+    const float *at = scales + c[i] * blocks + g * 4;
+    s[i] = quad ? _mm_loadu_ps(at) : _mm_castpd_ps(_mm_load_sd((const double *)at));
+  }
+}
+
+/* The four columns' zero points for group g, lane i column c[i]'s: its two bytes (four nibbles, low
+ * first) for a quad, its one byte for the final pair */
+static inline __m128i group_zero_points(const uint8_t *zp, int64_t blocks, int64_t g, int quad, const int64_t c[4]) {
+  const uint8_t *z = zp + g * 2;
+  const int64_t stride = blocks / 2;
+  return quad ? _mm_setr_epi32(*(const uint16_t *)(z + c[0] * stride), *(const uint16_t *)(z + c[1] * stride),
+                               *(const uint16_t *)(z + c[2] * stride), *(const uint16_t *)(z + c[3] * stride))
+              : _mm_setr_epi32(z[c[0] * stride], z[c[1] * stride], z[c[2] * stride], z[c[3] * stride]);
 }
 
 /* Asks for the weights, scales and zero points of the four columns from `col` ahead of their use:
