@@ -99,13 +99,13 @@ def _dynamic_shapes(layout: KVLayout):
 
 
 def _quiet():
-    """torch.onnx prints progress and warnings; keep them for the error message only."""
+    """torch.onnx and the onnx_ir passes print progress and warnings; keep them for the error message only."""
     stack = contextlib.ExitStack()
     buf = io.StringIO()
     stack.enter_context(contextlib.redirect_stdout(buf))
     stack.enter_context(warnings.catch_warnings())
     warnings.simplefilter("ignore")
-    for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript"):
+    for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "onnx_ir"):
         logger = logging.getLogger(name)
         level = logger.level
         logger.setLevel(logging.ERROR)
@@ -138,7 +138,8 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     except Exception as err:
         tail = "\n".join(log.getvalue().splitlines()[-20:])
         raise ExportError(f"torch.onnx.export failed for {info.model_type}: {err}\n{tail}".rstrip()) from err
-    simplify(program.model)
+    with _quiet()[0]:  # onnx_ir's passes log a line each
+        simplify(program.model)
     proto = program.model_proto
     trim_unused_outputs(proto.graph)
     if lowering is Lowering.fused:

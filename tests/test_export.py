@@ -1,5 +1,7 @@
 """Export: graph I/O names and dynamic dims, every family and lowering, reproducible bytes, external data."""
 
+import logging
+
 import onnx
 import pytest
 
@@ -69,3 +71,12 @@ def test_external_data_above_threshold(tiny_llama, tmp_path):
     assert (export_dir / "model.onnx").stat().st_size < (export_dir / "model.onnx.data").stat().st_size
     assert result.verify.passed  # ONNX Runtime finds the data file next to the graph
     assert ExportedModel.load(export_dir).external_data
+
+
+def test_export_logs_nothing_when_the_root_logger_is_at_info(tiny_llama, tmp_path, caplog):
+    """Importing ORT's MatMulNBits quantizer sets the root logger to INFO; the exporter's passes
+    (torch.onnx, onnxscript, onnx_ir) must still not print a line per pass into a build's output."""
+    with caplog.at_level(logging.INFO):
+        build(_spec(tiny_llama), output=tmp_path / "out", until="export", force={"export"})
+    exporter = [r.name for r in caplog.records if r.name.split(".")[0] in ("torch", "onnxscript", "onnx_ir")]
+    assert exporter == []
