@@ -7,11 +7,11 @@
  * bandwidth unused there (SmolLM2's 151 linear layers of a decode step, 2 threads, AVX512-VNNI host:
  * 2.9 ms with MLAS, 2.2 ms here). This file is the part every instruction set shares: the rows of A
  * quantized once per call, the columns split into tasks — decode (fewer rows than the ISA's
- * prefill_rows): one
- * contiguous run of columns per thread, each one stream of weights, walked by the ISA's decode tile
- * a few columns at a time; prefill: panels of COLS_PER_TASK columns dealt out as the threads free
- * up, each unpacked once so every dot product serves many columns of a row. The kernels themselves
- * are matmul_nbits4_avx512.c and matmul_nbits4_avx2.c (matmul_nbits4_isa.h is what they share).
+ * prefill_rows): one contiguous run of columns per thread, each one stream of weights, walked by the
+ * ISA's decode tile a few columns at a time; prefill: panels of COLS_PER_TASK columns dealt out as
+ * the threads free up, each unpacked once so every dot product serves many columns of a row. The
+ * kernels themselves are matmul_nbits4_avx512.c and matmul_nbits4_avx2.c (matmul_nbits4_isa.h is
+ * what they share).
  */
 #include "matmul_nbits4.h"
 

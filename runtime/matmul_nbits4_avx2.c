@@ -39,8 +39,6 @@ KERNEL_ISA INLINE int32_t hsum8(__m256i v) {
 KERNEL_ISA static void quantize_row(const float *a, int64_t k, QRow *q) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   for (int64_t start = 0; start < k;) {
     int blocks = k - start >= 128 ? 4 : 2;
     int8_t *out = q->codes + start;
@@ -59,9 +57,7 @@ KERNEL_ISA static void quantize_row(const float *a, int64_t k, QRow *q) {
       /* packs work per 128-bit lane: the dwords come out as k 0-3, 8-11, 16-19, 24-27 | 4-7, ... */
       __m256i codes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
       codes = _mm256_permutevar8x32_epi32(codes, order);
-      codes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(codes, split), 0xD8); /* [even k | odd k] */
-      _mm_storeu_si128((__m128i *)(out + 16 * j), _mm256_castsi256_si128(codes));
-      _mm_storeu_si128((__m128i *)(out + 16 * (blocks + j)), _mm256_extracti128_si256(codes, 1));
+      store_block_codes(codes, out, j, blocks);
       q->block_scale[blk] = scale;
       q->block_sum[blk] = sum;
       for (int lane = 0; lane < 4; lane++) {
@@ -183,9 +179,8 @@ KERNEL_ISA INLINE void panel_pass(int R, int64_t k, const QRow *rows, const uint
   __m256 acc[2][2]; /* [row][half] */
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < blocks; blk++) {
-    /* block blk's 32 codes: 16 even-k then 16 odd-k, 16 or 32 codes apart (a group's even half) */
-    int64_t group = blk / 4 * 4, size = blocks - group >= 4 ? 4 : 2;
-    int64_t even = group * 32 + (blk - group) * 16, odd = even + size * 16;
+    int64_t even, odd;
+    block_codes(blk, blocks, &even, &odd);
     __m256i dot[2][2]; /* int16: eight sums of at most 3810 */
     for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int part = 0; part < 2; part++) {

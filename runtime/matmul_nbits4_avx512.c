@@ -19,8 +19,6 @@
  * groups j and j + 2) — each block's scale, and its code sum (halved for a pair: each half carries
  * half the zero-point correction, exactly). */
 KERNEL_ISA static void quantize_row(const float *a, int64_t k, QRow *q) {
-  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   for (int64_t start = 0, group = 0; start < k; group++) {
     int blocks = k - start >= 128 ? 4 : 2;
     int8_t *out = q->codes + start;
@@ -35,9 +33,7 @@ KERNEL_ISA static void quantize_row(const float *a, int64_t k, QRow *q) {
       q->block_scale[start / 32 + j] = scale;
       q->block_sum[start / 32 + j] = sum;
       __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(q0)), _mm512_cvtepi32_epi8(q1), 1);
-      codes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(codes, split), 0xD8); /* [even k | odd k] */
-      _mm_storeu_si128((__m128i *)(out + 16 * j), _mm256_castsi256_si128(codes));
-      _mm_storeu_si128((__m128i *)(out + 16 * (blocks + j)), _mm256_extracti128_si256(codes, 1));
+      store_block_codes(codes, out, j, blocks);
       for (int lane = 0; lane < 16; lane++) {
         if ((blocks == 4 ? lane / 4 : (lane / 4) % 2) != j) continue;
         q->lane_scale[group * 16 + lane] = scale;
@@ -133,9 +129,8 @@ KERNEL_ISA INLINE void panel_rows(int R, int64_t k, const QRow *rows, const uint
   __m512 acc[ROWS];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < blocks; blk++) {
-    /* block blk's 32 codes: 16 even-k then 16 odd-k, 16 or 32 codes apart (a group's even half) */
-    int64_t group = blk / 4 * 4, size = blocks - group >= 4 ? 4 : 2;
-    int64_t even = group * 32 + (blk - group) * 16, odd = even + size * 16;
+    int64_t even, odd;
+    block_codes(blk, blocks, &even, &odd);
     __m512i dot[ROWS];
     for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
     for (int half = 0; half < 2; half++) {

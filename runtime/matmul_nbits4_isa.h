@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#include <immintrin.h> /* SSE2 only here: every x86-64 CPU has it */
+#include <immintrin.h> /* SSE2 here, and AVX2 in the functions marked for it (every kernel's CPU has it) */
 
 /* ROWS: rows a decode tile or a prefill panel pass computes at once; COLS_PER_TASK: columns of a
  * prefill panel (calls of Q4Isa.prefill_rows rows and more unpack panels instead of streaming the
@@ -26,6 +26,26 @@ typedef struct {
   float *block_scale;           /* k / 32 */
   int32_t *block_sum;           /* k / 32 */
 } QRow;
+
+/* Block j of a group of `blocks` (4, or 2 for the final pair) into a row's codes from the group's
+ * start: `codes` its 32 int8 codes in k order, stored as the even k at 16 j and the odd k at
+ * 16 (blocks + j). */
+__attribute__((target("avx2"))) static inline void store_block_codes(__m256i codes, int8_t *group, int j,
+                                                                      int blocks) {
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  codes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(codes, split), 0xD8); /* [even k | odd k] */
+  _mm_storeu_si128((__m128i *)(group + 16 * j), _mm256_castsi256_si128(codes));
+  _mm_storeu_si128((__m128i *)(group + 16 * (blocks + j)), _mm256_extracti128_si256(codes, 1));
+}
+
+/* Where block blk's codes lie in a row's codes (of k / 32 = `blocks` blocks): its 16 even-k codes
+ * from *even, its 16 odd-k codes from *odd (16 or 32 codes later: a group's even half) */
+static inline void block_codes(int64_t blk, int64_t blocks, int64_t *even, int64_t *odd) {
+  const int64_t group = blk / 4 * 4, size = blocks - group >= 4 ? 4 : 2;
+  *even = group * 32 + (blk - group) * 16;
+  *odd = *even + size * 16;
+}
 
 /* Weights in ONNX Runtime's MatMulNBits layout (bits 4, blocks of 32): b [n][k/32][16] bytes,
  * scales [n][k/32], zero points [n][k/64] bytes or NULL (8). Columns n0 <= c < n1 of `rows` rows go
