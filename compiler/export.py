@@ -127,19 +127,18 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     out_names = ["logits", *layout.present_names()]
     table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))
     stack, log = _quiet()
-    try:
-        with stack, torch.no_grad():
+    with stack, torch.no_grad():
+        try:
             program = torch.onnx.export(
                 _flat(decoder_for(model, info.family)), _example_inputs(info, layout),
                 dynamic_shapes=_dynamic_shapes(layout), input_names=in_names, output_names=out_names,
                 opset_version=OPSET, dynamo=True, custom_translation_table=table, optimize=True,
                 verbose=False, report=False,
             )
-    except Exception as err:
-        tail = "\n".join(log.getvalue().splitlines()[-20:])
-        raise ExportError(f"torch.onnx.export failed for {info.model_type}: {err}\n{tail}".rstrip()) from err
-    with _quiet()[0]:  # onnx_ir's passes log a line each
-        simplify(program.model)
+        except Exception as err:
+            tail = "\n".join(log.getvalue().splitlines()[-20:])
+            raise ExportError(f"torch.onnx.export failed for {info.model_type}: {err}\n{tail}".rstrip()) from err
+        simplify(program.model)  # onnx_ir passes: quiet too
     proto = program.model_proto
     trim_unused_outputs(proto.graph)
     if lowering is Lowering.fused:
