@@ -33,7 +33,7 @@ from llmc.runtime.manifest import RepositoryManifest, ServingLimits
 VERSION = "1"
 # the runtime modules the served model imports (checked by a test that imports them in isolation)
 SERVING_MODULES = ("__init__", "cpu_kernels", "detokenizer", "engine", "layout", "manifest", "metrics", "ort_runner",
-                   "request", "sampling", "scheduler", "sequence", "serving", "trt_runner")
+                   "request", "sampling", "scheduler", "sequence", "serving", "tensors", "trt_runner")
 TOKENIZER_FILE = "tokenizer.json"
 
 

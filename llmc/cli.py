@@ -1,4 +1,4 @@
-"""The `llmc` command line: a thin layer over `llmc.compiler`, `llmc.runtime` and `llmc.serve`."""
+"""The `llmc` command line: a thin layer over `llmc.compiler`, `llmc.serve` and `llmc.deploy`."""
 
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ def deploy(
     """
     from llmc.console import out
     from llmc.errors import ServingError
-    from llmc.runtime.deploy import DeployError, deploy as run_deploy
+    from llmc.deploy import DeployError, deploy as run_deploy
 
     try:
         result = run_deploy(build_dir, repository, url, model=model, keep=keep, timeout=timeout)

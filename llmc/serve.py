@@ -15,9 +15,9 @@ from llmc.errors import ServingError
 def start_server(build_dir: Path, http_port: int | None, grpc_port: int | None, metrics_port: int | None,
                  serving_env: Path | None):
     """Start Triton on a build's repository (ports None: free ones); errors name what to change."""
-    from llmc.runtime.supervisor import EXPLICIT_ARGS
-    from llmc.runtime.triton_server import (Ports, TritonError, TritonServer, assemble, check_port_free,
-                                            default_server_dir, find_repository, find_serving_env, free_port)
+    from llmc.supervisor import EXPLICIT_ARGS
+    from llmc.triton_server import (Ports, TritonError, TritonServer, assemble, check_port_free,
+                                    default_server_dir, find_repository, find_serving_env, free_port)
 
     try:
         repository = find_repository(build_dir)
@@ -37,7 +37,7 @@ def start_server(build_dir: Path, http_port: int | None, grpc_port: int | None, 
 
 def serve_forever(build_dir: Path, http_port: int, grpc_port: int, metrics_port: int, serving_env: Path | None) -> None:
     from llmc.console import console
-    from llmc.runtime.supervisor import Supervisor
+    from llmc.supervisor import Supervisor
 
     server = start_server(build_dir, http_port, grpc_port, metrics_port, serving_env)
     try:
@@ -64,8 +64,8 @@ def serve_forever(build_dir: Path, http_port: int, grpc_port: int, metrics_port:
 
 
 def generate_to(out: TextIO, prompt: str, *, url: str, model: str | None, stream: bool, **params) -> None:
+    from llmc.client import Client, Generation, GenerationError
     from llmc.console import console
-    from llmc.runtime.client import Client, Generation, GenerationError
 
     client = Client(url, model)
     gen = Generation()
@@ -87,8 +87,8 @@ def bench(build_dir: Path | None, *, url: str | None, model: str | None, concurr
     `throughput_ratio` (the last run's tokens/s over the first's)."""
     import asyncio
 
+    from llmc.bench import run_load
     from llmc.console import progress_bar
-    from llmc.runtime.bench import run_load
 
     if sweep:
         levels = [(f"{c} concurrent" if c > 1 else "sequential", c, max(4, 2 * c)) for c in sweep]
@@ -108,7 +108,7 @@ def bench(build_dir: Path | None, *, url: str | None, model: str | None, concurr
                 first = next(r.error for r in load.requests if r.error)
                 results[name]["first_error"] = first
     except Exception as err:
-        from llmc.runtime.client import GenerationError
+        from llmc.client import GenerationError
 
         if isinstance(err, GenerationError):
             raise ServingError(str(err)) from None

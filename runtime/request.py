@@ -14,6 +14,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from llmc.runtime.sampling import SamplingParams
+from llmc.runtime.tensors import SCALARS
 
 
 class RequestError(ValueError):
@@ -27,23 +28,6 @@ class Limits:
     max_stop_words: int
 
 
-# The served model's optional scalar inputs: name -> (Triton datatype, SamplingParams field or None).
-# config.pbtxt, the client and the parser all read this table.
-SCALARS: dict[str, tuple[str, str | None]] = {
-    "max_tokens": ("INT32", "max_tokens"), "min_tokens": ("INT32", "min_tokens"), "top_k": ("INT32", "top_k"),
-    "end_id": ("INT32", None), "pad_id": ("INT32", None), "seed": ("UINT64", "seed"),
-    "temperature": ("FP32", "temperature"), "top_p": ("FP32", "top_p"), "min_p": ("FP32", "min_p"),
-    "repetition_penalty": ("FP32", "repetition_penalty"), "frequency_penalty": ("FP32", "frequency_penalty"),
-    "presence_penalty": ("FP32", "presence_penalty"),
-    "stream": ("BOOL", None), "exclude_input_in_output": ("BOOL", None), "return_log_probs": ("BOOL", None),
-    "return_num_input_tokens": ("BOOL", None), "return_num_output_tokens": ("BOOL", None),
-    "stop": ("BOOL", None),  # a stop request: end the request sent under the same request id (is_stop)
-}
-# outputs: name -> (Triton datatype, dims)
-OUTPUTS: dict[str, tuple[str, list[int]]] = {
-    "text_output": ("BYTES", [-1]), "output_ids": ("INT32", [-1]), "finish_reason": ("BYTES", [1]),
-    "num_input_tokens": ("INT32", [1]), "num_output_tokens": ("INT32", [1]),
-}
 _KINDS = {"INT32": "iu", "UINT64": "ui", "FP32": "f", "BOOL": "b"}  # numpy kinds each accepts
 
 

@@ -51,7 +51,7 @@ def prompt_words_for(tokens: int) -> tuple[int, list[int]]:
     """The prompt length in words whose text is about `tokens` SmolLM2 tokens, and its ids."""
     from tokenizers import Tokenizer
 
-    from llmc.runtime.bench import make_prompt
+    from llmc.bench import make_prompt
 
     tok = Tokenizer.from_file(str(REPO / "models" / "smollm2" / "tokenizer.json"))
     words = next(n for n in range(8, 4 * tokens) if len(tok.encode(make_prompt(n, 0)).ids) >= tokens)
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=BENCH / "serving.json", help="where to write the results")
     args = parser.parse_args()
 
-    from llmc.runtime.bench import run_load
+    from llmc.bench import run_load
     from llmc.serve import start_server
 
     attention = _attention_bench()

@@ -79,7 +79,7 @@ def main() -> None:
 
     from llmc.compiler.source import inspect_source, load_model
     from llmc.compiler.spec import SourceSpec
-    from llmc.runtime.bench import run_load
+    from llmc.bench import run_load
     from llmc.serve import start_server
 
     serving, attention = _script("bench_serving"), _script("bench_attention")

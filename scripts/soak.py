@@ -1,5 +1,5 @@
 """Soak a build through a real Triton server: concurrent streams with cancellations and malformed
-requests mixed in, then the reliability checks (runtime/soak.py).
+requests mixed in, then the reliability checks (llmc/soak.py).
 
     .venv/bin/python scripts/soak.py build/smollm2 [--streams 200] [--seconds 60] [--max-tokens 16]
     .venv/bin/python scripts/soak.py --url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002
@@ -33,7 +33,7 @@ def main() -> int:
     args = p.parse_args()
     if (args.build_dir is None) == (args.url is None):
         p.error("pass a build folder or --url (not both)")
-    from llmc.runtime.soak import soak
+    from llmc.soak import soak
     from llmc.serve import start_server
 
     server = start_server(args.build_dir, None, None, None, None) if args.url is None else None

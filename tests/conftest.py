@@ -139,7 +139,7 @@ class BackgroundLoad:
     def _work(self, worker: int) -> None:
         import time
 
-        from llmc.runtime.client import Client, Generation, GenerationError
+        from llmc.client import Client, Generation, GenerationError
 
         client = Client(self.url, self.model, timeout=self.timeout)
         while not self._stop.is_set():
@@ -173,10 +173,10 @@ class BackgroundLoad:
 def assert_serves_like_its_graph(result, tmp_path: Path, prompt: str = "quantized hello", tokens: int = 12) -> None:
     """Serve a build's repository through Triton: greedy output equals the built graph's own greedy
     decode (the quantized graph when there is one) run in process."""
+    from llmc.client import Client
     from llmc.compiler.quality import greedy
-    from llmc.runtime.client import Client
     from llmc.runtime.ort_runner import OrtRunner
-    from llmc.runtime.triton_server import TritonServer, assemble
+    from llmc.triton_server import TritonServer, assemble
 
     env = serving_env()
     engine = result.quantized or result.exported

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from llmc.runtime.supervisor import children as children_of
-from llmc.runtime.triton_server import free_port
+from llmc.supervisor import children as children_of
+from llmc.triton_server import free_port
 
 LLMC = Path(sys.executable).parent / "llmc"
 SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from conftest import BackgroundLoad, serving_env
-from llmc.runtime.client import Client
-from llmc.runtime.deploy import DeployError, deploy, versions
-from llmc.runtime.triton_server import TritonServer, assemble
+from llmc.client import Client
+from llmc.deploy import DeployError, deploy, versions
+from llmc.triton_server import TritonServer, assemble
 
 pytestmark = pytest.mark.triton
 

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from conftest import BackgroundLoad, serving_env
-from llmc.runtime.soak import soak
-from llmc.runtime.triton_server import TritonServer, assemble
+from llmc.soak import soak
+from llmc.triton_server import TritonServer, assemble
 
 pytestmark = pytest.mark.triton
 
@@ -33,7 +33,7 @@ def test_concurrent_streams_with_cancellations_and_malformed_requests(server):
 
 
 def _supervised(tiny_build, tmp_path):
-    from llmc.runtime.supervisor import EXPLICIT_ARGS
+    from llmc.supervisor import EXPLICIT_ARGS
 
     env = serving_env()
     shutil.copytree(tiny_build.repository, tmp_path / "repository")
@@ -50,8 +50,8 @@ def test_a_crashed_model_instance_fails_its_requests_and_comes_back(tiny_build, 
     import signal
     import time
 
-    from llmc.runtime.client import Client
-    from llmc.runtime.supervisor import Supervisor
+    from llmc.client import Client
+    from llmc.supervisor import Supervisor
 
     with _supervised(tiny_build, tmp_path) as srv:
         messages: list[str] = []
@@ -78,7 +78,7 @@ def test_a_crashed_server_is_restarted_and_clients_recover(tiny_build, tmp_path)
     import signal
     import time
 
-    from llmc.runtime.supervisor import Supervisor
+    from llmc.supervisor import Supervisor
 
     with _supervised(tiny_build, tmp_path) as srv:
         messages: list[str] = []

@@ -9,7 +9,7 @@ import pytest
 from llmc.compiler.package import SERVING_MODULES, requirements
 from llmc.compiler.triton_config import parse
 from llmc.runtime.manifest import ManifestError, RepositoryManifest
-from llmc.runtime.request import OUTPUTS, SCALARS
+from llmc.runtime.tensors import OUTPUTS, SCALARS
 
 SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"
 

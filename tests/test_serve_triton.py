@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from conftest import byte_tokenizer, greedy_reference
+from llmc.client import AsyncClient, Client, Generation, GenerationError
 from llmc.compiler.triton_config import parse, render
-from llmc.runtime.client import AsyncClient, Client, Generation, GenerationError
 from llmc.runtime.manifest import RepositoryManifest
-from llmc.runtime.soak import llmc_metrics
-from llmc.runtime.triton_server import TritonServer, assemble
+from llmc.soak import llmc_metrics
+from llmc.triton_server import TritonServer, assemble
 
 SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"
 pytestmark = pytest.mark.triton
@@ -128,7 +128,7 @@ def test_leaving_a_stream_early_frees_the_slot(server, monkeypatch, in_band):
 
 
 def test_an_async_stream_left_early_is_stopped_in_band(server, monkeypatch):
-    from llmc.runtime.client import AsyncClient
+    from llmc.client import AsyncClient
 
     stops = []
     stop = AsyncClient._stop

@@ -55,8 +55,8 @@ def test_example_served_through_triton_equals_pytorch_greedy(example_build, smol
     from conftest import greedy_reference
     from llmc.compiler.source import inspect_source, load_model
     from llmc.compiler.spec import SourceSpec
-    from llmc.runtime.client import Client
-    from llmc.runtime.triton_server import TritonServer, assemble
+    from llmc.client import Client
+    from llmc.triton_server import TritonServer, assemble
 
     if not (SERVING_ENV / "bin" / "python3").exists():
         pytest.skip(".venv-serving is missing: run scripts/setup.sh")

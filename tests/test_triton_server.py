@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmc.runtime.triton_server import Ports, TritonError, TritonServer, assemble
+from llmc.triton_server import Ports, TritonError, TritonServer, assemble
 
 REPO = Path(__file__).resolve().parents[1]
 SERVING_ENV = REPO / ".venv-serving"

@@ -13,7 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from llmc.runtime.client import AsyncClient, Generation, GenerationError
+from llmc.client import AsyncClient, Generation, GenerationError
 
 _WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
           "near an old river bank under grey autumn skies").split()

@@ -20,8 +20,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from llmc.runtime.bench import make_prompt
-from llmc.runtime.client import AsyncClient, Generation, GenerationError
+from llmc.bench import make_prompt
+from llmc.client import AsyncClient, Generation, GenerationError
 
 # (parameters, what the server's error must mention): requests every llmc model must refuse
 MALFORMED = (

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmc.compiler.output import link_tree
-from llmc.runtime.triton_server import find_repository
+from llmc.triton_server import find_repository
 
 CONFIG = "config.pbtxt"
 

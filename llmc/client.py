@@ -1,6 +1,6 @@
 """Call a served llmc model over gRPC (tritonclient): text chunks stream back as they are made.
 
-    from llmc.runtime.client import Client
+    from llmc.client import Client
     with Client("127.0.0.1:8001") as client:
         for chunk in client.generate("The capital of France is", max_tokens=32):
             print(chunk, end="", flush=True)
@@ -11,7 +11,7 @@ parameters are the served model's optional inputs (`max_tokens`, `temperature`, 
 request, an unreachable server or a missing model, raises `GenerationError` with the server's message.
 Leaving a stream early ends the request on the server in band: a stop request under the same
 request id, then the stream closes with nothing pending (closing a stream with a request in flight
-can crash Triton 2.51, see serving.py); a server that does not answer the stop within
+can crash Triton 2.51, see runtime/serving.py); a server that does not answer the stop within
 `STOP_SECONDS` gets its stream cancelled instead.
 """
 
@@ -26,7 +26,7 @@ from typing import AsyncIterator, Iterator
 
 import numpy as np
 
-from llmc.runtime.request import SCALARS
+from llmc.runtime.tensors import SCALARS
 
 _NUMPY = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}
 STOP_SECONDS = 5.0  # how long leaving a stream early waits for the server to end the request

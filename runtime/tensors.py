@@ -1,0 +1,26 @@
+"""The served model's tensors, named as TensorRT-LLM's Triton models name them: the one table that
+config.pbtxt (compiler/triton_config.py), the request parser (request.py) and the client
+(llmc/client.py) all read. Plain data importing nothing, so the client loads it without the
+runtime's dependencies (pydantic, tokenizers, ONNX Runtime).
+
+Required input `text_input` (BYTES [1]); optional `stop_words` (BYTES [-1]) and the scalars below.
+"""
+
+from __future__ import annotations
+
+# The served model's optional scalar inputs: name -> (Triton datatype, SamplingParams field or None).
+SCALARS: dict[str, tuple[str, str | None]] = {
+    "max_tokens": ("INT32", "max_tokens"), "min_tokens": ("INT32", "min_tokens"), "top_k": ("INT32", "top_k"),
+    "end_id": ("INT32", None), "pad_id": ("INT32", None), "seed": ("UINT64", "seed"),
+    "temperature": ("FP32", "temperature"), "top_p": ("FP32", "top_p"), "min_p": ("FP32", "min_p"),
+    "repetition_penalty": ("FP32", "repetition_penalty"), "frequency_penalty": ("FP32", "frequency_penalty"),
+    "presence_penalty": ("FP32", "presence_penalty"),
+    "stream": ("BOOL", None), "exclude_input_in_output": ("BOOL", None), "return_log_probs": ("BOOL", None),
+    "return_num_input_tokens": ("BOOL", None), "return_num_output_tokens": ("BOOL", None),
+    "stop": ("BOOL", None),  # a stop request: end the request sent under the same request id (is_stop)
+}
+# outputs: name -> (Triton datatype, dims)
+OUTPUTS: dict[str, tuple[str, list[int]]] = {
+    "text_output": ("BYTES", [-1]), "output_ids": ("INT32", [-1]), "finish_reason": ("BYTES", [1]),
+    "num_input_tokens": ("INT32", [1]), "num_output_tokens": ("INT32", [1]),
+}
