@@ -13,7 +13,6 @@ from typing import ClassVar, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmc.compiler.hashing import sha256_file
-from llmc.compiler.quality import QualityReport
 from llmc.compiler.spec import QuantMode
 from llmc.errors import ArtifactError
 from llmc.plugins.lowering import Lowering
@@ -110,6 +109,25 @@ class ExportedModel(Artifact):
     @property
     def engine_file(self) -> str:
         return self.onnx
+
+
+class QualityReport(BaseModel):
+    """A quantized graph measured against the unquantized one (compiler/quantize/quality.py measures it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    eval_text: str
+    eval_tokens: int
+    perplexity_reference: float
+    perplexity_quantized: float
+    perplexity_increase: float  # relative: 0.03 = 3% higher
+    token_agreement: float  # teacher-forced greedy agreement over the verify prompts
+    agreement_tokens: int
+    size_reference_mib: float
+    size_quantized_mib: float
+    decode_tok_s_reference: float
+    decode_tok_s_quantized: float
+    runtime: str
 
 
 class QuantizedModel(Artifact):

@@ -90,7 +90,7 @@ def preflight(spec: BuildSpec, until: str = "verify") -> None:
                 raise UnsupportedError(f"target: tensorrt needs {module}; install llmc with the `{extra}` "
                                        "extra") from None
     if spec.quantization.mode is not QuantMode.none:
-        from llmc.compiler.textdata import load_documents
+        from llmc.compiler.quantize.textdata import load_documents
 
         load_documents(spec.quantization.calibration.data, "quantization.calibration.data")  # fail early
     if spec.quantization.static:

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
 REPOSITORY_DIR = "model_repository"
 VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
-QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.qdq", "llmc.compiler.calibrate", "llmc.compiler.smoothquant",
-                 "llmc.compiler.awq", "llmc.compiler.blockwise", "llmc.compiler.quality", "llmc.compiler.textdata",
+QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.quantize.qdq", "llmc.compiler.quantize.calibrate",
+                 "llmc.compiler.quantize.smoothquant", "llmc.compiler.quantize.awq", "llmc.compiler.quantize.blockwise",
+                 "llmc.compiler.quantize.quality", "llmc.compiler.quantize.textdata",
                  "llmc.runtime.ort_runner", "llmc.runtime.cpu_kernels")
 
 

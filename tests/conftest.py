@@ -174,7 +174,7 @@ def assert_serves_like_its_graph(result, tmp_path: Path, prompt: str = "quantize
     """Serve a build's repository through Triton: greedy output equals the built graph's own greedy
     decode (the quantized graph when there is one) run in process."""
     from llmc.client import Client
-    from llmc.compiler.quality import greedy
+    from llmc.compiler.quantize.quality import greedy
     from llmc.runtime.ort_runner import OrtRunner
     from llmc.triton_server import TritonServer, assemble
 

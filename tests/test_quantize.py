@@ -12,7 +12,7 @@ from conftest import assert_serves_like_its_graph, write_spec
 from llmc.compiler import build
 from llmc.compiler.quantize import untie_lm_head
 from llmc.compiler.spec import parse_spec
-from llmc.compiler.textdata import builtin_documents, load_documents, token_windows
+from llmc.compiler.quantize.textdata import builtin_documents, load_documents, token_windows
 from llmc.errors import QuantizationError, SpecError, UnsupportedError
 from llmc.runtime.manifest import RepositoryManifest
 
@@ -187,7 +187,7 @@ def test_packed_codes_are_what_matmulnbits_computes_with(bits, k, symmetric):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from llmc.compiler.blockwise import minmax, pack, search
+    from llmc.compiler.quantize.blockwise import minmax, pack, search
 
     rng = np.random.default_rng(bits + k)
     w = rng.standard_normal((k, 6)).astype(np.float32)
@@ -217,7 +217,7 @@ def test_sibling_matmul_nbits_are_merged_into_one_with_the_same_outputs():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from llmc.compiler.blockwise import minmax, pack
+    from llmc.compiler.quantize.blockwise import minmax, pack
     from llmc.compiler.graph_passes import merge_sibling_matmul_nbits
 
     rng = np.random.default_rng(4)
@@ -246,7 +246,7 @@ def test_sibling_matmul_nbits_are_merged_into_one_with_the_same_outputs():
 
 
 def test_weighted_search_puts_the_accuracy_where_the_activations_are():
-    from llmc.compiler.blockwise import minmax, search
+    from llmc.compiler.quantize.blockwise import minmax, search
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((64, 40)).astype(np.float32)
@@ -266,8 +266,8 @@ def test_weighted_search_puts_the_accuracy_where_the_activations_are():
 
 
 def test_awq_search_never_does_worse_than_round_to_nearest():
-    from llmc.compiler.awq import search_scale
-    from llmc.compiler.blockwise import fake_quantize
+    from llmc.compiler.quantize.awq import search_scale
+    from llmc.compiler.quantize.blockwise import fake_quantize
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((128, 64)).astype(np.float32)
@@ -282,8 +282,8 @@ def test_awq_search_never_does_worse_than_round_to_nearest():
 def test_awq_keeps_the_fp32_function(int4_build):
     import onnxruntime as ort
 
-    from llmc.compiler.awq import awq
-    from llmc.compiler.calibrate import feeds
+    from llmc.compiler.quantize.awq import awq
+    from llmc.compiler.quantize.calibrate import feeds
 
     layout = int4_build.exported.kv_layout
     model = onnx.load(str(int4_build.output / "export" / "model.onnx"))

@@ -8,7 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import assert_serves_like_its_graph
 from llmc.compiler import build
-from llmc.compiler.calibrate import Calibration, calibrate, calibration_key, weight_matmul_inputs
+from llmc.compiler.quantize.calibrate import Calibration, calibrate, calibration_key, weight_matmul_inputs
 from llmc.compiler.spec import parse_spec
 from llmc.compiler.trt_compat import qdq_problems
 from llmc.errors import SpecError
@@ -176,9 +176,9 @@ def test_an_int8_build_serves_through_triton(int8_build, tmp_path):
 def test_smoothquant_keeps_the_fp32_function_and_moves_range_out_of_activations(int8_build, tokenizer_windows):
     import onnxruntime as ort
 
-    from llmc.compiler.calibrate import feeds
+    from llmc.compiler.quantize.calibrate import feeds
     from llmc.compiler.quantize import untie_lm_head
-    from llmc.compiler.smoothquant import channel_amax, smooth, smoothable
+    from llmc.compiler.quantize.smoothquant import channel_amax, smooth, smoothable
 
     layout = int8_build.exported.kv_layout
     model = onnx.load(str(int8_build.output / "export" / "model.onnx"))

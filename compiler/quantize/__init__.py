@@ -31,16 +31,16 @@ from typing import Callable
 import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel, QuantizedModel, hash_outputs
-from llmc.compiler.awq import awq
-from llmc.compiler.blockwise import BlockCodes, pack, search
-from llmc.compiler.calibrate import Calibration, calibrate, calibration_key, mean_squares
+from llmc.compiler.quantize.awq import awq
+from llmc.compiler.quantize.blockwise import BlockCodes, pack, search
+from llmc.compiler.quantize.calibrate import Calibration, calibrate, calibration_key, mean_squares
 from llmc.compiler.graph_passes import deduplicate_initializers, merge_sibling_matmul_nbits
 from llmc.compiler.hashing import hash_json
 from llmc.compiler.export import EXTERNAL_DATA_NAME, ONNX_NAME, PROTOBUF_LIMIT, save_model, tool_versions
-from llmc.compiler.quality import compare
-from llmc.compiler.smoothquant import smooth
+from llmc.compiler.quantize.quality import compare
+from llmc.compiler.quantize.smoothquant import smooth
 from llmc.compiler.spec import QuantizationSpec, QuantMode, WeightOnlyAlgorithm
-from llmc.compiler.textdata import builtin_documents, load_documents, token_windows
+from llmc.compiler.quantize.textdata import builtin_documents, load_documents, token_windows
 from llmc.compiler.verify import PROMPTS
 from llmc.errors import QuantizationError
 from llmc.runtime.layout import KVLayout
@@ -189,7 +189,7 @@ def static_qdq(source: Path, exported: ExportedModel, spec: QuantizationSpec, to
     """The Q/DQ graph and the calibration behind it (reused from `previous` when its key matches)."""
     import onnx
 
-    from llmc.compiler.qdq import place_qdq, set_activation_scales
+    from llmc.compiler.quantize.qdq import place_qdq, set_activation_scales
 
     cal = spec.calibration
     windows = calibration_windows(spec, tokenizer)

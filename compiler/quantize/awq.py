@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from llmc.compiler.blockwise import fake_quantize
-from llmc.compiler.smoothquant import apply_scales, site_activations, smoothable
+from llmc.compiler.quantize.blockwise import fake_quantize
+from llmc.compiler.quantize.smoothquant import apply_scales, site_activations, smoothable
 from llmc.runtime.layout import KVLayout
 
 ALPHAS = np.linspace(0.0, 1.0, 11)

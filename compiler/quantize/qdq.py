@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.compiler.calibrate import Calibration, feeds
+from llmc.compiler.quantize.calibrate import Calibration, feeds
 from llmc.compiler.spec import QuantMode
 from llmc.errors import QuantizationError
 from llmc.runtime.layout import KVLayout

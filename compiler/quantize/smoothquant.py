@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from llmc.compiler.calibrate import run_tensors
+from llmc.compiler.quantize.calibrate import run_tensors
 from llmc.runtime.layout import KVLayout
 
 # normalizations and the input slots of their per-channel constants (scale, bias); output 0 is normalized

@@ -16,29 +16,12 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
 
+from llmc.compiler.artifacts import QualityReport
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.ort_runner import OrtRunner
 
 SPEED_PROMPT, SPEED_STEPS = 64, 24
-
-
-class QualityReport(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    eval_text: str
-    eval_tokens: int
-    perplexity_reference: float
-    perplexity_quantized: float
-    perplexity_increase: float  # relative: 0.03 = 3% higher
-    token_agreement: float  # teacher-forced greedy agreement over the verify prompts
-    agreement_tokens: int
-    size_reference_mib: float
-    size_quantized_mib: float
-    decode_tok_s_reference: float
-    decode_tok_s_quantized: float
-    runtime: str
 
 
 def perplexity(runner: OrtRunner, windows: list[np.ndarray], tick: Callable[[], None]) -> float:
