@@ -7,7 +7,7 @@
                                                          engine stage's files: model.onnx or model.plan)
     <output>/model_repository/<name>/1/tokenizer.json
     <output>/model_repository/<name>/1/manifest.json     RepositoryManifest: what the runtime reads
-    <output>/model_repository/<name>/1/llmc/             a copy of the serving runtime (no torch, no transformers)
+    <output>/model_repository/<name>/1/llmc/             llmc.runtime copied whole (no torch, no transformers)
     <output>/model_repository/<name>/requirements.txt    what the serving Python needs
 
 Copying `model_repository/` to any Triton server whose Python has the requirements is a deployment.
@@ -31,10 +31,8 @@ from llmc.runtime import cpu_kernels
 from llmc.runtime.manifest import RepositoryManifest, ServingLimits
 
 VERSION = "1"
-# the runtime modules the served model imports (checked by a test that imports them in isolation)
-SERVING_MODULES = ("__init__", "cpu_kernels", "detokenizer", "engine", "layout", "manifest", "metrics", "ort_runner",
-                   "request", "sampling", "scheduler", "sequence", "serving", "tensors", "trt_runner")
 TOKENIZER_FILE = "tokenizer.json"
+RUNTIME_SOURCES = (".py", ".c", ".h")  # the runtime package's files: modules, the CPU kernel's C and headers
 
 
 def requirements(tensorrt_version: str | None = None) -> list[str]:
@@ -59,7 +57,7 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
     for name in engine.files:  # the graph and its external data side by side as ORT expects, or the plan
         link_or_copy(str(engine_dir / name), str(version_dir / name))
     _write_tokenizer(source, version_dir / TOKENIZER_FILE)
-    _copy_runtime(version_dir / "llmc")
+    copy_runtime(version_dir / "llmc")
     shutil.copyfile(importlib.resources.files("llmc.model_repository") / "model.py", version_dir / "model.py")
     tensorrt = engine.tensorrt if isinstance(engine, EngineModel) else None
     (model_dir / "config.pbtxt").write_text(render(model_config(spec.name, gpu=tensorrt is not None)))
@@ -92,16 +90,24 @@ def _write_tokenizer(source: SourceInfo, dest: Path) -> None:
     tokenizer.backend_tokenizer.save(str(dest))
 
 
-def _copy_runtime(dest: Path) -> None:
+def copy_runtime(dest: Path) -> None:
+    """`dest` becomes an `llmc` package holding the runtime package whole (every module and the CPU
+    kernel's C sources, at any depth; no caches or build outputs: a test imports the copy alone), plus
+    the CPU-kernel library built here, so a serving host of the same kind needs no compiler (it
+    rebuilds from the source, or keeps ONNX Runtime's kernels, otherwise)."""
     runtime = Path(importlib.resources.files("llmc.runtime"))
-    (dest / "runtime").mkdir(parents=True)
+    dest.mkdir(parents=True)
     shutil.copyfile(Path(llmc.__file__), dest / "__init__.py")
-    for module in SERVING_MODULES:
-        shutil.copyfile(runtime / f"{module}.py", dest / "runtime" / f"{module}.py")
-    # llmc's CPU kernel: its source, and the library built here, so a serving host of the same kind
-    # needs no compiler (it rebuilds from the source, or keeps ONNX Runtime's kernels, otherwise)
-    for source in cpu_kernels.SOURCES:
-        shutil.copyfile(source, dest / "runtime" / source.name)
+    shutil.copytree(runtime, dest / "runtime", ignore=_not_runtime_source, copy_function=shutil.copyfile)
     library = cpu_kernels.library()
     if library is not None:
         shutil.copyfile(library, dest / "runtime" / library.name)
+
+
+def _not_runtime_source(folder: str, names: list[str]) -> list[str]:
+    """copytree's filter: caches, hidden folders and anything but source files stay behind."""
+    def left(name: str) -> bool:
+        if (Path(folder) / name).is_dir():
+            return name == "__pycache__" or name.startswith(".")
+        return Path(name).suffix not in RUNTIME_SOURCES
+    return [name for name in names if left(name)]

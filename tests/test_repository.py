@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from llmc.compiler.package import SERVING_MODULES, requirements
+import llmc
+from llmc.compiler.package import copy_runtime, requirements
 from llmc.compiler.triton_config import parse
 from llmc.runtime.manifest import ManifestError, RepositoryManifest
 from llmc.runtime.tensors import OUTPUTS, SCALARS
@@ -49,18 +50,38 @@ def test_missing_or_foreign_manifest_is_a_clear_error(tmp_path):
         RepositoryManifest.load(tmp_path)
 
 
+def test_the_runtime_package_is_copied_whole_without_caches(tmp_path):
+    """Every module and C source of llmc.runtime, at any depth, and the CPU-kernel library built
+    here; no __pycache__ (the source has one wherever Python wrote its bytecode) and nothing else."""
+    from llmc.runtime import cpu_kernels
+
+    source = Path(cpu_kernels.__file__).parent
+    copy_runtime(tmp_path / "llmc")
+    copy = tmp_path / "llmc" / "runtime"
+    copied = {str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()}
+    sources = {str(p.relative_to(source)) for p in source.rglob("*")
+               if p.suffix in (".py", ".c", ".h") and "__pycache__" not in p.parts}
+    library = cpu_kernels.library()
+    assert copied == sources | ({library.name} if library else set())
+    assert {"__init__.py", "engine.py", "serving.py", "tensors.py", "cpu_kernels.c", "matmul_nbits4.h"} <= copied
+    assert (tmp_path / "llmc" / "__init__.py").read_bytes() == Path(llmc.__file__).read_bytes()
+
+
 def test_the_version_folder_runs_in_the_serving_env_alone(tiny_build):
     """The serving Python has no llmc, torch or transformers: the copied runtime must be enough."""
     python = SERVING_ENV / "bin" / "python3"
     if not python.exists():
         pytest.skip(".venv-serving is missing: run scripts/setup.sh")
     version = tiny_build.repository / "tiny" / "1"
+    modules = sorted(".".join(p.relative_to(version).with_suffix("").parts)
+                     for p in (version / "llmc" / "runtime").rglob("*.py") if p.name != "__init__.py")
+    assert "llmc.runtime.serving" in modules and "llmc.runtime.trt_runner" in modules
     code = f"""
 import sys, threading
 sys.path.insert(0, {str(version)!r})
 import numpy as np, llmc
 assert llmc.__file__.startswith({str(version)!r}), llmc.__file__
-{"; ".join(f"import llmc.runtime.{m}" for m in SERVING_MODULES if m != "__init__")}
+{"; ".join(f"import {m}" for m in modules)}
 from llmc.runtime.serving import ServingLoop
 assert not {{"torch", "transformers", "onnx"}} & set(sys.modules), sorted(sys.modules)
 done, out = threading.Event(), []
