@@ -21,6 +21,7 @@ import numpy as np
 from llmc.compiler.artifacts import ExportedModel, VerifyCase, VerifyReport
 from llmc.errors import UnsupportedError
 from llmc.runtime.ort_runner import OrtRunner
+from llmc.runtime.runner import Runner
 
 PROMPTS = (
     "The capital of France is",
@@ -58,7 +59,7 @@ def torch_greedy(model, prompt: list[int], steps: int, tick: Callable[[], None])
     return prefill, last
 
 
-def runner_greedy(runner: OrtRunner, prompts: list[list[int]], steps: int, tick: Callable[[], None]) -> list[Decoded]:
+def runner_greedy(runner: Runner, prompts: list[list[int]], steps: int, tick: Callable[[], None]) -> list[Decoded]:
     """Each prompt prefilled alone into slot r, then all rows decoded together at their own positions."""
     prefills, lasts = [], []
     for row, prompt in enumerate(prompts):
@@ -120,6 +121,7 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
     refs = [torch_greedy(model, p, steps, tick) for p in prompts]
     cases = [compare(name, refs[:len(batch)], runner_greedy(runner, batch, steps, tick), batch, steps, tolerance)
              for name, batch in cases_in]
+    runner.close()
     layout = exported.kv_layout
     report = VerifyReport(
         inputs_hash=inputs_hash, reference=f"pytorch ({exported.model.model_type}, fp32, HF attention)",

@@ -8,8 +8,9 @@ has several tokens and a past; the layout records it) in chunks of at most `max_
 long prompt cannot stall the running batch for long. Decode runs the contiguous slot range that
 holds the decoding sequences; free or still-prefilling slots inside it ride along as dummy rows
 that write only where nothing will be read (position 0 of a free slot, or the position a
-prefilling sequence will overwrite next). `add_request` and `cancel` may be called from other
-threads; `step` belongs to one loop thread.
+prefilling sequence will overwrite next). The model is a `Runner` (runtime/runner.py): its `rows`
+are the slots, its `capacity` the longest sequence. `add_request` and `cancel` may be called from
+other threads; `step` belongs to one loop thread.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmc.runtime.detokenizer import IncrementalDetokenizer
+from llmc.runtime.runner import Runner
 from llmc.runtime.sampling import SamplingParams, sample
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.sequence import FinishReason, Sequence, Status
@@ -38,11 +40,11 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, runner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_queue_size: int = 256,
+    def __init__(self, runner: Runner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_queue_size: int = 256,
                  max_num_tokens: int = 8192):
         self.runner, self.tokenizer, self.end_ids = runner, tokenizer, tuple(end_ids)
-        self.capacity, self.max_num_tokens = runner.cache.capacity, max_num_tokens
-        self.scheduler = Scheduler(runner.cache.max_batch, max_queue_size)
+        self.capacity, self.max_num_tokens = runner.capacity, max_num_tokens
+        self.scheduler = Scheduler(runner.rows, max_queue_size)
         self._lock = threading.Lock()
         self._active: dict[str, Sequence] = {}
         self._cancelled: list[Sequence] = []

@@ -1,9 +1,9 @@
 """Run an exported decoder graph on ONNX Runtime, its KV cache kept in preallocated slots.
 
 `KVCache` holds one key and one value buffer per layer, `[max_batch, kv_heads, capacity, head_dim]`;
-row r of every buffer is slot r. `OrtRunner.step(input_ids, cache_position, first_row)` runs the
-rows `first_row .. first_row + n` (a contiguous range, so each buffer's rows are one contiguous
-block of memory) and returns their logits.
+row r of every buffer is slot r. `OrtRunner` is a `Runner` (runtime/runner.py):
+`step(input_ids, cache_position, first_row)` runs the rows `first_row .. first_row + n` (a
+contiguous range, so each buffer's rows are one contiguous block of memory) and returns their logits.
 
 In-place graphs (`layout.in_place`, the fused lowering) get each slot range bound through IO
 binding as both `past_key_values.*` input and `present.*` output: a step writes only the new
@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.runtime.layout import KVLayout, check_step
+from llmc.runtime.runner import RunnerClosed
 
 
 def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True):
@@ -67,11 +68,11 @@ class KVCache:
 
 
 class OrtRunner:
-    """`step(input_ids [n, S], cache_position [n], first_row) -> logits [n, S, vocab]`."""
+    """A `Runner` on ONNX Runtime: `step(input_ids [n, S], cache_position [n], first_row) -> logits [n, S, vocab]`."""
 
     def __init__(self, onnx_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, num_threads: int = 0,
                  optimize: bool = True):
-        self.layout = layout
+        self.layout, self.rows, self.capacity = layout, max_batch, capacity
         self.session = make_session(onnx_path, num_threads, optimize)
         self.cache = KVCache(layout, max_batch, capacity)
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
@@ -82,14 +83,22 @@ class OrtRunner:
             self._positions = np.zeros(max_batch, dtype=np.int64)
             self._logits = np.zeros((max_batch, 1, self.vocab_size), dtype=np.float32)
 
+    def close(self) -> None:
+        """Drop the session, its bindings and the cache buffers."""
+        self.session, self.cache = None, None
+        self._bindings.clear()
+        self._decode_bindings.clear()
+
     def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0) -> np.ndarray:
+        if self.session is None:
+            raise RunnerClosed("step on a closed OrtRunner")
         input_ids, cache_position = np.asarray(input_ids), np.asarray(cache_position)
         if self.layout.in_place and input_ids.shape[1:] == (1,):
             return self._decode(input_ids, cache_position, first_row)
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         cache_position = np.ascontiguousarray(cache_position, dtype=np.int64)
         n, s = input_ids.shape
-        check_step(self.layout, self.cache.max_batch, self.cache.capacity, (n, s), cache_position, first_row)
+        check_step(self.layout, self.rows, self.capacity, (n, s), cache_position, first_row)
         if self.layout.in_place:
             return self._step_in_place(input_ids, cache_position, first_row)
         names = self.layout.past_names()
@@ -113,7 +122,7 @@ class OrtRunner:
 
     def _decode(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int) -> np.ndarray:
         n = len(input_ids)
-        check_step(self.layout, self.cache.max_batch, self.cache.capacity, (n, 1), cache_position, first_row)
+        check_step(self.layout, self.rows, self.capacity, (n, 1), cache_position, first_row)
         binding = self._decode_bindings.get((first_row, n))
         if binding is None:
             binding = self._decode_bindings[(first_row, n)] = self._bind_decode(first_row, n)

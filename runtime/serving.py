@@ -120,12 +120,15 @@ class ServingLoop:
         return not self.num_in_flight
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop; requests still in flight get an error."""
+        """Stop the loop; requests still in flight get an error. Once the loop thread has ended, the
+        runner is closed: an unloaded version frees its model and KV cache (GPU memory for TensorRT)."""
         self._stopping.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._fail_all("the model is being unloaded")
+        if not self._thread.is_alive():  # no step can be running
+            self.engine.runner.close()
 
     def submit(self, inputs: Mapping[str, np.ndarray], sink: Sink, client_id: str = "") -> None:
         """Queue a request (never blocks); a request that cannot run is answered with an error at once.
@@ -184,11 +187,11 @@ class ServingLoop:
                 self._fail_all(f"internal error while generating: {err!r}")
                 continue
             s = self.engine.scheduler  # gauges first: a client that sees a response sees them current
-            self.metrics.load(s.num_running, s.num_waiting, self.engine.runner.cache.max_batch)
+            self.metrics.load(s.num_running, s.num_waiting, self.engine.runner.rows)
             now = time.monotonic()
             for out in outputs:
                 self._respond(out, now)
-        self.metrics.load(0, 0, self.engine.runner.cache.max_batch)
+        self.metrics.load(0, 0, self.engine.runner.rows)
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()

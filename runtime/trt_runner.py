@@ -1,4 +1,4 @@
-"""Run a TensorRT engine behind the same `step()` interface as `OrtRunner`, the KV cache on the GPU.
+"""Run a TensorRT engine as a `Runner` (runtime/runner.py), like `OrtRunner`, the KV cache on the GPU.
 
     step(input_ids [n, S], cache_position [n], first_row) -> logits [n, S, vocab] (host, float32)
 
@@ -9,7 +9,8 @@ every buffer are one contiguous block, so a step binds `base + first_row * row_b
 output — nothing is copied. Graphs that return a new cache (the reference lowering) write into a
 scratch set whose rows are copied back on the device. Steps with several tokens per row use the
 engine's prefill profile (one row), one-token steps its decode profile; each profile has its own
-execution context, and everything runs on one CUDA stream (`execute_async_v3`).
+execution context, and everything runs on one CUDA stream (`execute_async_v3`). `close()` frees
+the device buffers, the contexts, the engine and the stream.
 
 `check_engine(info, ...)` refuses, before deserializing, an engine built by another TensorRT
 version (unless version-compatible) or for another GPU generation, with a message that says so.
@@ -23,6 +24,7 @@ import numpy as np
 
 from llmc.runtime.layout import ITEMSIZE, KVLayout, check_step
 from llmc.runtime.manifest import TensorRTInfo
+from llmc.runtime.runner import RunnerClosed
 
 PREFILL, DECODE = 0, 1  # optimization profile indices (compiler/plan.py order)
 
@@ -70,6 +72,15 @@ def _ok(result):
     return values[0] if len(values) == 1 else values
 
 
+def _free(pointers) -> None:
+    """cudaFree every device pointer, then raise for the first that failed (the rest are freed still)."""
+    cudart = _cuda()
+    errors = [cudart.cudaFree(ptr)[0] for ptr in pointers]  # each call returns (cudaError_t,)
+    failed = [err for err in errors if int(err) != 0]
+    if failed:
+        raise RuntimeError(f"CUDA error {failed[0]} freeing device memory")
+
+
 def gpu_identity() -> tuple[str, int]:
     """(name, capability as 10*major+minor) of CUDA device 0."""
     cudart = _cuda()
@@ -96,15 +107,14 @@ class DeviceKVCache:
     def nbytes(self) -> int:
         return self.row_bytes * self.max_batch * len(self.buffers)
 
-    def free(self) -> None:
-        cudart = _cuda()
-        for ptr in self.buffers:
-            cudart.cudaFree(ptr)
-        self.buffers = []
+    def close(self) -> None:
+        """Free the buffers; calling it again does nothing."""
+        buffers, self.buffers = self.buffers, []
+        _free(buffers)
 
 
 class TrtRunner:
-    """`step(input_ids [n, S], cache_position [n], first_row) -> logits [n, S, vocab]` on a TensorRT engine."""
+    """A `Runner` on a TensorRT engine, its KV cache on the GPU."""
 
     def __init__(self, engine_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, max_num_tokens: int,
                  info: TensorRTInfo | None = None):
@@ -119,7 +129,7 @@ class TrtRunner:
         gpu, capability = gpu_identity()
         if info is not None:
             check_engine(info, trt.__version__, gpu, capability)
-        self.layout, self.trt = layout, trt
+        self.layout, self.trt, self.rows, self.capacity = layout, trt, max_batch, capacity
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self.engine = self._runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
@@ -141,15 +151,37 @@ class TrtRunner:
         self._ids = _ok(cudart.cudaMalloc(tokens * 8))
         self._positions = _ok(cudart.cudaMalloc(max_batch * 8))
         self._logits = _ok(cudart.cudaMalloc(tokens * self.vocab_size * np.dtype(self._logits_type).itemsize))
+        self._io = (self._ids, self._positions, self._logits)  # what close() frees besides the caches
+
+    def close(self) -> None:
+        """Wait for the stream, then free the KV cache and the step buffers, destroy the execution
+        contexts before the engine and the engine before its runtime (TensorRT frees an object when
+        its last Python reference goes), and destroy the stream last. Calling it again does nothing."""
+        if self.stream is None:
+            return
+        cudart = _cuda()
+        _ok(cudart.cudaStreamSynchronize(self.stream))
+        for cache in (self.cache, self.scratch):
+            if cache is not None:
+                cache.close()
+        io, self._io = self._io, ()
+        _free(io)
+        self.contexts = []
+        self.engine = None
+        self._runtime = None
+        stream, self.stream = self.stream, None
+        _ok(cudart.cudaStreamDestroy(stream))
 
     def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0) -> np.ndarray:
+        if self.stream is None:
+            raise RunnerClosed("step on a closed TrtRunner")
         cudart = _cuda()
         h2d, d2h, d2d = (cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost,
                          cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice)
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         cache_position = np.ascontiguousarray(cache_position, dtype=np.int64)
         n, s = input_ids.shape
-        check_step(self.layout, self.cache.max_batch, self.cache.capacity, (n, s), cache_position, first_row)
+        check_step(self.layout, self.rows, self.capacity, (n, s), cache_position, first_row)
         context = self.contexts[PREFILL if s > 1 else DECODE]
         _ok(cudart.cudaMemcpyAsync(self._ids, input_ids.ctypes.data, input_ids.nbytes, h2d, self.stream))
         _ok(cudart.cudaMemcpyAsync(self._positions, cache_position.ctypes.data, cache_position.nbytes, h2d,
@@ -158,7 +190,7 @@ class TrtRunner:
         context.set_tensor_address("input_ids", self._ids)
         context.set_input_shape(self.layout.positions, (n,))
         context.set_tensor_address(self.layout.positions, self._positions)
-        kv_shape = self.layout.shape(n, self.cache.capacity)
+        kv_shape = self.layout.shape(n, self.capacity)
         present_rows = (self.scratch or self.cache).rows(first_row)
         for past, present, rows, out in zip(self.layout.past_names(), self.layout.present_names(),
                                             self.cache.rows(first_row), present_rows):

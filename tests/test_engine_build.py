@@ -54,14 +54,17 @@ def test_an_engine_for_another_tensorrt_or_gpu_is_refused_with_what_to_change():
 
 
 class _Noisy:
-    """A runner whose logits are off by noise of amplitude `amp` (what a broken engine looks like)."""
+    """A Runner whose logits are off by noise of amplitude `amp` (what a broken engine looks like)."""
 
     def __init__(self, runner, amp):
-        self.runner, self.amp, self.cache = runner, amp, runner.cache
+        self.runner, self.amp, self.rows, self.capacity = runner, amp, runner.rows, runner.capacity
 
     def step(self, *args, **kwargs):
         logits = self.runner.step(*args, **kwargs)
         return logits + self.amp * np.random.default_rng(0).standard_normal(logits.shape).astype(np.float32)
+
+    def close(self):
+        self.runner.close()
 
 
 @pytest.fixture(scope="module")

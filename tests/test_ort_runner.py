@@ -6,6 +6,7 @@ import pytest
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.ort_runner import OrtRunner
+from llmc.runtime.runner import Runner, RunnerClosed
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +97,13 @@ def test_decode_steps_on_any_row_range_match_prefill_and_return_the_callers_logi
     assert len(runner._decode_bindings) == 4  # (1, 2), (0, 3), (0, 1), (2, 1): made once each
     for logits, copy in kept:
         np.testing.assert_array_equal(logits, copy)
+
+
+def test_ort_runner_is_a_runner_and_close_ends_it(exports):
+    runner = _runner(exports, "fused", max_batch=3, capacity=32)
+    assert isinstance(runner, Runner) and (runner.rows, runner.capacity) == (3, 32)
+    assert runner.step(np.array([[1, 2]]), np.array([0]), first_row=2).shape == (1, 2, runner.vocab_size)
+    runner.close()
+    runner.close()  # a second close does nothing
+    with pytest.raises(RunnerClosed):
+        runner.step(np.array([[3]]), np.array([2]), first_row=2)

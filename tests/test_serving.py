@@ -171,6 +171,19 @@ def test_full_queue_answers_busy_retry(tiny_build):
     assert first.errors == ["the model is being unloaded"]  # stopping answers what was still queued
 
 
+def test_stopping_the_loop_closes_its_runner(tiny_build):
+    """An unloaded model version frees its model and KV cache (GPU memory for a TensorRT engine)."""
+    from llmc.runtime.runner import RunnerClosed
+
+    loop = ServingLoop.from_manifest(tiny_build.repository / "tiny" / "1").start()
+    sink = RecordingSink()
+    loop.submit(_req(max_tokens=3), sink)
+    assert sink.wait().errors == []
+    loop.stop()
+    with pytest.raises(RunnerClosed):
+        loop.engine.runner.step(np.array([[1]]), np.array([0]))
+
+
 def test_a_failing_step_ends_requests_in_flight_and_the_loop_keeps_serving(served, monkeypatch):
     loop, _ = served
     real_step, calls = loop.engine.runner.step, []

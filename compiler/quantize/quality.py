@@ -20,11 +20,12 @@ import numpy as np
 from llmc.compiler.artifacts import QualityReport
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.ort_runner import OrtRunner
+from llmc.runtime.runner import Runner
 
 SPEED_PROMPT, SPEED_STEPS = 64, 24
 
 
-def perplexity(runner: OrtRunner, windows: list[np.ndarray], tick: Callable[[], None]) -> float:
+def perplexity(runner: Runner, windows: list[np.ndarray], tick: Callable[[], None]) -> float:
     nll, count = 0.0, 0
     for ids in windows:
         logits = runner.step(ids[None], np.zeros(1, dtype=np.int64))[0, :-1].astype(np.float64)
@@ -36,7 +37,7 @@ def perplexity(runner: OrtRunner, windows: list[np.ndarray], tick: Callable[[], 
     return math.exp(nll / count)
 
 
-def greedy(runner: OrtRunner, prompt: list[int], steps: int) -> list[int]:
+def greedy(runner: Runner, prompt: list[int], steps: int) -> list[int]:
     logits = runner.step(np.array([prompt]), np.zeros(1, dtype=np.int64))
     tokens = [int(logits[0, -1].argmax())]
     for k in range(steps - 1):
@@ -45,13 +46,13 @@ def greedy(runner: OrtRunner, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
-def agreement(runner: OrtRunner, prompt: list[int], reference: list[int]) -> int:
+def agreement(runner: Runner, prompt: list[int], reference: list[int]) -> int:
     """How many of `reference`'s greedy tokens the runner picks when fed the same prefix."""
     logits = runner.step(np.array([prompt + reference[:-1]]), np.zeros(1, dtype=np.int64))[0, len(prompt) - 1:]
     return int((logits.argmax(-1) == np.array(reference)).sum())
 
 
-def decode_speed(runner: OrtRunner, vocab_size: int) -> float:
+def decode_speed(runner: Runner, vocab_size: int) -> float:
     prompt = np.random.default_rng(0).integers(0, vocab_size, SPEED_PROMPT)
     token = runner.step(prompt[None], np.zeros(1, dtype=np.int64))[:, -1].argmax(-1)[:, None]
     times = []
@@ -83,6 +84,8 @@ def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list
         agreed += agreement(runners[1], prompt, greedy(runners[0], prompt, steps))
         tick()
     speed = [decode_speed(r, vocab_size) for r in runners]
+    for r in runners:
+        r.close()
     return QualityReport(
         eval_text=eval_text, eval_tokens=sum(len(w) for w in windows), perplexity_reference=ppl[0],
         perplexity_quantized=ppl[1], perplexity_increase=ppl[1] / ppl[0] - 1.0,
