@@ -154,8 +154,8 @@ def verify_summary(report: VerifyReport) -> str:
             f"{report.max_abs_logit_diff:.1e} (tolerance {report.tolerance:.0e})")
 
 
-ENGINE_CODE = ("llmc.compiler.engine", "llmc.compiler.trt_prep", "llmc.compiler.verify_engine", "llmc.plugins.trt_plugin",
-               "llmc.plugins.kernels", "llmc.plugins.kernels_aot", "llmc.runtime.trt_runner")
+ENGINE_CODE = ("llmc.compiler.tensorrt.engine", "llmc.compiler.tensorrt.prep", "llmc.compiler.tensorrt.verify_engine",
+               "llmc.plugins.trt_plugin", "llmc.plugins.kernels", "llmc.plugins.kernels_aot", "llmc.runtime.trt_runner")
 LAYOUT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -166,9 +166,9 @@ def engine_stage(b: "_Build", staging: Path, info: SourceInfo, model: "_Model", 
     import tensorrt
 
     from llmc.compiler.artifacts import EngineModel, hash_outputs
-    from llmc.compiler.engine import ENGINE_NAME, TIMING_CACHE, build_engine
+    from llmc.compiler.tensorrt.engine import ENGINE_NAME, TIMING_CACHE, build_engine
     from llmc.compiler.plan import profiles, read_dims
-    from llmc.compiler.trt_prep import prepare_for_tensorrt
+    from llmc.compiler.tensorrt.prep import prepare_for_tensorrt
     from llmc.runtime.trt_runner import gpu_identity
 
     spec, exported = b.spec, b.result.exported
@@ -211,7 +211,7 @@ def _verify_engine(b: "_Build", staging: Path, plan: Path, layout, trt_info, sou
 
     from llmc.compiler import export as export_stage
     from llmc.compiler.verify import prompt_ids
-    from llmc.compiler.verify_engine import ENGINE_TOLERANCE, compare_runners
+    from llmc.compiler.tensorrt.verify_engine import ENGINE_TOLERANCE, compare_runners
     from llmc.plugins.lowering import Lowering
     from llmc.runtime.ort_runner import OrtRunner
     from llmc.runtime.trt_runner import TrtRunner

@@ -5,10 +5,10 @@ load-time compatibility check. The build and run themselves are marked `tensorrt
 import numpy as np
 import pytest
 
-from llmc.compiler.engine import plugin_capability, profile_shapes
+from llmc.compiler.tensorrt.engine import plugin_capability, profile_shapes
 from llmc.compiler.plan import Profile
 from llmc.compiler.spec import TensorRTSpec, parse_spec
-from llmc.compiler.verify_engine import compare_runners
+from llmc.compiler.tensorrt.verify_engine import compare_runners
 from llmc.errors import EngineError, SpecError
 from llmc.runtime.manifest import TensorRTInfo
 from llmc.runtime.trt_runner import EngineLoadError, check_engine

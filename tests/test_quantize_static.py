@@ -10,7 +10,7 @@ from conftest import assert_serves_like_its_graph
 from llmc.compiler import build
 from llmc.compiler.quantize.calibrate import Calibration, calibrate, calibration_key, weight_matmul_inputs
 from llmc.compiler.spec import parse_spec
-from llmc.compiler.trt_compat import qdq_problems
+from llmc.compiler.tensorrt.compat import qdq_problems
 from llmc.errors import SpecError
 
 CALIBRATION = {"seq_len": 32, "num_samples": 6}

@@ -7,8 +7,8 @@ from onnx import TensorProto
 
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
-from llmc.compiler.trt_compat import qdq_problems
-from llmc.compiler.trt_prep import FP32_OPS, prepare_for_tensorrt
+from llmc.compiler.tensorrt.compat import qdq_problems
+from llmc.compiler.tensorrt.prep import FP32_OPS, prepare_for_tensorrt
 from llmc.plugins.lowering import PLUGIN_OP
 
 LOW = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}

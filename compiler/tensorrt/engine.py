@@ -1,4 +1,4 @@
-"""Engine stage: a TensorRT engine from the ONNX prepared for it (trt_prep.py).
+"""Engine stage: a TensorRT engine from the ONNX prepared for it (prep.py).
 
     strongly typed network  types come from the graph (TensorRT 11 has no precision flags)
     ONNX parser             LlmcFusedAttention nodes become the AOT plugin (plugins/trt_plugin.py)
