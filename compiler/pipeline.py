@@ -75,20 +75,9 @@ class BuildResult:
 def preflight(spec: BuildSpec, until: str = "verify") -> None:
     """Refuse what this version cannot build before any work is done."""
     if spec.target is Target.tensorrt and until != "export":
-        from llmc.compiler.plan import tensorrt_missing
+        from llmc.compiler.tensorrt.stage import check
 
-        missing = tensorrt_missing()
-        if missing:
-            raise UnsupportedError(
-                f"target: tensorrt needs {missing}, which this machine lacks; build with target: onnxruntime "
-                "here (`llmc build --dry-run` shows what a TensorRT build would make; `llmc export` writes its ONNX)")
-        for module, extra in (("modelopt.onnx.autocast", "quantize"), ("polygraphy", "quantize"),
-                              ("triton", "kernels"), ("cuda", "tensorrt")):
-            try:
-                __import__(module)
-            except ImportError:
-                raise UnsupportedError(f"target: tensorrt needs {module}; install llmc with the `{extra}` "
-                                       "extra") from None
+        check(spec)
     if spec.quantization.mode is not QuantMode.none:
         from llmc.compiler.quantize.textdata import load_documents
 

@@ -1,11 +1,12 @@
 """The build plan (`llmc build --dry-run`): what a build of a spec would make, worked out from the
 spec and the checkpoint's config alone — no weights loaded, no TensorRT or GPU needed.
 
-For `target: tensorrt` it lists the optimization profiles the engine gets from `limits` (a prefill
-profile and a decode profile over the same KV-cache inputs), the precision plan (fp16/bf16 through
-ModelOpt AutoCast, int8/fp8 Q/DQ from the quantize stage), the attention nodes, and a memory
-estimate: weights at their stored precision, the KV cache at the serving limits, and the largest
-activations of a prefill chunk (the logits of every prefilled token dominate).
+For `target: tensorrt` it lists the optimization profiles the engine gets from `limits`
+(tensorrt/profiles.py: a prefill profile and a decode profile over the same KV-cache inputs), the
+precision plan (fp16/bf16 through ModelOpt AutoCast, int8/fp8 Q/DQ from the quantize stage), the
+attention nodes, and a memory estimate: weights at their stored precision, the KV cache at the
+serving limits, and the largest activations of a prefill chunk (the logits of every prefilled
+token dominate).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from dataclasses import dataclass, field
 
 from llmc.compiler.source import SourceInfo, attention_shape
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
+from llmc.compiler.tensorrt.profiles import Profile, profiles
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
                 QuantMode.int4_weight_only: 0.5}
-PREFILL_OPT_TOKENS = 512  # the prefill profile's optimum: a typical prompt chunk
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,6 @@ def read_dims(info: SourceInfo) -> Dims:
 
 
 @dataclass(frozen=True)
-class Profile:
-    name: str
-    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]  # input -> (min, opt, max)
-
-
-@dataclass(frozen=True)
 class BuildPlan:
     target: str
     stages: list[str]
@@ -101,21 +96,6 @@ class BuildPlan:
                  ("memory: total (estimate)", gib(self.weights_bytes + self.kv_cache_bytes + self.activation_bytes))]
         rows += [("note", n) for n in self.notes]
         return rows
-
-
-def profiles(spec: BuildSpec, dims: Dims) -> list[Profile]:
-    """Prefill (one row, many tokens: the engine prefills one sequence per step) and decode (one
-    token per row, up to every slot) over one set of KV inputs."""
-    lim = spec.limits
-    kv = (dims.num_kv_heads, lim.max_seq_len, dims.head_dim)
-    one_row = ((1, *kv),) * 3
-    tokens = lim.max_num_tokens
-    prefill = {"input_ids": ((1, 2), (1, min(PREFILL_OPT_TOKENS, tokens)), (1, tokens)),
-               "cache_position": ((1,), (1,), (1,)), "past_key_values.*": one_row}
-    decode = {"input_ids": ((1, 1), (lim.max_batch_size, 1), (lim.max_batch_size, 1)),
-              "cache_position": ((1,), (lim.max_batch_size,), (lim.max_batch_size,)),
-              "past_key_values.*": ((1, *kv), (lim.max_batch_size, *kv), (lim.max_batch_size, *kv))}
-    return [Profile("prefill", prefill), Profile("decode", decode)]
 
 
 def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
@@ -152,8 +132,8 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
                      attention={"fused": "com.microsoft.GroupQueryAttention", "reference": "opset-23 Attention",
                                 "plugin": "LlmcFusedAttention plugin"}[lowering],
                      attention_nodes=dims.num_layers, quantization=quant,
-                     profiles=profiles(spec, dims) if tensorrt else [], weights_bytes=weights,
-                     kv_cache_bytes=kv_bytes, activation_bytes=activations, notes=notes)
+                     profiles=profiles(spec.limits, dims.num_kv_heads, dims.head_dim) if tensorrt else [],
+                     weights_bytes=weights, kv_cache_bytes=kv_bytes, activation_bytes=activations, notes=notes)
 
 
 def plan_build(spec: BuildSpec) -> BuildPlan:
@@ -161,21 +141,3 @@ def plan_build(spec: BuildSpec) -> BuildPlan:
     from llmc.compiler.source import inspect_source
 
     return build_plan(spec, read_dims(inspect_source(spec.source)))
-
-
-def tensorrt_missing() -> str | None:
-    """What this machine lacks to build TensorRT engines (None: TensorRT and a CUDA GPU are here)."""
-    import importlib.util
-
-    missing = []
-    if importlib.util.find_spec("tensorrt") is None:
-        missing.append("TensorRT (the `tensorrt` Python package)")
-    try:
-        import torch
-
-        gpu = torch.cuda.is_available()
-    except ImportError:
-        gpu = False
-    if not gpu:
-        missing.append("an NVIDIA GPU")
-    return " and ".join(missing) or None

@@ -154,100 +154,23 @@ def verify_summary(report: VerifyReport) -> str:
             f"{report.max_abs_logit_diff:.1e} (tolerance {report.tolerance:.0e})")
 
 
-ENGINE_CODE = ("llmc.compiler.tensorrt.engine", "llmc.compiler.tensorrt.prep", "llmc.compiler.tensorrt.verify_engine",
-               "llmc.plugins.trt_plugin", "llmc.plugins.kernels", "llmc.plugins.kernels_aot", "llmc.runtime.trt_runner")
-LAYOUT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
-
 def engine_stage(b: "_Build", staging: Path, info: SourceInfo, model: "_Model", source_hash: str):
-    """prepare (AutoCast) -> TensorRT build -> compare with ONNX Runtime -> engine/model.plan."""
-    import shutil
-
-    import tensorrt
-
-    from llmc.compiler.artifacts import EngineModel, hash_outputs
-    from llmc.compiler.tensorrt.engine import ENGINE_NAME, TIMING_CACHE, build_engine
-    from llmc.compiler.plan import profiles, read_dims
-    from llmc.compiler.tensorrt.prep import prepare_for_tensorrt
-    from llmc.runtime.trt_runner import gpu_identity
+    """prepare (AutoCast) -> TensorRT build -> compare with ONNX Runtime -> engine/model.plan
+    (llmc.compiler.tensorrt.stage)."""
+    from llmc.compiler.artifacts import EngineModel
+    from llmc.compiler.tensorrt import stage as tensorrt_stage
 
     spec, exported = b.spec, b.result.exported
     source = b.result.quantized or exported
     source_dir = staging / ("quantize" if b.result.quantized else "export")
-    if spec.tensorrt.timing_cache and (b.output / TIMING_CACHE).is_file():  # kept next to the build, carried over
-        shutil.copyfile(b.output / TIMING_CACHE, staging / TIMING_CACHE)
-    key = hash_json({"stage": "engine", "source": source.files, "precision": spec.precision.value,
-                     "spec": spec.section_hash("tensorrt", "limits", "verify"), "code": code_hash(*ENGINE_CODE),
-                     "tensorrt": tensorrt.__version__, "gpu": gpu_identity()})
+    timing_cache = tensorrt_stage.carry_timing_cache(spec, b.output, staging)
+    key = hash_json({"stage": "engine", "source": source.files, **tensorrt_stage.cache_key_parts(spec)})
     art = b.reuse("engine", EngineModel, key, staging)
     status = "cached"
     if art is None:
-        work = staging / "engine"
-        prepared = prepare_for_tensorrt(source_dir / source.onnx, spec.precision.value, work / "prepared")
-        trt_info = build_engine(prepared, profiles(spec, read_dims(info)), spec.tensorrt, spec.precision.value, work,
-                                staging / TIMING_CACHE if spec.tensorrt.timing_cache else None,
-                                progress=b.reporter.stage_progress)
-        shutil.rmtree(work / "prepared")  # the engine holds the weights
-        layout = source.kv_layout.model_copy(update={"dtype": LAYOUT_DTYPES[spec.precision.value], "max_prefill_rows": 1,
-                                                     "in_place": exported.lowering.value == "plugin"})
-        verified = ""
-        if spec.verify.enabled:
-            verified = _verify_engine(b, staging, work / ENGINE_NAME, layout, trt_info, source, source_dir, model,
-                                      source_hash)
-        art = EngineModel(inputs_hash=key, files=hash_outputs(work, [ENGINE_NAME]), plan=ENGINE_NAME,
-                          kv_layout=layout, tensorrt=trt_info, verified=verified)
-        art.save(work)
+        art = tensorrt_stage.make_engine(source, source_dir, exported, spec, staging / "engine", inputs_hash=key,
+                                         load_model=model.get, source_hash=source_hash, timing_cache=timing_cache,
+                                         progress=b.reporter.stage_progress)
         status = "ran"
     b.result.engine = art
-    t = art.tensorrt
-    return status, (f"{art.plan}: TensorRT {t.version}, {t.gpu} (sm {t.compute_capability}), {t.precision}, "
-                    f"profiles {', '.join(t.profiles)}" + (f"; {art.verified}" if art.verified else ""))
-
-
-def _verify_engine(b: "_Build", staging: Path, plan: Path, layout, trt_info, source, source_dir: Path,
-                   model: "_Model", source_hash: str) -> str:
-    """The engine vs ONNX Runtime on the verify prompts; raises VerifyError when Polygraphy rejects it."""
-    import shutil
-
-    from llmc.compiler import export as export_stage
-    from llmc.compiler.verify import prompt_ids
-    from llmc.compiler.tensorrt.verify_engine import ENGINE_TOLERANCE, compare_runners
-    from llmc.plugins.lowering import Lowering
-    from llmc.runtime.ort_runner import OrtRunner
-    from llmc.runtime.trt_runner import TrtRunner
-
-    spec, exported = b.spec, b.result.exported
-    torch_model, tokenizer = model.get()
-    reference_dir = None
-    if exported.lowering.runs_on_onnxruntime:
-        onnx_path, reference_layout = source_dir / source.onnx, source.kv_layout
-    else:  # ONNX Runtime cannot run the plugin node: the same checkpoint's fused export stands in
-        reference_dir = staging / "engine" / "reference"
-        ref = export_stage.export(torch_model, tokenizer, reference_dir, lowering=Lowering.fused,
-                                  source_hash=source_hash, inputs_hash="engine-reference")
-        onnx_path, reference_layout = reference_dir / ref.onnx, ref.kv_layout
-    steps = spec.verify.decode_steps
-    prompts = prompt_ids(tokenizer, exported.model.vocab_size)[:spec.limits.max_batch_size]
-    prompts = [p[:spec.limits.max_seq_len - steps] for p in prompts]
-    reference = OrtRunner(onnx_path, reference_layout, max_batch=len(prompts), capacity=spec.limits.max_seq_len,
-                          num_threads=spec.serving.num_threads)
-    candidate = TrtRunner(plan, layout, max_batch=len(prompts), capacity=spec.limits.max_seq_len,
-                          max_num_tokens=spec.limits.max_num_tokens, info=trt_info)
-    total, done = 2 * steps, 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        b.reporter.stage_progress(done, total)
-
-    case, accepted = compare_runners(reference, candidate, prompts, steps, spec.precision.value, tick=tick)
-    del reference, candidate
-    if reference_dir is not None:
-        shutil.rmtree(reference_dir)
-    atol, rtol = ENGINE_TOLERANCE[spec.precision.value]
-    summary = (f"vs ONNX Runtime: greedy tokens {case.token_agreement:.0%} equal over {steps} steps, max |Δlogit| "
-               f"{case.max_abs_logit_diff:.2e} (Polygraphy atol {atol}, rtol {rtol}: "
-               f"{'passed' if accepted else 'FAILED'})")
-    if not accepted:
-        raise VerifyError(f"engine verification failed: {summary}")
-    return summary
+    return status, tensorrt_stage.summary(art)

@@ -26,7 +26,7 @@ from llmc.runtime.layout import ITEMSIZE, KVLayout, check_step
 from llmc.runtime.manifest import TensorRTInfo
 from llmc.runtime.runner import RunnerClosed
 
-PREFILL, DECODE = 0, 1  # optimization profile indices (compiler/plan.py order)
+PREFILL, DECODE = 0, 1  # optimization profile indices (compiler/tensorrt/profiles.py order)
 
 
 class EngineLoadError(RuntimeError):

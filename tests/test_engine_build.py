@@ -5,8 +5,8 @@ load-time compatibility check. The build and run themselves are marked `tensorrt
 import numpy as np
 import pytest
 
-from llmc.compiler.tensorrt.engine import plugin_capability, profile_shapes
-from llmc.compiler.plan import Profile
+from llmc.compiler.tensorrt.engine import plugin_capability
+from llmc.compiler.tensorrt.profiles import Profile, profile_shapes
 from llmc.compiler.spec import TensorRTSpec, parse_spec
 from llmc.compiler.tensorrt.verify_engine import compare_runners
 from llmc.errors import EngineError, SpecError

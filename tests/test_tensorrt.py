@@ -5,7 +5,7 @@ with KIND_GPU instances, and its runner decodes greedily like the ONNX Runtime g
 import numpy as np
 import pytest
 
-from llmc.compiler.plan import tensorrt_missing
+from llmc.compiler.tensorrt.stage import tensorrt_missing
 
 pytestmark = [pytest.mark.tensorrt, pytest.mark.cuda,
               pytest.mark.skipif(tensorrt_missing() is not None,

@@ -1,25 +1,30 @@
-"""Engine stage: a TensorRT engine from the ONNX prepared for it (prep.py).
+"""The TensorRT engine build, composed of small loaders in Polygraphy's style: each is a callable
+made from its options that does its work only when called, so a build is their composition
 
-    strongly typed network  types come from the graph (TensorRT 11 has no precision flags)
-    ONNX parser             LlmcFusedAttention nodes become the AOT plugin (plugins/trt_plugin.py)
-    two profiles            prefill (one row, many tokens) and decode (many rows, one token), over
-                            the same KV-cache inputs, from `limits` (plan.profiles)
-    builder config          memory pool limit, optimization level, hardware / version compatibility
-    timing cache            read from and written back to <output>/timing.cache, so a rebuild of
-                            the same network on the same GPU skips the tactic timing
+    engine_from_network(network_from_onnx(path), create_config(options, profiles, cache, progress),
+                        save_timing_cache=cache)()
 
-Everything below `build_engine` needs TensorRT and a GPU; the pieces that do not (profile shapes
-per network input, the compatibility options) are plain functions, tested on CPU.
+    network_from_onnx    a strongly typed network (types come from the graph: TensorRT 11 has no
+                         precision flags) parsed from the ONNX prepared for it (prep.py); the
+                         LlmcFusedAttention nodes become the AOT plugin (plugins/trt_plugin.py)
+    create_config        memory pool limit, optimization level, hardware / version compatibility,
+                         the prefill and decode profiles over the same KV-cache inputs (profiles.py),
+                         the timing cache read from <output>/timing.cache, a progress monitor
+    engine_from_network  the serialized engine; the timing cache written back, so a rebuild of the
+                         same network on the same GPU skips the tactic timing
+
+`build_engine` composes them, writes `model.plan` and returns what the manifest records about it.
+The loaders import TensorRT when called, never before; `plugin_capability` and the profile shapes
+(profiles.py) are plain functions, tested on CPU.
 """
 
 from __future__ import annotations
 
-import fnmatch
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
-from llmc.compiler.plan import Profile
 from llmc.compiler.spec import HardwareCompatibility, TensorRTSpec
+from llmc.compiler.tensorrt.profiles import Profile, profile_shapes, recorded_shapes
 from llmc.errors import EngineError
 from llmc.runtime.manifest import TensorRTInfo
 
@@ -27,20 +32,27 @@ ENGINE_NAME = "model.plan"
 TIMING_CACHE = "timing.cache"
 AMPERE = 80  # PTX for sm_80 runs on every later GPU (the driver compiles it forward)
 
-Shapes = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+Progress = Callable[[int, int], None]
 
 
-def profile_shapes(profile: Profile, inputs: list[str]) -> dict[str, Shapes]:
-    """The (min, opt, max) shape of every network input under `profile`, whose keys may be
-    patterns (`past_key_values.*`); an input no key matches is an error naming it."""
-    shapes = {}
-    for name in inputs:
-        match = next((shape for key, shape in profile.shapes.items() if fnmatch.fnmatchcase(name, key)), None)
-        if match is None:
-            raise EngineError(f"profile {profile.name}: no shape for the network input {name!r} "
-                              f"(the profile covers {sorted(profile.shapes)})")
-        shapes[name] = match
-    return shapes
+class Network(NamedTuple):
+    """A parsed network with what must outlive it until the build is done."""
+
+    builder: Any  # trt.Builder
+    network: Any  # trt.INetworkDefinition
+    parser: Any  # trt.OnnxParser: holds the weights the network refers to
+    logger: Any  # trt.Logger of the builder and parser
+    name: str  # the ONNX file's name, for messages
+
+
+class Config(NamedTuple):
+    config: Any  # trt.IBuilderConfig
+    monitor: Any  # the progress monitor the config reports to (None: no progress), kept alive with it
+
+
+class Engine(NamedTuple):
+    serialized: Any  # trt.IHostMemory
+    inputs: list[str]  # the network's input names, in order
 
 
 def plugin_capability(options: TensorRTSpec, gpu_capability: int) -> int:
@@ -48,8 +60,66 @@ def plugin_capability(options: TensorRTSpec, gpu_capability: int) -> int:
     return AMPERE if options.hardware_compatibility is HardwareCompatibility.ampere_plus else gpu_capability
 
 
-def _configure(trt, builder, options: TensorRTSpec):
-    config = builder.create_builder_config()
+def network_inputs(network) -> list[str]:
+    return [network.get_input(i).name for i in range(network.num_inputs)]
+
+
+def network_from_onnx(path: Path) -> Callable[[], Network]:
+    """A loader of the network TensorRT's ONNX parser makes from `path`."""
+
+    def load() -> Network:
+        import tensorrt as trt
+
+        logger = trt.Logger(trt.Logger.WARNING)
+        builder = trt.Builder(logger)
+        network = builder.create_network(_network_flags(trt))
+        parser = trt.OnnxParser(network, logger)
+        if not parser.parse_from_file(str(path)):
+            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+            raise EngineError(f"TensorRT's ONNX parser rejected {path.name}: {errors}")
+        return Network(builder, network, parser, logger, path.name)
+
+    return load
+
+
+def _network_flags(trt) -> int:
+    """Strongly typed (TensorRT 11's only mode, a flag in 10) and the AOT plugin preferred, where named."""
+    flags = 0
+    for flag in ("STRONGLY_TYPED", "PREFER_AOT_PYTHON_PLUGINS"):
+        if hasattr(trt.NetworkDefinitionCreationFlag, flag):
+            flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, flag))
+    return flags
+
+
+def create_config(options: TensorRTSpec, profiles: list[Profile], timing_cache: Path | None = None,
+                  progress: Progress | None = None) -> Callable[[Any, Any], Config]:
+    """A loader of the builder config for (builder, network): `options`, one optimization profile
+    per entry of `profiles` (every network input needs a shape in each), the timing cache read from
+    `timing_cache` (empty when the file is not there yet), and `progress` called as the build goes."""
+
+    def load(builder, network) -> Config:
+        import tensorrt as trt
+
+        config = builder.create_builder_config()
+        _set_options(trt, config, options)
+        inputs = network_inputs(network)
+        for profile in profiles:
+            opt_profile = builder.create_optimization_profile()
+            for name, (lo, opt, hi) in profile_shapes(profile, inputs).items():
+                opt_profile.set_shape(name, lo, opt, hi)
+            config.add_optimization_profile(opt_profile)
+        if timing_cache is not None:
+            cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
+            config.set_timing_cache(cache, ignore_mismatch=False)
+        monitor = _progress_monitor(trt, progress)
+        if monitor is not None:
+            config.progress_monitor = monitor
+        return Config(config, monitor)
+
+    return load
+
+
+def _set_options(trt, config, options: TensorRTSpec) -> None:
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gib * 2**30))
     config.builder_optimization_level = options.optimization_level
     if options.hardware_compatibility is not HardwareCompatibility.none:
@@ -59,10 +129,9 @@ def _configure(trt, builder, options: TensorRTSpec):
         config.hardware_compatibility_level = level
     if options.version_compatible:
         config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
-    return config
 
 
-def _progress_monitor(trt, progress: Callable[[int, int], None] | None):
+def _progress_monitor(trt, progress: Progress | None):
     """TensorRT's build phases reported as steps of the outermost phase."""
     if progress is None:
         return None
@@ -89,9 +158,32 @@ def _progress_monitor(trt, progress: Callable[[int, int], None] | None):
     return Monitor()
 
 
+def engine_from_network(network: Callable[[], Network], config: Callable[[Any, Any], Config],
+                        save_timing_cache: Path | None = None) -> Callable[[], Engine]:
+    """A loader of the serialized engine built from the `network` loader's network with the
+    `config` loader's config; the config's timing cache (create_config's `timing_cache`) is written
+    to `save_timing_cache` after the build."""
+
+    def load() -> Engine:
+        net = network()
+        built = config(net.builder, net.network)
+        serialized = net.builder.build_serialized_network(net.network, built.config)
+        if serialized is None:
+            raise EngineError(f"TensorRT could not build an engine from {net.name} (see the log above); try a "
+                              "larger tensorrt.workspace_gib or lower limits")
+        if save_timing_cache is not None:
+            tmp = save_timing_cache.with_suffix(".tmp")
+            tmp.write_bytes(memoryview(built.config.get_timing_cache().serialize()))
+            tmp.replace(save_timing_cache)
+        return Engine(serialized, network_inputs(net.network))
+
+    return load
+
+
 def build_engine(onnx_path: Path, profiles: list[Profile], options: TensorRTSpec, precision: str, out_dir: Path,
-                 timing_cache: Path | None = None, progress: Callable[[int, int], None] | None = None) -> TensorRTInfo:
-    """Build `out_dir/model.plan` from `onnx_path`; returns what the manifest records about it."""
+                 timing_cache: Path | None = None, progress: Progress | None = None) -> TensorRTInfo:
+    """Build `out_dir/model.plan` from `onnx_path`; returns what the manifest records about it.
+    `timing_cache` (None: none) is read before the build and written back after it."""
     import tensorrt as trt
 
     from llmc.plugins import trt_plugin
@@ -99,44 +191,14 @@ def build_engine(onnx_path: Path, profiles: list[Profile], options: TensorRTSpec
 
     gpu, capability = gpu_identity()
     trt_plugin.set_target_capability(plugin_capability(options, capability))
-    trt_plugin.register()
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    flags = 0
-    for flag in ("STRONGLY_TYPED", "PREFER_AOT_PYTHON_PLUGINS"):  # TensorRT 11: strongly typed is the only mode
-        if hasattr(trt.NetworkDefinitionCreationFlag, flag):
-            flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, flag))
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise EngineError(f"TensorRT's ONNX parser rejected {onnx_path.name}: {errors}")
-    config = _configure(trt, builder, options)
-    inputs = [network.get_input(i).name for i in range(network.num_inputs)]
-    recorded = {}
-    for profile in profiles:
-        shapes = profile_shapes(profile, inputs)
-        opt_profile = builder.create_optimization_profile()
-        for name, (lo, opt, hi) in shapes.items():
-            opt_profile.set_shape(name, lo, opt, hi)
-        config.add_optimization_profile(opt_profile)
-        recorded[profile.name] = {name: [list(s) for s in shape] for name, shape in shapes.items()}
-    if timing_cache is not None:
-        cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
-    monitor = _progress_monitor(trt, progress)
-    if monitor is not None:
-        config.progress_monitor = monitor
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise EngineError(f"TensorRT could not build an engine from {onnx_path.name} (see the log above); try a larger "
-                          "tensorrt.workspace_gib or lower limits")
+    trt_plugin.register()  # before parsing: the parser maps LlmcFusedAttention nodes to it
+    build = engine_from_network(network_from_onnx(onnx_path),
+                                create_config(options, profiles, timing_cache, progress),
+                                save_timing_cache=timing_cache)
+    engine = build()
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / ENGINE_NAME).write_bytes(memoryview(serialized))
-    if timing_cache is not None:
-        tmp = timing_cache.with_suffix(".tmp")
-        tmp.write_bytes(memoryview(config.get_timing_cache().serialize()))
-        tmp.replace(timing_cache)
+    (out_dir / ENGINE_NAME).write_bytes(memoryview(engine.serialized))
     return TensorRTInfo(version=trt.__version__, gpu=gpu, compute_capability=f"{capability // 10}.{capability % 10}",
                         hardware_compatibility=options.hardware_compatibility.value,
-                        version_compatible=options.version_compatible, precision=precision, profiles=recorded)
+                        version_compatible=options.version_compatible, precision=precision,
+                        profiles=recorded_shapes(profiles, engine.inputs))

@@ -1,6 +1,7 @@
 """The engine against ONNX Runtime: both runners driven the way serving drives them (verify.py's
 runner_greedy: each prompt prefilled into its slot, then every row decoding in one batch), their
-logits compared by Polygraphy's comparator at the engine precision's tolerance.
+logits compared by Polygraphy's comparator at the engine precision's tolerance (`compare_runners`;
+`verify_engine` runs it on the verify prompts and raises VerifyError when the comparator rejects).
 
 The ONNX Runtime side runs the graph the engine was built from when ONNX Runtime can run it (the
 reference lowering, Q/DQ graphs); a plugin graph is compared with the same checkpoint's fused export.
@@ -10,19 +11,25 @@ divergence (later steps see different tokens); the greedy agreement is reported 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from llmc.compiler.artifacts import VerifyCase
+from llmc.compiler.artifacts import ExportedModel, QuantizedModel, VerifyCase
+from llmc.compiler.spec import BuildSpec
 from llmc.compiler.verify import compare, runner_greedy
+from llmc.errors import VerifyError
+from llmc.runtime.layout import KVLayout
+from llmc.runtime.manifest import TensorRTInfo
+from llmc.runtime.runner import Runner
 
 # (atol, rtol) on logits: fp32 engines still use TF32 tensor cores; fp16/bf16 carry their rounding
 # through every layer. Starting points, to be re-measured on GPU builds (no GPU was lent so far).
 ENGINE_TOLERANCE = {"fp32": (2e-2, 1e-3), "fp16": (0.25, 0.02), "bf16": (1.0, 0.05)}
 
 
-def compare_runners(reference, candidate, prompts: list[list[int]], steps: int, precision: str,
+def compare_runners(reference: Runner, candidate: Runner, prompts: list[list[int]], steps: int, precision: str,
                     names: tuple[str, str] = ("onnxruntime", "tensorrt"),
                     tick: Callable[[], None] = lambda: None) -> tuple[VerifyCase, bool]:
     """(the greedy/logit comparison, whether Polygraphy's comparator accepts the logits)."""
@@ -47,3 +54,53 @@ def compare_runners(reference, candidate, prompts: list[list[int]], steps: int, 
         accuracy = Comparator.compare_accuracy(
             results, compare_func=CompareFunc.simple(atol={"": atol}, rtol={"": rtol}, check_shapes=True))
     return case, bool(accuracy)
+
+
+def reference_graph(source: ExportedModel | QuantizedModel, source_dir: Path, exported: ExportedModel, torch_model,
+                    tokenizer, scratch: Path, source_hash: str) -> tuple[Path, KVLayout]:
+    """The graph ONNX Runtime runs for the comparison: the one the engine was built from when ONNX
+    Runtime can run it, else (the plugin node) the same checkpoint's fused export, written to `scratch`."""
+    if exported.lowering.runs_on_onnxruntime:
+        return source_dir / source.onnx, source.kv_layout
+    from llmc.compiler import export as export_stage
+    from llmc.plugins.lowering import Lowering
+
+    ref = export_stage.export(torch_model, tokenizer, scratch, lowering=Lowering.fused, source_hash=source_hash,
+                              inputs_hash="engine-reference")
+    return scratch / ref.onnx, ref.kv_layout
+
+
+def verify_engine(plan: Path, layout: KVLayout, info: TensorRTInfo, reference: tuple[Path, KVLayout], tokenizer,
+                  vocab_size: int, spec: BuildSpec, progress: Callable[[int, int], None] | None = None) -> str:
+    """The engine `plan` vs ONNX Runtime running `reference` on the verify prompts, at the serving
+    limits; the summary line, or VerifyError when Polygraphy rejects the engine's logits."""
+    from llmc.compiler.verify import prompt_ids
+    from llmc.runtime.ort_runner import OrtRunner
+    from llmc.runtime.trt_runner import TrtRunner
+
+    steps, lim, precision = spec.verify.decode_steps, spec.limits, spec.precision.value
+    prompts = [p[:lim.max_seq_len - steps] for p in prompt_ids(tokenizer, vocab_size)[:lim.max_batch_size]]
+    ort = OrtRunner(reference[0], reference[1], max_batch=len(prompts), capacity=lim.max_seq_len,
+                    num_threads=spec.serving.num_threads)
+    trt = TrtRunner(plan, layout, max_batch=len(prompts), capacity=lim.max_seq_len,
+                    max_num_tokens=lim.max_num_tokens, info=info)
+    total, done = 2 * steps, 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    try:
+        case, accepted = compare_runners(ort, trt, prompts, steps, precision, tick=tick)
+    finally:  # the engine's KV cache and contexts hold GPU memory the build's next steps may need
+        trt.close()
+        ort.close()
+    atol, rtol = ENGINE_TOLERANCE[precision]
+    summary = (f"vs ONNX Runtime: greedy tokens {case.token_agreement:.0%} equal over {steps} steps, max |Δlogit| "
+               f"{case.max_abs_logit_diff:.2e} (Polygraphy atol {atol}, rtol {rtol}: "
+               f"{'passed' if accepted else 'FAILED'})")
+    if not accepted:
+        raise VerifyError(f"engine verification failed: {summary}")
+    return summary

@@ -1,0 +1,130 @@
+"""The engine stage over artifacts: the exported (or quantized) model in, an EngineModel out.
+
+    prepare (prep.py: AutoCast to the spec's precision) -> build (engine.py) -> compare with ONNX
+    Runtime (verify_engine.py) -> <out_dir>/model.plan + engine.json
+
+`check(spec)` refuses, before any work, a TensorRT build on a machine that lacks what it needs;
+`cache_key_parts(spec)` is what the stage's cache key holds besides its source's files (the spec
+sections, TensorRT's version, the GPU, the code); `summary(engine)` is its line in the build report.
+The stage knows nothing of the pipeline: the pipeline decides the folders and when to reuse.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel, hash_outputs
+from llmc.compiler.hashing import code_hash
+from llmc.compiler.spec import BuildSpec, Target
+from llmc.errors import UnsupportedError
+
+# the modules whose code decides the engine (part of the stage's cache key)
+ENGINE_CODE = ("llmc.compiler.tensorrt.engine", "llmc.compiler.tensorrt.prep", "llmc.compiler.tensorrt.profiles",
+               "llmc.compiler.tensorrt.stage", "llmc.compiler.tensorrt.verify_engine", "llmc.plugins.trt_plugin",
+               "llmc.plugins.kernels", "llmc.plugins.kernels_aot", "llmc.runtime.trt_runner")
+LAYOUT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# what the build imports besides TensorRT, and the llmc extra that installs it
+NEEDED_MODULES = (("modelopt.onnx.autocast", "quantize"), ("polygraphy", "quantize"), ("triton", "kernels"),
+                  ("cuda", "tensorrt"))
+
+
+def tensorrt_missing() -> str | None:
+    """What this machine lacks to build TensorRT engines (None: TensorRT and a CUDA GPU are here)."""
+    import importlib.util
+
+    missing = []
+    if importlib.util.find_spec("tensorrt") is None:
+        missing.append("TensorRT (the `tensorrt` Python package)")
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    if not gpu:
+        missing.append("an NVIDIA GPU")
+    return " and ".join(missing) or None
+
+
+def check(spec: BuildSpec) -> None:
+    """Refuse a TensorRT build this machine cannot make, before any work (nothing to check for
+    other targets)."""
+    if spec.target is not Target.tensorrt:
+        return
+    missing = tensorrt_missing()
+    if missing:
+        raise UnsupportedError(
+            f"target: tensorrt needs {missing}, which this machine lacks; build with target: onnxruntime "
+            "here (`llmc build --dry-run` shows what a TensorRT build would make; `llmc export` writes its ONNX)")
+    for module, extra in NEEDED_MODULES:
+        try:
+            __import__(module)
+        except ImportError:
+            raise UnsupportedError(f"target: tensorrt needs {module}; install llmc with the `{extra}` "
+                                   "extra") from None
+
+
+def cache_key_parts(spec: BuildSpec) -> dict:
+    """The engine's cache key besides its source's files: precision, the spec sections the stage
+    reads, the code, TensorRT's version and the GPU (an engine runs on the GPU it was built for)."""
+    import tensorrt
+
+    from llmc.runtime.trt_runner import gpu_identity
+
+    return {"precision": spec.precision.value, "spec": spec.section_hash("tensorrt", "limits", "verify"),
+            "code": code_hash(*ENGINE_CODE), "tensorrt": tensorrt.__version__, "gpu": gpu_identity()}
+
+
+def carry_timing_cache(spec: BuildSpec, previous: Path, staging: Path) -> Path | None:
+    """The timing cache the build reads and writes back (None: tensorrt.timing_cache is off): kept
+    next to the build in `previous`, copied into `staging` so the new output carries it over."""
+    from llmc.compiler.tensorrt.engine import TIMING_CACHE
+
+    if not spec.tensorrt.timing_cache:
+        return None
+    if (previous / TIMING_CACHE).is_file():
+        shutil.copyfile(previous / TIMING_CACHE, staging / TIMING_CACHE)
+    return staging / TIMING_CACHE
+
+
+def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, exported: ExportedModel, spec: BuildSpec,
+                out_dir: Path, *, inputs_hash: str, load_model: Callable[[], tuple], source_hash: str,
+                timing_cache: Path | None = None, progress: Callable[[int, int], None] | None = None) -> EngineModel:
+    """Build `out_dir/model.plan` from `source` (in `source_dir`; `exported` is the export it
+    comes from) and, when verify is enabled, compare it with ONNX Runtime. `load_model` returns
+    (torch model, tokenizer) and is called only for that comparison."""
+    from llmc.compiler.tensorrt.engine import ENGINE_NAME, build_engine
+    from llmc.compiler.tensorrt.prep import prepare_for_tensorrt
+    from llmc.compiler.tensorrt.profiles import profiles
+
+    precision = spec.precision.value
+    prepared = prepare_for_tensorrt(source_dir / source.onnx, precision, out_dir / "prepared")
+    shapes = profiles(spec.limits, exported.model.num_kv_heads, exported.model.head_dim)
+    info = build_engine(prepared, shapes, spec.tensorrt, precision, out_dir, timing_cache, progress=progress)
+    shutil.rmtree(out_dir / "prepared")  # the engine holds the weights
+    layout = source.kv_layout.model_copy(update={"dtype": LAYOUT_DTYPES[precision], "max_prefill_rows": 1,
+                                                 "in_place": exported.lowering.value == "plugin"})
+    verified = ""
+    if spec.verify.enabled:
+        from llmc.compiler.tensorrt.verify_engine import reference_graph, verify_engine
+
+        torch_model, tokenizer = load_model()
+        scratch = out_dir / "reference"
+        reference = reference_graph(source, source_dir, exported, torch_model, tokenizer, scratch, source_hash)
+        verified = verify_engine(out_dir / ENGINE_NAME, layout, info, reference, tokenizer,
+                                 exported.model.vocab_size, spec, progress)
+        if scratch.is_dir():  # the plugin lowering's fused stand-in
+            shutil.rmtree(scratch)
+    engine = EngineModel(inputs_hash=inputs_hash, files=hash_outputs(out_dir, [ENGINE_NAME]), plan=ENGINE_NAME,
+                         kv_layout=layout, tensorrt=info, verified=verified)
+    engine.save(out_dir)
+    return engine
+
+
+def summary(engine: EngineModel) -> str:
+    """The engine stage's line in the build report."""
+    t = engine.tensorrt
+    return (f"{engine.plan}: TensorRT {t.version}, {t.gpu} (sm {t.compute_capability}), {t.precision}, "
+            f"profiles {', '.join(t.profiles)}" + (f"; {engine.verified}" if engine.verified else ""))
