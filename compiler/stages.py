@@ -10,26 +10,13 @@ from llmc.compiler.artifacts import QuantizedModel, VerifyReport
 from llmc.compiler.hashing import code_hash, hash_json
 from llmc.compiler.source import SourceInfo
 from llmc.compiler.spec import BuildSpec, QuantMode, WeightOnlyAlgorithm
-from llmc.errors import QuantizationError, SpecError, VerifyError
+from llmc.errors import SpecError, VerifyError
 
 if TYPE_CHECKING:
     from llmc.compiler.pipeline import _Build, _Model
 
 REPOSITORY_DIR = "model_repository"
 VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
-QUANTIZE_CODE = ("llmc.compiler.quantize", "llmc.compiler.quantize.qdq", "llmc.compiler.quantize.calibrate",
-                 "llmc.compiler.quantize.smoothquant", "llmc.compiler.quantize.awq", "llmc.compiler.quantize.blockwise",
-                 "llmc.compiler.quantize.quality", "llmc.compiler.quantize.textdata",
-                 "llmc.runtime.ort_runner", "llmc.runtime.cpu_kernels")
-
-
-def _cpu_kernel() -> str | None:
-    """The llmc CPU kernel the quality report's weight-only measurements run on here (its file name
-    carries its source's hash, then the instruction set), or None for ONNX Runtime's own."""
-    from llmc.runtime import cpu_kernels
-
-    kernels = cpu_kernels.load()
-    return f"{kernels.library.name} {kernels.isa}" if kernels else None
 
 
 def check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:
@@ -42,61 +29,33 @@ def check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:
         raise SpecError(f"quantization.mode: {q.mode.value} needs the checkpoint's tokenizer (to measure "
                         f"perplexity on text); {info.path} has none")
     if q.static or (q.weight_only and q.algorithm is not WeightOnlyAlgorithm.rtn):
-        from llmc.compiler.quantize import calibration_windows
+        from llmc.compiler.quantize.handler import calibration_windows
 
         calibration_windows(q, tokenizer)
 
 
 def quantize_stage(b: "_Build", staging: Path, info: SourceInfo, source_hash: str):
+    from llmc.compiler import quantize as quantization
     from llmc.compiler.source import load_tokenizer
 
     spec, exported = b.spec, b.result.exported
     q = spec.quantization
     if q.mode is QuantMode.none:
         return "skipped", "quantization.mode is none"
-    import onnxruntime
-
-    key = hash_json({"stage": "quantize", "export": exported.files, "code": code_hash(*QUANTIZE_CODE),
-                     "quantization": q.model_dump(mode="json", exclude={"max_perplexity_increase"}),
-                     "onnxruntime": onnxruntime.__version__, "modelopt": _modelopt_version() if q.static else None,
-                     "cpu_kernel": None if q.static else _cpu_kernel()})
+    key = hash_json({"stage": "quantize", "export": exported.files, **quantization.cache_key_parts(q)})
     art = b.reuse("quantize", QuantizedModel, key, staging)
     status = "cached"
     if art is None:
-        from llmc.compiler.quantize import quantize
-
         tokenizer = load_tokenizer(info)
         previous = b.output / "quantize"
-        art = quantize(exported, staging / "export", staging / "quantize", q, tokenizer, inputs_hash=key,
-                       num_threads=spec.serving.num_threads, previous=previous if previous.is_dir() else None,
-                       progress=b.reporter.stage_progress)
+        art = quantization.quantize(exported, staging / "export", staging / "quantize", q, tokenizer, inputs_hash=key,
+                                    num_threads=spec.serving.num_threads,
+                                    previous=previous if previous.is_dir() else None,
+                                    progress=b.reporter.stage_progress)
         status = "ran"
     b.result.quantized = art
-    r = art.report
-    summary = (f"{art.mode.value}: perplexity {r.perplexity_reference:.2f} -> {r.perplexity_quantized:.2f} "
-               f"({r.perplexity_increase:+.1%}), greedy agreement {r.token_agreement:.0%}, "
-               f"{_mib(r.size_reference_mib)} -> {_mib(r.size_quantized_mib)} MiB, decode "
-               f"{r.decode_tok_s_quantized / r.decode_tok_s_reference:.1f}x")
-    check_quality_gate(r, q.max_perplexity_increase)
-    return status, summary
-
-
-def _modelopt_version() -> str:
-    import importlib.metadata
-
-    return importlib.metadata.version("nvidia-modelopt")
-
-
-def check_quality_gate(report, limit: float) -> None:
-    if report.perplexity_increase > limit:
-        raise QuantizationError(
-            f"quality gate: perplexity rose {report.perplexity_increase:.1%} ({report.perplexity_reference:.3f} -> "
-            f"{report.perplexity_quantized:.3f}), above quantization.max_perplexity_increase ({limit:.1%}); raise "
-            "the limit, or use a mode with more bits or a smaller block_size")
-
-
-def _mib(value: float) -> str:
-    return f"{value:.0f}" if value >= 10 else f"{value:.2f}"
+    quantization.check_quality_gate(art.report, q.max_perplexity_increase)
+    return status, quantization.summary(art)
 
 
 def package_stage(b: "_Build", staging: Path, info: SourceInfo):

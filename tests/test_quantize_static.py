@@ -86,7 +86,7 @@ def test_reports_are_measured_and_fp8_says_it_is_the_reference_path(int8_build, 
 
 
 def test_calibration_is_reused_across_modes_and_redone_when_the_method_changes(tiny_llama, tmp_path, monkeypatch):
-    import llmc.compiler.quantize as quantize_module
+    import llmc.compiler.quantize.qdq_static as quantize_module
 
     plain = {"smoothquant": False}  # SmoothQuant changes the int8 graph, so its ranges would differ from fp8's
     first = build(_spec(tiny_llama, "int8", extra_quant=plain), output=tmp_path / "out")
@@ -177,7 +177,7 @@ def test_smoothquant_keeps_the_fp32_function_and_moves_range_out_of_activations(
     import onnxruntime as ort
 
     from llmc.compiler.quantize.calibrate import feeds
-    from llmc.compiler.quantize import untie_lm_head
+    from llmc.compiler.quantize.handler import untie_lm_head
     from llmc.compiler.quantize.smoothquant import channel_amax, smooth, smoothable
 
     layout = int8_build.exported.kv_layout

@@ -1,0 +1,93 @@
+"""The shape every quantization mode has (gpt-fast's QuantHandler): make the quantized weights, then
+convert them into the graph the runtime runs. One handler object serves a family of modes; the
+package's `HANDLERS` maps each `QuantMode` to its handler.
+
+Also here: the steps the handlers share (the LM head untied, the calibration samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from llmc.compiler.artifacts import ExportedModel
+from llmc.compiler.quantize.calibrate import Calibration
+from llmc.compiler.quantize.textdata import load_documents, token_windows
+from llmc.compiler.spec import QuantizationSpec
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a handler quantizes and with what: the exported graph, the spec's section, the tokenizer
+    (for the calibration text), a scratch folder, and the last build's quantize folder (or None)."""
+
+    source: Path  # the exported model.onnx
+    exported: ExportedModel
+    spec: QuantizationSpec
+    tokenizer: Any
+    work: Path
+    previous: Path | None
+    num_threads: int
+    progress: Callable[[int, int], None] | None
+
+
+@dataclass
+class Quantized:
+    """A handler's result: the graph the runtime runs, and how it was made in words."""
+
+    model: Any  # onnx.ModelProto
+    method: str  # QuantizedModel.method
+    calibration_note: str  # QuantizedModel.calibration
+    calibration: Calibration | None = None  # written next to the graph, reused by the next build
+    optimize: bool = True  # whether the quality report runs it with ONNX Runtime's graph optimizations
+
+
+class QuantHandler(Protocol):
+    bits: int
+
+    def check(self, spec: QuantizationSpec) -> None:
+        """Raise UnsupportedError when a tool the mode runs on is missing."""
+
+    def calibrates(self, spec: QuantizationSpec) -> bool:
+        """Whether the mode reads calibration samples (so they must exist before the build starts)."""
+
+    def tools(self) -> dict[str, str | None]:
+        """Versions of what the mode runs on, beside onnxruntime (part of the stage's cache key)."""
+
+    def make_quantized(self, job: Job) -> Any:
+        """The quantized weights (or ranges), in the handler's own form."""
+
+    def convert_for_runtime(self, made: Any, job: Job) -> Quantized:
+        """`made` turned into the graph the runtime runs."""
+
+
+def untie_lm_head(graph) -> int:
+    """Fold `Transpose(initializer)` into a transposed initializer; returns how many were folded.
+
+    Tied embeddings reach the LM head as `Transpose(embedding)`, which the quantizers skip as "no
+    constant weight"; folded, the LM head (a fifth of SmolLM2's weights) is quantized too while the
+    embedding Gather keeps the original table."""
+    from onnx import numpy_helper
+
+    initializers = {t.name: t for t in graph.initializer}
+    folded = 0
+    for node in list(graph.node):
+        if node.op_type != "Transpose" or node.input[0] not in initializers:
+            continue
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        weight = numpy_helper.to_array(initializers[node.input[0]])
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.transpose(perm)), node.output[0]))
+        graph.node.remove(node)
+        folded += 1
+    return folded
+
+
+def calibration_windows(spec: QuantizationSpec, tokenizer) -> list[np.ndarray]:
+    """The calibration samples: `num_samples` windows of `seq_len` tokens (fewer if the text runs out)."""
+    cal = spec.calibration
+    origin = "the built-in corpus" if cal.data == "builtin" else cal.data
+    return token_windows(tokenizer, load_documents(cal.data, "quantization.calibration.data"), cal.seq_len,
+                         cal.num_samples, "quantization.calibration", origin)

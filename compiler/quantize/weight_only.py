@@ -1,0 +1,173 @@
+"""Weight-only modes (`int8-weight-only`, `int4-weight-only`): ONNX Runtime's `MatMulNBits`.
+
+Made: with `algorithm: rtn` nothing is chosen here (ORT rounds: symmetric, round to nearest); with
+`awq` (the default) the weights are scaled first (awq.py), then each block's scale (and at 4 bits its
+zero point: SYMMETRIC) is searched against the activation-weighted error (blockwise.py).
+Converted: ONNX Runtime's own `MatMulNBitsQuantizer` turns every MatMul with constant weights into a
+`com.microsoft.MatMulNBits` (block-wise, `accuracy_level` 4 = int8 activations in the kernel, the
+fast CPU path), packing the searched codes when there are some. Blocks are 128 weights at 8 bits and
+32 at 4 unless the spec says (spec.block). Sibling layers (the MLP's gate and up) are then merged into
+one MatMulNBits (compiler/graph_passes.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmc.compiler.graph_passes import merge_sibling_matmul_nbits
+from llmc.compiler.quantize.awq import awq
+from llmc.compiler.quantize.blockwise import BlockCodes, pack, search
+from llmc.compiler.quantize.calibrate import mean_squares
+from llmc.compiler.quantize.handler import Job, Quantized, calibration_windows, untie_lm_head
+from llmc.compiler.spec import QuantizationSpec, WeightOnlyAlgorithm
+from llmc.errors import QuantizationError
+from llmc.runtime.layout import KVLayout
+
+ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations: the fast CPU kernels
+# Zero points, by bits (SmolLM2, measured): MatMulNBits' 8-bit kernel decodes ~4% slower with them and
+# 8-bit codes need none (perplexity +0.05% symmetric, +0.2% asymmetric); 4-bit codes need them
+# (+21.7% symmetric, +11.1% asymmetric) and cost at most ~2% there.
+SYMMETRIC = {8: True, 4: False}
+
+
+@dataclass
+class WeightCodes:
+    """The untied (and AWQ-scaled) graph with the codes chosen for it (None: ORT rounds), in words."""
+
+    model: object  # onnx.ModelProto
+    codes: dict[str, BlockCodes] | None
+    windows: list[np.ndarray]
+    kernel: str
+    how: str
+
+
+@dataclass(frozen=True)
+class WeightOnly:
+    bits: int
+
+    def check(self, spec: QuantizationSpec) -> None:
+        """Nothing beyond onnxruntime, which every build has."""
+
+    def calibrates(self, spec: QuantizationSpec) -> bool:
+        return spec.algorithm is not WeightOnlyAlgorithm.rtn
+
+    def tools(self) -> dict[str, str | None]:
+        return {"cpu_kernel": cpu_kernel()}
+
+    def make_quantized(self, job: Job) -> WeightCodes:
+        import onnx
+
+        spec, bits = job.spec, self.bits
+        model = onnx.load(str(job.source))
+        untie_lm_head(model.graph)
+        if not self.calibrates(spec):
+            return WeightCodes(model, None, [], f"{bits}-bit symmetric weights",
+                               "round to nearest by onnxruntime's MatMulNBitsQuantizer")
+        symmetric = SYMMETRIC[bits]
+        windows = calibration_windows(spec, job.tokenizer)
+        layout = job.exported.kv_layout
+        alphas = awq(model, layout, windows, bits, spec.block, symmetric=symmetric,
+                     num_threads=job.num_threads, progress=job.progress)
+        codes = searched_codes(model, layout, windows, bits, spec.block, symmetric=symmetric,
+                               num_threads=job.num_threads, progress=job.progress)
+        kernel = f"{bits}-bit " + ("symmetric weights" if symmetric else "asymmetric weights (uint8 zero points)")
+        how = (f"AWQ scaling on {len(alphas)} layer inputs (alpha median {np.median(alphas):.1f}), then per-block "
+               + ("scales" if symmetric else "scales and zero points")
+               + " searched against activation-weighted error (llmc), packed into onnxruntime's MatMulNBitsQuantizer")
+        return WeightCodes(model, codes, windows, kernel, how)
+
+    def convert_for_runtime(self, made: WeightCodes, job: Job) -> Quantized:
+        spec = job.spec
+        model = weight_only(made.model, self.bits, spec.block, made.codes)
+        merged = merge_sibling_matmul_nbits(model.graph)
+        kernel = (f"onnxruntime MatMulNBits: {made.kernel}, blocks of {spec.block}, accuracy_level "
+                  f"{ACCURACY_LEVEL} (int8 activations), LM head untied and quantized"
+                  + (f"; layers sharing an input (gate/up) merged into one node in {merged} place(s)" if merged else "")
+                  + _runs_on(model))
+        windows = made.windows
+        note = (f"{spec.algorithm.value} over {len(windows)} sample(s) of {len(windows[0])} tokens from "
+                f"{spec.calibration.data}" if windows else "none (round to nearest needs no calibration data)")
+        return Quantized(model, f"{kernel}; {made.how}", note)
+
+
+def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] | None = None):
+    """`model` (untied) with every constant-weight MatMul replaced by ORT's MatMulNBits: rounded by
+    ORT (symmetric) when `codes` is None, else with `codes` [weight name -> codes]."""
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
+    kinds = {c.symmetric for c in codes.values()} if codes is not None else {True}
+    if len(kinds) > 1:
+        raise ValueError("codes mix symmetric and asymmetric weights; MatMulNBitsQuantizer takes one kind")
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=kinds.pop(),
+                                     accuracy_level=ACCURACY_LEVEL, quant_format=QuantFormat.QOperator,
+                                     op_types_to_quantize=("MatMul",))
+    if codes is not None:
+        quantizer.node_quantizer = _preset_quantizer(quantizer.algo_config, codes)
+    quantizer.process()
+    return quantizer.model.model
+
+
+def _preset_quantizer(config, codes: dict[str, BlockCodes]):
+    """ORT's node quantizer (which rewrites MatMul -> MatMulNBits) taking its codes from `codes`."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
+
+    class PresetCodes(DefaultWeightOnlyQuantizer):
+        weight = ""
+
+        def quantize_matmul(self, node, graph_stack):
+            self.weight = node.input[1]
+            return super().quantize_matmul(node, graph_stack)
+
+        def qbits_block_quant(self, fp32weight):
+            q = codes[self.weight]
+            if fp32weight.shape[0] != q.k:
+                raise QuantizationError(f"{self.weight}: codes for K={q.k}, weight has K={fp32weight.shape[0]}")
+            return pack(q)
+
+    return PresetCodes(config)
+
+
+def searched_codes(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, symmetric: bool,
+                   num_threads: int, progress) -> dict[str, BlockCodes]:
+    """blockwise.search's codes for every linear layer of `model`, weighted by its input's E[x^2] on `windows`."""
+    from onnx import numpy_helper
+
+    importance = mean_squares(model, layout, windows, num_threads=num_threads)
+    initializers = {t.name: t for t in model.graph.initializer}
+    layers = [(n.input[1], n.input[0]) for n in model.graph.node
+              if n.op_type == "MatMul" and n.input[1] in initializers and n.input[0] in importance]
+    codes = {}
+    for done, (weight, activation) in enumerate(layers, 1):
+        codes[weight] = search(numpy_helper.to_array(initializers[weight]), importance[activation], bits, block,
+                               symmetric)
+        if progress:
+            progress(done, len(layers))
+    return codes
+
+
+def cpu_kernel() -> str | None:
+    """The llmc CPU kernel the quality report's measurements run 4-bit nodes on here (its file name
+    carries its source's hash, then the instruction set), or None for ONNX Runtime's own."""
+    from llmc.runtime import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    return f"{kernels.library.name} {kernels.isa}" if kernels else None
+
+
+def _runs_on(model) -> str:
+    """Which kernel the report's measurements (and serving on a host like this one) run 4-bit nodes on."""
+    from llmc.runtime import cpu_kernels
+
+    taken = len(cpu_kernels.swappable(model))
+    if not taken:
+        return ""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return "; measured on onnxruntime's kernel (llmc's MatMulNBits4 needs AVX2 + FMA or AVX512-VNNI and a C compiler)"
+    return (f"; {taken} node(s) measured on llmc's MatMulNBits4 kernel (runtime/matmul_nbits4.c, {kernels.isa}), as "
+            f"served on such CPUs")
