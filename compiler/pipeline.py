@@ -25,7 +25,7 @@ from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel, 
 from llmc.compiler.hashing import code_hash, hash_json
 from llmc.compiler.source import SourceInfo, inspect_source, load_model
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
-from llmc.errors import SpecError, UnsupportedError
+from llmc.errors import SpecError
 from llmc.plugins.lowering import Lowering
 from llmc.compiler.stages import REPOSITORY_DIR
 from llmc.runtime.manifest import RepositoryManifest
@@ -78,17 +78,6 @@ def preflight(spec: BuildSpec, until: str = "verify") -> None:
         from llmc.compiler.tensorrt.stage import check
 
         check(spec)
-    if spec.quantization.mode is not QuantMode.none:
-        from llmc.compiler.quantize.textdata import load_documents
-
-        load_documents(spec.quantization.calibration.data, "quantization.calibration.data")  # fail early
-    if spec.quantization.static:
-        try:
-            import modelopt.onnx.quantization  # noqa: F401
-        except ImportError as err:
-            raise UnsupportedError(
-                f"quantization.mode: {spec.quantization.mode.value} needs NVIDIA ModelOpt's ONNX quantizer "
-                f"({err.name} is missing); install llmc with the `quantize` extra") from None
 
 
 class _Model:

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from llmc.compiler.artifacts import QuantizedModel, VerifyReport
 from llmc.compiler.hashing import code_hash, hash_json
 from llmc.compiler.source import SourceInfo
-from llmc.compiler.spec import BuildSpec, QuantMode, WeightOnlyAlgorithm
-from llmc.errors import SpecError, VerifyError
+from llmc.compiler.spec import BuildSpec, QuantMode
+from llmc.errors import VerifyError
 
 if TYPE_CHECKING:
     from llmc.compiler.pipeline import _Build, _Model
@@ -20,18 +20,10 @@ VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
 
 
 def check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:
-    """Before exporting: the tokenizer exists and the calibration text yields a sample (static modes)."""
-    from llmc.compiler.source import load_tokenizer
+    """Before exporting: what the quantize stage needs (compiler/quantize: check)."""
+    from llmc.compiler import quantize as quantization
 
-    q = spec.quantization
-    tokenizer = load_tokenizer(info)
-    if tokenizer is None:
-        raise SpecError(f"quantization.mode: {q.mode.value} needs the checkpoint's tokenizer (to measure "
-                        f"perplexity on text); {info.path} has none")
-    if q.static or (q.weight_only and q.algorithm is not WeightOnlyAlgorithm.rtn):
-        from llmc.compiler.quantize.handler import calibration_windows
-
-        calibration_windows(q, tokenizer)
+    quantization.check(spec.quantization, info)
 
 
 def quantize_stage(b: "_Build", staging: Path, info: SourceInfo, source_hash: str):

@@ -173,6 +173,22 @@ def test_a_missing_calibration_file_fails_the_build_early(tiny_llama, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_check_asks_each_mode_for_what_it_needs(tiny_llama, tmp_path):
+    from conftest import make_checkpoint
+    from llmc.compiler.quantize import check
+    from llmc.compiler.source import inspect_source
+
+    info = inspect_source(_spec(tiny_llama, "none").source)
+    short = {"calibration": {"data": str(tmp_path / "short.txt")}}
+    (tmp_path / "short.txt").write_text("a few words")
+    check(_spec(tiny_llama, "int4-weight-only", algorithm="rtn", **short).quantization, info)  # rtn reads no samples
+    with pytest.raises(SpecError, match="quantization.calibration: .*short.txt is too short"):
+        check(_spec(tiny_llama, "int4-weight-only", **short).quantization, info)
+    bare = inspect_source(_spec(make_checkpoint("llama", tmp_path / "bare", tokenizer=False), "none").source)
+    with pytest.raises(SpecError, match="quantization.mode: int8-weight-only needs the checkpoint's tokenizer"):
+        check(_spec(tiny_llama, "int8-weight-only").quantization, bare)
+
+
 @pytest.mark.triton
 def test_a_quantized_build_serves_through_triton(int4_build, tmp_path):
     assert_serves_like_its_graph(int4_build, tmp_path)

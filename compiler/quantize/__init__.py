@@ -8,8 +8,8 @@ the runtime; `HANDLERS` maps every `QuantMode` to one:
 Every mode ends with the same quality report (quality.py) against the unquantized graph, on held-out
 text (textdata.py) never used for calibration.
 
-Library API: `quantize` (the run), `cache_key_parts` (what keys the stage), `check_quality_gate`
-and `summary`.
+Library API: `check` (before any work), `quantize` (the run), `cache_key_parts` (what keys the
+stage), `check_quality_gate` and `summary`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from typing import Callable
 from llmc.compiler.artifacts import ExportedModel, QualityReport, QuantizedModel, hash_outputs
 from llmc.compiler.export import EXTERNAL_DATA_NAME, ONNX_NAME, PROTOBUF_LIMIT, save_model, tool_versions
 from llmc.compiler.hashing import code_hash
-from llmc.compiler.quantize.handler import Job, QuantHandler
+from llmc.compiler.quantize.handler import Job, QuantHandler, calibration_windows
 from llmc.compiler.quantize.qdq_static import StaticQDQ
-from llmc.compiler.quantize.textdata import builtin_documents, token_windows
+from llmc.compiler.quantize.textdata import builtin_documents, load_documents, token_windows
 from llmc.compiler.quantize.weight_only import WeightOnly
+from llmc.compiler.source import SourceInfo
 from llmc.compiler.spec import QuantizationSpec, QuantMode
-from llmc.errors import QuantizationError
+from llmc.errors import QuantizationError, SpecError
 
 HANDLERS: dict[QuantMode, QuantHandler] = {
     QuantMode.int8_weight_only: WeightOnly(bits=8), QuantMode.int4_weight_only: WeightOnly(bits=4),
@@ -38,6 +39,24 @@ HANDLERS: dict[QuantMode, QuantHandler] = {
 QUANTIZE_CODE = (__name__, *sorted(f"{__name__}.{m.name}" for m in pkgutil.iter_modules(__path__)),
                  "llmc.runtime.ort_runner", "llmc.runtime.cpu_kernels")
 EVAL_SEQ_LEN, EVAL_WINDOWS, AGREEMENT_STEPS = 256, 8, 32
+
+
+def check(spec: QuantizationSpec, info: SourceInfo) -> None:
+    """What a quantize run needs, checked before any work: the calibration text, the mode's tools, the
+    checkpoint's tokenizer, and enough calibration tokens for the modes that calibrate."""
+    from llmc.compiler.source import load_tokenizer
+
+    if spec.mode is QuantMode.none:
+        return
+    handler = HANDLERS[spec.mode]
+    load_documents(spec.calibration.data, "quantization.calibration.data")
+    handler.check(spec)
+    tokenizer = load_tokenizer(info)
+    if tokenizer is None:
+        raise SpecError(f"quantization.mode: {spec.mode.value} needs the checkpoint's tokenizer (to measure "
+                        f"perplexity on text); {info.path} has none")
+    if handler.calibrates(spec):
+        calibration_windows(spec, tokenizer)
 
 
 def cache_key_parts(spec: QuantizationSpec) -> dict:
