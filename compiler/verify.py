@@ -41,18 +41,27 @@ def prompt_ids(tokenizer, vocab_size: int) -> list[list[int]]:
     return [rng.integers(0, vocab_size, n).tolist() for n in RANDOM_PROMPT_LENGTHS]
 
 
+def cache_kwarg(model) -> str:
+    """The name the model's forward takes (and its output returns) the KV cache under: `cache` in
+    recent transformers 5.x (`past_key_values` still works there but warns), `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def torch_greedy(model, prompt: list[int], steps: int, tick: Callable[[], None]) -> Decoded:
     """The HF model alone on one prompt: prefill + `steps` greedy steps with its own KV cache."""
     import torch
 
+    cache_name = cache_kwarg(model)
     with torch.no_grad():
         out = model(input_ids=torch.tensor([prompt]), use_cache=True)
-        prefill, cache = out.logits[0].float().numpy(), out.past_key_values
+        prefill, cache = out.logits[0].float().numpy(), getattr(out, cache_name)
         last = [prefill[-1]]
         for _ in range(steps - 1):
             token = torch.tensor([[int(last[-1].argmax())]])
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(input_ids=token, use_cache=True, **{cache_name: cache})
+            cache = getattr(out, cache_name)
             last.append(out.logits[0, -1].float().numpy())
             tick()
     tick()
@@ -133,3 +142,13 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
     out_dir.mkdir(parents=True, exist_ok=True)
     report.save(out_dir)
     return report
+
+
+def summary(report: VerifyReport) -> str:
+    """The verify stage's line in the build report."""
+    steps = report.cases[0].decode_steps
+    agree = min(c.token_agreement for c in report.cases)
+    verdict = "greedy tokens equal" if agree == 1.0 else f"greedy tokens {agree:.1%} equal"
+    batches = " + ".join(f"batch {c.batch}" for c in report.cases)
+    return (f"{verdict} over {steps} steps ({batches}), max |Δlogit| "
+            f"{report.max_abs_logit_diff:.1e} (tolerance {report.tolerance:.0e})")

@@ -58,6 +58,8 @@ def hf_opset23_build() -> Path:
     from torch.export import Dim
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from llmc.compiler.verify import cache_kwarg
+
     path = BENCH / "hf-opset23" / "model.onnx"
     if path.is_file():
         return path
@@ -73,8 +75,8 @@ def hf_opset23_build() -> Path:
             for i in range(layers):
                 cache.update(past[2 * i], past[2 * i + 1], i)
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        past_key_values=cache, use_cache=True)
-            return (out.logits, *(t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)))
+                        use_cache=True, **{cache_kwarg(model): cache})
+            return (out.logits, *(t for layer in getattr(out, cache_kwarg(model)).layers for t in (layer.keys, layer.values)))
 
     past = tuple(torch.zeros(2, kv_heads, 4, head_dim) for _ in range(2 * layers))
     args = (torch.ones(2, 3, dtype=torch.int64), torch.ones(2, 7, dtype=torch.int64),
