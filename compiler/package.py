@@ -50,7 +50,9 @@ def requirements(tensorrt_version: str | None = None) -> list[str]:
 def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | QuantizedModel | EngineModel,
             engine_dir: Path, source: SourceInfo, repo_dir: Path) -> RepositoryManifest:
     """Write the repository for `engine` (the export, its quantized form, or the TensorRT engine
-    built from either) found in `engine_dir`."""
+    built from either) found in `engine_dir`. `spec` has its limits filled in (BuildSpec.with_model_limits;
+    the build's BuildResult.spec)."""
+    assert spec.limits.max_seq_len is not None and spec.serving.default_max_tokens is not None, "unresolved limits"
     model_dir = repo_dir / spec.name
     version_dir = model_dir / VERSION
     version_dir.mkdir(parents=True)

@@ -1,39 +1,30 @@
-"""`build`: run the stages over a spec, reuse what is unchanged, publish the output atomically.
+"""`build`: run the table of stages (stages.py) over a spec, reuse what is unchanged, publish the
+output atomically (output.py).
 
-    source -> export -> verify -> quantize -> engine -> package
-
-`engine` runs for target: tensorrt only (on a machine with TensorRT and a GPU); `verify` is skipped
-for the plugin lowering, which only TensorRT runs (the engine stage compares the engine with ONNX
-Runtime instead).
-
-Each stage has an inputs hash; when the previous output holds an artifact with the same hash and
-intact files, the stage is reused (hard-linked) instead of run. Packaging (links, small files)
-always runs.
+One loop: the source stage finds the checkpoint and fills the limits it decides into the spec;
+every stage of the build then checks its preconditions, before any stage that does work runs;
+then each stage runs through `_cached_run`, which keys it (its input's files, what it declared
+decides its output, its code), reuses the last output's artifact when the key matches and its files
+are intact (hard links), runs it otherwise, applies its gate, and reports it.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from llmc.compiler import output as out
-from llmc.compiler import stages
-from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel, VerifyReport
-from llmc.compiler.hashing import code_hash, hash_json
-from llmc.compiler.source import SourceInfo, inspect_source, load_model
-from llmc.compiler.spec import BuildSpec, QuantMode, Target
-from llmc.errors import SpecError
-from llmc.plugins.lowering import Lowering
-from llmc.compiler.stages import REPOSITORY_DIR
-from llmc.runtime.manifest import RepositoryManifest
+from llmc.compiler.artifacts import Artifact
+from llmc.compiler.hashing import hash_json
+from llmc.compiler.source import SourceInfo, load_model
+from llmc.compiler.spec import BuildSpec
+from llmc.compiler.stage import Context, Located, Stage
+from llmc.compiler.stages import REPOSITORY_DIR, STAGES
 
-STAGES = ("source", "export", "verify", "quantize", "engine", "package")
-# the modules whose code decides each stage's output (part of its cache key)
-EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.graph_passes",
-               "llmc.plugins.attention", "llmc.plugins.lowering", "llmc.runtime.layout")
+STAGE_NAMES = tuple(s.name for s in STAGES)
 BUILD_RECORD = "build.json"
 
 
@@ -60,151 +51,138 @@ class StageResult:
 @dataclass
 class BuildResult:
     output: Path
+    spec: BuildSpec
     stages: list[StageResult] = field(default_factory=list)
-    exported: ExportedModel | None = None
-    verify: VerifyReport | None = None
-    quantized: QuantizedModel | None = None
-    engine: EngineModel | None = None
-    manifest: RepositoryManifest | None = None
+    artifacts: dict[str, Located] = field(default_factory=dict)  # stage name -> its artifact, in the output
+
+    def _get(self, name: str) -> Any:
+        done = self.artifacts.get(name)
+        return done.artifact if done is not None else None
+
+    exported = property(lambda self: self._get("export"))
+    verify = property(lambda self: self._get("verify"))
+    quantized = property(lambda self: self._get("quantize"))
+    engine = property(lambda self: self._get("engine"))
+    manifest = property(lambda self: self._get("package"))
 
     @property
     def repository(self) -> Path | None:
         return self.output / REPOSITORY_DIR if self.manifest is not None else None
 
 
-def preflight(spec: BuildSpec, until: str = "verify") -> None:
-    """Refuse what this version cannot build before any work is done."""
-    if spec.target is Target.tensorrt and until != "export":
-        from llmc.compiler.tensorrt.stage import check
-
-        check(spec)
-
-
 class _Model:
     """The PyTorch model and tokenizer, loaded on first use (cached stages never load them)."""
 
-    def __init__(self, info: SourceInfo):
-        self.info, self._loaded = info, None
+    def __init__(self) -> None:
+        self.info: SourceInfo | None = None
+        self._loaded = None
 
-    def get(self):
+    def __call__(self) -> tuple[Any, Any]:
         if self._loaded is None:
             self._loaded = load_model(self.info)
         return self._loaded
-
-
-class _Build:
-    def __init__(self, spec: BuildSpec, output: Path, reporter: Reporter, force: set[str]):
-        self.spec, self.output, self.reporter, self.force = spec, output, reporter, force
-        self.result = BuildResult(output=output)
-
-    def stage(self, name: str, description: str, run) -> None:
-        self.reporter.stage_started(name, description)
-        start = time.perf_counter()
-        status, summary = run()
-        res = StageResult(name, status, time.perf_counter() - start, summary)
-        self.result.stages.append(res)
-        self.reporter.stage_finished(res)
-
-    def reuse(self, name: str, cls, inputs_hash: str, staging: Path):
-        if name in self.force:
-            return None
-        cached = cls.load_cached(self.output / name, inputs_hash)
-        if cached is not None:
-            out.link_tree(self.output / name, staging / name)
-        return cached
-
-
-def _check_limits(spec: BuildSpec, exported: ExportedModel) -> None:
-    limit = exported.model.max_position_embeddings
-    if spec.limits.max_seq_len > limit:
-        raise SpecError(
-            f"limits.max_seq_len ({spec.limits.max_seq_len}) exceeds the model's "
-            f"max_position_embeddings ({limit}); lower it to {limit} or less"
-        )
 
 
 def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package", force: set[str] | None = None,
           reporter: Reporter | None = None, external_threshold: int | None = None) -> BuildResult:
     """Build `spec` into `output` (default: the spec's). Stages after `until` are not run; stages
     named in `force` run even when cached."""
-    assert until in STAGES, until
-    preflight(spec, until)
+    from llmc.compiler.export import PROTOBUF_LIMIT
+
+    assert until in STAGE_NAMES, until
     output = Path(output or spec.output_dir).absolute()
-    b = _Build(spec, output, reporter or NullReporter(), set(force or ()))
-    staging = out.make_staging(output)
+    stages = [s for s in STAGES[:STAGE_NAMES.index(until) + 1] if s.applies(spec)]
+    run = _Run(spec, output, reporter or NullReporter(), set(force or ()), external_threshold or PROTOBUF_LIMIT)
     try:
-        _run_stages(b, staging, until, external_threshold)
-        _write_record(b, staging)
-        out.publish(staging, output)
+        for stage in stages:
+            run.stage(stage)
+            if stage.name == "source":  # the checkpoint is known: the limits it decides, then every check
+                run.source_found(stages[1:])
+        run.write_record()
+        out.publish(run.staging, output)
     except BaseException:
-        out.discard(staging)
+        out.discard(run.staging)
         raise
-    return b.result
+    return run.result
 
 
-def _run_stages(b: _Build, staging: Path, until: str, external_threshold: int | None) -> None:
-    from llmc.compiler import export as export_stage
+class _Run:
+    """One build in progress: the staging folder, the stages done so far and their report."""
 
-    spec, state = b.spec, {}
+    def __init__(self, spec: BuildSpec, output: Path, reporter: Reporter, force: set[str], external_threshold: int):
+        self.output, self.reporter, self.force = output, reporter, force
+        self.external_threshold = external_threshold
+        self.model = _Model()
+        self.result = BuildResult(output=output, spec=spec)
+        self.staging = out.make_staging(output)
 
-    def source():
-        info = inspect_source(spec.source)
-        state["info"], state["hash"], state["model"] = info, info.content_hash(), _Model(info)
-        if spec.quantization.mode is not QuantMode.none and STAGES.index(until) >= STAGES.index("quantize"):
-            stages.check_quantization_inputs(spec, info)
-        return "ran", f"{info.kind} {info.model_type}, {len(info.weight_files)} weight file(s)"
+    @property
+    def spec(self) -> BuildSpec:
+        return self.result.spec
 
-    b.stage("source", f"hashing {spec.source.path.name}", source)
-    threshold = external_threshold or export_stage.PROTOBUF_LIMIT
-    lowering = Lowering(spec.attention_lowering)
-    export_key = hash_json({"stage": "export", "source": state["hash"], "lowering": lowering.value,
-                            "precision": spec.precision.value, "versions": export_stage.tool_versions(),
-                            "opset": export_stage.OPSET, "external_threshold": threshold,
-                            "code": code_hash(*EXPORT_CODE)})
+    def source_found(self, later: list[Stage]) -> None:
+        """Build with the spec the checkpoint completed; check what every later stage needs."""
+        found = self.result.artifacts["source"].artifact
+        self.result.spec, self.model.info = found.spec, found.info
+        for stage in later:
+            stage.check(self.spec, found.info)
 
-    def export():
-        cached = b.reuse("export", ExportedModel, export_key, staging)
-        if cached is None:
-            model, tokenizer = state["model"].get()
-            cached = export_stage.export(model, tokenizer, staging / "export", lowering=lowering,
-                                         source_hash=state["hash"], inputs_hash=export_key,
-                                         external_threshold=threshold)
-            status = "ran"
+    def stage(self, stage: Stage) -> None:
+        self.reporter.stage_started(stage.name, stage.describe(self.spec))
+        start = time.perf_counter()
+        reason = stage.skip(self.spec, self.result.artifacts)
+        if reason is None:
+            status, done = self._cached_run(stage)
+            self.result.artifacts[stage.name] = done
+            summary = stage.summary(done)
         else:
-            status = "cached"
-        b.result.exported = cached
-        size = sum((staging / "export" / f).stat().st_size for f in cached.files) / 2**20
-        return status, (f"{cached.onnx}, opset {cached.opset}, {cached.model.num_layers} layers, "
-                        f"{cached.lowering.value} attention, {size:.1f} MiB")
+            status, summary = "skipped", reason
+        finished = StageResult(stage.name, status, time.perf_counter() - start, summary)
+        self.result.stages.append(finished)
+        self.reporter.stage_finished(finished)
 
-    b.stage("export", "exporting to ONNX", export)
-    _check_limits(spec, b.result.exported)
-    if until == "export":
-        return
-    b.stage("verify", f"PyTorch vs ONNX Runtime ({lowering.value} attention)", lambda: stages.verify_stage(b, staging, state["model"], state["hash"]))
-    if until == "verify":
-        return
-    b.stage("quantize", f"quantizing ({spec.quantization.mode.value}) and measuring quality",
-            lambda: stages.quantize_stage(b, staging, state["info"], state["hash"]))
-    if until == "quantize":
-        return
-    if spec.target is Target.tensorrt:
-        b.stage("engine", f"building the TensorRT engine ({spec.precision.value})",
-                lambda: stages.engine_stage(b, staging, state["info"], state["model"], state["hash"]))
-    if until == "engine":
-        return
-    b.stage("package", "writing the Triton model repository", lambda: stages.package_stage(b, staging, state["info"]))
+    def _cached_run(self, stage: Stage) -> tuple[str, Located]:
+        """(status, artifact): the last output's artifact when its key matches and its files are
+        intact, linked into the staging output; else the stage's run."""
+        source = self.result.artifacts.get("source")
+        ctx = Context(out=self.staging / stage.folder, previous=self.output / stage.folder,
+                      source=source.artifact.info if source else None, source_hash=source.artifact.hash if source else "",
+                      inputs_hash="", model=self.model, done=self.result.artifacts,
+                      progress=self.reporter.stage_progress, num_threads=self.spec.serving.num_threads,
+                      external_threshold=self.external_threshold)
+        taken = stage.input(self.result.artifacts)
+        status, art = "ran", None
+        if stage.artifact is not None:
+            ctx = replace(ctx, inputs_hash=hash_json({"stage": stage.name, "input": _identity(taken),
+                                                      **stage.key(self.spec, ctx)}))
+            if stage.name not in self.force:
+                art = stage.artifact.load_cached(ctx.previous, ctx.inputs_hash)
+            if art is not None:
+                out.link_tree(ctx.previous, ctx.out)
+                status = "cached"
+        if art is None:
+            art = stage.run(taken, stage.section(self.spec), ctx)
+        stage.accept(art, self.spec)
+        return status, Located(art, ctx.out)
+
+    def write_record(self) -> None:
+        import json
+
+        import llmc
+
+        record = {
+            "name": self.spec.name, "llmc": llmc.__version__,
+            "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "spec": self.spec.model_dump(mode="json"),
+            "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "summary": s.summary}
+                       for s in self.result.stages],
+        }
+        (self.staging / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _write_record(b: _Build, staging: Path) -> None:
-    import json
-
-    import llmc
-
-    record = {
-        "name": b.spec.name, "llmc": llmc.__version__, "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "spec": b.spec.model_dump(mode="json"),
-        "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "summary": s.summary}
-                   for s in b.result.stages],
-    }
-    (staging / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+def _identity(taken: Located | None) -> Any:
+    """What identifies a stage's input in its key: an artifact's file hashes, the checkpoint's hash."""
+    if taken is None:
+        return None
+    art = taken.artifact
+    return art.files if isinstance(art, Artifact) else art.hash

@@ -99,6 +99,9 @@ class BuildPlan:
 
 
 def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
+    from llmc.compiler.stages import STAGES
+
+    spec, notes = spec.with_model_limits(dims.max_position_embeddings)
     q = spec.quantization
     tensorrt = spec.target is Target.tensorrt
     dtype_bytes = BYTES[spec.precision.value]
@@ -110,14 +113,8 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
                 * spec.limits.max_batch_size * dtype_bytes)
     tokens = spec.limits.max_num_tokens
     activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)
-    stages = ["source", "export"]
+    stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run
     lowering = spec.attention_lowering
-    if not tensorrt or lowering != "plugin":
-        stages.append("verify")
-    if q.mode is not QuantMode.none:
-        stages.append("quantize")
-    stages += ["engine", "package"] if tensorrt else ["package"]
-    notes = []
     if tensorrt:
         precision = (f"{spec.precision.value} through ModelOpt AutoCast (strongly typed network)"
                      if spec.precision.value != "fp32" else "fp32 (strongly typed network)")

@@ -38,6 +38,7 @@ class SourceInfo:
     weight_files: tuple[Path, ...]
     hashed_files: tuple[Path, ...]
     uses_pickle: bool
+    max_position_embeddings: int | None  # the longest context the model was made for, from its config
 
     @property
     def root(self) -> Path:
@@ -71,9 +72,11 @@ def _gguf_info(path: Path) -> SourceInfo:
     try:
         reader = gguf.GGUFReader(path)
         arch = reader.fields["general.architecture"].contents()
+        context = reader.fields.get(f"{arch}.context_length")
+        context = int(context.contents()) if context is not None else None
     except Exception as err:  # gguf raises ValueError/KeyError/struct errors on bad files
         raise SourceError(f"{path}: not a readable GGUF file ({err})") from None
-    return SourceInfo(path, "gguf", _check_model_type(arch, path), (path,), (path,), False)
+    return SourceInfo(path, "gguf", _check_model_type(arch, path), (path,), (path,), False, context)
 
 
 def _hf_info(path: Path, allow_pickle: bool) -> SourceInfo:
@@ -102,7 +105,8 @@ def _hf_info(path: Path, allow_pickle: bool) -> SourceInfo:
         uses_pickle = True
     extras = [path / n for n in ("config.json", "generation_config.json", *_TOKENIZER_FILES)]
     hashed = tuple(weights) + tuple(p for p in extras if p.is_file())
-    return SourceInfo(path, "hf", model_type, weights, hashed, uses_pickle)
+    positions = config.get("max_position_embeddings") or config.get("n_positions")  # GPT-2 names it n_positions
+    return SourceInfo(path, "hf", model_type, weights, hashed, uses_pickle, positions)
 
 
 def inspect_source(source: SourceSpec) -> SourceInfo:

@@ -142,9 +142,14 @@ class ExportSpec(_Strict):
     )
 
 
+DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS = 2048, 256
+
+
 class LimitsSpec(_Strict):
     max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 8
-    max_seq_len: Annotated[int, Field(ge=16, le=1_048_576)] = 2048
+    max_seq_len: Annotated[int, Field(ge=16, le=1_048_576)] | None = Field(
+        None, description=f"Tokens per KV slot (prompt + output); unset: min({DEFAULT_MAX_SEQ_LEN}, the checkpoint's "
+                          "max_position_embeddings).")
     max_num_tokens: Annotated[int, Field(ge=1, le=1_048_576)] = 8192
 
     @model_validator(mode="after")
@@ -159,7 +164,9 @@ class LimitsSpec(_Strict):
 
 class ServingSpec(_Strict):
     max_queue_size: Annotated[int, Field(ge=1, le=100_000)] = 256
-    default_max_tokens: Annotated[int, Field(ge=1)] = 256
+    default_max_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        None, description=f"max_tokens of a request that names none; unset: min({DEFAULT_MAX_TOKENS}, "
+                          "limits.max_seq_len).")
     max_stop_words: Annotated[int, Field(ge=0, le=64)] = 8
     num_threads: Annotated[int, Field(ge=0, le=512)] = Field(0, description="0 = all cores")
 
@@ -189,7 +196,7 @@ class TensorRTSpec(_Strict):
     hardware_compatibility: HardwareCompatibility = HardwareCompatibility.none
     version_compatible: bool = Field(
         False, description="Engine loads on later TensorRT versions (embeds the lean runtime; a little slower).")
-    timing_cache: bool = Field(True, description="Keep the tactic timings in <output>/timing.cache and reuse them.")
+    timing_cache: bool = Field(True, description="Keep the tactic timings in <output>/engine/timing.cache and reuse them.")
 
 
 class BuildSpec(_Strict):
@@ -222,7 +229,8 @@ class BuildSpec(_Strict):
 
     @model_validator(mode="after")
     def _cross_field(self) -> "BuildSpec":
-        if self.serving.default_max_tokens > self.limits.max_seq_len:
+        max_tokens, max_seq_len = self.serving.default_max_tokens, self.limits.max_seq_len
+        if max_tokens is not None and max_seq_len is not None and max_tokens > max_seq_len:
             raise ValueError(
                 f"serving.default_max_tokens ({self.serving.default_max_tokens}) must be <= "
                 f"limits.max_seq_len ({self.limits.max_seq_len})"
@@ -255,6 +263,27 @@ class BuildSpec(_Strict):
                 return "reference"
             return "fused" if self.target is Target.onnxruntime else "plugin"
         return self.export.attention.value
+
+    def with_model_limits(self, max_position_embeddings: int | None) -> tuple["BuildSpec", list[str]]:
+        """The spec with the limits the checkpoint decides filled in, and a note for each one filled:
+        an unset `limits.max_seq_len` becomes min(2048, the model's max_position_embeddings), an unset
+        `serving.default_max_tokens` min(256, that). A value set above the model's limit is an error."""
+        model_limit = max_position_embeddings or DEFAULT_MAX_SEQ_LEN
+        limits, serving, notes = self.limits, self.serving, []
+        if limits.max_seq_len is None:
+            limits = limits.model_copy(update={"max_seq_len": min(DEFAULT_MAX_SEQ_LEN, model_limit)})
+            origin = (f"the model's max_position_embeddings is {max_position_embeddings}"
+                      if max_position_embeddings is not None else "the model names no max_position_embeddings")
+            notes.append(f"limits.max_seq_len {limits.max_seq_len} ({origin})")
+        elif max_position_embeddings is not None and limits.max_seq_len > max_position_embeddings:
+            raise SpecError(f"limits.max_seq_len ({limits.max_seq_len}) exceeds the model's max_position_embeddings "
+                            f"({max_position_embeddings}); lower it to {max_position_embeddings} or less, or leave it "
+                            "unset to take the model's limit")
+        if serving.default_max_tokens is None:
+            serving = serving.model_copy(update={"default_max_tokens": min(DEFAULT_MAX_TOKENS, limits.max_seq_len)})
+            if serving.default_max_tokens < DEFAULT_MAX_TOKENS:
+                notes.append(f"serving.default_max_tokens {serving.default_max_tokens} (limits.max_seq_len)")
+        return self.model_copy(update={"limits": limits, "serving": serving}), notes
 
     @property
     def output_dir(self) -> Path:

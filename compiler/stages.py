@@ -1,127 +1,177 @@
-"""The verify, quantize and package stages as the pipeline runs them: each reuses its artifact
-when the inputs hash matches, runs the library function otherwise, and returns (status, summary)."""
+"""The build as a table of stages (stage.py says what a stage declares; pipeline.py runs them):
+
+    source -> export -> verify -> quantize -> engine -> package
+
+`engine` belongs to target: tensorrt only; `verify` does nothing for the plugin lowering, which only
+TensorRT runs (the engine stage compares the engine with ONNX Runtime instead); `quantize` does
+nothing when quantization.mode is none. Each stage's work is a library function (export.export,
+verify.verify, quantize.quantize, tensorrt.stage.make_engine, package.package); what is here is the
+wiring: which artifact it takes, what keys it, what it checks first and how it reports.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Mapping
 
-from llmc.compiler.artifacts import QuantizedModel, VerifyReport
-from llmc.compiler.hashing import code_hash, hash_json
-from llmc.compiler.source import SourceInfo
-from llmc.compiler.spec import BuildSpec, QuantMode
+from llmc.compiler import quantize, verify
+from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel, VerifyReport
+from llmc.compiler.hashing import code_hash
+from llmc.compiler.source import SourceInfo, inspect_source, load_tokenizer
+from llmc.compiler.spec import BuildSpec, QuantizationSpec, QuantMode, Target, VerifySpec
+from llmc.compiler.stage import Context, Located, Stage
+from llmc.compiler.tensorrt import stage as tensorrt
 from llmc.errors import VerifyError
-
-if TYPE_CHECKING:
-    from llmc.compiler.pipeline import _Build, _Model
+from llmc.plugins.lowering import Lowering
+from llmc.runtime.manifest import RepositoryManifest
 
 REPOSITORY_DIR = "model_repository"
+# the modules whose code decides each stage's output (part of its cache key)
+EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.graph_passes",
+               "llmc.plugins.attention", "llmc.plugins.lowering", "llmc.runtime.layout")
 VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
 
 
-def check_quantization_inputs(spec: BuildSpec, info: SourceInfo) -> None:
-    """Before exporting: what the quantize stage needs (compiler/quantize: check)."""
-    from llmc.compiler import quantize as quantization
+# source: the checkpoint, found and hashed without loading weights, and the limits it decides
 
-    quantization.check(spec.quantization, info)
-
-
-def quantize_stage(b: "_Build", staging: Path, info: SourceInfo, source_hash: str):
-    from llmc.compiler import quantize as quantization
-    from llmc.compiler.source import load_tokenizer
-
-    spec, exported = b.spec, b.result.exported
-    q = spec.quantization
-    if q.mode is QuantMode.none:
-        return "skipped", "quantization.mode is none"
-    key = hash_json({"stage": "quantize", "export": exported.files, **quantization.cache_key_parts(q)})
-    art = b.reuse("quantize", QuantizedModel, key, staging)
-    status = "cached"
-    if art is None:
-        tokenizer = load_tokenizer(info)
-        previous = b.output / "quantize"
-        art = quantization.quantize(exported, staging / "export", staging / "quantize", q, tokenizer, inputs_hash=key,
-                                    num_threads=spec.serving.num_threads,
-                                    previous=previous if previous.is_dir() else None,
-                                    progress=b.reporter.stage_progress)
-        status = "ran"
-    b.result.quantized = art
-    quantization.check_quality_gate(art.report, q.max_perplexity_increase)
-    return status, quantization.summary(art)
+@dataclass(frozen=True)
+class FoundSource:
+    info: SourceInfo
+    hash: str  # of the weights, config and tokenizer files
+    spec: BuildSpec  # the build's spec with the limits left unset filled in from the checkpoint
+    notes: tuple[str, ...]  # what was filled in
 
 
-def package_stage(b: "_Build", staging: Path, info: SourceInfo):
-    from llmc.compiler.package import package
-
-    exported = b.result.exported
-    if not exported.model.has_tokenizer:
-        return "skipped", "the checkpoint has no tokenizer, so there is no text to serve"
-    engine = b.result.engine or b.result.quantized or exported
-    engine_dir = staging / ("engine" if b.result.engine else "quantize" if b.result.quantized else "export")
-    b.result.manifest = package(b.spec, exported, engine, engine_dir, info, staging / REPOSITORY_DIR)
-    lim = b.result.manifest.limits
-    return "ran", (f"{REPOSITORY_DIR}/{b.spec.name}: {lim.max_batch_size} KV slots x {lim.max_seq_len} tokens, "
-                   f"queue {lim.max_queue_size}")
+def _source(_: None, spec: BuildSpec, ctx: Context) -> FoundSource:
+    info = inspect_source(spec.source)
+    resolved, notes = spec.with_model_limits(info.max_position_embeddings)
+    return FoundSource(info, info.content_hash(), resolved, tuple(notes))
 
 
-def verify_stage(b: "_Build", staging: Path, model: "_Model", source_hash: str):
-    from llmc.compiler import verify as verify_module
+def _source_summary(done: Located[FoundSource]) -> str:
+    info = done.artifact.info
+    return "; ".join((f"{info.kind} {info.model_type}, {len(info.weight_files)} weight file(s)", *done.artifact.notes))
 
-    spec, exported = b.spec, b.result.exported
+
+# export: checkpoint -> ONNX with an explicit KV cache
+
+def _export_key(spec: BuildSpec, ctx: Context) -> dict:
+    from llmc.compiler import export
+
+    return {"lowering": spec.attention_lowering, "precision": spec.precision.value,
+            "versions": export.tool_versions(), "opset": export.OPSET, "external_threshold": ctx.external_threshold,
+            "code": code_hash(*EXPORT_CODE)}
+
+
+def _export(source: Located[FoundSource], lowering: Lowering, ctx: Context) -> ExportedModel:
+    from llmc.compiler import export
+
+    model, tokenizer = ctx.model()
+    return export.export(model, tokenizer, ctx.out, lowering=lowering, source_hash=ctx.source_hash,
+                         inputs_hash=ctx.inputs_hash, external_threshold=ctx.external_threshold)
+
+
+def _export_summary(done: Located[ExportedModel]) -> str:
+    art = done.artifact
+    size = sum((done.folder / f).stat().st_size for f in art.files) / 2**20
+    return (f"{art.onnx}, opset {art.opset}, {art.model.num_layers} layers, {art.lowering.value} attention, "
+            f"{size:.1f} MiB")
+
+
+# verify: the export on ONNX Runtime against PyTorch
+
+def _verify_skip(spec: BuildSpec, done: Mapping[str, Located]) -> str | None:
     if not spec.verify.enabled:
-        return "skipped", "verify.enabled is false"
-    if not exported.lowering.runs_on_onnxruntime:
-        return "skipped", "the plugin graph runs on TensorRT only; the engine stage checks the engine against ONNX Runtime"
+        return "verify.enabled is false"
+    if not Lowering(spec.attention_lowering).runs_on_onnxruntime:
+        return "the plugin graph runs on TensorRT only; the engine stage checks the engine against ONNX Runtime"
+    return None
+
+
+def _verify_key(spec: BuildSpec, ctx: Context) -> dict:
     import onnxruntime
 
-    key = hash_json({"stage": "verify", "source": source_hash, "export": exported.files, "verify": spec.section_hash("verify"),
-                     "code": code_hash(*VERIFY_CODE),
-                     "onnxruntime": onnxruntime.__version__})
-    report = b.reuse("verify", VerifyReport, key, staging)
-    status = "cached"
-    if report is None:
-        torch_model, tokenizer = model.get()
-        report = verify_module.verify(
-            exported, staging / "export", torch_model, tokenizer, staging / "verify", inputs_hash=key,
-            steps=spec.verify.decode_steps, tolerance=spec.verify.max_logit_diff,
-            num_threads=spec.serving.num_threads, progress=b.reporter.stage_progress)
-        status = "ran"
-    b.result.verify = report
-    summary = verify_summary(report)
+    return {"verify": spec.section_hash("verify"), "code": code_hash(*VERIFY_CODE),
+            "onnxruntime": onnxruntime.__version__}
+
+
+def _verify(exported: Located[ExportedModel], section: VerifySpec, ctx: Context) -> VerifyReport:
+    model, tokenizer = ctx.model()
+    return verify.verify(exported.artifact, exported.folder, model, tokenizer, ctx.out, inputs_hash=ctx.inputs_hash,
+                         steps=section.decode_steps, tolerance=section.max_logit_diff, num_threads=ctx.num_threads,
+                         progress=ctx.progress)
+
+
+def _verify_accept(report: VerifyReport, spec: BuildSpec) -> None:
     if not report:
-        raise VerifyError(f"verification failed: {summary}\n"
+        raise VerifyError(f"verification failed: {verify.summary(report)}\n"
                           + "\n".join(f"  {c.name}: {c.token_agreement:.1%} tokens equal, first divergence "
                                       f"{c.first_divergence}, max |Δlogit| {c.max_abs_logit_diff:.2e}"
                                       for c in report.cases))
-    return status, summary
 
 
-def verify_summary(report: VerifyReport) -> str:
-    steps = report.cases[0].decode_steps
-    agree = min(c.token_agreement for c in report.cases)
-    verdict = "greedy tokens equal" if agree == 1.0 else f"greedy tokens {agree:.1%} equal"
-    batches = " + ".join(f"batch {c.batch}" for c in report.cases)
-    return (f"{verdict} over {steps} steps ({batches}), max |Δlogit| "
-            f"{report.max_abs_logit_diff:.1e} (tolerance {report.tolerance:.0e})")
+# quantize: the export made smaller, with a measured quality report and gate
+
+def _quantize_skip(spec: BuildSpec, done: Mapping[str, Located]) -> str | None:
+    return "quantization.mode is none" if spec.quantization.mode is QuantMode.none else None
 
 
-def engine_stage(b: "_Build", staging: Path, info: SourceInfo, model: "_Model", source_hash: str):
-    """prepare (AutoCast) -> TensorRT build -> compare with ONNX Runtime -> engine/model.plan
-    (llmc.compiler.tensorrt.stage)."""
-    from llmc.compiler.artifacts import EngineModel
-    from llmc.compiler.tensorrt import stage as tensorrt_stage
+def _quantize(exported: Located[ExportedModel], section: QuantizationSpec, ctx: Context) -> QuantizedModel:
+    return quantize.quantize(exported.artifact, exported.folder, ctx.out, section, load_tokenizer(ctx.source),
+                             inputs_hash=ctx.inputs_hash, num_threads=ctx.num_threads,
+                             previous=ctx.previous if ctx.previous.is_dir() else None, progress=ctx.progress)
 
-    spec, exported = b.spec, b.result.exported
-    source = b.result.quantized or exported
-    source_dir = staging / ("quantize" if b.result.quantized else "export")
-    timing_cache = tensorrt_stage.carry_timing_cache(spec, b.output, staging)
-    key = hash_json({"stage": "engine", "source": source.files, **tensorrt_stage.cache_key_parts(spec)})
-    art = b.reuse("engine", EngineModel, key, staging)
-    status = "cached"
-    if art is None:
-        art = tensorrt_stage.make_engine(source, source_dir, exported, spec, staging / "engine", inputs_hash=key,
-                                         load_model=model.get, source_hash=source_hash, timing_cache=timing_cache,
-                                         progress=b.reporter.stage_progress)
-        status = "ran"
-    b.result.engine = art
-    return status, tensorrt_stage.summary(art)
+
+# engine: a TensorRT engine from the export or its Q/DQ form
+
+def _engine(source: Located, spec: BuildSpec, ctx: Context) -> EngineModel:
+    exported = ctx.done["export"]
+    return tensorrt.make_engine(source.artifact, source.folder, exported.artifact, spec, ctx.out,
+                                inputs_hash=ctx.inputs_hash, load_model=ctx.model, source_hash=ctx.source_hash,
+                                timing_cache=tensorrt.carry_timing_cache(spec, ctx.previous, ctx.out),
+                                progress=ctx.progress)
+
+
+# package: the Triton model repository (links and small files: runs on every build)
+
+def _package_skip(spec: BuildSpec, done: Mapping[str, Located]) -> str | None:
+    exported = done.get("export")
+    if exported is not None and not exported.artifact.model.has_tokenizer:
+        return "the checkpoint has no tokenizer, so there is no text to serve"
+    return None
+
+
+def _package(engine: Located, spec: BuildSpec, ctx: Context) -> RepositoryManifest:
+    from llmc.compiler.package import package
+
+    exported = ctx.done["export"].artifact
+    return package(spec, exported, engine.artifact, engine.folder, ctx.source, ctx.out)
+
+
+def _package_summary(done: Located[RepositoryManifest]) -> str:
+    m = done.artifact
+    return (f"{REPOSITORY_DIR}/{m.name}: {m.limits.max_batch_size} KV slots x {m.limits.max_seq_len} tokens, "
+            f"queue {m.limits.max_queue_size}")
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("source", describe=lambda spec: f"hashing {spec.source.path.name}", run=_source, summary=_source_summary),
+    Stage("export", describe=lambda spec: "exporting to ONNX", takes=("source",), artifact=ExportedModel,
+          section=lambda spec: Lowering(spec.attention_lowering), key=_export_key, run=_export,
+          summary=_export_summary),
+    Stage("verify", describe=lambda spec: f"PyTorch vs ONNX Runtime ({spec.attention_lowering} attention)",
+          takes=("export",), artifact=VerifyReport, section=lambda spec: spec.verify,
+          key=_verify_key, skip=_verify_skip, run=_verify, accept=_verify_accept, summary=lambda done: verify.summary(done.artifact)),
+    Stage("quantize", describe=lambda spec: f"quantizing ({spec.quantization.mode.value}) and measuring quality",
+          takes=("export",), artifact=QuantizedModel, section=lambda spec: spec.quantization,
+          key=lambda spec, ctx: quantize.cache_key_parts(spec.quantization),
+          check=lambda spec, source: quantize.check(spec.quantization, source), skip=_quantize_skip, run=_quantize,
+          accept=lambda art, spec: quantize.check_quality_gate(art.report, spec.quantization.max_perplexity_increase),
+          summary=lambda done: quantize.summary(done.artifact)),
+    Stage("engine", describe=lambda spec: f"building the TensorRT engine ({spec.precision.value})",
+          takes=("quantize", "export"), artifact=EngineModel, applies=lambda spec: spec.target is Target.tensorrt,
+          key=lambda spec, ctx: tensorrt.cache_key_parts(spec), check=lambda spec, source: tensorrt.check(spec),
+          run=_engine, summary=lambda done: tensorrt.summary(done.artifact)),
+    Stage("package", describe=lambda spec: "writing the Triton model repository", takes=("engine", "quantize", "export"),
+          folder=REPOSITORY_DIR, skip=_package_skip, run=_package, summary=_package_summary),
+)

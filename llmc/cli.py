@@ -72,7 +72,7 @@ def build(
 ) -> None:
     """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch, quantize (quantization.mode), build the TensorRT engine (target: tensorrt), package a Triton model repository.
 
-A TensorRT build needs TensorRT and an NVIDIA GPU: the engine gets a prefill and a decode optimization profile from `limits`, the `tensorrt:` options (workspace, optimization level, hardware/version compatibility, timing cache in <output>/timing.cache), and is compared with ONNX Runtime (Polygraphy) before it is packaged with KIND_GPU instances.
+A TensorRT build needs TensorRT and an NVIDIA GPU: the engine gets a prefill and a decode optimization profile from `limits`, the `tensorrt:` options (workspace, optimization level, hardware/version compatibility, timing cache in <output>/engine/timing.cache), and is compared with ONNX Runtime (Polygraphy) before it is packaged with KIND_GPU instances.
 
     A quantized build measures perplexity (held-out text), greedy agreement, size and decode speed against the unquantized graph and fails (exit code 9) when perplexity rises more than quantization.max_perplexity_increase; `llmc inspect` shows that report.
 

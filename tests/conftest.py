@@ -36,13 +36,15 @@ def byte_tokenizer():
     return tok
 
 
-def make_checkpoint(model_type: str, folder: Path, seed: int = 0, safe: bool = True, tokenizer: bool = True) -> Path:
-    """A random-weight checkpoint (with a byte-level tokenizer.json unless `tokenizer` is False)."""
+def make_checkpoint(model_type: str, folder: Path, seed: int = 0, safe: bool = True, tokenizer: bool = True,
+                    **config: object) -> Path:
+    """A random-weight checkpoint (with a byte-level tokenizer.json unless `tokenizer` is False);
+    `config` overrides TINY's config fields."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **TINY[model_type])
+    config = AutoConfig.for_model(model_type, **{**TINY[model_type], **config})
     model = AutoModelForCausalLM.from_config(config)
     if safe:
         model.save_pretrained(folder)

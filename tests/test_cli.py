@@ -88,3 +88,21 @@ def test_dry_run_prints_the_plan_and_builds_nothing(tiny_llama, tmp_path):
     for row in ("profile prefill", "profile decode", "memory: KV cache", "bf16 through ModelOpt AutoCast"):
         assert row in res.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_minimal_spec_takes_its_limits_from_the_checkpoint_and_prints_only_llmc(tmp_path):
+    """`name` + `source` build any supported checkpoint, also one made for contexts below 2048 tokens;
+    the command prints llmc's own lines only (no library warnings)."""
+    import json
+
+    from conftest import make_checkpoint
+
+    ckpt = make_checkpoint("qwen2", tmp_path / "qwen2", max_position_embeddings=1024)
+    spec = write_spec(tmp_path, {"name": "q", "source": str(ckpt)})
+    res = run("build", spec, "-o", tmp_path / "out")
+    assert res.returncode == 0, res.stderr
+    assert "limits.max_seq_len 1024 (the model's max_position_embeddings is 1024)" in res.stdout
+    manifest = json.loads((tmp_path / "out" / "model_repository" / "q" / "1" / "manifest.json").read_text())
+    assert manifest["limits"]["max_seq_len"] == 1024 and manifest["limits"]["default_max_tokens"] == 256
+    for line in (res.stdout + res.stderr).splitlines():
+        assert "Warning" not in line and "deprecated" not in line, line

@@ -109,7 +109,8 @@ def test_a_tensorrt_build_packages_a_gpu_repository_whose_manifest_describes_the
     from llmc.runtime.serving import ServingLoop
 
     spec = parse_spec({"name": "tiny-trt", "source": str(tiny_llama), "target": "tensorrt", "precision": "fp16"})
-    exported = build(spec, output=tmp_path / "out", until="export").exported
+    result = build(spec, output=tmp_path / "out", until="export")
+    spec, exported = result.spec, result.exported  # the spec with the limits the checkpoint decides
     engine_dir = tmp_path / "engine"
     engine_dir.mkdir()
     (engine_dir / "model.plan").write_bytes(b"serialized engine")

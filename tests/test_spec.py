@@ -105,3 +105,24 @@ def test_spec_is_frozen():
     with pytest.raises(Exception):
         spec.name = "other"  # type: ignore[misc]
     assert isinstance(spec, BuildSpec)
+
+
+def test_limits_left_unset_come_from_the_model():
+    spec = parse_spec({"name": "m", "source": "x"})
+    assert spec.limits.max_seq_len is None and spec.serving.default_max_tokens is None
+    short, notes = spec.with_model_limits(128)
+    assert short.limits.max_seq_len == 128 and short.serving.default_max_tokens == 128
+    assert notes == ["limits.max_seq_len 128 (the model's max_position_embeddings is 128)",
+                     "serving.default_max_tokens 128 (limits.max_seq_len)"]
+    long, notes = spec.with_model_limits(32768)
+    assert (long.limits.max_seq_len, long.serving.default_max_tokens) == (2048, 256) and len(notes) == 1
+    unknown, _ = spec.with_model_limits(None)
+    assert unknown.limits.max_seq_len == 2048
+
+
+def test_limits_set_explicitly_are_kept_or_refused():
+    spec = parse_spec({"name": "m", "source": "x", "limits": {"max_seq_len": 512}, "serving": {"default_max_tokens": 64}})
+    kept, notes = spec.with_model_limits(1024)
+    assert (kept.limits.max_seq_len, kept.serving.default_max_tokens, notes) == (512, 64, [])
+    with pytest.raises(SpecError, match=r"limits.max_seq_len \(512\) exceeds the model's max_position_embeddings \(256\)"):
+        spec.with_model_limits(256)

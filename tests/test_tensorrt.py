@@ -25,7 +25,7 @@ def test_tiny_engine_builds_verifies_packages_and_decodes_like_onnxruntime(tiny_
                        "limits": {"max_batch_size": 4, "max_seq_len": 128, "max_num_tokens": 64}})
     result = build(spec, output=tmp_path / "out")
     assert [s.name for s in result.stages] == ["source", "export", "verify", "quantize", "engine", "package"]
-    assert "passed" in result.engine.verified and (tmp_path / "out" / "timing.cache").is_file()
+    assert "passed" in result.engine.verified and (tmp_path / "out" / "engine" / "timing.cache").is_file()
     config = parse((result.repository / "tiny" / "config.pbtxt").read_text())
     assert config.instance_group[0].kind == config.instance_group[0].KIND_GPU
     version = result.repository / "tiny" / "1"

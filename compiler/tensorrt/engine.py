@@ -9,7 +9,7 @@ made from its options that does its work only when called, so a build is their c
                          LlmcFusedAttention nodes become the AOT plugin (plugins/trt_plugin.py)
     create_config        memory pool limit, optimization level, hardware / version compatibility,
                          the prefill and decode profiles over the same KV-cache inputs (profiles.py),
-                         the timing cache read from <output>/timing.cache, a progress monitor
+                         the timing cache read from <output>/engine/timing.cache, a progress monitor
     engine_from_network  the serialized engine; the timing cache written back, so a rebuild of the
                          same network on the same GPU skips the tactic timing
 

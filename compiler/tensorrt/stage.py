@@ -78,12 +78,14 @@ def cache_key_parts(spec: BuildSpec) -> dict:
 
 
 def carry_timing_cache(spec: BuildSpec, previous: Path, staging: Path) -> Path | None:
-    """The timing cache the build reads and writes back (None: tensorrt.timing_cache is off): kept
-    next to the build in `previous`, copied into `staging` so the new output carries it over."""
+    """The timing cache the build reads and writes back (None: tensorrt.timing_cache is off): the
+    last build's engine folder `previous` keeps it; it is copied into the new one, `staging`, and
+    rides along with the engine from there (a reused engine's folder is linked whole)."""
     from llmc.compiler.tensorrt.engine import TIMING_CACHE
 
     if not spec.tensorrt.timing_cache:
         return None
+    staging.mkdir(parents=True, exist_ok=True)
     if (previous / TIMING_CACHE).is_file():
         shutil.copyfile(previous / TIMING_CACHE, staging / TIMING_CACHE)
     return staging / TIMING_CACHE
