@@ -2,204 +2,37 @@
 
 The smallest valid spec is `name` and `source`; everything else has a default. Relative paths in
 the file are resolved against the file's own folder; the default output is `build/<name>` under
-the current directory (the CLI's `--output` overrides both).
+the current directory (the CLI's `--output` overrides both). The sections (limits, quantization,
+...) and their enums are in sections.py; they are imported from here too.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ValidationError, field_validator, model_validator
 
+from llmc.compiler.sections import (
+    DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, AttentionLowering, CalibrationMethod, CalibrationSpec,
+    ExportSpec, HardwareCompatibility, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec,
+    StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
 from llmc.errors import SpecError
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
-
-
-class Target(str, enum.Enum):
-    onnxruntime = "onnxruntime"
-    tensorrt = "tensorrt"
-
-
-class Precision(str, enum.Enum):
-    fp32 = "fp32"
-    fp16 = "fp16"
-    bf16 = "bf16"
-
-
-class QuantMode(str, enum.Enum):
-    none = "none"
-    int8 = "int8"
-    fp8 = "fp8"
-    int8_weight_only = "int8-weight-only"
-    int4_weight_only = "int4-weight-only"
-
-
-class CalibrationMethod(str, enum.Enum):
-    max = "max"
-    entropy = "entropy"
-    percentile = "percentile"
-
-
-class WeightOnlyAlgorithm(str, enum.Enum):
-    rtn = "rtn"  # round to nearest
-    awq = "awq"  # activation-aware scaling, then round to nearest
-
-
-class AttentionLowering(str, enum.Enum):
-    auto = "auto"  # fused for onnxruntime, plugin for tensorrt; reference under int8/fp8 quantization
-    fused = "fused"  # com.microsoft.GroupQueryAttention, KV cache updated in place (ONNX Runtime)
-    reference = "reference"  # standard opset-23 ops, for tools that need plain ONNX
-    plugin = "plugin"  # the LlmcFusedAttention TensorRT plugin node
-
-
-class SourceSpec(_Strict):
-    """Where the checkpoint is: a HuggingFace checkpoint folder or a `.gguf` file."""
-
-    path: Path
-    allow_pickle: bool = Field(
-        False,
-        description="Allow pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True)).",
-    )
-
-
-class CalibrationSpec(_Strict):
-    data: str = Field("builtin", description="'builtin', or a .txt / .jsonl (field `text`) file.")
-    num_samples: Annotated[int, Field(ge=1, le=4096)] = 128
-    seq_len: Annotated[int, Field(ge=8, le=8192)] = 512
-    method: CalibrationMethod = CalibrationMethod.max
-
-
-DEFAULT_BLOCK = {QuantMode.int8_weight_only: 128, QuantMode.int4_weight_only: 32}
-
-
-class QuantizationSpec(_Strict):
-    mode: QuantMode = QuantMode.none
-    calibration: CalibrationSpec = CalibrationSpec()
-    max_perplexity_increase: Annotated[float, Field(ge=0.0, le=10.0)] = Field(
-        0.05, description="Relative increase allowed over the unquantized model (0.05 = 5%)."
-    )
-    block_size: int | None = Field(
-        None, description="Weights per scale in the weight-only modes (16, 32, 64, 128 or 256); unset: 128 for "
-                          "int8-weight-only, 32 for int4-weight-only.")
-    algorithm: WeightOnlyAlgorithm = Field(
-        WeightOnlyAlgorithm.awq, description="Weight-only modes: awq (activation-aware scaling on calibration text, "
-                                             "then round to nearest) or rtn (round to nearest, no calibration).")
-    smoothquant: bool | None = Field(
-        None, description="int8: migrate activation outliers into the weights (SmoothQuant); unset = on for int8.")
-    smoothquant_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
-        0.8, description="SmoothQuant migration strength: 0 keeps activations as they are, 1 moves all into weights "
-                         "(0.8 measured best on SmolLM2 among 0.5 / 0.8 / 0.9).")
-
-    @field_validator("block_size")
-    @classmethod
-    def _block_is_a_kernel_size(cls, value: int | None) -> int | None:
-        if value is not None and value not in (16, 32, 64, 128, 256):
-            raise ValueError("must be 16, 32, 64, 128 or 256 (the block sizes MatMulNBits kernels take)")
-        return value
-
-    @model_validator(mode="after")
-    def _smoothquant_is_for_int8(self) -> "QuantizationSpec":
-        if self.smoothquant and self.mode is not QuantMode.int8:
-            raise ValueError(f"smoothquant applies to mode int8 (per-tensor int8 activations), not {self.mode.value}")
-        return self
-
-    @property
-    def weight_only(self) -> bool:
-        return self.mode in (QuantMode.int8_weight_only, QuantMode.int4_weight_only)
-
-    @property
-    def block(self) -> int:
-        """The weight-only block size: `block_size`, else the mode's default. 8-bit codes lose almost
-        nothing to wide blocks and MatMulNBits runs them much faster (SmolLM2 int8 decode, blocks
-        of 32 -> 128: 179 -> 216 tok/s, perplexity +0.05% -> +0.10%); 4-bit codes need narrow
-        ones (blocks of 64: +20% perplexity against +11% with 32)."""
-        return self.block_size or DEFAULT_BLOCK[self.mode]
-
-    @property
-    def smoothed(self) -> bool:
-        """SmoothQuant is applied: int8, unless `smoothquant: false`."""
-        return self.mode is QuantMode.int8 and self.smoothquant is not False
-
-    @property
-    def static(self) -> bool:
-        """Q/DQ with calibrated activation scales (int8, fp8): the TensorRT modes."""
-        return self.mode in (QuantMode.int8, QuantMode.fp8)
-
-
-class ExportSpec(_Strict):
-    attention: AttentionLowering = Field(
-        AttentionLowering.auto,
-        description="How llmc::attention is lowered to ONNX; auto picks the target's fused form.",
-    )
-
-
-DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS = 2048, 256
-
-
-class LimitsSpec(_Strict):
-    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 8
-    max_seq_len: Annotated[int, Field(ge=16, le=1_048_576)] | None = Field(
-        None, description=f"Tokens per KV slot (prompt + output); unset: min({DEFAULT_MAX_SEQ_LEN}, the checkpoint's "
-                          "max_position_embeddings).")
-    max_num_tokens: Annotated[int, Field(ge=1, le=1_048_576)] = 8192
-
-    @model_validator(mode="after")
-    def _tokens_cover_batch(self) -> "LimitsSpec":
-        if self.max_num_tokens < self.max_batch_size:
-            raise ValueError(
-                f"max_num_tokens ({self.max_num_tokens}) must be >= max_batch_size "
-                f"({self.max_batch_size}): every running sequence needs one token per step"
-            )
-        return self
-
-
-class ServingSpec(_Strict):
-    max_queue_size: Annotated[int, Field(ge=1, le=100_000)] = 256
-    default_max_tokens: Annotated[int, Field(ge=1)] | None = Field(
-        None, description=f"max_tokens of a request that names none; unset: min({DEFAULT_MAX_TOKENS}, "
-                          "limits.max_seq_len).")
-    max_stop_words: Annotated[int, Field(ge=0, le=64)] = 8
-    num_threads: Annotated[int, Field(ge=0, le=512)] = Field(0, description="0 = all cores")
-
-
-class VerifySpec(_Strict):
-    enabled: bool = True
-    decode_steps: Annotated[int, Field(ge=1, le=1024)] = 32
-    max_logit_diff: Annotated[float, Field(gt=0.0)] = Field(
-        1e-3, description="Largest |logit difference| allowed between PyTorch and the artifact."
-    )
-
+# the spec's vocabulary, importable from here as from sections.py
+__all__ = ["BuildSpec", "load_spec", "parse_spec", "DEFAULT_BLOCK", "DEFAULT_MAX_SEQ_LEN", "DEFAULT_MAX_TOKENS",
+           "AttentionLowering", "CalibrationMethod", "CalibrationSpec", "ExportSpec", "HardwareCompatibility",
+           "LimitsSpec", "Precision", "QuantizationSpec", "QuantMode", "ServingSpec", "SourceSpec", "Target",
+           "TensorRTSpec", "VerifySpec", "WeightOnlyAlgorithm"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
-class HardwareCompatibility(str, enum.Enum):
-    none = "none"  # runs on GPUs of the build GPU's model only (fastest)
-    same_compute_capability = "same_compute_capability"  # any GPU of the same compute capability
-    ampere_plus = "ampere_plus"  # any GPU from Ampere on (sm_80+)
-
-
-class TensorRTSpec(_Strict):
-    workspace_gib: Annotated[float, Field(gt=0, le=1024)] = Field(
-        4.0, description="Memory pool limit for the builder's tactics (and the engine's scratch space), GiB.")
-    optimization_level: Annotated[int, Field(ge=0, le=5)] = Field(
-        3, description="Builder optimization level: higher searches longer for faster kernels.")
-    hardware_compatibility: HardwareCompatibility = HardwareCompatibility.none
-    version_compatible: bool = Field(
-        False, description="Engine loads on later TensorRT versions (embeds the lean runtime; a little slower).")
-    timing_cache: bool = Field(True, description="Keep the tactic timings in <output>/engine/timing.cache and reuse them.")
-
-
-class BuildSpec(_Strict):
+class BuildSpec(StrictModel):
     name: str
     source: SourceSpec
     target: Target = Target.onnxruntime

@@ -48,7 +48,7 @@ def test_serve_generate_and_sigterm_stop_clean(tiny_build, env, tmp_path):
             assert serve.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.err").read_text()
             time.sleep(0.2)
         banner = (tmp_path / "serve.err").read_text()
-        assert f"127.0.0.1:{ports[1]}" in banner and f"/v2/models/tiny/generate" in banner
+        assert f"127.0.0.1:{ports[1]}" in banner and "/v2/models/tiny/generate" in banner
         children = set(children_of(serve.pid))
         assert children  # tritonserver
 

@@ -1,6 +1,5 @@
 """The in-flight batching engine on a real fused graph: batch invariance, chunked prefill, cancel, limits."""
 
-import numpy as np
 import pytest
 
 from llmc.compiler import build

@@ -1,6 +1,5 @@
 """The ONNX lowerings of llmc::attention: TensorRT plugin node + schema, reference graph hygiene, spec rules."""
 
-import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper

@@ -1,7 +1,6 @@
 """Stage cache (hit and miss) and atomic output (failed, interrupted and killed builds)."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

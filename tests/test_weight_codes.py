@@ -1,0 +1,105 @@
+"""Weight-only codes: what blockwise packs is what MatMulNBits computes with, the activation-weighted
+search and AWQ's scale search never do worse than round to nearest, sibling MatMulNBits merge."""
+
+import numpy as np
+import pytest
+
+@pytest.mark.parametrize("bits,k,symmetric", [(4, 64, False), (4, 96, False), (4, 80, False), (8, 64, False),
+                                               (8, 80, False), (8, 80, True), (4, 96, True)])
+def test_packed_codes_are_what_matmulnbits_computes_with(bits, k, symmetric):
+    """blockwise.pack's layout read by ONNX Runtime's kernel (odd block counts and a K that is not a
+    multiple of the block included) gives exactly x @ the codes' dequantized weight; symmetric codes
+    go without zero points (the kernel's default, 2^(bits-1))."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from llmc.compiler.quantize.blockwise import minmax, pack, search
+
+    rng = np.random.default_rng(bits + k)
+    w = rng.standard_normal((k, 6)).astype(np.float32)
+    w[3, 0] = 9.0
+    importance = rng.random(k) + 0.1
+    q = search(w, importance, bits, 32, symmetric)
+    names = ("B", "scales", "zero_points")[:2 if symmetric else 3]
+    inits = [numpy_helper.from_array(a, name) for a, name in zip(pack(q), names)]
+    node = helper.make_node("MatMulNBits", ["x", *names], ["y"], domain="com.microsoft",
+                            K=k, N=6, bits=bits, block_size=32, accuracy_level=0)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 6])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x @ q.dequantize(), rtol=1e-5, atol=1e-5)
+    weighted = [float((importance[:, None] * np.square(c.dequantize() - w)).sum())
+                for c in (q, minmax(w, bits, 32, symmetric))]
+    assert weighted[0] <= weighted[1]  # never worse than round to nearest over the block's range
+    if symmetric:
+        assert q.symmetric and (q.zero_points == 2 ** (bits - 1)).all()
+    else:
+        assert np.abs(q.dequantize() - w).max() < 1.3 * np.ptp(w) / (2**bits - 1)  # within a (searched) code step
+
+
+def test_sibling_matmul_nbits_are_merged_into_one_with_the_same_outputs():
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from llmc.compiler.quantize.blockwise import minmax, pack
+    from llmc.compiler.graph_passes import merge_sibling_matmul_nbits
+
+    rng = np.random.default_rng(4)
+    nodes, inits = [], []
+    for name, k, n, source in (("gate", 64, 24, "x"), ("up", 64, 40, "x"), ("down", 64, 8, "x2"), ("other", 64, 8, "x2")):
+        arrays = pack(minmax(rng.standard_normal((k, n)).astype(np.float32), 4, 32))
+        inits += [numpy_helper.from_array(a, f"{name}.{r}") for a, r in zip(arrays, ("B", "s", "z"))]
+        level = 4 if name != "other" else 0  # a different accuracy level: not merged with "down"
+        nodes.append(helper.make_node("MatMulNBits", [source, f"{name}.B", f"{name}.s", f"{name}.z"], [name],
+                                      domain="com.microsoft", K=k, N=n, bits=4, block_size=32, accuracy_level=level))
+    nodes.insert(0, helper.make_node("Neg", ["x"], ["x2"]))
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("gate", "up", "down", "other")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])], outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+    before = run(model)
+    assert merge_sibling_matmul_nbits(model.graph) == 1
+    assert [n.op_type for n in model.graph.node] == ["Neg", "MatMulNBits", "Split", "MatMulNBits", "MatMulNBits"]
+    assert not any(t.name.startswith(("gate.", "up.")) for t in model.graph.initializer)
+    for a, b in zip(before, run(model)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_weighted_search_puts_the_accuracy_where_the_activations_are():
+    from llmc.compiler.quantize.blockwise import minmax, search
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 40)).astype(np.float32)
+    importance = np.ones(64)
+    importance[[5, 37]] = 1e4  # two outlier input channels, as in real activations
+
+    def weighted_error(q):
+        return float((importance[:, None] * np.square(q.dequantize() - w)).sum())
+
+    searched, plain = search(w, importance, 4, 32), minmax(w, 4, 32)
+    assert weighted_error(searched) < 0.5 * weighted_error(plain)
+    assert np.abs(searched.dequantize()[[5, 37]] - w[[5, 37]]).max() < np.abs(plain.dequantize()[[5, 37]] - w[[5, 37]]).max()
+    assert searched.codes.max() <= 15 and searched.zero_points.max() <= 15
+    symmetric = search(w, importance, 4, 32, symmetric=True)  # the scale alone: zero points stay at 8
+    assert (symmetric.zero_points == 8).all()
+    assert weighted_error(symmetric) < 0.5 * weighted_error(minmax(w, 4, 32, symmetric=True))
+
+
+def test_awq_search_never_does_worse_than_round_to_nearest():
+    from llmc.compiler.quantize.awq import search_scale
+    from llmc.compiler.quantize.blockwise import fake_quantize
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((128, 64)).astype(np.float32)
+    x[:, [3, 17]] *= 40  # two outlier channels, as in real activations
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    s, alpha = search_scale(x, [w], bits=4, block=32)
+    rtn = np.square(x @ w - x @ fake_quantize(w, 4, 32)).sum()
+    scaled = np.square(x @ w - (x / s) @ fake_quantize(w * s[:, None], 4, 32)).sum()
+    assert alpha > 0 and scaled < 0.9 * rtn
