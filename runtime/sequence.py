@@ -32,8 +32,9 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.waiting
-    slot: int | None = None
-    num_cached: int = 0  # tokens already written to this sequence's KV slot
+    slot: int | None = None  # its KV slot (slot graphs)
+    block_ids: list[int] = field(default_factory=list)  # its KV blocks, in token order (paged graphs)
+    num_cached: int = 0  # tokens already written to this sequence's KV slot or blocks
     finish_reason: FinishReason | None = None
     text: str = ""  # everything emitted so far
     _pending: str = ""  # emitted by the last step, not yet taken by the caller
@@ -50,6 +51,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def all_token_ids(self) -> list[int]:
+        """Prompt and output so far: what the KV cache holds once this sequence is fully computed."""
+        return self.prompt_ids + self.output_ids
 
     def prompt_array(self) -> np.ndarray:
         return self._prompt

@@ -1,0 +1,123 @@
+"""A token-budget scheduler over the paged KV cache: each step is one call of the graph that mixes
+decode rows and prefill chunks.
+
+    schedule() = every running sequence that decodes gets its next token (a new block when it
+                 crosses into one; when the pool is out, the newest running sequence is preempted)
+               + partly prefilled sequences continue, oldest first
+               + waiting sequences are admitted (their cached prefix reused) while rows, tokens
+                 and blocks last
+               all within `max_num_tokens` tokens and `max_rows` rows
+
+A sequence's pending tokens are those whose KV is not cached yet: `all_token_ids()[num_cached:]`.
+A decoding sequence has one (the token it sampled last); a prefilling one its uncached prompt.
+Preemption is by recompute (vLLM's default): the preempted sequence gives its blocks back and goes
+to the front of the queue with its output so far, which becomes part of what it prefills when it
+returns; its full blocks keep their prefix keys, so it usually finds them still cached. A running
+sequence is never corrupted: it either has blocks for every token it writes or it is not run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.scheduler import QueueFull
+from llmc.runtime.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one sequence feeds the graph this step: `token_ids` at positions `past_len`.."""
+
+    seq: Sequence
+    token_ids: list[int]
+    past_len: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token, so its logits give the next token."""
+        return self.past_len + len(self.token_ids) == self.seq.num_tokens
+
+
+class TokenScheduler:
+    def __init__(self, blocks: BlockManager, *, max_rows: int, max_num_tokens: int, max_queue_size: int):
+        self.blocks, self.max_rows, self.max_num_tokens = blocks, max_rows, max_num_tokens
+        self.max_queue_size = max_queue_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_queue_size:
+            raise QueueFull(f"the waiting queue is full ({self.max_queue_size} requests); retry later")
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        budget = self.max_num_tokens - self._decode_rows(chunks)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.num_tokens - seq.num_cached > 1:
+                budget -= self._chunk(seq, budget, chunks)
+        while self.waiting and budget > 0 and len(self.running) < self.max_rows:
+            seq = self.waiting[0]
+            if seq.is_finished:  # cancelled while waiting
+                self.waiting.popleft()
+                continue
+            if not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq)
+            seq.status = Status.prefilling
+            self.running.append(seq)
+            budget -= self._chunk(seq, budget, chunks)
+        return chunks
+
+    def _decode_rows(self, chunks: list[Chunk]) -> int:
+        """One token for every decoding sequence that keeps (or gets) its blocks; returns how many."""
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
+                continue
+            while not self.blocks.can_append(seq) and seq in self.running:
+                self.preempt(self.running[-1])
+            if seq in self.running:
+                self.blocks.append(seq)
+                chunks.append(Chunk(seq, [seq.all_token_ids()[-1]], seq.num_cached))
+        return len(chunks)
+
+    def _chunk(self, seq: Sequence, budget: int, chunks: list[Chunk]) -> int:
+        tokens = seq.all_token_ids()[seq.num_cached:seq.num_cached + budget]
+        chunks.append(Chunk(seq, list(tokens), seq.num_cached))
+        return len(tokens)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take `seq`'s blocks back; it returns to the front of the queue and recomputes."""
+        self.blocks.free(seq)
+        self.running.remove(seq)
+        seq.status = Status.waiting
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def computed(self, chunk: Chunk) -> None:
+        """The graph wrote `chunk`: its tokens are cached, and its full blocks can serve as prefixes."""
+        chunk.seq.num_cached = chunk.past_len + len(chunk.token_ids)
+        self.blocks.commit(chunk.seq)
+
+    def release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+
+    def drop_waiting(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
