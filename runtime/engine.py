@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmc.runtime.detokenizer import IncrementalDetokenizer
+from llmc.runtime.logprobs import LogprobRecorder
 from llmc.runtime.runner import Runner
 from llmc.runtime.sampling import SamplingParams, sample
 from llmc.runtime.scheduler import Scheduler
@@ -49,8 +50,10 @@ class LLMEngine:
         self._active: dict[str, Sequence] = {}
         self._cancelled: list[Sequence] = []
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request; raises ValueError for a request that cannot run and QueueFull when busy."""
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    logprobs: LogprobRecorder | None = None) -> Sequence:
+        """Queue a request; raises ValueError for a request that cannot run and QueueFull when busy.
+        `logprobs` records the log probabilities of its tokens (runtime/logprobs.py)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.capacity:
@@ -59,7 +62,7 @@ class LLMEngine:
         if not params.end_ids and self.end_ids:
             params = params.model_copy(update={"end_ids": self.end_ids})
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
-        seq = Sequence(request_id, list(prompt_ids), params, detokenizer=detok)
+        seq = Sequence(request_id, list(prompt_ids), params, detokenizer=detok, logprobs=logprobs)
         with self._lock:
             if request_id in self._active:
                 raise ValueError(f"request id {request_id!r} is already running")
@@ -117,6 +120,8 @@ class LLMEngine:
 
     def _sample(self, seq: Sequence, logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
         token = sample(logits, seq.params, seq.prompt_array(), seq.output_array(), seq.rng)
+        if seq.logprobs is not None:  # from the raw logits, before penalties and temperature
+            seq.logprobs.record(logits, token)
         sampled.setdefault(seq.request_id, []).append(token)
         seq.append(token)
 

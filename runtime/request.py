@@ -13,6 +13,7 @@ from typing import Mapping
 import numpy as np
 from pydantic import ValidationError
 
+from llmc.runtime.logprobs import MAX_TOP_LOGPROBS
 from llmc.runtime.sampling import SamplingParams
 from llmc.runtime.tensors import SCALARS
 
@@ -40,6 +41,7 @@ class Request:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_log_probs: bool = False
+    num_top_logprobs: int = 0  # with return_log_probs: the N most likely alternatives per token
 
 
 def _text(value, name: str) -> str:
@@ -95,4 +97,9 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits) -> Request:
         raise RequestError(f"{where}: {first['msg'].removeprefix('Value error, ')} (got {first.get('input')!r})") from None
     flags = {n: bool(values[n]) for n in ("stream", "exclude_input_in_output", "return_num_input_tokens",
                                           "return_num_output_tokens", "return_log_probs") if n in values}
-    return Request(prompt=prompt, params=params, **flags)
+    top = values.get("num_top_logprobs", 0)
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"num_top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS} (got {top})")
+    if top and not flags.get("return_log_probs"):
+        raise RequestError("num_top_logprobs: needs return_log_probs true")
+    return Request(prompt=prompt, params=params, num_top_logprobs=top, **flags)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmc.runtime.detokenizer import IncrementalDetokenizer, StopMatcher
+from llmc.runtime.logprobs import LogprobRecorder
 from llmc.runtime.sampling import SamplingParams
 
 
@@ -36,6 +37,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)  # its KV blocks, in token order (paged graphs)
     num_cached: int = 0  # tokens already written to this sequence's KV slot or blocks
     finish_reason: FinishReason | None = None
+    logprobs: LogprobRecorder | None = None  # set when the request asked for log probabilities
     text: str = ""  # everything emitted so far
     _pending: str = ""  # emitted by the last step, not yet taken by the caller
 

@@ -36,6 +36,7 @@ from typing import Mapping, Protocol
 import numpy as np
 
 from llmc.runtime.engine import LLMEngine, StepOutput
+from llmc.runtime.logprobs import LogprobRecorder
 from llmc.runtime.metrics import ServingMetrics, null_metrics
 from llmc.runtime.request import Limits, Request, RequestError, is_stop, parse_request
 from llmc.runtime.scheduler import QueueFull
@@ -62,6 +63,7 @@ class _Live:
     num_output_tokens: int = 0
     client_id: str = ""  # the request id the client sent it under (what a stop request names)
     closed: bool = False  # the sink reported a cancellation (or failed): nothing more is sent on it
+    logprobs: LogprobRecorder | None = None  # the request asked for log probabilities
 
 
 def _bytes(value: str) -> np.ndarray:
@@ -141,12 +143,12 @@ class ServingLoop:
                 _call(sink.send, {"text_output": _bytes(""), "output_ids": np.zeros(0, dtype=np.int32)}, True)
                 return
             request = parse_request(inputs, self.limits)
-            if request.return_log_probs:
-                raise RequestError("return_log_probs: log probabilities are not supported by this llmc version")
             prompt_ids = self.tokenizer.encode(request.prompt).ids
+            logprobs = LogprobRecorder(request.num_top_logprobs) if request.return_log_probs else None
             with self._lock:
-                self._live[rid] = _Live(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id)
-                self.engine.add_request(rid, prompt_ids, request.params)
+                self._live[rid] = _Live(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id,
+                                        logprobs=logprobs)
+                self.engine.add_request(rid, prompt_ids, request.params, logprobs=logprobs)
         except (RequestError, ValueError, QueueFull) as err:
             with self._lock:
                 self._live.pop(rid, None)
@@ -235,6 +237,8 @@ class ServingLoop:
         if not req.stream and not req.exclude_input_in_output:
             text = req.prompt + text
         outputs = {"text_output": _bytes(text), "output_ids": np.array(entry.ids, dtype=np.int32)}
+        if entry.logprobs is not None:  # the values of exactly the tokens in output_ids
+            outputs.update(entry.logprobs.take_outputs(self.tokenizer))
         if reason is not None:
             outputs["finish_reason"] = _bytes(reason.value)
             if req.return_num_input_tokens:

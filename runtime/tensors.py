@@ -18,9 +18,13 @@ SCALARS: dict[str, tuple[str, str | None]] = {
     "stream": ("BOOL", None), "exclude_input_in_output": ("BOOL", None), "return_log_probs": ("BOOL", None),
     "return_num_input_tokens": ("BOOL", None), "return_num_output_tokens": ("BOOL", None),
     "stop": ("BOOL", None),  # a stop request: end the request sent under the same request id (is_stop)
+    "num_top_logprobs": ("INT32", None),  # with return_log_probs: the N most likely tokens per step (logprobs.py)
 }
 # outputs: name -> (Triton datatype, dims)
 OUTPUTS: dict[str, tuple[str, list[int]]] = {
     "text_output": ("BYTES", [-1]), "output_ids": ("INT32", [-1]), "finish_reason": ("BYTES", [1]),
     "num_input_tokens": ("INT32", [1]), "num_output_tokens": ("INT32", [1]),
+    # with return_log_probs (runtime/logprobs.py): per generated token, and the top-N alternatives
+    "output_log_probs": ("FP32", [-1]), "cum_log_probs": ("FP32", [1]), "token_texts": ("BYTES", [-1]),
+    "top_log_prob_ids": ("INT32", [-1, -1]), "top_log_probs": ("FP32", [-1, -1]), "top_token_texts": ("BYTES", [-1, -1]),
 }

@@ -108,7 +108,7 @@ def test_bad_requests_get_an_error_naming_the_input_and_others_go_on(served):
     loop.submit(_req(max_tokens=40, stream=True), good)
     bad = {"temperature": _req(temperature=-1.0), "top_p": _req(top_p=0.0), "max_tokens": _req(max_tokens=0),
            "text_input": _req("x" * 200), "stop_words": {**_req(), "stop_words": np.array([b"a"] * 9, dtype=object)},
-           "return_log_probs": _req(return_log_probs=True)}
+           "num_top_logprobs": _req(return_log_probs=True, num_top_logprobs=21)}
     sinks = {name: RecordingSink() for name in bad}
     for name, inputs in bad.items():
         loop.submit(inputs, sinks[name])
