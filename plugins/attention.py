@@ -91,3 +91,94 @@ def attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor, v_cach
 def _attention_fake(query, key, value, k_cache, v_cache, cache_position, scale, cos_cache=None, sin_cache=None):
     _check(query, key, value, k_cache, v_cache, cache_position)
     return torch.empty_like(query), torch.empty_like(k_cache), torch.empty_like(v_cache)
+
+
+def _rotate_paged(x: Tensor, cos_cache: Tensor, sin_cache: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
+    """Rotary embedding of x [T, heads, D] at `positions` [T] over its first 2 * cos_cache.shape[1] channels
+    (the rest pass through): rotate-half pairs (i, i + R/2), or interleaved pairs (2i, 2i + 1)."""
+    half = cos_cache.shape[1]
+    cos = cos_cache[positions].float()[:, None]  # [T, 1, R/2]
+    sin = sin_cache[positions].float()[:, None]
+    x = x.float().clone()
+    if interleaved:
+        x1, x2 = x[..., 0:2 * half:2].clone(), x[..., 1:2 * half:2].clone()
+        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    else:
+        x1, x2 = x[..., :half].clone(), x[..., half:2 * half].clone()
+        x[..., :half], x[..., half:2 * half] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return x
+
+
+def reference_paged_attention(query: Tensor, key: Tensor | None, value: Tensor | None, key_cache: Tensor,
+                              value_cache: Tensor, cumulative_sequence_length: Tensor, past_seqlens: Tensor,
+                              block_table: Tensor, num_heads: int, kv_num_heads: int, scale: float = 0.0,
+                              cos_cache: Tensor | None = None, sin_cache: Tensor | None = None, *,
+                              slot_mapping: Tensor | None = None, rotary_interleaved: bool = False,
+                              softcap: float = 0.0, local_window_size: int = -1,
+                              is_causal: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """ONNX Runtime's com.microsoft.PagedAttention in plain PyTorch, the definition llmc's CPU kernel
+    (runtime/paged_attention.c) is tested against. Writes the new keys and values INTO `key_cache` and
+    `value_cache` (the contract updates them in place) and returns (output [T, H*D], key_cache, value_cache).
+
+    query [T, H*D] (or packed [T, (H + 2 KVH) * D] with key and value None), key/value [T, KVH*D];
+    caches [num_blocks, block_size, KVH, D]; row b owns tokens cumulative_sequence_length[b] .. [b+1],
+    at positions past_seqlens[b] + i. With cos/sin tables [P, R/2] (do_rotary) the new queries and keys
+    are rotated at those positions. Token t's key/value go to slot `slot_mapping[t]` (block * block_size
+    + offset; -1 writes nothing) or, without it, to its position's slot through `block_table`. Each query
+    then attends to its row's positions 0 .. its own (all of the row's with is_causal=False), at most
+    `local_window_size` of them counting itself (when > 0), read from the cache through `block_table`;
+    block-table entries outside [0, num_blocks) are unmapped and masked out. softcap > 0 turns a logit
+    x into softcap * tanh(x / softcap); scale 0 means 1 / sqrt(D). A query with nothing to attend to
+    gets zeros."""
+    tokens = query.shape[0]
+    if key is None:
+        head_size = query.shape[1] // (num_heads + 2 * kv_num_heads)
+        query, key, value = query.split([num_heads * head_size, kv_num_heads * head_size,
+                                         kv_num_heads * head_size], dim=1)
+    head_size = query.shape[1] // num_heads
+    num_blocks, block_size = key_cache.shape[:2]
+    scale = scale or head_size ** -0.5
+    cu, past = cumulative_sequence_length.tolist(), past_seqlens.tolist()
+    rows = torch.repeat_interleave(torch.arange(len(past)), torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))
+    positions = torch.tensor(past, dtype=torch.int64)[rows] + torch.arange(tokens) - torch.tensor(cu[:-1])[rows]
+    q = query.reshape(tokens, num_heads, head_size).float()
+    k = key.reshape(tokens, kv_num_heads, head_size).float()
+    if cos_cache is not None:
+        q = _rotate_paged(q, cos_cache, sin_cache, positions, rotary_interleaved)
+        k = _rotate_paged(k, cos_cache, sin_cache, positions, rotary_interleaved)
+    table = block_table.to(torch.int64)
+    table = torch.where((table >= 0) & (table < num_blocks), table, -1)
+    if slot_mapping is None:
+        block = table[rows, positions // block_size]
+        slots = torch.where(block >= 0, block * block_size + positions % block_size, -1)
+    else:
+        slots = slot_mapping.to(torch.int64)
+    k_flat = key_cache.view(num_blocks * block_size, kv_num_heads, head_size)
+    v_flat = value_cache.view(num_blocks * block_size, kv_num_heads, head_size)
+    written = slots >= 0
+    k_flat[slots[written]] = k[written].to(key_cache.dtype)
+    v_flat[slots[written]] = value.reshape(tokens, kv_num_heads, head_size)[written].to(value_cache.dtype)
+
+    out = torch.zeros(tokens, num_heads, head_size)
+    group = num_heads // kv_num_heads
+    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        total = past[b] + end - start
+        if end == start:
+            continue
+        seen = torch.arange(total)
+        block = table[b, seen // block_size]
+        slot = block.clamp(min=0) * block_size + seen % block_size
+        keys = k_flat[slot].float().repeat_interleave(group, dim=1)  # [total, H, D]
+        values = v_flat[slot].float().repeat_interleave(group, dim=1)
+        logits = torch.einsum("qhd,khd->hqk", q[start:end], keys) * scale
+        if softcap > 0:
+            logits = softcap * torch.tanh(logits / softcap)
+        at = positions[start:end, None]  # [n, 1]
+        visible = (block >= 0)[None, :].expand(end - start, total)
+        if is_causal:
+            visible = visible & (seen[None, :] <= at)
+        if local_window_size > 0:
+            visible = visible & (seen[None, :] > at - local_window_size)
+        weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+        out[start:end] = torch.einsum("hqk,khd->qhd", weights, values)
+    return out.reshape(tokens, num_heads * head_size).to(query.dtype), key_cache, value_cache

@@ -30,6 +30,8 @@ import onnx
 from onnx import TensorProto
 from onnx.defs import OpSchema
 
+from llmc.plugins import paged_schema
+
 MICROSOFT_DOMAIN = "com.microsoft"
 LLMC_DOMAIN = "llmc"
 PLUGIN_OP = "LlmcFusedAttention"
@@ -137,6 +139,7 @@ def register_schemas() -> None:
                                (_plugin_schema, PLUGIN_OP, LLMC_DOMAIN)):
         if not onnx.defs.has(name, domain):
             onnx.defs.register_schema(make())
+    paged_schema.register()  # llmc.PagedAttention and com.microsoft.PagedAttention
 
 
 def _fused(heads: Heads):
