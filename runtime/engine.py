@@ -43,9 +43,12 @@ class StepOutput:
 class LLMEngine:
     def __init__(self, runner: Runner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_queue_size: int = 256,
                  max_num_tokens: int = 8192):
+        self._setup(runner, tokenizer, end_ids, runner.capacity, max_num_tokens, Scheduler(runner.rows, max_queue_size))
+
+    def _setup(self, runner, tokenizer, end_ids: tuple[int, ...], capacity: int, max_num_tokens: int, scheduler) -> None:
+        """What every engine holds: the runner, the scheduler over its KV cache, and the requests."""
         self.runner, self.tokenizer, self.end_ids = runner, tokenizer, tuple(end_ids)
-        self.capacity, self.max_num_tokens = runner.capacity, max_num_tokens
-        self.scheduler = Scheduler(runner.rows, max_queue_size)
+        self.capacity, self.max_num_tokens, self.scheduler = capacity, max_num_tokens, scheduler
         self._lock = threading.Lock()
         self._active: dict[str, Sequence] = {}
         self._cancelled: list[Sequence] = []
@@ -100,7 +103,12 @@ class LLMEngine:
         if seq is not None:
             self._prefill(seq, sampled)
         self._decode(self.scheduler.decoding(), sampled)
-        touched = [s for s in self.scheduler.running.values() if s.request_id in sampled or s.is_finished] + finished
+        return self._outputs(list(self.scheduler.running.values()), finished, sampled)
+
+    def _outputs(self, running: list[Sequence], finished: list[Sequence],
+                 sampled: dict[str, list[int]]) -> list[StepOutput]:
+        """The step's outputs, for every sequence that sampled or finished; finished ones give their KV back."""
+        touched = [s for s in running if s.request_id in sampled or s.is_finished] + finished
         outputs = [StepOutput(s.request_id, sampled.get(s.request_id, []), s.take_text(), s.finish_reason)
                    for s in touched]
         with self._lock:

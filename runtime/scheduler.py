@@ -18,17 +18,39 @@ class QueueFull(Exception):
     """The waiting queue is at `max_queue_size`: the caller should answer "busy, retry"."""
 
 
-class Scheduler:
-    def __init__(self, max_batch_size: int, max_queue_size: int):
+class WaitingQueue:
+    """What every scheduler has: a bounded queue of sequences waiting for a place in the running
+    batch, and that batch (`running`, kept by the scheduler)."""
+
+    running: dict | list
+
+    def __init__(self, max_queue_size: int):
         self.max_queue_size = max_queue_size
         self.waiting: deque[Sequence] = deque()
-        self.running: dict[int, Sequence] = {}  # slot -> sequence
-        self._free = list(range(max_batch_size))  # a heap: the lowest free slot first
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_queue_size:
             raise QueueFull(f"the waiting queue is full ({self.max_queue_size} requests); retry later")
         self.waiting.append(seq)
+
+    def drop_waiting(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+
+class Scheduler(WaitingQueue):
+    def __init__(self, max_batch_size: int, max_queue_size: int):
+        super().__init__(max_queue_size)
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self._free = list(range(max_batch_size))  # a heap: the lowest free slot first
 
     def admit(self) -> None:
         while self.waiting and self._free:
@@ -51,15 +73,3 @@ class Scheduler:
             del self.running[seq.slot]
             heapq.heappush(self._free, seq.slot)
         seq.slot = None
-
-    def drop_waiting(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)

@@ -18,11 +18,10 @@ sequence is never corrupted: it either has blocks for every token it writes or i
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from llmc.runtime.block_manager import BlockManager
-from llmc.runtime.scheduler import QueueFull
+from llmc.runtime.scheduler import WaitingQueue
 from llmc.runtime.sequence import Sequence, Status
 
 
@@ -40,18 +39,12 @@ class Chunk:
         return self.past_len + len(self.token_ids) == self.seq.num_tokens
 
 
-class TokenScheduler:
+class TokenScheduler(WaitingQueue):
     def __init__(self, blocks: BlockManager, *, max_rows: int, max_num_tokens: int, max_queue_size: int):
+        super().__init__(max_queue_size)
         self.blocks, self.max_rows, self.max_num_tokens = blocks, max_rows, max_num_tokens
-        self.max_queue_size = max_queue_size
-        self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
-
-    def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_queue_size:
-            raise QueueFull(f"the waiting queue is full ({self.max_queue_size} requests); retry later")
-        self.waiting.append(seq)
 
     def schedule(self) -> list[Chunk]:
         chunks: list[Chunk] = []
@@ -109,15 +102,3 @@ class TokenScheduler:
         if seq in self.running:
             self.running.remove(seq)
             self.blocks.free(seq)
-
-    def drop_waiting(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
