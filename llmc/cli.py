@@ -130,7 +130,8 @@ def inspect(path: Annotated[Path, typer.Argument(help="A build folder, a stage f
 @app.command()
 @_friendly
 def serve(
-    build_dir: Annotated[Path, typer.Argument(help="A build folder (or its model_repository/).", show_default=False)],
+    build_dir: Annotated[Optional[Path], typer.Argument(help="A build folder (or its model_repository/).", show_default=False)] = None,
+    repository: Annotated[Optional[str], typer.Option(help="Serve this repository instead of a build: s3://\\[http://host:port/]bucket/prefix (AWS credentials from the environment), as `llmc deploy` publishes it.", show_default=False)] = None,
     http_port: Annotated[int, typer.Option(help="HTTP port (generate / generate_stream endpoints).")] = 8000,
     grpc_port: Annotated[int, typer.Option(help="gRPC port (tritonclient, llmc generate).")] = 8001,
     metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port.")] = 8002,
@@ -140,9 +141,12 @@ def serve(
 
     The server comes from the nvidia-pytriton wheel (assembled once under ~/.cache/llmc). Call it with `llmc generate`, tritonclient, or HTTP: curl -d '{"text_input": "Hi", "max_tokens": 16}' 127.0.0.1:8000/v2/models/NAME/generate
     """
+    from llmc.errors import UnsupportedError
     from llmc.serve import serve_forever
 
-    serve_forever(build_dir, http_port, grpc_port, metrics_port, serving_env)
+    if (build_dir is None) == (repository is None):
+        raise UnsupportedError("pass a BUILD_DIR, or --repository s3://... (not both)")
+    serve_forever(build_dir or repository, http_port, grpc_port, metrics_port, serving_env)
 
 
 @app.command()
@@ -227,26 +231,32 @@ def bench(
 @_friendly
 def deploy(
     build_dir: Annotated[Path, typer.Argument(help="A build folder made by `llmc build`.", show_default=False)],
-    repository: Annotated[Path, typer.Option(help="The model repository Triton serves (may hold other models).", show_default=False)],
-    url: Annotated[str, typer.Option(help="The Triton server's gRPC address; it must run with --model-control-mode explicit.", show_default=False)],
+    repository: Annotated[str, typer.Option(help="The model repository the replicas serve: a folder, or s3://\\[http://host:port/]bucket/prefix (AWS credentials from the environment).", show_default=False)],
+    url: Annotated[Optional[list[str]], typer.Option(help="A replica's gRPC address (repeat for each); it must run with --model-control-mode explicit. None: publish only, for replicas that start later.", show_default=False)] = None,
     model: Annotated[Optional[str], typer.Option(help="Which model of the build (default: its only one).")] = None,
     keep: Annotated[int, typer.Option(min=1, help="Version folders kept in the repository after a successful deploy.")] = 2,
-    timeout: Annotated[float, typer.Option(min=1, help="Seconds the new version may take to become ready.")] = 300.0,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds the new version may take to become ready on a replica.")] = 300.0,
+    lock_wait: Annotated[float, typer.Option(min=0, help="Seconds to wait for another deploy of the model to finish before giving up.")] = 60.0,
+    break_lock: Annotated[bool, typer.Option("--break-lock", help="Break a deploy lock left by a deploy that died (check it is dead first).")] = False,
 ) -> None:
-    """Deploy a build as a new model version into a Triton model repository and load it.
+    """Deploy a build as version N+1 into a Triton model repository (a folder or an S3 bucket) and load it on every replica.
 
-    The version folder is copied in atomically (staged, then renamed), then loaded through Triton's repository API: the previous version keeps serving until the new one is ready, and its streams in flight finish. A version that fails to load is removed again and the previous one keeps serving (exit code 8).
+    Version N+1 is uploaded whole and checked (checksums on S3) before the config, written last, names it; then each --url replica loads it in turn through Triton's repository API, keeping version N serving until N+1 is ready. If any replica fails, every replica goes back to version N, the upload is removed, and the command exits with code 8 naming the replica and Triton's reason. A lock serializes deploys of one model.
     """
     from llmc.console import out
     from llmc.errors import ServingError
     from llmc.deploy import DeployError, deploy as run_deploy
 
     try:
-        result = run_deploy(build_dir, repository, url, model=model, keep=keep, timeout=timeout)
+        result = run_deploy(build_dir, repository, url or [], model=model, keep=keep, timeout=timeout,
+                            lock_wait=lock_wait, break_lock=break_lock)
     except DeployError as err:
         raise ServingError(str(err)) from None
+    if result.broke_lock:
+        out.print(f"[yellow]{result.broke_lock}[/]")
     was = f" (was version {result.previous})" if result.previous else ""
-    out.print(f"[green]deployed[/] {result.model} version {result.version}{was} to {repository}, ready on {url} "
+    where = f"ready on {', '.join(result.replicas)}" if result.replicas else "published (no replica given to load it)"
+    out.print(f"[green]deployed[/] {result.model} version {result.version}{was} to {repository}, {where} "
               f"in {result.seconds:.1f} s")
 
 

@@ -1,32 +1,32 @@
-"""`llmc deploy`: a build's model into a (possibly shared) Triton model repository as a new version,
-loaded through Triton's repository API, with rollback.
+"""`llmc deploy`: a build's model into a shared Triton model repository (a folder, or an S3 bucket:
+llmc/objectstore.py) as version N+1, loaded on every replica in turn, with rollback.
 
-    <repository>/<name>/config.pbtxt      the build's (replaced atomically when it changed)
-    <repository>/<name>/<N>/               the build's version folder, copied in as N = latest + 1:
-                                           staged under a hidden name, then renamed (one atomic step)
+    <repository>/<name>/config.pbtxt   the build's, naming the version Triton serves
+                                       (version_policy: specific), written last
+    <repository>/<name>/<N+1>/         the build's version folder, uploaded whole and checked first
 
-Then `load` on the server (it must run with `--model-control-mode explicit`): Triton loads version N
-while the previous version keeps serving, switches to N once it is ready and unloads the old one
-(whose streams in flight finish first: model.py drains on unload). A load that fails or does not
-become ready in time is rolled back: the version folder goes, the old config comes back, the
-previous version is loaded again, and DeployError says what Triton reported. Older version folders
-beyond `keep` are removed after a successful deploy. A lock file serializes deploys of one model.
+1. Take the model's deploy lock (a flock, or an S3 object created with If-None-Match): concurrent
+   deploys of one model wait, then are refused naming the holder; `break_lock` breaks a dead one.
+2. Pin the served config to version N, so nothing that reads the repository (a replica starting
+   up, another load) can see N+1 before it is whole; upload N+1 (checked: store's own rule).
+3. Write the config naming N+1 (last), then load it on each `--url` replica, one at a time,
+   through the repository API, checking readiness (llmc/rollout.py).
+4. Any failure: the old config comes back, N+1 is removed, every replica asked to load goes back
+   to N (or unloads a model that was new), and DeployError names the replica and Triton's reason.
+5. Success: version folders beyond `keep` are removed.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
-import shutil
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmc.compiler.output import link_tree
+from llmc.objectstore import CONFIG, LocalStore, StoreError, open_store
+from llmc.rollout import Replica, ReplicaFailed, roll_back, roll_out
 from llmc.triton_server import find_repository
 
-CONFIG = "config.pbtxt"
+ENV_PARAMETER = "EXECUTION_ENV_PATH"  # a packed serving environment inside the version folder (llmc/packenv.py)
 
 
 class DeployError(RuntimeError):
@@ -39,13 +39,13 @@ class DeployResult:
     version: int
     previous: int | None
     seconds: float
+    replicas: tuple[str, ...] = ()
+    broke_lock: str | None = None  # what --break-lock broke
 
 
 def versions(model_dir: Path) -> list[int]:
-    """The numeric version folders of a model in a repository, ascending."""
-    if not model_dir.is_dir():
-        return []
-    return sorted(int(d.name) for d in model_dir.iterdir() if d.is_dir() and d.name.isdigit())
+    """The numeric version folders of a model in a local repository, ascending."""
+    return LocalStore(Path(model_dir).parent).versions(Path(model_dir).name)
 
 
 def _built_model(build_dir: Path, model: str | None) -> Path:
@@ -62,88 +62,88 @@ def _built_model(build_dir: Path, model: str | None) -> Path:
     return built
 
 
-@contextmanager
-def _locked(model_dir: Path):
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(model_dir.parent / f".{model_dir.name}.deploy.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+def pinned(config_text: str, version: int) -> str:
+    """`config_text` serving exactly `version` (and its packed environment, when it has one)."""
+    from llmc.compiler.triton_config import parse, render
+
+    cfg = parse(config_text)
+    cfg.version_policy.specific.ClearField("versions")
+    cfg.version_policy.specific.versions.append(version)
+    if ENV_PARAMETER in cfg.parameters:
+        value = cfg.parameters[ENV_PARAMETER].string_value
+        head, sep, tail = value.partition("$$TRITON_MODEL_DIRECTORY/")
+        if sep:  # $$TRITON_MODEL_DIRECTORY/<version>/<archive>: the archive the served version carries
+            cfg.parameters[ENV_PARAMETER].string_value = f"{head}{sep}{version}/{tail.split('/', 1)[-1]}"
+    return render(cfg)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _wait_ready(client, name: str, version: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if client.is_model_ready(name, str(version)):
-            return True
-        time.sleep(0.2)
-    return False
-
-
-def deploy(build_dir: Path, repository: Path, url: str, *, model: str | None = None, keep: int = 2,
-           timeout: float = 300.0) -> DeployResult:
-    """Deploy the model of `build_dir` into `repository` and load it on the Triton server at `url`
-    (gRPC address). Raises DeployError, after rolling back, when the new version does not load."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
-    start = time.monotonic()
-    built = _built_model(Path(build_dir), model)
-    name, repository = built.name, Path(repository)
-    if not repository.is_dir():
-        raise DeployError(f"{repository}: no such model repository (create it, and start Triton on it with "
-                          "--model-control-mode explicit)")
-    client = grpcclient.InferenceServerClient(url)
+def _connect(urls: list[str]) -> list[Replica]:
     try:
-        client.is_server_live()
-    except InferenceServerException as err:
-        raise DeployError(f"no Triton server at {url} ({err.message()})") from None
-    target = repository / name
-    with _locked(target):
-        existing = versions(target)
-        previous = existing[-1] if existing else None
-        new = (previous or 0) + 1
-        old_config = (target / CONFIG).read_text() if (target / CONFIG).is_file() else None
-        target.mkdir(exist_ok=True)
-        staged = target / f".staging-{new}-{os.getpid()}"
-        shutil.rmtree(staged, ignore_errors=True)
-        link_tree(built / "1", staged)  # builds are published as new files, so a link stays what was deployed
-        _write_atomic(target / CONFIG, (built / CONFIG).read_text())
-        os.rename(staged, target / str(new))
-        try:
-            client.load_model(name)
-            if not _wait_ready(client, name, new, timeout):
-                raise DeployError(f"version {new} of {name} was not ready after {timeout:.0f} s")
-        except (InferenceServerException, DeployError) as err:
-            reason = err.message() if isinstance(err, InferenceServerException) else str(err)
-            reason = reason.strip().splitlines()[0] if reason.strip() else "no reason given"  # the server log has the rest
-            _roll_back(client, target, new, old_config, previous)
-            kept = f"version {previous} keeps serving" if previous else f"{name} is not loaded"
-            raise DeployError(f"{name} version {new} failed to load: {reason}; rolled back, {kept}") from None
-        for old in versions(target)[:-keep]:
-            shutil.rmtree(target / str(old), ignore_errors=True)
-    return DeployResult(name, new, previous, time.monotonic() - start)
+        return [Replica.connect(url) for url in urls]
+    except ReplicaFailed as err:
+        raise DeployError(f"no Triton server at {err.url} ({err.reason})" if "no Triton server" in err.reason
+                          else str(err)) from None
 
 
-def _roll_back(client, target: Path, new: int, old_config: str | None, previous: int | None) -> None:
-    from tritonclient.utils import InferenceServerException
+def deploy(build_dir: Path, repository: str | Path, url: str | list[str], *, model: str | None = None,
+           keep: int = 2, timeout: float = 300.0, lock_wait: float = 60.0, break_lock: bool = False) -> DeployResult:
+    """Deploy the model of `build_dir` into `repository` (folder or s3:// URL) and load it on the
+    Triton replicas at `url` (one gRPC address or several; none: publish only, for replicas that
+    start later). Raises DeployError after rolling back."""
+    start = time.monotonic()
+    urls = [url] if isinstance(url, str) else list(url)
+    built = _built_model(Path(build_dir), model)
+    name = built.name
+    try:
+        store = open_store(repository)
+        store.check()
+    except StoreError as err:
+        raise DeployError(str(err)) from None
+    replicas = _connect(urls)
+    try:
+        with store.lock(name, lock_wait, break_lock) as broken:
+            previous, new = _publish_and_load(store, built, replicas, timeout)
+            for old in store.versions(name)[:-keep]:
+                store.remove_version(name, old)
+    except StoreError as err:
+        raise DeployError(str(err)) from None
+    finally:
+        for replica in replicas:
+            replica.close()
+    return DeployResult(name, new, previous, time.monotonic() - start, tuple(urls), broken)
 
-    shutil.rmtree(target / str(new), ignore_errors=True)
-    if old_config is None:
-        shutil.rmtree(target, ignore_errors=True)
-        try:
-            client.unload_model(target.name)
-        except InferenceServerException:
-            pass
-        return
-    _write_atomic(target / CONFIG, old_config)
-    if previous is not None:
-        try:
-            client.load_model(target.name)  # the previous version again (it may have been unloaded by the failure)
-        except InferenceServerException:
-            pass
+
+def _publish_and_load(store, built: Path, replicas: list[Replica], timeout: float) -> tuple[int | None, int]:
+    name = built.name
+    existing = store.versions(name)
+    previous = existing[-1] if existing else None
+    new = (previous or 0) + 1
+    old_config = store.read(name, CONFIG)
+    if old_config is not None and previous is not None:
+        old_config = pinned(old_config, previous)
+        store.write(name, CONFIG, old_config)  # what serves, pinned: N+1 stays invisible until the config names it
+    store.upload_version(name, new, built / "1")
+    touched: list[Replica] = []
+    try:
+        store.write(name, CONFIG, pinned((built / CONFIG).read_text(), new))
+        touched = roll_out(replicas, name, new, timeout)
+    except (ReplicaFailed, StoreError) as err:
+        touched = getattr(err, "touched", touched)
+        problems = _undo(store, name, new, old_config, previous, touched)
+        kept = f"version {previous} keeps serving" if previous else f"{name} is not loaded"
+        where = f" on {err.url}: {err.reason}" if isinstance(err, ReplicaFailed) else f": {err}"
+        also = f" (rollback problems: {'; '.join(problems)})" if problems else ""
+        raise DeployError(f"{name} version {new} failed to load{where}; rolled back "
+                          f"{len(touched)} of {len(replicas)} replica(s), {kept}{also}") from None
+    return previous, new
+
+
+def _undo(store, name: str, new: int, old_config: str | None, previous: int | None,
+          touched: list[Replica]) -> list[str]:
+    """Put the repository and the touched replicas back as they were; the problems met, as text."""
+    if old_config is None or previous is None:
+        store.remove_model(name)
+        return roll_back(touched, name, keep_serving=False)
+    store.write(name, CONFIG, old_config)
+    store.remove_version(name, new)  # before the reloads: a replica copying the model need not fetch it
+    return roll_back(touched, name, keep_serving=True)

@@ -12,37 +12,58 @@ from typing import TextIO
 from llmc.errors import ServingError
 
 
-def start_server(build_dir: Path, http_port: int | None, grpc_port: int | None, metrics_port: int | None,
+def start_server(build_dir: Path | str, http_port: int | None, grpc_port: int | None, metrics_port: int | None,
                  serving_env: Path | None):
-    """Start Triton on a build's repository (ports None: free ones); errors name what to change."""
+    """Start Triton on a build's repository, or on an s3:// repository (ports None: free ones); errors
+    name what to change."""
     from llmc.supervisor import EXPLICIT_ARGS
     from llmc.triton_server import (Ports, TritonError, TritonServer, assemble, check_port_free,
-                                    default_server_dir, find_repository, find_serving_env, free_port)
+                                    default_server_dir, find_serving_env, free_port)
 
     try:
-        repository = find_repository(build_dir)
+        repository = _repository(build_dir)
         env = find_serving_env(serving_env)
         http_port, grpc_port, metrics_port = (p or free_port() for p in (http_port, grpc_port, metrics_port))
         for port, flag in ((http_port, "--http-port"), (grpc_port, "--grpc-port"), (metrics_port, "--metrics-port")):
             check_port_free(port, flag)
         server_dir = assemble(default_server_dir())
-        log = server_dir.parent / "logs" / f"serve-{repository.resolve().parent.name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        label = repository.rstrip("/").rsplit("/", 1)[-1] if isinstance(repository, str) else repository.parent.name
+        log = server_dir.parent / "logs" / f"serve-{label}-{time.strftime('%Y%m%d-%H%M%S')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        server = TritonServer(repository.resolve(), server_dir=server_dir, serving_env=env,
+        server = TritonServer(repository, server_dir=server_dir, serving_env=env,
                               ports=Ports(http_port, grpc_port, metrics_port), log_path=log, extra_args=EXPLICIT_ARGS)
         return server.start(timeout=300)
     except TritonError as err:
         raise ServingError(str(err)) from None
 
 
+def _repository(location: Path | str) -> Path | str:
+    """A build folder's repository (resolved), or an s3:// repository checked to hold a model."""
+    from llmc.objectstore import StoreError, is_remote, open_store
+    from llmc.triton_server import find_repository
+
+    if not is_remote(location):
+        return find_repository(Path(location)).resolve()
+    try:
+        store = open_store(location)
+        store.check()
+        if not store.models():
+            raise ServingError(f"{location}: no model there yet; publish one with "
+                               f"llmc deploy BUILD --repository {location}")
+    except StoreError as err:
+        raise ServingError(str(err)) from None
+    return str(location)
+
+
 def serve_forever(build_dir: Path, http_port: int, grpc_port: int, metrics_port: int, serving_env: Path | None) -> None:
     from llmc.console import console
+    from llmc.objectstore import open_store
     from llmc.supervisor import Supervisor
 
     server = start_server(build_dir, http_port, grpc_port, metrics_port, serving_env)
     try:
         supervisor = Supervisor(server, log=lambda message: console.print(f"[yellow]{time.strftime('%H:%M:%S')}[/] {message}"))
-        models = sorted(d.name for d in server.repository.iterdir() if (d / "config.pbtxt").is_file())
+        models = open_store(server.repository).models()
         console.print(f"[green]serving[/] {', '.join(models)} from {server.repository}")
         console.print(f"  gRPC     {server.grpc_url}   llmc generate --url {server.grpc_url} \"Hello\"")
         console.print(f"  HTTP     http://{server.http_url}/v2/models/{models[0]}/generate (and generate_stream)")

@@ -129,9 +129,11 @@ class Ports:
 
 
 class TritonServer:
-    def __init__(self, repository: Path, *, server_dir: Path, serving_env: Path, ports: Ports | None = None,
+    def __init__(self, repository: Path | str, *, server_dir: Path, serving_env: Path, ports: Ports | None = None,
                  log_path: Path | None = None, extra_args: tuple[str, ...] = ()):
-        self.repository, self.server_dir, self.serving_env = Path(repository), Path(server_dir), Path(serving_env)
+        # a folder, or an s3:// URL Triton reads itself (kept as text: Path would fold its "//")
+        self.repository = repository if str(repository).startswith("s3://") else Path(repository)
+        self.server_dir, self.serving_env = Path(server_dir), Path(serving_env)
         self.ports = ports or Ports.free()
         self.log_path = log_path or self.server_dir / "tritonserver.log"
         self.extra_args = extra_args

@@ -51,7 +51,8 @@ def test_deploy_swaps_versions_under_load_and_rolls_back_a_broken_build(tiny_bui
     broken = tmp_path / "broken"
     shutil.copytree(tiny_build.output, broken)
     (broken / "model_repository" / "tiny" / "1" / "manifest.json").write_text("{}")
-    with pytest.raises(DeployError, match=r"tiny version 3 failed to load: .*ManifestError.*; rolled back, version 2 keeps serving"):
+    with pytest.raises(DeployError, match=r"tiny version 3 failed to load on 127\.0\.0\.1:\d+: .*ManifestError.*; "
+                       r"rolled back 1 of 1 replica\(s\), version 2 keeps serving"):
         deploy(broken, repository, url)
     assert versions(repository / "tiny") == [1, 2]
     assert triton.is_model_ready("tiny", "2")

@@ -1,0 +1,57 @@
+"""A local S3 endpoint for tests: moto in server mode on 127.0.0.1, a free port, started and stopped
+by the test that needs it (real HTTP, so Triton's S3 client and boto3 both talk to it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+
+from llmc.triton_server import free_port
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class MotoServer:
+    """`with MotoServer() as s3:` -> s3.endpoint ("http://127.0.0.1:PORT"); `auth_after=n` turns on
+    moto's IAM checks after n unauthenticated calls (the setup), so keys without a policy are refused."""
+
+    def __init__(self, auth_after: int | None = None):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.auth_after = auth_after
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "MotoServer":
+        import os
+
+        env = dict(os.environ)
+        if self.auth_after is not None:
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(self.auth_after)
+        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        self.__exit__()
+        raise RuntimeError(f"moto_server did not start on {self.endpoint}")
+
+    def client(self, service: str = "s3", **credentials):
+        import boto3
+
+        keys = credentials or {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+        return boto3.client(service, endpoint_url=self.endpoint, region_name="us-east-1", **keys)
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)
