@@ -9,11 +9,18 @@ frequencies, LM head) and runs its own forward:
 Row b's tokens sit at positions `cache_position[b] ..`; rows may be at different positions, so no
 attention mask and no left padding are needed (a shorter prompt in a batch is right-padded and its
 pad tokens' outputs are ignored).
+
+The forward is made of `body(input_ids, positions, attend, k_caches, v_caches)` (embeddings and
+blocks, attention through `attend`) and `head(hidden)` (final norm and LM head), so another cache
+form reuses the same blocks with its own attention call: the slot form's `attend` is
+`llmc::attention` at `cache_position`; the paged form (paged_decoder.py) packs the tokens and calls
+`llmc::paged_attention` over block tables.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -21,8 +28,20 @@ from torch import Tensor, nn
 from llmc.plugins.attention import rotate_half  # importing it registers torch.ops.llmc.attention
 
 
+# attend(query [B,S,H,D], key [B,S,KVH,D], value, k_cache, v_cache, scale, rotary tables ((cos, sin) or ()))
+#   -> (output [B,S,H,D], k_cache', v_cache')
+Attend = Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
 def _positions(input_ids: Tensor, cache_position: Tensor) -> Tensor:
     return cache_position[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)  # [B, S]
+
+
+def slot_attend(cache_position: Tensor) -> Attend:
+    """Attention into per-row cache slots at `cache_position`: `llmc::attention`."""
+    def attend(q, k, v, k_cache, v_cache, scale, tables):
+        return torch.ops.llmc.attention(q, k, v, k_cache, v_cache, cache_position, scale, *tables)
+    return attend
 
 
 def _concat_linears(*linears: nn.Linear) -> nn.Linear:
@@ -76,13 +95,22 @@ class LlamaFamilyDecoder(nn.Module):
         self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
 
     def forward(self, input_ids: Tensor, cache_position: Tensor, k_caches: list[Tensor], v_caches: list[Tensor]):
+        hidden, new_k, new_v = self.body(input_ids, _positions(input_ids, cache_position), slot_attend(cache_position),
+                                         k_caches, v_caches)
+        return self.head(hidden), new_k, new_v
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def body(self, input_ids: Tensor, positions: Tensor, attend: Attend, k_caches: list[Tensor],
+             v_caches: list[Tensor]) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         b, s = input_ids.shape
         hidden = self.embed_tokens(input_ids)
         if self.fuse_rotary:
             tables = (self.cos_cache, self.sin_cache)
         else:
-            cos, sin = self.rotary_emb(hidden, _positions(input_ids, cache_position))  # [B, S, D]
-            cos, sin, tables = cos[:, :, None], sin[:, :, None], (None, None)  # broadcast over heads
+            cos, sin = self.rotary_emb(hidden, positions)  # [B, S, D]
+            cos, sin, tables = cos[:, :, None], sin[:, :, None], ()  # broadcast over heads
         new_k, new_v = [], []
         for layer, qkv, k_cache, v_cache in zip(self.layers, self.qkv, k_caches, v_caches):
             attn = layer.self_attn
@@ -92,13 +120,12 @@ class LlamaFamilyDecoder(nn.Module):
             v = v.view(b, s, self.num_kv_heads, self.head_dim)
             if not self.fuse_rotary:
                 q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            out, k_cache, v_cache = torch.ops.llmc.attention(q, k, v, k_cache, v_cache, cache_position, attn.scaling,
-                                                             *tables)
+            out, k_cache, v_cache = attend(q, k, v, k_cache, v_cache, attn.scaling, tables)
             hidden = hidden + attn.o_proj(out.reshape(b, s, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             new_k.append(k_cache)
             new_v.append(v_cache)
-        return self.lm_head(self.norm(hidden)), new_k, new_v
+        return hidden, new_k, new_v
 
 
 class GPT2Decoder(nn.Module):
@@ -119,19 +146,27 @@ class GPT2Decoder(nn.Module):
         self.scales = [base / (i + 1) if inverse else base for i in range(config.n_layer)]
 
     def forward(self, input_ids: Tensor, cache_position: Tensor, k_caches: list[Tensor], v_caches: list[Tensor]):
+        hidden, new_k, new_v = self.body(input_ids, _positions(input_ids, cache_position), slot_attend(cache_position),
+                                         k_caches, v_caches)
+        return self.head(hidden), new_k, new_v
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(hidden))
+
+    def body(self, input_ids: Tensor, positions: Tensor, attend: Attend, k_caches: list[Tensor],
+             v_caches: list[Tensor]) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         b, s = input_ids.shape
-        hidden = self.wte(input_ids) + self.wpe(_positions(input_ids, cache_position))
+        hidden = self.wte(input_ids) + self.wpe(positions)
         new_k, new_v = [], []
         for block, scale, k_cache, v_cache in zip(self.blocks, self.scales, k_caches, v_caches):
             q, k, v = block.attn.c_attn(block.ln_1(hidden)).split(self.num_heads * self.head_dim, dim=2)
             shape = (b, s, self.num_heads, self.head_dim)
-            out, k_cache, v_cache = torch.ops.llmc.attention(
-                q.view(shape), k.view(shape), v.view(shape), k_cache, v_cache, cache_position, scale)
+            out, k_cache, v_cache = attend(q.view(shape), k.view(shape), v.view(shape), k_cache, v_cache, scale, ())
             hidden = hidden + block.attn.c_proj(out.reshape(b, s, -1))
             hidden = hidden + block.mlp(block.ln_2(hidden))
             new_k.append(k_cache)
             new_v.append(v_cache)
-        return self.lm_head(self.ln_f(hidden)), new_k, new_v
+        return hidden, new_k, new_v
 
 
 DECODERS = {"llama": LlamaFamilyDecoder, "gpt2": GPT2Decoder}

@@ -24,7 +24,7 @@ from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_o
 from llmc.compiler.source import SUPPORTED_MODEL_TYPES, attention_shape
 from llmc.errors import ExportError
 from llmc.compiler.graph_passes import fuse_skip_rms_norm, simplify
-from llmc.plugins.lowering import Heads, Lowering, translation_table, trim_unused_outputs
+from llmc.plugins.lowering import MICROSOFT_DOMAIN, Heads, Lowering, translation_table, trim_unused_outputs
 from llmc.runtime.layout import KVLayout
 
 OPSET = 23
@@ -55,6 +55,8 @@ def model_info(model, tokenizer) -> ModelInfo:
 
 
 def kv_layout(info: ModelInfo, lowering: Lowering) -> KVLayout:
+    if lowering is Lowering.paged:
+        return KVLayout.paged_layout(info.num_layers, info.num_kv_heads, info.head_dim)
     fused = lowering is Lowering.fused
     return KVLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                     in_place=fused, max_prefill_rows=1 if fused else None)
@@ -98,6 +100,18 @@ def _dynamic_shapes(layout: KVLayout):
     }
 
 
+def _traced(decoder, info: ModelInfo, layout: KVLayout) -> tuple:
+    """What torch.onnx.export traces for this layout: the module, example inputs, dynamic shapes and
+    the graph's input names (the slot form here, the paged form in paged_decoder.py)."""
+    if layout.paged:
+        from llmc.compiler import paged_decoder
+
+        return (paged_decoder.PagedDecoder(decoder).eval(), paged_decoder.example_inputs(info.vocab_size, layout),
+                paged_decoder.dynamic_shapes(layout), paged_decoder.input_names(layout))
+    return (_flat(decoder), _example_inputs(info, layout), _dynamic_shapes(layout),
+            ["input_ids", layout.positions, *layout.past_names()])
+
+
 def _quiet():
     """torch.onnx and the onnx_ir passes print progress and warnings; keep them for the error message only."""
     stack = contextlib.ExitStack()
@@ -123,15 +137,14 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     from llmc.compiler.decoder import decoder_for
 
     layout = kv_layout(info, lowering)
-    in_names = ["input_ids", layout.positions, *layout.past_names()]
+    module, inputs, shapes, in_names = _traced(decoder_for(model, info.family), info, layout)
     out_names = ["logits", *layout.present_names()]
     table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))
     stack, log = _quiet()
     with stack, torch.no_grad():
         try:
             program = torch.onnx.export(
-                _flat(decoder_for(model, info.family)), _example_inputs(info, layout),
-                dynamic_shapes=_dynamic_shapes(layout), input_names=in_names, output_names=out_names,
+                module, inputs, dynamic_shapes=shapes, input_names=in_names, output_names=out_names,
                 opset_version=OPSET, dynamo=True, custom_translation_table=table, optimize=True,
                 verbose=False, report=False,
             )
@@ -141,8 +154,9 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
         simplify(program.model)  # onnx_ir passes: quiet too
     proto = program.model_proto
     trim_unused_outputs(proto.graph)
-    if lowering is Lowering.fused:
-        fuse_skip_rms_norm(proto.graph)
+    if lowering in (Lowering.fused, Lowering.paged):  # both run on ONNX Runtime, which has the fused op
+        if fuse_skip_rms_norm(proto.graph) and not any(o.domain == MICROSOFT_DOMAIN for o in proto.opset_import):
+            proto.opset_import.add(domain=MICROSOFT_DOMAIN, version=1)
     external = save_model(proto, out_dir, external_threshold)
     path = out_dir / ONNX_NAME
     try:

@@ -34,6 +34,8 @@ def sequence_length_from_input_ids(graph) -> None:
     one copy."""
     input_ids = graph.inputs[0]
     assert input_ids.name == "input_ids", input_ids.name
+    if input_ids.shape is None or len(input_ids.shape) < 2:
+        return  # packed tokens (the paged form): no per-layer sequence length to share
     for node in graph:
         source = node.inputs[0] if node.op_type == "Shape" and node.inputs else None
         if source is None or source is input_ids or source.shape is None or len(source.shape) < 2:

@@ -38,7 +38,8 @@ def exported_sections(art: ExportedModel, folder: Path) -> list[Section]:
         ("attention", f"{art.lowering.value} lowering of llmc::attention"),
         ("kv layout", f"[{', '.join(kv.dims)}] {kv.dtype}, {kv.past_key} -> {kv.present_key}, positions from "
                       f"{kv.positions}, {'updated in place' if kv.in_place else 'copied each step'}"
-                      + (f", prefill {kv.max_prefill_rows} row(s) per step" if kv.max_prefill_rows else "")),
+                      + (f", prefill {kv.max_prefill_rows} row(s) per step" if kv.max_prefill_rows else "")
+                      + (f", paged: blocks of {kv.block_size} tokens, packed tokens, block tables" if kv.paged else "")),
         ("external data", "yes" if art.external_data else "no"),
         ("source hash", art.source_hash), ("inputs hash", art.inputs_hash),
         *[(f"sha256 {name}", h) for name, h in art.files.items()],

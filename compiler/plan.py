@@ -127,7 +127,7 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
         f"{q.calibration.data}, up to {q.calibration.num_samples} x {q.calibration.seq_len} tokens)")
     return BuildPlan(target=spec.target.value, stages=stages, precision=precision,
                      attention={"fused": "com.microsoft.GroupQueryAttention", "reference": "opset-23 Attention",
-                                "plugin": "LlmcFusedAttention plugin"}[lowering],
+                                "plugin": "LlmcFusedAttention plugin", "paged": "llmc.PagedAttention"}[lowering],
                      attention_nodes=dims.num_layers, quantization=quant,
                      profiles=profiles(spec.limits, dims.num_kv_heads, dims.head_dim) if tensorrt else [],
                      weights_bytes=weights, kv_cache_bytes=kv_bytes, activation_bytes=activations, notes=notes)

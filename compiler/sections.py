@@ -52,6 +52,7 @@ class AttentionLowering(str, enum.Enum):
     fused = "fused"  # com.microsoft.GroupQueryAttention, KV cache updated in place (ONNX Runtime)
     reference = "reference"  # standard opset-23 ops, for tools that need plain ONNX
     plugin = "plugin"  # the LlmcFusedAttention TensorRT plugin node
+    paged = "paged"  # llmc.PagedAttention over block pools (packed tokens, block tables), ONNX Runtime
 
 
 class SourceSpec(StrictModel):

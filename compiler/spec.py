@@ -77,12 +77,14 @@ class BuildSpec(StrictModel):
             raise ValueError(f"quantization.mode: {self.quantization.mode.value} is ONNX Runtime's MatMulNBits and "
                              "needs target: onnxruntime; TensorRT takes int8 or fp8")
         attention = self.export.attention
-        if (attention is AttentionLowering.fused and self.target is not Target.onnxruntime) or \
+        ort_only = attention in (AttentionLowering.fused, AttentionLowering.paged)
+        if (ort_only and self.target is not Target.onnxruntime) or \
                 (attention is AttentionLowering.plugin and self.target is not Target.tensorrt):
-            runs_on = "onnxruntime" if attention is AttentionLowering.fused else "tensorrt"
+            runs_on = "onnxruntime" if ort_only else "tensorrt"
             raise ValueError(f"export.attention: {attention.value} runs only with target: {runs_on} "
                              f"(target is {self.target.value}); use auto or reference")
-        if self.quantization.static and attention in (AttentionLowering.fused, AttentionLowering.plugin):
+        if self.quantization.static and attention in (AttentionLowering.fused, AttentionLowering.plugin,
+                                                      AttentionLowering.paged):
             raise ValueError(f"quantization.mode: {self.quantization.mode.value} quantizes the reference attention "
                              f"lowering (plain ONNX, which ONNX Runtime calibrates and TensorRT reads), not "
                              f"export.attention: {attention.value}; use auto or reference")

@@ -27,9 +27,11 @@ from llmc.runtime.manifest import RepositoryManifest
 
 REPOSITORY_DIR = "model_repository"
 # the modules whose code decides each stage's output (part of its cache key)
-EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.graph_passes",
-               "llmc.plugins.attention", "llmc.plugins.lowering", "llmc.runtime.layout")
-VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner")
+EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.paged_decoder",
+               "llmc.compiler.graph_passes", "llmc.plugins.attention", "llmc.plugins.lowering",
+               "llmc.plugins.paged_op", "llmc.runtime.layout")
+VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner", "llmc.runtime.paged_runner",
+               "llmc.runtime.paged_batch")
 
 
 # source: the checkpoint, found and hashed without loading weights, and the limits it decides

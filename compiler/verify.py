@@ -5,6 +5,10 @@ prefill, then greedy decoding on its own tokens. The candidate is the graph driv
 drives it (runtime/ort_runner.py): each prompt prefilled into its own cache slot, then every row
 decoding side by side in one batch, each at its own position (no padding, no attention mask).
 
+A paged export (runtime/paged_runner.py) is driven as its engine drives it: rows joining one step
+apart, each prompt fed in chunks while the rows before it decode, so steps mix decoding rows with
+prompt chunks and a prompt spans several steps; every prompt token's logits are asked for.
+
 Two cases: batch 1, and a batch of three prompts of different lengths. Logits are compared at every
 prompt position and at every step up to a row's first token divergence (step k depends only on
 tokens before k). A case passes when the greedy tokens agree everywhere and the largest |Δlogit| is
@@ -21,6 +25,7 @@ import numpy as np
 from llmc.compiler.artifacts import ExportedModel, VerifyCase, VerifyReport
 from llmc.errors import UnsupportedError
 from llmc.runtime.ort_runner import OrtRunner
+from llmc.runtime.paged_runner import PagedRunner, RowStep
 from llmc.runtime.runner import Runner
 
 PROMPTS = (
@@ -29,6 +34,7 @@ PROMPTS = (
     "def fibonacci(n):",
 )
 RANDOM_PROMPT_LENGTHS = (7, 13, 4)  # used when the source has no tokenizer
+PAGED_CHUNK = 5  # prompt tokens a row feeds per step in the paged batch case (prompts span several steps)
 
 Progress = Callable[[int, int], None]
 Decoded = tuple[np.ndarray, list[np.ndarray]]  # prefill logits [L, V], each step's logits [V]
@@ -87,6 +93,45 @@ def runner_greedy(runner: Runner, prompts: list[list[int]], steps: int, tick: Ca
     return list(zip(prefills, lasts))
 
 
+def paged_blocks(prompts: list[list[int]], steps: int, block_size: int, seed: int = 0) -> list[list[int]]:
+    """Each row's blocks, enough for its prompt and `steps` tokens, drawn shuffled from one pool (rows
+    interleave in memory, as under a block manager)."""
+    needs = [-(-(len(p) + steps) // block_size) for p in prompts]
+    order = np.random.default_rng(seed).permutation(sum(needs)).tolist()
+    return [order[sum(needs[:r]):sum(needs[:r + 1])] for r in range(len(prompts))]
+
+
+def paged_greedy(runner: PagedRunner, prompts: list[list[int]], steps: int, tick: Callable[[], None],
+                 chunk: int | None = None, blocks: list[list[int]] | None = None) -> list[Decoded]:
+    """Row r joins at step r and feeds its prompt `chunk` tokens a step (whole when None), asking for
+    every prompt token's logits, then decodes greedily beside the others until it has `steps` tokens'
+    logits: steps mix decoding rows with prompt chunks, all in one call of the graph each."""
+    blocks = blocks or paged_blocks(prompts, steps, runner.block_size)
+    prefills: list[list[np.ndarray]] = [[] for _ in prompts]
+    lasts: list[list[np.ndarray]] = [[] for _ in prompts]
+    fed, step = [0] * len(prompts), 0
+    while any(len(last) < steps for last in lasts):
+        rows, live = [], [r for r in range(min(step + 1, len(prompts))) if len(lasts[r]) < steps]
+        for r in live:
+            if fed[r] < len(prompts[r]):
+                tokens = prompts[r][fed[r]:fed[r] + (chunk or len(prompts[r]))]
+                rows.append(RowStep(tokens, fed[r], blocks[r], num_logits=len(tokens)))
+            else:
+                rows.append(RowStep([int(lasts[r][-1].argmax())], fed[r], blocks[r]))
+        logits = runner.step(rows)
+        at = 0
+        for r, row in zip(live, rows):
+            out, at = logits[at:at + row.num_logits], at + row.num_logits
+            fed[r] += len(row.token_ids)
+            if fed[r] <= len(prompts[r]):  # a prompt chunk
+                prefills[r].extend(out)
+            if fed[r] >= len(prompts[r]):
+                lasts[r].append(out[-1])
+                tick()
+        step += 1
+    return [(np.stack(p), last) for p, last in zip(prefills, lasts)]
+
+
 def compare(name: str, refs: list[Decoded], cands: list[Decoded], prompts: list[list[int]], steps: int,
             tolerance: float) -> VerifyCase:
     diff, first_divergence, agree = 0.0, [], 0
@@ -106,6 +151,18 @@ def compare(name: str, refs: list[Decoded], cands: list[Decoded], prompts: list[
                       passed=agreement == 1.0 and diff <= tolerance)
 
 
+def _driver(onnx_path: Path, layout, prompts: list[list[int]], steps: int, num_threads: int):
+    """The runner for this export and how a case drives it: `drive(batch, tick) -> [Decoded]`."""
+    if layout.paged:
+        runner = PagedRunner(onnx_path, layout, num_threads=num_threads, max_num_tokens=sum(map(len, prompts)),
+                             num_blocks=sum(map(len, paged_blocks(prompts, steps, layout.block_size))))
+        chunks = {1: None}  # batch 1 prefills whole; the batch case in chunks, rows joining a step apart
+        return lambda batch, tick: paged_greedy(runner, batch, steps, tick, chunks.get(len(batch), PAGED_CHUNK)), runner
+    runner = OrtRunner(onnx_path, layout, max_batch=len(prompts), capacity=max(map(len, prompts)) + steps,
+                       num_threads=num_threads)
+    return lambda batch, tick: runner_greedy(runner, batch, steps, tick), runner
+
+
 def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir: Path, *, inputs_hash: str,
            steps: int = 32, tolerance: float = 1e-3, num_threads: int = 0,
            progress: Progress | None = None) -> VerifyReport:
@@ -115,11 +172,11 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
         raise UnsupportedError(f"the {exported.lowering.value} attention lowering runs only in TensorRT; "
                                "verify a build with target: onnxruntime")
     prompts = prompt_ids(tokenizer, exported.model.vocab_size)
-    capacity = max(map(len, prompts)) + steps
-    runner = OrtRunner(export_dir / exported.onnx, exported.kv_layout, max_batch=len(prompts), capacity=capacity,
-                       num_threads=num_threads)
+    layout = exported.kv_layout
     cases_in = [("batch-1", prompts[:1]), (f"batch-{len(prompts)}", prompts)]
-    total, done = steps * (len(prompts) + len(cases_in)), 0
+    drive, runner = _driver(export_dir / exported.onnx, layout, prompts, steps, num_threads)
+    # ticks: one per reference step; one per candidate step (slot form) or per row's step (paged)
+    total, done = steps * (len(prompts) + sum(len(b) if layout.paged else 1 for _, b in cases_in)), 0
 
     def tick() -> None:
         nonlocal done
@@ -128,14 +185,13 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
             progress(done, total)
 
     refs = [torch_greedy(model, p, steps, tick) for p in prompts]
-    cases = [compare(name, refs[:len(batch)], runner_greedy(runner, batch, steps, tick), batch, steps, tolerance)
-             for name, batch in cases_in]
+    cases = [compare(name, refs[:len(batch)], drive(batch, tick), batch, steps, tolerance) for name, batch in cases_in]
     runner.close()
-    layout = exported.kv_layout
     report = VerifyReport(
         inputs_hash=inputs_hash, reference=f"pytorch ({exported.model.model_type}, fp32, HF attention)",
         candidate=f"onnxruntime CPU, {exported.lowering.value} attention, "
-                  f"{'in-place' if layout.in_place else 'copied'} KV cache",
+                  f"{'in-place' if layout.in_place else 'copied'} KV cache"
+                  + (f" in blocks of {layout.block_size}, prompts in chunks of {PAGED_CHUNK}" if layout.paged else ""),
         tolerance=tolerance, max_abs_logit_diff=max(c.max_abs_logit_diff for c in cases), cases=cases,
         passed=all(c.passed for c in cases),
     )

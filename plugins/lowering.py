@@ -12,6 +12,10 @@
     plugin     one `LlmcFusedAttention` node for TensorRT's ONNX parser, which imports a node whose
                op type is a registered plugin's name (`plugin_version`, `plugin_namespace`
                attributes). Its kernel and registration live with the TensorRT target.
+    paged      one `llmc.PagedAttention` node (ONNX Runtime's com.microsoft.PagedAttention contract)
+               over block pools, for a decoder traced with `llmc::paged_attention` instead
+               (plugins/paged_op.py): packed tokens, block tables, caches updated in place; llmc's
+               CPU kernel runs it.
 
 Every form maps `cache_position` (int64 [B], tokens already cached per row) to what the op wants:
 GQA takes `seqlens_k = cache_position + S - 1` (int32, last index written) and
@@ -44,6 +48,7 @@ class Lowering(str, enum.Enum):
     fused = "fused"
     reference = "reference"
     plugin = "plugin"
+    paged = "paged"
 
     @property
     def runs_on_onnxruntime(self) -> bool:
@@ -253,5 +258,9 @@ def translation_table(lowering: Lowering, heads: Heads) -> dict:
     import llmc.plugins.attention  # noqa: F401  (registers torch.ops.llmc.attention)
 
     register_schemas()
+    if lowering is Lowering.paged:
+        from llmc.plugins import paged_op
+
+        return {torch.ops.llmc.paged_attention.default: paged_op.lowering()}
     make = {Lowering.fused: _fused, Lowering.reference: _reference, Lowering.plugin: _plugin}[lowering]
     return {torch.ops.llmc.attention.default: make(heads)}

@@ -13,14 +13,27 @@ new tensor (the reference lowering copies the cache every step).
 `max_prefill_rows`: a step with more than one token per row may hold at most this many rows
 (GroupQueryAttention on CPU, a TensorRT engine's prefill profile); decode steps (one token per
 row) take any batch. `dtype` is float32 on ONNX Runtime, the engine's precision on TensorRT.
+
+`paged` (the paged lowering): the cache is a pool of blocks per layer, `[num_blocks, block_size,
+num_kv_heads, head_dim]` (`dims`), and a step is packed tokens with no padding: `input_ids` and
+`position_ids` `[num_tokens]`, the rows' `cumulative_sequence_length` int32 `[batch + 1]`,
+`past_seqlens` int32 `[batch]` and `block_table` int32 `[batch, max_blocks]` (-1 where a row has no
+block), and `logits_indices` int64 `[num_logits]` (the packed tokens that get logits) -> `logits
+[num_logits, vocab]`; present aliases past (updated in place). `block_size` is the tokens per block
+the runner allocates (the graph takes any). runtime/paged_runner.py drives it.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per cache element, by `dtype`
+SLOT_DIMS = ("batch", "num_kv_heads", "kv_capacity", "head_dim")
+PAGED_DIMS = ("num_blocks", "block_size", "num_kv_heads", "head_dim")
+# the paged graph's step inputs besides input_ids and position_ids, in graph order
+PAGED_INPUTS = ("cumulative_sequence_length", "past_seqlens", "block_table", "logits_indices")
+DEFAULT_BLOCK_SIZE = 16
 
 
 class KVLayout(BaseModel):
@@ -30,7 +43,7 @@ class KVLayout(BaseModel):
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"
-    dims: tuple[str, str, str, str] = ("batch", "num_kv_heads", "kv_capacity", "head_dim")
+    dims: tuple[str, str, str, str] = SLOT_DIMS
     past_key: str = "past_key_values.{layer}.key"
     past_value: str = "past_key_values.{layer}.value"
     present_key: str = "present.{layer}.key"
@@ -38,6 +51,23 @@ class KVLayout(BaseModel):
     positions: str = "cache_position"
     in_place: bool = False
     max_prefill_rows: int | None = None
+    paged: bool = False
+    block_size: int | None = None  # tokens per block, paged layouts only
+
+    @model_validator(mode="after")
+    def _block_size_iff_paged(self) -> "KVLayout":
+        if self.paged != (self.block_size is not None):
+            raise ValueError("kv_layout.block_size is set exactly when kv_layout.paged is true")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"kv_layout.block_size must be at least 1; got {self.block_size}")
+        return self
+
+    @classmethod
+    def paged_layout(cls, num_layers: int, num_kv_heads: int, head_dim: int,
+                     block_size: int = DEFAULT_BLOCK_SIZE) -> "KVLayout":
+        """The paged lowering's layout: block pools updated in place, positions from `position_ids`."""
+        return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dims=PAGED_DIMS,
+                   positions="position_ids", in_place=True, paged=True, block_size=block_size)
 
     def past_names(self) -> list[str]:
         return [n.format(layer=i) for i in range(self.num_layers) for n in (self.past_key, self.past_value)]
@@ -47,6 +77,11 @@ class KVLayout(BaseModel):
 
     def shape(self, batch: int, capacity: int) -> tuple[int, int, int, int]:
         return (batch, self.num_kv_heads, capacity, self.head_dim)
+
+    def block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """One layer's key (or value) pool in a paged layout."""
+        assert self.paged, "block_shape is for paged layouts"
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * ITEMSIZE[self.dtype]

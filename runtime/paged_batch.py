@@ -1,0 +1,87 @@
+"""One step of the paged graph: the rows the caller asks for, packed into the graph's inputs.
+
+A `RowStep` is one row: its new `token_ids`, the `past_len` tokens it already has in the cache,
+the `block_ids` holding its KV (position p lives in block `block_ids[p // block_size]`, which the
+caller allocated, so they cover `past_len + len(token_ids)` positions), and how many of its last
+tokens need logits (`num_logits`: 1 to continue a row, more to verify draft tokens). `pack` checks
+the rows against the pool and the step budget, with errors that name the row and field at fault,
+and lays them out as the paged graph takes them (runtime/layout.py): tokens packed with no padding,
+block tables padded with -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RowStep:
+    token_ids: Sequence[int]
+    past_len: int
+    block_ids: Sequence[int]
+    num_logits: int = 1
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    input_ids: np.ndarray  # int64 [T]
+    position_ids: np.ndarray  # int64 [T]
+    cumulative_sequence_length: np.ndarray  # int32 [B + 1]
+    past_seqlens: np.ndarray  # int32 [B]
+    block_table: np.ndarray  # int32 [B, max_blocks], -1 past a row's blocks
+    logits_indices: np.ndarray  # int64 [L]
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                "cumulative_sequence_length": self.cumulative_sequence_length, "past_seqlens": self.past_seqlens,
+                "block_table": self.block_table, "logits_indices": self.logits_indices}
+
+
+def check_row(i: int, row: RowStep, block_size: int, num_blocks: int) -> None:
+    """Refuse a row the pool cannot take (blocks that do not cover its tokens or are not in the pool)."""
+    n = len(row.token_ids)
+    if n == 0:
+        raise ValueError(f"row {i}: token_ids is empty; a row brings at least one new token")
+    if row.past_len < 0:
+        raise ValueError(f"row {i}: past_len is {row.past_len}; it counts tokens already cached, so >= 0")
+    if not 1 <= row.num_logits <= n:
+        raise ValueError(f"row {i}: num_logits is {row.num_logits}; expected 1 to {n} (its new tokens)")
+    needed = -(-(row.past_len + n) // block_size)
+    if len(row.block_ids) < needed:
+        raise ValueError(f"row {i}: {len(row.block_ids)} block(s) in block_ids cover {len(row.block_ids) * block_size} "
+                         f"positions; past_len {row.past_len} + {n} new tokens need {needed} of {block_size}")
+    ids = np.asarray(row.block_ids[:needed])
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"row {i}: block_ids {list(ids)} name blocks outside the pool's 0..{num_blocks - 1}")
+
+
+def pack(rows: Sequence[RowStep], *, block_size: int, num_blocks: int, max_num_tokens: int, vocab_size: int,
+         table_width: int = 0) -> PackedStep:
+    """The rows as the paged graph's inputs; `table_width` pads the block table to at least that many
+    columns (a decode binding's fixed width)."""
+    if not rows:
+        raise ValueError("a step needs at least one row")
+    for i, row in enumerate(rows):
+        check_row(i, row, block_size, num_blocks)
+    lengths = np.fromiter((len(r.token_ids) for r in rows), dtype=np.int64, count=len(rows))
+    total = int(lengths.sum())
+    if total > max_num_tokens:
+        raise ValueError(f"the step has {total} tokens; this runner takes at most max_num_tokens={max_num_tokens}")
+    input_ids = np.fromiter((t for r in rows for t in r.token_ids), dtype=np.int64, count=total)
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
+        raise ValueError(f"token ids must be in 0..{vocab_size - 1}; got {int(input_ids.min())}..{int(input_ids.max())}")
+    past = np.fromiter((r.past_len for r in rows), dtype=np.int64, count=len(rows))
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    position_ids = np.arange(total, dtype=np.int64) + np.repeat(past - starts, lengths)
+    widths = [-(-(r.past_len + len(r.token_ids)) // block_size) for r in rows]
+    table = np.full((len(rows), max(max(widths), table_width)), -1, dtype=np.int32)
+    for b, (row, width) in enumerate(zip(rows, widths)):
+        table[b, :width] = row.block_ids[:width]
+    counts = np.fromiter((r.num_logits for r in rows), dtype=np.int64, count=len(rows))
+    logits_indices = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(ends - np.cumsum(counts), counts)
+    return PackedStep(input_ids, position_ids, np.concatenate([[0], ends]).astype(np.int32), past.astype(np.int32),
+                      table, logits_indices)

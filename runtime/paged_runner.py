@@ -1,0 +1,151 @@
+"""Run a paged graph (the `paged` lowering, runtime/layout.py) on ONNX Runtime over block pools.
+
+`PagedRunner` holds one key and one value pool per layer, `[num_blocks, block_size, KVH, D]`
+(contiguous numpy), bound through IO binding as both `past_key_values.*` input and `present.*`
+output, so the graph's PagedAttention writes the new tokens' entries into them in place and a step
+copies no cache. `step(rows)` runs any mix of rows in one call (decoding rows, prompt chunks,
+several tokens to verify) and returns the logits of each row's last `num_logits` tokens, in row
+order. Which blocks a row owns is the caller's business (the block manager); `copy_blocks` copies
+whole blocks across every pool (copy-on-write of a shared block).
+
+Decode-only steps (one token and one logit per row) run on persistent bindings: every input and
+output bound once to preallocated buffers, per (rows, block-table width), the width rounded up to a
+power of two so a handful of bindings serve every length; a step only writes its ids, positions and
+block tables into them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from llmc.runtime.layout import KVLayout, PAGED_INPUTS
+from llmc.runtime.ort_runner import make_session
+from llmc.runtime.paged_batch import PackedStep, RowStep, pack
+from llmc.runtime.runner import RunnerClosed
+
+__all__ = ["PagedRunner", "RowStep"]
+
+
+class _DecodeBuffers:
+    """Preallocated inputs and logits of decode steps for up to `max_rows` rows: a step's n rows are
+    the first n of each."""
+
+    def __init__(self, max_rows: int, vocab_size: int):
+        self.ids = np.zeros(max_rows, dtype=np.int64)
+        self.positions = np.zeros(max_rows, dtype=np.int64)
+        self.cumulative = np.arange(max_rows + 1, dtype=np.int32)  # one token per row, always
+        self.past = np.zeros(max_rows, dtype=np.int32)
+        self.logits_indices = np.arange(max_rows, dtype=np.int64)
+        self.logits = np.zeros((max_rows, vocab_size), dtype=np.float32)
+        self.tables: dict[int, np.ndarray] = {}  # width -> [max_rows, width]
+
+    def table(self, width: int) -> np.ndarray:
+        if width not in self.tables:
+            self.tables[width] = np.full((len(self.ids), width), -1, dtype=np.int32)
+        return self.tables[width]
+
+
+class PagedRunner:
+    """A paged graph and its block pools: `step(rows) -> logits [sum(num_logits), vocab]`."""
+
+    def __init__(self, onnx_path: Path, layout: KVLayout, *, num_blocks: int, max_num_tokens: int,
+                 num_threads: int = 0):
+        if not layout.paged:
+            raise ValueError("PagedRunner runs paged graphs (kv_layout.paged); this layout is the slot form")
+        if num_blocks < 1 or max_num_tokens < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and max_num_tokens ({max_num_tokens}) must be at least 1")
+        self.layout, self.num_blocks, self.max_num_tokens = layout, num_blocks, max_num_tokens
+        self.session = make_session(onnx_path, num_threads)
+        expected = ["input_ids", layout.positions, *PAGED_INPUTS, *layout.past_names()]
+        got = [i.name for i in self.session.get_inputs()]
+        if got != expected:
+            raise ValueError(f"{onnx_path} is not a paged graph: inputs {got[:8]}..., expected {expected[:8]}...")
+        self.vocab_size = int(self.session.get_outputs()[0].shape[-1])
+        shape = layout.block_shape(num_blocks)
+        self.pools = [np.zeros(shape, dtype=layout.dtype) for _ in range(2 * layout.num_layers)]
+        self._binding = self._bind_pools()  # mixed steps: the small inputs and logits rebound each step
+        self._decode = _DecodeBuffers(8, self.vocab_size)  # grown to the largest decode batch seen
+        self._decode_bindings: dict[tuple[int, int], object] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pools)
+
+    def close(self) -> None:
+        """Drop the session, its bindings and the pools."""
+        self.session, self.pools, self._binding = None, None, None
+        self._decode_bindings.clear()
+
+    def step(self, rows: Sequence[RowStep]) -> np.ndarray:
+        """Run the rows in one call; the logits of each row's last `num_logits` tokens, in row order."""
+        if self.session is None:
+            raise RunnerClosed("step on a closed PagedRunner")
+        if all(len(r.token_ids) == 1 and r.num_logits == 1 for r in rows):
+            return self._decode_step(rows)
+        packed = self._pack(rows)
+        logits = np.empty((len(packed.logits_indices), self.vocab_size), dtype=np.float32)
+        for name, value in packed.feeds().items():
+            self._binding.bind_cpu_input(name, value)
+        self._binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        self.session.run_with_iobinding(self._binding)
+        return logits
+
+    def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Copy block `src` onto block `dst` in every pool, for each `(src, dst)`."""
+        pairs = np.asarray(list(pairs), dtype=np.int64).reshape(-1, 2)
+        if pairs.size and (int(pairs.min()) < 0 or int(pairs.max()) >= self.num_blocks):
+            raise ValueError(f"copy_blocks: block ids must be in 0..{self.num_blocks - 1}; got {pairs.tolist()}")
+        for pool in self.pools:
+            pool[pairs[:, 1]] = pool[pairs[:, 0]]
+
+    def _pack(self, rows: Sequence[RowStep], table_width: int = 0) -> PackedStep:
+        return pack(rows, block_size=self.block_size, num_blocks=self.num_blocks, max_num_tokens=self.max_num_tokens,
+                    vocab_size=self.vocab_size, table_width=table_width)
+
+    def _decode_step(self, rows: Sequence[RowStep]) -> np.ndarray:
+        n = len(rows)
+        needed = max(-(-(r.past_len + 1) // self.block_size) for r in rows) if rows else 1
+        width = 1 << (needed - 1).bit_length()  # the next power of two
+        packed = self._pack(rows, width)  # checks the rows; its table is exactly `width` wide
+        if n > len(self._decode.ids):  # new buffers: the bindings to the old ones go
+            self._decode = _DecodeBuffers(1 << (n - 1).bit_length(), self.vocab_size)
+            self._decode_bindings.clear()
+        buffers = self._decode
+        binding = self._decode_bindings.get((n, width))
+        if binding is None:
+            binding = self._decode_bindings[(n, width)] = self._bind_decode(n, width)
+        buffers.ids[:n] = packed.input_ids
+        buffers.positions[:n] = packed.position_ids
+        buffers.past[:n] = packed.past_seqlens
+        buffers.table(width)[:n] = packed.block_table
+        self.session.run_with_iobinding(binding)
+        return buffers.logits[:n].copy()  # the caller's to keep
+
+    def _bind_decode(self, n: int, width: int):
+        """The pools plus the first n rows of every decode buffer (block table `width` wide)."""
+        binding = self._bind_pools()
+        b = self._decode
+        for name, buf in (("input_ids", b.ids[:n]), (self.layout.positions, b.positions[:n]),
+                          ("cumulative_sequence_length", b.cumulative[:n + 1]), ("past_seqlens", b.past[:n]),
+                          ("block_table", b.table(width)[:n]), ("logits_indices", b.logits_indices[:n])):
+            binding.bind_input(name, "cpu", 0, buf.dtype.type, list(buf.shape), buf.ctypes.data)
+        logits = b.logits[:n]
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        return binding
+
+    def _bind_pools(self):
+        """A new IO binding with every pool as both its past input and its present output."""
+        binding = self.session.io_binding()
+        for past, present, pool in zip(self.layout.past_names(), self.layout.present_names(), self.pools):
+            assert pool.flags.c_contiguous  # a strided view would be copied by ONNX Runtime and the writes lost
+            args = ("cpu", 0, pool.dtype.type, list(pool.shape), pool.ctypes.data)
+            binding.bind_input(past, *args)
+            binding.bind_output(present, *args)
+        return binding
