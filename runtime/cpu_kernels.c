@@ -8,10 +8,12 @@
  * the other and back.
  * The kernel itself is matmul_nbits4.c (why it exists, how it works); this file is the op around it.
  *
- * Written by hand (ONNX Runtime's headers are not installed with its wheel): the few parts of the
- * ONNX Runtime C ABI used here — OrtApiBase, the OrtApi function-table slots called, and the
- * OrtCustomOp struct up to KernelComputeV2 (version 16). The table is append-only and versioned, so
- * the slot numbers hold for every release at or above the version asked for (17, ONNX Runtime 1.17).
+ * llmc.PagedAttention: ONNX Runtime's com.microsoft.PagedAttention contract on CPU (float32 activations,
+ * float32 or float16 caches), paged_attention_op.c; it runs on every x86 CPU (a portable path
+ * besides AVX2), so the library registers it whatever the CPU, and MatMulNBits4 only where the CPU
+ * has the 4-bit kernel's instruction sets (its kernels refuse the rest).
+ *
+ * ONNX Runtime's C ABI, the parts used: ort_abi.h, written by hand (the wheel ships no headers).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -20,6 +22,8 @@
 #include <string.h>
 
 #include "matmul_nbits4.h"
+#include "ort_abi.h"
+#include "paged_attention_op.h"
 
 /* ---- for the Python side (runtime/cpu_kernels.py, through ctypes) ---- */
 static char isa_names[64];
@@ -39,74 +43,8 @@ const char *llmc_cpu_kernels_isas(void) {
   return isa_names;
 }
 
-/* ---- ONNX Runtime C ABI (the parts used) ---- */
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtSessionOptions OrtSessionOptions;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtValue OrtValue;
-typedef struct OrtTensorTypeAndShapeInfo OrtShape;
-typedef void *const *OrtApiTable; /* OrtApi: a table of function pointers */
-typedef struct {
-  OrtApiTable (*GetApi)(uint32_t version);
-  const char *(*GetVersionString)(void);
-} OrtApiBase;
-
-enum { ORT_API_VERSION_USED = 17, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
-enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2 };                /* ONNXTensorElementDataType */
-enum { IO_REQUIRED = 0, IO_OPTIONAL = 1, IO_VARIADIC = 2 }; /* OrtCustomOpInputOutputCharacteristic */
-/* OrtApi slots (index = byte offset / pointer size) */
-enum {
-  SLOT_CreateStatus = 0,
-  SLOT_CreateCustomOpDomain = 26,
-  SLOT_CustomOpDomain_Add = 27,
-  SLOT_AddCustomOpDomain = 28,
-  SLOT_GetTensorMutableData = 51,
-  SLOT_GetDimensionsCount = 61,
-  SLOT_GetDimensions = 62,
-  SLOT_GetTensorTypeAndShape = 65,
-  SLOT_KernelInfoGetAttribute_int64 = 86,
-  SLOT_KernelInfoGetAttribute_string = 87,
-  SLOT_KernelContext_GetInputCount = 88,
-  SLOT_KernelContext_GetInput = 90,
-  SLOT_KernelContext_GetOutput = 91,
-  SLOT_ReleaseStatus = 93,
-  SLOT_ReleaseTensorTypeAndShapeInfo = 99,
-  SLOT_KernelContext_ParallelFor = 274,
-};
-
-typedef struct OrtCustomOp {
-  uint32_t version;
-  void *(*CreateKernel)(const struct OrtCustomOp *, OrtApiTable, const OrtKernelInfo *);
-  const char *(*GetName)(const struct OrtCustomOp *);
-  const char *(*GetExecutionProviderType)(const struct OrtCustomOp *);
-  int (*GetInputType)(const struct OrtCustomOp *, size_t);
-  size_t (*GetInputTypeCount)(const struct OrtCustomOp *);
-  int (*GetOutputType)(const struct OrtCustomOp *, size_t);
-  size_t (*GetOutputTypeCount)(const struct OrtCustomOp *);
-  void (*KernelCompute)(void *, OrtKernelContext *);
-  void (*KernelDestroy)(void *);
-  int (*GetInputCharacteristic)(const struct OrtCustomOp *, size_t);
-  int (*GetOutputCharacteristic)(const struct OrtCustomOp *, size_t);
-  int (*GetInputMemoryType)(const struct OrtCustomOp *, size_t);
-  int (*GetVariadicInputMinArity)(const struct OrtCustomOp *);
-  int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp *);
-  int (*GetVariadicOutputMinArity)(const struct OrtCustomOp *);
-  int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp *);
-  OrtStatus *(*CreateKernelV2)(const struct OrtCustomOp *, OrtApiTable, const OrtKernelInfo *, void **);
-  OrtStatus *(*KernelComputeV2)(void *, OrtKernelContext *);
-} OrtCustomOp;
-
-static OrtApiTable api;
-#define CALL(slot, type, ...) (((type)api[SLOT_##slot])(__VA_ARGS__))
-#define TRY(expr)                        \
-  do {                                   \
-    OrtStatus *status_ = (expr);         \
-    if (status_) return status_;         \
-  } while (0)
-typedef OrtStatus *(*fn_create_status)(int, const char *);
-static OrtStatus *fail(int code, const char *msg) { return CALL(CreateStatus, fn_create_status, code, msg); }
+OrtApiTable llmc_ort_api;
+static OrtStatus *fail(int code, const char *msg) { return llmc_fail(code, msg); }
 
 /* ---- the custom op ---- */
 typedef struct {
@@ -114,17 +52,6 @@ typedef struct {
   int isa;
 } Kernel;
 
-typedef OrtStatus *(*fn_attr_int64)(const OrtKernelInfo *, const char *, int64_t *);
-typedef OrtStatus *(*fn_attr_string)(const OrtKernelInfo *, const char *, char *, size_t *);
-typedef OrtStatus *(*fn_input_count)(const OrtKernelContext *, size_t *);
-typedef OrtStatus *(*fn_input)(const OrtKernelContext *, size_t, const OrtValue **);
-typedef OrtStatus *(*fn_output)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
-typedef OrtStatus *(*fn_data)(const OrtValue *, void **);
-typedef OrtStatus *(*fn_shape)(const OrtValue *, OrtShape **);
-typedef OrtStatus *(*fn_dim_count)(const OrtShape *, size_t *);
-typedef OrtStatus *(*fn_dims)(const OrtShape *, int64_t *, size_t);
-typedef void (*fn_release_shape)(OrtShape *);
-typedef OrtStatus *(*fn_parallel_for)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *);
 
 /* the instruction set an `isa` attribute names, if this CPU runs it; else an error saying what does */
 static OrtStatus *isa_named(const OrtKernelInfo *info, int *isa) {
@@ -244,17 +171,17 @@ typedef OrtStatus *(*fn_add_domain)(OrtSessionOptions *, OrtCustomOpDomain *);
 static void make_domain(void) {
   OrtStatus *status = CALL(CreateCustomOpDomain, fn_create_domain, "llmc", &domain);
   if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &matmul_nbits4);
+  for (int i = 0; !status && i < PAGED_ATTENTION_OPS; i++)
+    status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &paged_attention_ops[i]);
   domain_failed = status != NULL; /* ONNX Runtime owns a returned status: report a fresh one each call */
-  if (status) ((void (*)(OrtStatus *))api[SLOT_ReleaseStatus])(status);
+  if (status) CALL(ReleaseStatus, fn_release_status, status);
 }
 
 /* called by ONNX Runtime's SessionOptions.register_custom_ops_library */
 OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
   OrtApiTable table = base->GetApi(ORT_API_VERSION_USED);
   if (!table) return NULL; /* older than 1.17: nothing registered (cpu_kernels.py checks the version first) */
-  api = table;
-  if (!*llmc_cpu_kernels_isas())
-    return fail(ORT_FAIL, "llmc CPU kernels need AVX2 and FMA or AVX512-VNNI, which this CPU lacks");
+  llmc_ort_api = table;
   pthread_once(&domain_once, make_domain);
   if (domain_failed) return fail(ORT_FAIL, "llmc: could not create the custom-op domain");
   return CALL(AddCustomOpDomain, fn_add_domain, options, domain);

@@ -1,5 +1,12 @@
 """llmc's CPU kernels for ONNX Runtime: the 4-bit matmul `matmul_nbits4*.c` and the op around it,
-`cpu_kernels.c`, built into a library registered as a custom-op library.
+`cpu_kernels.c`, and paged attention `paged_attention*.c` (the op `llmc.PagedAttention`,
+ONNX Runtime's com.microsoft.PagedAttention contract on CPU), built into one library registered as a
+custom-op library.
+
+`llmc.PagedAttention` runs on any x86 CPU (portable loops besides AVX2 and AVX512), and a paged graph
+cannot run without it: `prepare` registers the library whenever a graph has the node (`paged_library()`
+builds it whatever `LLMC_CPU_KERNELS` says, or raises naming what is missing) and gives each node the
+session's thread count.
 
 `MatMulNBits4` (domain `llmc`) is a drop-in for ONNX Runtime's `MatMulNBits` with bits=4,
 block_size=32 and accuracy_level=4: same inputs, attributes and packed layout, faster at batch-1
@@ -31,9 +38,10 @@ from typing import NamedTuple
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")  # the op; it includes the kernel's header
 SOURCES = tuple(SOURCE.with_name(name) for name in (
-    "cpu_kernels.c", "matmul_nbits4.h", "matmul_nbits4.c", "matmul_nbits4_isa.h", "matmul_nbits4_avx512.c",
-    "matmul_nbits4_avx2.c"))
-DOMAIN, OP = "llmc", "MatMulNBits4"
+    "cpu_kernels.c", "ort_abi.h", "matmul_nbits4.h", "matmul_nbits4.c", "matmul_nbits4_isa.h", "matmul_nbits4_avx512.c",
+    "matmul_nbits4_avx2.c", "paged_attention.h", "paged_attention.c", "paged_attention_portable.c",
+    "paged_attention_avx2.c", "paged_attention_avx512.c", "paged_attention_op.h", "paged_attention_op.c"))
+DOMAIN, OP, PAGED_OP = "llmc", "MatMulNBits4", "PagedAttention"
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 LIBS = ["-lm", "-lpthread"]
 SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels; an instruction set's name pins it
@@ -85,9 +93,7 @@ def load() -> Kernels | None:
         log.info("llmc CPU kernels: ONNX Runtime %s is older than 1.17", ort.__version__)
         return None
     try:
-        name = library_name()
-        path = next((p for p in (SOURCE.with_name(name), cache_dir() / name) if p.is_file()), None)
-        path = path or build(cache_dir())
+        path = _find_or_build()
         listing = ctypes.CDLL(str(path)).llmc_cpu_kernels_isas
         listing.restype = ctypes.c_char_p
         isas = tuple(filter(None, listing().decode().split(",")))
@@ -102,6 +108,39 @@ def load() -> Kernels | None:
                     "Runtime's own", SWITCH, switch, ", ".join(isas))
         return None
     return Kernels(path, isas, switch if switch in isas else isas[0])
+
+
+def _find_or_build() -> Path:
+    """The library: a prebuilt copy next to this module, else the cache's, else one compiled into the cache."""
+    name = library_name()
+    path = next((p for p in (SOURCE.with_name(name), cache_dir() / name) if p.is_file()), None)
+    return path or build(cache_dir())
+
+
+@functools.cache
+def paged_library() -> Path:
+    """The library for llmc.PagedAttention, which every x86 CPU runs (a portable path besides AVX2 and
+    AVX512) and a paged graph cannot run without: found or built whatever `LLMC_CPU_KERNELS` says, or a
+    RuntimeError saying what is missing."""
+    import onnxruntime as ort
+
+    if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 17):
+        raise RuntimeError(f"llmc.PagedAttention needs ONNX Runtime >= 1.17 (custom-op API 17); this is {ort.__version__}")
+    try:
+        path = _find_or_build()
+        ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as err:
+        raise RuntimeError(f"this graph's llmc.PagedAttention nodes run only on llmc's CPU kernel library, which could "
+                           f"not be found or built ({', '.join(p.name for p in SOURCES if p.suffix == '.c')} with "
+                           f"$CC, default cc): {err}") from err
+    return path
+
+
+def paged_isas() -> tuple[str, ...]:
+    """The instruction sets this CPU runs llmc.PagedAttention's loops on, best first ("portable" last)."""
+    listing = ctypes.CDLL(str(paged_library())).llmc_paged_attention_isas
+    listing.restype = ctypes.c_char_p
+    return tuple(listing().decode().split(","))
 
 
 def library() -> Path | None:
@@ -151,24 +190,48 @@ def accelerate(model, threads: int, isa: str) -> int:
     return len(nodes)
 
 
+REFUSED_INPUTS = {11: "head_sink", 12: "q_norm_weight", 13: "k_norm_weight", 14: "k_scale", 15: "v_scale"}
+
+
+def configure_paged(model, threads: int) -> int:
+    """Give the llmc.PagedAttention nodes of an ONNX ModelProto the session's intra-op thread count (how
+    finely the kernel splits its work), in place; an input the CPU kernel does not implement is refused here
+    (the kernel refuses attributes it does not when the session creates it). Returns how many nodes."""
+    from onnx import helper
+
+    nodes = [n for n in model.graph.node if n.op_type == PAGED_OP and n.domain == DOMAIN]
+    for node in nodes:
+        refused = [name for i, name in REFUSED_INPUTS.items() if i < len(node.input) and node.input[i]]
+        if refused:
+            raise ValueError(f"llmc.PagedAttention node {node.name!r}: input {refused[0]} is not implemented on CPU")
+        if not any(a.name == "threads" for a in node.attribute):
+            node.attribute.append(helper.make_attribute("threads", max(1, threads)))
+    return len(nodes)
+
+
 def prepare(onnx_path: Path, options) -> str | bytes:
-    """What to open an ONNX Runtime session on: the graph with llmc's kernel swapped in (and the
-    library registered on `options`) where this host has it and the graph has nodes it takes, else
-    the file's path as it is. The swapped graph goes to ONNX Runtime as bytes; external data, if
-    any, is read by ONNX Runtime from beside the file, as for the file itself."""
+    """What to open an ONNX Runtime session on: the graph with llmc's 4-bit kernel swapped in where this host
+    has it and the graph has nodes it takes, and with the library registered on `options` (its
+    llmc.PagedAttention nodes given the thread count) when either op is there; else the file's path as it
+    is. A graph with llmc.PagedAttention nodes cannot run without the library: a RuntimeError says why
+    it is missing. The edited graph goes to ONNX Runtime as bytes; external data, if any, is read by
+    ONNX Runtime from beside the file, as for the file itself."""
     import mmap
 
     onnx_path = Path(onnx_path)
     with open(onnx_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        mentioned = data.find(b"MatMulNBits") >= 0  # no parse for graphs without the op
-    kernels = load() if mentioned else None
-    if kernels is None:
+        mentions_q4, mentions_paged = data.find(b"MatMulNBits") >= 0, data.find(PAGED_OP.encode()) >= 0
+    kernels = load() if mentions_q4 else None  # no parse for graphs with neither op
+    if kernels is None and not mentions_paged:
         return str(onnx_path)
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
-    if not accelerate(model, options.intra_op_num_threads or os.cpu_count() or 1, kernels.isa):
+    threads = options.intra_op_num_threads or os.cpu_count() or 1
+    swapped = accelerate(model, threads, kernels.isa) if kernels else 0
+    paged = configure_paged(model, threads)
+    if not swapped and not paged:
         return str(onnx_path)
-    options.register_custom_ops_library(str(kernels.library))
+    options.register_custom_ops_library(str(paged_library() if paged else kernels.library))
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(onnx_path.parent))
     return model.SerializeToString()

@@ -148,3 +148,29 @@ def test_reference_matches_llmc_attention(rows, heads, kv_heads, block_size, rot
             end = rows[b][0] + n
             got = paged[c["table"][b].long()].reshape(c["capacity"], kv_heads, d)[:end].transpose(0, 1)
             torch.testing.assert_close(got, flat[b, :, :end])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="needs onnxruntime-gpu")
+def test_microsoft_node_runs_on_cuda_as_the_reference_says():
+    """The same contract on ONNX Runtime's CUDA kernel: an fp16 com.microsoft.PagedAttention graph (rows at
+    different positions, rotary) matches the reference."""
+    from test_paged_kernel import case, reference
+
+    feeds = case([(3, 1), (17, 5)], 4, 2, 64, 16, rotary=True, fp16=True)
+    feeds = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in feeds.items()}
+    model = paged_model(paged_schema.MICROSOFT_DOMAIN, FLOAT16, head_size=64, blocks=feeds["key_cache"].shape[0],
+                        block_size=16, rotary=True)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CUDAExecutionProvider"])
+    binding = sess.io_binding()
+    binding.bind_output("output")
+    for name, value in feeds.items():
+        if name.endswith("_cache") and "cos" not in name and "sin" not in name:
+            shared = ort.OrtValue.ortvalue_from_numpy(value.copy(), "cuda", 0)
+            binding.bind_ortvalue_input(name, shared)
+            binding.bind_ortvalue_output(name + "_out", shared)
+        else:
+            binding.bind_cpu_input(name, value)
+    sess.run_with_iobinding(binding)
+    want = reference(feeds, 4, 2)[0].astype(np.float32)  # computed in float32 from the same fp16 inputs
+    np.testing.assert_allclose(binding.copy_outputs_to_cpu()[0].astype(np.float32), want, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,297 @@
+/* llmc.PagedAttention: ONNX Runtime's com.microsoft.PagedAttention (1.32) as a CPU custom op over
+ * paged_attention.c — the same 17 inputs, 3 outputs and attributes (plugins/paged_schema.py lists
+ * what it runs and what it refuses), plus two of llmc's: `threads` (the session's intra-op threads,
+ * set by runtime/cpu_kernels.py; default: the CPU count) and `isa` ("avx512", "avx2" or "portable";
+ * default: the best this CPU runs). Float32 query, key, value and rotary tables; float32 or float16
+ * caches (a kernel for each). Caches update in place: when ONNX Runtime hands over output buffers that
+ * are the input caches' memory (IO binding one buffer to both), only the new tokens are written;
+ * otherwise the input caches are copied to the outputs first. Shapes and values are checked here, each
+ * error naming the input or attribute at fault. */
+#include "paged_attention_op.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <math.h>
+
+#include "paged_attention.h"
+
+enum { IN_QUERY, IN_KEY, IN_VALUE, IN_KEY_CACHE, IN_VALUE_CACHE, IN_CUMULATIVE, IN_PAST, IN_BLOCK_TABLE, IN_COS,
+       IN_SIN, IN_SLOT_MAPPING, IN_HEAD_SINK, IN_COUNT = 17 };
+static const char *const REFUSED[] = {"head_sink", "q_norm_weight", "k_norm_weight", "k_scale", "v_scale"};
+
+static char isa_names[64];
+static pthread_once_t isa_names_once = PTHREAD_ONCE_INIT;
+static void list_isas(void) {
+  for (int isa = 0; isa < PAGED_ISA_COUNT; isa++)
+    if (paged_isa_supported(isa)) strcat(strcat(isa_names, *isa_names ? "," : ""), paged_isa_name(isa));
+}
+const char *llmc_paged_attention_isas(void) {
+  pthread_once(&isa_names_once, list_isas);
+  return isa_names;
+}
+
+static OrtStatus *bad(const char *format, ...) {
+  char message[320] = "llmc.PagedAttention: "; /* CreateStatus copies it */
+  va_list args;
+  va_start(args, format);
+  vsnprintf(message + strlen(message), sizeof message - strlen(message), format, args);
+  va_end(args);
+  return llmc_fail(ORT_INVALID_ARGUMENT, message);
+}
+
+typedef struct {
+  int64_t heads, kv_heads, window, rotary_offset, threads;
+  int fp16, do_rotary, interleaved, causal, isa;
+  float scale, softcap;
+} Op;
+
+static int64_t attr_int(const OrtKernelInfo *info, const char *name, int64_t fallback) {
+  int64_t value;
+  OrtStatus *status = CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, name, &value);
+  if (!status) return value;
+  CALL(ReleaseStatus, fn_release_status, status);
+  return fallback;
+}
+
+static float attr_float(const OrtKernelInfo *info, const char *name, float fallback) {
+  float value;
+  OrtStatus *status = CALL(KernelInfoGetAttribute_float, fn_attr_float, info, name, &value);
+  if (!status) return value;
+  CALL(ReleaseStatus, fn_release_status, status);
+  return fallback;
+}
+
+/* the attribute's value (truncated to `size` - 1), or fallback when the node has none */
+static void attr_string(const OrtKernelInfo *info, const char *name, char *out, size_t size, const char *fallback) {
+  size_t needed = 0;
+  OrtStatus *status = CALL(KernelInfoGetAttribute_string, fn_attr_string, info, name, NULL, &needed);
+  if (!status && needed <= size) status = CALL(KernelInfoGetAttribute_string, fn_attr_string, info, name, out, &needed);
+  else if (!status) snprintf(out, size, "%s", "(too long)");
+  if (status) snprintf(out, size, "%s", fallback);
+  if (status) CALL(ReleaseStatus, fn_release_status, status);
+}
+
+static OrtStatus *refuse_unsupported(const OrtKernelInfo *info, int fp16) {
+  char text[64];
+  attr_string(info, "kv_cache_layout", text, sizeof text, "SEPARATE");
+  if (strcmp(text, "SEPARATE"))
+    return bad("kv_cache_layout '%s' is not implemented on CPU (only SEPARATE: MLA's LATENT layout is not)", text);
+  if (attr_int(info, "v_head_size", 0)) return bad("v_head_size (MLA) is not implemented on CPU");
+  for (const char *const *name = (const char *const[]){"k_quant_type", "v_quant_type", NULL}; *name; name++) {
+    attr_string(info, *name, text, sizeof text, "NONE");
+    if (strcmp(text, "NONE")) return bad("%s '%s': quantized caches are not implemented on CPU", *name, text);
+  }
+  for (const char *const *name = (const char *const[]){"k_cache_dtype", "v_cache_dtype", NULL}; *name; name++) {
+    attr_string(info, *name, text, sizeof text, "");
+    if (*text && !(fp16 && !strcmp(text, "float16")))
+      return bad("%s '%s' does not name this cache's element type (%s)", *name, text, fp16 ? "float16" : "float");
+  }
+  return NULL;
+}
+
+static OrtStatus *create_kernel(const OrtCustomOp *custom, OrtApiTable table, const OrtKernelInfo *info, void **out) {
+  (void)table;
+  Op op = {0};
+  op.fp16 = custom == &paged_attention_ops[1];
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "num_heads", &op.heads));
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "kv_num_heads", &op.kv_heads));
+  if (op.heads <= 0 || op.kv_heads <= 0 || op.heads % op.kv_heads)
+    return bad("num_heads (%lld) must be a positive multiple of kv_num_heads (%lld)", (long long)op.heads,
+               (long long)op.kv_heads);
+  TRY(refuse_unsupported(info, op.fp16));
+  op.scale = attr_float(info, "scale", 0.f);
+  op.softcap = attr_float(info, "softcap", 0.f);
+  op.window = attr_int(info, "local_window_size", -1);
+  op.do_rotary = attr_int(info, "do_rotary", 0) == 1;
+  op.interleaved = attr_int(info, "rotary_interleaved", 0) == 1;
+  op.causal = attr_int(info, "is_causal", 1) == 1;
+  op.rotary_offset = attr_int(info, "rotary_offset", 0);
+  if (op.rotary_offset < 0 || op.rotary_offset % 8)
+    return bad("rotary_offset (%lld) must be a non-negative multiple of 8", (long long)op.rotary_offset);
+  op.threads = attr_int(info, "threads", sysconf(_SC_NPROCESSORS_ONLN));
+  char isa[32];
+  attr_string(info, "isa", isa, sizeof isa, "");
+  for (op.isa = 0; op.isa < PAGED_ISA_COUNT; op.isa++)
+    if ((!*isa || !strcmp(isa, paged_isa_name(op.isa))) && paged_isa_supported(op.isa)) break;
+  if (op.isa == PAGED_ISA_COUNT)
+    return bad("isa '%s' is not one this CPU runs (%s)", isa, llmc_paged_attention_isas());
+  Op *kernel = (Op *)malloc(sizeof(Op));
+  if (!kernel) return llmc_fail(ORT_FAIL, "llmc.PagedAttention: out of memory");
+  *kernel = op;
+  *out = kernel;
+  return NULL;
+}
+
+typedef struct {
+  const OrtValue *value; /* NULL: absent */
+  int64_t dims[4];
+  size_t rank;
+  void *data;
+} Tensor;
+
+static OrtStatus *tensor(OrtKernelContext *context, size_t count, size_t index, Tensor *t) {
+  memset(t, 0, sizeof *t);
+  if (index >= count) return NULL;
+  TRY(CALL(KernelContext_GetInput, fn_input, context, index, &t->value));
+  if (!t->value) return NULL;
+  OrtShape *shape;
+  TRY(CALL(GetTensorTypeAndShape, fn_shape, t->value, &shape));
+  OrtStatus *status = CALL(GetDimensionsCount, fn_dim_count, shape, &t->rank);
+  if (!status && t->rank <= 4) status = CALL(GetDimensions, fn_dims, shape, t->dims, t->rank);
+  CALL(ReleaseTensorTypeAndShapeInfo, fn_release_shape, shape);
+  if (!status) status = CALL(GetTensorMutableData, fn_data, t->value, &t->data);
+  return status;
+}
+
+/* whether t has exactly these dimensions (rank = how many) */
+static int shaped(const Tensor *t, size_t rank, int64_t d0, int64_t d1, int64_t d2, int64_t d3) {
+  const int64_t want[4] = {d0, d1, d2, d3};
+  if (t->rank != rank) return 0;
+  for (size_t i = 0; i < rank; i++)
+    if (t->dims[i] != want[i]) return 0;
+  return 1;
+}
+
+/* the head size and the shapes the others must have; PagedArgs' sizes filled in */
+static OrtStatus *check_shapes(const Op *op, const Tensor *in, PagedArgs *a) {
+  for (int i = 0; i < 5; i++)
+    if (in[IN_HEAD_SINK + i].value) return bad("%s is not implemented on CPU", REFUSED[i]);
+  if (!in[IN_VALUE_CACHE].value) return bad("value_cache is absent (the LATENT layout) and not implemented on CPU");
+  if (!in[IN_KEY].value != !in[IN_VALUE].value) return bad("key and value come together, or neither (packed QKV)");
+  const Tensor *q = &in[IN_QUERY], *kc = &in[IN_KEY_CACHE];
+  int64_t packed = !in[IN_KEY].value, across = op->heads + (packed ? 2 * op->kv_heads : 0);
+  if (q->rank != 2 || q->dims[1] % across || !q->dims[1]) return bad("query is not [tokens, %lld * head_size]", (long long)across);
+  a->tokens = q->dims[0], a->d = q->dims[1] / across, a->heads = op->heads, a->kv_heads = op->kv_heads;
+  a->q_stride = q->dims[1], a->kv_stride = packed ? q->dims[1] : a->kv_heads * a->d;
+  for (int i = IN_KEY; !packed && i <= IN_VALUE; i++)
+    if (!shaped(&in[i], 2, a->tokens, a->kv_heads * a->d, 0, 0))
+      return bad("%s is not [tokens %lld, kv_num_heads * head_size %lld]", i == IN_KEY ? "key" : "value",
+                 (long long)a->tokens, (long long)(a->kv_heads * a->d));
+  if (kc->rank != 4 || kc->dims[2] != a->kv_heads || kc->dims[3] != a->d || kc->dims[0] < 1 || kc->dims[1] < 1)
+    return bad("key_cache is not [num_blocks, block_size, kv_num_heads %lld, head_size %lld]", (long long)a->kv_heads,
+               (long long)a->d);
+  if (!shaped(&in[IN_VALUE_CACHE], 4, kc->dims[0], kc->dims[1], kc->dims[2], kc->dims[3]))
+    return bad("value_cache's shape is not key_cache's");
+  a->blocks = kc->dims[0], a->block_size = kc->dims[1];
+  const Tensor *cu = &in[IN_CUMULATIVE], *table = &in[IN_BLOCK_TABLE];
+  if (cu->rank != 1 || cu->dims[0] < 2) return bad("cumulative_sequence_length is not [batch_size + 1]");
+  a->batch = cu->dims[0] - 1;
+  if (!shaped(&in[IN_PAST], 1, a->batch, 0, 0, 0)) return bad("past_seqlens is not [batch_size %lld]", (long long)a->batch);
+  if (table->rank != 2 || table->dims[0] != a->batch) return bad("block_table is not [batch_size %lld, max_blocks]", (long long)a->batch);
+  a->max_blocks = table->dims[1];
+  if (in[IN_SLOT_MAPPING].value && !shaped(&in[IN_SLOT_MAPPING], 1, a->tokens, 0, 0, 0))
+    return bad("slot_mapping is not [tokens %lld]", (long long)a->tokens);
+  if (!op->do_rotary) return NULL;
+  const Tensor *cos = &in[IN_COS], *sin = &in[IN_SIN];
+  if (!cos->value || !sin->value) return bad("do_rotary=1 needs cos_cache and sin_cache");
+  if (cos->rank != 2 || !shaped(sin, 2, cos->dims[0], cos->dims[1], 0, 0) || cos->dims[1] < 1 ||
+      op->rotary_offset + 2 * cos->dims[1] > a->d)
+    return bad("cos_cache and sin_cache are not both [positions, rotary_dim / 2] with rotary_offset + rotary_dim <= "
+               "head_size %lld", (long long)a->d);
+  a->rotary_dim = 2 * cos->dims[1], a->rotary_offset = op->rotary_offset;
+  return NULL;
+}
+
+/* the lengths: rows in order, each inside its block table (and the rotary tables); slots inside the cache */
+static OrtStatus *check_values(const Tensor *in, const PagedArgs *a) {
+  const int32_t *cu = a->cumulative, *slots = a->slot_mapping;
+  if (cu[0] != 0 || cu[a->batch] != a->tokens)
+    return bad("cumulative_sequence_length runs from %d to %d, not from 0 to the %lld tokens", cu[0], cu[a->batch],
+               (long long)a->tokens);
+  int64_t positions = a->cos ? in[IN_COS].dims[0] : INT64_MAX;
+  for (int64_t b = 0; b < a->batch; b++) {
+    int64_t end = (int64_t)a->past[b] + cu[b + 1] - cu[b];
+    if (cu[b + 1] < cu[b] || a->past[b] < 0 || end > a->max_blocks * a->block_size || end > positions)
+      return bad("row %lld: %d past and %d new tokens do not fit its block table (%lld tokens) or the rotary tables "
+                 "(%lld positions)", (long long)b, a->past[b], cu[b + 1] - cu[b],
+                 (long long)(a->max_blocks * a->block_size), (long long)(positions == INT64_MAX ? -1 : positions));
+  }
+  for (int64_t t = 0; slots && t < a->tokens; t++)
+    if (slots[t] < -1 || slots[t] >= a->blocks * a->block_size)
+      return bad("slot_mapping[%lld] = %d is outside the cache's %lld slots", (long long)t, slots[t],
+                 (long long)(a->blocks * a->block_size));
+  return NULL;
+}
+
+/* the cache output `index` (or the input cache itself when the node has no such output), holding the input's
+ * contents: the same memory when ONNX Runtime bound both to one buffer, else a copy */
+static OrtStatus *cache_output(OrtKernelContext *context, size_t outputs, size_t index, const Tensor *cache,
+                               size_t element, void **data) {
+  *data = cache->data;
+  if (index >= outputs) return NULL;
+  OrtValue *value;
+  TRY(CALL(KernelContext_GetOutput, fn_output, context, index, cache->dims, 4, &value));
+  if (!value) return NULL;
+  TRY(CALL(GetTensorMutableData, fn_data, (const OrtValue *)value, data));
+  if (*data != cache->data)
+    memcpy(*data, cache->data, element * (size_t)(cache->dims[0] * cache->dims[1] * cache->dims[2] * cache->dims[3]));
+  return NULL;
+}
+
+static OrtStatus *compute(void *state, OrtKernelContext *context) {
+  const Op *op = (const Op *)state;
+  size_t inputs, outputs;
+  Tensor in[IN_COUNT];
+  TRY(CALL(KernelContext_GetInputCount, fn_input_count, context, &inputs));
+  TRY(CALL(KernelContext_GetOutputCount, fn_input_count, context, &outputs));
+  for (size_t i = 0; i < IN_COUNT; i++) TRY(tensor(context, inputs, i, &in[i]));
+  PagedArgs a = {0};
+  TRY(check_shapes(op, in, &a));
+  a.query = (const float *)in[IN_QUERY].data;
+  a.key = in[IN_KEY].value ? (const float *)in[IN_KEY].data : a.query + a.heads * a.d;
+  a.value = in[IN_VALUE].value ? (const float *)in[IN_VALUE].data : a.key + a.kv_heads * a.d;
+  a.cumulative = (const int32_t *)in[IN_CUMULATIVE].data, a.past = (const int32_t *)in[IN_PAST].data;
+  a.block_table = (const int32_t *)in[IN_BLOCK_TABLE].data, a.slot_mapping = (const int32_t *)in[IN_SLOT_MAPPING].data;
+  a.cos = op->do_rotary ? (const float *)in[IN_COS].data : NULL, a.sin = op->do_rotary ? (const float *)in[IN_SIN].data : NULL;
+  TRY(check_values(in, &a));
+  a.fp16 = op->fp16, a.interleaved = op->interleaved, a.causal = op->causal, a.window = op->window;
+  a.scale = op->scale != 0.f ? op->scale : 1.f / sqrtf((float)a.d), a.softcap = op->softcap;
+  a.threads = op->threads, a.isa = op->isa;
+  int64_t dims[2] = {a.tokens, a.heads * a.d};
+  OrtValue *output;
+  TRY(CALL(KernelContext_GetOutput, fn_output, context, 0, dims, 2, &output));
+  TRY(CALL(GetTensorMutableData, fn_data, (const OrtValue *)output, (void **)&a.output));
+  TRY(cache_output(context, outputs, 1, &in[IN_KEY_CACHE], op->fp16 ? 2 : 4, &a.key_cache));
+  TRY(cache_output(context, outputs, 2, &in[IN_VALUE_CACHE], op->fp16 ? 2 : 4, &a.value_cache));
+  if (!a.tokens) return NULL;
+  size_t writes, attends;
+  PagedCall *call = paged_prepare(&a, &writes, &attends);
+  if (!call) return llmc_fail(ORT_FAIL, "llmc.PagedAttention: out of memory");
+  OrtStatus *status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, paged_write, writes, 0, call);
+  if (!status) status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, paged_attend, attends, 0, call);
+  if (!status && paged_failed(call)) status = llmc_fail(ORT_FAIL, "llmc.PagedAttention: out of memory");
+  paged_free(call);
+  return status;
+}
+
+static void destroy_kernel(void *kernel) { free(kernel); }
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "PagedAttention"; }
+static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static size_t input_count(const OrtCustomOp *op) { (void)op; return IN_COUNT; }
+static size_t output_count(const OrtCustomOp *op) { (void)op; return 3; }
+static int is_cache(size_t i) { return i == IN_KEY_CACHE || i == IN_VALUE_CACHE; }
+static int cache_type(const OrtCustomOp *op) { return op == &paged_attention_ops[1] ? TYPE_FLOAT16 : TYPE_FLOAT; }
+static int input_type(const OrtCustomOp *op, size_t i) {
+  if (is_cache(i)) return cache_type(op);
+  return i == IN_CUMULATIVE || i == IN_PAST || i == IN_BLOCK_TABLE || i == IN_SLOT_MAPPING || i == 16 ? TYPE_INT32
+                                                                                                       : TYPE_FLOAT;
+}
+static int output_type(const OrtCustomOp *op, size_t i) { return i ? cache_type(op) : TYPE_FLOAT; }
+static int input_characteristic(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == IN_QUERY || i == IN_KEY_CACHE || (i >= IN_CUMULATIVE && i <= IN_BLOCK_TABLE) ? IO_REQUIRED : IO_OPTIONAL;
+}
+static int output_characteristic(const OrtCustomOp *op, size_t i) { (void)op; return i ? IO_OPTIONAL : IO_REQUIRED; }
+static int memory_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; /* OrtMemTypeDefault */ }
+static int min_arity(const OrtCustomOp *op) { (void)op; return 1; }
+static int homogeneous(const OrtCustomOp *op) { (void)op; return 1; }
+
+#define PAGED_OP                                                                                                \
+  {16, NULL, op_name, op_provider, input_type, input_count, output_type, output_count, NULL, destroy_kernel, \
+   input_characteristic, output_characteristic, memory_type, min_arity, homogeneous, min_arity, homogeneous, \
+   create_kernel, compute}
+const OrtCustomOp paged_attention_ops[PAGED_ATTENTION_OPS] = {PAGED_OP, PAGED_OP}; /* float32, float16 caches */
