@@ -1,0 +1,74 @@
+"""The engine over the paged KV cache: every step is one call of the graph carrying every row.
+
+    step() = cancel -> schedule (token_scheduler.py: every decoding row, then prompt chunks up to
+             `max_num_tokens`) -> one runner call -> sample the rows that reached their last token
+             -> stream -> release the blocks of finished sequences
+
+Requests, cancellation and streaming are LLMEngine's (engine.py); what differs is where KV lives
+(blocks from block_manager.py instead of a slot per request) and that a step mixes prefill and
+decode, so a long prompt no longer stalls the decoding rows. Greedy rows without penalties are
+sampled in one argmax over the step's logits; the others row by row (sampling.py).
+"""
+
+from __future__ import annotations
+
+from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.engine import LLMEngine, StepOutput
+from llmc.runtime.paged_batch import RowStep
+from llmc.runtime.paged_runner import PagedRunner
+from llmc.runtime.sampling import SamplingParams
+from llmc.runtime.sequence import FinishReason, Sequence, Status
+from llmc.runtime.token_scheduler import Chunk, TokenScheduler
+
+
+class PagedEngine(LLMEngine):
+    def __init__(self, runner: PagedRunner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_rows: int,
+                 max_seq_len: int, max_num_tokens: int, max_queue_size: int = 256, prefix_caching: bool = True):
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching)
+        self._setup(runner, tokenizer, end_ids, max_seq_len, max_num_tokens,
+                    TokenScheduler(self.blocks, max_rows=max_rows, max_num_tokens=max_num_tokens,
+                                   max_queue_size=max_queue_size))
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, **kwargs) -> Sequence:
+        """LLMEngine's checks, and that the prompt fits the KV pool at all (a full pool only queues it)."""
+        needed = self.blocks.blocks_for(len(prompt_ids) + 1)
+        if needed > self.blocks.num_blocks:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; with room for one more it needs {needed} KV "
+                             f"blocks and the whole pool has {self.blocks.num_blocks} (limits.kv_cache_tokens)")
+        return super().add_request(request_id, prompt_ids, params, **kwargs)
+
+    def step(self) -> list[StepOutput]:
+        with self._lock:
+            finished = self._apply_cancellations()
+            for seq in self.scheduler.running:
+                if not seq.is_finished and seq.num_tokens > self.capacity:
+                    seq.finish(FinishReason.length)  # the next token would pass max_seq_len
+            chunks = [c for c in self.scheduler.schedule() if not c.seq.is_finished]
+        sampled: dict[str, list[int]] = {}
+        if chunks:
+            self._run(chunks, sampled)
+        return self._outputs(list(self.scheduler.running), finished, sampled)
+
+    def _run(self, chunks: list[Chunk], sampled: dict[str, list[int]]) -> None:
+        # one logits row per chunk (the graph's minimum): a chunk that ends mid-prompt ignores its row
+        logits = self.runner.step([RowStep(c.token_ids, c.past_len, c.seq.block_ids) for c in chunks])
+        for chunk in chunks:
+            self.scheduler.computed(chunk)
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        plain = [i for i in rows if _plain_greedy(chunks[i].seq)]
+        tokens = logits[plain].argmax(-1).tolist() if plain else []
+        for i, token in zip(plain, tokens):
+            seq = chunks[i].seq
+            seq.status = Status.decoding
+            sampled.setdefault(seq.request_id, []).append(token)
+            seq.append(token)
+        for i in sorted(set(rows) - set(plain)):
+            chunks[i].seq.status = Status.decoding
+            self._sample(chunks[i].seq, logits[i], sampled)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Greedy with no penalty and no log probabilities to record: the argmax of the raw logits."""
+    p = seq.params
+    return (p.is_greedy and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+            and seq.logprobs is None)
