@@ -137,6 +137,10 @@ class ExportSpec(StrictModel):
 
 
 DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS = 2048, 256
+# tokens per step: the slot graph prefills one prompt a step in chunks this long; the paged graph
+# mixes every decoding row with prompt chunks up to this budget, and a few hundred keeps a step
+# that carries a prompt chunk within a few decode steps' time on a CPU
+SLOT_MAX_NUM_TOKENS, PAGED_MAX_NUM_TOKENS = 8192, 256
 
 
 class LimitsSpec(StrictModel):
@@ -144,11 +148,16 @@ class LimitsSpec(StrictModel):
     max_seq_len: Annotated[int, Field(ge=16, le=1_048_576)] | None = Field(
         None, description=f"Tokens per KV slot (prompt + output); unset: min({DEFAULT_MAX_SEQ_LEN}, the checkpoint's "
                           "max_position_embeddings).")
-    max_num_tokens: Annotated[int, Field(ge=1, le=1_048_576)] = 8192
+    max_num_tokens: Annotated[int, Field(ge=1, le=1_048_576)] | None = Field(
+        None, description=f"Tokens one step computes; unset: {PAGED_MAX_NUM_TOKENS} for the paged graph (decode rows + "
+                          f"prompt chunks), {SLOT_MAX_NUM_TOKENS} for the slot graph (a prompt chunk).")
+    kv_cache_tokens: Annotated[int, Field(ge=16, le=1 << 32)] | None = Field(
+        None, description="Tokens the paged KV pool holds, all requests together; unset: max_batch_size x "
+                          "max_seq_len (the slot graph's memory).")
 
     @model_validator(mode="after")
     def _tokens_cover_batch(self) -> "LimitsSpec":
-        if self.max_num_tokens < self.max_batch_size:
+        if self.max_num_tokens is not None and self.max_num_tokens < self.max_batch_size:
             raise ValueError(
                 f"max_num_tokens ({self.max_num_tokens}) must be >= max_batch_size "
                 f"({self.max_batch_size}): every running sequence needs one token per step"
@@ -163,6 +172,7 @@ class ServingSpec(StrictModel):
                           "limits.max_seq_len).")
     max_stop_words: Annotated[int, Field(ge=0, le=64)] = 8
     num_threads: Annotated[int, Field(ge=0, le=512)] = Field(0, description="0 = all cores")
+    prefix_caching: bool = Field(True, description="Paged graph: reuse the KV blocks of prompt prefixes seen before.")
 
 
 class VerifySpec(StrictModel):

@@ -18,8 +18,8 @@ import yaml
 from pydantic import ValidationError, field_validator, model_validator
 
 from llmc.compiler.sections import (
-    DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, AttentionLowering, CalibrationMethod, CalibrationSpec,
-    ExportSpec, HardwareCompatibility, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec,
+    DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, PAGED_MAX_NUM_TOKENS, SLOT_MAX_NUM_TOKENS, AttentionLowering,
+    CalibrationMethod, CalibrationSpec, ExportSpec, HardwareCompatibility, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec,
     StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
 from llmc.errors import SpecError
 
@@ -102,7 +102,8 @@ class BuildSpec(StrictModel):
     def with_model_limits(self, max_position_embeddings: int | None) -> tuple["BuildSpec", list[str]]:
         """The spec with the limits the checkpoint decides filled in, and a note for each one filled:
         an unset `limits.max_seq_len` becomes min(2048, the model's max_position_embeddings), an unset
-        `serving.default_max_tokens` min(256, that). A value set above the model's limit is an error."""
+        `serving.default_max_tokens` min(256, that), an unset `limits.max_num_tokens` the lowering's
+        default (sections.py). A value set above the model's limit is an error."""
         model_limit = max_position_embeddings or DEFAULT_MAX_SEQ_LEN
         limits, serving, notes = self.limits, self.serving, []
         if limits.max_seq_len is None:
@@ -114,6 +115,9 @@ class BuildSpec(StrictModel):
             raise SpecError(f"limits.max_seq_len ({limits.max_seq_len}) exceeds the model's max_position_embeddings "
                             f"({max_position_embeddings}); lower it to {max_position_embeddings} or less, or leave it "
                             "unset to take the model's limit")
+        if limits.max_num_tokens is None:
+            budget = PAGED_MAX_NUM_TOKENS if self.attention_lowering == "paged" else SLOT_MAX_NUM_TOKENS
+            limits = limits.model_copy(update={"max_num_tokens": max(budget, limits.max_batch_size)})
         if serving.default_max_tokens is None:
             serving = serving.model_copy(update={"default_max_tokens": min(DEFAULT_MAX_TOKENS, limits.max_seq_len)})
             if serving.default_max_tokens < DEFAULT_MAX_TOKENS:

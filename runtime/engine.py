@@ -40,6 +40,20 @@ class StepOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class CacheState:
+    """The KV cache and the queues, as the metrics show them: sequences running and waiting, the
+    fraction of the cache in use; for the paged cache, its blocks and the totals since start."""
+
+    running: int
+    waiting: int
+    usage: float
+    blocks: dict[str, int] | None = None  # used / free / cached blocks (paged cache)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # prompt tokens found there
+    preemptions: int = 0
+
+
 class LLMEngine:
     def __init__(self, runner: Runner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_queue_size: int = 256,
                  max_num_tokens: int = 8192):
@@ -89,6 +103,10 @@ class LLMEngine:
                 self.scheduler.release(seq)
             self._active.clear()
             self._cancelled.clear()
+
+    def cache_state(self) -> CacheState:
+        s = self.scheduler
+        return CacheState(s.num_running, s.num_waiting, s.num_running / self.runner.rows)
 
     @property
     def has_work(self) -> bool:

@@ -22,13 +22,15 @@ class ManifestError(RuntimeError):
 class ServingLimits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_batch_size: int = Field(ge=1)  # KV slots: sequences decoded together
-    max_seq_len: int = Field(ge=2)  # KV capacity per slot: prompt + generated tokens
-    max_num_tokens: int = Field(ge=1)  # prompt tokens prefilled per step (longer prompts are chunked)
+    max_batch_size: int = Field(ge=1)  # KV slots (paged: rows per step): sequences decoded together
+    max_seq_len: int = Field(ge=2)  # the longest sequence: prompt + generated tokens
+    max_num_tokens: int = Field(ge=1)  # tokens per step (slots: a prompt chunk; paged: decode rows + prompt chunks)
     max_queue_size: int = Field(ge=1)
     default_max_tokens: int = Field(ge=1)
     max_stop_words: int = Field(ge=0)
     num_threads: int = Field(0, ge=0)  # 0 = all cores
+    kv_cache_tokens: int | None = Field(None, ge=1)  # the paged KV pool, all requests together (paged graphs only)
+    prefix_caching: bool = True  # paged graphs: reuse the blocks of prompt prefixes seen before
 
 
 class TensorRTInfo(BaseModel):

@@ -9,7 +9,10 @@ port next to its own, labelled with the model name and version.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from llmc.runtime.engine import CacheState
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
 
@@ -23,14 +26,23 @@ COUNTERS = {
     "llmc_generation_tokens_total": "Tokens generated",
     "llmc_request_success_total": "Requests that finished (stop or length)",
     "llmc_request_failure_total": "Requests answered with an error or cancelled",
+    "llmc_prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache (paged KV cache)",
+    "llmc_prefix_cache_hits_total": "Prompt tokens whose KV the prefix cache already held (paged KV cache)",
+    "llmc_preemptions_total": "Running requests whose KV blocks were taken back, to be recomputed (paged KV cache)",
 }
 GAUGES = {
-    "llmc_requests_running": "Requests holding a KV slot",
-    "llmc_requests_waiting": "Requests queued for a KV slot",
-    "llmc_kv_cache_usage_ratio": "Fraction of the KV cache's slots in use",
+    "llmc_requests_running": "Requests holding KV cache (a slot, or blocks)",
+    "llmc_requests_waiting": "Requests queued for the running batch",
+    "llmc_kv_cache_usage_ratio": "Fraction of the KV cache in use (slots, or blocks)",
 }
+# a gauge per state, one family: llmc_kv_cache_blocks{state="used|free|cached"}
+BLOCK_STATES = ("used", "free", "cached")
+BLOCKS = ("llmc_kv_cache_blocks", "KV cache blocks (paged KV cache) by state: held by requests, never used or "
+                                  "freed, or kept for prefix reuse")
+TOTALS = {"llmc_prefix_cache_queries_total": "prefix_queries", "llmc_prefix_cache_hits_total": "prefix_hits",
+          "llmc_preemptions_total": "preemptions"}
 
-Factory = Callable[[str, str, str, "list[float] | None"], object]
+Factory = Callable[..., object]  # (kind, name, description, buckets, extra labels=None) -> metric
 
 
 class ServingMetrics:
@@ -38,6 +50,8 @@ class ServingMetrics:
         self.m = {name: make("histogram", name, doc, LATENCY_BUCKETS) for name, doc in HISTOGRAMS.items()}
         self.m.update({name: make("counter", name, doc, None) for name, doc in COUNTERS.items()})
         self.m.update({name: make("gauge", name, doc, None) for name, doc in GAUGES.items()})
+        self.blocks = {state: make("gauge", BLOCKS[0], BLOCKS[1], None, {"state": state}) for state in BLOCK_STATES}
+        self._totals = dict.fromkeys(TOTALS.values(), 0)  # the engine's totals last counted
 
     def first_token(self, seconds: float) -> None:
         self.m["llmc_time_to_first_token_seconds"].observe(seconds)
@@ -59,10 +73,18 @@ class ServingMetrics:
     def failed(self) -> None:
         self.m["llmc_request_failure_total"].increment(1)
 
-    def load(self, running: int, waiting: int, slots: int) -> None:
-        self.m["llmc_requests_running"].set(running)
-        self.m["llmc_requests_waiting"].set(waiting)
-        self.m["llmc_kv_cache_usage_ratio"].set(running / slots)
+    def load(self, state: "CacheState") -> None:
+        """The engine's cache and queues after a step (runtime/engine.py CacheState)."""
+        self.m["llmc_requests_running"].set(state.running)
+        self.m["llmc_requests_waiting"].set(state.waiting)
+        self.m["llmc_kv_cache_usage_ratio"].set(state.usage)
+        for name, value in (state.blocks or {}).items():
+            self.blocks[name].set(value)
+        for name, field in TOTALS.items():  # counters only go up: count what the engine added since
+            value = getattr(state, field)
+            if value > self._totals[field]:
+                self.m[name].increment(value - self._totals[field])
+                self._totals[field] = value
 
 
 class _Null:
@@ -72,7 +94,7 @@ class _Null:
 
 
 def null_metrics() -> ServingMetrics:
-    return ServingMetrics(lambda kind, name, doc, buckets: _Null())
+    return ServingMetrics(lambda *args: _Null())
 
 
 class _Serialized:
@@ -107,10 +129,15 @@ def triton_metrics(pb_utils, labels: dict[str, str]) -> ServingMetrics:
     families = []  # a family must outlive its metrics
     lock = threading.Lock()
 
-    def make(kind: str, name: str, doc: str, buckets):
-        family = pb_utils.MetricFamily(name=name, description=doc, kind=kinds[kind])
-        families.append(family)
-        metric = family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
+    by_name = {}  # one family per name, however many labelled metrics it has
+
+    def make(kind: str, name: str, doc: str, buckets, extra: dict[str, str] | None = None):
+        family = by_name.get(name)
+        if family is None:
+            family = by_name[name] = pb_utils.MetricFamily(name=name, description=doc, kind=kinds[kind])
+            families.append(family)
+        tags = {**labels, **(extra or {})}
+        metric = family.Metric(labels=tags, buckets=buckets) if buckets else family.Metric(labels=tags)
         return _Serialized(metric, lock)
 
     metrics = ServingMetrics(make)

@@ -13,7 +13,7 @@ sampled in one argmax over the step's logits; the others row by row (sampling.py
 from __future__ import annotations
 
 from llmc.runtime.block_manager import BlockManager
-from llmc.runtime.engine import LLMEngine, StepOutput
+from llmc.runtime.engine import CacheState, LLMEngine, StepOutput
 from llmc.runtime.paged_batch import RowStep
 from llmc.runtime.paged_runner import PagedRunner
 from llmc.runtime.sampling import SamplingParams
@@ -36,6 +36,12 @@ class PagedEngine(LLMEngine):
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; with room for one more it needs {needed} KV "
                              f"blocks and the whole pool has {self.blocks.num_blocks} (limits.kv_cache_tokens)")
         return super().add_request(request_id, prompt_ids, params, **kwargs)
+
+    def cache_state(self) -> CacheState:
+        b, s = self.blocks, self.scheduler
+        return CacheState(s.num_running, s.num_waiting, b.num_used / b.num_blocks,
+                          {"used": b.num_used, "free": b.num_free, "cached": b.num_cached},
+                          b.prefix_queries, b.prefix_hits, s.num_preemptions)
 
     def step(self) -> list[StepOutput]:
         with self._lock:

@@ -94,6 +94,10 @@ class ServingLoop:
 
         m = RepositoryManifest.load(folder)
         lim = m.limits
+        tokenizer = Tokenizer.from_file(str(Path(folder) / m.tokenizer))
+        limits = Limits(lim.max_seq_len, lim.default_max_tokens, lim.max_stop_words)
+        if m.kv_layout.paged:
+            return cls(_paged_engine(Path(folder) / m.engine, m, tokenizer), tokenizer, limits, metrics)
         if m.target == "tensorrt":
             from llmc.runtime.trt_runner import TrtRunner
 
@@ -104,10 +108,9 @@ class ServingLoop:
 
             runner = OrtRunner(Path(folder) / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
                                capacity=lim.max_seq_len, num_threads=lim.num_threads)
-        tokenizer = Tokenizer.from_file(str(Path(folder) / m.tokenizer))
         engine = LLMEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_queue_size=lim.max_queue_size,
                            max_num_tokens=lim.max_num_tokens)
-        return cls(engine, tokenizer, Limits(lim.max_seq_len, lim.default_max_tokens, lim.max_stop_words), metrics)
+        return cls(engine, tokenizer, limits, metrics)
 
     def start(self) -> "ServingLoop":
         self._thread.start()
@@ -188,12 +191,11 @@ class ServingLoop:
                 self.engine.abort_all()
                 self._fail_all(f"internal error while generating: {err!r}")
                 continue
-            s = self.engine.scheduler  # gauges first: a client that sees a response sees them current
-            self.metrics.load(s.num_running, s.num_waiting, self.engine.runner.rows)
+            self.metrics.load(self.engine.cache_state())  # first: a client that sees a response sees them current
             now = time.monotonic()
             for out in outputs:
                 self._respond(out, now)
-        self.metrics.load(0, 0, self.engine.runner.rows)
+        self.metrics.load(self.engine.cache_state())
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()
@@ -267,3 +269,17 @@ def _call(fn, *args) -> tuple[bool, object]:
         return True, fn(*args)
     except Exception:
         return False, None
+
+
+def _paged_engine(graph: Path, m, tokenizer) -> LLMEngine:
+    """The paged graph's engine: a pool of `kv_cache_tokens` tokens in blocks, `max_batch_size` rows a step."""
+    from llmc.runtime.paged_engine import PagedEngine
+    from llmc.runtime.paged_runner import PagedRunner
+
+    lim = m.limits
+    num_blocks = -(-lim.kv_cache_tokens // m.kv_layout.block_size)
+    runner = PagedRunner(graph, m.kv_layout, num_blocks=num_blocks, max_num_tokens=lim.max_num_tokens,
+                         num_threads=lim.num_threads)
+    return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
+                       max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
+                       max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching)

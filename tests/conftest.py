@@ -101,6 +101,17 @@ def tiny_build(tiny_checkpoints, tmp_path_factory):
     return build(spec, output=tmp_path_factory.mktemp("tiny_build") / "tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_paged_build(tiny_checkpoints, tmp_path_factory):
+    """The tiny Llama with the paged graph, packaged the same way (a pool of 256 tokens in 16 blocks)."""
+    from llmc.compiler import build
+    from llmc.compiler.spec import parse_spec
+
+    spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "paged"},
+                       **{**TINY_SERVING_SPEC, "limits": {**TINY_SERVING_SPEC["limits"], "kv_cache_tokens": 256}}})
+    return build(spec, output=tmp_path_factory.mktemp("tiny_paged_build") / "tiny")
+
+
 def greedy_reference(model, prompt_ids: list[int], max_tokens: int, end_ids=()) -> list[int]:
     """PyTorch greedy tokens for one prompt, ending after an end id as the runtime does."""
     from llmc.compiler.verify import torch_greedy

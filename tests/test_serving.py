@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import byte_tokenizer, greedy_reference
+from llmc.runtime.engine import CacheState
 from llmc.runtime.metrics import ServingMetrics
 from llmc.runtime.serving import ServingLoop
 
@@ -49,8 +50,9 @@ class Recorder:
     def __init__(self):
         self.values = {}
 
-    def __call__(self, kind, name, doc, buckets):
+    def __call__(self, kind, name, doc, buckets, extra=None):
         rec = self
+        name += "".join(f"{{{k}={v}}}" for k, v in (extra or {}).items())  # llmc_kv_cache_blocks{state=used}
 
         class Metric:
             def observe(self, v):
@@ -65,10 +67,12 @@ class Recorder:
         return Metric()
 
 
-@pytest.fixture
-def served(tiny_build):
+@pytest.fixture(params=["slots", "paged"])
+def served(request):
+    """The tiny model served in process, from its slot graph and from its paged graph."""
     recorder = Recorder()
-    version = tiny_build.repository / "tiny" / "1"
+    built = request.getfixturevalue("tiny_build" if request.param == "slots" else "tiny_paged_build")
+    version = built.repository / "tiny" / "1"
     loop = ServingLoop.from_manifest(version, ServingMetrics(recorder)).start()
     yield loop, recorder
     loop.stop()
@@ -230,10 +234,31 @@ def test_triton_metrics_are_never_updated_from_two_threads_at_once():
             self.Metric = Metric
 
     metrics = triton_metrics(type("pb_utils", (), {"MetricFamily": MetricFamily}), {"model": "m"})
-    threads = [threading.Thread(target=lambda: [metrics.failed() or metrics.load(1, 0, 2) for _ in range(50)])
+    state = CacheState(running=1, waiting=0, usage=0.5)
+    threads = [threading.Thread(target=lambda: [metrics.failed() or metrics.load(state) for _ in range(50)])
                for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert len(overlaps) == 4 * 50 * 4 and not any(overlaps)
+
+
+def test_the_paged_graph_reports_its_blocks_and_prefix_reuse(tiny_paged_build):
+    recorder = Recorder()
+    loop = ServingLoop.from_manifest(tiny_paged_build.repository / "tiny" / "1", ServingMetrics(recorder)).start()
+    try:
+        prompt = "a prompt long enough to fill a block or two of sixteen tokens"  # byte-level: 62 tokens
+        sinks = [RecordingSink(), RecordingSink()]
+        for sink in sinks:  # the second time, the prompt's full blocks are in the prefix cache
+            loop.submit(_req(prompt, max_tokens=6), sink)
+            sink.wait()
+        time.sleep(0.3)  # the idle loop publishes the gauges
+    finally:
+        loop.stop()
+    assert sinks[0].ids == sinks[1].ids and len(sinks[0].ids) == 6
+    values = recorder.values
+    assert values["llmc_prefix_cache_queries_total"] == 2 * len(prompt) and values["llmc_prefix_cache_hits_total"] == 48
+    assert values["llmc_kv_cache_blocks{state=used}"] == 0 and values["llmc_kv_cache_blocks{state=cached}"] > 0
+    assert values["llmc_kv_cache_blocks{state=free}"] + values["llmc_kv_cache_blocks{state=cached}"] == 16
+    assert values["llmc_kv_cache_usage_ratio"] == 0 and values.get("llmc_preemptions_total", 0) == 0
