@@ -13,6 +13,10 @@ Leaving a stream early ends the request on the server in band: a stop request un
 request id, then the stream closes with nothing pending (closing a stream with a request in flight
 can crash Triton 2.51, see runtime/serving.py); a server that does not answer the stop within
 `STOP_SECONDS` gets its stream cancelled instead.
+
+Several replicas: pass a list of addresses (or "host:port,host:port"). Requests start on them in
+turn; one that fails before its first response is tried once more on another replica, and a
+stream that fails after it ends with GenerationError (llmc/replicas.py).
 """
 
 from __future__ import annotations
@@ -21,138 +25,52 @@ import asyncio
 import queue
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator, Sequence
 
-import numpy as np
+from llmc.generation import (Generation, GenerationError, ends, make_inputs, message, pick_model,  # noqa: F401
+                             stop_inputs)
+from llmc.replicas import Replicas, as_urls, retryable
 
-from llmc.runtime.tensors import SCALARS
-
-_NUMPY = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}
 STOP_SECONDS = 5.0  # how long leaving a stream early waits for the server to end the request
-_NOT_PARAMETERS = {"stream", "stop"}  # model inputs the client sets itself
 
 
-class GenerationError(RuntimeError):
-    """The server refused or failed a request (its message), or could not be reached."""
+class _NotStarted(Exception):
+    """The request failed before its first response: `text` is what to raise, `reason` what to judge."""
 
-
-@dataclass
-class Generation:
-    """One request's stream: iterate for text chunks; afterwards `text`, `finish_reason` and
-    `output_ids` hold the whole result."""
-
-    chunks: list[str] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_input_tokens: int | None = None  # when requested with return_num_input_tokens=True
-    done: bool = False  # the final response (or an error) has arrived
-
-    @property
-    def text(self) -> str:
-        return "".join(self.chunks)
-
-    def take(self, result, error) -> str:
-        """Add one streamed response and return its text; an error response raises GenerationError."""
-        if error is not None:
-            self.done = True
-            raise GenerationError(_message(error))
-        chunk = self._add(result)
-        self.done = _is_final(result)
-        return chunk
-
-    def _add(self, result) -> str:
-        text = result.as_numpy("text_output")
-        chunk = b"".join(text.reshape(-1)).decode("utf-8") if text is not None else ""
-        ids = result.as_numpy("output_ids")
-        if ids is not None:
-            self.output_ids += ids.reshape(-1).tolist()
-        count = result.as_numpy("num_input_tokens")
-        if count is not None:
-            self.num_input_tokens = int(count.reshape(-1)[0])
-        reason = result.as_numpy("finish_reason")
-        if reason is not None:
-            self.finish_reason = reason.reshape(-1)[0].decode()
-        self.chunks.append(chunk)
-        return chunk
-
-
-def make_inputs(grpc_module, prompt: str, stream: bool, params: dict) -> list:
-    """The request's input tensors; unknown parameter names raise TypeError listing the known ones."""
-    def tensor(name, datatype, array):
-        t = grpc_module.InferInput(name, list(array.shape), datatype)
-        t.set_data_from_numpy(array)
-        return t
-
-    tensors = [tensor("text_input", "BYTES", np.array([prompt.encode("utf-8")], dtype=np.object_)),
-               tensor("stream", "BOOL", np.array([stream]))]
-    for name, value in params.items():
-        if value is None:
-            continue
-        if name == "stop_words":
-            words = [value] if isinstance(value, str) else list(value)
-            tensors.append(tensor(name, "BYTES", np.array([w.encode("utf-8") for w in words], dtype=np.object_)))
-        elif name in SCALARS and name not in _NOT_PARAMETERS:
-            datatype = SCALARS[name][0]
-            tensors.append(tensor(name, datatype, np.array([value], dtype=_NUMPY[datatype])))
-        else:
-            known = sorted(set(SCALARS) - _NOT_PARAMETERS | {"stop_words"})
-            raise TypeError(f"unknown generation parameter {name!r}; known: {', '.join(known)}")
-    return tensors
-
-
-def stop_inputs(grpc_module) -> list:
-    """A stop request's inputs (it ends the request sent under the same request id)."""
-    tensors = []
-    for name, datatype, value in (("text_input", "BYTES", np.array([b""], dtype=np.object_)),
-                                  ("stop", "BOOL", np.array([True]))):
-        tensors.append(grpc_module.InferInput(name, [1], datatype))
-        tensors[-1].set_data_from_numpy(value)
-    return tensors
-
-
-def _ends(result, error) -> bool:
-    """The response is some request's last: an error or a final response."""
-    return error is not None or _is_final(result)
-
-
-def _is_final(result) -> bool:
-    params = result.get_response().parameters
-    return "triton_final_response" in params and params["triton_final_response"].bool_param
-
-
-def _pick_model(index: list[str], url: str) -> str:
-    if len(index) == 1:
-        return index[0]
-    if not index:
-        raise GenerationError(f"{url}: the server has no ready model")
-    raise GenerationError(f"{url}: several models are ready ({', '.join(sorted(index))}); pass model=")
+    def __init__(self, text: str, reason: str | None = None):
+        super().__init__(text)
+        self.text, self.reason = text, reason or text
 
 
 class Client:
     """Synchronous client. Each `generate` opens its own gRPC stream, so threads may share a Client."""
 
-    def __init__(self, url: str = "127.0.0.1:8001", model: str | None = None, timeout: float | None = None):
+    def __init__(self, url: str | Sequence[str] = "127.0.0.1:8001", model: str | None = None,
+                 timeout: float | None = None):
         import tritonclient.grpc as grpc
 
-        self._grpc, self.url, self.timeout = grpc, url, timeout
-        self._model = model
+        self._grpc, self.timeout, self._model = grpc, timeout, model
+        self.replicas = Replicas(as_urls(url))
+        self.url = ", ".join(self.replicas.urls)
 
     @property
     def model(self) -> str:
         if self._model is None:
-            client = self._connect()
-            try:
-                index = client.get_model_repository_index().models
-            except Exception as err:
-                raise GenerationError(f"{self.url}: cannot reach the server ({_message(err)})") from None
-            finally:
-                client.close()
-            self._model = _pick_model([m.name for m in index if m.state == "READY"], self.url)
+            problems = []
+            for url in self.replicas.order():
+                client = self._grpc.InferenceServerClient(url)
+                try:
+                    index = client.get_model_repository_index().models
+                except Exception as err:
+                    problems.append(f"{url}: cannot reach the server ({message(err)})")
+                    continue
+                finally:
+                    client.close()
+                self._model = pick_model([m.name for m in index if m.state == "READY"], url)
+                break
+            else:
+                raise GenerationError("; ".join(problems))
         return self._model
-
-    def _connect(self):
-        return self._grpc.InferenceServerClient(self.url)
 
     def generate(self, prompt: str, stream: bool = True, gen: Generation | None = None, **params) -> Iterator[str]:
         """Yield text chunks as they arrive (one chunk when `stream` is False); pass `gen` to read
@@ -167,10 +85,22 @@ class Client:
         return gen
 
     def _run(self, prompt: str, stream: bool, params: dict, gen: Generation) -> Iterator[str]:
-        inputs = make_inputs(self._grpc, prompt, stream, params)
-        model, rid = self.model, uuid.uuid4().hex
-        responses: queue.Queue = queue.Queue()
-        client = self._connect()
+        inputs, model = make_inputs(self._grpc, prompt, stream, params), self.model
+        attempts = self.replicas.attempts()
+        for attempt, url in enumerate(attempts, 1):
+            try:
+                yield from self._run_on(url, model, inputs, gen)
+                self.replicas.succeeded(url)
+                return
+            except _NotStarted as err:
+                self.replicas.failed(url)
+                if attempt == len(attempts) or not retryable(err.reason):
+                    raise GenerationError(err.text) from None
+                gen.done = False  # nothing was received: the other replica starts afresh
+
+    def _run_on(self, url: str, model: str, inputs: list, gen: Generation) -> Iterator[str]:
+        rid, responses, started = uuid.uuid4().hex, queue.Queue(), False
+        client = self._grpc.InferenceServerClient(url)
         try:
             try:
                 client.start_stream(callback=lambda result, error: responses.put((result, error)),
@@ -178,9 +108,15 @@ class Client:
                 client.async_stream_infer(model, inputs, request_id=rid)
             except Exception as err:  # the stream broke before the request went out (server gone)
                 gen.done = True
-                raise GenerationError(f"{self.url}: {_message(err)}") from None
+                detail = _pending_error(responses) or message(err)
+                raise _NotStarted(f"{url}: {detail}") from None
             while not gen.done:
-                chunk = gen.take(*responses.get())
+                result, error = responses.get()
+                if error is not None and not started:
+                    gen.done = True
+                    raise _NotStarted(message(error) if _from_model(error) else f"{url}: {message(error)}",
+                                      message(error))
+                chunk, started = gen.take(result, error), True
                 if chunk:
                     yield chunk
         finally:
@@ -199,7 +135,7 @@ class Client:
         deadline, ended = time.monotonic() + STOP_SECONDS, 0
         while ended < 2:
             try:
-                ended += _ends(*responses.get(timeout=max(0.0, deadline - time.monotonic())))
+                ended += ends(*responses.get(timeout=max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 return False
         return True
@@ -214,33 +150,75 @@ class Client:
         self.close()
 
 
+def _pending_error(responses: queue.Queue) -> str | None:
+    """The error the stream's callback reported (tritonclient puts the cause there, not in the raise)."""
+    try:
+        _, error = responses.get(timeout=0.5)
+    except queue.Empty:
+        return None
+    return message(error) if error is not None else None
+
+
+def _from_model(error) -> bool:
+    """An error the served model answered with (its message as it is), not a transport failure."""
+    return not (hasattr(error, "status") and callable(error.status) and error.status())
+
+
 class AsyncClient:
-    """asyncio client over one gRPC channel; concurrent `generate` calls run as separate streams.
+    """asyncio client, one gRPC channel per replica; concurrent `generate` calls run as separate streams.
     `timeout` bounds each request (seconds), as for `Client`: a request a crashed model instance
     held then ends with an error instead of waiting forever."""
 
-    def __init__(self, url: str = "127.0.0.1:8001", model: str | None = None, timeout: float | None = None):
+    def __init__(self, url: str | Sequence[str] = "127.0.0.1:8001", model: str | None = None,
+                 timeout: float | None = None):
         import tritonclient.grpc as grpc
         import tritonclient.grpc.aio as aio
 
-        self._grpc, self.url, self._model, self.timeout = grpc, url, model, timeout
-        self._client = aio.InferenceServerClient(url)
+        self._grpc, self._model, self.timeout = grpc, model, timeout
+        self.replicas = Replicas(as_urls(url))
+        self.url = ", ".join(self.replicas.urls)
+        self._clients = {u: aio.InferenceServerClient(u) for u in self.replicas.urls}
+        self._client = self._clients[self.replicas.urls[0]]
 
     async def model(self) -> str:
         if self._model is None:
-            try:
-                index = (await self._client.get_model_repository_index()).models
-            except Exception as err:
-                raise GenerationError(f"{self.url}: cannot reach the server ({_message(err)})") from None
-            self._model = _pick_model([m.name for m in index if m.state == "READY"], self.url)
+            problems = []
+            for url in self.replicas.order():
+                try:
+                    index = (await self._clients[url].get_model_repository_index()).models
+                except Exception as err:
+                    problems.append(f"{url}: cannot reach the server ({message(err)})")
+                    continue
+                self._model = pick_model([m.name for m in index if m.state == "READY"], url)
+                break
+            else:
+                raise GenerationError("; ".join(problems))
         return self._model
 
-    async def generate(self, prompt: str, stream: bool = True, gen: Generation | None = None,
-                       **params) -> AsyncIterator[str]:
-        """Yield text chunks as they arrive; pass `gen` to read the finish reason and ids afterwards."""
+    async def generate(self, prompt: str, stream: bool = True, gen: Generation | None = None, *,
+                       model: str | None = None, **params) -> AsyncIterator[str]:
+        """Yield text chunks as they arrive; pass `gen` to read the finish reason and ids afterwards,
+        `model` to call another model than the client's."""
         gen = gen if gen is not None else Generation()
-        request = {"model_name": await self.model(), "inputs": make_inputs(self._grpc, prompt, stream, params),
-                   "request_id": uuid.uuid4().hex}
+        inputs, name = make_inputs(self._grpc, prompt, stream, params), model or await self.model()
+        attempts = self.replicas.attempts()
+        for attempt, url in enumerate(attempts, 1):
+            inner = self._generate_on(url, name, inputs, gen)
+            try:
+                async for chunk in inner:
+                    yield chunk
+                self.replicas.succeeded(url)
+                return
+            except _NotStarted as err:
+                self.replicas.failed(url)
+                if attempt == len(attempts) or not retryable(err.reason):
+                    raise GenerationError(err.text) from None
+                gen.done = False  # nothing was received: the other replica starts afresh
+            finally:
+                await inner.aclose()  # left early: the inner stream sends its stop request now
+
+    async def _generate_on(self, url: str, model: str, inputs: list, gen: Generation) -> AsyncIterator[str]:
+        request = {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
         outgoing: asyncio.Queue = asyncio.Queue()  # this stream's requests; None half-closes it
         outgoing.put_nowait(request)
 
@@ -248,20 +226,26 @@ class AsyncClient:
             while (item := await outgoing.get()) is not None:
                 yield item
 
-        responses = self._client.stream_infer(requests(), stream_timeout=self.timeout)
+        responses, started = self._clients[url].stream_infer(requests(), stream_timeout=self.timeout), False
         try:
             async for result, error in responses:
-                chunk = gen.take(result, error)
+                if error is not None and not started:
+                    gen.done = True
+                    raise _NotStarted(message(error) if _from_model(error) else f"{url}: {message(error)}",
+                                      message(error))
+                chunk, started = gen.take(result, error), True
                 if chunk:
                     yield chunk
                 if gen.done:
                     return
-            raise GenerationError(f"{self.url}: the stream ended before the final response")
-        except GenerationError:
+            raise GenerationError(f"{url}: the stream ended before the final response")
+        except (GenerationError, _NotStarted):
             raise
         except Exception as err:  # grpc errors: the server went away, the stream broke
             gen.done = True
-            raise GenerationError(_message(err)) from None
+            if not started:
+                raise _NotStarted(f"{url}: {message(err)}") from None
+            raise GenerationError(f"{url}: {message(err)}") from None
         finally:
             if not gen.done and not await self._stop(request, outgoing, responses):
                 responses.cancel()  # no answer to the stop: cancel the stream
@@ -275,16 +259,28 @@ class AsyncClient:
         try:
             async with asyncio.timeout(STOP_SECONDS):
                 async for result, error in responses:
-                    ended += _ends(result, error)
+                    ended += ends(result, error)
                     if ended == 2:
                         return True
         except Exception:  # the timeout, or the stream broke
             pass
         return False
 
+    @property
+    def grpc(self):
+        """The asyncio tritonclient of the first replica (one channel), for calls beyond generate."""
+        return self._client
+
     async def ready(self) -> bool:
-        """The server and the model are ready."""
-        return await self._client.is_server_ready() and await self._client.is_model_ready(await self.model())
+        """The server and the model are ready (on the first replica that answers so)."""
+        name = await self.model()
+        for client in self._clients.values():
+            try:
+                if await client.is_server_ready() and await client.is_model_ready(name):
+                    return True
+            except Exception:  # an unreachable replica: try the next
+                continue
+        return False
 
     async def complete(self, prompt: str, **params) -> Generation:
         gen = Generation()
@@ -293,14 +289,11 @@ class AsyncClient:
         return gen
 
     async def close(self) -> None:
-        await self._client.close()
+        for client in self._clients.values():
+            await client.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-def _message(err) -> str:
-    return err.message() if hasattr(err, "message") and callable(err.message) else str(err)
