@@ -4,24 +4,46 @@ with time to first token, inter-token latency, request latency, throughput and e
 Each request asks for exactly `max_tokens` tokens (`min_tokens` = `max_tokens`, so end ids do not
 cut it short) after a prompt of about `prompt_words` words; the server reports the prompt's token
 count. `run_load` keeps `concurrency` requests in flight until `num_requests` have finished.
+
+Every request's prompt is its own (request i of a run gets seed `first_seed + i`): a server with
+prefix caching must compute each one, so repeated prompts cannot pass for speed. With
+`shared_prefix` tokens, every prompt starts with the same system prompt (the prefix-caching case)
+followed by its own question.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
 
 from llmc.client import AsyncClient, Generation, GenerationError
 
-_WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
+# 25 words, one token each in common BPE vocabularies (SmolLM2's among them)
+_WORDS = ("the quick brown fox jumps over a lazy dog while seven owls quietly judge boxing matches "
           "near an old river bank under grey autumn skies").split()
+_LEAD = 4  # a prompt's first words spell its seed in base 25: distinct for 25**4 seeds
 
 
 def make_prompt(num_words: int, seed: int) -> str:
-    """A plain-English prompt of `num_words` words; `seed` varies it so no two requests share a prefix."""
-    return " ".join(_WORDS[(seed * 7 + i * (seed % 5 + 1)) % len(_WORDS)] for i in range(num_words))
+    """A prompt of `num_words` words (at least 4) that no other seed gives: its first four words spell
+    the seed (lowest digit first), so two prompts differ within their first few tokens and share no
+    KV block; the rest are drawn from a generator seeded with `seed`."""
+    if num_words < _LEAD:
+        raise ValueError(f"prompt_words is {num_words}; distinct prompts need at least {_LEAD} words")
+    lead = [_WORDS[seed // len(_WORDS) ** d % len(_WORDS)] for d in range(_LEAD)]
+    rng = random.Random(seed)
+    return " ".join(lead + [rng.choice(_WORDS) for _ in range(num_words - _LEAD)])
+
+
+def system_prompt(num_tokens: int, seed: int = 0) -> str:
+    """About `num_tokens` tokens (one word each) that every request of a run starts with, as a shared
+    system prompt does; `seed` picks which (a different one per run keeps runs apart)."""
+    rng = random.Random(f"system {seed}")
+    return " ".join(["You", "are", "a", "helpful", "assistant."] +
+                    [rng.choice(_WORDS) for _ in range(max(num_tokens - 5, 0))])
 
 
 @dataclass
@@ -96,18 +118,28 @@ async def _one(client: AsyncClient, prompt: str, max_tokens: int) -> RequestStat
     return stats
 
 
+def prompts(num_requests: int, prompt_words: int, *, first_seed: int = 0, shared_prefix: int = 0) -> list[str]:
+    """The run's prompts: request i's is `make_prompt(prompt_words, first_seed + i)`, after a
+    `shared_prefix`-token system prompt (seeded with `first_seed`) when that is not 0."""
+    head = system_prompt(shared_prefix, first_seed) + "\n" if shared_prefix else ""
+    return [head + make_prompt(prompt_words, first_seed + i) for i in range(num_requests)]
+
+
 async def run_load(url: str, model: str | None, *, concurrency: int, num_requests: int, prompt_words: int,
-                   max_tokens: int, progress=None) -> LoadResult:
+                   max_tokens: int, progress=None, first_seed: int = 0, shared_prefix: int = 0) -> LoadResult:
+    """`num_requests` requests, `concurrency` in flight; prompts as `prompts()` makes them (give each
+    run of one server its own `first_seed` range, or a prefix cache serves the repeats)."""
+    todo = prompts(num_requests, prompt_words, first_seed=first_seed, shared_prefix=shared_prefix)
     async with AsyncClient(url, model) as client:
         await client.model()  # resolve the model (and fail fast if unreachable) before timing
-        await _one(client, make_prompt(8, 0), 2)  # warm-up
+        await _one(client, "Warm up.", 2)  # shares no block with any prompt
         pending = list(range(num_requests))
         results: list[RequestStats] = []
 
         async def worker():
             while pending:
                 i = pending.pop(0)
-                results.append(await _one(client, make_prompt(prompt_words, i), max_tokens))
+                results.append(await _one(client, todo[i], max_tokens))
                 if progress is not None:
                     progress(len(results), num_requests)
 

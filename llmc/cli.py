@@ -181,12 +181,13 @@ def bench(
     model: Annotated[Optional[str], typer.Option(help="Model name (default: the server's only ready model).")] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Streams in flight at once.")] = 16,
     requests: Annotated[Optional[int], typer.Option(min=1, help="Requests in the concurrent run (default: 2 x concurrency).")] = None,
-    prompt_words: Annotated[int, typer.Option(min=1, help="Prompt length in words (the server reports tokens).")] = 96,
+    prompt_words: Annotated[int, typer.Option(min=4, help="Prompt length in words, at least 4 (the server reports tokens); every request gets its own prompt.")] = 96,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request (end ids ignored).")] = 64,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results here.")] = None,
     serving_env: Annotated[Optional[Path], typer.Option(help="The venv model.py runs in (as for llmc serve).")] = None,
     sweep: Annotated[Optional[str], typer.Option(help="Concurrency levels to sweep instead, e.g. 1,2,4,8,16 (2 x level requests each).", show_default=False)] = None,
     plot: Annotated[Optional[Path], typer.Option(help="With --sweep: write a PNG of throughput and latency against concurrency.", show_default=False)] = None,
+    shared_prefix: Annotated[int, typer.Option(min=0, help="Start every prompt with the same system prompt of about this many tokens (prefix caching); each run has its own.")] = 0,
 ) -> None:
     """Measure a served model: a sequential baseline, then concurrent streams, in one run (or a concurrency sweep).
 
@@ -211,7 +212,8 @@ def bench(
     if plot is not None and levels is None:
         raise UnsupportedError("--plot draws a concurrency sweep: add --sweep, e.g. --sweep 1,2,4,8,16")
     results = run_bench(build_dir, url=url, model=model, concurrency=concurrency, num_requests=requests or 2 * concurrency,
-                        prompt_words=prompt_words, max_tokens=max_tokens, serving_env=serving_env, sweep=levels)
+                        prompt_words=prompt_words, max_tokens=max_tokens, serving_env=serving_env, sweep=levels,
+                        shared_prefix=shared_prefix)
     out.print(bench_table(results))
     last = levels[-1] if levels else concurrency
     out.print(f"throughput at concurrency {last}: {results['throughput_ratio']:.2f}x the first run's")

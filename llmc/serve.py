@@ -101,11 +101,14 @@ def generate_to(out: TextIO, prompt: str, *, url: str, model: str | None, stream
 
 
 def bench(build_dir: Path | None, *, url: str | None, model: str | None, concurrency: int, num_requests: int,
-          prompt_words: int, max_tokens: int, serving_env: Path | None = None, sweep: list[int] | None = None) -> dict:
+          prompt_words: int, max_tokens: int, serving_env: Path | None = None, sweep: list[int] | None = None,
+          shared_prefix: int = 0) -> dict:
     """Against `url` or a server started here on `build_dir` (free ports, stopped afterwards): a
     sequential baseline, then `num_requests` streams at `concurrency`; or, with `sweep`, one run per
-    concurrency level (2 x level requests, at least 4). Returns each run's summary by name and
-    `throughput_ratio` (the last run's tokens/s over the first's)."""
+    concurrency level (2 x level requests, at least 4). Every request of every run has its own prompt;
+    with `shared_prefix`, each run's prompts start with that run's own system prompt of about that
+    many tokens. Returns each run's summary by name and `throughput_ratio` (the last run's tokens/s
+    over the first's)."""
     import asyncio
 
     from llmc.bench import run_load
@@ -119,11 +122,13 @@ def bench(build_dir: Path | None, *, url: str | None, model: str | None, concurr
     server = start_server(build_dir, None, None, None, serving_env) if url is None else None
     target = url or server.grpc_url
     try:
-        results = {}
+        results, first_seed = {}, 0
         for name, c, n in levels:
             with progress_bar(f"{name}: {n} requests, {max_tokens} tokens each") as advance:
-                load = asyncio.run(run_load(target, model, concurrency=c, num_requests=n,
-                                            prompt_words=prompt_words, max_tokens=max_tokens, progress=advance))
+                load = asyncio.run(run_load(target, model, concurrency=c, num_requests=n, prompt_words=prompt_words,
+                                            max_tokens=max_tokens, progress=advance, first_seed=first_seed,
+                                            shared_prefix=shared_prefix))
+            first_seed += n
             results[name] = load.summary()
             if results[name]["errors"]:
                 first = next(r.error for r in load.requests if r.error)
