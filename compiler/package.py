@@ -22,6 +22,7 @@ from pathlib import Path
 
 import llmc
 from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel
+from llmc.compiler.chat_template import find_chat_template
 from llmc.compiler.output import link_or_copy
 from llmc.compiler.source import SourceInfo
 from llmc.compiler.spec import BuildSpec
@@ -62,14 +63,16 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
     copy_runtime(version_dir / "llmc")
     shutil.copyfile(importlib.resources.files("llmc.model_repository") / "model.py", version_dir / "model.py")
     tensorrt = engine.tensorrt if isinstance(engine, EngineModel) else None
-    (model_dir / "config.pbtxt").write_text(render(model_config(spec.name, gpu=tensorrt is not None)))
+    chat = find_chat_template(source, spec.serving.chat_template)
+    (model_dir / "config.pbtxt").write_text(render(model_config(
+        spec.name, gpu=tensorrt is not None, chat_template=chat.model_dump_json() if chat else None)))
     (model_dir / "requirements.txt").write_text(
         "\n".join(requirements(tensorrt.version if tensorrt else None)) + "\n")
     limits, serving = spec.limits, spec.serving
     manifest = RepositoryManifest(
         name=spec.name, llmc_version=llmc.__version__, target=spec.target.value, engine=engine.engine_file,
         tokenizer=TOKENIZER_FILE, kv_layout=engine.kv_layout, vocab_size=exported.model.vocab_size,
-        end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash, tensorrt=tensorrt,
+        end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash, tensorrt=tensorrt, chat_template=chat,
         limits=ServingLimits(max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                              max_num_tokens=limits.max_num_tokens, max_queue_size=serving.max_queue_size,
                              default_max_tokens=serving.default_max_tokens, max_stop_words=serving.max_stop_words,

@@ -172,6 +172,9 @@ class ServingSpec(StrictModel):
                           "limits.max_seq_len).")
     max_stop_words: Annotated[int, Field(ge=0, le=64)] = 8
     num_threads: Annotated[int, Field(ge=0, le=512)] = Field(0, description="0 = all cores")
+    chat_template: Path | None = Field(
+        None, description="A jinja2 chat template file (relative to the spec's folder) that replaces the "
+                          "checkpoint's; unset: the checkpoint's own, if it has one.")
     prefix_caching: bool = Field(True, description="Paged graph: reuse the KV blocks of prompt prefixes seen before.")
 
 

@@ -168,6 +168,9 @@ def _resolve_paths(spec: BuildSpec, base_dir: Path) -> BuildSpec:
     update: dict[str, Any] = {"source": source}
     if spec.output is not None:
         update["output"] = (base_dir / spec.output.expanduser()).resolve()
+    if spec.serving.chat_template is not None:
+        template = (base_dir / spec.serving.chat_template.expanduser()).resolve()
+        update["serving"] = spec.serving.model_copy(update={"chat_template": template})
     calibration = spec.quantization.calibration
     if calibration.data != "builtin":
         data = str((base_dir / Path(calibration.data).expanduser()).resolve())

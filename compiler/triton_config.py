@@ -15,7 +15,9 @@ _TYPES = {"BYTES": "TYPE_STRING", "INT32": "TYPE_INT32", "UINT64": "TYPE_UINT64"
           "BOOL": "TYPE_BOOL"}
 
 
-def model_config(name: str, *, instances: int = 1, gpu: bool = False):
+def model_config(name: str, *, instances: int = 1, gpu: bool = False, chat_template: str | None = None):
+    """`chat_template`: the recorded template as JSON, carried as the `chat_template` parameter so the
+    OpenAI frontend reads it over gRPC (llmc/chat_template.py)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
@@ -28,6 +30,8 @@ def model_config(name: str, *, instances: int = 1, gpu: bool = False):
         cfg.output.add(name=tensor, data_type=mc.DataType.Value(_TYPES[datatype]), dims=dims)
     kind = mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU
     cfg.instance_group.add(kind=kind, count=instances)
+    if chat_template is not None:
+        cfg.parameters["chat_template"].string_value = chat_template
     return cfg
 
 

@@ -47,6 +47,19 @@ class TensorRTInfo(BaseModel):
     profiles: dict[str, dict[str, list[list[int]]]]  # profile -> input -> [min, opt, max]
 
 
+class ChatTemplate(BaseModel):
+    """The chat template (jinja2) the build found in the checkpoint or the spec's `serving.chat_template`,
+    with the special tokens a template may name (`bos_token`, ...). The served model does not render
+    it: the OpenAI frontend and `llmc generate --chat` do (llmc/chat_template.py), reading it from
+    config.pbtxt's `chat_template` parameter over gRPC."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    template: str
+    special_tokens: dict[str, str] = {}
+    source: str  # where it came from: the checkpoint's file, or the spec's path
+
+
 class RepositoryManifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -63,6 +76,7 @@ class RepositoryManifest(BaseModel):
     limits: ServingLimits
     source_hash: str
     tensorrt: TensorRTInfo | None = None  # target tensorrt only
+    chat_template: ChatTemplate | None = None  # none: the model serves completions only
 
     def save(self, folder: Path) -> Path:
         path = folder / self.filename

@@ -16,8 +16,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # torch first, pinned: with it present, pip keeps the CPU wheel instead of pulling CUDA packages.
 $VENV/bin/python -c "import torch" 2>/dev/null || { echo "setup: installing torch 2.13.0 (CPU)"; $PIP install "torch==2.13.0"; }
-echo "setup: installing llmc[export,quantize,kernels,test,bench,serve]"
-$PIP install -e ".[export,quantize,kernels,test,bench,serve]"
+echo "setup: installing llmc[export,quantize,kernels,test,bench,serve,openai]"
+$PIP install -e ".[export,quantize,kernels,test,bench,serve,openai]"
 # Triton Inference Server (CPU) comes inside the nvidia-pytriton wheel; only its binaries are used.
 $VENV/bin/python -c "import importlib.util as u; exit(u.find_spec('pytriton') is None)" \
   || { echo "setup: installing nvidia-pytriton (tritonserver binaries)"; $PIP install --no-deps "nvidia-pytriton==0.7.0"; }

@@ -1,0 +1,43 @@
+"""The chat template a build carries into its repository: the checkpoint's own (transformers reads
+`chat_template` from tokenizer_config.json, chat_template.jinja, or a GGUF's metadata), or the file
+the spec's `serving.chat_template` names instead. It is checked to compile (in the same sandbox that
+renders it, llmc/chat_template.py) so a broken one fails the build, not the first chat request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmc.chat_template import ChatTemplateError, compile_template
+from llmc.compiler.source import SourceInfo, load_tokenizer
+from llmc.errors import SpecError
+from llmc.runtime.manifest import ChatTemplate
+
+
+def find_chat_template(source: SourceInfo, override: Path | None) -> ChatTemplate | None:
+    """The template to serve (None: the model serves completions only)."""
+    tokenizer = load_tokenizer(source)
+    if override is not None:
+        try:
+            template, origin = Path(override).read_text(encoding="utf-8"), str(override)
+        except (OSError, UnicodeDecodeError) as err:
+            raise SpecError(f"serving.chat_template: cannot read {override}: {err}") from None
+        field = "serving.chat_template"
+    else:
+        template, origin, field = _checkpoint_template(tokenizer), f"{source.path} (the checkpoint)", "the checkpoint's"
+        if template is None:
+            return None
+    try:
+        compile_template(template)
+    except ChatTemplateError as err:
+        raise SpecError(f"{field} chat template ({origin}): {err}") from None
+    special = getattr(tokenizer, "special_tokens_map", {}) if tokenizer is not None else {}
+    return ChatTemplate(template=template, source=origin,
+                        special_tokens={k: v for k, v in special.items() if isinstance(v, str)})
+
+
+def _checkpoint_template(tokenizer) -> str | None:
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if isinstance(template, dict):  # several named templates: the default one
+        template = template.get("default")
+    return template or None

@@ -1,0 +1,210 @@
+"""The OpenAI-compatible API as a FastAPI app over the Triton servers in a `Pool`.
+
+    GET  /health                 200 when a server is reachable, else 503
+    GET  /v1/models              the models READY on the reachable servers
+    POST /v1/completions         prompt (string or list) -> text; streamed as SSE with stream: true
+    POST /v1/chat/completions    messages -> the model's chat template -> text; 400 without a template
+
+Every error is OpenAI's body ({"error": {"message", "type", "param", "code"}}). With `api_key`, every
+/v1 route needs `Authorization: Bearer KEY` (401 otherwise); request bodies are capped at
+`max_body_size` bytes (413).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from llmc.chat_template import ChatTemplateError, NoChatTemplate, render
+from llmc.openai.backends import Pool
+from llmc.openai.protocol import (ChatRequest, CompletionRequest, OpenAIError, model_inputs, num_top_logprobs,
+                                  refuse_unsupported)
+from llmc.openai.responses import (CompletionLogprobs, Reply, chat_choice, chat_logprobs, completion_choice)
+from llmc.openai.streaming import Choices, Job, stream_events, usage_of
+
+MAX_BODY_SIZE = 4 * 1024 * 1024  # bytes
+DISCONNECT_POLL = 0.5  # seconds between checks for a client gone before its stream started
+
+
+def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: int = MAX_BODY_SIZE,
+               health_interval: float = 2.0) -> FastAPI:
+    pool = Pool(urls, health_interval)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await pool.start()
+        yield
+        await pool.close()
+
+    app = FastAPI(title="llmc OpenAI-compatible API", lifespan=lifespan)
+    app.state.pool = pool
+    _add_error_handlers(app)
+    app.add_middleware(_BodyLimit, max_body_size=max_body_size)
+
+    @app.get("/health")
+    async def health():
+        if not pool.healthy:
+            raise OpenAIError(503, "no Triton server is reachable", None, "service_unavailable")
+        return {"status": "ok", "servers": {b.url: b.healthy for b in pool.backends}}
+
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_bearer(api_key))])
+
+    @router.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llmc"}
+                                           for name in sorted(pool.models())]}
+
+    @router.post("/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        refuse_unsupported(req)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if not prompts:
+            raise OpenAIError(400, "prompt: give at least one prompt", "prompt")
+        jobs = [Job(i * req.n + j, p, model_inputs(req, j)) for i, p in enumerate(prompts) for j in range(req.n)]
+        return await _answer(pool, req, request, Reply(req.model, chat=False), jobs, "completions")
+
+    @router.post("/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        refuse_unsupported(req)
+        info = pool.info(req.model)
+        if info.chat_template is None:
+            raise OpenAIError(400, str(NoChatTemplate(req.model)), "messages", "model_has_no_chat_template")
+        try:
+            prompt = render(info.chat_template, _messages(req.messages), tools=req.tools)
+        except ChatTemplateError as err:
+            raise OpenAIError(400, str(err), "messages") from None
+        jobs = [Job(j, prompt, model_inputs(req, j)) for j in range(req.n)]
+        return await _answer(pool, req, request, Reply(req.model, chat=True), jobs, "chat")
+
+    app.include_router(router)
+    return app
+
+
+async def _started(choices: Choices, request: Request) -> None:
+    """Wait for the first event (a queued request waits for a slot), giving up with the client: a
+    client that leaves before its stream starts leaves the server's queue too."""
+    first = asyncio.ensure_future(choices.started())
+    try:
+        while not (await asyncio.wait({first}, timeout=DISCONNECT_POLL))[0]:
+            if await request.is_disconnected():
+                choices.cancel()
+                raise OpenAIError(400, "the client disconnected before the stream started")
+        first.result()
+    finally:
+        first.cancel()
+
+
+async def _answer(pool: Pool, req, request: Request, reply: Reply, jobs: list[Job], endpoint: str):
+    logprobs = num_top_logprobs(req) is not None
+    choices = Choices(pool, req.model, jobs, req.stream, endpoint)
+    echo = getattr(req, "echo", False)
+    if req.stream:
+        await _started(choices, request)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(stream_events(choices, reply, include_usage, echo, logprobs),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    texts = {job.index: "" for job in jobs}
+    async for event in choices:
+        texts[event.job.index] += event.text
+        event.job.logprobs += event.logprobs
+    return reply.body([_whole_choice(reply, job, texts[job.index], echo, logprobs) for job in jobs], usage_of(jobs))
+
+
+def _whole_choice(reply: Reply, job: Job, text: str, echo: bool, logprobs: bool) -> dict:
+    entries = job.logprobs if logprobs else []
+    if reply.chat:
+        return chat_choice(job.index, text, job.gen.finish_reason, chat_logprobs(entries) if logprobs else None)
+    offsets = CompletionLogprobs(len(job.prompt) if echo else 0)
+    return completion_choice(job.index, job.prompt + text if echo else text, job.gen.finish_reason,
+                             offsets.format(entries) if logprobs else None)
+
+
+def _messages(messages: list[dict]) -> list[dict]:
+    """OpenAI messages as chat templates expect them: text parts joined into one string, tool-call
+    arguments (a JSON string in the API) as objects (what transformers' templates iterate)."""
+    out = []
+    for i, message in enumerate(messages):
+        message = dict(message)
+        if "role" not in message:
+            raise OpenAIError(400, f"messages[{i}]: every message needs a role", f"messages[{i}].role")
+        content = message.get("content")
+        if isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise OpenAIError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            message["content"] = "".join(p.get("text", "") for p in content)
+        calls = []
+        for call in message.get("tool_calls") or []:
+            function = dict(call.get("function", {}))
+            try:
+                function["arguments"] = json.loads(function.get("arguments") or "{}")
+            except (TypeError, json.JSONDecodeError):
+                pass  # already an object, or not JSON: passed as given
+            calls.append({**call, "function": function})
+        if calls:
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def _bearer(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise OpenAIError(401, "a valid API key is required: send Authorization: Bearer KEY", None,
+                              "invalid_api_key")
+    return check
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request, err: OpenAIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, err: RequestValidationError):
+        first = err.errors()[0]
+        loc = [str(p) for p in first["loc"] if p != "body"]
+        where, param = ".".join(loc) or "body", loc[0] if loc else None
+        return JSONResponse(OpenAIError(400, f"{where}: {first['msg']}", param, "invalid_parameter").body(),
+                            status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, err: HTTPException):
+        return JSONResponse(OpenAIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+
+class _BodyLimit:
+    """Request bodies capped at `max_body_size` bytes, answered with OpenAI's 413 body: a declared
+    length at once, an undeclared one as it arrives. Written here because Starlette's own limit
+    answers in plain text, outside the app's error handlers."""
+
+    def __init__(self, app, max_body_size: int):
+        self.app, self.max_body_size = app, max_body_size
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        err = OpenAIError(413, f"the request body is larger than {self.max_body_size} bytes", None, "body_too_large")
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_size:
+            return await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body_size:
+                raise err
+            return message
+
+        await self.app(scope, limited, send)

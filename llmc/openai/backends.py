@@ -1,0 +1,173 @@
+"""The Triton servers behind the OpenAI frontend: one gRPC channel each (llmc.client.AsyncClient
+over tritonclient's asyncio client), health-checked in the background, picked by fewest requests
+in flight.
+
+- A server that fails its health check (not ready, unreachable) is skipped until a later check
+  finds it ready again; one whose stream breaks is marked down at once.
+- A request goes to the server with the fewest in flight among those serving its model (ties:
+  the one picked least often). A stream stays on its server; nothing is retried silently: a
+  server that fails mid-request answers 503.
+- The models are those READY on the healthy servers; each model's chat template comes from its
+  config.pbtxt parameter (llmc/chat_template.py), read once per model version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from llmc.chat_template import PARAMETER, parse_parameter
+from llmc.client import Generation
+from llmc.openai import grpc_stream
+from llmc.openai.protocol import OpenAIError
+
+HEALTH_INTERVAL = 2.0  # seconds between health checks
+HEALTH_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    version: str
+    chat_template: dict | None
+
+
+class ChoiceGeneration(Generation):
+    """One choice's stream: the client's Generation plus the usage counts and the log probabilities
+    (runtime/logprobs.py's outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_output_tokens: int | None = None
+        self.logprobs: list[dict] = []  # not yet taken: {"token", "logprob", "top": [(token, logprob)]}
+
+    def _add(self, result) -> str:
+        chunk = super()._add(result)
+        count = result.as_numpy("num_output_tokens")
+        if count is not None:
+            self.num_output_tokens = int(count.reshape(-1)[0])
+        values = result.as_numpy("output_log_probs")
+        if values is not None:
+            texts = [t.decode("utf-8") for t in result.as_numpy("token_texts").reshape(-1)]
+            top_values, top_texts = result.as_numpy("top_log_probs"), result.as_numpy("top_token_texts")
+            for i, (text, value) in enumerate(zip(texts, values.reshape(-1).tolist())):
+                top = [] if top_values is None else [(t.decode("utf-8"), float(v))
+                                                     for t, v in zip(top_texts[i], top_values[i])]
+                self.logprobs.append({"token": text, "logprob": float(value), "top": top})
+        return chunk
+
+    def take_logprobs(self) -> list[dict]:
+        taken, self.logprobs = self.logprobs, []
+        return taken
+
+
+class Backend:
+    def __init__(self, url: str):
+        self.url = url
+        self.client = None  # tritonclient's asyncio client, opened in the serving event loop (aio binds to it)
+        self.healthy = False
+        self.in_flight = 0
+        self.picked = 0
+        self.models: dict[str, ModelInfo] = {}
+
+    async def check(self) -> None:
+        """Refresh health and the model list; any failure marks the server down."""
+        grpc = self.client
+        try:
+            ready = await grpc.is_server_ready(client_timeout=HEALTH_TIMEOUT)
+            index = (await grpc.get_model_repository_index(client_timeout=HEALTH_TIMEOUT)).models
+            models = {}
+            for entry in index:
+                if entry.state != "READY":
+                    continue
+                known = self.models.get(entry.name)
+                if known is None or known.version != entry.version:
+                    config = (await grpc.get_model_config(entry.name, client_timeout=HEALTH_TIMEOUT)).config
+                    value = config.parameters[PARAMETER].string_value if PARAMETER in config.parameters else None
+                    known = ModelInfo(entry.name, entry.version, parse_parameter(value))
+                models[entry.name] = known
+        except Exception:
+            self.healthy = False
+            return
+        self.models, self.healthy = models, bool(ready)
+
+
+class Pool:
+    def __init__(self, urls: list[str], health_interval: float = HEALTH_INTERVAL):
+        if not urls:
+            raise ValueError("give at least one Triton gRPC url")
+        self.backends = [Backend(url) for url in urls]
+        self.health_interval = health_interval
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        import tritonclient.grpc.aio as aio
+
+        for backend in self.backends:
+            backend.client = aio.InferenceServerClient(backend.url)
+        await self.check_all()
+        self._task = asyncio.create_task(self._watch())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for backend in self.backends:
+            if backend.client is not None:
+                await backend.client.close()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(b.check() for b in self.backends))
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            await self.check_all()
+
+    @property
+    def healthy(self) -> list[Backend]:
+        return [b for b in self.backends if b.healthy]
+
+    def models(self) -> dict[str, ModelInfo]:
+        return {name: info for b in reversed(self.healthy) for name, info in b.models.items()}
+
+    def info(self, model: str) -> ModelInfo:
+        """What a reachable server says of `model`: 503 when none is reachable, 404 when none serves it."""
+        return self._serving(model)[0].models[model]
+
+    def pick(self, model: str) -> tuple[Backend, ModelInfo]:
+        """The server for a request to `model` (errors as for `info`)."""
+        backend = min(self._serving(model), key=lambda b: (b.in_flight, b.picked))
+        backend.picked += 1
+        return backend, backend.models[model]
+
+    def _serving(self, model: str) -> list[Backend]:
+        healthy = self.healthy
+        if not healthy:
+            raise OpenAIError(503, f"no Triton server is reachable ({', '.join(b.url for b in self.backends)})",
+                              None, "service_unavailable")
+        serving = [b for b in healthy if model in b.models]
+        if not serving:
+            known = ", ".join(sorted(self.models())) or "none"
+            raise OpenAIError(404, f"the model {model!r} does not exist (served: {known})", "model", "model_not_found")
+        return serving
+
+    async def generate(self, backend: Backend, model: str, prompt: str, stream: bool, gen: ChoiceGeneration,
+                       params: dict) -> AsyncIterator[str]:
+        """Text chunks of one request on `backend`; the model's refusal raises grpc_stream.Refused, a
+        broken server marks it down and raises OpenAIError 503."""
+        import tritonclient.grpc as grpc
+
+        backend.in_flight += 1
+        try:
+            async for chunk in grpc_stream.generate(backend.client, grpc, model, prompt, stream, gen, params):
+                yield chunk
+        except grpc_stream.Unreachable as err:
+            backend.healthy = False  # skipped until the health check finds it ready again
+            raise OpenAIError(503, f"{backend.url}: the server failed the request ({err})", None,
+                              "service_unavailable") from None
+        finally:
+            backend.in_flight -= 1

@@ -1,0 +1,142 @@
+"""A request's choices run as worker tasks, merged into one stream of events, and that stream as
+Server-Sent Events in OpenAI's chunk format (ending with `data: [DONE]`).
+
+The workers run outside the HTTP request's task on purpose: when a client disconnects, Starlette
+cancels the response's task group, and anyio's cancellation is level-triggered, so the client's
+in-band stop (llmc.client: a stop request, then the stream closes with nothing pending) could not
+be awaited there. Cancelling a worker instead raises one CancelledError inside its generate(),
+whose cleanup then stops the request on the server, which frees its KV slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from llmc.openai.backends import ChoiceGeneration, Pool
+from llmc.openai.grpc_stream import Refused
+from llmc.openai.protocol import OpenAIError, model_error
+from llmc.openai.responses import CompletionLogprobs, Reply, chat_delta, chat_logprobs, completion_choice, usage
+
+_RUNNING: set[asyncio.Task] = set()  # workers are referenced until they end
+
+
+@dataclass
+class Job:
+    """One choice: its index, prompt and model inputs, and its generation's state."""
+
+    index: int
+    prompt: str
+    params: dict
+    gen: ChoiceGeneration = field(default_factory=ChoiceGeneration)
+    offsets: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    logprobs: list[dict] = field(default_factory=list)  # gathered for a whole (not streamed) answer
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # "text" | "end" | "error"
+    job: Job
+    text: str = ""
+    logprobs: list = field(default_factory=list)  # of this event's tokens, taken when it happened
+    error: Exception | None = None
+
+
+class Choices:
+    """Start every job on a server the pool picks; iterate the merged events; `cancel` stops what runs."""
+
+    def __init__(self, pool: Pool, model: str, jobs: list[Job], stream: bool, endpoint: str):
+        self.endpoint, self.jobs = endpoint, jobs
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        picked = [pool.pick(model)[0] for _ in jobs]  # raises before anything starts
+        self._tasks = [asyncio.create_task(self._work(pool, backend, model, job, stream))
+                       for backend, job in zip(picked, jobs)]
+        for task in self._tasks:
+            _RUNNING.add(task)
+            task.add_done_callback(_RUNNING.discard)
+        self._open = len(jobs)
+        self._first: list[Event] = []
+
+    async def started(self) -> None:
+        """Wait for the first event, so that a refusal (or an unreachable server) is answered with
+        its HTTP status before a stream begins."""
+        event = await self._queue.get()
+        if event.kind == "error":
+            self.cancel()
+            raise self.error(event)
+        self._first.append(event)
+
+    async def _work(self, pool: Pool, backend, model: str, job: Job, stream: bool) -> None:
+        try:
+            async for chunk in pool.generate(backend, model, job.prompt, stream, job.gen, job.params):
+                self._queue.put_nowait(Event("text", job, chunk, job.gen.take_logprobs()))
+            self._queue.put_nowait(Event("end", job, "", job.gen.take_logprobs()))
+        except (Refused, OpenAIError) as err:
+            self._queue.put_nowait(Event("error", job, error=err))
+
+    def error(self, event: Event) -> OpenAIError:
+        if isinstance(event.error, OpenAIError):
+            return event.error
+        return model_error(str(event.error), self.endpoint)
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while self._open:
+            event = self._first.pop() if self._first else await self._queue.get()
+            self._open -= event.kind != "text"
+            if event.kind == "error":
+                self.cancel()
+                raise self.error(event)
+            yield event
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+def sse(data) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def stream_events(choices: Choices, reply: Reply, include_usage: bool, echo: bool = False,
+                        logprobs: bool = False) -> AsyncIterator[str]:
+    """The SSE body; a failure after the first chunk ends the stream with an error event."""
+    try:
+        for job in choices.jobs:  # each choice opens with its role (chat) or the echoed prompt
+            if reply.chat:
+                yield sse(_chunk(reply, chat_delta(job.index, {"role": "assistant", "content": ""}), include_usage))
+            elif echo:
+                job.offsets.offset = len(job.prompt)
+                yield sse(_chunk(reply, completion_choice(job.index, job.prompt, None, None), include_usage))
+        async for event in choices:
+            yield sse(_chunk(reply, _choice_chunk(reply, event, logprobs), include_usage))
+        if include_usage:
+            yield sse(reply.body([], usage_of(choices.jobs), chunk=True))
+    except OpenAIError as err:
+        yield sse(err.body())
+    finally:
+        choices.cancel()  # the client went away (or it all ended): stop what still runs
+    yield sse("[DONE]")
+
+
+def _chunk(reply: Reply, choice: dict, include_usage: bool) -> dict:
+    body = reply.body([choice], None, chunk=True)
+    if include_usage:
+        body["usage"] = None  # OpenAI: every chunk but the last says "usage": null when usage is asked
+    return body
+
+
+def _choice_chunk(reply: Reply, event: Event, logprobs: bool) -> dict:
+    job, end = event.job, event.kind == "end"
+    reason = job.gen.finish_reason if end else None
+    entries = event.logprobs
+    if reply.chat:
+        delta = {} if end else {"content": event.text}
+        return chat_delta(job.index, delta, reason, chat_logprobs(entries) if logprobs else None)
+    return completion_choice(job.index, event.text, reason, job.offsets.format(entries) if logprobs else None)
+
+
+def usage_of(jobs: list[Job]) -> dict:
+    prompts = {job.prompt: job.gen.num_input_tokens or 0 for job in jobs}  # n choices of a prompt: counted once
+    return usage(sum(prompts.values()), sum(job.gen.num_output_tokens or 0 for job in jobs))
