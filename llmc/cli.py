@@ -262,6 +262,40 @@ def deploy(
               f"in {result.seconds:.1f} s")
 
 
+@app.command()
+@_friendly
+def k8s(
+    build_dir: Annotated[Path, typer.Argument(help="A build folder made by `llmc build` (its model's name and target).", show_default=False)],
+    repository: Annotated[str, typer.Option(help="The s3:// repository the replicas serve (where llmc deploy publishes).", show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the manifests.", show_default=False)],
+    replicas: Annotated[int, typer.Option(min=1, help="Replicas at least (the autoscaler's minimum).")] = 2,
+    max_replicas: Annotated[int, typer.Option(min=1, help="The autoscaler's maximum.")] = 8,
+    gpu: Annotated[Optional[bool], typer.Option("--gpu/--cpu", help="A GPU per replica (default: for tensorrt builds).", show_default=False)] = None,
+    cpu: Annotated[str, typer.Option(help="CPU request per replica.")] = "2",
+    memory: Annotated[str, typer.Option(help="Memory request and limit per replica.")] = "4Gi",
+    namespace: Annotated[Optional[str], typer.Option(help="Namespace of the resources (default: kubectl's).")] = None,
+    secret: Annotated[str, typer.Option(help="The Secret holding AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_DEFAULT_REGION).")] = "llmc-s3",
+    kserve: Annotated[bool, typer.Option("--kserve", help="A KServe ServingRuntime + InferenceService instead of Deployment, Service, HPA and PDB.")] = False,
+) -> None:
+    """Write Kubernetes manifests for Triton replicas serving the build from object storage.
+
+    A Deployment (pinned Triton image, explicit model control with the model loaded at start, readiness and liveness probes, resources, a preStop pause and a grace period for in-flight streams, anti-affinity), a Service, a HorizontalPodAutoscaler on llmc's queue and KV-cache gauges with the Prometheus adapter rules, a PodDisruptionBudget and a ServiceMonitor.
+    """
+    from llmc.console import out
+    from llmc.errors import UnsupportedError
+    from llmc.k8s import options_from_build, write_manifests
+
+    try:
+        opts = options_from_build(build_dir, repository, replicas=replicas, max_replicas=max_replicas, gpu=gpu,
+                                  cpu=cpu, memory=memory, namespace=namespace, secret=secret)
+        files = write_manifests(opts, output, with_kserve=kserve)
+    except ValueError as err:
+        raise UnsupportedError(str(err)) from None
+    out.print(f"[green]wrote[/] {', '.join(p.name for p in files)} to {output}")
+    out.print(f"  kubectl apply -f {output}   (after: kubectl create secret generic {secret} "
+              "--from-literal=AWS_ACCESS_KEY_ID=... --from-literal=AWS_SECRET_ACCESS_KEY=...)")
+
+
 def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C so staging folders are removed
     raise KeyboardInterrupt
 

@@ -233,6 +233,34 @@ def test_requests_fail_over_to_a_live_replica_before_their_first_token(cluster):
         Client([dead], "tiny").complete("nowhere", max_tokens=4)
 
 
+def test_llmc_serve_serves_the_bucket(cluster, s3):
+    from llmc.errors import ServingError
+    from llmc.serve import start_server
+
+    url, _ = cluster
+    server = start_server(url, None, None, None, serving_env())  # the version the config names: 4
+    try:
+        assert _served_versions([server]) == [["4"]]
+        assert len(Client(server.grpc_url).complete("from the bucket", max_tokens=4).output_ids) == 4
+    finally:
+        server.stop()
+    with pytest.raises(ServingError, match=r"models/empty: no model there yet; publish one with llmc deploy"):
+        start_server(f"s3://{s3.endpoint}/models/empty", None, None, None, serving_env())
+
+
+def test_the_autoscaler_metrics_are_exported_by_a_live_replica(cluster):
+    from llmc.k8s import K8sOptions, manifests
+
+    url, servers = cluster
+    opts = K8sOptions(name="tiny", repository=url)
+    hpa = manifests(opts)["hpa.yaml"][0]
+    with urllib.request.urlopen(f"http://127.0.0.1:{servers[0].ports.metrics}/metrics", timeout=10) as r:
+        samples = {line.split("{")[0].split(" ")[0] for line in r.read().decode().splitlines()
+                   if line and not line.startswith("#")}
+    names = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]]
+    assert names and set(names) <= samples, sorted(s for s in samples if s.startswith("llmc_"))
+
+
 def test_a_replica_killed_under_load(cluster):
     """Runs last: it kills a replica. New requests go to the others; the streams it held end with
     an error naming it; no client hangs (BackgroundLoad checks every thread returned)."""

@@ -1,0 +1,198 @@
+"""`llmc k8s`: Kubernetes manifests that run Triton replicas on a build's repository in object storage.
+
+    deployment.yaml          Triton (pinned image) on the s3:// repository, explicit model control with the
+                             model loaded at start, probes on /v2/health/ready and /live, requests and
+                             limits (a GPU for tensorrt), a preStop pause and a grace period that let
+                             in-flight streams drain, anti-affinity across nodes
+    service.yaml             HTTP, gRPC and metrics ports
+    hpa.yaml                 a HorizontalPodAutoscaler on llmc's own gauges per pod: the waiting queue
+                             (llmc_requests_waiting) and KV cache use (llmc_kv_cache_usage_ratio)
+    prometheus-adapter.yaml  the Prometheus adapter rules that expose those gauges as custom metrics
+    pdb.yaml                 a PodDisruptionBudget: one replica down at a time
+    servicemonitor.yaml      Prometheus scrapes the metrics port (prometheus-operator)
+    kserve.yaml              with kserve=True: a KServe ServingRuntime + InferenceService instead of the
+                             Deployment, Service, HPA and PDB (KServe makes and scales those itself)
+
+The manifests are built as plain data and written with PyYAML (no text templates: nothing to
+quote or indent by hand); tests validate them against the Kubernetes OpenAPI schemas offline
+(kubernetes-validate). AWS credentials come from a Secret the operator creates (`secret`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from llmc.objectstore import is_remote, parse_s3
+
+# Triton 2.51 (NGC 24.10): the server llmc is tested with (nvidia-pytriton 0.7.0 bundles 2.51). One image
+# serves both targets: it runs ONNX Runtime builds on CPU and TensorRT builds on the GPU; the model's
+# Python packages come with the repository (llmc pack-env), not the image.
+IMAGES = {"onnxruntime": "nvcr.io/nvidia/tritonserver:24.10-py3", "tensorrt": "nvcr.io/nvidia/tritonserver:24.10-py3"}
+PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+DRAIN_SECONDS = 30  # Triton's --exit-timeout-secs: streams in flight finish before it stops
+PRESTOP_SECONDS = 10  # endpoints drop the pod before Triton stops accepting requests
+KUBERNETES_VERSIONS = ("1.29", "1.33")  # the oldest and newest the manifests are validated against (tests)
+HPA_METRICS = {"llmc_requests_waiting": "2", "llmc_kv_cache_usage_ratio": "800m"}  # per-pod average targets
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    name: str  # the served model (the build's)
+    repository: str  # s3://...
+    target: str = "onnxruntime"
+    replicas: int = 2
+    max_replicas: int = 8
+    gpu: bool = False
+    cpu: str = "2"
+    memory: str = "4Gi"
+    namespace: str | None = None
+    secret: str = "llmc-s3"  # keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_DEFAULT_REGION)
+
+    def check(self) -> None:
+        if not is_remote(self.repository):
+            raise ValueError(f"--repository {self.repository}: replicas read one shared repository, "
+                             "give its s3:// URL (llmc deploy --repository publishes it)")
+        parse_s3(self.repository)
+        if self.target == "tensorrt" and not self.gpu:
+            raise ValueError(f"{self.name} is a TensorRT build: its replicas need a GPU (drop --cpu)")
+        if not 1 <= self.replicas <= self.max_replicas:
+            raise ValueError(f"--replicas {self.replicas}: must be between 1 and --max-replicas {self.max_replicas}")
+
+
+def _meta(opts: K8sOptions, name: str | None = None) -> dict:
+    meta = {"name": name or f"llmc-{opts.name}", "labels": _labels(opts)}
+    if opts.namespace:
+        meta["namespace"] = opts.namespace
+    return meta
+
+
+def _labels(opts: K8sOptions) -> dict:
+    return {"app.kubernetes.io/name": "llmc", "app.kubernetes.io/instance": opts.name}
+
+
+def triton_container(opts: K8sOptions, repository: str) -> dict:
+    args = [f"--model-repository={repository}", "--model-control-mode=explicit", f"--load-model={opts.name}",
+            f"--http-port={PORTS['http']}", f"--grpc-port={PORTS['grpc']}", f"--metrics-port={PORTS['metrics']}",
+            "--allow-metrics=true", f"--exit-timeout-secs={DRAIN_SECONDS}"]
+    resources = {"requests": {"cpu": opts.cpu, "memory": opts.memory}, "limits": {"memory": opts.memory}}
+    if opts.gpu:
+        resources["limits"]["nvidia.com/gpu"] = 1
+    env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": opts.secret, "key": key, "optional": key.endswith("REGION")}}}
+           for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")]
+    probe = {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
+    return {
+        "name": "triton", "image": IMAGES[opts.target], "command": ["tritonserver"], "args": args, "env": env,
+        "ports": [{"name": n, "containerPort": p} for n, p in PORTS.items()], "resources": resources,
+        "readinessProbe": probe,
+        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 3},
+        # a model load (the copy from the bucket, the session) may take minutes: no liveness kill meanwhile
+        "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 60},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
+    }
+
+
+def deployment(opts: K8sOptions) -> dict:
+    selector = _labels(opts)
+    anti = {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": selector},
+                                               "topologyKey": "kubernetes.io/hostname"}}
+    pod = {"containers": [triton_container(opts, opts.repository)],
+           "terminationGracePeriodSeconds": PRESTOP_SECONDS + DRAIN_SECONDS + 15,
+           "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [anti]}}}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(opts),
+            "spec": {"replicas": opts.replicas, "selector": {"matchLabels": selector},
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                     "template": {"metadata": {"labels": selector}, "spec": pod}}}
+
+
+def service(opts: K8sOptions) -> dict:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(opts),
+            "spec": {"selector": _labels(opts),
+                     "ports": [{"name": n, "port": p, "targetPort": n} for n, p in PORTS.items()]}}
+
+
+def autoscaler(opts: K8sOptions) -> dict:
+    metrics = [{"type": "Pods", "pods": {"metric": {"name": name},
+                                         "target": {"type": "AverageValue", "averageValue": value}}}
+               for name, value in HPA_METRICS.items()]
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": _meta(opts),
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"llmc-{opts.name}"},
+                     "minReplicas": opts.replicas, "maxReplicas": opts.max_replicas, "metrics": metrics,
+                     # a new replica loads for a while: scale down slowly, so load spikes do not flap it
+                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}}
+
+
+def adapter_rules(opts: K8sOptions) -> dict:
+    """The Prometheus adapter's rules (its config.yaml) exposing the gauges per pod, in a ConfigMap."""
+    rules = [{"seriesQuery": f'{name}{{namespace!="",pod!=""}}',
+              "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+              "name": {"matches": f"^{name}$", "as": name},
+              "metricsQuery": "max(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"}
+             for name in HPA_METRICS]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(opts, f"llmc-{opts.name}-adapter-rules"),
+            "data": {"config.yaml": yaml.safe_dump({"rules": rules}, sort_keys=False)}}
+
+
+def disruption_budget(opts: K8sOptions) -> dict:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(opts),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(opts)}}}
+
+
+def service_monitor(opts: K8sOptions) -> dict:
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": _meta(opts),
+            "spec": {"selector": {"matchLabels": _labels(opts)},
+                     "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}]}}
+
+
+def kserve(opts: K8sOptions) -> list[dict]:
+    """A ServingRuntime running this Triton on the model KServe copies to /mnt/models, and the
+    InferenceService pointing at the bucket (KServe makes the Deployment, Service and autoscaler)."""
+    where = parse_s3(opts.repository)
+    container = triton_container(opts, "/mnt/models")
+    container.pop("startupProbe")
+    container["name"] = "kserve-container"
+    runtime = {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "ServingRuntime",
+               "metadata": _meta(opts, f"llmc-{opts.name}-triton"),
+               "spec": {"supportedModelFormats": [{"name": "llmc", "version": "1", "autoSelect": False}],
+                        "protocolVersions": ["v2", "grpc-v2"], "containers": [container]}}
+    service_ = {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService", "metadata": _meta(opts),
+                "spec": {"predictor": {"minReplicas": opts.replicas, "maxReplicas": opts.max_replicas,
+                                       "model": {"modelFormat": {"name": "llmc"}, "runtime": f"llmc-{opts.name}-triton",
+                                                 "storageUri": f"s3://{where.bucket}/{where.prefix}".rstrip("/")}}}}
+    return [runtime, service_]
+
+
+def manifests(opts: K8sOptions, with_kserve: bool = False) -> dict[str, list[dict]]:
+    """File name -> the resources it holds."""
+    opts.check()
+    files = {"servicemonitor.yaml": [service_monitor(opts)], "prometheus-adapter.yaml": [adapter_rules(opts)]}
+    if with_kserve:
+        return {"kserve.yaml": kserve(opts), **files}
+    return {"deployment.yaml": [deployment(opts)], "service.yaml": [service(opts)], "hpa.yaml": [autoscaler(opts)],
+            "pdb.yaml": [disruption_budget(opts)], **files}
+
+
+def write_manifests(opts: K8sOptions, output: Path, with_kserve: bool = False) -> list[Path]:
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, resources in manifests(opts, with_kserve).items():
+        path = output / name
+        path.write_text(yaml.safe_dump_all(resources, sort_keys=False))
+        written.append(path)
+    return written
+
+
+def options_from_build(build_dir: Path, repository: str, **overrides) -> K8sOptions:
+    """K8sOptions for a build: its model's name and target (a TensorRT build gets a GPU)."""
+    from llmc.runtime.manifest import RepositoryManifest
+    from llmc.triton_server import find_repository
+
+    models = [d for d in find_repository(build_dir).iterdir() if (d / "config.pbtxt").is_file()]
+    manifest = RepositoryManifest.load(models[0] / "1")
+    gpu = overrides.pop("gpu", None)
+    return K8sOptions(name=manifest.name, repository=repository, target=manifest.target,
+                      gpu=manifest.target == "tensorrt" if gpu is None else gpu, **overrides)

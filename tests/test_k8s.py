@@ -1,0 +1,113 @@
+"""`llmc k8s` manifests, validated offline against the Kubernetes OpenAPI schemas (kubernetes-validate)
+for the oldest and newest supported versions. Custom resources (ServiceMonitor, KServe) have no
+schema there: their embedded Kubernetes parts (metadata, the Triton container) are validated
+against the same schemas' definitions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmc.k8s import HPA_METRICS, KUBERNETES_VERSIONS, K8sOptions, manifests, options_from_build, write_manifests
+
+REPOSITORY = "s3://http://minio.storage:9000/models/repo"
+CORE = {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap"}
+
+
+def _definition_validator(version: str, definition: str):
+    """A validator for one definition of kubernetes-validate's bundled schemas (strict: unknown fields fail)."""
+    import importlib.resources
+    import json
+
+    import jsonschema
+    from referencing import Registry, Resource
+
+    folder = importlib.resources.files("kubernetes_validate") / "kubernetes-json-schema"
+    schema_dir = next(d for d in folder.iterdir() if d.name == f"v{version}.0-local-strict")
+    definitions = Resource.from_contents(json.loads((schema_dir / "_definitions.json").read_text()))
+    registry = Registry().with_resource("_definitions.json", definitions)
+    return jsonschema.validators.Draft202012Validator({"$ref": f"_definitions.json#/$defs/{definition}"},
+                                                      registry=registry)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("with_kserve, gpu", [(False, False), (False, True), (True, False)])
+def test_manifests_validate_against_the_kubernetes_schemas(version, with_kserve, gpu):
+    import kubernetes_validate
+
+    resources = [r for rs in manifests(K8sOptions(name="smollm2", repository=REPOSITORY, gpu=gpu, replicas=3),
+                                       with_kserve).values() for r in rs]
+    kinds = {r["kind"] for r in resources}
+    assert kinds == ({"ServingRuntime", "InferenceService", "ServiceMonitor", "ConfigMap"} if with_kserve
+                     else CORE | {"ServiceMonitor"})
+    meta = _definition_validator(version, "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta")
+    container = _definition_validator(version, "io.k8s.api.core.v1.Container")
+    for resource in resources:
+        if resource["kind"] in CORE:
+            kubernetes_validate.validate(resource, version, strict=True)
+            continue
+        with pytest.raises(kubernetes_validate.SchemaNotFoundError):  # a custom resource: no bundled schema
+            kubernetes_validate.validate(resource, version, strict=True)
+        meta.validate(resource["metadata"])
+        for c in resource["spec"].get("containers", []):
+            container.validate(c)
+
+
+def test_a_broken_manifest_fails_validation():
+    import kubernetes_validate
+
+    deployment = manifests(K8sOptions(name="m", repository=REPOSITORY))["deployment.yaml"][0]
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] = [8000]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
+    import jsonschema
+
+    runtime = manifests(K8sOptions(name="m", repository=REPOSITORY), with_kserve=True)["kserve.yaml"][0]
+    runtime["spec"]["containers"][0]["argz"] = []  # a custom resource's container is checked as a Container
+    with pytest.raises(jsonschema.ValidationError, match="argz"):
+        _definition_validator(KUBERNETES_VERSIONS[-1], "io.k8s.api.core.v1.Container").validate(
+            runtime["spec"]["containers"][0])
+
+
+def test_the_deployment_serves_the_bucket_and_drains(tmp_path):
+    files = write_manifests(K8sOptions(name="smollm2", repository=REPOSITORY, gpu=True), tmp_path)
+    assert sorted(p.name for p in files) == ["deployment.yaml", "hpa.yaml", "pdb.yaml", "prometheus-adapter.yaml",
+                                             "service.yaml", "servicemonitor.yaml"]
+    deployment = yaml.safe_load((tmp_path / "deployment.yaml").read_text())
+    pod = deployment["spec"]["template"]["spec"]
+    triton = pod["containers"][0]
+    assert f"--model-repository={REPOSITORY}" in triton["args"] and "--load-model=smollm2" in triton["args"]
+    assert "--model-control-mode=explicit" in triton["args"]
+    assert triton["resources"]["limits"]["nvidia.com/gpu"] == 1
+    drain = int(next(a for a in triton["args"] if a.startswith("--exit-timeout-secs=")).split("=")[1])
+    pause = int(triton["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] > pause + drain  # streams drain before the kubelet kills
+    rules = yaml.safe_load(yaml.safe_load((tmp_path / "prometheus-adapter.yaml").read_text())["data"]["config.yaml"])
+    hpa = yaml.safe_load((tmp_path / "hpa.yaml").read_text())
+    assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]] == [r["name"]["as"] for r in rules["rules"]]
+
+
+def test_options_refuse_what_cannot_run(tiny_build):
+    with pytest.raises(ValueError, match="give its s3:// URL"):
+        K8sOptions(name="m", repository="/srv/models").check()
+    with pytest.raises(ValueError, match="TensorRT build: its replicas need a GPU"):
+        K8sOptions(name="m", repository=REPOSITORY, target="tensorrt").check()
+    opts = options_from_build(tiny_build.output, REPOSITORY, replicas=2)
+    assert (opts.name, opts.target, opts.gpu) == ("tiny", "onnxruntime", False)
+
+
+def test_cli_writes_the_manifests(tiny_build, tmp_path):
+    llmc = Path(sys.executable).parent / "llmc"
+    run = subprocess.run([str(llmc), "k8s", str(tiny_build.output), "--repository", REPOSITORY, "--output",
+                          str(tmp_path / "k8s"), "--replicas", "2", "--kserve"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in (tmp_path / "k8s").iterdir()) == ["kserve.yaml", "prometheus-adapter.yaml",
+                                                                      "servicemonitor.yaml"]
+    runtime, service = yaml.safe_load_all((tmp_path / "k8s" / "kserve.yaml").read_text())
+    assert service["spec"]["predictor"]["model"]["storageUri"] == "s3://models/repo"
+    assert "--load-model=tiny" in runtime["spec"]["containers"][0]["args"]
