@@ -103,3 +103,19 @@ def fetch(url: str, model: str) -> dict | None:
     finally:
         client.close()
     return parse_parameter(config.parameters[PARAMETER].string_value if PARAMETER in config.parameters else None)
+
+
+def chat_prompt(url: str, model: str, user_message: str) -> str:
+    """`llmc generate --chat`: one user message rendered with the served model's template."""
+    from llmc.errors import ServingError
+
+    try:
+        template = fetch(url, model)
+    except Exception as err:  # tritonclient's errors: the server or the model is not there
+        raise ServingError(f"{url}: cannot read {model!r}'s chat template ({err})") from None
+    try:
+        if template is None:
+            raise NoChatTemplate(model)
+        return render(template, [{"role": "user", "content": user_message}])
+    except ChatTemplateError as err:
+        raise ServingError(str(err)) from None

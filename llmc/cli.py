@@ -136,8 +136,10 @@ def serve(
     grpc_port: Annotated[int, typer.Option(help="gRPC port (tritonclient, llmc generate).")] = 8001,
     metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port.")] = 8002,
     serving_env: Annotated[Optional[Path], typer.Option(help="The venv model.py runs in (default: $LLMC_SERVING_ENV or the .venv-serving made by scripts/setup.sh).")] = None,
+    openai_port: Annotated[int, typer.Option(help="Port of the OpenAI-compatible API on 127.0.0.1 (0: none).")] = 9000,
+    api_key: Annotated[Optional[str], typer.Option(envvar="LLMC_API_KEY", help="Require `Authorization: Bearer KEY` on the OpenAI API's /v1 routes.", show_default=False)] = None,
 ) -> None:
-    """Serve a build on a local Triton Inference Server (127.0.0.1) until Ctrl-C or SIGTERM.
+    """Serve a build on a local Triton Inference Server (127.0.0.1) until Ctrl-C or SIGTERM, with the OpenAI-compatible API in front of it (--openai-port).
 
     The server comes from the nvidia-pytriton wheel (assembled once under ~/.cache/llmc). Call it with `llmc generate`, tritonclient, or HTTP: curl -d '{"text_input": "Hi", "max_tokens": 16}' 127.0.0.1:8000/v2/models/NAME/generate
     """
@@ -146,7 +148,27 @@ def serve(
 
     if (build_dir is None) == (repository is None):
         raise UnsupportedError("pass a BUILD_DIR, or --repository s3://... (not both)")
-    serve_forever(build_dir or repository, http_port, grpc_port, metrics_port, serving_env)
+    serve_forever(build_dir or repository, http_port, grpc_port, metrics_port, serving_env, openai_port=openai_port,
+                  api_key=api_key)
+
+
+@app.command(name="openai")
+@_friendly
+def openai_api(
+    url: Annotated[list[str], typer.Option("--url", help="A running Triton server's gRPC address (repeatable: requests go to the one with the fewest in flight).", show_default=False)],
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 9000,
+    api_key: Annotated[Optional[str], typer.Option(envvar="LLMC_API_KEY", help="Require `Authorization: Bearer KEY` on every /v1 route.", show_default=False)] = None,
+) -> None:
+    """Run the OpenAI-compatible API alone, in front of one or more running Triton servers (a sidecar or gateway), until Ctrl-C.
+
+    /v1/models, /v1/completions, /v1/chat/completions (the build's chat template), /health. Servers that fail their health check are skipped until they recover.
+    """
+    from llmc.console import console
+    from llmc.openai.server import run
+
+    console.print(f"[green]OpenAI API[/] on http://{host}:{port}/v1 in front of {', '.join(url)}; Ctrl-C to stop")
+    run(url, host=host, port=port, api_key=api_key)
 
 
 @app.command()
@@ -164,13 +186,14 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Same seed, same sampled output.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable); it is cut from the output.")] = None,
     no_stream: Annotated[bool, typer.Option("--no-stream", help="Wait for the whole text instead of streaming it.")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="Send the prompt as a user message, through the model's chat template.")] = False,
 ) -> None:
     """Generate text from a served model, printing tokens as they arrive (gRPC streaming)."""
     from llmc.serve import generate_to
 
     params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                   repetition_penalty=repetition_penalty, seed=seed, stop_words=stop or None)
-    generate_to(sys.stdout, prompt, url=url, model=model, stream=not no_stream, **params)
+    generate_to(sys.stdout, prompt, url=url, model=model, stream=not no_stream, chat=chat, **params)
 
 
 @app.command()

@@ -55,19 +55,26 @@ def _repository(location: Path | str) -> Path | str:
     return str(location)
 
 
-def serve_forever(build_dir: Path, http_port: int, grpc_port: int, metrics_port: int, serving_env: Path | None) -> None:
+def serve_forever(build_dir: Path, http_port: int, grpc_port: int, metrics_port: int, serving_env: Path | None, *,
+                  openai_port: int = 0, api_key: str | None = None) -> None:
+    """Triton (and, with `openai_port`, the OpenAI-compatible API in front of it) until Ctrl-C."""
     from llmc.console import console
+    from llmc.openai.server import start_beside
     from llmc.objectstore import open_store
     from llmc.supervisor import Supervisor
 
     server = start_server(build_dir, http_port, grpc_port, metrics_port, serving_env)
+    frontend = None
     try:
+        frontend = start_beside(server.grpc_url, openai_port, api_key)
         supervisor = Supervisor(server, log=lambda message: console.print(f"[yellow]{time.strftime('%H:%M:%S')}[/] {message}"))
         models = open_store(server.repository).models()
         console.print(f"[green]serving[/] {', '.join(models)} from {server.repository}")
         console.print(f"  gRPC     {server.grpc_url}   llmc generate --url {server.grpc_url} \"Hello\"")
         console.print(f"  HTTP     http://{server.http_url}/v2/models/{models[0]}/generate (and generate_stream)")
         console.print(f"  metrics  http://127.0.0.1:{server.ports.metrics}/metrics")
+        if frontend is not None:
+            console.print(f"  OpenAI   {frontend.url}/v1  (chat/completions, completions, models)")
         console.print(f"  log      {server.log_path}")
         console.print(f"  deploy   llmc deploy BUILD --repository {server.repository} --url {server.grpc_url}")
         console.print("Ctrl-C to stop")
@@ -80,17 +87,26 @@ def serve_forever(build_dir: Path, http_port: int, grpc_port: int, metrics_port:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the normal way to stop
         console.print("stopping Triton (requests in flight get up to 10 s)...")
     finally:
+        if frontend is not None:
+            frontend.stop()
         server.stop()
     console.print("stopped")
 
 
-def generate_to(out: TextIO, prompt: str, *, url: str, model: str | None, stream: bool, **params) -> None:
+def generate_to(out: TextIO, prompt: str, *, url: str, model: str | None, stream: bool, chat: bool = False,
+                **params) -> None:
+    """Stream a generation to `out`; `chat`: the prompt is a user message, rendered with the served
+    model's chat template (llmc/chat_template.py)."""
     from llmc.client import Client, Generation, GenerationError
     from llmc.console import console
 
     client = Client(url, model)
     gen = Generation()
     try:
+        if chat:
+            from llmc.chat_template import chat_prompt
+
+            prompt = chat_prompt(url, client.model, prompt)
         for chunk in client.generate(prompt, stream, gen, **{k: v for k, v in params.items() if v is not None}):
             out.write(chunk)
             out.flush()

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -36,12 +37,12 @@ def _llmc(*args, env):
 
 
 def test_serve_generate_and_sigterm_stop_clean(tiny_build, env, tmp_path):
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]
     before = _shm()
     log = open(tmp_path / "serve.err", "w+")
     serve = subprocess.Popen([str(LLMC), "serve", tiny_build.output, "--http-port", str(ports[0]), "--grpc-port",
-                              str(ports[1]), "--metrics-port", str(ports[2])], stdout=subprocess.PIPE, stderr=log,
-                             text=True, env=env)
+                              str(ports[1]), "--metrics-port", str(ports[2]), "--openai-port", str(ports[3])],
+                             stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         deadline = time.monotonic() + 120
         while "Ctrl-C to stop" not in (tmp_path / "serve.err").read_text():
@@ -58,6 +59,11 @@ def test_serve_generate_and_sigterm_stop_clean(tiny_build, env, tmp_path):
         assert "finish_reason: length, 6 tokens" in res.stderr and res.stdout.endswith("\n")
         res = _llmc("generate", "--url", url, "hello", "--top-p", "3", env=env)
         assert res.returncode == 8 and "top_p" in res.stderr and "Traceback" not in res.stderr
+        res = _llmc("generate", "--url", url, "hello", "--chat", env=env)  # the tiny model has no template
+        assert res.returncode == 8 and "no chat template" in res.stderr and "Traceback" not in res.stderr
+        assert f"http://127.0.0.1:{ports[3]}/v1" in banner  # the OpenAI API beside it
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/v1/models", timeout=10) as r:
+            assert [m["id"] for m in json.load(r)["data"]] == ["tiny"]
 
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0

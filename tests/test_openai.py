@@ -347,3 +347,17 @@ def test_pool_routes_to_fewest_in_flight_and_skips_a_down_server(triton):
             await pool.close()
 
     asyncio.run(run())
+
+
+def test_generate_chat_renders_the_served_template(triton, client, capsys):
+    from llmc.serve import generate_to
+
+    out = []
+
+    class Out:
+        write, flush = out.append, staticmethod(lambda: None)
+
+    generate_to(Out, "hello there", url=triton.grpc_url, model="tiny_chat", stream=True, chat=True, max_tokens=8)
+    expected = client.chat.completions.create(model="tiny_chat", messages=[{"role": "user", "content": "hello there"}],
+                                              max_tokens=8).choices[0].message.content
+    assert "".join(out) == expected + "\n"

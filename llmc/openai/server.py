@@ -61,3 +61,15 @@ def run(urls: list[str], *, host: str, port: int, api_key: str | None) -> None:
     from llmc.openai.app import create_app
 
     uvicorn.run(create_app(urls, api_key=api_key), host=host, port=port, log_level="warning")
+
+
+def start_beside(grpc_url: str, port: int, api_key: str | None) -> OpenAIServer | None:
+    """`llmc serve --openai-port`: the API in front of the Triton server just started (port 0: none)."""
+    from llmc.errors import ServingError
+
+    if not port:
+        return None
+    try:
+        return OpenAIServer([grpc_url], port=port, api_key=api_key_from_env(api_key)).start()
+    except (RuntimeError, OSError) as err:
+        raise ServingError(f"--openai-port {port}: {err}") from None
