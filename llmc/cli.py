@@ -285,6 +285,29 @@ def deploy(
               f"in {result.seconds:.1f} s")
 
 
+@app.command(name="pack-env")
+@_friendly
+def pack_env(
+    build_dir: Annotated[Path, typer.Argument(help="A build folder made by `llmc build`.", show_default=False)],
+    serving_env: Annotated[Optional[Path], typer.Option(help="The venv to pack (default: $LLMC_SERVING_ENV or the .venv-serving made by scripts/setup.sh).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Which model of the build (default: its only one).")] = None,
+) -> None:
+    """Pack the serving environment into the build's repository (Triton's EXECUTION_ENV_PATH), so the Triton that loads it needs nothing installed.
+
+    The archive (venv-pack) goes into <name>/1/serving_env.tar.gz and config.pbtxt points at it; `llmc deploy` carries it with the version. A venv's archive needs the same Python at the same path where it runs (docs/scaling.md). Run it again after each build.
+    """
+    from llmc.console import out
+    from llmc.errors import ServingError
+    from llmc.packenv import PackError, pack_env as run_pack
+    from llmc.triton_server import TritonError
+
+    try:
+        result = run_pack(build_dir, serving_env, model)
+    except (PackError, TritonError) as err:
+        raise ServingError(str(err)) from None
+    out.print(f"[green]packed[/] {result.archive} ({result.bytes / 2**20:.0f} MiB) in {result.seconds:.1f} s")
+
+
 @app.command()
 @_friendly
 def k8s(

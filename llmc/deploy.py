@@ -48,7 +48,8 @@ def versions(model_dir: Path) -> list[int]:
     return LocalStore(Path(model_dir).parent).versions(Path(model_dir).name)
 
 
-def _built_model(build_dir: Path, model: str | None) -> Path:
+def built_model(build_dir: Path, model: str | None) -> Path:
+    """The model folder (`<repository>/<name>`, holding version 1/) of a build."""
     source = find_repository(build_dir)
     models = sorted(d for d in source.iterdir() if (d / CONFIG).is_file())
     if model is not None:
@@ -92,7 +93,7 @@ def deploy(build_dir: Path, repository: str | Path, url: str | list[str], *, mod
     start later). Raises DeployError after rolling back."""
     start = time.monotonic()
     urls = [url] if isinstance(url, str) else list(url)
-    built = _built_model(Path(build_dir), model)
+    built = built_model(Path(build_dir), model)
     name = built.name
     try:
         store = open_store(repository)
