@@ -1,0 +1,189 @@
+"""What the OpenAI-compatible API (llmc/openai/) costs: time to first token and the time between
+streamed chunks through the frontend against the same requests sent straight to Triton over gRPC,
+in one run on one server, passes in turns (direct, frontend, direct, ...), medians over passes.
+
+    .venv/bin/python scripts/bench_openai.py BUILD_DIR [--concurrency 16] [--passes 3] [--aiperf]
+
+Both sides are measured by bounded async clients written here, chunk by chunk, so they compare
+like with like: llmc.client.AsyncClient for gRPC, httpx reading the SSE stream for the frontend.
+The frontend side uses /v1/chat/completions when the model has a chat template (the prompt is then
+the rendered template, sent as-is on the gRPC side), else /v1/completions. With --aiperf, NVIDIA's
+aiperf (from its own venv, .venv-aiperf: `python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip
+install aiperf`) also profiles the frontend's endpoint and its summary is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import httpx
+
+from llmc.bench import make_prompt
+from llmc.chat_template import render
+from llmc.client import AsyncClient, Generation
+from llmc.serve import start_server
+from llmc.triton_server import free_port
+
+AIPERF = Path(__file__).resolve().parents[1] / ".venv-aiperf" / "bin" / "aiperf"
+
+
+async def _direct(client: AsyncClient, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+    start, times = time.perf_counter(), []
+    async for _ in client.generate(prompt, True, Generation(), model=model, max_tokens=max_tokens,
+                                   min_tokens=max_tokens):
+        times.append(time.perf_counter() - start)
+    return times[0], [b - a for a, b in zip(times, times[1:])]
+
+
+async def _frontend(http: httpx.AsyncClient, url: str, body: dict) -> tuple[float, list[float]]:
+    start, times = time.perf_counter(), []
+    async with http.stream("POST", url, json=body) as res:
+        res.raise_for_status()
+        async for line in res.aiter_lines():
+            if line.startswith("data: {") and _has_text(json.loads(line[6:])):
+                times.append(time.perf_counter() - start)
+    return times[0], [b - a for a, b in zip(times, times[1:])]
+
+
+def _has_text(chunk: dict) -> bool:
+    choice = chunk["choices"][0] if chunk.get("choices") else {}
+    return bool(choice.get("text") or choice.get("delta", {}).get("content"))
+
+
+async def _run(calls, concurrency: int) -> dict:
+    todo, ttft, gaps = list(calls), [], []
+
+    async def worker():
+        while todo:
+            first, between = await todo.pop()()
+            ttft.append(first)
+            gaps.extend(between)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"ttft_p50": statistics.median(ttft), "chunk_gap_p50": statistics.median(gaps),
+            "seconds": time.perf_counter() - start}
+
+
+async def one_pass(side: str, grpc_url: str, api: str, model: str, chat: dict | None, args, seed: int) -> dict:
+    prompts = [make_prompt(args.prompt_words, seed + i) for i in range(args.requests)]
+    if side == "direct":
+        async with AsyncClient(grpc_url, model) as client:
+            texts = [render(chat, [{"role": "user", "content": p}]) if chat else p for p in prompts]
+            return await _run([lambda t=t: _direct(client, model, t, args.max_tokens) for t in texts],
+                              args.concurrency)
+    limits = httpx.Limits(max_connections=args.concurrency)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        bodies = [{"model": model, "stream": True, "max_tokens": args.max_tokens, "min_tokens": args.max_tokens,
+                   **({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p})} for p in prompts]
+        return await _run([lambda b=b: _frontend(http, api + path, b) for b in bodies], args.concurrency)
+
+
+def run_aiperf(api: str, model: str, chat: bool, args, out: Path) -> str:
+    cmd = [str(AIPERF), "profile", "--model", model, "--url", api, "--endpoint-type", "chat" if chat else "completions",
+           "--streaming", "--concurrency", str(args.concurrency), "--request-count", str(args.requests),
+           "--synthetic-input-tokens-mean", str(args.prompt_words), "--output-tokens-mean", str(args.max_tokens),
+           "--extra-inputs", f"min_tokens:{args.max_tokens}", "--tokenizer", str(args.tokenizer),
+           "--artifact-dir", str(out), "--ui-type", "none"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        return f"aiperf failed ({res.returncode}): {res.stderr[-2000:]}"
+    keep = ("Metric", "Time to First Token", "Inter Token Latency", "Request Latency", "Throughput")
+    return "aiperf against the frontend:\n" + "\n".join(line for line in res.stdout.splitlines()
+                                                         if any(k in line for k in keep))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("build_dir", type=Path)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--prompt-words", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--aiperf", action="store_true", help="also run aiperf against the frontend")
+    parser.add_argument("--tokenizer", type=Path, default=Path("models/smollm2"), help="for aiperf")
+    args = parser.parse_args()
+
+    server = start_server(args.build_dir, None, None, None, None)
+    try:
+        with frontend_process(server.grpc_url) as api:
+            info = httpx.get(f"{api.url}/v1/models").json()["data"]
+            model = info[0]["id"]
+            chat = asyncio.run(_template(server.grpc_url, model))
+            results: dict[str, list[dict]] = {"direct": [], "frontend": []}
+            for i in range(args.passes):
+                for side in results:  # turns: drift in the shared machine's load hits both sides
+                    seed = 1000 * (2 * i + (side == "frontend"))  # own prompts per pass: no prefix reuse
+                    results[side].append(asyncio.run(one_pass(side, server.grpc_url, api.url, model, chat, args, seed)))
+            report(results, args, "chat" if chat else "completions")
+            if args.aiperf:
+                print(run_aiperf(api.url, model, chat is not None, args, Path(tempfile.mkdtemp(prefix="aiperf-")))
+                      if AIPERF.exists() else f"aiperf: not installed at {AIPERF}")
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def frontend_process(grpc_url: str):
+    """`llmc openai` in a process of its own, as a sidecar runs it (in this process it would share
+    the interpreter lock with the benchmark's own clients)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "from llmc.cli import main; main()", "openai", "--url", grpc_url,
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    api = types.SimpleNamespace(url=f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{api.url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("llmc openai did not start")
+            time.sleep(0.2)
+        yield api
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+async def _template(grpc_url: str, model: str) -> dict | None:
+    from llmc.openai.backends import Pool
+
+    pool = Pool([grpc_url])
+    await pool.start()
+    try:
+        return pool.info(model).chat_template
+    finally:
+        await pool.close()
+
+
+def report(results: dict, args, endpoint: str) -> None:
+    med = {side: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for side, runs in results.items()}
+    for side, runs in results.items():
+        print(f"{side:9s} " + "  ".join(f"pass {i}: ttft {r['ttft_p50'] * 1e3:.1f} ms, gap {r['chunk_gap_p50'] * 1e3:.2f} ms"
+                                       for i, r in enumerate(runs)))
+    d, f = med["direct"], med["frontend"]
+    print(json.dumps({"endpoint": endpoint, "concurrency": args.concurrency, "requests": args.requests,
+                      "max_tokens": args.max_tokens, "passes": args.passes, "median_of_passes": med}, indent=1))
+    print(f"TTFT p50: frontend {f['ttft_p50'] * 1e3:.1f} ms / direct {d['ttft_p50'] * 1e3:.1f} ms = "
+          f"{f['ttft_p50'] / d['ttft_p50']:.3f}x (target <= 1.05x)")
+    print(f"chunk gap p50: frontend {f['chunk_gap_p50'] * 1e3:.2f} ms - direct {d['chunk_gap_p50'] * 1e3:.2f} ms = "
+          f"{(f['chunk_gap_p50'] - d['chunk_gap_p50']) * 1e3:+.2f} ms per chunk (target <= 1 ms)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
