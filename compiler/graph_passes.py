@@ -47,13 +47,16 @@ def sequence_length_from_input_ids(graph) -> None:
 
 def simplify(model) -> None:
     """Clean an exported onnx_ir model in place: one copy of what every layer's attention
-    recomputes (sequence lengths, shapes), no reshape round trips, GQA fed packed QKV."""
+    recomputes (sequence lengths, shapes), no reshape round trips, GQA and PagedAttention fed packed QKV."""
     from onnx_ir.passes.common import (CommonSubexpressionEliminationPass, DeduplicateInitializersPass,
                                        RemoveUnusedNodesPass)
+
+    from llmc.plugins.paged_op import pack_qkv as pack_paged_qkv  # imports torch: only where export runs
 
     sequence_length_from_input_ids(model.graph)
     drop_reshape_round_trips(model.graph)
     pack_qkv(model.graph)
+    pack_paged_qkv(model.graph)
     DeduplicateInitializersPass()(model)
     CommonSubexpressionEliminationPass()(model)
     RemoveUnusedNodesPass()(model)

@@ -48,7 +48,9 @@ class PagedDecoder(nn.Module):
         attend = paged_attend(cumulative_sequence_length, past_seqlens, block_table)
         hidden, keys, values = self.decoder.body(input_ids[None], position_ids[None], attend, list(past[0::2]),
                                                  list(past[1::2]))
-        logits = self.decoder.head(hidden[0].index_select(0, logits_indices))
+        # [1, L, hidden]: kept 3-D so the LM head exports as a MatMul, as in the slot graph (2-D makes it a
+        # Gemm, which weight-only quantization leaves in fp32)
+        logits = self.decoder.head(hidden.index_select(1, logits_indices))[0]
         return (logits, *(t for pair in zip(keys, values) for t in pair))
 
 

@@ -62,3 +62,38 @@ def lowering():
                                    scale=scale, do_rotary=int(bool(rotary)))
 
     return attention
+
+
+def pack_qkv(graph) -> int:
+    """PagedAttention nodes whose query, key and value are the three outputs of one last-axis Split
+    (the fused QKV projection), each flattened to [T, width] by a Reshape, take the Split's input
+    flattened once instead: the contract's packed-QKV form (key and value absent), one Reshape per
+    layer instead of a Split and three. Works on an onnx_ir graph after export; the orphaned nodes
+    are left for dead-code removal. Returns how many nodes were packed."""
+    import numpy
+    import onnx_ir as ir
+
+    packed = 0
+    for node in list(graph):
+        if node.op_type != OP_TYPE or len(node.inputs) < 3 or any(v is None for v in node.inputs[:3]):
+            continue
+        reshapes = [v.producer() for v in node.inputs[:3]]
+        if any(r is None or r.op_type != "Reshape" for r in reshapes):
+            continue
+        split = reshapes[0].inputs[0].producer()
+        source = split.inputs[0] if split is not None and split.op_type == "Split" else None
+        if source is None or source.shape is None or len(split.outputs) != 3 \
+                or split.attributes.get_int("axis", 0) not in (-1, len(source.shape) - 1) \
+                or any(r.inputs[0] is not out for r, out in zip(reshapes, split.outputs)) \
+                or not isinstance(source.shape[-1], int):
+            continue
+        shape = ir.Value(name=f"{node.name}_packed_shape",
+                         const_value=ir.tensor(numpy.array([-1, source.shape[-1]], dtype=numpy.int64)))
+        graph.register_initializer(shape)
+        flat = ir.node("Reshape", [source, shape], name=f"{node.name}_packed_qkv")
+        graph.insert_before(node, flat)
+        node.replace_input_with(0, flat.outputs[0])
+        node.replace_input_with(1, None)
+        node.replace_input_with(2, None)
+        packed += 1
+    return packed

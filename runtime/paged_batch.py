@@ -40,8 +40,9 @@ class PackedStep:
                 "block_table": self.block_table, "logits_indices": self.logits_indices}
 
 
-def check_row(i: int, row: RowStep, block_size: int, num_blocks: int) -> None:
-    """Refuse a row the pool cannot take (blocks that do not cover its tokens or are not in the pool)."""
+def check_row(i: int, row: RowStep, block_size: int) -> None:
+    """Refuse a row whose fields do not make a step: no tokens, a negative past, logits for tokens it
+    does not bring, or too few blocks for its tokens."""
     n = len(row.token_ids)
     if n == 0:
         raise ValueError(f"row {i}: token_ids is empty; a row brings at least one new token")
@@ -53,34 +54,46 @@ def check_row(i: int, row: RowStep, block_size: int, num_blocks: int) -> None:
     if len(row.block_ids) < needed:
         raise ValueError(f"row {i}: {len(row.block_ids)} block(s) in block_ids cover {len(row.block_ids) * block_size} "
                          f"positions; past_len {row.past_len} + {n} new tokens need {needed} of {block_size}")
-    ids = np.asarray(row.block_ids[:needed])
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        raise ValueError(f"row {i}: block_ids {list(ids)} name blocks outside the pool's 0..{num_blocks - 1}")
+
+
+def _block_table(rows: Sequence[RowStep], widths: list[int], width: int, num_blocks: int) -> np.ndarray:
+    """[rows, width]: each row's first `widths[b]` block ids, then -1; refuses ids outside the pool."""
+    flat: list[int] = []
+    for row, used in zip(rows, widths):
+        flat.extend(row.block_ids[:used])
+        flat.extend([-1] * (width - used))
+    table = np.array(flat, dtype=np.int64).reshape(len(rows), width)
+    mapped = (table >= 0) & (table < num_blocks)
+    bad = np.nonzero(mapped.sum(axis=1) != widths)[0]
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"row {b}: block_ids {list(rows[b].block_ids[:widths[b]])} name blocks outside the pool's "
+                         f"0..{num_blocks - 1}")
+    return table.astype(np.int32)
 
 
 def pack(rows: Sequence[RowStep], *, block_size: int, num_blocks: int, max_num_tokens: int, vocab_size: int,
          table_width: int = 0) -> PackedStep:
     """The rows as the paged graph's inputs; `table_width` pads the block table to at least that many
-    columns (a decode binding's fixed width)."""
+    columns."""
     if not rows:
         raise ValueError("a step needs at least one row")
-    for i, row in enumerate(rows):
-        check_row(i, row, block_size, num_blocks)
-    lengths = np.fromiter((len(r.token_ids) for r in rows), dtype=np.int64, count=len(rows))
-    total = int(lengths.sum())
+    lengths = [len(r.token_ids) for r in rows]
+    widths = [-(-(r.past_len + n) // block_size) for r, n in zip(rows, lengths)]
+    for i, (row, n, used) in enumerate(zip(rows, lengths, widths)):
+        if n == 0 or row.past_len < 0 or not 1 <= row.num_logits <= n or len(row.block_ids) < used:
+            check_row(i, row, block_size)
+    total = sum(lengths)
     if total > max_num_tokens:
         raise ValueError(f"the step has {total} tokens; this runner takes at most max_num_tokens={max_num_tokens}")
     input_ids = np.fromiter((t for r in rows for t in r.token_ids), dtype=np.int64, count=total)
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
         raise ValueError(f"token ids must be in 0..{vocab_size - 1}; got {int(input_ids.min())}..{int(input_ids.max())}")
+    table = _block_table(rows, widths, max(max(widths), table_width), num_blocks)
+    lengths_np = np.array(lengths, dtype=np.int64)
     past = np.fromiter((r.past_len for r in rows), dtype=np.int64, count=len(rows))
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    position_ids = np.arange(total, dtype=np.int64) + np.repeat(past - starts, lengths)
-    widths = [-(-(r.past_len + len(r.token_ids)) // block_size) for r in rows]
-    table = np.full((len(rows), max(max(widths), table_width)), -1, dtype=np.int32)
-    for b, (row, width) in enumerate(zip(rows, widths)):
-        table[b, :width] = row.block_ids[:width]
+    ends = np.cumsum(lengths_np)
+    position_ids = np.arange(total, dtype=np.int64) + np.repeat(past - (ends - lengths_np), lengths_np)
     counts = np.fromiter((r.num_logits for r in rows), dtype=np.int64, count=len(rows))
     logits_indices = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(ends - np.cumsum(counts), counts)
     return PackedStep(input_ids, position_ids, np.concatenate([[0], ends]).astype(np.int32), past.astype(np.int32),

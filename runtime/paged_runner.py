@@ -110,23 +110,22 @@ class PagedRunner:
                     vocab_size=self.vocab_size, table_width=table_width)
 
     def _decode_step(self, rows: Sequence[RowStep]) -> np.ndarray:
-        n = len(rows)
-        needed = max(-(-(r.past_len + 1) // self.block_size) for r in rows) if rows else 1
-        width = 1 << (needed - 1).bit_length()  # the next power of two
-        packed = self._pack(rows, width)  # checks the rows; its table is exactly `width` wide
+        packed = self._pack(rows)  # checks the rows
+        n, used = packed.block_table.shape
+        width = 1 << (used - 1).bit_length()  # the block table's width, rounded up to a power of two
         if n > len(self._decode.ids):  # new buffers: the bindings to the old ones go
             self._decode = _DecodeBuffers(1 << (n - 1).bit_length(), self.vocab_size)
             self._decode_bindings.clear()
-        buffers = self._decode
+        b = self._decode
+        b.ids[:n], b.positions[:n], b.past[:n] = packed.input_ids, packed.position_ids, packed.past_seqlens
+        table = b.table(width)
+        table[:n, :used] = packed.block_table
+        table[:n, used:] = -1
         binding = self._decode_bindings.get((n, width))
         if binding is None:
             binding = self._decode_bindings[(n, width)] = self._bind_decode(n, width)
-        buffers.ids[:n] = packed.input_ids
-        buffers.positions[:n] = packed.position_ids
-        buffers.past[:n] = packed.past_seqlens
-        buffers.table(width)[:n] = packed.block_table
         self.session.run_with_iobinding(binding)
-        return buffers.logits[:n].copy()  # the caller's to keep
+        return b.logits[:n].copy()  # the caller's to keep
 
     def _bind_decode(self, n: int, width: int):
         """The pools plus the first n rows of every decode buffer (block table `width` wide)."""

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from llmc.compiler.hashing import hash_json
 from llmc.runtime.layout import KVLayout
+from llmc.runtime.paged_batch import RowStep, pack
 
 PERCENTILE, NUM_BINS, NUM_QUANTIZED_BINS = 99.99, 2048, 128
 CACHE_NAME = "calibration.json"
@@ -68,7 +69,15 @@ def weight_matmul_inputs(graph) -> list[str]:
 
 
 def feeds(layout: KVLayout, ids: np.ndarray) -> dict[str, np.ndarray]:
-    """One prefill step of `ids` from an empty cache sized to the window."""
+    """One prefill step of `ids` from an empty cache sized to the window (for a paged graph: one row
+    over as many blocks as the window needs, logits for every token as in the slot graph)."""
+    if layout.paged:
+        blocks = -(-len(ids) // layout.block_size)
+        step = pack([RowStep(ids.tolist(), 0, range(blocks), num_logits=len(ids))],  # every token reaches the LM head
+                    block_size=layout.block_size, num_blocks=blocks,
+                    max_num_tokens=len(ids), vocab_size=np.iinfo(np.int64).max)
+        empty = np.zeros(layout.block_shape(blocks), dtype=layout.dtype)
+        return {**step.feeds(), **{name: empty for name in layout.past_names()}}
     empty = np.zeros(layout.shape(1, len(ids)), dtype=layout.dtype)
     return {"input_ids": ids[None].astype(np.int64), layout.positions: np.zeros(1, dtype=np.int64),
             **{name: empty for name in layout.past_names()}}

@@ -19,7 +19,7 @@ import numpy as np
 
 from llmc.compiler.artifacts import QualityReport
 from llmc.runtime.layout import KVLayout
-from llmc.runtime.ort_runner import OrtRunner
+from llmc.runtime.paged_slots import slot_runner
 from llmc.runtime.runner import Runner
 
 SPEED_PROMPT, SPEED_STEPS = 64, 24
@@ -68,7 +68,7 @@ def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list
             optimize_quantized: bool = True, progress: Callable[[int, int], None] | None = None) -> QualityReport:
     """`optimize_quantized=False` runs the quantized graph with ONNX Runtime's graph optimizations off."""
     capacity = max(max(map(len, windows)), max(map(len, prompts)) + steps, SPEED_PROMPT + SPEED_STEPS + 2)
-    runners = [OrtRunner(p, layout, max_batch=1, capacity=capacity, num_threads=num_threads, optimize=opt)
+    runners = [slot_runner(p, layout, max_batch=1, capacity=capacity, num_threads=num_threads, optimize=opt)
                for p, opt in ((reference, True), (quantized, optimize_quantized))]
     total, done = 2 * len(windows) + len(prompts), 0
 
