@@ -27,8 +27,8 @@ import time
 import uuid
 from typing import AsyncIterator, Iterator, Sequence
 
-from llmc.generation import (Generation, GenerationError, ends, make_inputs, message, pick_model,  # noqa: F401
-                             stop_inputs)
+from llmc.generation import (Generation, GenerationError, ends, from_model, make_inputs, message,  # noqa: F401
+                             pick_model, stop_inputs)
 from llmc.replicas import Replicas, as_urls, retryable
 
 STOP_SECONDS = 5.0  # how long leaving a stream early waits for the server to end the request
@@ -112,10 +112,9 @@ class Client:
                 raise _NotStarted(f"{url}: {detail}") from None
             while not gen.done:
                 result, error = responses.get()
-                if error is not None and not started:
+                if error is not None and (not started or not from_model(error)):
                     gen.done = True
-                    raise _NotStarted(message(error) if _from_model(error) else f"{url}: {message(error)}",
-                                      message(error))
+                    _fail(url, error, started)
                 chunk, started = gen.take(result, error), True
                 if chunk:
                     yield chunk
@@ -159,9 +158,14 @@ def _pending_error(responses: queue.Queue) -> str | None:
     return message(error) if error is not None else None
 
 
-def _from_model(error) -> bool:
-    """An error the served model answered with (its message as it is), not a transport failure."""
-    return not (hasattr(error, "status") and callable(error.status) and error.status())
+def _fail(url: str, error, started: bool) -> None:
+    """Raise for an error response: the model's own message as it is, a transport failure naming the
+    replica; before the first response as _NotStarted (another replica may take the request)."""
+    text = message(error) if from_model(error) else f"{url}: {message(error)}"
+    if started:
+        raise GenerationError(text)
+    raise _NotStarted(text, message(error))
+
 
 
 class AsyncClient:
@@ -229,10 +233,9 @@ class AsyncClient:
         responses, started = self._clients[url].stream_infer(requests(), stream_timeout=self.timeout), False
         try:
             async for result, error in responses:
-                if error is not None and not started:
+                if error is not None and (not started or not from_model(error)):
                     gen.done = True
-                    raise _NotStarted(message(error) if _from_model(error) else f"{url}: {message(error)}",
-                                      message(error))
+                    _fail(url, error, started)
                 chunk, started = gen.take(result, error), True
                 if chunk:
                     yield chunk

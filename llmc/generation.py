@@ -112,3 +112,9 @@ def pick_model(index: list[str], url: str) -> str:
 
 def message(err) -> str:
     return err.message() if hasattr(err, "message") and callable(err.message) else str(err)
+
+
+def from_model(error) -> bool:
+    """An error the served model answered with (its message as it is), not a transport failure
+    (those carry a gRPC status)."""
+    return not (hasattr(error, "status") and callable(error.status) and error.status())
