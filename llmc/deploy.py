@@ -136,6 +136,9 @@ def _publish_and_load(store, built: Path, replicas: list[Replica], timeout: floa
         also = f" (rollback problems: {'; '.join(problems)})" if problems else ""
         raise DeployError(f"{name} version {new} failed to load{where}; rolled back "
                           f"{len(touched)} of {len(replicas)} replica(s), {kept}{also}") from None
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM): put the repository and replicas back, then leave
+        _undo(store, name, new, old_config, previous, touched or replicas)
+        raise
     return previous, new
 
 

@@ -291,3 +291,19 @@ def test_a_replica_killed_under_load(tiny_build, cluster):
     assert served >= 12, (served, load.errors)
     assert len(load.errors) <= 4, load.errors  # at most the streams in flight on the victim (4 workers)
     assert all(victim.grpc_url in e for e in load.errors), load.errors
+
+
+def test_cli_names_the_bucket_and_exits_with_the_serving_code(tiny_build):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    llmc = Path(sys.executable).parent / "llmc"
+    nowhere = f"s3://http://127.0.0.1:{free_port()}/models/repo"
+    run = subprocess.run([str(llmc), "deploy", str(tiny_build.output), "--repository", nowhere, "--url", "127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, **CREDENTIALS})
+    assert run.returncode == 8 and "cannot reach the endpoint" in run.stdout + run.stderr
+    assert nowhere in (run.stdout + run.stderr).replace("\n", "")
+    run = subprocess.run([str(llmc), "serve"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 7 and "pass a BUILD_DIR, or --repository s3://" in run.stdout + run.stderr
