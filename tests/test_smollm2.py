@@ -49,26 +49,74 @@ def test_example_build_passes_verification(example_build, attention):
     assert report.max_abs_logit_diff < 1e-3
 
 
-@pytest.mark.slow
-@pytest.mark.triton
-def test_example_served_through_triton_equals_pytorch_greedy(example_build, smollm2, tmp_path):
-    from conftest import greedy_reference
-    from llmc.compiler.source import inspect_source, load_model
-    from llmc.compiler.spec import SourceSpec
-    from llmc.client import Client
+@pytest.fixture(scope="module")
+def served_example(example_build, tmp_path_factory):
+    """The fused build served by one Triton server for this module's serving tests."""
     from llmc.triton_server import TritonServer, assemble
 
     if not (SERVING_ENV / "bin" / "python3").exists():
         pytest.skip(".venv-serving is missing: run scripts/setup.sh")
     result = example_build("fused")
-    model, tokenizer = load_model(inspect_source(SourceSpec(path=smollm2)))
+    root = tmp_path_factory.mktemp("served_example")
+    with TritonServer(result.repository, server_dir=assemble(root / "server"), serving_env=SERVING_ENV,
+                      log_path=root / "server.log") as server:
+        yield result, server
+
+
+@pytest.fixture(scope="module")
+def smollm2_torch(example_build):
+    """SmolLM2 in PyTorch and its tokenizer (example_build skips when models/smollm2 is missing)."""
+    from conftest import SMOLLM2
+    from llmc.compiler.source import inspect_source, load_model
+    from llmc.compiler.spec import SourceSpec
+
+    return load_model(inspect_source(SourceSpec(path=SMOLLM2)))
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+def test_example_served_through_triton_equals_pytorch_greedy(served_example, smollm2_torch):
+    from conftest import greedy_reference
+    from llmc.client import Client
+
+    result, server = served_example
+    model, tokenizer = smollm2_torch
     prompt = "The capital of France is"
     expected = greedy_reference(model, tokenizer(prompt)["input_ids"], 24, end_ids=result.manifest.end_ids)
-    with TritonServer(result.repository, server_dir=assemble(tmp_path / "server"), serving_env=SERVING_ENV,
-                      log_path=tmp_path / "server.log") as server:
-        gen = Client(server.grpc_url).complete(prompt, max_tokens=24)
+    gen = Client(server.grpc_url).complete(prompt, max_tokens=24)
     assert gen.output_ids == expected
     assert gen.text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+def test_example_chat_through_the_openai_api_equals_hf_greedy_continuation(served_example, smollm2_torch, smollm2):
+    """SmolLM2-Instruct's own chat template through /v1/chat/completions (whole and streamed) gives
+    HF's greedy continuation of apply_chat_template(messages, add_generation_prompt=True)."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from conftest import greedy_reference
+    from llmc.openai.server import OpenAIServer
+    from llmc.triton_server import free_port
+
+    result, server = served_example
+    model, _ = smollm2_torch
+    messages = [{"role": "system", "content": "You are a concise assistant."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    hf = AutoTokenizer.from_pretrained(smollm2)
+    ids = list(hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+    expected = greedy_reference(model, ids, 16, end_ids=result.manifest.end_ids)
+    text = hf.decode(expected, skip_special_tokens=True)
+    with OpenAIServer([server.grpc_url], port=free_port()) as api:
+        client = openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0)
+        chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16,
+                                                     temperature=0, stream=True))
+    assert reply.choices[0].message.content == text
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == len(expected)
+    assert reply.choices[0].finish_reason == ("stop" if expected[-1] in result.manifest.end_ids else "length")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
 
 
 @pytest.mark.slow
