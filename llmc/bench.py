@@ -118,18 +118,22 @@ async def _one(client: AsyncClient, prompt: str, max_tokens: int) -> RequestStat
     return stats
 
 
-def prompts(num_requests: int, prompt_words: int, *, first_seed: int = 0, shared_prefix: int = 0) -> list[str]:
+def prompts(num_requests: int, prompt_words: int, *, first_seed: int = 0, shared_prefix: int = 0,
+            prefix_seed: int | None = None) -> list[str]:
     """The run's prompts: request i's is `make_prompt(prompt_words, first_seed + i)`, after a
-    `shared_prefix`-token system prompt (seeded with `first_seed`) when that is not 0."""
-    head = system_prompt(shared_prefix, first_seed) + "\n" if shared_prefix else ""
+    `shared_prefix`-token system prompt (seeded with `prefix_seed`, else `first_seed`) when that is not 0."""
+    seed = first_seed if prefix_seed is None else prefix_seed
+    head = system_prompt(shared_prefix, seed) + "\n" if shared_prefix else ""
     return [head + make_prompt(prompt_words, first_seed + i) for i in range(num_requests)]
 
 
 async def run_load(url: str, model: str | None, *, concurrency: int, num_requests: int, prompt_words: int,
-                   max_tokens: int, progress=None, first_seed: int = 0, shared_prefix: int = 0) -> LoadResult:
+                   max_tokens: int, progress=None, first_seed: int = 0, shared_prefix: int = 0,
+                   prefix_seed: int | None = None) -> LoadResult:
     """`num_requests` requests, `concurrency` in flight; prompts as `prompts()` makes them (give each
     run of one server its own `first_seed` range, or a prefix cache serves the repeats)."""
-    todo = prompts(num_requests, prompt_words, first_seed=first_seed, shared_prefix=shared_prefix)
+    todo = prompts(num_requests, prompt_words, first_seed=first_seed, shared_prefix=shared_prefix,
+                   prefix_seed=prefix_seed)
     async with AsyncClient(url, model) as client:
         await client.model()  # resolve the model (and fail fast if unreachable) before timing
         await _one(client, "Warm up.", 2)  # shares no block with any prompt
