@@ -73,6 +73,16 @@ def _pinned_version(url: str) -> int:
     return list(parse(open_store(url).read("tiny", CONFIG)).version_policy.specific.versions)[0]
 
 
+def _serving(tiny_build, url: str, servers) -> list[int]:
+    """Every replica serves the version the bucket's config names (deployed here when the bucket is
+    empty, so a test also runs alone); the bucket's versions."""
+    if not open_store(url).versions("tiny"):
+        deploy(tiny_build.output, url, [s.grpc_url for s in servers])
+    for server in servers:
+        _triton(server).load_model("tiny")
+    return open_store(url).versions("tiny")
+
+
 def test_deploy_v2_under_streaming_load_on_every_replica(tiny_build, cluster):
     url, servers = cluster
     urls = [s.grpc_url for s in servers]
@@ -104,6 +114,8 @@ def test_deploy_v2_under_streaming_load_on_every_replica(tiny_build, cluster):
 
 def test_a_load_failing_on_one_replica_rolls_every_replica_back(tiny_build, cluster, tmp_path):
     url, servers = cluster
+    before = _serving(tiny_build, url, servers)
+    previous, new = before[-1], before[-1] + 1
     broken = tmp_path / "broken"
     shutil.copytree(tiny_build.output, broken)
     model_py = broken / "model_repository" / "tiny" / "1" / "model.py"
@@ -119,11 +131,11 @@ def test_a_load_failing_on_one_replica_rolls_every_replica_back(tiny_build, clus
             time.sleep(0.1)
     assert load.errors == [] and sum(t > after for t in load.ok) >= 4  # serving went on through the rollback
     message = str(failed.value)
-    assert f"tiny version 3 failed to load on {servers[1].grpc_url}: " in message
+    assert f"tiny version {new} failed to load on {servers[1].grpc_url}: " in message
     assert "injected load failure" in message
-    assert "rolled back 2 of 2 replica(s), version 2 keeps serving" in message
-    assert _served_versions(servers) == [["2"]] * 2 and _pinned_version(url) == 2
-    assert open_store(url).versions("tiny") == [1, 2]
+    assert f"rolled back 2 of 2 replica(s), version {previous} keeps serving" in message
+    assert _served_versions(servers) == [[str(previous)]] * 2 and _pinned_version(url) == previous
+    assert open_store(url).versions("tiny") == before
     for server in servers:
         assert len(Client(server.grpc_url, "tiny").complete("still serving", max_tokens=4).output_ids) == 4
 
@@ -132,6 +144,7 @@ def test_two_deploys_at_once_run_one_after_the_other(tiny_build, cluster):
     """Publish-only deploys (no replica to load: the lock guards the repository, and a load per
     replica costs seconds): the second waits for the first, so neither sees the other's half."""
     url, servers = cluster
+    base = _serving(tiny_build, url, servers)[-1]
     results, errors = [], []
 
     def one():
@@ -146,9 +159,10 @@ def test_two_deploys_at_once_run_one_after_the_other(tiny_build, cluster):
     for t in threads:
         t.join(120)
     assert errors == []
-    assert sorted((r.previous, r.version) for r in results) == [(2, 3), (3, 4)]  # serialized: neither saw a half
-    assert open_store(url).versions("tiny") == [3, 4] and _pinned_version(url) == 4
-    assert _served_versions(servers) == [["2"]] * 2  # published only: the replicas load it when told
+    # serialized: neither saw the other's half
+    assert sorted((r.previous, r.version) for r in results) == [(base, base + 1), (base + 1, base + 2)]
+    assert open_store(url).versions("tiny") == [base + 1, base + 2] and _pinned_version(url) == base + 2
+    assert _served_versions(servers) == [[str(base)]] * 2  # published only: the replicas load it when told
 
 
 def test_the_deploy_lock_refuses_then_breaks_explicitly(s3):
@@ -239,14 +253,15 @@ def test_requests_fail_over_to_a_live_replica_before_their_first_token(cluster):
         Client([dead], "tiny").complete("nowhere", max_tokens=4)
 
 
-def test_llmc_serve_serves_the_bucket(cluster, s3):
+def test_llmc_serve_serves_the_bucket(tiny_build, cluster, s3):
     from llmc.errors import ServingError
     from llmc.serve import start_server
 
-    url, _ = cluster
-    server = start_server(url, None, None, None, serving_env())  # the version the config names: 4
+    url, servers = cluster
+    _serving(tiny_build, url, servers)
+    server = start_server(url, None, None, None, serving_env())
     try:
-        assert _served_versions([server]) == [["4"]]
+        assert _served_versions([server]) == [[str(_pinned_version(url))]]  # the version the config names
         assert len(Client(server.grpc_url).complete("from the bucket", max_tokens=4).output_ids) == 4
     finally:
         server.stop()
@@ -254,10 +269,11 @@ def test_llmc_serve_serves_the_bucket(cluster, s3):
         start_server(f"s3://{s3.endpoint}/models/empty", None, None, None, serving_env())
 
 
-def test_the_autoscaler_metrics_are_exported_by_a_live_replica(cluster):
+def test_the_autoscaler_metrics_are_exported_by_a_live_replica(tiny_build, cluster):
     from llmc.k8s import K8sOptions, manifests
 
     url, servers = cluster
+    _serving(tiny_build, url, servers)
     opts = K8sOptions(name="tiny", repository=url)
     hpa = manifests(opts)["hpa.yaml"][0]
     with urllib.request.urlopen(f"http://127.0.0.1:{servers[0].ports.metrics}/metrics", timeout=10) as r:
@@ -274,10 +290,7 @@ def test_a_replica_killed_under_load(tiny_build, cluster):
     import signal
 
     url, servers = cluster
-    if not open_store(url).versions("tiny"):  # run alone: publish a model first
-        deploy(tiny_build.output, url, [])
-    for server in servers:  # whatever the bucket's config names
-        _triton(server).load_model("tiny")
+    _serving(tiny_build, url, servers)
     victim = servers[1]
     with BackgroundLoad([s.grpc_url for s in servers], workers=4, max_tokens=24, timeout=60) as load:
         time.sleep(1.5)
