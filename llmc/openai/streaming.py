@@ -11,9 +11,10 @@ whose cleanup then stops the request on the server, which frees its KV slot.
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator
+
+import orjson
 
 from llmc.openai.backends import ChoiceGeneration, Pool
 from llmc.openai.grpc_stream import Refused
@@ -35,7 +36,7 @@ class Job:
     logprobs: list[dict] = field(default_factory=list)  # gathered for a whole (not streamed) answer
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Event:
     kind: str  # "text" | "end" | "error"
     job: Job
@@ -95,36 +96,46 @@ class Choices:
             task.cancel()
 
 
-def sse(data) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+def sse(data: dict) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+class Chunks:
+    """A request's streamed chunks as SSE events. Every chunk shares its envelope (id, object,
+    created, model; "usage": null on every chunk but the last when usage is asked), so the envelope
+    is serialized once per request and only the choice once per chunk (orjson): the JSON of
+    `reply.body([choice], None, chunk=True)`, written without building and encoding it whole."""
+
+    def __init__(self, reply: Reply, include_usage: bool):
+        envelope = orjson.dumps(reply.body([], None, chunk=True))
+        assert envelope.endswith(b'"choices":[]}')
+        self._head = b"data: " + envelope[:-2]
+        self._tail = b"]" + (b',"usage":null' if include_usage else b"") + b"}\n\n"
+
+    def __call__(self, choice: dict) -> bytes:
+        return self._head + orjson.dumps(choice) + self._tail
 
 
 async def stream_events(choices: Choices, reply: Reply, include_usage: bool, echo: bool = False,
-                        logprobs: bool = False) -> AsyncIterator[str]:
+                        logprobs: bool = False) -> AsyncIterator[bytes]:
     """The SSE body; a failure after the first chunk ends the stream with an error event."""
+    chunk = Chunks(reply, include_usage)
     try:
         for job in choices.jobs:  # each choice opens with its role (chat) or the echoed prompt
             if reply.chat:
-                yield sse(_chunk(reply, chat_delta(job.index, {"role": "assistant", "content": ""}), include_usage))
+                yield chunk(chat_delta(job.index, {"role": "assistant", "content": ""}))
             elif echo:
                 job.offsets.offset = len(job.prompt)
-                yield sse(_chunk(reply, completion_choice(job.index, job.prompt, None, None), include_usage))
+                yield chunk(completion_choice(job.index, job.prompt, None, None))
         async for event in choices:
-            yield sse(_chunk(reply, _choice_chunk(reply, event, logprobs), include_usage))
+            yield chunk(_choice_chunk(reply, event, logprobs))
         if include_usage:
             yield sse(reply.body([], usage_of(choices.jobs), chunk=True))
     except OpenAIError as err:
         yield sse(err.body())
     finally:
         choices.cancel()  # the client went away (or it all ended): stop what still runs
-    yield sse("[DONE]")
-
-
-def _chunk(reply: Reply, choice: dict, include_usage: bool) -> dict:
-    body = reply.body([choice], None, chunk=True)
-    if include_usage:
-        body["usage"] = None  # OpenAI: every chunk but the last says "usage": null when usage is asked
-    return body
+    yield b"data: [DONE]\n\n"
 
 
 def _choice_chunk(reply: Reply, event: Event, logprobs: bool) -> dict:
