@@ -18,6 +18,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import numpy as np
+
 from llmc.chat_template import PARAMETER, parse_parameter
 from llmc.client import Generation
 from llmc.openai import grpc_stream
@@ -44,6 +46,7 @@ class ChoiceGeneration(Generation):
         self.logprobs: list[dict] = []  # not yet taken: {"token", "logprob", "top": [(token, logprob)]}
 
     def _add(self, result) -> str:
+        result = _Outputs(result)
         chunk = super()._add(result)
         count = result.as_numpy("num_output_tokens")
         if count is not None:
@@ -61,6 +64,43 @@ class ChoiceGeneration(Generation):
     def take_logprobs(self) -> list[dict]:
         taken, self.logprobs = self.logprobs, []
         return taken
+
+
+class _Outputs:
+    """A response's outputs by name, read once: tritonclient's InferResult.as_numpy scans every output
+    for each name it is asked, and decodes BYTES through a general numpy routine; a streamed response
+    is asked for up to seven outputs, once per token. BYTES are Triton's serialization (each element
+    a 4-byte little-endian length, then its bytes), decoded here by hand for that reason."""
+
+    __slots__ = ("_result", "_outputs")
+
+    def __init__(self, result):
+        response = result.get_response()
+        raw = response.raw_output_contents
+        self._result = result
+        self._outputs = ({o.name: (o, raw[i]) for i, o in enumerate(response.outputs)}
+                         if len(raw) == len(response.outputs) else None)  # else: not raw, as_numpy's way
+
+    def as_numpy(self, name: str):
+        if self._outputs is None:
+            return self._result.as_numpy(name)
+        found = self._outputs.get(name)
+        if found is None:
+            return None
+        output, data = found
+        if output.datatype != "BYTES":
+            return np.frombuffer(data, dtype=_NUMPY[output.datatype]).reshape(tuple(output.shape))
+        items, at = [], 0
+        while at < len(data):
+            size = int.from_bytes(data[at:at + 4], "little")
+            items.append(data[at + 4:at + 4 + size])
+            at += 4 + size
+        return np.array(items, dtype=np.object_).reshape(tuple(output.shape))
+
+
+_NUMPY = {"BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
+          "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64, "FP16": np.float16,
+          "FP32": np.float32, "FP64": np.float64}
 
 
 class Backend:
