@@ -3,13 +3,16 @@ streamed chunks through the frontend against the same requests sent straight to 
 in one run on one server, passes in turns (direct, frontend, direct, ...), medians over passes.
 
     .venv/bin/python scripts/bench_openai.py BUILD_DIR [--concurrency 16] [--passes 3] [--aiperf]
+        [--against PYTHONPATH]
 
 Both sides are measured by bounded async clients written here, chunk by chunk, so they compare
 like with like: llmc.client.AsyncClient for gRPC, httpx reading the SSE stream for the frontend.
 The frontend side uses /v1/chat/completions when the model has a chat template (the prompt is then
 the rendered template, sent as-is on the gRPC side), else /v1/completions. With --aiperf, NVIDIA's
 aiperf (from its own venv, .venv-aiperf: `python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip
-install aiperf`) also profiles the frontend's endpoint and its summary is printed.
+install aiperf`) also profiles the frontend's endpoint and its summary is printed. --against
+PYTHONPATH also runs a second frontend with that PYTHONPATH (e.g. `git archive OLD llmc | tar -x -C
+DIR`) in the same passes: a change to the frontend measured before/after under the same load.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -75,7 +79,7 @@ async def _run(calls, concurrency: int) -> dict:
             "seconds": time.perf_counter() - start}
 
 
-async def one_pass(side: str, grpc_url: str, api: str, model: str, chat: dict | None, args, seed: int) -> dict:
+async def one_pass(side: str, grpc_url: str, api: str | None, model: str, chat: dict | None, args, seed: int) -> dict:
     prompts = [make_prompt(args.prompt_words, seed + i) for i in range(args.requests)]
     if side == "direct":
         async with AsyncClient(grpc_url, model) as client:
@@ -114,34 +118,42 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--aiperf", action="store_true", help="also run aiperf against the frontend")
     parser.add_argument("--tokenizer", type=Path, default=Path("models/smollm2"), help="for aiperf")
+    parser.add_argument("--against", help="PYTHONPATH of another llmc whose frontend runs in the same passes")
     args = parser.parse_args()
 
     server = start_server(args.build_dir, None, None, None, None)
     try:
-        with frontend_process(server.grpc_url) as api:
-            info = httpx.get(f"{api.url}/v1/models").json()["data"]
-            model = info[0]["id"]
+        with contextlib.ExitStack() as stack:
+            apis = {"direct": None, "frontend": stack.enter_context(frontend_process(server.grpc_url)).url}
+            if args.against:
+                apis["against"] = stack.enter_context(frontend_process(server.grpc_url, args.against)).url
+            model = httpx.get(f"{apis['frontend']}/v1/models").json()["data"][0]["id"]
             chat = asyncio.run(_template(server.grpc_url, model))
-            results: dict[str, list[dict]] = {"direct": [], "frontend": []}
+            results: dict[str, list[dict]] = {side: [] for side in apis}
             for i in range(args.passes):
-                for side in results:  # turns: drift in the shared machine's load hits both sides
-                    seed = 1000 * (2 * i + (side == "frontend"))  # own prompts per pass: no prefix reuse
-                    results[side].append(asyncio.run(one_pass(side, server.grpc_url, api.url, model, chat, args, seed)))
+                for k, side in enumerate(apis):  # turns: drift in the shared machine's load hits every side
+                    seed = 1000 * (len(apis) * i + k)  # own prompts per pass: no prefix reuse
+                    results[side].append(asyncio.run(one_pass(side, server.grpc_url, apis[side], model, chat, args,
+                                                              seed)))
             report(results, args, "chat" if chat else "completions")
             if args.aiperf:
-                print(run_aiperf(api.url, model, chat is not None, args, Path(tempfile.mkdtemp(prefix="aiperf-")))
+                out = Path(tempfile.mkdtemp(prefix="aiperf-"))
+                print(run_aiperf(apis["frontend"], model, chat is not None, args, out)
                       if AIPERF.exists() else f"aiperf: not installed at {AIPERF}")
     finally:
         server.stop()
 
 
 @contextlib.contextmanager
-def frontend_process(grpc_url: str):
+def frontend_process(grpc_url: str, pythonpath: str | None = None):
     """`llmc openai` in a process of its own, as a sidecar runs it (in this process it would share
-    the interpreter lock with the benchmark's own clients)."""
+    the interpreter lock with the benchmark's own clients); `pythonpath` runs another llmc's."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", "from llmc.cli import main; main()", "openai", "--url", grpc_url,
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
+    isolated = ["-P"] if pythonpath else []  # -P: the working directory's llmc does not shadow PYTHONPATH's
+    proc = subprocess.Popen([sys.executable, *isolated, "-c", "from llmc.cli import main; main()", "openai",
+                             "--url", grpc_url, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     api = types.SimpleNamespace(url=f"http://127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + 60
@@ -176,13 +188,15 @@ def report(results: dict, args, endpoint: str) -> None:
     for side, runs in results.items():
         print(f"{side:9s} " + "  ".join(f"pass {i}: ttft {r['ttft_p50'] * 1e3:.1f} ms, gap {r['chunk_gap_p50'] * 1e3:.2f} ms"
                                        for i, r in enumerate(runs)))
-    d, f = med["direct"], med["frontend"]
+    d = med["direct"]
     print(json.dumps({"endpoint": endpoint, "concurrency": args.concurrency, "requests": args.requests,
                       "max_tokens": args.max_tokens, "passes": args.passes, "median_of_passes": med}, indent=1))
-    print(f"TTFT p50: frontend {f['ttft_p50'] * 1e3:.1f} ms / direct {d['ttft_p50'] * 1e3:.1f} ms = "
-          f"{f['ttft_p50'] / d['ttft_p50']:.3f}x (target <= 1.05x)")
-    print(f"chunk gap p50: frontend {f['chunk_gap_p50'] * 1e3:.2f} ms - direct {d['chunk_gap_p50'] * 1e3:.2f} ms = "
-          f"{(f['chunk_gap_p50'] - d['chunk_gap_p50']) * 1e3:+.2f} ms per chunk (target <= 1 ms)")
+    for side in (s for s in med if s != "direct"):
+        f = med[side]
+        print(f"TTFT p50: {side} {f['ttft_p50'] * 1e3:.1f} ms / direct {d['ttft_p50'] * 1e3:.1f} ms = "
+              f"{f['ttft_p50'] / d['ttft_p50']:.3f}x (target <= 1.05x)")
+        print(f"chunk gap p50: {side} {f['chunk_gap_p50'] * 1e3:.2f} ms - direct {d['chunk_gap_p50'] * 1e3:.2f} ms = "
+              f"{(f['chunk_gap_p50'] - d['chunk_gap_p50']) * 1e3:+.2f} ms per chunk (target <= 1 ms)")
 
 
 if __name__ == "__main__":
