@@ -76,7 +76,7 @@ async def _run(calls, concurrency: int) -> dict:
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return {"ttft_p50": statistics.median(ttft), "chunk_gap_p50": statistics.median(gaps),
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "chunks": len(ttft) + len(gaps)}
 
 
 async def one_pass(side: str, grpc_url: str, api: str | None, model: str, chat: dict | None, args, seed: int) -> dict:
@@ -124,21 +124,25 @@ def main() -> None:
     server = start_server(args.build_dir, None, None, None, None)
     try:
         with contextlib.ExitStack() as stack:
-            apis = {"direct": None, "frontend": stack.enter_context(frontend_process(server.grpc_url)).url}
+            apis = {"direct": None, "frontend": stack.enter_context(frontend_process(server.grpc_url))}
             if args.against:
-                apis["against"] = stack.enter_context(frontend_process(server.grpc_url, args.against)).url
-            model = httpx.get(f"{apis['frontend']}/v1/models").json()["data"][0]["id"]
+                apis["against"] = stack.enter_context(frontend_process(server.grpc_url, args.against))
+            model = httpx.get(f"{apis['frontend'].url}/v1/models").json()["data"][0]["id"]
             chat = asyncio.run(_template(server.grpc_url, model))
             results: dict[str, list[dict]] = {side: [] for side in apis}
             for i in range(args.passes):
                 for k, side in enumerate(apis):  # turns: drift in the shared machine's load hits every side
                     seed = 1000 * (len(apis) * i + k)  # own prompts per pass: no prefix reuse
-                    results[side].append(asyncio.run(one_pass(side, server.grpc_url, apis[side], model, chat, args,
-                                                              seed)))
+                    api = apis[side]
+                    cpu = _cpu_seconds(api.pid) if api else 0.0
+                    result = asyncio.run(one_pass(side, server.grpc_url, api and api.url, model, chat, args, seed))
+                    if api:  # the frontend process's own CPU time per streamed chunk: less at the mercy of load
+                        result["cpu_us_per_chunk"] = (_cpu_seconds(api.pid) - cpu) / result["chunks"] * 1e6
+                    results[side].append(result)
             report(results, args, "chat" if chat else "completions")
             if args.aiperf:
                 out = Path(tempfile.mkdtemp(prefix="aiperf-"))
-                print(run_aiperf(apis["frontend"], model, chat is not None, args, out)
+                print(run_aiperf(apis["frontend"].url, model, chat is not None, args, out)
                       if AIPERF.exists() else f"aiperf: not installed at {AIPERF}")
     finally:
         server.stop()
@@ -154,7 +158,7 @@ def frontend_process(grpc_url: str, pythonpath: str | None = None):
     proc = subprocess.Popen([sys.executable, *isolated, "-c", "from llmc.cli import main; main()", "openai",
                              "--url", grpc_url, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    api = types.SimpleNamespace(url=f"http://127.0.0.1:{port}")
+    api = types.SimpleNamespace(url=f"http://127.0.0.1:{port}", pid=proc.pid)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -170,6 +174,12 @@ def frontend_process(grpc_url: str, pythonpath: str | None = None):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc; psutil is not a dependency)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _template(grpc_url: str, model: str) -> dict | None:
@@ -197,6 +207,7 @@ def report(results: dict, args, endpoint: str) -> None:
               f"{f['ttft_p50'] / d['ttft_p50']:.3f}x (target <= 1.05x)")
         print(f"chunk gap p50: {side} {f['chunk_gap_p50'] * 1e3:.2f} ms - direct {d['chunk_gap_p50'] * 1e3:.2f} ms = "
               f"{(f['chunk_gap_p50'] - d['chunk_gap_p50']) * 1e3:+.2f} ms per chunk (target <= 1 ms)")
+        print(f"CPU of the {side} process: {f['cpu_us_per_chunk']:.0f} us per streamed chunk")
 
 
 if __name__ == "__main__":
