@@ -77,6 +77,7 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
                              max_num_tokens=limits.max_num_tokens, max_queue_size=serving.max_queue_size,
                              default_max_tokens=serving.default_max_tokens, max_stop_words=serving.max_stop_words,
                              num_threads=serving.num_threads, prefix_caching=serving.prefix_caching,
+                             itl_ratio=serving.itl_ratio if engine.kv_layout.paged else None,
                              kv_cache_tokens=(limits.kv_cache_tokens or limits.max_batch_size * limits.max_seq_len)
                              if engine.kv_layout.paged else None))
     manifest.save(version_dir)

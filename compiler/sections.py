@@ -176,6 +176,10 @@ class ServingSpec(StrictModel):
         None, description="A jinja2 chat template file (relative to the spec's folder) that replaces the "
                           "checkpoint's; unset: the checkpoint's own, if it has one.")
     prefix_caching: bool = Field(True, description="Paged graph: reuse the KV blocks of prompt prefixes seen before.")
+    itl_ratio: Annotated[float, Field(gt=1.0, le=100.0)] | None = Field(
+        2.5, description="Paged graph: a step carries prompt tokens only while its cost, learned from the steps run, "
+                         "stays within this many decode steps of the same rows, so a joining prompt stretches the "
+                         "inter-token latency at most this much (it costs TTFT); null: up to limits.max_num_tokens.")
 
 
 class VerifySpec(StrictModel):

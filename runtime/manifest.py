@@ -31,6 +31,7 @@ class ServingLimits(BaseModel):
     num_threads: int = Field(0, ge=0)  # 0 = all cores
     kv_cache_tokens: int | None = Field(None, ge=1)  # the paged KV pool, all requests together (paged graphs only)
     prefix_caching: bool = True  # paged graphs: reuse the blocks of prompt prefixes seen before
+    itl_ratio: float | None = None  # paged graphs: a step's cost cap in decode steps (runtime/step_cost.py); None: none
 
 
 class TensorRTInfo(BaseModel):

@@ -8,9 +8,16 @@ Requests, cancellation and streaming are LLMEngine's (engine.py); what differs i
 (blocks from block_manager.py instead of a slot per request) and that a step mixes prefill and
 decode, so a long prompt no longer stalls the decoding rows. Greedy rows without penalties are
 sampled in one argmax over the step's logits; the others row by row (sampling.py).
+
+With `itl_ratio` (serving.itl_ratio) a step's prompt tokens are also capped so the step stays
+within that many decode steps of its rows, by a cost model fitted to the steps run (step_cost.py):
+on a CPU a prompt token costs compute, and a fixed budget that suits 16 decode rows stretches a
+4-row step several times over.
 """
 
 from __future__ import annotations
+
+import time
 
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.engine import CacheState, LLMEngine, StepOutput
@@ -18,13 +25,17 @@ from llmc.runtime.paged_batch import RowStep
 from llmc.runtime.paged_runner import PagedRunner
 from llmc.runtime.sampling import SamplingParams
 from llmc.runtime.sequence import FinishReason, Sequence, Status
+from llmc.runtime.step_cost import StepCost
 from llmc.runtime.token_scheduler import Chunk, TokenScheduler
 
 
 class PagedEngine(LLMEngine):
     def __init__(self, runner: PagedRunner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_rows: int,
-                 max_seq_len: int, max_num_tokens: int, max_queue_size: int = 256, prefix_caching: bool = True):
+                 max_seq_len: int, max_num_tokens: int, max_queue_size: int = 256, prefix_caching: bool = True,
+                 itl_ratio: float | None = None):
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching)
+        # itl_ratio: cap a step's prompt tokens so it stays within that many decode steps (step_cost.py)
+        self.cost = StepCost(itl_ratio) if itl_ratio else None
         self._setup(runner, tokenizer, end_ids, max_seq_len, max_num_tokens,
                     TokenScheduler(self.blocks, max_rows=max_rows, max_num_tokens=max_num_tokens,
                                    max_queue_size=max_queue_size))
@@ -49,7 +60,8 @@ class PagedEngine(LLMEngine):
             for seq in self.scheduler.running:
                 if not seq.is_finished and seq.num_tokens > self.capacity:
                     seq.finish(FinishReason.length)  # the next token would pass max_seq_len
-            chunks = [c for c in self.scheduler.schedule() if not c.seq.is_finished]
+            chunks = [c for c in self.scheduler.schedule(self.cost.prompt_cap if self.cost else None)
+                      if not c.seq.is_finished]
         sampled: dict[str, list[int]] = {}
         if chunks:
             self._run(chunks, sampled)
@@ -57,7 +69,11 @@ class PagedEngine(LLMEngine):
 
     def _run(self, chunks: list[Chunk], sampled: dict[str, list[int]]) -> None:
         # one logits row per chunk (the graph's minimum): a chunk that ends mid-prompt ignores its row
+        decoding = sum(c.seq.status is Status.decoding for c in chunks)
+        start = time.perf_counter()
         logits = self.runner.step([RowStep(c.token_ids, c.past_len, c.seq.block_ids) for c in chunks])
+        if self.cost is not None:
+            self.cost.observe(decoding, sum(len(c.token_ids) for c in chunks) - decoding, time.perf_counter() - start)
         for chunk in chunks:
             self.scheduler.computed(chunk)
         rows = [i for i, c in enumerate(chunks) if c.samples]

@@ -6,7 +6,8 @@ decode rows and prefill chunks.
                + partly prefilled sequences continue, oldest first
                + waiting sequences are admitted (their cached prefix reused) while rows, tokens
                  and blocks last
-               all within `max_num_tokens` tokens and `max_rows` rows
+               all within `max_num_tokens` tokens (prompt tokens also within the caller's
+               cap, step_cost.py) and `max_rows` rows
 
 A sequence's pending tokens are those whose KV is not cached yet: `all_token_ids()[num_cached:]`.
 A decoding sequence has one (the token it sampled last); a prefilling one its uncached prompt.
@@ -19,6 +20,7 @@ sequence is never corrupted: it either has blocks for every token it writes or i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.scheduler import WaitingQueue
@@ -46,9 +48,14 @@ class TokenScheduler(WaitingQueue):
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
 
-    def schedule(self) -> list[Chunk]:
+    def schedule(self, prompt_cap: Callable[[int], int | None] | None = None) -> list[Chunk]:
+        """The step's chunks; `prompt_cap(decode rows)` may cap its prompt tokens further (step_cost.py)."""
         chunks: list[Chunk] = []
-        budget = self.max_num_tokens - self._decode_rows(chunks)
+        rows = self._decode_rows(chunks)
+        budget = self.max_num_tokens - rows
+        cap = prompt_cap(rows) if prompt_cap is not None else None
+        if cap is not None:
+            budget = min(budget, cap)
         for seq in self.running:
             if budget <= 0:
                 break

@@ -6,9 +6,10 @@
 Both graphs are built by scripts/bench_paged_builds.py under the same limits (16 rows a step, 2048
 tokens a request, the paged pool 16 x 2048 tokens = the slot graph's memory; fp32, 2 ONNX Runtime
 threads; the slot graph prefills in chunks of up to 8192 tokens, the paged graph mixes decode rows
-and prompt chunks within --budget tokens a step) and served by Triton on free ports as `llmc bench
-BUILD` serves them. Each pass measures a section on both graphs, the order alternating pass by pass;
-figures are medians over passes, ratios medians of per-pass ratios (paged / slot). Every request has
+and prompt chunks within --budget tokens a step and the default serving.itl_ratio) and served by
+Triton on free ports as `llmc bench BUILD` serves them. Each pass measures a section on both graphs,
+the order alternating pass by pass; figures are medians over passes, ratios medians of per-pass
+ratios (paged / slot). Every request has
 its own prompt (llmc/bench.py), so nothing is served from a prefix cache unless it is meant to be.
 
 sweep    4 and 16 streams, ~300-token prompts, 64 new tokens (2 x streams requests): inter-token
@@ -19,7 +20,8 @@ prefix   16 requests sharing a 1,000-token system prompt (a new one each pass): 
 decode   in process, no prefill in flight (scripts/bench_paged_decode.py)
 memory   one pass: the paged graph with max_seq_len 8192 and 64 rows a step, on a pool of 16 x 2048
          tokens, serves 64 streams of ~300-token prompts at once, then one 8,000-token request
-budget   the paged graph under each of --budgets tokens a step, 16 streams as in sweep
+budget   the paged graph under each of --budgets tokens a step, and under --budget without the step
+         cost cap (serving.itl_ratio: null, runtime/step_cost.py), 16 streams as in sweep
 
 The host is shared: before each measurement the script samples how busy its CPUs are with the
 servers idle (1 s of /proc/stat) and marks the measurements that started over 25% busy.
@@ -88,7 +90,7 @@ def load(server, *, streams: int, requests: int, words: int, tokens: int, **kwar
 
 
 def record_load(rec: Record, label: str, s: dict) -> None:
-    ms = {k: (s[k] * 1000 if s[k] is not None else None) for k in ("itl_s_p50", "itl_s_p99", "ttft_s_p50", "ttft_s_p99")}
+    ms = {k: s[k] * 1000 for k in ("itl_s_p50", "itl_s_p99", "ttft_s_p50", "ttft_s_p99")}
     rec.add(f"{label} ITL p50 ms", ms["itl_s_p50"])
     rec.add(f"{label} ITL p99 ms", ms["itl_s_p99"])
     rec.add(f"{label} ITL p99/p50", ms["itl_s_p99"] / ms["itl_s_p50"])
@@ -267,13 +269,17 @@ def main() -> None:
 
         bench_paged_decode.measure(rec, args.passes)
     if "memory" in sections:
-        folder = build_variant("paged-memory", "paged", limits={**budget, "max_batch_size": 64, "max_seq_len": 8192,
-                                                               "kv_cache_tokens": POOL})
+        # prompts admitted 2048 tokens a step, uncapped, so all 64 streams hold their KV before any ends
+        folder = build_variant("paged-memory", "paged", limits={"max_num_tokens": 2048, "max_batch_size": 64,
+                                                               "max_seq_len": 8192, "kv_cache_tokens": POOL},
+                               serving={"itl_ratio": None})
         with serving({"memory": folder}) as servers:
             memory(servers["memory"], rec, folder)
     if "budget" in sections:
         variants = {f"budget {b}": build_variant(f"paged-{b}", "paged", limits={"max_num_tokens": b})
                     for b in (int(v) for v in args.budgets.split(","))}
+        variants[f"budget {args.budget} uncapped"] = build_variant(f"paged-{args.budget}-uncapped", "paged",
+                                                                   limits=budget, serving={"itl_ratio": None})
         with serving(variants) as servers:
             for p in range(args.passes):
                 budget_pass(servers, p, rec)

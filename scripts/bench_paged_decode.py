@@ -34,7 +34,8 @@ def _engine(graph: str, folder, artifact, rows: int):
     from llmc.runtime.paged_runner import PagedRunner
 
     blocks = rows * CAPACITY // artifact.kv_layout.block_size
-    runner = PagedRunner(folder / artifact.onnx, artifact.kv_layout, num_blocks=blocks, max_num_tokens=256, num_threads=2)
+    runner = PagedRunner(folder / artifact.onnx, artifact.kv_layout, num_blocks=blocks, max_num_tokens=256,
+                         num_threads=2)
     return PagedEngine(runner, max_rows=rows, max_seq_len=CAPACITY, max_num_tokens=256)
 
 

@@ -28,12 +28,12 @@ def paged(tiny_checkpoints, tmp_path_factory):
     return folder / "export", build(spec, output=folder, until="export").exported
 
 
-def _engine(paged, *, num_blocks=64, max_rows=8, max_num_tokens=24, prefix_caching=True):
+def _engine(paged, *, num_blocks=64, max_rows=8, max_num_tokens=24, prefix_caching=True, itl_ratio=None):
     folder, exported = paged
     runner = PagedRunner(folder / exported.onnx, exported.kv_layout, num_blocks=num_blocks,
                          max_num_tokens=max_num_tokens, num_threads=1)
     return PagedEngine(runner, max_rows=max_rows, max_seq_len=128, max_num_tokens=max_num_tokens,
-                       prefix_caching=prefix_caching)
+                       prefix_caching=prefix_caching, itl_ratio=itl_ratio)
 
 
 def _run(engine, names, max_tokens=TOKENS):
@@ -66,6 +66,12 @@ def test_concurrent_requests_with_shared_prefixes_equal_their_solo_results(paged
     blocks = engine.blocks
     assert blocks.num_used == 0 and engine.scheduler.num_preemptions == 0
     assert (blocks.prefix_hits > 0) == prefix_caching  # the later s* requests reuse the first one's blocks
+
+
+def test_capping_prompt_tokens_by_step_cost_changes_no_result(paged, solo):
+    engine = _engine(paged, itl_ratio=1.2)  # tight: prompts go in small chunks beside the decode rows
+    assert _run(engine, list(PROMPTS)) == solo
+    assert engine.cost.steps > 0 and engine.cost.coefficients() is not None
 
 
 def test_preemption_recomputes_and_changes_nothing(paged, solo):

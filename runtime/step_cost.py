@@ -1,0 +1,61 @@
+"""What a step of the paged graph costs, learned from the steps it runs, and how many prompt tokens a
+step can carry beside its decode rows without stretching their inter-token latency past `ratio`
+times a decode step of the same rows.
+
+On a CPU a step of n decode rows and P prompt tokens takes about a + b·n + c·P seconds: a is the
+weights read once a step, b a decode row's attention and LM head, c a prompt token's compute (a
+prompt token costs compute, so a fixed token budget that suits 16 decode rows stretches a 4-row
+step several times over). The fit is least squares over the steps run, older steps weighted down
+by `forget` each step, so it follows contexts that grow and a host whose speed changes. Written here because no library
+fits step costs online; Sarathi-Serve sizes its token budget from a latency target the same way,
+offline.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class StepCost:
+    def __init__(self, ratio: float = 2.5, forget: float = 0.95, min_tokens: int = 16):
+        if ratio <= 1 or not 0 < forget <= 1 or min_tokens < 1:
+            raise ValueError(f"ratio ({ratio}) must be > 1, forget ({forget}) in (0, 1], "
+                             f"min_tokens ({min_tokens}) >= 1")
+        self.ratio, self.forget, self.min_tokens = ratio, forget, min_tokens
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self.steps = 0
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """A step of `rows` decode rows and `tokens` prompt tokens took `seconds`."""
+        x = np.array([1.0, rows, tokens])
+        self._xtx = self.forget * self._xtx + np.outer(x, x)
+        self._xty = self.forget * self._xty + x * seconds
+        self.steps += 1
+
+    def coefficients(self) -> np.ndarray | None:
+        """(a, b, c) in seconds, none negative, or None before two steps. Steps alike cannot tell the
+        terms apart: least squares then splits the time between them (the smallest solution), and a
+        negative term is dropped and the others refit, so the fit never predicts a cheaper step for
+        more rows. The first prompt steps thus get a small cap (a decode step looks cheap beside a
+        prompt token), which the steps it makes (other chunk sizes) correct."""
+        if self.steps < 2:
+            return None
+        for keep in ([0, 1, 2], [0, 2], [1, 2]):
+            fit = np.zeros(3)
+            sub = np.ix_(keep, keep)
+            fit[keep] = np.linalg.lstsq(self._xtx[sub] + 1e-12 * np.eye(len(keep)), self._xty[keep], rcond=None)[0]
+            if fit.min() >= 0:
+                return fit
+        return None
+
+    def prompt_cap(self, rows: int) -> int | None:
+        """Prompt tokens a step with `rows` decode rows may carry (at least `min_tokens`); None: no cap
+        (no decode row to protect, or no fit yet)."""
+        fit = self.coefficients() if rows else None
+        if fit is None or fit[2] <= 0:
+            return None
+        decode = fit[0] + fit[1] * rows
+        if decode <= 0:
+            return None
+        return max(self.min_tokens, int((self.ratio - 1) * decode / fit[2]))
