@@ -95,7 +95,7 @@ def export(spec: SpecArg, output: OutputOpt = None,
            force: Annotated[bool, typer.Option("--force", help="Export even if unchanged.")] = False) -> None:
     """Export only: checkpoint -> ONNX with explicit KV cache (no verification).
 
-    Attention is lowered as `export.attention` says: `fused` (ONNX Runtime GroupQueryAttention, in-place KV), `reference` (plain opset-23 ops) or `plugin` (TensorRT LlmcFusedAttention node, target: tensorrt).
+    Attention is lowered as `export.attention` says: `fused` (ONNX Runtime GroupQueryAttention, in-place KV), `reference` (plain opset-23 ops), `plugin` (TensorRT LlmcFusedAttention node, target: tensorrt) or `paged` (llmc.PagedAttention over block pools, packed tokens).
     """
     _run_build(spec, output, "export", {"export"} if force else set())
 

@@ -72,10 +72,9 @@ def _block_table(rows: Sequence[RowStep], widths: list[int], width: int, num_blo
     return table.astype(np.int32)
 
 
-def pack(rows: Sequence[RowStep], *, block_size: int, num_blocks: int, max_num_tokens: int, vocab_size: int,
-         table_width: int = 0) -> PackedStep:
-    """The rows as the paged graph's inputs; `table_width` pads the block table to at least that many
-    columns."""
+def pack(rows: Sequence[RowStep], *, block_size: int, num_blocks: int, max_num_tokens: int,
+         vocab_size: int) -> PackedStep:
+    """The rows as the paged graph's inputs (the block table as wide as the row that reaches furthest)."""
     if not rows:
         raise ValueError("a step needs at least one row")
     lengths = [len(r.token_ids) for r in rows]
@@ -89,7 +88,7 @@ def pack(rows: Sequence[RowStep], *, block_size: int, num_blocks: int, max_num_t
     input_ids = np.fromiter((t for r in rows for t in r.token_ids), dtype=np.int64, count=total)
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
         raise ValueError(f"token ids must be in 0..{vocab_size - 1}; got {int(input_ids.min())}..{int(input_ids.max())}")
-    table = _block_table(rows, widths, max(max(widths), table_width), num_blocks)
+    table = _block_table(rows, widths, max(widths), num_blocks)
     lengths_np = np.array(lengths, dtype=np.int64)
     past = np.fromiter((r.past_len for r in rows), dtype=np.int64, count=len(rows))
     ends = np.cumsum(lengths_np)

@@ -83,6 +83,7 @@ def test_reference_lowering_keeps_only_attentions_main_output(tiny_llama, tmp_pa
 @pytest.mark.parametrize(("target", "attention", "message"), [
     ("tensorrt", "fused", "runs only with target: onnxruntime"),
     ("onnxruntime", "plugin", "runs only with target: tensorrt"),
+    ("tensorrt", "paged", "runs only with target: onnxruntime"),
 ])
 def test_lowering_must_suit_the_target(tiny_llama, target, attention, message):
     with pytest.raises(SpecError, match=message):
