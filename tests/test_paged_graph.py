@@ -227,3 +227,13 @@ def test_static_quantization_refuses_the_paged_lowering(tiny_checkpoints):
     with pytest.raises(SpecError, match="not export.attention: paged"):
         parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "paged"},
                     "quantization": {"mode": "int8"}})
+
+
+def test_layouts_written_before_paging_still_load():
+    old = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32",
+           "dims": ["batch", "num_kv_heads", "kv_capacity", "head_dim"], "positions": "cache_position",
+           "in_place": True, "max_prefill_rows": 1}  # a manifest's kv_layout from before the paged fields
+    layout = KVLayout.model_validate(old)
+    assert not layout.paged and layout.block_size is None
+    with pytest.raises(ValueError, match="block_size is set exactly when kv_layout.paged"):
+        KVLayout.model_validate({**old, "paged": True})
