@@ -1,0 +1,5 @@
+import sys
+
+from llmc.cli import main
+
+sys.exit(main())

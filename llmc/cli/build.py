@@ -1,0 +1,85 @@
+"""Commands over a build spec: build, export, verify, inspect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmc.cli.app import OutputOpt, SpecArg, app, friendly
+
+
+def _run_build(spec_path: Path, output: Optional[Path], until: str, force: set[str]) -> None:
+    from llmc.compiler import build, load_spec
+    from llmc.console import RichReporter, out, summary_table
+
+    spec = load_spec(spec_path)
+    with RichReporter() as reporter:
+        result = build(spec, output=output, until=until, force=force, reporter=reporter)
+    out.print(summary_table(result))
+
+
+@app.command()
+@friendly
+def build(
+    spec: SpecArg,
+    output: OutputOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Run every stage, even unchanged ones.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the build plan (stages, precision, attention, TensorRT profiles, memory estimate) from the spec and the checkpoint's config, and exit; needs no GPU.")] = False,
+) -> None:
+    """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch, quantize (quantization.mode), build the TensorRT engine (target: tensorrt), package a Triton model repository.
+
+A TensorRT build needs TensorRT and an NVIDIA GPU: the engine gets a prefill and a decode optimization profile from `limits`, the `tensorrt:` options (workspace, optimization level, hardware/version compatibility, timing cache in <output>/engine/timing.cache), and is compared with ONNX Runtime (Polygraphy) before it is packaged with KIND_GPU instances.
+
+    A quantized build measures perplexity (held-out text), greedy agreement, size and decode speed against the unquantized graph and fails (exit code 9) when perplexity rises more than quantization.max_perplexity_increase; `llmc inspect` shows that report.
+
+    Unchanged stages are reused from the previous output; the output folder is replaced atomically, so a failed or interrupted build leaves the previous one intact.
+    """
+    if dry_run:
+        from llmc.compiler import load_spec, plan_build
+        from llmc.compiler.inspect import Section
+        from llmc.console import out, sections_table
+
+        for table in sections_table([Section(f"build plan: {spec}", plan_build(load_spec(spec)).rows())]):
+            out.print(table)
+        return
+    _run_build(spec, output, "package", {"export", "verify", "quantize", "engine"} if force else set())
+
+
+@app.command()
+@friendly
+def export(spec: SpecArg, output: OutputOpt = None,
+           force: Annotated[bool, typer.Option("--force", help="Export even if unchanged.")] = False) -> None:
+    """Export only: checkpoint -> ONNX with explicit KV cache (no verification).
+
+    Attention is lowered as `export.attention` says: `fused` (ONNX Runtime GroupQueryAttention, in-place KV), `reference` (plain opset-23 ops), `plugin` (TensorRT LlmcFusedAttention node, target: tensorrt) or `paged` (llmc.PagedAttention over block pools, packed tokens).
+    """
+    _run_build(spec, output, "export", {"export"} if force else set())
+
+
+@app.command()
+@friendly
+def verify(spec: SpecArg, output: OutputOpt = None) -> None:
+    """Verify the spec's ONNX export against PyTorch (exports first if needed); for target: tensorrt, the engine against ONNX Runtime.
+
+    The HF model runs each prompt alone; the graph runs as serving runs it: each prompt prefilled into its own KV slot, then all rows decoding side by side at their own positions. Prefill plus `verify.decode_steps` greedy steps at batch 1 and for a batch of 3 prompts of different lengths; fails (exit code 5) if any greedy token differs or |Δlogit| exceeds `verify.max_logit_diff`.
+
+    A TensorRT build (re)builds its engine and compares it with ONNX Runtime driven the same way, by Polygraphy's comparator at the precision's tolerance (fp16: atol 0.25, rtol 0.02).
+    """
+    from llmc.compiler import load_spec
+    from llmc.compiler.spec import Target
+
+    tensorrt = load_spec(spec).target is Target.tensorrt
+    _run_build(spec, output, "engine" if tensorrt else "verify", {"verify", "engine"} if tensorrt else {"verify"})
+
+
+@app.command()
+@friendly
+def inspect(path: Annotated[Path, typer.Argument(help="A build folder, a stage folder (export/, verify/) or an .onnx file.", show_default=False)]) -> None:
+    """Show what an artifact holds: IO names and shapes, opset, KV layout, hashes, verify results, the quantization quality report."""
+    from llmc.compiler import inspect_path
+    from llmc.console import out, sections_table
+
+    for table in sections_table(inspect_path(path)):
+        out.print(table)
