@@ -103,6 +103,8 @@ def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package"
     except BaseException:
         out.discard(run.staging)
         raise
+    run.result.artifacts = {name: Located(done.artifact, output / done.folder.relative_to(run.staging))
+                            for name, done in run.result.artifacts.items()}  # where the files are now
     return run.result
 
 

@@ -137,3 +137,10 @@ def test_code_hash_follows_the_source_of_the_named_modules(tmp_path, monkeypatch
     assert code_hash("llmc.compiler.export", "llmc_probe_mod") == before  # order does not matter
     (tmp_path / "llmc_probe_mod.py").write_text("X = 2\n")
     assert code_hash("llmc_probe_mod", "llmc.compiler.export") != before
+
+
+def test_the_result_points_at_the_published_output(tiny_llama, tmp_path):
+    result = build(parse_spec({"name": "t", "source": str(tiny_llama)}), output=tmp_path / "out")
+    assert result.artifacts["export"].folder == tmp_path / "out" / "export"
+    assert (result.artifacts["export"].folder / result.exported.onnx).is_file()
+    assert result.artifacts["package"].folder == result.repository
