@@ -200,3 +200,19 @@ def assert_serves_like_its_graph(result, tmp_path: Path, prompt: str = "quantize
                       log_path=tmp_path / "server.log") as server:
         gen = Client(server.grpc_url).complete(prompt, max_tokens=tokens, min_tokens=tokens)
     assert gen.output_ids == expected
+
+
+def add_model_variant(repository: Path, source: str, name: str, **limits) -> None:
+    """Copy model `source` of a Triton repository as model `name`, with some serving limits changed."""
+    import shutil
+
+    from llmc.compiler.triton_config import parse, render
+    from llmc.runtime.manifest import RepositoryManifest
+
+    shutil.copytree(repository / source, repository / name)
+    cfg = parse((repository / name / "config.pbtxt").read_text())
+    cfg.name = name
+    (repository / name / "config.pbtxt").write_text(render(cfg))
+    manifest = RepositoryManifest.load(repository / name / "1")
+    manifest.model_copy(update={"name": name, "limits": manifest.limits.model_copy(update=limits)}).save(
+        repository / name / "1")

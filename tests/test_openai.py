@@ -14,8 +14,8 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import TINY_SERVING_SPEC, byte_tokenizer, greedy_reference
-from llmc.compiler.triton_config import parse, render
+from conftest import TINY_SERVING_SPEC, add_model_variant, byte_tokenizer, greedy_reference
+from llmc.compiler.triton_config import parse
 from llmc.openai.server import OpenAIServer
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.soak import llmc_metrics
@@ -50,16 +50,6 @@ def chat_build(chat_checkpoint, tmp_path_factory):
     return build(spec, output=tmp_path_factory.mktemp("chat_build") / "tiny_chat")
 
 
-def _add_variant(repository: Path, source: str, name: str, **limits) -> None:
-    shutil.copytree(repository / source, repository / name)
-    cfg = parse((repository / name / "config.pbtxt").read_text())
-    cfg.name = name
-    (repository / name / "config.pbtxt").write_text(render(cfg))
-    manifest = RepositoryManifest.load(repository / name / "1")
-    manifest.model_copy(update={"name": name, "limits": manifest.limits.model_copy(update=limits)}).save(
-        repository / name / "1")
-
-
 @pytest.fixture(scope="module")
 def triton(tiny_build, chat_build, tmp_path_factory):
     if not (SERVING_ENV / "bin" / "python3").exists():
@@ -68,7 +58,7 @@ def triton(tiny_build, chat_build, tmp_path_factory):
     repository = root / "repository"
     shutil.copytree(tiny_build.repository, repository)
     shutil.copytree(chat_build.repository / "tiny_chat", repository / "tiny_chat")
-    _add_variant(repository, "tiny_chat", BUSY, max_batch_size=1, max_queue_size=1, max_seq_len=2048)
+    add_model_variant(repository, "tiny_chat", BUSY, max_batch_size=1, max_queue_size=1, max_seq_len=2048)
     with TritonServer(repository, server_dir=assemble(root / "server"), serving_env=SERVING_ENV,
                       log_path=root / "server.log") as srv:
         yield srv

@@ -12,26 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import byte_tokenizer, greedy_reference
+from conftest import add_model_variant, byte_tokenizer, greedy_reference
 from llmc.client import AsyncClient, Client, Generation, GenerationError
-from llmc.compiler.triton_config import parse, render
-from llmc.runtime.manifest import RepositoryManifest
 from llmc.soak import llmc_metrics
 from llmc.triton_server import TritonServer, assemble
 
 SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"
 pytestmark = pytest.mark.triton
 ONE_SLOT = "tiny_one_slot"  # one KV slot, a queue of one and long contexts: for queueing and cancelling
-
-
-def _add_variant(repository: Path, name: str, **limits) -> None:
-    shutil.copytree(repository / "tiny", repository / name)
-    cfg = parse((repository / name / "config.pbtxt").read_text())
-    cfg.name = name
-    (repository / name / "config.pbtxt").write_text(render(cfg))
-    manifest = RepositoryManifest.load(repository / name / "1")
-    manifest.model_copy(update={"name": name, "limits": manifest.limits.model_copy(update=limits)}).save(
-        repository / name / "1")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +29,7 @@ def server(tiny_build, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     repository = root / "repository"
     shutil.copytree(tiny_build.repository, repository)
-    _add_variant(repository, ONE_SLOT, max_batch_size=1, max_queue_size=1, max_seq_len=2048)
+    add_model_variant(repository, "tiny", ONE_SLOT, max_batch_size=1, max_queue_size=1, max_seq_len=2048)
     with TritonServer(repository, server_dir=assemble(root / "server"), serving_env=SERVING_ENV,
                       log_path=root / "server.log") as srv:
         yield srv
