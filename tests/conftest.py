@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -216,3 +218,52 @@ def add_model_variant(repository: Path, source: str, name: str, **limits) -> Non
     manifest = RepositoryManifest.load(repository / name / "1")
     manifest.model_copy(update={"name": name, "limits": manifest.limits.model_copy(update=limits)}).save(
         repository / name / "1")
+
+
+class RecordingSink:
+    def __init__(self, cancel_after: int | None = None):
+        self.responses, self.errors, self.done = [], [], threading.Event()
+        self.cancel_after = cancel_after
+
+    def send(self, outputs, final):
+        self.responses.append(outputs)
+        if final:
+            self.done.set()
+
+    def error(self, message):
+        self.errors.append(message)
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancel_after is not None and len(self.responses) >= self.cancel_after
+
+    def wait(self, timeout=30):
+        assert self.done.wait(timeout), "no final response"
+        return self
+
+    def joined(self, name):
+        """One output tensor over every response (waits for the final one; no errors)."""
+        self.wait()
+        assert not self.errors, self.errors
+        return np.concatenate([r[name] for r in self.responses])
+
+    @property
+    def text(self):
+        return "".join(r["text_output"][0].decode() for r in self.responses)
+
+    @property
+    def ids(self):
+        return [int(i) for r in self.responses for i in r["output_ids"]]
+
+    @property
+    def finish_reason(self):
+        return self.responses[-1]["finish_reason"][0].decode() if self.responses else None
+
+
+def request_inputs(prompt="hello there", **kw):
+    """A request's input tensors as Triton hands them to the model: the prompt, then named scalars."""
+    inputs = {"text_input": np.array([prompt.encode()], dtype=object)}
+    for name, value in kw.items():
+        dtype = {bool: np.bool_, float: np.float32, int: np.int32}[type(value)]
+        inputs[name] = np.array([value], dtype=dtype)
+    return inputs

@@ -1,43 +1,12 @@
 """Log probabilities computed in the served model (runtime/logprobs.py), in process: equal to
 PyTorch's log_softmax of the HF model's logits for greedy and sampled requests, streamed and not."""
 
-import threading
-
 import numpy as np
 import pytest
 
-from conftest import byte_tokenizer
+from conftest import RecordingSink, byte_tokenizer, request_inputs
 from llmc.runtime.logprobs import LogprobRecorder, log_softmax
 from llmc.runtime.serving import ServingLoop
-
-
-class Sink:
-    def __init__(self):
-        self.responses, self.errors, self.done = [], [], threading.Event()
-
-    def send(self, outputs, final):
-        self.responses.append(outputs)
-        if final:
-            self.done.set()
-
-    def error(self, message):
-        self.errors.append(message)
-        self.done.set()
-
-    def is_cancelled(self):
-        return False
-
-    def joined(self, name):
-        assert self.done.wait(30) and not self.errors, self.errors
-        return np.concatenate([r[name] for r in self.responses])
-
-
-def _inputs(prompt, **kw):
-    inputs = {"text_input": np.array([prompt.encode()], dtype=object)}
-    for name, value in kw.items():
-        dtype = {bool: np.bool_, float: np.float32, int: np.int32}[type(value)]
-        inputs[name] = np.array([value], dtype=dtype)
-    return inputs
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +38,8 @@ def torch_logprobs(model, prompt_ids, output_ids):
                          ids=["greedy", "sampled"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_logprobs_equal_pytorch_log_softmax(loop, torch_model, sampling, stream):
-    sink = Sink()
-    loop.submit(_inputs("log probs of", max_tokens=12, stream=stream, return_log_probs=True, num_top_logprobs=5,
+    sink = RecordingSink()
+    loop.submit(request_inputs("log probs of", max_tokens=12, stream=stream, return_log_probs=True, num_top_logprobs=5,
                         **sampling), sink)
     ids = sink.joined("output_ids").tolist()
     values, top_ids = sink.joined("output_log_probs"), sink.joined("top_log_prob_ids")
@@ -91,15 +60,15 @@ def test_logprobs_equal_pytorch_log_softmax(loop, torch_model, sampling, stream)
 
 
 def test_without_return_log_probs_no_log_prob_outputs(loop):
-    sink = Sink()
-    loop.submit(_inputs("plain", max_tokens=4), sink)
+    sink = RecordingSink()
+    loop.submit(request_inputs("plain", max_tokens=4), sink)
     sink.joined("output_ids")
     assert not {"output_log_probs", "cum_log_probs", "top_log_probs"} & set(sink.responses[-1])
 
 
 def test_num_top_logprobs_needs_return_log_probs(loop):
-    sink = Sink()
-    loop.submit(_inputs("plain", max_tokens=4, num_top_logprobs=3), sink)
+    sink = RecordingSink()
+    loop.submit(request_inputs("plain", max_tokens=4, num_top_logprobs=3), sink)
     assert sink.done.wait(10) and sink.errors == ["num_top_logprobs: needs return_log_probs true"]
 
 

@@ -6,44 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import byte_tokenizer, greedy_reference
+from conftest import RecordingSink, byte_tokenizer, greedy_reference, request_inputs
 from llmc.runtime.engine import CacheState
 from llmc.runtime.metrics import ServingMetrics
 from llmc.runtime.serving import ServingLoop
-
-
-class RecordingSink:
-    def __init__(self, cancel_after: int | None = None):
-        self.responses, self.errors, self.done = [], [], threading.Event()
-        self.cancel_after = cancel_after
-
-    def send(self, outputs, final):
-        self.responses.append(outputs)
-        if final:
-            self.done.set()
-
-    def error(self, message):
-        self.errors.append(message)
-        self.done.set()
-
-    def is_cancelled(self):
-        return self.cancel_after is not None and len(self.responses) >= self.cancel_after
-
-    def wait(self, timeout=30):
-        assert self.done.wait(timeout), "no final response"
-        return self
-
-    @property
-    def text(self):
-        return "".join(r["text_output"][0].decode() for r in self.responses)
-
-    @property
-    def ids(self):
-        return [int(i) for r in self.responses for i in r["output_ids"]]
-
-    @property
-    def finish_reason(self):
-        return self.responses[-1]["finish_reason"][0].decode() if self.responses else None
 
 
 class Recorder:
@@ -78,23 +44,15 @@ def served(request):
     loop.stop()
 
 
-def _req(prompt="hello there", **kw):
-    inputs = {"text_input": np.array([prompt.encode()], dtype=object)}
-    for name, value in kw.items():
-        dtype = {bool: np.bool_, float: np.float32, int: np.int32}[type(value)]
-        inputs[name] = np.array([value], dtype=dtype)
-    return inputs
-
-
 def test_streamed_chunks_add_up_to_the_whole_text_and_match_pytorch(served, tiny_checkpoints):
     from llmc.compiler.source import inspect_source, load_model
     from llmc.compiler.spec import SourceSpec
 
     loop, recorder = served
     whole = RecordingSink()
-    loop.submit(_req(max_tokens=12), whole)
+    loop.submit(request_inputs(max_tokens=12), whole)
     streamed = RecordingSink()
-    loop.submit(_req(max_tokens=12, stream=True), streamed)
+    loop.submit(request_inputs(max_tokens=12, stream=True), streamed)
     whole.wait(), streamed.wait()
     assert len(whole.responses) == 1 and len(streamed.responses) > 1
     assert streamed.text == whole.text and streamed.ids == whole.ids
@@ -109,10 +67,10 @@ def test_streamed_chunks_add_up_to_the_whole_text_and_match_pytorch(served, tiny
 def test_bad_requests_get_an_error_naming_the_input_and_others_go_on(served):
     loop, recorder = served
     good = RecordingSink()
-    loop.submit(_req(max_tokens=40, stream=True), good)
-    bad = {"temperature": _req(temperature=-1.0), "top_p": _req(top_p=0.0), "max_tokens": _req(max_tokens=0),
-           "text_input": _req("x" * 200), "stop_words": {**_req(), "stop_words": np.array([b"a"] * 9, dtype=object)},
-           "num_top_logprobs": _req(return_log_probs=True, num_top_logprobs=21)}
+    loop.submit(request_inputs(max_tokens=40, stream=True), good)
+    bad = {"temperature": request_inputs(temperature=-1.0), "top_p": request_inputs(top_p=0.0), "max_tokens": request_inputs(max_tokens=0),
+           "text_input": request_inputs("x" * 200), "stop_words": {**request_inputs(), "stop_words": np.array([b"a"] * 9, dtype=object)},
+           "num_top_logprobs": request_inputs(return_log_probs=True, num_top_logprobs=21)}
     sinks = {name: RecordingSink() for name in bad}
     for name, inputs in bad.items():
         loop.submit(inputs, sinks[name])
@@ -133,7 +91,7 @@ def test_a_stop_request_ends_the_request_with_its_id(served):
 
     loop, _ = served
     sink, stop_sink, stray = Held(), RecordingSink(), RecordingSink()
-    loop.submit(_req(max_tokens=100, stream=True, min_tokens=100), sink, "abc")
+    loop.submit(request_inputs(max_tokens=100, stream=True, min_tokens=100), sink, "abc")
     stop = {"text_input": np.array([b""], dtype=np.object_), "stop": np.array([True])}
     assert sink.entered.wait(10)
     loop.submit(stop, stop_sink, "abc")
@@ -151,7 +109,7 @@ def test_cancelled_request_frees_its_slot_and_the_gauges_return_to_zero(served, 
     monkeypatch.setattr(serving, "CANCEL_CHECK_INTERVAL", 0.0)  # poll every step: the tiny model is fast
     loop, recorder = served
     sink = RecordingSink(cancel_after=2)
-    loop.submit(_req(max_tokens=100, stream=True, min_tokens=100), sink)
+    loop.submit(request_inputs(max_tokens=100, stream=True, min_tokens=100), sink)
     deadline = time.monotonic() + 5
     while (loop.engine.has_work or loop.num_in_flight) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -168,8 +126,8 @@ def test_full_queue_answers_busy_retry(tiny_build):
     loop = ServingLoop.from_manifest(tiny_build.repository / "tiny" / "1")  # not started: nothing leaves the queue
     loop.engine.scheduler.max_queue_size = 1
     first, second = RecordingSink(), RecordingSink()
-    loop.submit(_req(), first)
-    loop.submit(_req(), second)
+    loop.submit(request_inputs(), first)
+    loop.submit(request_inputs(), second)
     assert second.errors and second.errors[0].startswith("busy, retry")
     loop.stop()
     assert first.errors == ["the model is being unloaded"]  # stopping answers what was still queued
@@ -181,7 +139,7 @@ def test_stopping_the_loop_closes_its_runner(tiny_build):
 
     loop = ServingLoop.from_manifest(tiny_build.repository / "tiny" / "1").start()
     sink = RecordingSink()
-    loop.submit(_req(max_tokens=3), sink)
+    loop.submit(request_inputs(max_tokens=3), sink)
     assert sink.wait().errors == []
     loop.stop()
     with pytest.raises(RunnerClosed):
@@ -200,10 +158,10 @@ def test_a_failing_step_ends_requests_in_flight_and_the_loop_keeps_serving(serve
 
     monkeypatch.setattr(loop.engine.runner, "step", failing_once)
     victim = RecordingSink()
-    loop.submit(_req(max_tokens=5), victim)
+    loop.submit(request_inputs(max_tokens=5), victim)
     assert victim.wait().errors and "boom" in victim.errors[0]
     after = RecordingSink()
-    loop.submit(_req(max_tokens=5), after)
+    loop.submit(request_inputs(max_tokens=5), after)
     assert after.wait().errors == [] and len(after.ids) == 5
     assert loop.engine.scheduler.num_running == 0
 
@@ -251,7 +209,7 @@ def test_the_paged_graph_reports_its_blocks_and_prefix_reuse(tiny_paged_build):
         prompt = "a prompt long enough to fill a block or two of sixteen tokens"  # byte-level: 62 tokens
         sinks = [RecordingSink(), RecordingSink()]
         for sink in sinks:  # the second time, the prompt's full blocks are in the prefix cache
-            loop.submit(_req(prompt, max_tokens=6), sink)
+            loop.submit(request_inputs(prompt, max_tokens=6), sink)
             sink.wait()
         time.sleep(0.3)  # the idle loop publishes the gauges
     finally:
