@@ -109,13 +109,35 @@ def _rotate_paged(x: Tensor, cos_cache: Tensor, sin_cache: Tensor, positions: Te
     return x
 
 
+def _channel_scales(scale: Tensor, kv_heads: int, head_size: int) -> Tensor:
+    """A cache scale ([1] or [KVH, 1, D]) as [KVH, D]."""
+    return scale.float().reshape(-1, head_size).expand(kv_heads, head_size) if scale.numel() > 1 else \
+        scale.float().reshape(1, 1).expand(kv_heads, head_size)
+
+
+def _encode(x: Tensor, dtype: torch.dtype, scale: Tensor | None) -> Tensor:
+    """[N, KVH, D] float values as a cache stores them: cast, or int8 codes under `scale`."""
+    if dtype != torch.int8:
+        return x.to(dtype)
+    codes = torch.round(x / _channel_scales(scale, x.shape[1], x.shape[2]))
+    return codes.clamp(-128, 127).to(torch.int8)
+
+
+def _decode(x: Tensor, scale: Tensor | None) -> Tensor:
+    """[N, KVH, D] cache entries as float32: int8 codes times their scales."""
+    if x.dtype != torch.int8:
+        return x.float()
+    return x.float() * _channel_scales(scale, x.shape[1], x.shape[2])
+
+
 def reference_paged_attention(query: Tensor, key: Tensor | None, value: Tensor | None, key_cache: Tensor,
                               value_cache: Tensor, cumulative_sequence_length: Tensor, past_seqlens: Tensor,
                               block_table: Tensor, num_heads: int, kv_num_heads: int, scale: float = 0.0,
                               cos_cache: Tensor | None = None, sin_cache: Tensor | None = None, *,
                               slot_mapping: Tensor | None = None, rotary_interleaved: bool = False,
-                              softcap: float = 0.0, local_window_size: int = -1,
-                              is_causal: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+                              softcap: float = 0.0, local_window_size: int = -1, is_causal: bool = True,
+                              k_scale: Tensor | None = None,
+                              v_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """ONNX Runtime's com.microsoft.PagedAttention in plain PyTorch, the definition llmc's CPU kernel
     (runtime/paged_attention.c) is tested against. Writes the new keys and values INTO `key_cache` and
     `value_cache` (the contract updates them in place) and returns (output [T, H*D], key_cache, value_cache).
@@ -129,7 +151,9 @@ def reference_paged_attention(query: Tensor, key: Tensor | None, value: Tensor |
     `local_window_size` of them counting itself (when > 0), read from the cache through `block_table`;
     block-table entries outside [0, num_blocks) are unmapped and masked out. softcap > 0 turns a logit
     x into softcap * tanh(x / softcap); scale 0 means 1 / sqrt(D). A query with nothing to attend to
-    gets zeros."""
+    gets zeros. int8 caches take `k_scale`/`v_scale`, the contract's dequantization scales ([1]:
+    PER_TENSOR, [KVH, 1, D]: PER_CHANNEL): x is stored as round(x / scale) (to nearest even) saturated to
+    [-128, 127] and read back as code * scale."""
     tokens = query.shape[0]
     if key is None:
         head_size = query.shape[1] // (num_heads + 2 * kv_num_heads)
@@ -156,8 +180,9 @@ def reference_paged_attention(query: Tensor, key: Tensor | None, value: Tensor |
     k_flat = key_cache.view(num_blocks * block_size, kv_num_heads, head_size)
     v_flat = value_cache.view(num_blocks * block_size, kv_num_heads, head_size)
     written = slots >= 0
-    k_flat[slots[written]] = k[written].to(key_cache.dtype)
-    v_flat[slots[written]] = value.reshape(tokens, kv_num_heads, head_size)[written].to(value_cache.dtype)
+    k_flat[slots[written]] = _encode(k[written], key_cache.dtype, k_scale)
+    v_flat[slots[written]] = _encode(value.reshape(tokens, kv_num_heads, head_size)[written].float(), value_cache.dtype,
+                                     v_scale)
 
     out = torch.zeros(tokens, num_heads, head_size)
     group = num_heads // kv_num_heads
@@ -168,8 +193,8 @@ def reference_paged_attention(query: Tensor, key: Tensor | None, value: Tensor |
         seen = torch.arange(total)
         block = table[b, seen // block_size]
         slot = block.clamp(min=0) * block_size + seen % block_size
-        keys = k_flat[slot].float().repeat_interleave(group, dim=1)  # [total, H, D]
-        values = v_flat[slot].float().repeat_interleave(group, dim=1)
+        keys = _decode(k_flat[slot], k_scale).repeat_interleave(group, dim=1)  # [total, H, D]
+        values = _decode(v_flat[slot], v_scale).repeat_interleave(group, dim=1)
         logits = torch.einsum("qhd,khd->hqk", q[start:end], keys) * scale
         if softcap > 0:
             logits = softcap * torch.tanh(logits / softcap)

@@ -23,7 +23,7 @@ typedef struct {
 } OrtApiBase;
 
 enum { ORT_API_VERSION_USED = 17, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
-enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT32 = 6, TYPE_FLOAT16 = 10 }; /* ONNXTensorElementDataType */
+enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT8 = 3, TYPE_INT32 = 6, TYPE_FLOAT16 = 10 }; /* ONNXTensorElementDataType */
 enum { IO_REQUIRED = 0, IO_OPTIONAL = 1, IO_VARIADIC = 2 };                 /* OrtCustomOpInputOutputCharacteristic */
 /* OrtApi slots (index = byte offset / pointer size) */
 enum {

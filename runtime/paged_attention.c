@@ -10,7 +10,13 @@
  * tile of TILE at a time through the block table (one pointer per position: blocks of any size,
  * anywhere in the pool), and keeps an online softmax per query (running max, sum and weighted sum of
  * values): no [queries, positions] score matrix, however long the row. Tasks are dealt out longest
- * first, since a chunk late in a long row costs more than one early. */
+ * first, since a chunk late in a long row costs more than one early.
+ *
+ * int8 caches (symmetric, a dequantization scale per kv head and channel, ONNX Runtime's PER_CHANNEL;
+ * a PER_TENSOR scale comes expanded): a key or value is stored as x / scale rounded to nearest even and
+ * saturated to [-128, 127]. The loops read the codes as they are: the key scales are folded into the
+ * scratch queries (q . (s * k) = (q * s) . k) and the value scales into the finished output, so int8
+ * costs the attention loops nothing beyond widening a byte. */
 #include "paged_attention.h"
 
 #include <math.h>
@@ -72,7 +78,7 @@ PagedCall *paged_prepare(const PagedArgs *args, size_t *write_tasks, size_t *att
   int at = args->isa; /* that one, else the next one down this CPU runs that takes the head size */
   while (at + 1 < PAGED_ISA_COUNT && !(ISAS[at]->supported() && ISAS[at]->takes((int)args->d))) at++;
   const PagedIsa *isa = ISAS[at];
-  call->loops = args->fp16 ? &isa->f16 : &isa->f32;
+  call->loops = args->cache == PAGED_CACHE_I8 ? &isa->i8 : args->cache == PAGED_CACHE_F16 ? &isa->f16 : &isa->f32;
   call->queries = (float *)malloc(sizeof(float) * (size_t)(args->tokens * args->heads * args->d) + 1);
   call->row_of = (int32_t *)malloc(sizeof(int32_t) * (size_t)args->tokens + 1);
   call->zero_row = calloc((size_t)args->d, sizeof(float));
@@ -108,13 +114,20 @@ static void rotate(const PagedArgs *a, const float *x, int64_t at, float scale, 
   }
 }
 
-static void store(const PagedArgs *a, void *cache, int64_t slot, int64_t kv_head, const float *x) {
+int8_t paged_quantize(float x, float scale) {
+  float q = rintf(x / scale); /* the current rounding mode: to nearest even */
+  return (int8_t)(q > 127.f ? 127 : q < -128.f ? -128 : q);
+}
+
+/* x into the cache at (slot, kv_head); scale: that head's int8 scales (NULL for float caches) */
+static void store(const PagedArgs *a, void *cache, int64_t slot, int64_t kv_head, const float *x, const float *scale) {
   int64_t at = (slot * a->kv_heads + kv_head) * a->d;
-  if (!a->fp16) {
+  if (a->cache == PAGED_CACHE_F32)
     memcpy((float *)cache + at, x, sizeof(float) * (size_t)a->d);
-    return;
-  }
-  for (int64_t c = 0; c < a->d; c++) ((uint16_t *)cache)[at + c] = paged_float_to_half(x[c]);
+  else if (a->cache == PAGED_CACHE_F16)
+    for (int64_t c = 0; c < a->d; c++) ((uint16_t *)cache)[at + c] = paged_float_to_half(x[c]);
+  else
+    for (int64_t c = 0; c < a->d; c++) ((int8_t *)cache)[at + c] = paged_quantize(x[c], scale[c]);
 }
 
 static int64_t slot_of(const PagedArgs *a, int64_t t, int64_t row, int64_t position) {
@@ -134,14 +147,18 @@ void paged_write(void *opaque, size_t task) {
   int64_t end = ((int64_t)task + 1) * CHUNK < a->tokens ? ((int64_t)task + 1) * CHUNK : a->tokens;
   for (int64_t t = (int64_t)task * CHUNK; t < end; t++) {
     int64_t row = call->row_of[t], position = a->past[row] + t - a->cumulative[row];
-    for (int64_t h = 0; h < a->heads; h++)
-      rotate(a, a->query + t * a->q_stride + h * a->d, position, a->scale, call->queries + (t * a->heads + h) * a->d);
+    for (int64_t h = 0; h < a->heads; h++) {
+      float *q = call->queries + (t * a->heads + h) * a->d;
+      rotate(a, a->query + t * a->q_stride + h * a->d, position, a->scale, q);
+      const float *ks = a->k_scale ? a->k_scale + h / (a->heads / a->kv_heads) * a->d : NULL;
+      for (int64_t c = 0; ks && c < a->d; c++) q[c] *= ks[c]; /* int8 keys: their scales folded into q */
+    }
     int64_t slot = slot_of(a, t, row, position);
     if (slot < 0) continue;
     for (int64_t h = 0; h < a->kv_heads; h++) {
       rotate(a, a->key + t * a->kv_stride + h * a->d, position, 1.f, key);
-      store(a, a->key_cache, slot, h, key);
-      store(a, a->value_cache, slot, h, a->value + t * a->kv_stride + h * a->d);
+      store(a, a->key_cache, slot, h, key, a->k_scale ? a->k_scale + h * a->d : NULL);
+      store(a, a->value_cache, slot, h, a->value + t * a->kv_stride + h * a->d, a->v_scale ? a->v_scale + h * a->d : NULL);
     }
   }
   free(key);
@@ -160,7 +177,7 @@ typedef struct {
 /* the positions j0 .. j0 + n - 1 of a row's kv head, through the block table */
 static void locate(const PagedCall *call, int64_t row, int64_t kv_head, int64_t j0, int n, Tile *tile) {
   const PagedArgs *a = &call->a;
-  size_t bytes = a->fp16 ? 2 : 4;
+  size_t bytes = a->cache == PAGED_CACHE_I8 ? 1 : a->cache == PAGED_CACHE_F16 ? 2 : 4;
   tile->any_unmapped = 0;
   for (int t = 0; t < n; t++) {
     int64_t j = j0 + t;
@@ -233,7 +250,8 @@ void paged_attend(void *opaque, size_t index) {
   for (int qi = 0; qi < queries; qi++) {
     int64_t i = task->first + qi / task->heads, h = task->head + qi % task->heads;
     float *out = a->output + ((start + i) * a->heads + h) * a->d, scale = state[qi].sum > 0 ? 1.f / state[qi].sum : 0.f;
-    for (int64_t c = 0; c < a->d; c++) out[c] = acc[qi * a->d + c] * scale;
+    const float *vs = a->v_scale ? a->v_scale + kv_head * a->d : NULL; /* int8 values: their scales applied once */
+    for (int64_t c = 0; c < a->d; c++) out[c] = acc[qi * a->d + c] * scale * (vs ? vs[c] : 1.f);
   }
   free(acc), free(state), free(tile);
 }

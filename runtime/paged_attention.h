@@ -1,5 +1,6 @@
 /* llmc's paged attention on CPU (paged_attention.c): ONNX Runtime's com.microsoft.PagedAttention
- * semantics over float32 activations and a float32 or float16 block cache. paged_attention_op.c is
+ * semantics over float32 activations and a float32, float16 or int8 block cache (int8: symmetric codes,
+ * one dequantization scale per kv head and channel). paged_attention_op.c is
  * the ONNX Runtime op around it (it checks shapes and values before calling in here). */
 #ifndef LLMC_PAGED_ATTENTION_H
 #define LLMC_PAGED_ATTENTION_H
@@ -21,8 +22,11 @@ typedef struct {
   const char *name;
   int (*supported)(void);
   int (*takes)(int d); /* whether its loops take this head size (else the portable ones run) */
-  PagedLoops f32, f16;
+  PagedLoops f32, f16, i8;
 } PagedIsa;
+
+/* what a cache element is */
+enum { PAGED_CACHE_F32 = 0, PAGED_CACHE_F16 = 1, PAGED_CACHE_I8 = 2 };
 
 /* the instruction sets, best first; the portable one runs everywhere */
 enum { PAGED_ISA_AVX512 = 0, PAGED_ISA_AVX2 = 1, PAGED_ISA_PORTABLE = 2, PAGED_ISA_COUNT = 3 };
@@ -35,7 +39,8 @@ typedef struct {
   const float *query, *key, *value;                   /* token t, head h at query + t * q_stride + h * d */
   int64_t q_stride, kv_stride;                        /* elements from one token to the next (packed QKV) */
   void *key_cache, *value_cache;                      /* [blocks, block_size, kv_heads, d], updated */
-  int fp16;                                           /* the caches hold IEEE half floats, else float */
+  int cache;                                          /* PAGED_CACHE_*: the caches' element type */
+  const float *k_scale, *v_scale;                     /* int8: [kv_heads, d] dequantization scales, else NULL */
   const int32_t *cumulative, *past, *block_table;     /* [batch + 1], [batch], [batch, max_blocks] */
   const int32_t *slot_mapping;                        /* [tokens] or NULL */
   const float *cos, *sin;                             /* [positions, rotary_dim / 2] or NULL: no rotary */
@@ -59,6 +64,9 @@ void paged_write(void *call, size_t task);  /* rotate the new tokens' queries, w
 void paged_attend(void *call, size_t task); /* attention for one (row, heads, chunk of tokens) */
 int paged_failed(const PagedCall *call);    /* a task ran out of memory: the output is incomplete */
 void paged_free(PagedCall *call);
+
+/* x / scale rounded to nearest even and saturated to int8: what an int8 cache stores */
+int8_t paged_quantize(float x, float scale);
 
 /* IEEE half <-> float, round to nearest even (the portable path's conversions) */
 float paged_half_to_float(uint16_t h);

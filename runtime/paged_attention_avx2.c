@@ -14,6 +14,9 @@ ISA INLINE __m256 load_f32(const void *p, int c) { return _mm256_loadu_ps((const
 ISA INLINE __m256 load_f16(const void *p, int c) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + c)));
 }
+ISA INLINE __m256 load_i8(const void *p, int c) { /* int8 codes widened; their scales are applied outside */
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + c))));
+}
 
 ISA INLINE float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -73,6 +76,7 @@ ISA INLINE __m256 fold8(const __m256 *a) {
 
 AVX2_LOOPS(f32, load_f32)
 AVX2_LOOPS(f16, load_f16)
+AVX2_LOOPS(i8, load_i8)
 
 /* exp(x) for x <= 0 (a logit minus the running max): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes'
  * expf polynomial, 2^n built in the exponent bits; below -87 (under float's normal range) it returns
@@ -122,4 +126,4 @@ static int supported(void) {
 static int takes(int d) { return d > 0 && d % 8 == 0; }
 
 const PagedIsa paged_avx2 = {"avx2", supported, takes, {dots_f32, accumulate_f32, exp_sum},
-                             {dots_f16, accumulate_f16, exp_sum}};
+                             {dots_f16, accumulate_f16, exp_sum}, {dots_i8, accumulate_i8, exp_sum}};

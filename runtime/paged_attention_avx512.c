@@ -13,6 +13,9 @@ ISA INLINE __m512 load_f32(const void *p, int c) { return _mm512_loadu_ps((const
 ISA INLINE __m512 load_f16(const void *p, int c) {
   return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + c)));
 }
+ISA INLINE __m512 load_i8(const void *p, int c) { /* int8 codes widened; their scales are applied outside */
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + c))));
+}
 
 ISA INLINE __m256 halve(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -70,6 +73,7 @@ ISA INLINE __m256 fold8(const __m512 *a) {
 
 AVX512_LOOPS(f32, load_f32)
 AVX512_LOOPS(f16, load_f16)
+AVX512_LOOPS(i8, load_i8)
 
 /* exp(x) for x <= 0: paged_attention_avx2.c's exp8, 16 lanes */
 ISA INLINE __m512 exp16(__m512 x) {
@@ -115,4 +119,4 @@ static int supported(void) {
 static int takes(int d) { return d > 0 && d % 16 == 0; }
 
 const PagedIsa paged_avx512 = {"avx512", supported, takes, {dots_f32, accumulate_f32, exp_sum},
-                               {dots_f16, accumulate_f16, exp_sum}};
+                               {dots_f16, accumulate_f16, exp_sum}, {dots_i8, accumulate_i8, exp_sum}};

@@ -2,8 +2,8 @@
  * paged_attention.c — the same 17 inputs, 3 outputs and attributes (plugins/paged_schema.py lists
  * what it runs and what it refuses), plus two of llmc's: `threads` (the session's intra-op threads,
  * set by runtime/cpu_kernels.py; default: the CPU count) and `isa` ("avx512", "avx2" or "portable";
- * default: the best this CPU runs). Float32 query, key, value and rotary tables; float32 or float16
- * caches (a kernel for each). Caches update in place: when ONNX Runtime hands over output buffers that
+ * default: the best this CPU runs). Float32 query, key, value and rotary tables; float32, float16 or
+ * int8 caches (a kernel for each; int8 takes k_scale/v_scale, PER_TENSOR or PER_CHANNEL). Caches update in place: when ONNX Runtime hands over output buffers that
  * are the input caches' memory (IO binding one buffer to both), only the new tokens are written;
  * otherwise the input caches are copied to the outputs first. Shapes and values are checked here, each
  * error naming the input or attribute at fault. */
@@ -21,7 +21,9 @@
 
 enum { IN_QUERY, IN_KEY, IN_VALUE, IN_KEY_CACHE, IN_VALUE_CACHE, IN_CUMULATIVE, IN_PAST, IN_BLOCK_TABLE, IN_COS,
        IN_SIN, IN_SLOT_MAPPING, IN_HEAD_SINK, IN_COUNT = 17 };
-static const char *const REFUSED[] = {"head_sink", "q_norm_weight", "k_norm_weight", "k_scale", "v_scale"};
+enum { IN_K_SCALE = 14, IN_V_SCALE = 15 };
+static const char *const REFUSED[] = {"head_sink", "q_norm_weight", "k_norm_weight"};
+static const char *const CACHE_NAMES[] = {"float", "float16", "int8"};
 
 static char isa_names[64];
 static pthread_once_t isa_names_once = PTHREAD_ONCE_INIT;
@@ -45,7 +47,7 @@ static OrtStatus *bad(const char *format, ...) {
 
 typedef struct {
   int64_t heads, kv_heads, window, rotary_offset, threads;
-  int fp16, do_rotary, interleaved, causal, isa;
+  int cache, per_channel[2], do_rotary, interleaved, causal, isa; /* per_channel: k_scale's, v_scale's */
   float scale, softcap;
 } Op;
 
@@ -75,20 +77,32 @@ static void attr_string(const OrtKernelInfo *info, const char *name, char *out, 
   if (status) CALL(ReleaseStatus, fn_release_status, status);
 }
 
-static OrtStatus *refuse_unsupported(const OrtKernelInfo *info, int fp16) {
+/* the quant types: NONE for float caches; PER_TENSOR or PER_CHANNEL for int8 ones (per_channel set) */
+static OrtStatus *quant_types(const OrtKernelInfo *info, Op *op) {
+  char text[64];
+  const char *names[] = {"k_quant_type", "v_quant_type"};
+  for (int i = 0; i < 2; i++) {
+    attr_string(info, names[i], text, sizeof text, "NONE");
+    op->per_channel[i] = !strcmp(text, "PER_CHANNEL");
+    if (op->cache != PAGED_CACHE_I8 && strcmp(text, "NONE"))
+      return bad("%s '%s' needs an int8 cache (this one holds %s)", names[i], text, CACHE_NAMES[op->cache]);
+    if (op->cache == PAGED_CACHE_I8 && !op->per_channel[i] && strcmp(text, "PER_TENSOR"))
+      return bad("%s '%s': an int8 cache takes PER_TENSOR or PER_CHANNEL scales", names[i], text);
+  }
+  return NULL;
+}
+
+static OrtStatus *refuse_unsupported(const OrtKernelInfo *info, Op *op) {
   char text[64];
   attr_string(info, "kv_cache_layout", text, sizeof text, "SEPARATE");
   if (strcmp(text, "SEPARATE"))
     return bad("kv_cache_layout '%s' is not implemented on CPU (only SEPARATE: MLA's LATENT layout is not)", text);
   if (attr_int(info, "v_head_size", 0)) return bad("v_head_size (MLA) is not implemented on CPU");
-  for (const char *const *name = (const char *const[]){"k_quant_type", "v_quant_type", NULL}; *name; name++) {
-    attr_string(info, *name, text, sizeof text, "NONE");
-    if (strcmp(text, "NONE")) return bad("%s '%s': quantized caches are not implemented on CPU", *name, text);
-  }
+  TRY(quant_types(info, op));
   for (const char *const *name = (const char *const[]){"k_cache_dtype", "v_cache_dtype", NULL}; *name; name++) {
     attr_string(info, *name, text, sizeof text, "");
-    if (*text && !(fp16 && !strcmp(text, "float16")))
-      return bad("%s '%s' does not name this cache's element type (%s)", *name, text, fp16 ? "float16" : "float");
+    if (*text && (op->cache == PAGED_CACHE_F32 || strcmp(text, CACHE_NAMES[op->cache])))
+      return bad("%s '%s' does not name this cache's element type (%s)", *name, text, CACHE_NAMES[op->cache]);
   }
   return NULL;
 }
@@ -96,13 +110,13 @@ static OrtStatus *refuse_unsupported(const OrtKernelInfo *info, int fp16) {
 static OrtStatus *create_kernel(const OrtCustomOp *custom, OrtApiTable table, const OrtKernelInfo *info, void **out) {
   (void)table;
   Op op = {0};
-  op.fp16 = custom == &paged_attention_ops[1];
+  op.cache = (int)(custom - paged_attention_ops); /* the kernels are registered in PAGED_CACHE_* order */
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "num_heads", &op.heads));
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "kv_num_heads", &op.kv_heads));
   if (op.heads <= 0 || op.kv_heads <= 0 || op.heads % op.kv_heads)
     return bad("num_heads (%lld) must be a positive multiple of kv_num_heads (%lld)", (long long)op.heads,
                (long long)op.kv_heads);
-  TRY(refuse_unsupported(info, op.fp16));
+  TRY(refuse_unsupported(info, &op));
   op.scale = attr_float(info, "scale", 0.f);
   op.softcap = attr_float(info, "softcap", 0.f);
   op.window = attr_int(info, "local_window_size", -1);
@@ -158,8 +172,12 @@ static int shaped(const Tensor *t, size_t rank, int64_t d0, int64_t d1, int64_t 
 
 /* the head size and the shapes the others must have; PagedArgs' sizes filled in */
 static OrtStatus *check_shapes(const Op *op, const Tensor *in, PagedArgs *a) {
-  for (int i = 0; i < 5; i++)
+  for (int i = 0; i < 3; i++)
     if (in[IN_HEAD_SINK + i].value) return bad("%s is not implemented on CPU", REFUSED[i]);
+  for (int i = IN_K_SCALE; i <= IN_V_SCALE; i++)
+    if (!in[i].value != (op->cache != PAGED_CACHE_I8))
+      return bad("%s comes with an int8 cache and only then (this one holds %s)", i == IN_K_SCALE ? "k_scale" : "v_scale",
+                 CACHE_NAMES[op->cache]);
   if (!in[IN_VALUE_CACHE].value) return bad("value_cache is absent (the LATENT layout) and not implemented on CPU");
   if (!in[IN_KEY].value != !in[IN_VALUE].value) return bad("key and value come together, or neither (packed QKV)");
   const Tensor *q = &in[IN_QUERY], *kc = &in[IN_KEY_CACHE];
@@ -185,6 +203,9 @@ static OrtStatus *check_shapes(const Op *op, const Tensor *in, PagedArgs *a) {
   a->max_blocks = table->dims[1];
   if (in[IN_SLOT_MAPPING].value && !shaped(&in[IN_SLOT_MAPPING], 1, a->tokens, 0, 0, 0))
     return bad("slot_mapping is not [tokens %lld]", (long long)a->tokens);
+  for (int i = 0; op->cache == PAGED_CACHE_I8 && i < 2; i++)
+    if (op->per_channel[i] ? !shaped(&in[IN_K_SCALE + i], 3, a->kv_heads, 1, a->d, 0) : !shaped(&in[IN_K_SCALE + i], 1, 1, 0, 0, 0))
+      return bad("%s is not %s", i ? "v_scale" : "k_scale", op->per_channel[i] ? "[kv_num_heads, 1, head_size] (PER_CHANNEL)" : "[1] (PER_TENSOR)");
   if (!op->do_rotary) return NULL;
   const Tensor *cos = &in[IN_COS], *sin = &in[IN_SIN];
   if (!cos->value || !sin->value) return bad("do_rotary=1 needs cos_cache and sin_cache");
@@ -232,6 +253,16 @@ static OrtStatus *cache_output(OrtKernelContext *context, size_t outputs, size_t
   return NULL;
 }
 
+/* int8: k_scale and v_scale as [kv_heads, d] each (a PER_TENSOR scale repeated), one allocation; NULL: no memory */
+static float *expand_scales(const Op *op, const Tensor *in, PagedArgs *a) {
+  size_t n = (size_t)(a->kv_heads * a->d);
+  float *scales = (float *)malloc(2 * n * sizeof(float));
+  for (size_t i = 0; scales && i < 2; i++)
+    for (size_t j = 0; j < n; j++) scales[i * n + j] = ((const float *)in[IN_K_SCALE + i].data)[op->per_channel[i] ? j : 0];
+  a->k_scale = scales, a->v_scale = scales ? scales + n : NULL;
+  return scales;
+}
+
 static OrtStatus *compute(void *state, OrtKernelContext *context) {
   const Op *op = (const Op *)state;
   size_t inputs, outputs;
@@ -248,23 +279,29 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   a.block_table = (const int32_t *)in[IN_BLOCK_TABLE].data, a.slot_mapping = (const int32_t *)in[IN_SLOT_MAPPING].data;
   a.cos = op->do_rotary ? (const float *)in[IN_COS].data : NULL, a.sin = op->do_rotary ? (const float *)in[IN_SIN].data : NULL;
   TRY(check_values(in, &a));
-  a.fp16 = op->fp16, a.interleaved = op->interleaved, a.causal = op->causal, a.window = op->window;
+  a.cache = op->cache, a.interleaved = op->interleaved, a.causal = op->causal, a.window = op->window;
   a.scale = op->scale != 0.f ? op->scale : 1.f / sqrtf((float)a.d), a.softcap = op->softcap;
   a.threads = op->threads, a.isa = op->isa;
   int64_t dims[2] = {a.tokens, a.heads * a.d};
   OrtValue *output;
   TRY(CALL(KernelContext_GetOutput, fn_output, context, 0, dims, 2, &output));
   TRY(CALL(GetTensorMutableData, fn_data, (const OrtValue *)output, (void **)&a.output));
-  TRY(cache_output(context, outputs, 1, &in[IN_KEY_CACHE], op->fp16 ? 2 : 4, &a.key_cache));
-  TRY(cache_output(context, outputs, 2, &in[IN_VALUE_CACHE], op->fp16 ? 2 : 4, &a.value_cache));
+  size_t element = op->cache == PAGED_CACHE_I8 ? 1 : op->cache == PAGED_CACHE_F16 ? 2 : 4;
+  TRY(cache_output(context, outputs, 1, &in[IN_KEY_CACHE], element, &a.key_cache));
+  TRY(cache_output(context, outputs, 2, &in[IN_VALUE_CACHE], element, &a.value_cache));
   if (!a.tokens) return NULL;
+  float *scales = op->cache == PAGED_CACHE_I8 ? expand_scales(op, in, &a) : NULL;
   size_t writes, attends;
-  PagedCall *call = paged_prepare(&a, &writes, &attends);
-  if (!call) return llmc_fail(ORT_FAIL, "llmc.PagedAttention: out of memory");
+  PagedCall *call = (scales || op->cache != PAGED_CACHE_I8) ? paged_prepare(&a, &writes, &attends) : NULL;
+  if (!call) {
+    free(scales);
+    return llmc_fail(ORT_FAIL, "llmc.PagedAttention: out of memory");
+  }
   OrtStatus *status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, paged_write, writes, 0, call);
   if (!status) status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, paged_attend, attends, 0, call);
   if (!status && paged_failed(call)) status = llmc_fail(ORT_FAIL, "llmc.PagedAttention: out of memory");
   paged_free(call);
+  free(scales);
   return status;
 }
 
@@ -274,7 +311,10 @@ static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExe
 static size_t input_count(const OrtCustomOp *op) { (void)op; return IN_COUNT; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 3; }
 static int is_cache(size_t i) { return i == IN_KEY_CACHE || i == IN_VALUE_CACHE; }
-static int cache_type(const OrtCustomOp *op) { return op == &paged_attention_ops[1] ? TYPE_FLOAT16 : TYPE_FLOAT; }
+static int cache_type(const OrtCustomOp *op) {
+  static const int types[] = {TYPE_FLOAT, TYPE_FLOAT16, TYPE_INT8}; /* PAGED_CACHE_* order */
+  return types[op - paged_attention_ops];
+}
 static int input_type(const OrtCustomOp *op, size_t i) {
   if (is_cache(i)) return cache_type(op);
   return i == IN_CUMULATIVE || i == IN_PAST || i == IN_BLOCK_TABLE || i == IN_SLOT_MAPPING || i == 16 ? TYPE_INT32
@@ -294,4 +334,4 @@ static int homogeneous(const OrtCustomOp *op) { (void)op; return 1; }
   {16, NULL, op_name, op_provider, input_type, input_count, output_type, output_count, NULL, destroy_kernel, \
    input_characteristic, output_characteristic, memory_type, min_arity, homogeneous, min_arity, homogeneous, \
    create_kernel, compute}
-const OrtCustomOp paged_attention_ops[PAGED_ATTENTION_OPS] = {PAGED_OP, PAGED_OP}; /* float32, float16 caches */
+const OrtCustomOp paged_attention_ops[PAGED_ATTENTION_OPS] = {PAGED_OP, PAGED_OP, PAGED_OP}; /* float32, float16, int8 caches */

@@ -1,5 +1,6 @@
 /* The portable loops of llmc's paged attention (paged_attention.h), plain C for any CPU, and the
- * IEEE half conversions every path uses to write a float16 cache. */
+ * IEEE half conversions every path uses to write a float16 cache (int8 codes load as themselves: their
+ * scales are folded into the queries and the output by paged_attention.c). */
 #include <math.h>
 #include <string.h>
 
@@ -59,6 +60,7 @@ uint16_t paged_float_to_half(float f) {
 #define AS_FLOAT(x) (x)
 PORTABLE_LOOPS(f32, float, AS_FLOAT)
 PORTABLE_LOOPS(f16, uint16_t, paged_half_to_float)
+PORTABLE_LOOPS(i8, int8_t, AS_FLOAT)
 
 static float exp_sum(const float *s, float *p, int n, float max) {
   float sum = 0.f;
@@ -70,4 +72,5 @@ static int always(void) { return 1; }
 static int any_size(int d) { return d > 0; }
 
 const PagedIsa paged_portable = {
-    "portable", always, any_size, {dots_f32, accumulate_f32, exp_sum}, {dots_f16, accumulate_f16, exp_sum}};
+    "portable", always, any_size, {dots_f32, accumulate_f32, exp_sum}, {dots_f16, accumulate_f16, exp_sum},
+    {dots_i8, accumulate_i8, exp_sum}};

@@ -1,8 +1,8 @@
 """llmc.PagedAttention on CPU (runtime/paged_attention*.c, the op in runtime/paged_attention_op.c) computes
 what plugins/attention.py's reference_paged_attention computes, on every instruction set this CPU runs
 (AVX512, AVX2, the portable loops), over block sizes, GQA ratios, head sizes, rows at different positions,
-chunked prefill, rotary, float16 caches, slot mappings, unmapped blocks, windows and softcap, in place
-(IO binding one buffer to a cache's input and output) and copied."""
+chunked prefill, rotary, float16 and int8 caches (per-tensor and per-channel scales), slot mappings, unmapped
+blocks, windows and softcap, in place (IO binding one buffer to a cache's input and output) and copied."""
 
 import numpy as np
 import onnxruntime as ort
@@ -16,12 +16,15 @@ from llmc.runtime import cpu_kernels
 from test_paged_attention import paged_model
 
 ISAS = cpu_kernels.paged_isas()
-FLOAT, FLOAT16 = 1, 10
+FLOAT, INT8, FLOAT16 = 1, 3, 10
+CACHE_TYPES = {np.dtype(np.float32): FLOAT, np.dtype(np.float16): FLOAT16, np.dtype(np.int8): INT8}
 
 
 def case(rows, heads, kv_heads, head_size, block_size, *, seed=0, rotary=False, fp16=False, spare_blocks=3,
-         packed=False):
-    """Rows [(past, new)], each row's blocks scattered over a pool with stale data everywhere."""
+         packed=False, int8=None):
+    """Rows [(past, new)], each row's blocks scattered over a pool with stale data everywhere. int8:
+    "PER_TENSOR" or "PER_CHANNEL", an int8 cache of random codes with such k_scale and v_scale (the
+    per-channel ones spread over 30x, so a channel's scale visibly matters)."""
     rng = np.random.default_rng(seed)
     per_row = [-(-(p + n) // block_size) for p, n in rows]
     width = max(per_row) + 1
@@ -49,6 +52,12 @@ def case(rows, heads, kv_heads, head_size, block_size, *, seed=0, rotary=False, 
     if rotary:
         angles = rng.random((max(p + n for p, n in rows) + 3, head_size // 2), np.float32) * 6
         feeds["cos_cache"], feeds["sin_cache"] = np.cos(angles), np.sin(angles)
+    if int8:
+        for name in ("key_cache", "value_cache"):
+            feeds[name] = rng.integers(-128, 128, feeds[name].shape).astype(np.int8)
+        shape = (kv_heads, 1, head_size) if int8 == "PER_CHANNEL" else (1,)
+        for name in ("k_scale", "v_scale"):  # new keys and values (~N(0, 1)) land mostly inside the codes' range
+            feeds[name] = (np.exp(rng.uniform(np.log(0.01), np.log(0.3), shape))).astype(np.float32)
     return feeds
 
 
@@ -59,14 +68,19 @@ def reference(feeds, heads, kv_heads, **attributes):
         t["past_seqlens"], t["block_table"], heads, kv_heads, attributes.get("scale", 0.0), t.get("cos_cache"),
         t.get("sin_cache"), slot_mapping=t.get("slot_mapping"),
         rotary_interleaved=bool(attributes.get("rotary_interleaved", 0)), softcap=attributes.get("softcap", 0.0),
-        local_window_size=attributes.get("local_window_size", -1), is_causal=bool(attributes.get("is_causal", 1)))
+        local_window_size=attributes.get("local_window_size", -1), is_causal=bool(attributes.get("is_causal", 1)),
+        k_scale=t.get("k_scale"), v_scale=t.get("v_scale"))
     return out.numpy(), kc.numpy(), vc.numpy()
 
 
 def session(feeds, heads, kv_heads, isa, threads=2, **attributes):
     head_size = feeds["key_cache"].shape[3]
     extra = [(name, 6, list(feeds[name].shape)) for name in ("slot_mapping",) if name in feeds]
-    model = paged_model(paged_schema.LLMC_DOMAIN, FLOAT16 if feeds["key_cache"].dtype == np.float16 else FLOAT,
+    extra += [(name, FLOAT, list(feeds[name].shape)) for name in ("k_scale", "v_scale") if name in feeds]
+    if "k_scale" in feeds:
+        quant = "PER_CHANNEL" if feeds["k_scale"].size > 1 else "PER_TENSOR"
+        attributes = {"k_quant_type": quant, "v_quant_type": quant, "k_cache_dtype": "int8", **attributes}
+    model = paged_model(paged_schema.LLMC_DOMAIN, CACHE_TYPES[feeds["key_cache"].dtype],
                         heads=heads, kv_heads=kv_heads, head_size=head_size, blocks=feeds["key_cache"].shape[0],
                         block_size=feeds["key_cache"].shape[1], rotary="cos_cache" in feeds,
                         packed="key" not in feeds, extra_inputs=extra, isa=isa, threads=threads, **attributes)
@@ -76,7 +90,7 @@ def session(feeds, heads, kv_heads, isa, threads=2, **attributes):
                 value.type.tensor_type.elem_type = FLOAT
         model.graph.output[0].type.tensor_type.elem_type = FLOAT
     for value in (*model.graph.input, model.graph.output[0]):
-        if value.name in ("query", "key", "value", "output"):
+        if value.name in ("query", "key", "value", "output", "k_scale", "v_scale", "cos_cache", "sin_cache"):
             value.type.tensor_type.elem_type = FLOAT
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -106,7 +120,7 @@ def run(feeds, heads, kv_heads, isa, *, in_place=False, **attributes):
 def check(feeds, heads, kv_heads, isa, in_place=False, **attributes):
     got = run(feeds, heads, kv_heads, isa, in_place=in_place, **attributes)
     want = reference(feeds, heads, kv_heads, **attributes)
-    tolerance = 2e-3 if feeds["key_cache"].dtype == np.float16 else 2e-5
+    tolerance = 2e-5 if feeds["key_cache"].dtype == np.float32 else 2e-3  # the kernel folds int8 scales elsewhere
     np.testing.assert_allclose(got[0], want[0], rtol=tolerance, atol=tolerance)
     for g, w in zip(got[1:], want[1:]):
         np.testing.assert_array_equal(g, w)  # the same values written to the same slots, the rest untouched
@@ -132,6 +146,30 @@ def test_rotary_caches_and_head_sizes(isa, fp16, in_place, head_size, interleave
     rows = [(100, 40), (5, 1), (63, 1)]
     feeds = case(rows, 6, 2, head_size, 16, seed=head_size, rotary=True, fp16=fp16)
     check(feeds, 6, 2, isa, in_place=in_place, rotary_interleaved=interleaved)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("quant", ["PER_TENSOR", "PER_CHANNEL"])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("head_size", [64, 24])
+def test_int8_caches(isa, quant, in_place, head_size):
+    """int8 caches under the contract's scales: the new keys (rotated) and values written as the reference's
+    codes (round to nearest even, saturated: some values fall outside the scales' range), attention over the
+    codes times their scales; GQA, chunked prefill and decode rows, head sizes 64 and 24 (AVX512's tail)."""
+    feeds = case([(100, 40), (5, 1), (63, 1), (0, 9)], 6, 2, head_size, 16, seed=head_size, rotary=True, int8=quant)
+    check(feeds, 6, 2, isa, in_place=in_place)
+
+
+def test_int8_scales_matter():
+    """The output follows the scales: doubling v_scale and the new values (the same codes written) doubles the
+    output, and a per-channel k_scale differs from its mean used per tensor."""
+    feeds = case([(30, 1), (12, 3)], 4, 2, 16, 8, seed=5, int8="PER_CHANNEL")
+    out = run(feeds, 4, 2, ISAS[0])[0]
+    doubled = {**feeds, "v_scale": feeds["v_scale"] * 2, "value": feeds["value"] * 2}
+    np.testing.assert_allclose(run(doubled, 4, 2, ISAS[0])[0], 2 * out, rtol=1e-5, atol=1e-5)
+    flat = {**feeds, "k_scale": feeds["k_scale"].mean().reshape(1), "v_scale": feeds["v_scale"].mean().reshape(1)}
+    assert not np.allclose(run(flat, 4, 2, ISAS[0])[0], out, atol=1e-3)
+    check(flat, 4, 2, ISAS[0])
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -188,7 +226,8 @@ def test_refusals_name_what_is_not_implemented(tmp_path):
         make_session(tmp_path / "sink.onnx")
     feeds = case([(2, 2)], 4, 2, 8, 4)
     for attributes, message in (({"kv_cache_layout": "LATENT"}, "kv_cache_layout 'LATENT'"),
-                                ({"k_quant_type": "PER_TENSOR"}, "k_quant_type 'PER_TENSOR'"),
+                                ({"k_quant_type": "PER_TENSOR"}, "k_quant_type 'PER_TENSOR' needs an int8 cache"),
+                                ({"k_cache_dtype": "int8"}, "k_cache_dtype 'int8' does not name"),
                                 ({"isa": "sse9"}, "isa 'sse9'")):
         with pytest.raises(Exception, match=message):
             session(feeds, 4, 2, **{"isa": ISAS[-1], **attributes})
@@ -198,6 +237,20 @@ def test_refusals_name_what_is_not_implemented(tmp_path):
         sess.run(None, too_long)
     with pytest.raises(Exception, match="cumulative_sequence_length runs from 0 to 3"):
         sess.run(None, {**feeds, "cumulative_sequence_length": np.array([0, 3], np.int32)})
+
+
+def test_int8_refusals_name_the_scale_or_attribute():
+    """An int8 cache needs a PER_TENSOR or PER_CHANNEL quant type and scales of the shape it names."""
+    feeds = case([(2, 2)], 4, 2, 8, 4, int8="PER_CHANNEL")
+    with pytest.raises(Exception, match="k_quant_type 'NONE': an int8 cache takes PER_TENSOR or PER_CHANNEL"):
+        session(feeds, 4, 2, ISAS[-1], k_quant_type="NONE")
+    sess = session(feeds, 4, 2, ISAS[-1], v_quant_type="PER_TENSOR")
+    with pytest.raises(Exception, match=r"v_scale is not \[1\] \(PER_TENSOR\)"):
+        sess.run(None, feeds)
+    flat = {**feeds, "k_scale": np.ones(1, np.float32)}
+    sess = session(flat, 4, 2, ISAS[-1], k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL")
+    with pytest.raises(Exception, match=r"k_scale is not \[kv_num_heads, 1, head_size\] \(PER_CHANNEL\)"):
+        sess.run(None, flat)
 
 
 def test_half_conversion_rounds_as_numpy_does():
