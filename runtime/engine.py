@@ -23,7 +23,7 @@ import numpy as np
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.logprobs import LogprobRecorder
 from llmc.runtime.runner import Runner
-from llmc.runtime.sampling import SamplingParams, sample
+from llmc.runtime.sampling import SamplingParams, sample_rows
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.sequence import FinishReason, Sequence, Status
 
@@ -144,12 +144,15 @@ class LLMEngine:
             self.scheduler.release(seq)  # before admitting: a waiting request takes the slot this step
         return [s for s in cancelled if s.finish_reason is FinishReason.cancelled]
 
-    def _sample(self, seq: Sequence, logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
-        token = sample(logits, seq.params, seq.prompt_array(), seq.output_array(), seq.rng)
-        if seq.logprobs is not None:  # from the raw logits, before penalties and temperature
-            seq.logprobs.record(logits, token)
-        sampled.setdefault(seq.request_id, []).append(token)
-        seq.append(token)
+    def _sample(self, seqs: list[Sequence], logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
+        """The next token of each sequence from its row of `logits` [len(seqs), V], in one pass."""
+        tokens = sample_rows(logits, [s.params for s in seqs], [s.prompt_array() for s in seqs],
+                             [s.output_ids for s in seqs], [s.rng for s in seqs]).tolist()
+        for seq, row, token in zip(seqs, logits, tokens):
+            if seq.logprobs is not None:  # from the raw logits, before penalties and temperature
+                seq.logprobs.record(row, token)
+            sampled.setdefault(seq.request_id, []).append(token)
+            seq.append(token)
 
     def _prefill(self, seq: Sequence, sampled: dict[str, list[int]]) -> None:
         chunk = seq.prompt_ids[seq.num_cached:seq.num_cached + self.max_num_tokens]
@@ -157,7 +160,7 @@ class LLMEngine:
         seq.num_cached += len(chunk)
         if seq.num_cached == len(seq.prompt_ids):
             seq.status = Status.decoding
-            self._sample(seq, logits[0, -1], sampled)
+            self._sample([seq], logits[0, -1:], sampled)
 
     def _decode(self, seqs: list[Sequence], sampled: dict[str, list[int]]) -> None:
         for seq in seqs:
@@ -178,4 +181,4 @@ class LLMEngine:
         logits = self.runner.step(ids, positions, first_row=first)
         for seq in seqs:
             seq.num_cached += 1
-            self._sample(seq, logits[seq.slot - first, -1], sampled)
+        self._sample(seqs, logits[[s.slot - first for s in seqs], -1], sampled)

@@ -6,8 +6,8 @@
 
 Requests, cancellation and streaming are LLMEngine's (engine.py); what differs is where KV lives
 (blocks from block_manager.py instead of a slot per request) and that a step mixes prefill and
-decode, so a long prompt no longer stalls the decoding rows. Greedy rows without penalties are
-sampled in one argmax over the step's logits; the others row by row (sampling.py).
+decode, so a long prompt no longer stalls the decoding rows. The rows that reached their last token
+are sampled together, in one vectorized pass over their logits (sampling.py).
 
 With `itl_ratio` (serving.itl_ratio) a step's prompt tokens are also capped so the step stays
 within that many decode steps of its rows, by a cost model fitted to the steps run (step_cost.py):
@@ -24,7 +24,7 @@ from llmc.runtime.engine import CacheState, LLMEngine, StepOutput
 from llmc.runtime.paged_batch import RowStep
 from llmc.runtime.paged_runner import PagedRunner
 from llmc.runtime.sampling import SamplingParams
-from llmc.runtime.sequence import FinishReason, Sequence, Status
+from llmc.runtime.sequence import FinishReason, Status
 from llmc.runtime.step_cost import StepCost
 from llmc.runtime.token_scheduler import Chunk, TokenScheduler
 
@@ -77,20 +77,7 @@ class PagedEngine(LLMEngine):
         for chunk in chunks:
             self.scheduler.computed(chunk)
         rows = [i for i, c in enumerate(chunks) if c.samples]
-        plain = [i for i in rows if _plain_greedy(chunks[i].seq)]
-        tokens = logits[plain].argmax(-1).tolist() if plain else []
-        for i, token in zip(plain, tokens):
-            seq = chunks[i].seq
-            seq.status = Status.decoding
-            sampled.setdefault(seq.request_id, []).append(token)
-            seq.append(token)
-        for i in sorted(set(rows) - set(plain)):
-            chunks[i].seq.status = Status.decoding
-            self._sample(chunks[i].seq, logits[i], sampled)
-
-
-def _plain_greedy(seq: Sequence) -> bool:
-    """Greedy with no penalty and no log probabilities to record: the argmax of the raw logits."""
-    p = seq.params
-    return (p.is_greedy and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
-            and seq.logprobs is None)
+        if rows:
+            for i in rows:
+                chunks[i].seq.status = Status.decoding
+            self._sample([chunks[i].seq for i in rows], logits[rows], sampled)

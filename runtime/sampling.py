@@ -1,18 +1,32 @@
-"""Sampling: the parameters a request may set (validated), and turning a row of logits into a token.
+"""Sampling: the parameters a request may set (validated), and turning the logits of a step's rows
+into their next tokens, one vectorized pass over every row.
 
 Greedy is the default (`temperature` 0); with `temperature` > 0 the next token is drawn from the
 softmax of the penalized, temperature-scaled logits restricted by `top_k`, `top_p` and `min_p`.
 Penalties apply in both modes: `repetition_penalty` (CTRL-style, over prompt and output),
 `frequency_penalty` and `presence_penalty` (OpenAI-style, over the output). Each request owns a
-random generator; the same `seed` gives the same tokens for the same logits.
+random generator and draws one uniform number per token from it; the same `seed` gives the same
+tokens for the same logits, whatever else shares the step.
+
+`sample_rows` works on `[rows, vocab]` at once: penalties scattered through flat indices, one
+set of float32 weights (exp of the shifted, scaled logits), top-k and top-p over each row's most
+likely candidates (a row whose nucleus reaches past them is sorted in full), min-p as a threshold,
+and the draw as an inverse CDF in two levels (blocks of tokens, then one block) with float64 sums.
+numpy has no batched categorical sampler with per-row filters, so this is written here.
 """
 
 from __future__ import annotations
 
+from typing import Sequence, Union
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-_CANDIDATES = 1024  # top-p sorts the most likely tokens first; the full sort is the fallback
+_Ids = Union[np.ndarray, Sequence[int]]  # a row's prompt or output ids: an array or a list
+# sampled rows go through in groups this large: a [16, 49152] float32 pass stays in cache, 64 rows
+# measured slower than a row-by-row loop (scripts/bench_sampling.py)
+_ROWS_AT_ONCE = 16
+_CANDIDATES = 1024  # top-p sorts each row's most likely tokens first; a full sort is the fallback
 
 
 class SamplingParams(BaseModel):
@@ -43,6 +57,10 @@ class SamplingParams(BaseModel):
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
     def make_rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
 
@@ -50,62 +68,172 @@ class SamplingParams(BaseModel):
 def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: np.ndarray,
                     output_ids: np.ndarray) -> np.ndarray:
     """Penalized copy of one row of logits (float32 [V])."""
-    logits = logits.astype(np.float32, copy=True)
-    if params.repetition_penalty != 1.0:
-        seen = np.unique(np.concatenate([prompt_ids, output_ids]).astype(np.int64))
-        values = logits[seen]
-        logits[seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if output_ids.size and (params.frequency_penalty or params.presence_penalty):
-        tokens, counts = np.unique(output_ids.astype(np.int64), return_counts=True)
-        logits[tokens] -= params.frequency_penalty * counts + params.presence_penalty
-    if len(output_ids) < params.min_tokens and params.end_ids:
-        logits[list(params.end_ids)] = -np.inf
-    return logits
+    return penalize(logits[None], [params], [prompt_ids], [output_ids])[0].copy()
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max())
-    return e / e.sum()
+def penalize(logits: np.ndarray, params: Sequence[SamplingParams], prompt_ids: Sequence[_Ids],
+             output_ids: Sequence[_Ids]) -> np.ndarray:
+    """The rows' logits [R, V] with each row's penalties and min_tokens applied; `logits` itself when
+    no row has any (never modified). A row's ids are read only when its penalties need them."""
+    rep = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0]
+    freq = [r for r, p in enumerate(params) if (p.frequency_penalty or p.presence_penalty) and len(output_ids[r])]
+    early = [r for r, p in enumerate(params) if len(output_ids[r]) < p.min_tokens and p.end_ids]
+    if not (rep or freq or early):
+        return logits
+    out = logits.astype(np.float32, copy=True)
+    flat, vocab = out.reshape(-1), out.shape[1]
+    if rep:  # each row's seen tokens as flat indices, once each
+        seen = np.unique(np.concatenate([r * vocab + np.concatenate([prompt_ids[r], output_ids[r]]).astype(np.int64)
+                                         for r in rep]))
+        penalty = np.array([p.repetition_penalty for p in params], np.float32)[seen // vocab]
+        values = flat[seen]
+        flat[seen] = np.where(values > 0, values / penalty, values * penalty)
+    if freq:
+        tokens, counts = np.unique(np.concatenate([r * vocab + np.asarray(output_ids[r], dtype=np.int64) for r in freq]),
+                                   return_counts=True)
+        rows = tokens // vocab
+        frequency = np.array([p.frequency_penalty for p in params], np.float32)
+        presence = np.array([p.presence_penalty for p in params], np.float32)
+        flat[tokens] -= frequency[rows] * counts + presence[rows]
+    for r in early:
+        out[r, list(params[r].end_ids)] = -np.inf
+    return out
 
 
-def _nucleus(ids: np.ndarray, probs: np.ndarray, top_p: float) -> np.ndarray:
-    """The smallest most-likely subset of `ids` whose mass (renormalized over `ids`) reaches top_p;
-    sorts only the first candidates unless they fall short."""
-    p = probs[ids]
-    total = p.sum()
-    for width in (min(_CANDIDATES, ids.size), ids.size):
-        part = np.argpartition(-p, width - 1)[:width] if width < ids.size else np.arange(ids.size)
-        part = part[np.argsort(-p[part], kind="stable")]
-        mass = np.cumsum(p[part]) / total
-        if width == ids.size or mass[-1] >= top_p:
-            return ids[part[mass - p[part] / total < top_p]]  # the token that crosses top_p stays
-    raise AssertionError("unreachable")
-
-
-def _filtered(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids, probabilities) that top-k, then top-p, then min-p allow."""
-    # shift before scaling, in float64: a tiny temperature then sends the runners-up to -inf instead
-    # of overflowing everything (or underflowing to 0/0): found by the property tests as NaN
-    # probabilities, which failed the whole batch's step
-    with np.errstate(over="ignore"):  # the runners-up of a tiny temperature: -inf, on purpose
-        probs = _softmax((logits.astype(np.float64) - logits.max()) / params.temperature)
-    ids = np.arange(probs.size)
-    if 0 < params.top_k < probs.size:
-        ids = np.argpartition(-probs, params.top_k - 1)[:params.top_k]
-    if params.top_p < 1.0:
-        ids = _nucleus(ids, probs, params.top_p)
-    kept = probs[ids]
-    if params.min_p > 0.0:
-        allowed = kept >= params.min_p * kept.max()
-        ids, kept = ids[allowed], kept[allowed]
-    return ids, kept / kept.sum()
+def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], prompt_ids: Sequence[_Ids],
+                output_ids: Sequence[_Ids], rngs: Sequence[np.random.Generator]) -> np.ndarray:
+    """The next token of each row (int64 [R]) from the rows' logits [R, V], in one pass."""
+    logits = penalize(logits, params, prompt_ids, output_ids)
+    tokens = logits.argmax(axis=1)
+    hot = [r for r, p in enumerate(params) if not p.is_greedy]
+    for lo in range(0, len(hot), _ROWS_AT_ONCE):
+        rows = hot[lo:lo + _ROWS_AT_ONCE]
+        tokens[rows] = _draw(logits[rows], [params[r] for r in rows], [rngs[r] for r in rows])
+    return tokens
 
 
 def sample(logits: np.ndarray, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray,
            rng: np.random.Generator) -> int:
     """The next token for one sequence from its row of logits [V]."""
-    logits = apply_penalties(logits, params, prompt_ids, output_ids)
-    if params.is_greedy:
-        return int(np.argmax(logits))
-    ids, probs = _filtered(logits, params)
-    return int(ids[rng.choice(ids.size, p=probs)])
+    return int(sample_rows(logits[None], [params], [prompt_ids], [output_ids], [rng])[0])
+
+
+_BLOCK = 256  # the draw sums weights in blocks of this many tokens, then walks one block
+_TINY_TEMPERATURE = 1e-30  # float32 division by a smaller temperature would make the winner 0 / 0
+
+
+def _weights(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+    """exp((logits - top) / temperature) in float32, `top` being each row's largest logit:
+    unnormalized probabilities, the most likely token's exactly 1. Shifting before scaling sends a
+    tiny temperature's runners-up to 0 instead of overflowing (the property tests found NaN
+    probabilities that way once)."""
+    with np.errstate(over="ignore"):
+        z = (logits - top[:, None]) / np.maximum(temperature, _TINY_TEMPERATURE)[:, None]
+    return np.exp(z, dtype=np.float32)
+
+
+def _draw(logits: np.ndarray, params: list[SamplingParams], rngs: list[np.random.Generator]) -> np.ndarray:
+    """Sampled rows: weights at each row's temperature, its filters, one uniform draw per row. A row
+    with top-k or top-p draws among its ranked candidates alone; the others over the whole row.
+    Each full-row pass costs more than the arithmetic (a [16, 49152] batch leaves the cache), so
+    the ranked rows make three: the max, the partition and, for top-p without top-k, the total."""
+    logits = logits.astype(np.float32, copy=False)
+    vocab = logits.shape[1]
+    top = logits.max(axis=1)
+    temperature = np.array([p.temperature for p in params], np.float32)
+    k = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    top_p = np.array([p.top_p for p in params])
+    min_p = np.array([p.min_p for p in params], np.float32)
+    u = np.array([rng.random() for rng in rngs])
+    tokens = np.empty(len(params), dtype=np.int64)
+    ranked = (k < vocab) | (top_p < 1.0)
+    plain, rows = _rows_where(~ranked), _rows_where(ranked)
+    if plain is not None:
+        w = _weights(logits[plain], top[plain], temperature[plain])
+        if min_p[plain].any():  # min_p times the top weight, which is 1: the top token always stays
+            w = np.where(w >= min_p[plain, None], w, np.float32(0.0))
+        tokens[plain] = _inverse_cdf(w, u[plain])
+    if rows is not None:
+        tokens[rows] = _draw_ranked(logits[rows], top[rows], temperature[rows], k[rows], top_p[rows], min_p[rows],
+                                    u[rows])
+    return tokens
+
+
+def _rows_where(mask: np.ndarray) -> slice | np.ndarray | None:
+    """Index for the rows in `mask`: all of them as a slice (a view, no copy), none as None."""
+    if mask.all():
+        return slice(None)
+    return np.nonzero(mask)[0] if mask.any() else None
+
+
+def _inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The token each row's uniform draw `u` lands on, under its nonnegative weights [R, V]: the
+    block its share of the total falls in (sums in float64), then the token inside that block."""
+    rows, vocab = weights.shape
+    pad = -vocab % _BLOCK
+    blocked = (np.pad(weights, ((0, 0), (0, pad))) if pad else weights).reshape(rows, -1, _BLOCK)
+    cum = np.cumsum(blocked.sum(axis=2, dtype=np.float64), axis=1)
+    target = u * cum[:, -1]
+    last_block = cum.shape[1] - 1 - (np.diff(cum, axis=1, prepend=0.0)[:, ::-1] > 0).argmax(axis=1)
+    block = np.minimum((cum <= target[:, None]).sum(axis=1), last_block)
+    r = np.arange(rows)
+    before = np.where(block > 0, cum[r, np.maximum(block - 1, 0)], 0.0)
+    return block * _BLOCK + _pick(blocked[r, block], target - before)
+
+
+def _pick(weights: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Per row, the first index whose running sum of `weights` passes `target` (a draw rounding up to
+    the total takes the last index with weight)."""
+    cum = np.cumsum(weights, axis=1, dtype=np.float64)
+    index = (cum <= target[:, None]).sum(axis=1)
+    last = weights.shape[1] - 1 - (weights[:, ::-1] > 0).argmax(axis=1)
+    return np.minimum(index, last)
+
+
+def _draw_ranked(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray, k: np.ndarray, top_p: np.ndarray,
+                 min_p: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Rows with top-k or top-p: rank each row's most likely tokens by logit, keep what top-k, then
+    top-p (renormalized over the top-k set), then min-p allow, and draw among them."""
+    vocab = logits.shape[1]
+    # top-k alone needs its k candidates; top-p the first _CANDIDATES (or its k), the whole row if they fall short
+    width = min(vocab, int(np.max(np.where(top_p < 1.0, np.minimum(k, _CANDIDATES), k))))
+    cand, w, complete = _ranked(logits, top, temperature, k, top_p, width)
+    if not complete.all():
+        redo = np.nonzero(~complete)[0]
+        cand, w = cand.copy(), w.copy()
+        full_cand, full_w, _ = _ranked(logits[redo], top[redo], temperature[redo], k[redo], top_p[redo], vocab)
+        cand, w = _widen(cand, vocab), _widen(w, vocab)
+        cand[redo], w[redo] = full_cand, full_w
+    w = np.where(w >= min_p[:, None], w, 0.0)
+    index = _pick(w, u * w.sum(axis=1))
+    return np.take_along_axis(cand, index[:, None], axis=1)[:, 0]
+
+
+def _widen(a: np.ndarray, width: int) -> np.ndarray:
+    """`a` [R, w] padded with zeros to [R, width]: a zero weight is never drawn."""
+    return np.pad(a, ((0, 0), (0, width - a.shape[1])))
+
+
+def _ranked(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray, k: np.ndarray, top_p: np.ndarray,
+            width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's `width` most likely tokens, best first, with their weights zeroed where top-k or
+    top-p drop them: (token ids [R, width], weights [R, width] float64, whether each row's answer
+    is final: its nucleus ended within them, or it asked none)."""
+    vocab = logits.shape[1]
+    cand = np.argpartition(logits, vocab - width, axis=1)[:, vocab - width:] if width < vocab else \
+        np.broadcast_to(np.arange(vocab), logits.shape)
+    order = np.argsort(-np.take_along_axis(logits, cand, axis=1), axis=1, kind="stable")
+    cand = np.take_along_axis(cand, order, axis=1)
+    w = _weights(np.take_along_axis(logits, cand, axis=1), top, temperature).astype(np.float64)
+    w[np.arange(width)[None, :] >= k[:, None]] = 0.0  # top-k
+    nucleus = top_p < 1.0
+    # the top-k set's mass: within the candidates, or the whole row's when k does not limit it (a k
+    # between the two leaves it unknown: such a row is not complete and is ranked again in full)
+    total = np.where(k <= width, w.sum(axis=1), 1.0)
+    whole = np.nonzero(nucleus & (k >= vocab))[0]
+    if whole.size:
+        total[whole] = _weights(logits[whole], top[whole], temperature[whole]).sum(axis=1, dtype=np.float64)
+    mass = np.cumsum(w, axis=1) / total[:, None]
+    w[nucleus[:, None] & (mass - w / total[:, None] >= top_p[:, None])] = 0.0  # the token crossing top_p stays
+    complete = ~nucleus | (k <= width) | (width >= vocab) | ((k >= vocab) & (mass[:, -1] >= top_p))
+    return cand, w, complete

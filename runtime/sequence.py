@@ -61,9 +61,6 @@ class Sequence:
     def prompt_array(self) -> np.ndarray:
         return self._prompt
 
-    def output_array(self) -> np.ndarray:
-        return np.asarray(self.output_ids, dtype=np.int64)
-
     def append(self, token: int) -> None:
         """Record a sampled token: stream its text, and finish on an end id, a stop word or max_tokens."""
         self.output_ids.append(token)
