@@ -22,7 +22,7 @@ import numpy as np
 from llmc.compiler import build
 from llmc.compiler.quantize.quality import perplexity
 from llmc.compiler.quantize.textdata import builtin_documents, token_windows
-from llmc.compiler.source import load_tokenizer
+from llmc.compiler.source import inspect_source, load_tokenizer
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.paged_runner import PagedRunner, RowStep
 from llmc.runtime.paged_slots import slot_runner
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     graphs = {d: export(d) for d in DTYPES}
-    tokenizer = load_tokenizer(graphs["fp32"][2].source)
+    tokenizer = load_tokenizer(inspect_source(graphs["fp32"][2].source))
     windows = token_windows(tokenizer, builtin_documents("heldout"), 256, 8, "heldout", "the built-in held-out text")
     for dtype, (path, layout, _) in graphs.items():
         runner = slot_runner(path, layout, max_batch=1, capacity=256, num_threads=args.threads)
