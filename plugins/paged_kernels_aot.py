@@ -67,24 +67,24 @@ class PagedPluginKernel:
 
 
 def _attention_source(num_heads: int, num_kv_heads: int, head_size: int, scale: float, t: str, *, rotary_dim: int,
-                      interleaved: bool, softcap: float, window: int, fresh: bool):
+                      interleaved: bool, softcap: float, window: int, fresh: bool, causal: bool = True):
     names = PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_OUTPUTS
     signature = {**{n: "*i32" if n in _INTS else f"*{t}" for n in names}, **{n: "i32" for n in PAGED_PLUGIN_SCALARS}}
     dtype = {v: k for k, v in _TRITON_TYPES.items()}[t]
     cache = torch.empty((1, 1, num_kv_heads, head_size), dtype=dtype)
     cos = torch.empty((1, rotary_dim // 2)) if rotary_dim else None
     constexprs = kernel_options(torch.empty((1, num_heads * head_size), dtype=dtype), cache, num_heads, num_kv_heads,
-                                scale, cos, interleaved, softcap, window, True)
+                                scale, cos, interleaved, softcap, window, causal)
     return signature, {**constexprs, "FRESH": fresh, "UPCAST": False}
 
 
 def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale: float, dtype: str, capability: int,
-                        *, rotary_dim: int, interleaved: bool = False, softcap: float = 0.0,
-                        window: int = -1) -> PagedPluginKernel:
+                        *, rotary_dim: int, interleaved: bool = False, softcap: float = 0.0, window: int = -1,
+                        causal: bool = True) -> PagedPluginKernel:
     """The plugin's kernel for `dtype` ("fp16", "bf16", "fp32") on sm_<capability>, its parameters cut
     to what TensorRT passes (inputs, int32 extras, outputs; Triton's trailing scratch pointers removed)."""
     source = _attention_source(num_heads, num_kv_heads, head_size, scale, dtype, rotary_dim=rotary_dim,
-                               interleaved=interleaved, softcap=softcap, window=window, fresh=True)
+                               interleaved=interleaved, softcap=softcap, window=window, fresh=True, causal=causal)
     compiled = _compile(_paged_attention, *source, capability)
     if compiled.metadata.shared > SHARED_MEM_LIMIT:
         compiled = _compile(_paged_attention, *source, capability, num_stages=1)
