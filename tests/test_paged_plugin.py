@@ -249,3 +249,38 @@ def test_paged_aot_impl_compiles_for_the_node_and_launches_over_shape_expression
     assert (name, ptx, launch.block_x, launch.shared_mem) == ("_paged_attention", "ptx", 128, 9216)
     assert (launch.grid_x, launch.grid_y) == (-(-tokens * (H // KVH) // 16) + rows, KVH)
     assert extra == (("i32", rows), ("i32", width), ("i32", blocks), ("i32", block_size))
+
+
+@pytest.mark.tensorrt
+def test_an_engine_with_the_paged_plugin_matches_the_reference(tmp_path):
+    """Written against TensorRT 10.14+/11, never run: no TensorRT or GPU has been available here."""
+    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installable here (docs/tensorrt.md)")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here: the paged plugin is tested up to TensorRT on CPU")
+    from llmc.compiler.tensorrt.engine import network_from_onnx
+
+    model = paged_node_model(dtype=TensorProto.FLOAT16)
+    feeds = {n: v.astype(np.float16) if v.dtype == np.float32 else v for n, v in _feeds(model).items()}
+    want = _reference(model, feeds)
+    to_plugin_nodes(model)
+    onnx.save(model, str(tmp_path / "paged.onnx"))
+    trt_plugin.set_target_capability(None)
+    trt_plugin.register()
+    net = network_from_onnx(tmp_path / "paged.onnx")()
+    config, profile = net.builder.create_builder_config(), net.builder.create_optimization_profile()
+    tensors = {n: torch.from_numpy(v).cuda() for n, v in feeds.items()}
+    for name, t in tensors.items():
+        profile.set_shape(name, tuple(t.shape), tuple(t.shape), tuple(t.shape))
+    config.add_optimization_profile(profile)
+    engine = trt.Runtime(net.logger).deserialize_cuda_engine(net.builder.build_serialized_network(net.network, config))
+    context = engine.create_execution_context()
+    out = torch.empty((feeds["query"].shape[0], H * D), dtype=torch.float16, device="cuda")
+    for name, t in tensors.items():
+        context.set_input_shape(name, tuple(t.shape))
+        context.set_tensor_address(name, t.data_ptr())
+    for name, t in (("out", out), ("present.0.key", tensors["key_cache"]), ("present.0.value", tensors["value_cache"])):
+        context.set_tensor_address(name, t.data_ptr())  # the caches: aliased, the same memory
+    assert context.execute_async_v3(torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    for got, ref in zip((out, tensors["key_cache"], tensors["value_cache"]), want):
+        torch.testing.assert_close(got.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2)
