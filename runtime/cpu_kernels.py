@@ -40,7 +40,8 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")  # the op; it includes the ke
 SOURCES = tuple(SOURCE.with_name(name) for name in (
     "cpu_kernels.c", "ort_abi.h", "matmul_nbits4.h", "matmul_nbits4.c", "matmul_nbits4_isa.h", "matmul_nbits4_avx512.c",
     "matmul_nbits4_avx2.c", "paged_attention.h", "paged_attention.c", "paged_attention_portable.c",
-    "paged_attention_avx2.c", "paged_attention_avx512.c", "paged_attention_op.h", "paged_attention_op.c"))
+    "paged_attention_avx2.c", "paged_attention_avx512.c", "paged_attention_checks.h", "paged_attention_checks.c",
+    "paged_attention_op.h", "paged_attention_op.c"))
 DOMAIN, OP, PAGED_OP = "llmc", "MatMulNBits4", "PagedAttention"
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 LIBS = ["-lm", "-lpthread"]

@@ -5,12 +5,11 @@
  * default: the best this CPU runs). Float32 query, key, value and rotary tables; float32, float16 or
  * int8 caches (a kernel for each; int8 takes k_scale/v_scale, PER_TENSOR or PER_CHANNEL). Caches update in place: when ONNX Runtime hands over output buffers that
  * are the input caches' memory (IO binding one buffer to both), only the new tokens are written;
- * otherwise the input caches are copied to the outputs first. Shapes and values are checked here, each
- * error naming the input or attribute at fault. */
+ * otherwise the input caches are copied to the outputs first. Shapes and values are checked in
+ * paged_attention_checks.c, each error naming the input or attribute at fault. */
 #include "paged_attention_op.h"
 
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,12 +17,7 @@
 #include <math.h>
 
 #include "paged_attention.h"
-
-enum { IN_QUERY, IN_KEY, IN_VALUE, IN_KEY_CACHE, IN_VALUE_CACHE, IN_CUMULATIVE, IN_PAST, IN_BLOCK_TABLE, IN_COS,
-       IN_SIN, IN_SLOT_MAPPING, IN_HEAD_SINK, IN_COUNT = 17 };
-enum { IN_K_SCALE = 14, IN_V_SCALE = 15 };
-static const char *const REFUSED[] = {"head_sink", "q_norm_weight", "k_norm_weight"};
-static const char *const CACHE_NAMES[] = {"float", "float16", "int8"};
+#include "paged_attention_checks.h"
 
 static char isa_names[64];
 static pthread_once_t isa_names_once = PTHREAD_ONCE_INIT;
@@ -35,21 +29,6 @@ const char *llmc_paged_attention_isas(void) {
   pthread_once(&isa_names_once, list_isas);
   return isa_names;
 }
-
-static OrtStatus *bad(const char *format, ...) {
-  char message[320] = "llmc.PagedAttention: "; /* CreateStatus copies it */
-  va_list args;
-  va_start(args, format);
-  vsnprintf(message + strlen(message), sizeof message - strlen(message), format, args);
-  va_end(args);
-  return llmc_fail(ORT_INVALID_ARGUMENT, message);
-}
-
-typedef struct {
-  int64_t heads, kv_heads, window, rotary_offset, threads;
-  int cache, per_channel[2], do_rotary, interleaved, causal, isa; /* per_channel: k_scale's, v_scale's */
-  float scale, softcap;
-} Op;
 
 static int64_t attr_int(const OrtKernelInfo *info, const char *name, int64_t fallback) {
   int64_t value;
@@ -78,43 +57,43 @@ static void attr_string(const OrtKernelInfo *info, const char *name, char *out, 
 }
 
 /* the quant types: NONE for float caches; PER_TENSOR or PER_CHANNEL for int8 ones (per_channel set) */
-static OrtStatus *quant_types(const OrtKernelInfo *info, Op *op) {
+static OrtStatus *quant_types(const OrtKernelInfo *info, PagedOp *op) {
   char text[64];
   const char *names[] = {"k_quant_type", "v_quant_type"};
   for (int i = 0; i < 2; i++) {
     attr_string(info, names[i], text, sizeof text, "NONE");
     op->per_channel[i] = !strcmp(text, "PER_CHANNEL");
     if (op->cache != PAGED_CACHE_I8 && strcmp(text, "NONE"))
-      return bad("%s '%s' needs an int8 cache (this one holds %s)", names[i], text, CACHE_NAMES[op->cache]);
+      return paged_bad("%s '%s' needs an int8 cache (this one holds %s)", names[i], text, paged_cache_names[op->cache]);
     if (op->cache == PAGED_CACHE_I8 && !op->per_channel[i] && strcmp(text, "PER_TENSOR"))
-      return bad("%s '%s': an int8 cache takes PER_TENSOR or PER_CHANNEL scales", names[i], text);
+      return paged_bad("%s '%s': an int8 cache takes PER_TENSOR or PER_CHANNEL scales", names[i], text);
   }
   return NULL;
 }
 
-static OrtStatus *refuse_unsupported(const OrtKernelInfo *info, Op *op) {
+static OrtStatus *refuse_unsupported(const OrtKernelInfo *info, PagedOp *op) {
   char text[64];
   attr_string(info, "kv_cache_layout", text, sizeof text, "SEPARATE");
   if (strcmp(text, "SEPARATE"))
-    return bad("kv_cache_layout '%s' is not implemented on CPU (only SEPARATE: MLA's LATENT layout is not)", text);
-  if (attr_int(info, "v_head_size", 0)) return bad("v_head_size (MLA) is not implemented on CPU");
+    return paged_bad("kv_cache_layout '%s' is not implemented on CPU (only SEPARATE: MLA's LATENT layout is not)", text);
+  if (attr_int(info, "v_head_size", 0)) return paged_bad("v_head_size (MLA) is not implemented on CPU");
   TRY(quant_types(info, op));
   for (const char *const *name = (const char *const[]){"k_cache_dtype", "v_cache_dtype", NULL}; *name; name++) {
     attr_string(info, *name, text, sizeof text, "");
-    if (*text && (op->cache == PAGED_CACHE_F32 || strcmp(text, CACHE_NAMES[op->cache])))
-      return bad("%s '%s' does not name this cache's element type (%s)", *name, text, CACHE_NAMES[op->cache]);
+    if (*text && (op->cache == PAGED_CACHE_F32 || strcmp(text, paged_cache_names[op->cache])))
+      return paged_bad("%s '%s' does not name this cache's element type (%s)", *name, text, paged_cache_names[op->cache]);
   }
   return NULL;
 }
 
 static OrtStatus *create_kernel(const OrtCustomOp *custom, OrtApiTable table, const OrtKernelInfo *info, void **out) {
   (void)table;
-  Op op = {0};
+  PagedOp op = {0};
   op.cache = (int)(custom - paged_attention_ops); /* the kernels are registered in PAGED_CACHE_* order */
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "num_heads", &op.heads));
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "kv_num_heads", &op.kv_heads));
   if (op.heads <= 0 || op.kv_heads <= 0 || op.heads % op.kv_heads)
-    return bad("num_heads (%lld) must be a positive multiple of kv_num_heads (%lld)", (long long)op.heads,
+    return paged_bad("num_heads (%lld) must be a positive multiple of kv_num_heads (%lld)", (long long)op.heads,
                (long long)op.kv_heads);
   TRY(refuse_unsupported(info, &op));
   op.scale = attr_float(info, "scale", 0.f);
@@ -125,116 +104,18 @@ static OrtStatus *create_kernel(const OrtCustomOp *custom, OrtApiTable table, co
   op.causal = attr_int(info, "is_causal", 1) == 1;
   op.rotary_offset = attr_int(info, "rotary_offset", 0);
   if (op.rotary_offset < 0 || op.rotary_offset % 8)
-    return bad("rotary_offset (%lld) must be a non-negative multiple of 8", (long long)op.rotary_offset);
+    return paged_bad("rotary_offset (%lld) must be a non-negative multiple of 8", (long long)op.rotary_offset);
   op.threads = attr_int(info, "threads", sysconf(_SC_NPROCESSORS_ONLN));
   char isa[32];
   attr_string(info, "isa", isa, sizeof isa, "");
   for (op.isa = 0; op.isa < PAGED_ISA_COUNT; op.isa++)
     if ((!*isa || !strcmp(isa, paged_isa_name(op.isa))) && paged_isa_supported(op.isa)) break;
   if (op.isa == PAGED_ISA_COUNT)
-    return bad("isa '%s' is not one this CPU runs (%s)", isa, llmc_paged_attention_isas());
-  Op *kernel = (Op *)malloc(sizeof(Op));
+    return paged_bad("isa '%s' is not one this CPU runs (%s)", isa, llmc_paged_attention_isas());
+  PagedOp *kernel = (PagedOp *)malloc(sizeof(PagedOp));
   if (!kernel) return llmc_fail(ORT_FAIL, "llmc.PagedAttention: out of memory");
   *kernel = op;
   *out = kernel;
-  return NULL;
-}
-
-typedef struct {
-  const OrtValue *value; /* NULL: absent */
-  int64_t dims[4];
-  size_t rank;
-  void *data;
-} Tensor;
-
-static OrtStatus *tensor(OrtKernelContext *context, size_t count, size_t index, Tensor *t) {
-  memset(t, 0, sizeof *t);
-  if (index >= count) return NULL;
-  TRY(CALL(KernelContext_GetInput, fn_input, context, index, &t->value));
-  if (!t->value) return NULL;
-  OrtShape *shape;
-  TRY(CALL(GetTensorTypeAndShape, fn_shape, t->value, &shape));
-  OrtStatus *status = CALL(GetDimensionsCount, fn_dim_count, shape, &t->rank);
-  if (!status && t->rank <= 4) status = CALL(GetDimensions, fn_dims, shape, t->dims, t->rank);
-  CALL(ReleaseTensorTypeAndShapeInfo, fn_release_shape, shape);
-  if (!status) status = CALL(GetTensorMutableData, fn_data, t->value, &t->data);
-  return status;
-}
-
-/* whether t has exactly these dimensions (rank = how many) */
-static int shaped(const Tensor *t, size_t rank, int64_t d0, int64_t d1, int64_t d2, int64_t d3) {
-  const int64_t want[4] = {d0, d1, d2, d3};
-  if (t->rank != rank) return 0;
-  for (size_t i = 0; i < rank; i++)
-    if (t->dims[i] != want[i]) return 0;
-  return 1;
-}
-
-/* the head size and the shapes the others must have; PagedArgs' sizes filled in */
-static OrtStatus *check_shapes(const Op *op, const Tensor *in, PagedArgs *a) {
-  for (int i = 0; i < 3; i++)
-    if (in[IN_HEAD_SINK + i].value) return bad("%s is not implemented on CPU", REFUSED[i]);
-  for (int i = IN_K_SCALE; i <= IN_V_SCALE; i++)
-    if (!in[i].value != (op->cache != PAGED_CACHE_I8))
-      return bad("%s comes with an int8 cache and only then (this one holds %s)", i == IN_K_SCALE ? "k_scale" : "v_scale",
-                 CACHE_NAMES[op->cache]);
-  if (!in[IN_VALUE_CACHE].value) return bad("value_cache is absent (the LATENT layout) and not implemented on CPU");
-  if (!in[IN_KEY].value != !in[IN_VALUE].value) return bad("key and value come together, or neither (packed QKV)");
-  const Tensor *q = &in[IN_QUERY], *kc = &in[IN_KEY_CACHE];
-  int64_t packed = !in[IN_KEY].value, across = op->heads + (packed ? 2 * op->kv_heads : 0);
-  if (q->rank != 2 || q->dims[1] % across || !q->dims[1]) return bad("query is not [tokens, %lld * head_size]", (long long)across);
-  a->tokens = q->dims[0], a->d = q->dims[1] / across, a->heads = op->heads, a->kv_heads = op->kv_heads;
-  a->q_stride = q->dims[1], a->kv_stride = packed ? q->dims[1] : a->kv_heads * a->d;
-  for (int i = IN_KEY; !packed && i <= IN_VALUE; i++)
-    if (!shaped(&in[i], 2, a->tokens, a->kv_heads * a->d, 0, 0))
-      return bad("%s is not [tokens %lld, kv_num_heads * head_size %lld]", i == IN_KEY ? "key" : "value",
-                 (long long)a->tokens, (long long)(a->kv_heads * a->d));
-  if (kc->rank != 4 || kc->dims[2] != a->kv_heads || kc->dims[3] != a->d || kc->dims[0] < 1 || kc->dims[1] < 1)
-    return bad("key_cache is not [num_blocks, block_size, kv_num_heads %lld, head_size %lld]", (long long)a->kv_heads,
-               (long long)a->d);
-  if (!shaped(&in[IN_VALUE_CACHE], 4, kc->dims[0], kc->dims[1], kc->dims[2], kc->dims[3]))
-    return bad("value_cache's shape is not key_cache's");
-  a->blocks = kc->dims[0], a->block_size = kc->dims[1];
-  const Tensor *cu = &in[IN_CUMULATIVE], *table = &in[IN_BLOCK_TABLE];
-  if (cu->rank != 1 || cu->dims[0] < 2) return bad("cumulative_sequence_length is not [batch_size + 1]");
-  a->batch = cu->dims[0] - 1;
-  if (!shaped(&in[IN_PAST], 1, a->batch, 0, 0, 0)) return bad("past_seqlens is not [batch_size %lld]", (long long)a->batch);
-  if (table->rank != 2 || table->dims[0] != a->batch) return bad("block_table is not [batch_size %lld, max_blocks]", (long long)a->batch);
-  a->max_blocks = table->dims[1];
-  if (in[IN_SLOT_MAPPING].value && !shaped(&in[IN_SLOT_MAPPING], 1, a->tokens, 0, 0, 0))
-    return bad("slot_mapping is not [tokens %lld]", (long long)a->tokens);
-  for (int i = 0; op->cache == PAGED_CACHE_I8 && i < 2; i++)
-    if (op->per_channel[i] ? !shaped(&in[IN_K_SCALE + i], 3, a->kv_heads, 1, a->d, 0) : !shaped(&in[IN_K_SCALE + i], 1, 1, 0, 0, 0))
-      return bad("%s is not %s", i ? "v_scale" : "k_scale", op->per_channel[i] ? "[kv_num_heads, 1, head_size] (PER_CHANNEL)" : "[1] (PER_TENSOR)");
-  if (!op->do_rotary) return NULL;
-  const Tensor *cos = &in[IN_COS], *sin = &in[IN_SIN];
-  if (!cos->value || !sin->value) return bad("do_rotary=1 needs cos_cache and sin_cache");
-  if (cos->rank != 2 || !shaped(sin, 2, cos->dims[0], cos->dims[1], 0, 0) || cos->dims[1] < 1 ||
-      op->rotary_offset + 2 * cos->dims[1] > a->d)
-    return bad("cos_cache and sin_cache are not both [positions, rotary_dim / 2] with rotary_offset + rotary_dim <= "
-               "head_size %lld", (long long)a->d);
-  a->rotary_dim = 2 * cos->dims[1], a->rotary_offset = op->rotary_offset;
-  return NULL;
-}
-
-/* the lengths: rows in order, each inside its block table (and the rotary tables); slots inside the cache */
-static OrtStatus *check_values(const Tensor *in, const PagedArgs *a) {
-  const int32_t *cu = a->cumulative, *slots = a->slot_mapping;
-  if (cu[0] != 0 || cu[a->batch] != a->tokens)
-    return bad("cumulative_sequence_length runs from %d to %d, not from 0 to the %lld tokens", cu[0], cu[a->batch],
-               (long long)a->tokens);
-  int64_t positions = a->cos ? in[IN_COS].dims[0] : INT64_MAX;
-  for (int64_t b = 0; b < a->batch; b++) {
-    int64_t end = (int64_t)a->past[b] + cu[b + 1] - cu[b];
-    if (cu[b + 1] < cu[b] || a->past[b] < 0 || end > a->max_blocks * a->block_size || end > positions)
-      return bad("row %lld: %d past and %d new tokens do not fit its block table (%lld tokens) or the rotary tables "
-                 "(%lld positions)", (long long)b, a->past[b], cu[b + 1] - cu[b],
-                 (long long)(a->max_blocks * a->block_size), (long long)(positions == INT64_MAX ? -1 : positions));
-  }
-  for (int64_t t = 0; slots && t < a->tokens; t++)
-    if (slots[t] < -1 || slots[t] >= a->blocks * a->block_size)
-      return bad("slot_mapping[%lld] = %d is outside the cache's %lld slots", (long long)t, slots[t],
-                 (long long)(a->blocks * a->block_size));
   return NULL;
 }
 
@@ -254,7 +135,7 @@ static OrtStatus *cache_output(OrtKernelContext *context, size_t outputs, size_t
 }
 
 /* int8: k_scale and v_scale as [kv_heads, d] each (a PER_TENSOR scale repeated), one allocation; NULL: no memory */
-static float *expand_scales(const Op *op, const Tensor *in, PagedArgs *a) {
+static float *expand_scales(const PagedOp *op, const Tensor *in, PagedArgs *a) {
   size_t n = (size_t)(a->kv_heads * a->d);
   float *scales = (float *)malloc(2 * n * sizeof(float));
   for (size_t i = 0; scales && i < 2; i++)
@@ -264,21 +145,21 @@ static float *expand_scales(const Op *op, const Tensor *in, PagedArgs *a) {
 }
 
 static OrtStatus *compute(void *state, OrtKernelContext *context) {
-  const Op *op = (const Op *)state;
+  const PagedOp *op = (const PagedOp *)state;
   size_t inputs, outputs;
   Tensor in[IN_COUNT];
   TRY(CALL(KernelContext_GetInputCount, fn_input_count, context, &inputs));
   TRY(CALL(KernelContext_GetOutputCount, fn_input_count, context, &outputs));
-  for (size_t i = 0; i < IN_COUNT; i++) TRY(tensor(context, inputs, i, &in[i]));
+  for (size_t i = 0; i < IN_COUNT; i++) TRY(paged_tensor(context, inputs, i, &in[i]));
   PagedArgs a = {0};
-  TRY(check_shapes(op, in, &a));
+  TRY(paged_check_shapes(op, in, &a));
   a.query = (const float *)in[IN_QUERY].data;
   a.key = in[IN_KEY].value ? (const float *)in[IN_KEY].data : a.query + a.heads * a.d;
   a.value = in[IN_VALUE].value ? (const float *)in[IN_VALUE].data : a.key + a.kv_heads * a.d;
   a.cumulative = (const int32_t *)in[IN_CUMULATIVE].data, a.past = (const int32_t *)in[IN_PAST].data;
   a.block_table = (const int32_t *)in[IN_BLOCK_TABLE].data, a.slot_mapping = (const int32_t *)in[IN_SLOT_MAPPING].data;
   a.cos = op->do_rotary ? (const float *)in[IN_COS].data : NULL, a.sin = op->do_rotary ? (const float *)in[IN_SIN].data : NULL;
-  TRY(check_values(in, &a));
+  TRY(paged_check_values(in, &a));
   a.cache = op->cache, a.interleaved = op->interleaved, a.causal = op->causal, a.window = op->window;
   a.scale = op->scale != 0.f ? op->scale : 1.f / sqrtf((float)a.d), a.softcap = op->softcap;
   a.threads = op->threads, a.isa = op->isa;
