@@ -4,10 +4,12 @@ int8 KV pools, measured in one run (docs/build.md records the results).
     .venv/bin/python scripts/bench_kv_cache_dtype.py [--passes 5] [--rows 16] [--past 512]
 
 Builds (export only, cached under build/kv-<dtype>) SmolLM2 with `export.attention: paged` and each
-cache type; perplexity on the built-in held-out text (the quantize stage's quality.perplexity, 8 windows
-of 256 tokens through the paged graph behind the slot protocol); decode steps of `rows` rows each at
+cache type; perplexity on the built-in held-out text (the quantize stage's quality.perplexity over the
+windows of 256 tokens it holds, 5, through the paged graph behind the slot protocol) and, against fp32's
+logits at every position, the mean KL divergence (nats per token: what perplexity's average over the text
+dilutes), the largest |dlogit| and how often the top token agrees; decode steps of `rows` rows each at
 `past` cached tokens, timed step by step, the dtypes taken in turns each pass so host load falls on all
-alike; medians per pass and each pass's ratio to fp32.
+alike; medians per pass and each pass's ratio to fp32 (`--passes 0`: quality only).
 """
 
 from __future__ import annotations
@@ -39,6 +41,37 @@ def export(dtype: str):
     return folder / "export" / result.exported.onnx, result.exported.kv_layout, spec
 
 
+class Recording:
+    """A slot runner that keeps every step's logits (float64), so the perplexity pass also feeds the comparison."""
+
+    def __init__(self, runner):
+        self.runner, self.logits = runner, []
+
+    def step(self, *args, **kwargs):
+        out = self.runner.step(*args, **kwargs)
+        self.logits.append(out[0].astype(np.float64))
+        return out
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def against(reference: list[np.ndarray], logits: list[np.ndarray], windows: list[np.ndarray]) -> str:
+    """Mean KL(reference || logits) per position, largest |dlogit|, top-token agreement, and the change in the
+    text's next-token log-likelihood: its mean with the standard error (perplexity's noise) and mean magnitude."""
+    ref, got = np.concatenate(reference), np.concatenate(logits)
+    log_ref, log_got = log_softmax(ref), log_softmax(got)
+    kl = (np.exp(log_ref) * (log_ref - log_got)).sum(-1)
+    at = np.cumsum([0] + [len(w) for w in windows])
+    rows = np.concatenate([np.arange(a, b - 1) for a, b in zip(at[:-1], at[1:])])
+    change = (log_got - log_ref)[rows, np.concatenate([w[1:] for w in windows])]
+    return (f"KL vs fp32 {kl.mean():.2e} nats/token, max |dlogit| {np.abs(ref - got).max():.3f}, top-1 agrees "
+            f"{(ref.argmax(-1) == got.argmax(-1)).mean():.2%}, text log-likelihood change {change.mean():+.5f} +- "
+            f"{change.std() / np.sqrt(change.size):.5f} (mean |change| {np.abs(change).mean():.4f})")
+
+
 def decode_times(path, layout, rows: int, past: int, steps: int, threads: int) -> float:
     """Median seconds of a decode step of `rows` rows at `past` cached tokens (the cache filled first)."""
     blocks = -(-(past + steps + 1) // layout.block_size)
@@ -67,11 +100,14 @@ def main() -> None:
     graphs = {d: export(d) for d in DTYPES}
     tokenizer = load_tokenizer(inspect_source(graphs["fp32"][2].source))
     windows = token_windows(tokenizer, builtin_documents("heldout"), 256, 8, "heldout", "the built-in held-out text")
+    reference = []
     for dtype, (path, layout, _) in graphs.items():
-        runner = slot_runner(path, layout, max_batch=1, capacity=256, num_threads=args.threads)
-        print(f"{dtype}: perplexity {perplexity(runner, windows, lambda: None):.4f}, "
-              f"{layout.bytes_per_token()} KV bytes per token", flush=True)
-        runner.close()
+        runner = Recording(slot_runner(path, layout, max_batch=1, capacity=256, num_threads=args.threads))
+        ppl = perplexity(runner, windows, lambda: None)
+        runner.runner.close()
+        reference = reference or runner.logits  # fp32's, the first
+        print(f"{dtype}: perplexity {ppl:.4f} over {len(windows)} x 256 tokens, {layout.bytes_per_token()} KV bytes "
+              f"per token" + (f"; {against(reference, runner.logits, windows)}" if dtype != "fp32" else ""), flush=True)
     per_pass = {d: [] for d in DTYPES}
     for p in range(args.passes):
         order = DTYPES if p % 2 == 0 else DTYPES[::-1]
@@ -80,7 +116,7 @@ def main() -> None:
             per_pass[dtype].append(decode_times(path, layout, args.rows, args.past, args.steps, args.threads))
         print(f"pass {p}: " + ", ".join(f"{d} {per_pass[d][-1] * 1e3:.1f} ms ({per_pass['fp32'][-1] / per_pass[d][-1]:.2f}x)"
                                         for d in DTYPES), flush=True)
-    for dtype in DTYPES:
+    for dtype in DTYPES if args.passes else ():
         ratios = [f / t for f, t in zip(per_pass["fp32"], per_pass[dtype])]
         print(f"{dtype}: decode step median {statistics.median(per_pass[dtype]) * 1e3:.1f} ms, "
               f"{args.rows / statistics.median(per_pass[dtype]):.0f} tok/s, vs fp32 per pass {min(ratios):.2f}-"

@@ -145,3 +145,90 @@ def test_int8_graph_is_the_decoder_over_int8_pools(kv_build, tiny_checkpoints):
     want, fp32 = _torch_int8_logits(tiny_checkpoints["llama"], graph, layout, prompt)
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
     assert np.abs(got - fp32).max() > 1e-2
+
+
+def _blocks(layout, tokens):
+    return list(range(-(-tokens // layout.block_size)))
+
+
+def test_a_prefill_reads_its_own_tokens_back_from_the_cache(kv_build):
+    """The perplexity path (quality.perplexity: one prefill through PagedSlots) computes what serving's decode
+    computes: each prompt position's logits equal the same tokens fed in chunks of 5 and one at a time, so an
+    in-chunk token is attended through the same stored (rounded) key and value a later step reads back. A kernel
+    attending to its own chunk's keys and values at full precision would make whole-window perplexity blind to the
+    cache's rounding, while decode pays it."""
+    from llmc.runtime.paged_slots import slot_runner
+
+    _, folder, result = kv_build
+    layout, path = result.exported.kv_layout, folder / "export" / result.exported.onnx
+    prompt = np.random.default_rng(5).integers(0, 256, 37)
+    slots = slot_runner(path, layout, max_batch=1, capacity=len(prompt))
+    whole = slots.step(prompt[None], np.zeros(1, dtype=np.int64))[0]
+    slots.close()
+    for chunk in (5, 1):
+        runner = PagedRunner(path, layout, num_blocks=len(_blocks(layout, len(prompt))), max_num_tokens=len(prompt))
+        fed = [runner.step([RowStep(prompt[i:i + chunk].tolist(), i, _blocks(layout, len(prompt)),
+                                    num_logits=len(prompt[i:i + chunk]))]) for i in range(0, len(prompt), chunk)]
+        runner.close()
+        np.testing.assert_allclose(np.concatenate(fed), whole, atol=1e-4, rtol=0)
+
+
+def _float_pools(checkpoint, layout, window):
+    """The PyTorch decoder's float32 keys and values for one window: [layers, 2, tokens, kv_heads, head_dim]."""
+    import torch
+
+    from llmc.compiler.decoder import decoder_for
+    from llmc.compiler.paged_decoder import PagedDecoder
+    from llmc.compiler.source import inspect_source, load_model
+    from llmc.compiler.spec import SourceSpec
+
+    model = load_model(inspect_source(SourceSpec(path=checkpoint)))[0]
+    module, n = PagedDecoder(decoder_for(model, "llama")).eval(), len(window)
+    blocks = len(_blocks(layout, n))
+    pools = tuple(torch.zeros(blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+                  for _ in range(2 * layout.num_layers))
+    with torch.no_grad():
+        out = module(torch.as_tensor(window, dtype=torch.int64), torch.arange(n), torch.tensor([0, n], dtype=torch.int32),
+                     torch.zeros(1, dtype=torch.int32), torch.arange(blocks, dtype=torch.int32)[None],
+                     torch.tensor([n - 1]), pools)
+    flat = [p.reshape(-1, layout.num_kv_heads, layout.head_dim)[:n].numpy() for p in out[1:]]
+    return np.stack(flat).reshape(layout.num_layers, 2, n, layout.num_kv_heads, layout.head_dim)
+
+
+def test_int8_scales_fit_the_calibration_text(kv_build, tiny_checkpoints):
+    """The graph's int8 scales fit the calibration text's float keys and values (the PyTorch decoder's): nothing
+    exceeds 127 steps (the scales reach each channel's peak) and they are no looser than meant: each rotary key
+    pair's largest norm is 127 steps, each value channel's largest magnitude 127 / VALUE_HEADROOM steps. The first layer's
+    stored codes (its inputs are the float model's; later layers see int8 attention before them) are those values
+    rounded. A scale in the wrong layer, head, channel or cache, or a rotary pair taken wrongly, breaks one of these."""
+    from llmc.compiler import kv_cache
+    from llmc.compiler.decoder import decoder_for
+    from llmc.compiler.source import inspect_source, load_model, load_tokenizer
+    from llmc.compiler.spec import SourceSpec
+
+    dtype, folder, result = kv_build
+    if dtype != "int8":
+        pytest.skip("the int8 build's check")
+    layout, info = result.exported.kv_layout, inspect_source(SourceSpec(path=tiny_checkpoints["llama"]))
+    graph = onnx.load(str(folder / "export" / "model.onnx")).graph
+    scales = np.stack([[numpy_helper.to_array(i) for i in graph.initializer if i.name == f"kv_scale.{layer}.{kind}"][0]
+                       for layer in range(layout.num_layers) for kind in ("key", "value")])[:, :, 0]
+    scales = scales.reshape(layout.num_layers, 2, 1, layout.num_kv_heads, layout.head_dim)
+    half = kv_cache.rotary_dim(decoder_for(load_model(info)[0], "llama"), layout.head_dim) // 2
+    peaks = np.zeros((layout.num_layers, 2, layout.num_kv_heads, layout.head_dim))
+    for window in kv_cache.calibration_windows(load_tokenizer(info), result.exported.model.vocab_size):
+        table = _blocks(layout, len(window))
+        runner = PagedRunner(folder / "export" / result.exported.onnx, layout, num_blocks=len(table),
+                             max_num_tokens=len(window))
+        runner.step([RowStep(window.tolist(), 0, table)])
+        codes = [p.reshape(-1, layout.num_kv_heads, layout.head_dim)[:len(window)] for p in runner.pools[:2]]
+        runner.close()
+        steps = _float_pools(tiny_checkpoints["llama"], layout, window) / scales  # [layers, 2, tokens, kv_heads, d]
+        assert (np.abs(np.stack(codes) - steps[0]) <= 0.501).all()
+        steps = np.abs(steps)
+        if half:  # keys: a rotary pair's norm
+            norm = np.sqrt(steps[:, 0, ..., :half] ** 2 + steps[:, 0, ..., half:2 * half] ** 2)
+            steps[:, 0, ..., :2 * half] = np.concatenate([norm, norm], axis=-1)
+        peaks = np.maximum(peaks, steps.max(axis=2))
+    np.testing.assert_allclose(peaks[:, 0], 127, rtol=1e-4)
+    np.testing.assert_allclose(peaks[:, 1], 127 / kv_cache.VALUE_HEADROOM, rtol=1e-4)
