@@ -48,7 +48,7 @@ class WeightOnlyAlgorithm(str, enum.Enum):
 
 
 class AttentionLowering(str, enum.Enum):
-    auto = "auto"  # fused for onnxruntime, plugin for tensorrt; reference under int8/fp8 quantization
+    auto = "auto"  # paged for onnxruntime, plugin for tensorrt; reference under int8/fp8 quantization
     fused = "fused"  # com.microsoft.GroupQueryAttention, KV cache updated in place (ONNX Runtime)
     reference = "reference"  # standard opset-23 ops, for tools that need plain ONNX
     plugin = "plugin"  # the LlmcFusedAttention TensorRT plugin node
@@ -138,7 +138,8 @@ class QuantizationSpec(StrictModel):
 class ExportSpec(StrictModel):
     attention: AttentionLowering = Field(
         AttentionLowering.auto,
-        description="How llmc::attention is lowered to ONNX; auto picks the target's fused form.",
+        description="How llmc::attention is lowered to ONNX; auto: paged for onnxruntime (block pools, mixed "
+                    "prefill/decode steps, prefix caching), plugin for tensorrt, reference under int8/fp8.",
     )
     kv_cache_dtype: KVCacheDtype = Field(
         KVCacheDtype.fp32,

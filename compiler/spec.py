@@ -99,7 +99,7 @@ class BuildSpec(StrictModel):
         if self.export.attention is AttentionLowering.auto:
             if self.quantization.static:
                 return "reference"
-            return "fused" if self.target is Target.onnxruntime else "plugin"
+            return "paged" if self.target is Target.onnxruntime else "plugin"
         return self.export.attention.value
 
     def with_model_limits(self, max_position_embeddings: int | None) -> tuple["BuildSpec", list[str]]:

@@ -155,9 +155,13 @@ def _package(engine: Located, spec: BuildSpec, ctx: Context) -> RepositoryManife
 
 
 def _package_summary(done: Located[RepositoryManifest]) -> str:
-    m = done.artifact
-    return (f"{REPOSITORY_DIR}/{m.name}: {m.limits.max_batch_size} KV slots x {m.limits.max_seq_len} tokens, "
-            f"queue {m.limits.max_queue_size}")
+    m, limits = done.artifact, done.artifact.limits
+    if m.kv_layout.paged:
+        kv = (f"{limits.max_batch_size} rows a step, a KV pool of {limits.kv_cache_tokens} tokens in blocks of "
+              f"{m.kv_layout.block_size}, {limits.max_seq_len} tokens a request")
+    else:
+        kv = f"{limits.max_batch_size} KV slots x {limits.max_seq_len} tokens"
+    return f"{REPOSITORY_DIR}/{m.name}: {kv}, queue {limits.max_queue_size}"
 
 
 STAGES: tuple[Stage, ...] = (

@@ -95,12 +95,24 @@ TINY_SERVING_SPEC = {"limits": {"max_batch_size": 4, "max_seq_len": 128, "max_nu
 
 @pytest.fixture(scope="session")
 def tiny_build(tiny_checkpoints, tmp_path_factory):
-    """The tiny Llama built through packaging: `.repository` is a Triton model repository."""
+    """The tiny Llama built through packaging with the default spec (the paged graph): `.repository` is
+    a Triton model repository."""
     from llmc.compiler import build
     from llmc.compiler.spec import parse_spec
 
     spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), **TINY_SERVING_SPEC})
     return build(spec, output=tmp_path_factory.mktemp("tiny_build") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_slot_build(tiny_checkpoints, tmp_path_factory):
+    """The tiny Llama with the slot graph (`export.attention: fused`: a KV slot per request), packaged the same way."""
+    from llmc.compiler import build
+    from llmc.compiler.spec import parse_spec
+
+    spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "fused"},
+                       **TINY_SERVING_SPEC})
+    return build(spec, output=tmp_path_factory.mktemp("tiny_slot_build") / "tiny")
 
 
 @pytest.fixture(scope="session")
@@ -190,13 +202,13 @@ def assert_serves_like_its_graph(result, tmp_path: Path, prompt: str = "quantize
     decode (the quantized graph when there is one) run in process."""
     from llmc.client import Client
     from llmc.compiler.quantize.quality import greedy
-    from llmc.runtime.ort_runner import OrtRunner
+    from llmc.runtime.paged_slots import slot_runner
     from llmc.triton_server import TritonServer, assemble
 
     env = serving_env()
     engine = result.quantized or result.exported
     folder = "quantize" if result.quantized else "export"
-    runner = OrtRunner(result.output / folder / engine.onnx, engine.kv_layout, max_batch=1, capacity=64)
+    runner = slot_runner(result.output / folder / engine.onnx, engine.kv_layout, max_batch=1, capacity=64)
     expected = greedy(runner, byte_tokenizer().encode(prompt).ids, tokens)
     with TritonServer(result.repository, server_dir=assemble(tmp_path / "server"), serving_env=env,
                       log_path=tmp_path / "server.log") as server:

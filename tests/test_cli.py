@@ -53,8 +53,9 @@ def test_build_then_inspect(tiny_checkpoints, tmp_path):
     assert again.returncode == 0 and "cached" in again.stdout
 
     shown = run("inspect", out).stdout
-    for text in ("input_ids", "int64[batch, sequence_length]", "past_key_values.0.key .. past_key_values.1.value",
-                 "present.0.key", "opset", "23", "sha256 model.onnx", "passed", "batch-3", "fused"):
+    for text in ("input_ids", "int64[num_tokens]", "block_table", "past_key_values.0.key .. past_key_values.1.value",
+                 "present.0.key", "opset", "23", "sha256 model.onnx", "passed", "batch-3", "paged attention",
+                 "a KV pool of 16384 tokens in blocks of 16"):  # the default: the paged graph, 8 x 2048 tokens
         assert text in shown, text
     graph = run("inspect", out / "export" / "model.onnx")
     assert graph.returncode == 0 and "ai.onnx 23" in graph.stdout and "Attention" in graph.stdout

@@ -17,7 +17,7 @@ PROMPTS = {"a": [5, 17, 99, 3, 42, 8, 1], "b": [7, 7, 200], "c": [31, 64, 2, 9, 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoints, tmp_path_factory):
-    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"])})
+    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "fused"}})
     out = tmp_path_factory.mktemp("engine") / "out"
     exported = build(spec, output=out, until="export").exported
     model, _ = load_model(inspect_source(spec.source))

@@ -53,9 +53,9 @@ def test_a_norm_whose_weight_is_not_a_constant_is_left_alone():
     assert [n.op_type for n in model.graph.node] == ["Add", "RMSNormalization", "Relu"]
 
 
-def test_the_fused_export_has_one_skip_norm_per_residual_join(tiny_build):
-    exported = tiny_build.exported
-    graph = onnx.load(str(tiny_build.output / "export" / "model.onnx"), load_external_data=False).graph
+def test_the_fused_export_has_one_skip_norm_per_residual_join(tiny_slot_build):
+    exported = tiny_slot_build.exported
+    graph = onnx.load(str(tiny_slot_build.output / "export" / "model.onnx"), load_external_data=False).graph
     ops = [n.op_type for n in graph.node]
     # Each layer's two norms after the first take a residual sum, plus the final norm: 2 * layers - 1 + 1.
     assert ops.count("SkipSimplifiedLayerNormalization") == 2 * exported.model.num_layers

@@ -90,7 +90,7 @@ def test_lowering_must_suit_the_target(tiny_llama, target, attention, message):
         _spec(tiny_llama, target=target, export={"attention": attention})
 
 
-@pytest.mark.parametrize(("target", "expected"), [("onnxruntime", "fused"), ("tensorrt", "plugin")])
-def test_auto_picks_the_targets_fused_form(tiny_llama, target, expected):
+@pytest.mark.parametrize(("target", "expected"), [("onnxruntime", "paged"), ("tensorrt", "plugin")])
+def test_auto_picks_the_targets_default_form(tiny_llama, target, expected):
     assert _spec(tiny_llama, target=target).attention_lowering == expected
     assert _spec(tiny_llama, target=target, export={"attention": "reference"}).attention_lowering == "reference"

@@ -18,7 +18,11 @@ from llmc.runtime.manifest import RepositoryManifest
 
 
 def _spec(tiny_llama, mode, **quant):
-    return parse_spec({"name": "q", "source": str(tiny_llama), "limits": {"max_batch_size": 2, "max_seq_len": 320},
+    # weight-only on the slot graph: these tests read its structure (the paged graph's: test_paged_graph.py);
+    # the static modes quantize the reference lowering, which auto picks for them
+    export = {} if mode in ("int8", "fp8") else {"attention": "fused"}
+    return parse_spec({"name": "q", "source": str(tiny_llama), "export": export,
+                       "limits": {"max_batch_size": 2, "max_seq_len": 320},
                        "serving": {"default_max_tokens": 8},
                        "quantization": {"mode": mode, "max_perplexity_increase": 1.0, **quant}})
 

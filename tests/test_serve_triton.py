@@ -29,7 +29,8 @@ def server(tiny_build, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     repository = root / "repository"
     shutil.copytree(tiny_build.repository, repository)
-    add_model_variant(repository, "tiny", ONE_SLOT, max_batch_size=1, max_queue_size=1, max_seq_len=2048)
+    add_model_variant(repository, "tiny", ONE_SLOT, max_batch_size=1, max_queue_size=1, max_seq_len=2048,
+                      kv_cache_tokens=2048)
     with TritonServer(repository, server_dir=assemble(root / "server"), serving_env=SERVING_ENV,
                       log_path=root / "server.log") as srv:
         yield srv

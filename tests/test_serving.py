@@ -37,7 +37,7 @@ class Recorder:
 def served(request):
     """The tiny model served in process, from its slot graph and from its paged graph."""
     recorder = Recorder()
-    built = request.getfixturevalue("tiny_build" if request.param == "slots" else "tiny_paged_build")
+    built = request.getfixturevalue("tiny_slot_build" if request.param == "slots" else "tiny_paged_build")
     version = built.repository / "tiny" / "1"
     loop = ServingLoop.from_manifest(version, ServingMetrics(recorder)).start()
     yield loop, recorder
@@ -133,17 +133,23 @@ def test_full_queue_answers_busy_retry(tiny_build):
     assert first.errors == ["the model is being unloaded"]  # stopping answers what was still queued
 
 
-def test_stopping_the_loop_closes_its_runner(tiny_build):
+@pytest.mark.parametrize("graph", ["slots", "paged"])
+def test_stopping_the_loop_closes_its_runner(graph, request):
     """An unloaded model version frees its model and KV cache (GPU memory for a TensorRT engine)."""
+    from llmc.runtime.paged_batch import RowStep
     from llmc.runtime.runner import RunnerClosed
 
-    loop = ServingLoop.from_manifest(tiny_build.repository / "tiny" / "1").start()
+    built = request.getfixturevalue("tiny_slot_build" if graph == "slots" else "tiny_build")
+    loop = ServingLoop.from_manifest(built.repository / "tiny" / "1").start()
     sink = RecordingSink()
     loop.submit(request_inputs(max_tokens=3), sink)
     assert sink.wait().errors == []
     loop.stop()
     with pytest.raises(RunnerClosed):
-        loop.engine.runner.step(np.array([[1]]), np.array([0]))
+        if graph == "slots":
+            loop.engine.runner.step(np.array([[1]]), np.array([0]))
+        else:
+            loop.engine.runner.step([RowStep([1], 0, [0])])
 
 
 def test_a_failing_step_ends_requests_in_flight_and_the_loop_keeps_serving(served, monkeypatch):
