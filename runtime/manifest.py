@@ -99,6 +99,12 @@ class RepositoryManifest(BaseModel):
     chat_template: ChatTemplate | None = None  # none: the model serves completions only
     speculative: SpeculativeConfig | None = None  # paged graphs only; none: every row decodes one token a step
 
+    @model_validator(mode="after")
+    def _speculation_is_paged(self) -> "RepositoryManifest":
+        if self.speculative is not None and not self.kv_layout.paged:
+            raise ValueError("speculative: needs a paged graph (kv_layout.paged); this engine is the slot form")
+        return self
+
     def save(self, folder: Path) -> Path:
         path = folder / self.filename
         path.write_text(self.model_dump_json(indent=2) + "\n")

@@ -282,4 +282,5 @@ def _paged_engine(graph: Path, m, tokenizer) -> LLMEngine:
                          num_threads=lim.num_threads)
     return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
                        max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
-                       max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching, itl_ratio=lim.itl_ratio)
+                       max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching, itl_ratio=lim.itl_ratio,
+                       speculative=m.speculative)

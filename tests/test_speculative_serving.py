@@ -1,0 +1,64 @@
+"""Speculative decoding from the spec to the served model: `speculative:` is carried into the
+manifest, the served model builds its engine from it, serves the same tokens as without it and
+reports TensorRT-LLM's speculative-decoding figures as llmc_spec_decode_* metrics."""
+
+import shutil
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from conftest import TINY_SERVING_SPEC, RecordingSink, request_inputs
+from llmc.compiler import build
+from llmc.compiler.spec import parse_spec
+from llmc.runtime.manifest import RepositoryManifest, SpeculativeConfig
+from llmc.runtime.metrics import ServingMetrics
+from llmc.runtime.serving import ServingLoop
+from test_serving import Recorder
+
+SECTION = {"method": "ngram", "num_tokens": 3, "max_batch": 2, "min_n": 1, "max_n": 2}
+PROMPTS = ["the cat sat on the mat; the cat sat on the mat; the cat", "abcdefabcdefabcdef", "x"]
+
+
+@pytest.fixture(scope="module")
+def speculative_build(tiny_checkpoints, tmp_path_factory):
+    spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "paged"},
+                       "verify": {"enabled": False}, "speculative": SECTION, **TINY_SERVING_SPEC})
+    return build(spec, output=tmp_path_factory.mktemp("speculative_build") / "tiny")
+
+
+def _serve(version, metrics=None):
+    loop = ServingLoop.from_manifest(version, metrics).start()
+    try:
+        sinks = [RecordingSink() for _ in PROMPTS]
+        for prompt, sink in zip(PROMPTS, sinks):  # together: rows beyond max_batch 2 decode normally
+            loop.submit(request_inputs(prompt, max_tokens=20), sink)
+        ids = [sink.joined("output_ids").tolist() for sink in sinks]
+        time.sleep(0.3)  # the idle loop publishes the metrics
+        return ids, loop.engine
+    finally:
+        loop.stop()
+
+
+def test_the_served_model_speculates_as_the_manifest_says_and_serves_the_same_tokens(speculative_build, tmp_path):
+    version = speculative_build.repository / "tiny" / "1"
+    manifest = RepositoryManifest.load(version)
+    assert manifest.speculative == SpeculativeConfig(**SECTION)
+    recorder = Recorder()
+    ids, engine = _serve(version, ServingMetrics(recorder))
+    assert engine.speculator.max_batch == 2 and engine.speculator.proposer.num_tokens == 3
+    plain = tmp_path / "1"  # the same build without speculation
+    shutil.copytree(version, plain)
+    manifest.model_copy(update={"speculative": None}).save(plain)
+    plain_ids, plain_engine = _serve(plain)
+    assert plain_engine.speculator is None and ids == plain_ids
+    values = recorder.values
+    drafted, accepted = values["llmc_spec_decode_draft_tokens_total"], values["llmc_spec_decode_accepted_tokens_total"]
+    assert (drafted, accepted) == (engine.speculator.num_draft_tokens, engine.speculator.num_accepted_tokens)
+    assert 0 < accepted <= drafted and values["llmc_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
+
+
+def test_a_manifest_refuses_speculation_on_the_slot_graph(tiny_build):
+    data = RepositoryManifest.load(tiny_build.repository / "tiny" / "1").model_dump(mode="json")
+    with pytest.raises(ValidationError, match="speculative: needs a paged graph"):
+        RepositoryManifest.model_validate({**data, "speculative": SECTION})
