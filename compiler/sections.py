@@ -196,7 +196,9 @@ class SpeculativeSpec(StrictModel):
     max_batch: Annotated[int, Field(ge=1, le=1024)] = Field(
         4, description="Rows a step that may speculate; the rows beyond decode normally (speculation costs "
                        "throughput at high batch).")
-    min_n: Annotated[int, Field(ge=1, le=16)] = Field(1, description="ngram: shortest n-gram looked up.")
+    min_n: Annotated[int, Field(ge=1, le=16)] = Field(
+        2, description="ngram: shortest n-gram looked up (1-grams match almost anywhere in prose and their "
+                       "proposals are mostly rejected: scripts/bench_speculative.py).")
     max_n: Annotated[int, Field(ge=1, le=16)] = Field(3, description="ngram: longest n-gram looked up (tried first).")
 
     @model_validator(mode="after")
