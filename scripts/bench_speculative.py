@@ -42,6 +42,7 @@ PROMPTS = {  # SmolLM2-Instruct's chat format
     "docstring (rewrites)": f"Add a docstring to this function and show the full function.\n\n```python\n{CODE}```",
 }
 MAX_TOKENS, COST_CALLS = 160, 15
+STREAMS = 16
 VERIFY_ROWS = (1, 4)  # batch 1, and the default speculative.max_batch
 
 
@@ -59,7 +60,7 @@ def load():
                            serving={"itl_ratio": None})
     version = folder / "model_repository" / "smollm2" / "1"
     manifest = RepositoryManifest.load(version)
-    runner = PagedRunner(version / manifest.engine, manifest.kv_layout, num_blocks=128, max_num_tokens=256,
+    runner = PagedRunner(version / manifest.engine, manifest.kv_layout, num_blocks=512, max_num_tokens=256,
                          num_threads=2)
     return manifest, Tokenizer.from_file(str(version / manifest.tokenizer)), runner
 
@@ -97,33 +98,55 @@ class Slice:
 
 
 class Run:
-    """One request served to its end by one configuration, timed step by step: decode tokens/s is
-    (tokens - 1) over the seconds of the steps after the one that sampled the first token."""
+    """Requests served to their end by one configuration, timed step by step. For one request the
+    decode tokens/s is (tokens - 1) over the seconds of the steps after the one that sampled its
+    first token; for several, `throughput` is all their tokens over all the steps' seconds."""
 
-    def __init__(self, pool: Slice, manifest, tokenizer, prompt_ids: list[int], k: int | None, ngram: tuple[int, int]):
+    def __init__(self, pool: Slice, manifest, tokenizer, prompts: list[list[int]], k: int | None,
+                 ngram: tuple[int, int], rows: int = 4):
         from llmc.runtime.manifest import SpeculativeConfig
         from llmc.runtime.paged_engine import PagedEngine
         from llmc.runtime.sampling import SamplingParams
 
         spec = SpeculativeConfig(method="ngram", num_tokens=k, max_batch=4, min_n=ngram[0], max_n=ngram[1]) \
             if k else None
-        self.engine = PagedEngine(pool, tokenizer, end_ids=tuple(manifest.end_ids), max_rows=4, max_seq_len=2048,
+        self.engine = PagedEngine(pool, tokenizer, end_ids=tuple(manifest.end_ids), max_rows=rows, max_seq_len=2048,
                                   max_num_tokens=256, prefix_caching=False, speculative=spec)
-        self.engine.add_request("r", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
-        self.tokens, self.seconds, self.steps = [], 0.0, 0
+        for i, ids in enumerate(prompts):
+            self.engine.add_request(str(i), ids, SamplingParams(max_tokens=MAX_TOKENS))
+        self.outputs = {str(i): [] for i in range(len(prompts))}
+        self.seconds = self.all_seconds = 0.0
+        self.steps = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.outputs["0"]
 
     def step(self) -> None:
         start = time.perf_counter()
         outputs = self.engine.step()
+        seconds = time.perf_counter() - start
+        self.all_seconds += seconds
         if self.tokens:
-            self.seconds += time.perf_counter() - start
+            self.seconds += seconds
             self.steps += 1
         for out in outputs:
-            self.tokens += out.token_ids
+            self.outputs[out.request_id] += out.token_ids
 
     @property
     def rate(self) -> float:
         return (len(self.tokens) - 1) / self.seconds
+
+    @property
+    def throughput(self) -> float:
+        return sum(map(len, self.outputs.values())) / self.all_seconds
+
+
+def step_in_turn(runs) -> None:
+    while any(r.engine.has_work for r in runs):
+        for r in runs:
+            if r.engine.has_work:
+                r.step()
 
 
 def compare(runner, manifest, tokenizer, prompt_ids: list[int], ks: list[int], passes: int,
@@ -133,12 +156,9 @@ def compare(runner, manifest, tokenizer, prompt_ids: list[int], ks: list[int], p
     share = runner.num_blocks // len(configs)
     rates = {c: [] for c in configs}
     for _ in range(passes):
-        runs = {c: Run(Slice(runner, i * share, share), manifest, tokenizer, prompt_ids, c, ngram)
+        runs = {c: Run(Slice(runner, i * share, share), manifest, tokenizer, [prompt_ids], c, ngram)
                 for i, c in enumerate(configs)}
-        while any(r.engine.has_work for r in runs.values()):
-            for r in runs.values():
-                if r.engine.has_work:
-                    r.step()
+        step_in_turn(list(runs.values()))
         for c, r in runs.items():
             rates[c].append(r.rate)
             assert r.tokens == runs[None].tokens, f"k={c}: speculative output differs from the plain one"
@@ -168,12 +188,34 @@ def report(name: str, results: dict, costs: dict[int, float]) -> None:
               f"{per_step:8.2f} {per_step / step_cost:9.2f}")
 
 
+def streams(runner, manifest, tokenizer, prompts: list[list[int]], k: int, passes: int, ngram: tuple[int, int]):
+    """STREAMS requests at once (the prompts in turn), with and without speculation: their tokens/s
+    (prefill included) and the ratio, medians of the passes; every output checked against the plain one."""
+    rates = {None: [], k: []}
+    batch = [prompts[i % len(prompts)] for i in range(STREAMS)]
+    share = runner.num_blocks // 2
+    for p in range(passes):
+        runs = {c: Run(Slice(runner, i * share, share), manifest, tokenizer, batch, c, ngram, rows=STREAMS)
+                for i, c in enumerate([None, k][::1 if p % 2 == 0 else -1])}
+        step_in_turn(list(runs.values()))
+        assert runs[k].outputs == runs[None].outputs, "speculative outputs differ from the plain ones under load"
+        for c, r in runs.items():
+            rates[c].append(r.throughput)
+    plain, spec = statistics.median(rates[None]), statistics.median(rates[k])
+    s = runs[k].engine.speculator
+    print(f"\n{STREAMS} streams (prompts in turn; at most 4 rows speculate a step): none {plain:.1f} tok/s, "
+          f"k {k} {spec:.1f} tok/s = {spec / plain:.2f}x, accepted {s.num_accepted_tokens}/{s.num_draft_tokens}; "
+          f"outputs identical")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--ks", default="2,4,6,8", help="proposal lengths to compare, comma-separated")
     parser.add_argument("--min-n", type=int, default=2, help="speculative.min_n: shortest n-gram looked up")
     parser.add_argument("--max-n", type=int, default=3, help="speculative.max_n: longest n-gram looked up")
+    parser.add_argument("--streams-k", type=int, default=4, help="k for the 16-stream comparison (0: skip it)")
+    parser.add_argument("--skip-batch1", action="store_true", help="only the verification cost and the streams")
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     manifest, tokenizer, runner = load()
@@ -184,8 +226,11 @@ def main() -> None:
     for rows, by_k in costs.items():
         print(f"  {rows} row(s): " + "  ".join(f"k {k}: {s * 1e3:5.1f} ms = {s / by_k[0]:4.2f}" for k, s in by_k.items()))
     costs = costs[1]
-    for name, ids in prompts.items():
-        report(name, compare(runner, manifest, tokenizer, ids, ks, args.passes, (args.min_n, args.max_n)), costs)
+    ngram = (args.min_n, args.max_n)
+    for name, ids in ({} if args.skip_batch1 else prompts).items():
+        report(name, compare(runner, manifest, tokenizer, ids, ks, args.passes, ngram), costs)
+    if args.streams_k:
+        streams(runner, manifest, tokenizer, list(prompts.values()), args.streams_k, args.passes, ngram)
 
 
 if __name__ == "__main__":
