@@ -84,30 +84,32 @@ class TokenScheduler(WaitingQueue):
         return chunks
 
     def _decode_rows(self, chunks: list[Chunk]) -> int:
-        """One token for every decoding sequence that keeps (or gets) its blocks, and after it the
-        proposals of those among the first `speculator.max_batch` rows; returns how many rows."""
-        decoding = [s for s in self.running if s.num_tokens - s.num_cached == 1]
-        spare = self.max_num_tokens - len(decoding)  # tokens proposals may take: every decode row fits first
-        for seq in decoding:
-            if seq not in self.running:
+        """One token for every decoding sequence that keeps (or gets) its blocks; returns how many."""
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
                 continue
             while not self.blocks.can_append(seq) and seq in self.running:
                 self.preempt(self.running[-1])
             if seq in self.running:
-                proposals = self._proposals(seq, spare, len(chunks))
-                spare -= len(proposals)
-                self.blocks.append(seq, len(proposals))
-                chunks.append(Chunk(seq, [seq.all_token_ids()[-1], *proposals], seq.num_cached, proposals))
+                self.blocks.append(seq)
+                chunks.append(Chunk(seq, [seq.all_token_ids()[-1]], seq.num_cached))
+        if self.speculator is not None:
+            self._speculate(chunks)
         return len(chunks)
 
-    def _proposals(self, seq: Sequence, spare: int, rows_before: int) -> list[int]:
-        """Proposals for `seq`, if it is among the first max_batch rows and the pool has blocks for
-        them without preempting anyone (speculation never costs another request its KV)."""
-        spec = self.speculator
-        if spec is None or rows_before >= spec.max_batch or spare < 1:
-            return []
-        proposals = spec.propose(seq, spare)
-        return proposals if proposals and self.blocks.can_append(seq, len(proposals)) else []
+    def _speculate(self, chunks: list[Chunk]) -> None:
+        """Proposals after the last token of the first `max_batch` decode rows, within the step's
+        spare tokens and the free blocks. Run once every decode row has its blocks, so speculation
+        never takes a block a row needs for its own token, nor preempts anyone."""
+        spare = self.max_num_tokens - len(chunks)
+        for i, chunk in enumerate(chunks[:self.speculator.max_batch]):
+            if spare < 1:
+                break
+            proposals = self.speculator.propose(chunk.seq, spare)
+            if proposals and self.blocks.can_append(chunk.seq, len(proposals)):
+                self.blocks.append(chunk.seq, len(proposals))
+                chunks[i] = Chunk(chunk.seq, chunk.token_ids + proposals, chunk.past_len, proposals)
+                spare -= len(proposals)
 
     def _chunk(self, seq: Sequence, budget: int, chunks: list[Chunk]) -> int:
         tokens = seq.all_token_ids()[seq.num_cached:seq.num_cached + budget]

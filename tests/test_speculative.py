@@ -16,8 +16,8 @@ from llmc.runtime.ngram import NgramProposer
 from llmc.runtime.paged_engine import PagedEngine
 from llmc.runtime.paged_runner import PagedRunner
 from llmc.runtime.sampling import SamplingParams
-from llmc.runtime.sequence import Sequence
-from llmc.runtime.speculative import verify
+from llmc.runtime.sequence import Sequence, Status
+from llmc.runtime.speculative import Speculator, verify
 from llmc.runtime.token_scheduler import Chunk, TokenScheduler
 
 rng = np.random.default_rng(11)
@@ -194,3 +194,28 @@ def test_rejected_proposals_give_their_blocks_back_and_are_never_committed():
     assert blocks.keys[seq.block_ids[0]] == first
     scheduler.computed(Chunk(seq, [17], 7))  # the next step writes the real token at position 7
     assert blocks.keys[seq.block_ids[1]] == block_hash(first, [14, 15, 16, 17])
+
+
+def test_speculation_takes_no_block_a_decode_row_needs_and_preempts_no_one():
+    blocks = BlockManager(num_blocks=5, block_size=4)
+    spec = SpeculativeConfig(method="ngram", num_tokens=3, max_batch=2, min_n=2, max_n=2)
+    scheduler = TokenScheduler(blocks, max_rows=2, max_num_tokens=16, max_queue_size=4,
+                               speculator=Speculator.from_config(spec, capacity=64))
+    a = Sequence("a", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=9))  # "1 2" repeats: proposals [3, 1, 2]
+    b = Sequence("b", [7, 8, 9, 10, 11, 12, 13, 14], SamplingParams(max_tokens=9))
+    for seq, first in ((a, 2), (b, 15)):
+        blocks.allocate(seq)
+        seq.num_cached, seq.status = len(seq.prompt_ids), Status.decoding
+        seq.output_ids.append(first)
+        scheduler.running.append(seq)
+    # a holds 2 blocks (8 tokens fit), b 2 (its 9th token needs a third): one block is free, and b's
+    # own token needs it more than a's proposals do
+    chunks = scheduler.schedule()
+    assert [c.seq.request_id for c in chunks] == ["a", "b"] and scheduler.num_preemptions == 0
+    assert chunks[0].proposals == [] and len(b.block_ids) == 3 and blocks.num_free == 0
+    a.output_ids.append(3)  # next step, with a free block again, a speculates
+    scheduler.computed(chunks[0])
+    blocks.free(b)
+    scheduler.running.remove(b)
+    chunks = scheduler.schedule()
+    assert chunks[0].proposals == [1, 2, 3] and chunks[0].token_ids == [3, 1, 2, 3]
