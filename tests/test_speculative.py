@@ -30,11 +30,15 @@ TOKENS = 24
 SPEC = SpeculativeConfig(method="ngram", num_tokens=4, max_batch=4, min_n=1, max_n=3)
 
 
+def _export(tiny_checkpoints, tmp_path_factory, family: str):
+    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints[family]), "export": {"attention": "paged"}})
+    folder = tmp_path_factory.mktemp(f"speculative-{family}") / "t"
+    return folder / "export", build(spec, output=folder, until="export").exported
+
+
 @pytest.fixture(scope="module")
 def paged(tiny_checkpoints, tmp_path_factory):
-    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "paged"}})
-    folder = tmp_path_factory.mktemp("speculative") / "t"
-    return folder / "export", build(spec, output=folder, until="export").exported
+    return _export(tiny_checkpoints, tmp_path_factory, "llama")
 
 
 def _engine(paged, speculative=SPEC, *, num_blocks=64, max_rows=8, max_num_tokens=48, prefix_caching=True):
@@ -80,6 +84,15 @@ def test_greedy_with_speculation_under_concurrent_load_equals_without(paged, pla
     tokens, _ = _run(engine, {name: GREEDY for name in PROMPTS})
     assert tokens == plain
     assert engine.speculator.num_accepted_tokens > 0 and engine.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_greedy_with_speculation_equals_without_on_other_families(tiny_checkpoints, tmp_path_factory, family):
+    paged = _export(tiny_checkpoints, tmp_path_factory, family)
+    plain = {name: _run(_engine(paged, None), {name: GREEDY})[0][name] for name in PROMPTS}
+    engine = _engine(paged, max_rows=6)
+    assert _run(engine, {name: GREEDY for name in PROMPTS})[0] == plain
+    assert engine.speculator.num_accepted_tokens > 0
 
 
 def test_speculation_with_preemption_and_no_prefix_cache_changes_nothing(paged, plain):
