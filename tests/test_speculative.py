@@ -232,3 +232,29 @@ def test_speculation_takes_no_block_a_decode_row_needs_and_preempts_no_one():
     scheduler.running.remove(b)
     chunks = scheduler.schedule()
     assert chunks[0].proposals == [1, 2, 3] and chunks[0].token_ids == [3, 1, 2, 3]
+
+
+def test_a_stop_word_inside_accepted_proposals_ends_the_request_where_it_would_without(paged):
+    from conftest import byte_tokenizer
+
+    def run(speculative, stop_words=()):
+        folder, exported = paged
+        runner = PagedRunner(folder / exported.onnx, exported.kv_layout, num_blocks=64, max_num_tokens=48,
+                             num_threads=1)
+        engine = PagedEngine(runner, byte_tokenizer(), max_rows=4, max_seq_len=128, max_num_tokens=48,
+                             speculative=speculative)
+        engine.add_request("r", PROMPTS["copy0"], SamplingParams(max_tokens=TOKENS, stop_words=stop_words))
+        ids, text, reason = [], "", None
+        while engine.has_work:
+            for out in engine.step():
+                ids, text, reason = ids + out.token_ids, text + out.text, out.finish_reason or reason
+        return ids, text, reason, engine.speculator
+
+    _, whole, _, _ = run(None)
+    # the shortest text that first appears in the output's second half (by then proposals are accepted)
+    stop = next(whole[i:i + n] for n in range(1, 5) for i in range(len(whole) // 2, len(whole) - n)
+                if whole.find(whole[i:i + n]) == i)
+    plain = run(None, (stop,))
+    spec = run(SPEC, (stop,))
+    assert spec[:3] == plain[:3] and plain[2] == "stop" and len(plain[1]) < len(whole)
+    assert spec[3].num_accepted_tokens > 0
