@@ -62,3 +62,27 @@ def test_a_manifest_refuses_speculation_on_the_slot_graph(tiny_build):
     data = RepositoryManifest.load(tiny_build.repository / "tiny" / "1").model_dump(mode="json")
     with pytest.raises(ValidationError, match="speculative: needs a paged graph"):
         RepositoryManifest.model_validate({**data, "speculative": SECTION})
+
+
+@pytest.mark.triton
+def test_on_a_real_triton_server_speculation_serves_the_same_tokens_and_exports_its_metrics(speculative_build,
+                                                                                            tmp_path):
+    from pathlib import Path
+
+    from llmc.client import Client
+    from llmc.soak import llmc_metrics
+    from llmc.triton_server import TritonServer, assemble
+
+    serving_env = Path(__file__).resolve().parents[1] / ".venv-serving"
+    if not (serving_env / "bin" / "python3").exists():
+        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    expected, engine = _serve(speculative_build.repository / "tiny" / "1")
+    with TritonServer(speculative_build.repository, server_dir=assemble(tmp_path / "server"), serving_env=serving_env,
+                      log_path=tmp_path / "server.log") as server:
+        client = Client(server.grpc_url, "tiny")
+        got = [client.complete(prompt, max_tokens=20).output_ids for prompt in PROMPTS]
+        metrics = llmc_metrics(f"http://127.0.0.1:{server.ports.metrics}", "tiny")
+    assert got == expected
+    drafted, accepted = metrics["llmc_spec_decode_draft_tokens_total"], metrics["llmc_spec_decode_accepted_tokens_total"]
+    assert 0 < accepted <= drafted
+    assert metrics["llmc_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted, rel=1e-6)
