@@ -152,8 +152,10 @@ def _package(engine: Located, spec: BuildSpec, ctx: Context) -> RepositoryManife
 
 def _package_summary(done: Located[RepositoryManifest]) -> str:
     m = done.artifact
+    spec = m.speculative
+    speculating = f", speculative {spec.method} (k {spec.num_tokens}, up to {spec.max_batch} rows)" if spec else ""
     return (f"{REPOSITORY_DIR}/{m.name}: {m.limits.max_batch_size} KV slots x {m.limits.max_seq_len} tokens, "
-            f"queue {m.limits.max_queue_size}")
+            f"queue {m.limits.max_queue_size}{speculating}")
 
 
 STAGES: tuple[Stage, ...] = (

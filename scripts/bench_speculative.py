@@ -208,6 +208,16 @@ def streams(runner, manifest, tokenizer, prompts: list[list[int]], k: int, passe
           f"outputs identical")
 
 
+def choose(results: dict, costs: dict[int, float]) -> None:
+    """The k that decodes the copying prompt fastest, and what it costs the prompts that do not copy."""
+    ratio = {name: {k: r[0] / runs[None][0] for k, r in runs.items() if k} for name, runs in results.items()}
+    copying, *others = ratio
+    best = max(ratio[copying], key=ratio[copying].get)
+    worst = min((ratio[name][best] for name in others), default=float("nan"))
+    print(f"\nchoice at batch 1: k {best} ({ratio[copying][best]:.2f}x on {copying.split(' ')[0]}; verifying costs "
+          f"{costs[best] / costs[0]:.2f} decode steps; the prompts that do not copy: {worst:.2f}x at worst)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=3)
@@ -227,8 +237,12 @@ def main() -> None:
         print(f"  {rows} row(s): " + "  ".join(f"k {k}: {s * 1e3:5.1f} ms = {s / by_k[0]:4.2f}" for k, s in by_k.items()))
     costs = costs[1]
     ngram = (args.min_n, args.max_n)
+    results = {}
     for name, ids in ({} if args.skip_batch1 else prompts).items():
-        report(name, compare(runner, manifest, tokenizer, ids, ks, args.passes, ngram), costs)
+        results[name] = compare(runner, manifest, tokenizer, ids, ks, args.passes, ngram)
+        report(name, results[name], costs)
+    if results:
+        choose(results, costs)
     if args.streams_k:
         streams(runner, manifest, tokenizer, list(prompts.values()), args.streams_k, args.passes, ngram)
 

@@ -44,6 +44,8 @@ def test_the_served_model_speculates_as_the_manifest_says_and_serves_the_same_to
     version = speculative_build.repository / "tiny" / "1"
     manifest = RepositoryManifest.load(version)
     assert manifest.speculative == SpeculativeConfig(**SECTION)
+    package = next(s for s in speculative_build.stages if s.name == "package")
+    assert package.summary.endswith(", speculative ngram (k 3, up to 2 rows)")
     recorder = Recorder()
     ids, engine = _serve(version, ServingMetrics(recorder))
     assert engine.speculator.max_batch == 2 and engine.speculator.proposer.num_tokens == 3
