@@ -190,6 +190,25 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
         NgramProposer(4, min_n=3, max_n=2)
 
 
+def test_ngram_lookup_equals_a_brute_force_search_over_every_window():
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    def brute(tokens, k, min_n, max_n, limit):
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            windows = sliding_window_view(tokens[:-1], n)  # each followed by a token
+            hits = np.flatnonzero((windows == tokens[len(tokens) - n:]).all(axis=1))
+            if hits.size:
+                return tokens[hits[-1] + n:hits[-1] + n + min(k, limit)].tolist()
+        return []
+
+    draw = np.random.default_rng(1)
+    for _ in range(2000):  # short sequences over 4 tokens: many partial and repeated matches
+        tokens = draw.integers(0, 4, int(draw.integers(1, 40)))
+        min_n = int(draw.integers(1, 4))
+        max_n, k, limit = min_n + int(draw.integers(0, 3)), int(draw.integers(1, 6)), int(draw.integers(0, 7))
+        assert NgramProposer(k, min_n, max_n).propose(tokens, limit) == brute(tokens, k, min_n, max_n, limit)
+
+
 def test_rejected_proposals_give_their_blocks_back_and_are_never_committed():
     blocks = BlockManager(num_blocks=8, block_size=4)
     scheduler = TokenScheduler(blocks, max_rows=2, max_num_tokens=16, max_queue_size=4)
