@@ -3,7 +3,7 @@ decode rows and prefill chunks.
 
     schedule() = every running sequence that decodes gets its next token (a new block when it
                  crosses into one; when the pool is out, the newest running sequence is preempted),
-                 and with speculation the first `max_batch` of them the proposals after it
+                 and with speculation up to `max_batch` of them the proposals after it
                  (speculative.py) when the spare tokens and free blocks allow
                + partly prefilled sequences continue, oldest first
                + waiting sequences are admitted (their cached prefix reused) while rows, tokens
@@ -98,18 +98,18 @@ class TokenScheduler(WaitingQueue):
         return len(chunks)
 
     def _speculate(self, chunks: list[Chunk]) -> None:
-        """Proposals after the last token of the first `max_batch` decode rows, within the step's
-        spare tokens and the free blocks. Run once every decode row has its blocks, so speculation
-        never takes a block a row needs for its own token, nor preempts anyone."""
-        spare = self.max_num_tokens - len(chunks)
-        for i, chunk in enumerate(chunks[:self.speculator.max_batch]):
-            if spare < 1:
+        """Proposals after the last token of at most `max_batch` decode rows (the oldest that have
+        any), within the step's spare tokens and the free blocks. Run once every decode row has its
+        blocks, so speculation never takes a block a row needs for its own token, nor preempts anyone."""
+        spare, rows = self.max_num_tokens - len(chunks), 0
+        for i, chunk in enumerate(chunks):
+            if spare < 1 or rows == self.speculator.max_batch:
                 break
             proposals = self.speculator.propose(chunk.seq, spare)
             if proposals and self.blocks.can_append(chunk.seq, len(proposals)):
                 self.blocks.append(chunk.seq, len(proposals))
                 chunks[i] = Chunk(chunk.seq, chunk.token_ids + proposals, chunk.past_len, proposals)
-                spare -= len(proposals)
+                spare, rows = spare - len(proposals), rows + 1
 
     def _chunk(self, seq: Sequence, budget: int, chunks: list[Chunk]) -> int:
         tokens = seq.all_token_ids()[seq.num_cached:seq.num_cached + budget]

@@ -277,3 +277,19 @@ def test_a_stop_word_inside_accepted_proposals_ends_the_request_where_it_would_w
     spec = run(SPEC, (stop,))
     assert spec[:3] == plain[:3] and plain[2] == "stop" and len(plain[1]) < len(whole)
     assert spec[3].num_accepted_tokens > 0
+
+
+def test_at_most_max_batch_rows_speculate_the_oldest_that_have_proposals():
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    spec = SpeculativeConfig(method="ngram", num_tokens=2, max_batch=1, min_n=2, max_n=2)
+    scheduler = TokenScheduler(blocks, max_rows=3, max_num_tokens=16, max_queue_size=4,
+                               speculator=Speculator.from_config(spec, capacity=64))
+    prompts = {"none": [1, 2, 3, 4, 5], "first": [5, 6, 7, 5, 6], "second": [8, 9, 8, 9, 8]}  # "none" repeats nothing
+    for name, prompt in prompts.items():
+        seq = Sequence(name, prompt[:-1], SamplingParams(max_tokens=9))
+        blocks.allocate(seq)
+        seq.num_cached, seq.status = len(seq.prompt_ids), Status.decoding
+        seq.output_ids.append(prompt[-1])
+        scheduler.running.append(seq)
+    chunks = scheduler.schedule()
+    assert [(c.seq.request_id, c.proposals) for c in chunks] == [("none", []), ("first", [7, 5]), ("second", [])]
