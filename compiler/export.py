@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
+from llmc.compiler.sections import KVCacheDtype
 from llmc.compiler.source import SUPPORTED_MODEL_TYPES, attention_shape
 from llmc.errors import ExportError
 from llmc.compiler.graph_passes import fuse_skip_rms_norm, simplify
@@ -54,9 +55,12 @@ def model_info(model, tokenizer) -> ModelInfo:
     )
 
 
-def kv_layout(info: ModelInfo, lowering: Lowering) -> KVLayout:
+def kv_layout(info: ModelInfo, lowering: Lowering, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32) -> KVLayout:
+    from llmc.compiler.kv_cache import ELEMENT
+
     if lowering is Lowering.paged:
-        return KVLayout.paged_layout(info.num_layers, info.num_kv_heads, info.head_dim)
+        return KVLayout.paged_layout(info.num_layers, info.num_kv_heads, info.head_dim, dtype=ELEMENT[kv_cache_dtype])
+    assert kv_cache_dtype is KVCacheDtype.fp32, "the spec admits other cache types for the paged lowering only"
     fused = lowering is Lowering.fused
     return KVLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                     in_place=fused, max_prefill_rows=1 if fused else None)
@@ -128,16 +132,19 @@ def _quiet():
 
 
 def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
-                external_threshold: int = PROTOBUF_LIMIT) -> bool:
+                external_threshold: int = PROTOBUF_LIMIT, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32,
+                tokenizer=None) -> bool:
     """Write `out_dir/model.onnx` (+ `model.onnx.data` when over the threshold) with attention in
-    `lowering`'s form. Returns whether weights went to external data."""
+    `lowering`'s form and the paged pools in `kv_cache_dtype` (int8 scales calibrated with `tokenizer`'s
+    tokens, compiler/kv_cache.py). Returns whether weights went to external data."""
     import onnx
     import torch
 
     from llmc.compiler.decoder import decoder_for
 
-    layout = kv_layout(info, lowering)
-    module, inputs, shapes, in_names = _traced(decoder_for(model, info.family), info, layout)
+    layout = kv_layout(info, lowering, kv_cache_dtype)
+    decoder = decoder_for(model, info.family)
+    module, inputs, shapes, in_names = _traced(decoder, info, layout.model_copy(update={"dtype": "float32"}))
     out_names = ["logits", *layout.present_names()]
     table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))
     stack, log = _quiet()
@@ -157,6 +164,8 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     if lowering in (Lowering.fused, Lowering.paged):  # both run on ONNX Runtime, which has the fused op
         if fuse_skip_rms_norm(proto.graph) and not any(o.domain == MICROSOFT_DOMAIN for o in proto.opset_import):
             proto.opset_import.add(domain=MICROSOFT_DOMAIN, version=1)
+    if layout.paged and layout.dtype != "float32":
+        _retype_pools(proto, decoder, info, layout, tokenizer)
     external = save_model(proto, out_dir, external_threshold)
     path = out_dir / ONNX_NAME
     try:
@@ -164,6 +173,17 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     except onnx.checker.ValidationError as err:
         raise ExportError(f"{path}: the exported graph fails onnx.checker: {err}") from err
     return external
+
+
+def _retype_pools(proto, decoder, info: ModelInfo, layout: KVLayout, tokenizer) -> None:
+    """The exported float32 pools given `layout.dtype` (and, for int8, scales measured on calibration text)."""
+    from llmc.compiler import kv_cache
+
+    scales = None
+    if layout.dtype == "int8":
+        windows = kv_cache.calibration_windows(tokenizer, info.vocab_size)
+        scales = kv_cache.pool_scales(decoder, layout, windows, kv_cache.rotary_dim(decoder, layout.head_dim))
+    kv_cache.retype_pools(proto, layout, scales)
 
 
 def save_model(proto, out_dir: Path, external_threshold: int = PROTOBUF_LIMIT) -> bool:
@@ -201,18 +221,19 @@ def tool_versions() -> dict[str, str]:
 
 
 def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: str, inputs_hash: str,
-           external_threshold: int = PROTOBUF_LIMIT) -> ExportedModel:
+           external_threshold: int = PROTOBUF_LIMIT, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32) -> ExportedModel:
     """Export `model` into `out_dir` with attention lowered as `lowering`, and describe the result."""
     import onnx
 
     info = model_info(model, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    external = export_onnx(model, info, lowering, out_dir, external_threshold)
+    external = export_onnx(model, info, lowering, out_dir, external_threshold, kv_cache_dtype, tokenizer)
     graph = onnx.load(str(out_dir / ONNX_NAME), load_external_data=False).graph
     files = [ONNX_NAME] + ([EXTERNAL_DATA_NAME] if external else [])
     artifact = ExportedModel(
         inputs_hash=inputs_hash, files=hash_outputs(out_dir, files), onnx=ONNX_NAME, opset=OPSET,
-        source_hash=source_hash, model=info, lowering=lowering, kv_layout=kv_layout(info, lowering), inputs=tensor_infos(graph.input),
+        source_hash=source_hash, model=info, lowering=lowering, kv_layout=kv_layout(info, lowering, kv_cache_dtype),
+        inputs=tensor_infos(graph.input),
         outputs=tensor_infos(graph.output), external_data=external, versions=tool_versions(),
     )
     artifact.save(out_dir)

@@ -109,8 +109,11 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     weights = int(dims.linear_params * linear_bytes + dims.other_params * dtype_bytes)
     if q.mode is not QuantMode.none and dims.tied_embeddings:  # untie_lm_head: the LM head gets its own copy
         weights += int(dims.vocab_size * dims.hidden_size * linear_bytes)
-    kv_bytes = (2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * spec.limits.max_seq_len
-                * spec.limits.max_batch_size * dtype_bytes)
+    kv_tokens, kv_element = spec.limits.max_seq_len * spec.limits.max_batch_size, dtype_bytes
+    if spec.attention_lowering == "paged":  # the block pool, in export.kv_cache_dtype
+        kv_tokens = spec.limits.kv_cache_tokens or kv_tokens
+        kv_element = {"fp32": 4, "fp16": 2, "int8": 1}[spec.export.kv_cache_dtype.value]
+    kv_bytes = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * kv_tokens * kv_element
     tokens = spec.limits.max_num_tokens
     activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)
     stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run

@@ -19,7 +19,7 @@ from pydantic import ValidationError, field_validator, model_validator
 
 from llmc.compiler.sections import (
     DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, PAGED_MAX_NUM_TOKENS, SLOT_MAX_NUM_TOKENS, AttentionLowering,
-    CalibrationMethod, CalibrationSpec, ExportSpec, HardwareCompatibility, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec,
+    CalibrationMethod, CalibrationSpec, ExportSpec, HardwareCompatibility, KVCacheDtype, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec,
     SpeculativeMethod, SpeculativeSpec, StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
 from llmc.errors import SpecError
 
@@ -85,6 +85,9 @@ class BuildSpec(StrictModel):
             runs_on = "onnxruntime" if ort_only else "tensorrt"
             raise ValueError(f"export.attention: {attention.value} runs only with target: {runs_on} "
                              f"(target is {self.target.value}); use auto or reference")
+        if self.export.kv_cache_dtype is not KVCacheDtype.fp32 and attention is not AttentionLowering.paged:
+            raise ValueError(f"export.kv_cache_dtype: {self.export.kv_cache_dtype.value} is the paged graph's block "
+                             f"pools; it needs export.attention: paged (got {attention.value}), or kv_cache_dtype: fp32")
         if self.quantization.static and attention in (AttentionLowering.fused, AttentionLowering.plugin,
                                                       AttentionLowering.paged):
             raise ValueError(f"quantization.mode: {self.quantization.mode.value} quantizes the reference attention "

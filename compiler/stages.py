@@ -18,7 +18,7 @@ from llmc.compiler import quantize, verify
 from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel, VerifyReport
 from llmc.compiler.hashing import code_hash
 from llmc.compiler.source import SourceInfo, inspect_source, load_tokenizer
-from llmc.compiler.spec import BuildSpec, QuantizationSpec, QuantMode, Target, VerifySpec
+from llmc.compiler.spec import BuildSpec, KVCacheDtype, QuantizationSpec, QuantMode, Target, VerifySpec
 from llmc.compiler.stage import Context, Located, Stage
 from llmc.compiler.tensorrt import stage as tensorrt
 from llmc.errors import VerifyError
@@ -27,7 +27,7 @@ from llmc.runtime.manifest import RepositoryManifest
 
 REPOSITORY_DIR = "model_repository"
 # the modules whose code decides each stage's output (part of its cache key)
-EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.paged_decoder",
+EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.paged_decoder", "llmc.compiler.kv_cache",
                "llmc.compiler.graph_passes", "llmc.plugins.attention", "llmc.plugins.lowering",
                "llmc.plugins.paged_op", "llmc.runtime.layout")
 VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner", "llmc.runtime.paged_runner",
@@ -61,22 +61,26 @@ def _export_key(spec: BuildSpec, ctx: Context) -> dict:
     from llmc.compiler import export
 
     return {"lowering": spec.attention_lowering, "precision": spec.precision.value,
+            "kv_cache_dtype": spec.export.kv_cache_dtype.value,
             "versions": export.tool_versions(), "opset": export.OPSET, "external_threshold": ctx.external_threshold,
             "code": code_hash(*EXPORT_CODE)}
 
 
-def _export(source: Located[FoundSource], lowering: Lowering, ctx: Context) -> ExportedModel:
+def _export(source: Located[FoundSource], section: tuple[Lowering, KVCacheDtype], ctx: Context) -> ExportedModel:
     from llmc.compiler import export
 
     model, tokenizer = ctx.model()
+    lowering, kv_cache_dtype = section
     return export.export(model, tokenizer, ctx.out, lowering=lowering, source_hash=ctx.source_hash,
-                         inputs_hash=ctx.inputs_hash, external_threshold=ctx.external_threshold)
+                         inputs_hash=ctx.inputs_hash, external_threshold=ctx.external_threshold,
+                         kv_cache_dtype=kv_cache_dtype)
 
 
 def _export_summary(done: Located[ExportedModel]) -> str:
     art = done.artifact
     size = sum((done.folder / f).stat().st_size for f in art.files) / 2**20
-    return (f"{art.onnx}, opset {art.opset}, {art.model.num_layers} layers, {art.lowering.value} attention, "
+    pools = f", {art.kv_layout.dtype} KV pools" if art.kv_layout.paged else ""
+    return (f"{art.onnx}, opset {art.opset}, {art.model.num_layers} layers, {art.lowering.value} attention{pools}, "
             f"{size:.1f} MiB")
 
 
@@ -161,7 +165,7 @@ def _package_summary(done: Located[RepositoryManifest]) -> str:
 STAGES: tuple[Stage, ...] = (
     Stage("source", describe=lambda spec: f"hashing {spec.source.path.name}", run=_source, summary=_source_summary),
     Stage("export", describe=lambda spec: "exporting to ONNX", takes=("source",), artifact=ExportedModel,
-          section=lambda spec: Lowering(spec.attention_lowering), key=_export_key, run=_export,
+          section=lambda spec: (Lowering(spec.attention_lowering), spec.export.kv_cache_dtype), key=_export_key, run=_export,
           summary=_export_summary),
     Stage("verify", describe=lambda spec: f"PyTorch vs ONNX Runtime ({spec.attention_lowering} attention)",
           takes=("export",), artifact=VerifyReport, section=lambda spec: spec.verify,

@@ -11,8 +11,12 @@ prompt chunks and a prompt spans several steps; every prompt token's logits are 
 
 Two cases: batch 1, and a batch of three prompts of different lengths. Logits are compared at every
 prompt position and at every step up to a row's first token divergence (step k depends only on
-tokens before k). A case passes when the greedy tokens agree everywhere and the largest |Δlogit| is
-within the spec's tolerance.
+tokens before k). A case passes when the largest |Δlogit| is within the spec's tolerance and the greedy
+tokens agree everywhere, or part where the reference's own choice was a near tie: a row may diverge at a
+step where the candidate's token trails the reference's best by at most twice the tolerance (an error
+the tolerance admits can flip such a tie). The tolerance unset (`verify.max_logit_diff`), it follows the
+graph's KV cache: 1e-3 float32, 0.05 float16, 0.25 int8 (DEFAULT_TOLERANCE; what SmolLM2 and the tiny
+test models need, docs/build.md).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ PROMPTS = (
 )
 RANDOM_PROMPT_LENGTHS = (7, 13, 4)  # used when the source has no tokenizer
 PAGED_CHUNK = 5  # prompt tokens a row feeds per step in the paged batch case (prompts span several steps)
+DEFAULT_TOLERANCE = {"float32": 1e-3, "float16": 0.05, "int8": 0.25}  # max |Δlogit| by KV cache element type
 
 Progress = Callable[[int, int], None]
 Decoded = tuple[np.ndarray, list[np.ndarray]]  # prefill logits [L, V], each step's logits [V]
@@ -134,7 +139,7 @@ def paged_greedy(runner: PagedRunner, prompts: list[list[int]], steps: int, tick
 
 def compare(name: str, refs: list[Decoded], cands: list[Decoded], prompts: list[list[int]], steps: int,
             tolerance: float) -> VerifyCase:
-    diff, first_divergence, agree = 0.0, [], 0
+    diff, first_divergence, agree, near_ties = 0.0, [], 0, True
     for (ref_prefill, ref_last), (cand_prefill, cand_last) in zip(refs, cands):
         diff = max(diff, float(np.abs(ref_prefill - cand_prefill).max()))
         ref_tokens = np.array([l.argmax() for l in ref_last])
@@ -145,10 +150,12 @@ def compare(name: str, refs: list[Decoded], cands: list[Decoded], prompts: list[
         agree += int((ref_tokens == cand_tokens).sum())
         for k in range(min(end + 1, steps)):
             diff = max(diff, float(np.abs(ref_last[k] - cand_last[k]).max()))
+        if differ.size:  # the reference's margin over the candidate's token where they part
+            near_ties &= float(ref_last[end].max() - ref_last[end][cand_tokens[end]]) <= 2 * tolerance
     agreement = agree / (steps * len(prompts))
     return VerifyCase(name=name, batch=len(prompts), prompt_lengths=[len(p) for p in prompts], decode_steps=steps,
                       max_abs_logit_diff=diff, token_agreement=agreement, first_divergence=first_divergence,
-                      passed=agreement == 1.0 and diff <= tolerance)
+                      passed=near_ties and diff <= tolerance)
 
 
 def _driver(onnx_path: Path, layout, prompts: list[list[int]], steps: int, num_threads: int):
@@ -164,7 +171,7 @@ def _driver(onnx_path: Path, layout, prompts: list[list[int]], steps: int, num_t
 
 
 def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir: Path, *, inputs_hash: str,
-           steps: int = 32, tolerance: float = 1e-3, num_threads: int = 0,
+           steps: int = 32, tolerance: float | None = None, num_threads: int = 0,
            progress: Progress | None = None) -> VerifyReport:
     """Run both models on the verify prompts and write `out_dir/verify.json`. The report is falsy
     when a case failed; raising is the caller's decision."""
@@ -173,6 +180,7 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
                                "verify a build with target: onnxruntime")
     prompts = prompt_ids(tokenizer, exported.model.vocab_size)
     layout = exported.kv_layout
+    tolerance = tolerance if tolerance is not None else DEFAULT_TOLERANCE[layout.dtype]
     cases_in = [("batch-1", prompts[:1]), (f"batch-{len(prompts)}", prompts)]
     drive, runner = _driver(export_dir / exported.onnx, layout, prompts, steps, num_threads)
     # ticks: one per reference step; one per candidate step (slot form) or per row's step (paged)
@@ -191,7 +199,8 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
         inputs_hash=inputs_hash, reference=f"pytorch ({exported.model.model_type}, fp32, HF attention)",
         candidate=f"onnxruntime CPU, {exported.lowering.value} attention, "
                   f"{'in-place' if layout.in_place else 'copied'} KV cache"
-                  + (f" in blocks of {layout.block_size}, prompts in chunks of {PAGED_CHUNK}" if layout.paged else ""),
+                  + (f" in blocks of {layout.block_size} ({layout.dtype}), prompts in chunks of {PAGED_CHUNK}"
+                     if layout.paged else ""),
         tolerance=tolerance, max_abs_logit_diff=max(c.max_abs_logit_diff for c in cases), cases=cases,
         passed=all(c.passed for c in cases),
     )

@@ -34,7 +34,7 @@ import onnx
 from onnx import TensorProto
 from onnx.defs import OpSchema
 
-from llmc.plugins import paged_schema
+from llmc.plugins import paged_plugin, paged_schema
 
 MICROSOFT_DOMAIN = "com.microsoft"
 LLMC_DOMAIN = "llmc"
@@ -145,6 +145,7 @@ def register_schemas() -> None:
         if not onnx.defs.has(name, domain):
             onnx.defs.register_schema(make())
     paged_schema.register()  # llmc.PagedAttention and com.microsoft.PagedAttention
+    paged_plugin.register_schema()  # LlmcPagedAttention, the TensorRT plugin node
 
 
 def _fused(heads: Heads):

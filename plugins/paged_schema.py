@@ -6,13 +6,13 @@ registers both, so onnx.checker (with shape inference) passes on graphs that use
 
 What llmc's CPU kernel implements of the contract, and what it refuses with an error naming the
 input or attribute (at session creation through runtime/cpu_kernels.py, and again at compute):
-- runs: separate or packed QKV, float32 query with a float32 or float16 cache, GQA/MQA, rotary
+- runs: separate or packed QKV, float32 query with a float32, float16 or int8 cache (int8: `k_scale`/
+  `v_scale` with `k_quant_type`/`v_quant_type` PER_TENSOR or PER_CHANNEL, `k_cache_dtype` '' or 'int8'), GQA/MQA, rotary
   (`do_rotary`, rotate-half or `rotary_interleaved`, partial tables, `rotary_offset`), `scale`,
   `softcap`, `local_window_size`, `is_causal` 0 or 1, `slot_mapping` (-1 skips a write), unmapped
   block-table entries (masked out), `attention_metadata` (accepted; a hint the CPU does not need);
-- refuses: `head_sink`, `q_norm_weight`/`k_norm_weight`, quantized caches (`k_scale`/`v_scale`,
-  `k_quant_type`/`v_quant_type` other than NONE, `k_cache_dtype`/`v_cache_dtype` naming a packed
-  type), and `kv_cache_layout: LATENT` / `v_head_size` (MLA); and past_seqlens that do not fit the
+- refuses: `head_sink`, `q_norm_weight`/`k_norm_weight`, scales or quant types on float caches, packed
+  int4 / fp8 caches, and `kv_cache_layout: LATENT` / `v_head_size` (MLA); and past_seqlens that do not fit the
   block table (the CUDA kernel zeroes such a row; on CPU the lengths are exact, so it is an error).
 """
 

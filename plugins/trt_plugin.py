@@ -1,5 +1,6 @@
-"""The TensorRT plugin behind the `LlmcFusedAttention` node, as a quickly deployable plugin
-(`tensorrt.plugin`) with an ahead-of-time implementation only.
+"""The TensorRT plugins behind the `LlmcFusedAttention` node (below) and the `LlmcPagedAttention` node
+(plugins/trt_paged_plugin.py), as quickly deployable plugins (`tensorrt.plugin`) with ahead-of-time
+implementations only; `register()` registers both.
 
     @trtp.register   output like the query; k_cache' / v_cache' aliased to the cache inputs, so
                      the cache is updated in place (the engine's KV buffers are bound once)
@@ -10,9 +11,9 @@
 TensorRT embeds the PTX in the engine, so the engine runs without Python or Triton: in Triton's
 TensorRT backend, in `trtexec`, and in llmc's TensorRT runner. The ONNX parser finds the plugin by
 the node's op type, `plugin_namespace` and `plugin_version` attributes once `register()` ran.
+TensorRT validates the decorated functions' annotations as classes, so this module must not use
+`from __future__ import annotations` (which turns them into strings), and `aot_impl` declares its return.
 """
-
-from __future__ import annotations
 
 from llmc.plugins.lowering import PLUGIN_NAMESPACE, PLUGIN_OP
 
@@ -45,15 +46,16 @@ def _float_type(dtype) -> str:
 
 
 def register() -> None:
-    """Make the plugin known to TensorRT's registry (idempotent). Needs `tensorrt` (10.14+) and
+    """Make both plugins known to TensorRT's registry (idempotent). Needs `tensorrt` (10.14+) and
     `triton` (the `kernels` extra)."""
     if _state["registered"]:
         return
-    from typing import Tuple
+    from typing import Tuple, Union
 
     import tensorrt.plugin as trtp
 
     from llmc.plugins.kernels_aot import plugin_kernel
+    from llmc.plugins.trt_paged_plugin import register_paged
 
     @trtp.register(PLUGIN_ID)
     def describe(query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc, k_cache: trtp.TensorDesc,
@@ -74,7 +76,8 @@ def register() -> None:
     def compile_kernel(query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc,
                        k_cache: trtp.TensorDesc, v_cache: trtp.TensorDesc, cache_position: trtp.TensorDesc,
                        cos_cache: trtp.TensorDesc, sin_cache: trtp.TensorDesc, num_heads: int, num_kv_heads: int,
-                       head_dim: int, scale: float, rotary: int, outputs: Tuple[trtp.TensorDesc], tactic: int):
+                       head_dim: int, scale: float, rotary: int, outputs: Tuple[trtp.TensorDesc], tactic: int,
+                       ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs]:
         kernel = plugin_kernel(num_heads, num_kv_heads, head_dim, scale, _float_type(query.dtype), _capability(),
                                rotary=bool(rotary))
         batch, tokens = query.shape_expr[0], query.shape_expr[1]
@@ -85,4 +88,5 @@ def register() -> None:
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(tokens), trtp.SymInt32(k_cache.shape_expr[2])])
         return kernel.name, kernel.ptx, launch, extra
 
+    register_paged(trtp, _capability, _float_type)
     _state["registered"] = True

@@ -12,7 +12,9 @@ and `present.*` output (ONNX Runtime IO binding) makes a step copy nothing. Othe
 new tensor (the reference lowering copies the cache every step).
 `max_prefill_rows`: a step with more than one token per row may hold at most this many rows
 (GroupQueryAttention on CPU, a TensorRT engine's prefill profile); decode steps (one token per
-row) take any batch. `dtype` is float32 on ONNX Runtime, the engine's precision on TensorRT.
+row) take any batch. `dtype` is float32 on ONNX Runtime (the paged graph's pools: float32, float16 or
+int8, `export.kv_cache_dtype`; int8 pools' scales are initializers of the graph), the engine's
+precision on TensorRT.
 
 `paged` (the paged lowering): the cache is a pool of blocks per layer, `[num_blocks, block_size,
 num_kv_heads, head_dim]` (`dims`), and a step is packed tokens with no padding: `input_ids` and
@@ -28,7 +30,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per cache element, by `dtype`
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}  # bytes per cache element, by `dtype`
 SLOT_DIMS = ("batch", "num_kv_heads", "kv_capacity", "head_dim")
 PAGED_DIMS = ("num_blocks", "block_size", "num_kv_heads", "head_dim")
 # the paged graph's step inputs besides input_ids and position_ids, in graph order
@@ -64,9 +66,9 @@ class KVLayout(BaseModel):
 
     @classmethod
     def paged_layout(cls, num_layers: int, num_kv_heads: int, head_dim: int,
-                     block_size: int = DEFAULT_BLOCK_SIZE) -> "KVLayout":
+                     block_size: int = DEFAULT_BLOCK_SIZE, dtype: str = "float32") -> "KVLayout":
         """The paged lowering's layout: block pools updated in place, positions from `position_ids`."""
-        return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dims=PAGED_DIMS,
+        return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, dims=PAGED_DIMS,
                    positions="position_ids", in_place=True, paged=True, block_size=block_size)
 
     def past_names(self) -> list[str]:

@@ -27,7 +27,7 @@ from typing import Callable
 
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.scheduler import WaitingQueue
-from llmc.runtime.sequence import Sequence, Status
+from llmc.runtime.sequence import FinishReason, Sequence, Status
 from llmc.runtime.speculative import Speculator
 
 
@@ -84,13 +84,18 @@ class TokenScheduler(WaitingQueue):
         return chunks
 
     def _decode_rows(self, chunks: list[Chunk]) -> int:
-        """One token for every decoding sequence that keeps (or gets) its blocks; returns how many."""
+        """One token for every decoding sequence that keeps (or gets) its blocks; returns how many.
+        A sequence that alone fills the whole pool ends (`length`), as a full KV slot does: preempted,
+        it would only recompute its way back to the same place."""
         for seq in list(self.running):
             if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
                 continue
             while not self.blocks.can_append(seq) and seq in self.running:
+                if self.running == [seq]:
+                    seq.finish(FinishReason.length)
+                    break
                 self.preempt(self.running[-1])
-            if seq in self.running:
+            if seq in self.running and not seq.is_finished:
                 self.blocks.append(seq)
                 chunks.append(Chunk(seq, [seq.all_token_ids()[-1]], seq.num_cached))
         if self.speculator is not None:

@@ -105,3 +105,21 @@ def test_max_seq_len_finishes_a_request_with_length(paged):
     while engine.has_work:
         reasons.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
     assert reasons == {"short": FinishReason.length}
+
+
+def test_a_request_that_outgrows_the_whole_pool_ends_with_length(paged):
+    """Alone in a pool of 2 blocks (32 tokens) a request asking for 50 tokens fills it and ends with
+    `length`, its tokens those of a roomy pool; preempting it would only recompute it back there."""
+    roomy = _run(_engine(paged), ["short"], max_tokens=50)["short"]
+    engine = _engine(paged, num_blocks=2)
+    engine.add_request("short", PROMPTS["short"], SamplingParams(max_tokens=50))
+    tokens, reasons = [], {}
+    for _ in range(100):
+        if not engine.has_work:
+            break
+        for out in engine.step():
+            tokens += out.token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert reasons == {"short": FinishReason.length} and engine.scheduler.num_preemptions == 0
+    assert len(PROMPTS["short"]) + len(tokens) == 2 * 16 + 1 and tokens == roomy[:len(tokens)]

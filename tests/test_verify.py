@@ -60,8 +60,8 @@ def test_broken_export_fails_the_build_and_keeps_previous_output(tiny_llama, tmp
 
     real = export_stage.export_onnx
 
-    def broken(model, info, lowering, out_dir, threshold):
-        external = real(model, info, lowering, out_dir, threshold)
+    def broken(model, info, lowering, out_dir, threshold, *cache):
+        external = real(model, info, lowering, out_dir, threshold, *cache)
         _perturb(out_dir / "model.onnx", 1.0)
         return external
 
