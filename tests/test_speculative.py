@@ -30,9 +30,10 @@ TOKENS = 24
 SPEC = SpeculativeConfig(method="ngram", num_tokens=4, max_batch=4, min_n=1, max_n=3)
 
 
-def _export(tiny_checkpoints, tmp_path_factory, family: str):
-    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints[family]), "export": {"attention": "paged"}})
-    folder = tmp_path_factory.mktemp(f"speculative-{family}") / "t"
+def _export(tiny_checkpoints, tmp_path_factory, family: str, kv_cache_dtype: str = "fp32"):
+    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints[family]),
+                       "export": {"attention": "paged", "kv_cache_dtype": kv_cache_dtype}})
+    folder = tmp_path_factory.mktemp(f"speculative-{family}-{kv_cache_dtype}") / "t"
     return folder / "export", build(spec, output=folder, until="export").exported
 
 
@@ -86,9 +87,10 @@ def test_greedy_with_speculation_under_concurrent_load_equals_without(paged, pla
     assert engine.speculator.num_accepted_tokens > 0 and engine.blocks.num_used == 0
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
-def test_greedy_with_speculation_equals_without_on_other_families(tiny_checkpoints, tmp_path_factory, family):
-    paged = _export(tiny_checkpoints, tmp_path_factory, family)
+@pytest.mark.parametrize("family, kv_cache_dtype", [("qwen2", "fp32"), ("gpt2", "fp32"), ("llama", "int8")])
+def test_greedy_with_speculation_equals_without_on_other_families_and_caches(tiny_checkpoints, tmp_path_factory,
+                                                                              family, kv_cache_dtype):
+    paged = _export(tiny_checkpoints, tmp_path_factory, family, kv_cache_dtype)
     plain = {name: _run(_engine(paged, None), {name: GREEDY})[0][name] for name in PROMPTS}
     engine = _engine(paged, max_rows=6)
     assert _run(engine, {name: GREEDY for name in PROMPTS})[0] == plain
