@@ -63,7 +63,8 @@ class ServingMetrics:
         self.m["llmc_time_to_first_token_seconds"].observe(seconds)
 
     def tokens(self, count: int, seconds_each: float | None) -> None:
-        """`count` tokens generated for one request; `seconds_each` since its previous token."""
+        """`count` tokens generated for one request; `seconds_each` since its previous token (several
+        tokens at once, from speculative decoding, share the wait since the previous response)."""
         self.m["llmc_generation_tokens_total"].increment(count)
         if seconds_each is not None:
             for _ in range(count):

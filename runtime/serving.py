@@ -219,7 +219,8 @@ class ServingLoop:
                 self.metrics.first_token(now - entry.arrived)
                 self.metrics.tokens(len(out.token_ids), None)
             else:
-                self.metrics.tokens(len(out.token_ids), now - entry.last_token_at)
+                # a speculating row's step brings several tokens: each counts its share of the wait
+                self.metrics.tokens(len(out.token_ids), (now - entry.last_token_at) / len(out.token_ids))
             entry.last_token_at = now
         entry.ids += out.token_ids
         entry.text.append(out.text)

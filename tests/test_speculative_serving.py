@@ -58,6 +58,10 @@ def test_the_served_model_speculates_as_the_manifest_says_and_serves_the_same_to
     drafted, accepted = values["llmc_spec_decode_draft_tokens_total"], values["llmc_spec_decode_accepted_tokens_total"]
     assert (drafted, accepted) == (engine.speculator.num_draft_tokens, engine.speculator.num_accepted_tokens)
     assert 0 < accepted <= drafted and values["llmc_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
+    # one inter-token latency per token after each request's first; several tokens of one step share its
+    # wait, so a request's latencies add up to no more than its whole time
+    assert len(values["llmc_inter_token_latency_seconds"]) == sum(len(i) for i in ids) - len(ids)
+    assert sum(values["llmc_inter_token_latency_seconds"]) <= sum(values["llmc_request_latency_seconds"])
 
 
 def test_a_manifest_refuses_speculation_on_the_slot_graph(tiny_build):
