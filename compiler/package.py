@@ -29,7 +29,7 @@ from llmc.compiler.spec import BuildSpec
 from llmc.compiler.triton_config import model_config, render
 from llmc.errors import SourceError
 from llmc.runtime import cpu_kernels
-from llmc.runtime.manifest import RepositoryManifest, ServingLimits
+from llmc.runtime.manifest import RepositoryManifest, ServingLimits, SpeculativeConfig
 
 VERSION = "1"
 TOKENIZER_FILE = "tokenizer.json"
@@ -73,6 +73,7 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
         name=spec.name, llmc_version=llmc.__version__, target=spec.target.value, engine=engine.engine_file,
         tokenizer=TOKENIZER_FILE, kv_layout=engine.kv_layout, vocab_size=exported.model.vocab_size,
         end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash, tensorrt=tensorrt, chat_template=chat,
+        speculative=SpeculativeConfig(**spec.speculative.model_dump(mode="json")) if spec.speculative else None,
         limits=ServingLimits(max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                              max_num_tokens=limits.max_num_tokens, max_queue_size=serving.max_queue_size,
                              default_max_tokens=serving.default_max_tokens, max_stop_words=serving.max_stop_words,

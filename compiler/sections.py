@@ -194,6 +194,34 @@ class ServingSpec(StrictModel):
                          "inter-token latency at most this much (it costs TTFT); null: up to limits.max_num_tokens.")
 
 
+class SpeculativeMethod(str, enum.Enum):
+    ngram = "ngram"  # prompt lookup: proposals from the request's own prompt and output
+    draft = "draft"  # a draft model built by the same build (not built yet: refused)
+
+
+class SpeculativeSpec(StrictModel):
+    """Speculative decoding in the paged engine (runtime/speculative.py)."""
+
+    method: SpeculativeMethod
+    num_tokens: Annotated[int, Field(ge=1, le=16)] = Field(
+        4, description="Proposed tokens a row verifies per step at most (k).")
+    max_batch: Annotated[int, Field(ge=1, le=1024)] = Field(
+        4, description="Rows a step that may speculate; the rows beyond decode normally (speculation costs "
+                       "throughput at high batch).")
+    min_n: Annotated[int, Field(ge=1, le=16)] = Field(
+        2, description="ngram: shortest n-gram looked up (1-grams match almost anywhere in prose and their "
+                       "proposals are mostly rejected: scripts/bench_speculative.py).")
+    max_n: Annotated[int, Field(ge=1, le=16)] = Field(3, description="ngram: longest n-gram looked up (tried first).")
+
+    @model_validator(mode="after")
+    def _buildable(self) -> "SpeculativeSpec":
+        if self.method is SpeculativeMethod.draft:
+            raise ValueError("method: draft (a draft model built by the same build) is not built yet; use ngram")
+        if self.min_n > self.max_n:
+            raise ValueError(f"min_n ({self.min_n}) must be <= max_n ({self.max_n})")
+        return self
+
+
 class VerifySpec(StrictModel):
     enabled: bool = True
     decode_steps: Annotated[int, Field(ge=1, le=1024)] = 32

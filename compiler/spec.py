@@ -20,13 +20,14 @@ from pydantic import ValidationError, field_validator, model_validator
 from llmc.compiler.sections import (
     DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, PAGED_MAX_NUM_TOKENS, SLOT_MAX_NUM_TOKENS, AttentionLowering,
     CalibrationMethod, CalibrationSpec, ExportSpec, HardwareCompatibility, KVCacheDtype, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec,
-    StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
+    SpeculativeMethod, SpeculativeSpec, StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
 from llmc.errors import SpecError
 
 # the spec's vocabulary, importable from here as from sections.py
 __all__ = ["BuildSpec", "load_spec", "parse_spec", "DEFAULT_BLOCK", "DEFAULT_MAX_SEQ_LEN", "DEFAULT_MAX_TOKENS",
            "AttentionLowering", "CalibrationMethod", "CalibrationSpec", "ExportSpec", "HardwareCompatibility",
-           "LimitsSpec", "Precision", "QuantizationSpec", "QuantMode", "ServingSpec", "SourceSpec", "Target",
+           "LimitsSpec", "Precision", "QuantizationSpec", "QuantMode", "ServingSpec", "SourceSpec", "SpeculativeMethod",
+           "SpeculativeSpec", "Target",
            "TensorRTSpec", "VerifySpec", "WeightOnlyAlgorithm"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -41,6 +42,7 @@ class BuildSpec(StrictModel):
     quantization: QuantizationSpec = QuantizationSpec()
     limits: LimitsSpec = LimitsSpec()
     serving: ServingSpec = ServingSpec()
+    speculative: SpeculativeSpec | None = None
     verify: VerifySpec = VerifySpec()
     tensorrt: TensorRTSpec = TensorRTSpec()
     output: Path | None = None
@@ -91,6 +93,10 @@ class BuildSpec(StrictModel):
             raise ValueError(f"quantization.mode: {self.quantization.mode.value} quantizes the reference attention "
                              f"lowering (plain ONNX, which ONNX Runtime calibrates and TensorRT reads), not "
                              f"export.attention: {attention.value}; use auto or reference")
+        if self.speculative is not None and attention is not AttentionLowering.paged:
+            raise ValueError(f"speculative: needs export.attention: paged (a step verifies several tokens per row "
+                             f"with a past, which only the paged graph runs in in-flight batching); "
+                             f"export.attention is {attention.value}")
         return self
 
     @property

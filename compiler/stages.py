@@ -155,13 +155,14 @@ def _package(engine: Located, spec: BuildSpec, ctx: Context) -> RepositoryManife
 
 
 def _package_summary(done: Located[RepositoryManifest]) -> str:
-    m, limits = done.artifact, done.artifact.limits
+    m, limits, spec = done.artifact, done.artifact.limits, done.artifact.speculative
     if m.kv_layout.paged:
         kv = (f"{limits.max_batch_size} rows a step, a KV pool of {limits.kv_cache_tokens} tokens in blocks of "
               f"{m.kv_layout.block_size}, {limits.max_seq_len} tokens a request")
     else:
         kv = f"{limits.max_batch_size} KV slots x {limits.max_seq_len} tokens"
-    return f"{REPOSITORY_DIR}/{m.name}: {kv}, queue {limits.max_queue_size}"
+    speculating = f", speculative {spec.method} (k {spec.num_tokens}, up to {spec.max_batch} rows)" if spec else ""
+    return f"{REPOSITORY_DIR}/{m.name}: {kv}, queue {limits.max_queue_size}{speculating}"
 
 
 STAGES: tuple[Stage, ...] = (

@@ -101,16 +101,28 @@ class BlockManager:
         seq.block_ids = hits + [self._take() for _ in range(self.blocks_for(len(tokens)) - len(hits))]
         seq.num_cached = len(hits) * self.block_size
 
-    def _missing(self, seq: Blocked) -> int:
-        return self.blocks_for(seq.num_tokens) - len(seq.block_ids)
+    def _missing(self, seq: Blocked, extra: int) -> int:
+        return self.blocks_for(seq.num_tokens + extra) - len(seq.block_ids)
 
-    def can_append(self, seq: Blocked) -> bool:
-        """Whether the pool can cover every token `seq` has (a sampled token may need a new block)."""
-        return self._missing(seq) <= self.num_available
+    def can_append(self, seq: Blocked, extra: int = 0) -> bool:
+        """Whether the pool can cover every token `seq` has (a sampled token may need a new block), and
+        `extra` positions beyond them (proposed tokens to verify)."""
+        return self._missing(seq, extra) <= self.num_available
 
-    def append(self, seq: Blocked) -> None:
-        """Blocks for every token `seq` has: call after a token is appended, before the step that writes it."""
-        seq.block_ids.extend(self._take() for _ in range(max(self._missing(seq), 0)))
+    def append(self, seq: Blocked, extra: int = 0) -> None:
+        """Blocks for every token `seq` has and `extra` positions beyond: call after a token is
+        appended, before the step that writes it."""
+        seq.block_ids.extend(self._take() for _ in range(max(self._missing(seq, extra), 0)))
+
+    def trim(self, seq: Blocked) -> None:
+        """Give back the blocks past the ones `seq`'s tokens need: taken for proposals the target
+        rejected. They hold no committed token (commit keys only blocks under num_cached, and a
+        rejected position is past it), so they go back to the free list."""
+        keep = self.blocks_for(seq.num_tokens)
+        for block in reversed(seq.block_ids[keep:]):
+            assert self.keys[block] is None and self.ref_counts[block] == 1
+            self._release(block)
+        del seq.block_ids[keep:]
 
     def commit(self, seq: Blocked) -> None:
         """Key the blocks `seq` has filled (its first num_cached tokens), so later prompts reuse them."""
@@ -127,15 +139,18 @@ class BlockManager:
     def free(self, seq: Blocked) -> None:
         """Release `seq`'s blocks (newest first, so a prefix's tail is evicted before its head)."""
         for block in reversed(seq.block_ids):
-            self.ref_counts[block] -= 1
-            assert self.ref_counts[block] >= 0
-            if self.ref_counts[block] == 0:
-                if self.keys[block] is not None:
-                    self._cached[block] = None
-                else:
-                    self._free.append(block)
+            self._release(block)
         seq.block_ids = []
         seq.num_cached = 0
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0
+        if self.ref_counts[block] == 0:
+            if self.keys[block] is not None:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
 
     def _hold(self, block: int) -> None:
         if self.ref_counts[block] == 0:

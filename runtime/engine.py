@@ -52,6 +52,8 @@ class CacheState:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # prompt tokens found there
     preemptions: int = 0
+    draft_tokens: int = 0  # speculative decoding: proposed tokens verified, since start
+    accepted_draft_tokens: int = 0  # of them, accepted by the target
 
 
 class LLMEngine:
@@ -149,10 +151,15 @@ class LLMEngine:
         tokens = sample_rows(logits, [s.params for s in seqs], [s.prompt_array() for s in seqs],
                              [s.output_ids for s in seqs], [s.rng for s in seqs]).tolist()
         for seq, row, token in zip(seqs, logits, tokens):
-            if seq.logprobs is not None:  # from the raw logits, before penalties and temperature
-                seq.logprobs.record(row, token)
-            sampled.setdefault(seq.request_id, []).append(token)
-            seq.append(token)
+            self._emit(seq, row, token, sampled)
+
+    @staticmethod
+    def _emit(seq: Sequence, logits: np.ndarray, token: int, sampled: dict[str, list[int]]) -> None:
+        """`token`, drawn from the row `logits`, becomes `seq`'s next token."""
+        if seq.logprobs is not None:  # from the raw logits, before penalties and temperature
+            seq.logprobs.record(logits, token)
+        sampled.setdefault(seq.request_id, []).append(token)
+        seq.append(token)
 
     def _prefill(self, seq: Sequence, sampled: dict[str, list[int]]) -> None:
         chunk = seq.prompt_ids[seq.num_cached:seq.num_cached + self.max_num_tokens]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmc.runtime.layout import KVLayout
 
@@ -32,6 +32,25 @@ class ServingLimits(BaseModel):
     kv_cache_tokens: int | None = Field(None, ge=1)  # the paged KV pool, all requests together (paged graphs only)
     prefix_caching: bool = True  # paged graphs: reuse the blocks of prompt prefixes seen before
     itl_ratio: float | None = None  # paged graphs: a step's cost cap in decode steps (runtime/step_cost.py); None: none
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding in the paged engine (runtime/speculative.py): prompt-lookup proposals of
+    up to `num_tokens` tokens (n-grams of `min_n`..`max_n` tokens), for at most `max_batch` rows a step."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram"]
+    num_tokens: int = Field(ge=1)
+    max_batch: int = Field(ge=1)
+    min_n: int = Field(ge=1)
+    max_n: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _n_range(self) -> "SpeculativeConfig":
+        if self.min_n > self.max_n:
+            raise ValueError(f"speculative.min_n ({self.min_n}) must be <= speculative.max_n ({self.max_n})")
+        return self
 
 
 class TensorRTInfo(BaseModel):
@@ -78,6 +97,13 @@ class RepositoryManifest(BaseModel):
     source_hash: str
     tensorrt: TensorRTInfo | None = None  # target tensorrt only
     chat_template: ChatTemplate | None = None  # none: the model serves completions only
+    speculative: SpeculativeConfig | None = None  # paged graphs only; none: every row decodes one token a step
+
+    @model_validator(mode="after")
+    def _speculation_is_paged(self) -> "RepositoryManifest":
+        if self.speculative is not None and not self.kv_layout.paged:
+            raise ValueError("speculative: needs a paged graph (kv_layout.paged); this engine is the slot form")
+        return self
 
     def save(self, folder: Path) -> Path:
         path = folder / self.filename

@@ -29,18 +29,24 @@ COUNTERS = {
     "llmc_prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache (paged KV cache)",
     "llmc_prefix_cache_hits_total": "Prompt tokens whose KV the prefix cache already held (paged KV cache)",
     "llmc_preemptions_total": "Running requests whose KV blocks were taken back, to be recomputed (paged KV cache)",
+    # speculative decoding, TensorRT-LLM's total_draft_tokens and total_accepted_draft_tokens
+    "llmc_spec_decode_draft_tokens_total": "Proposed (draft) tokens verified by speculative decoding",
+    "llmc_spec_decode_accepted_tokens_total": "Proposed (draft) tokens the target model accepted",
 }
 GAUGES = {
     "llmc_requests_running": "Requests holding KV cache (a slot, or blocks)",
     "llmc_requests_waiting": "Requests queued for the running batch",
     "llmc_kv_cache_usage_ratio": "Fraction of the KV cache in use (slots, or blocks)",
+    # TensorRT-LLM's acceptance_rate; set once a proposal has been verified
+    "llmc_spec_decode_acceptance_rate": "Accepted / proposed tokens of speculative decoding since start",
 }
 # a gauge per state, one family: llmc_kv_cache_blocks{state="used|free|cached"}
 BLOCK_STATES = ("used", "free", "cached")
 BLOCKS = ("llmc_kv_cache_blocks", "KV cache blocks (paged KV cache) by state: held by requests, never used or "
                                   "freed, or kept for prefix reuse")
 TOTALS = {"llmc_prefix_cache_queries_total": "prefix_queries", "llmc_prefix_cache_hits_total": "prefix_hits",
-          "llmc_preemptions_total": "preemptions"}
+          "llmc_preemptions_total": "preemptions", "llmc_spec_decode_draft_tokens_total": "draft_tokens",
+          "llmc_spec_decode_accepted_tokens_total": "accepted_draft_tokens"}
 
 Factory = Callable[..., object]  # (kind, name, description, buckets, extra labels=None) -> metric
 
@@ -57,7 +63,8 @@ class ServingMetrics:
         self.m["llmc_time_to_first_token_seconds"].observe(seconds)
 
     def tokens(self, count: int, seconds_each: float | None) -> None:
-        """`count` tokens generated for one request; `seconds_each` since its previous token."""
+        """`count` tokens generated for one request; `seconds_each` since its previous token (several
+        tokens at once, from speculative decoding, share the wait since the previous response)."""
         self.m["llmc_generation_tokens_total"].increment(count)
         if seconds_each is not None:
             for _ in range(count):
@@ -85,6 +92,8 @@ class ServingMetrics:
             if value > self._totals[field]:
                 self.m[name].increment(value - self._totals[field])
                 self._totals[field] = value
+        if state.draft_tokens:
+            self.m["llmc_spec_decode_acceptance_rate"].set(state.accepted_draft_tokens / state.draft_tokens)
 
 
 class _Null:

@@ -9,6 +9,11 @@ Requests, cancellation and streaming are LLMEngine's (engine.py); what differs i
 decode, so a long prompt no longer stalls the decoding rows. The rows that reached their last token
 are sampled together, in one vectorized pass over their logits (sampling.py).
 
+With `speculative` (the manifest's SpeculativeConfig) up to `max_batch` decoding rows a step also
+carry proposed tokens (prompt lookup, ngram.py); the same call verifies them and the rows keep what
+the target accepts plus one token of its own (speculative.py), so such a row may gain several
+tokens a step. Outputs are the tokens the rows would get without speculation.
+
 With `itl_ratio` (serving.itl_ratio) a step's prompt tokens are also capped so the step stays
 within that many decode steps of its rows, by a cost model fitted to the steps run (step_cost.py):
 on a CPU a prompt token costs compute, and a fixed budget that suits 16 decode rows stretches a
@@ -19,12 +24,16 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.engine import CacheState, LLMEngine, StepOutput
+from llmc.runtime.manifest import SpeculativeConfig
 from llmc.runtime.paged_batch import RowStep
 from llmc.runtime.paged_runner import PagedRunner
 from llmc.runtime.sampling import SamplingParams
-from llmc.runtime.sequence import FinishReason, Status
+from llmc.runtime.sequence import FinishReason, Sequence, Status
+from llmc.runtime.speculative import Speculator, verify
 from llmc.runtime.step_cost import StepCost
 from llmc.runtime.token_scheduler import Chunk, TokenScheduler
 
@@ -32,13 +41,14 @@ from llmc.runtime.token_scheduler import Chunk, TokenScheduler
 class PagedEngine(LLMEngine):
     def __init__(self, runner: PagedRunner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_rows: int,
                  max_seq_len: int, max_num_tokens: int, max_queue_size: int = 256, prefix_caching: bool = True,
-                 itl_ratio: float | None = None):
+                 itl_ratio: float | None = None, speculative: SpeculativeConfig | None = None):
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching)
         # itl_ratio: cap a step's prompt tokens so it stays within that many decode steps (step_cost.py)
         self.cost = StepCost(itl_ratio) if itl_ratio else None
+        self.speculator = Speculator.from_config(speculative, max_seq_len) if speculative else None
         self._setup(runner, tokenizer, end_ids, max_seq_len, max_num_tokens,
                     TokenScheduler(self.blocks, max_rows=max_rows, max_num_tokens=max_num_tokens,
-                                   max_queue_size=max_queue_size))
+                                   max_queue_size=max_queue_size, speculator=self.speculator))
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, **kwargs) -> Sequence:
         """LLMEngine's checks, and that the prompt fits the KV pool at all (a full pool only queues it)."""
@@ -49,10 +59,11 @@ class PagedEngine(LLMEngine):
         return super().add_request(request_id, prompt_ids, params, **kwargs)
 
     def cache_state(self) -> CacheState:
-        b, s = self.blocks, self.scheduler
+        b, s, spec = self.blocks, self.scheduler, self.speculator
         return CacheState(s.num_running, s.num_waiting, b.num_used / b.num_blocks,
                           {"used": b.num_used, "free": b.num_free, "cached": b.num_cached},
-                          b.prefix_queries, b.prefix_hits, s.num_preemptions)
+                          b.prefix_queries, b.prefix_hits, s.num_preemptions,
+                          spec.num_draft_tokens if spec else 0, spec.num_accepted_tokens if spec else 0)
 
     def step(self) -> list[StepOutput]:
         with self._lock:
@@ -71,9 +82,13 @@ class PagedEngine(LLMEngine):
         # one logits row per chunk (the graph's minimum): a chunk that ends mid-prompt ignores its row
         decoding = sum(c.seq.status is Status.decoding for c in chunks)
         start = time.perf_counter()
-        logits = self.runner.step([RowStep(c.token_ids, c.past_len, c.seq.block_ids) for c in chunks])
-        if self.cost is not None:
+        logits = self.runner.step([RowStep(c.token_ids, c.past_len, c.seq.block_ids, 1 + len(c.proposals))
+                                   for c in chunks])
+        if self.cost is not None:  # proposals cost what prompt tokens do: compute beside the weights' read
             self.cost.observe(decoding, sum(len(c.token_ids) for c in chunks) - decoding, time.perf_counter() - start)
+        if any(c.proposals for c in chunks):
+            self._verify(chunks, logits, sampled)
+            return
         for chunk in chunks:
             self.scheduler.computed(chunk)
         rows = [i for i, c in enumerate(chunks) if c.samples]
@@ -81,3 +96,31 @@ class PagedEngine(LLMEngine):
             for i in rows:
                 chunks[i].seq.status = Status.decoding
             self._sample([chunks[i].seq for i in rows], logits[rows], sampled)
+
+    def _verify(self, chunks: list[Chunk], logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
+        """A step with proposals: each sampling row keeps the tokens verify() gives it; a row's
+        length (and its committed KV) advances over its accepted proposals only."""
+        ends = np.cumsum([1 + len(c.proposals) for c in chunks])
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        for chunk in chunks:
+            if not chunk.samples:
+                self.scheduler.computed(chunk)
+        picked = np.concatenate([np.arange(ends[i] - 1 - len(chunks[i].proposals), ends[i]) for i in rows])
+        kept = verify(logits[picked], [chunks[i].seq for i in rows], [chunks[i].proposals for i in rows])
+        at = 0
+        for i, tokens in zip(rows, kept):
+            chunk = chunks[i]
+            chunk.seq.status = Status.decoding
+            emitted = self._emit_all(chunk.seq, logits[picked[at:at + len(tokens)]], tokens, sampled)
+            at += 1 + len(chunk.proposals)
+            self.scheduler.computed(chunk, accepted=min(len(tokens) - 1, emitted))
+            if chunk.proposals:
+                self.speculator.count(len(chunk.proposals), len(tokens) - 1)
+
+    def _emit_all(self, seq: Sequence, logits: np.ndarray, tokens: list[int], sampled: dict[str, list[int]]) -> int:
+        """Append `tokens` (row j of `logits` drew token j) until `seq` finishes; how many it took."""
+        for j, token in enumerate(tokens):
+            if seq.is_finished:
+                return j
+            self._emit(seq, logits[j], token, sampled)
+        return len(tokens)

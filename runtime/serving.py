@@ -219,7 +219,8 @@ class ServingLoop:
                 self.metrics.first_token(now - entry.arrived)
                 self.metrics.tokens(len(out.token_ids), None)
             else:
-                self.metrics.tokens(len(out.token_ids), now - entry.last_token_at)
+                # a speculating row's step brings several tokens: each counts its share of the wait
+                self.metrics.tokens(len(out.token_ids), (now - entry.last_token_at) / len(out.token_ids))
             entry.last_token_at = now
         entry.ids += out.token_ids
         entry.text.append(out.text)
@@ -282,4 +283,5 @@ def _paged_engine(graph: Path, m, tokenizer) -> LLMEngine:
                          num_threads=lim.num_threads)
     return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
                        max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
-                       max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching, itl_ratio=lim.itl_ratio)
+                       max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching, itl_ratio=lim.itl_ratio,
+                       speculative=m.speculative)

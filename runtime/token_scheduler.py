@@ -2,7 +2,9 @@
 decode rows and prefill chunks.
 
     schedule() = every running sequence that decodes gets its next token (a new block when it
-                 crosses into one; when the pool is out, the newest running sequence is preempted)
+                 crosses into one; when the pool is out, the newest running sequence is preempted),
+                 and with speculation up to `max_batch` of them the proposals after it
+                 (speculative.py) when the spare tokens and free blocks allow
                + partly prefilled sequences continue, oldest first
                + waiting sequences are admitted (their cached prefix reused) while rows, tokens
                  and blocks last
@@ -15,36 +17,42 @@ Preemption is by recompute (vLLM's default): the preempted sequence gives its bl
 to the front of the queue with its output so far, which becomes part of what it prefills when it
 returns; its full blocks keep their prefix keys, so it usually finds them still cached. A running
 sequence is never corrupted: it either has blocks for every token it writes or it is not run.
+Rejected proposals roll back by the sequence's length not advancing past them (`computed`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.scheduler import WaitingQueue
 from llmc.runtime.sequence import FinishReason, Sequence, Status
+from llmc.runtime.speculative import Speculator
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """What one sequence feeds the graph this step: `token_ids` at positions `past_len`.."""
+    """What one sequence feeds the graph this step: `token_ids` at positions `past_len`.., of which
+    the last `len(proposals)` are proposed tokens to verify (speculative.py)."""
 
     seq: Sequence
     token_ids: list[int]
     past_len: int
+    proposals: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token, so its logits give the next token."""
-        return self.past_len + len(self.token_ids) == self.seq.num_tokens
+        return self.past_len + len(self.token_ids) - len(self.proposals) == self.seq.num_tokens
 
 
 class TokenScheduler(WaitingQueue):
-    def __init__(self, blocks: BlockManager, *, max_rows: int, max_num_tokens: int, max_queue_size: int):
+    def __init__(self, blocks: BlockManager, *, max_rows: int, max_num_tokens: int, max_queue_size: int,
+                 speculator: Speculator | None = None):
         super().__init__(max_queue_size)
         self.blocks, self.max_rows, self.max_num_tokens = blocks, max_rows, max_num_tokens
+        self.speculator = speculator
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
 
@@ -52,7 +60,7 @@ class TokenScheduler(WaitingQueue):
         """The step's chunks; `prompt_cap(decode rows)` may cap its prompt tokens further (step_cost.py)."""
         chunks: list[Chunk] = []
         rows = self._decode_rows(chunks)
-        budget = self.max_num_tokens - rows
+        budget = self.max_num_tokens - sum(len(c.token_ids) for c in chunks)
         cap = prompt_cap(rows) if prompt_cap is not None else None
         if cap is not None:
             budget = min(budget, cap)
@@ -90,7 +98,23 @@ class TokenScheduler(WaitingQueue):
             if seq in self.running and not seq.is_finished:
                 self.blocks.append(seq)
                 chunks.append(Chunk(seq, [seq.all_token_ids()[-1]], seq.num_cached))
+        if self.speculator is not None:
+            self._speculate(chunks)
         return len(chunks)
+
+    def _speculate(self, chunks: list[Chunk]) -> None:
+        """Proposals after the last token of at most `max_batch` decode rows (the oldest that have
+        any), within the step's spare tokens and the free blocks. Run once every decode row has its
+        blocks, so speculation never takes a block a row needs for its own token, nor preempts anyone."""
+        spare, rows = self.max_num_tokens - len(chunks), 0
+        for i, chunk in enumerate(chunks):
+            if spare < 1 or rows == self.speculator.max_batch:
+                break
+            proposals = self.speculator.propose(chunk.seq, spare)
+            if proposals and self.blocks.can_append(chunk.seq, len(proposals)):
+                self.blocks.append(chunk.seq, len(proposals))
+                chunks[i] = Chunk(chunk.seq, chunk.token_ids + proposals, chunk.past_len, proposals)
+                spare, rows = spare - len(proposals), rows + 1
 
     def _chunk(self, seq: Sequence, budget: int, chunks: list[Chunk]) -> int:
         tokens = seq.all_token_ids()[seq.num_cached:seq.num_cached + budget]
@@ -105,9 +129,13 @@ class TokenScheduler(WaitingQueue):
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def computed(self, chunk: Chunk) -> None:
-        """The graph wrote `chunk`: its tokens are cached, and its full blocks can serve as prefixes."""
-        chunk.seq.num_cached = chunk.past_len + len(chunk.token_ids)
+    def computed(self, chunk: Chunk, accepted: int = 0) -> None:
+        """The graph wrote `chunk`: its tokens are cached, and its full blocks can serve as prefixes.
+        Of its proposals only the `accepted` ones count: a rejected one's KV is left past the
+        sequence's length (overwritten later, never committed) and the blocks taken for it go back."""
+        chunk.seq.num_cached = chunk.past_len + len(chunk.token_ids) - len(chunk.proposals) + accepted
+        if chunk.proposals:
+            self.blocks.trim(chunk.seq)
         self.blocks.commit(chunk.seq)
 
     def release(self, seq: Sequence) -> None:

@@ -138,3 +138,45 @@ def test_gguf_source_matches_the_converted_checkpoint(smollm2):
     ids = torch.tensor([tokenizer("The capital of France is")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(from_gguf(ids).logits, from_dir(ids).logits)
+
+
+EDIT_PROMPT = ("<|im_start|>user\nFix the spelling mistakes in this paragraph and write out the corrected paragraph:"
+               "\n\nThe quikc brown fox jumps over the lazy dog. The dog, however, was not amused, and it barked loudly "
+               "at the fox until the farmr came out of the house.<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_example_greedy_with_ngram_speculation_equals_greedy_without(example_build):
+    """SmolLM2's paged build: greedy tokens with speculation on equal those with it off, token for token,
+    alone and beside two other requests, on an editing prompt whose answer copies it (so most
+    proposals are accepted) and on prompts whose answers do not."""
+    from tokenizers import Tokenizer
+
+    from llmc.runtime.manifest import RepositoryManifest, SpeculativeConfig
+    from llmc.runtime.paged_engine import PagedEngine
+    from llmc.runtime.paged_runner import PagedRunner
+    from llmc.runtime.sampling import SamplingParams
+
+    version = example_build("paged").repository / "smollm2" / "1"
+    m = RepositoryManifest.load(version)
+    tokenizer = Tokenizer.from_file(str(version / m.tokenizer))
+    runner = PagedRunner(version / m.engine, m.kv_layout, num_blocks=96, max_num_tokens=256, num_threads=2)
+    prompts = {name: tokenizer.encode(text).ids for name, text in
+               (("edit", EDIT_PROMPT), ("capital", "The capital of France is"), ("list", "Three fruits:"))}
+
+    def run(speculative, names):
+        engine = PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=4, max_seq_len=2048,
+                             max_num_tokens=256, speculative=speculative)
+        for name in names:
+            engine.add_request(name, prompts[name], SamplingParams(max_tokens=40))
+        tokens = {name: [] for name in names}
+        while engine.has_work:
+            for out in engine.step():
+                tokens[out.request_id] += out.token_ids
+        return tokens, engine.speculator
+
+    plain = {name: run(None, [name])[0][name] for name in prompts}
+    spec = SpeculativeConfig(method="ngram", num_tokens=4, max_batch=4, min_n=2, max_n=3)
+    alone, speculator = run(spec, ["edit"])
+    assert alone["edit"] == plain["edit"] and speculator.num_accepted_tokens >= 0.5 * speculator.num_draft_tokens > 0
+    assert run(spec, list(prompts))[0] == plain

@@ -65,6 +65,16 @@ MALFORMED = [
      "serving.default_max_tokens (4096) must be <= limits.max_seq_len (1024)"),
     ({"name": "m", "source": "x", "verify": {"max_logit_diff": 0}}, "verify.max_logit_diff: Input should be greater than 0"),
     ({"name": "m", "source": 5}, "source"),
+    ({"name": "m", "source": "x", "export": {"attention": "paged"}, "speculative": {"method": "draft"}},
+     "speculative: method: draft (a draft model built by the same build) is not built yet; use ngram"),
+    ({"name": "m", "source": "x", "speculative": {"method": "ngram"}},
+     "speculative: needs export.attention: paged"),
+    ({"name": "m", "source": "x", "export": {"attention": "paged"}, "speculative": {"method": "ngram", "num_tokens": 0}},
+     "speculative.num_tokens: Input should be greater than or equal to 1"),
+    ({"name": "m", "source": "x", "export": {"attention": "paged"},
+      "speculative": {"method": "ngram", "min_n": 3, "max_n": 2}}, "speculative: min_n (3) must be <= max_n (2)"),
+    ({"name": "m", "source": "x", "export": {"attention": "paged"}, "speculative": {"method": "ngram", "k": 2}},
+     "speculative.k: unknown field"),
 ]
 
 

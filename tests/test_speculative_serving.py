@@ -1,0 +1,94 @@
+"""Speculative decoding from the spec to the served model: `speculative:` is carried into the
+manifest, the served model builds its engine from it, serves the same tokens as without it and
+reports TensorRT-LLM's speculative-decoding figures as llmc_spec_decode_* metrics."""
+
+import shutil
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from conftest import TINY_SERVING_SPEC, RecordingSink, request_inputs
+from llmc.compiler import build
+from llmc.compiler.spec import parse_spec
+from llmc.runtime.manifest import RepositoryManifest, SpeculativeConfig
+from llmc.runtime.metrics import ServingMetrics
+from llmc.runtime.serving import ServingLoop
+from test_serving import Recorder
+
+SECTION = {"method": "ngram", "num_tokens": 3, "max_batch": 2, "min_n": 1, "max_n": 2}
+PROMPTS = ["the cat sat on the mat; the cat sat on the mat; the cat", "abcdefabcdefabcdef", "x"]
+
+
+@pytest.fixture(scope="module")
+def speculative_build(tiny_checkpoints, tmp_path_factory):
+    spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "paged"},
+                       "verify": {"enabled": False}, "speculative": SECTION, **TINY_SERVING_SPEC})
+    return build(spec, output=tmp_path_factory.mktemp("speculative_build") / "tiny")
+
+
+def _serve(version, metrics=None):
+    loop = ServingLoop.from_manifest(version, metrics).start()
+    try:
+        sinks = [RecordingSink() for _ in PROMPTS]
+        for prompt, sink in zip(PROMPTS, sinks):  # together: rows beyond max_batch 2 decode normally
+            loop.submit(request_inputs(prompt, max_tokens=20), sink)
+        ids = [sink.joined("output_ids").tolist() for sink in sinks]
+        time.sleep(0.3)  # the idle loop publishes the metrics
+        return ids, loop.engine
+    finally:
+        loop.stop()
+
+
+def test_the_served_model_speculates_as_the_manifest_says_and_serves_the_same_tokens(speculative_build, tmp_path):
+    version = speculative_build.repository / "tiny" / "1"
+    manifest = RepositoryManifest.load(version)
+    assert manifest.speculative == SpeculativeConfig(**SECTION)
+    package = next(s for s in speculative_build.stages if s.name == "package")
+    assert package.summary.endswith(", speculative ngram (k 3, up to 2 rows)")
+    recorder = Recorder()
+    ids, engine = _serve(version, ServingMetrics(recorder))
+    assert engine.speculator.max_batch == 2 and engine.speculator.proposer.num_tokens == 3
+    plain = tmp_path / "1"  # the same build without speculation
+    shutil.copytree(version, plain)
+    manifest.model_copy(update={"speculative": None}).save(plain)
+    plain_ids, plain_engine = _serve(plain)
+    assert plain_engine.speculator is None and ids == plain_ids
+    values = recorder.values
+    drafted, accepted = values["llmc_spec_decode_draft_tokens_total"], values["llmc_spec_decode_accepted_tokens_total"]
+    assert (drafted, accepted) == (engine.speculator.num_draft_tokens, engine.speculator.num_accepted_tokens)
+    assert 0 < accepted <= drafted and values["llmc_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
+    # one inter-token latency per token after each request's first; several tokens of one step share its
+    # wait, so a request's latencies add up to no more than its whole time
+    assert len(values["llmc_inter_token_latency_seconds"]) == sum(len(i) for i in ids) - len(ids)
+    assert sum(values["llmc_inter_token_latency_seconds"]) <= sum(values["llmc_request_latency_seconds"])
+
+
+def test_a_manifest_refuses_speculation_on_the_slot_graph(tiny_build):
+    data = RepositoryManifest.load(tiny_build.repository / "tiny" / "1").model_dump(mode="json")
+    with pytest.raises(ValidationError, match="speculative: needs a paged graph"):
+        RepositoryManifest.model_validate({**data, "speculative": SECTION})
+
+
+@pytest.mark.triton
+def test_on_a_real_triton_server_speculation_serves_the_same_tokens_and_exports_its_metrics(speculative_build,
+                                                                                            tmp_path):
+    from pathlib import Path
+
+    from llmc.client import Client
+    from llmc.soak import llmc_metrics
+    from llmc.triton_server import TritonServer, assemble
+
+    serving_env = Path(__file__).resolve().parents[1] / ".venv-serving"
+    if not (serving_env / "bin" / "python3").exists():
+        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    expected, engine = _serve(speculative_build.repository / "tiny" / "1")
+    with TritonServer(speculative_build.repository, server_dir=assemble(tmp_path / "server"), serving_env=serving_env,
+                      log_path=tmp_path / "server.log") as server:
+        client = Client(server.grpc_url, "tiny")
+        got = [client.complete(prompt, max_tokens=20).output_ids for prompt in PROMPTS]
+        metrics = llmc_metrics(f"http://127.0.0.1:{server.ports.metrics}", "tiny")
+    assert got == expected
+    drafted, accepted = metrics["llmc_spec_decode_draft_tokens_total"], metrics["llmc_spec_decode_accepted_tokens_total"]
+    assert 0 < accepted <= drafted
+    assert metrics["llmc_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted, rel=1e-6)
