@@ -85,18 +85,20 @@ class BuildSpec(StrictModel):
             runs_on = "onnxruntime" if ort_only else "tensorrt"
             raise ValueError(f"export.attention: {attention.value} runs only with target: {runs_on} "
                              f"(target is {self.target.value}); use auto or reference")
-        if self.export.kv_cache_dtype is not KVCacheDtype.fp32 and attention is not AttentionLowering.paged:
+        paged = self.attention_lowering == AttentionLowering.paged.value  # auto resolves to paged on onnxruntime
+        if self.export.kv_cache_dtype is not KVCacheDtype.fp32 and not paged:
             raise ValueError(f"export.kv_cache_dtype: {self.export.kv_cache_dtype.value} is the paged graph's block "
-                             f"pools; it needs export.attention: paged (got {attention.value}), or kv_cache_dtype: fp32")
+                             f"pools; it needs export.attention: paged or auto (which gives "
+                             f"{self.attention_lowering} here), or kv_cache_dtype: fp32")
         if self.quantization.static and attention in (AttentionLowering.fused, AttentionLowering.plugin,
                                                       AttentionLowering.paged):
             raise ValueError(f"quantization.mode: {self.quantization.mode.value} quantizes the reference attention "
                              f"lowering (plain ONNX, which ONNX Runtime calibrates and TensorRT reads), not "
                              f"export.attention: {attention.value}; use auto or reference")
-        if self.speculative is not None and attention is not AttentionLowering.paged:
-            raise ValueError(f"speculative: needs export.attention: paged (a step verifies several tokens per row "
-                             f"with a past, which only the paged graph runs in in-flight batching); "
-                             f"export.attention is {attention.value}")
+        if self.speculative is not None and not paged:
+            raise ValueError(f"speculative: needs the paged graph, export.attention: paged or auto (a step verifies "
+                             f"several tokens per row with a past, which only the paged graph runs in in-flight "
+                             f"batching); export.attention: {attention.value} gives {self.attention_lowering} here")
         return self
 
     @property

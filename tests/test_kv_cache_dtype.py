@@ -23,11 +23,17 @@ def _spec(source, dtype, attention="paged", **extra):
             **extra}
 
 
-@pytest.mark.parametrize("attention", ["auto", "fused", "reference"])
-def test_other_lowerings_refuse_a_non_fp32_cache(tmp_path, attention):
+@pytest.mark.parametrize(("attention", "extra"), [("fused", {}), ("reference", {}),
+                                                  ("auto", {"quantization": {"mode": "int8"}})])  # auto: reference
+def test_other_lowerings_refuse_a_non_fp32_cache(tmp_path, attention, extra):
     with pytest.raises((SpecError, ValueError), match="export.kv_cache_dtype: fp16 .* needs export.attention: paged"):
-        parse_spec(_spec(tmp_path, "fp16", attention))
-    assert parse_spec(_spec(tmp_path, "fp32", attention)).export.kv_cache_dtype.value == "fp32"
+        parse_spec(_spec(tmp_path, "fp16", attention, **extra))
+    assert parse_spec(_spec(tmp_path, "fp32", attention, **extra)).export.kv_cache_dtype.value == "fp32"
+
+
+def test_auto_takes_a_non_fp32_cache_on_onnxruntime(tmp_path):
+    spec = parse_spec(_spec(tmp_path, "fp16", "auto"))
+    assert spec.attention_lowering == "paged" and spec.export.kv_cache_dtype.value == "fp16"
 
 
 def test_unknown_dtype_names_the_field(tmp_path):

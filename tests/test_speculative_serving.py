@@ -64,8 +64,8 @@ def test_the_served_model_speculates_as_the_manifest_says_and_serves_the_same_to
     assert sum(values["llmc_inter_token_latency_seconds"]) <= sum(values["llmc_request_latency_seconds"])
 
 
-def test_a_manifest_refuses_speculation_on_the_slot_graph(tiny_build):
-    data = RepositoryManifest.load(tiny_build.repository / "tiny" / "1").model_dump(mode="json")
+def test_a_manifest_refuses_speculation_on_the_slot_graph(tiny_slot_build):
+    data = RepositoryManifest.load(tiny_slot_build.repository / "tiny" / "1").model_dump(mode="json")
     with pytest.raises(ValidationError, match="speculative: needs a paged graph"):
         RepositoryManifest.model_validate({**data, "speculative": SECTION})
 
