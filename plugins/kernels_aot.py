@@ -165,6 +165,22 @@ def _compile(fn, signature: dict[str, str], constexprs: dict, capability: int, *
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options or None)
 
 
+def compile_for_plugin(fn, source: tuple[dict, dict], capability: int, what: str):
+    """`fn` compiled for a TensorRT AOT plugin launch: within the shared memory a launch gets (fp32 tiles
+    retry without software pipelining, which buffers too much) and needing no Triton scratch memory,
+    which a plugin cannot provide; `what` names the kernel and shape in the errors."""
+    compiled = _compile(fn, *source, capability)
+    if compiled.metadata.shared > SHARED_MEM_LIMIT:
+        compiled = _compile(fn, *source, capability, num_stages=1)
+    meta = compiled.metadata
+    if meta.shared > SHARED_MEM_LIMIT:
+        raise ValueError(f"{what} needs {meta.shared} bytes of shared memory, over the {SHARED_MEM_LIMIT} a plugin "
+                         "launch gets")
+    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+        raise RuntimeError(f"{meta.name} needs Triton scratch memory, which a TensorRT AOT plugin cannot provide")
+    return compiled
+
+
 def _one_launch_source(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, t: str, rotary: bool,
                        position_type: str):
     signature = {**{n: f"*{t}" for n in PLUGIN_INPUTS + PLUGIN_OUTPUTS}, "pos_ptr": f"*{position_type}",
@@ -181,15 +197,9 @@ def plugin_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float
     it with exactly its inputs, integer extras and outputs, so the parameters the PTX declares after
     those (the global/profile scratch pointers newer Tritons append, unused here) are removed."""
     source = _one_launch_source(num_heads, num_kv_heads, head_dim, scale, dtype, rotary, "i32")
-    compiled = _compile(_attention_one_launch, *source, capability)
-    if compiled.metadata.shared > SHARED_MEM_LIMIT:  # fp32 tiles: software pipelining buffers too much
-        compiled = _compile(_attention_one_launch, *source, capability, num_stages=1)
+    compiled = compile_for_plugin(_attention_one_launch, source, capability,
+                                  f"the attention kernel for head_dim {head_dim} ({dtype})")
     meta = compiled.metadata
-    if meta.shared > SHARED_MEM_LIMIT:
-        raise ValueError(f"the attention kernel for head_dim {head_dim} ({dtype}) needs {meta.shared} bytes of shared "
-                         f"memory, over the {SHARED_MEM_LIMIT} a plugin launch gets")
-    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
-        raise RuntimeError(f"{meta.name} needs Triton scratch memory, which a TensorRT AOT plugin cannot provide")
     ptx = trim_params(compiled.asm["ptx"], meta.name, len(PLUGIN_INPUTS + PLUGIN_SCALARS + PLUGIN_OUTPUTS))
     return PluginKernel(meta.name, ptx, meta.num_warps, meta.shared, BLOCK_M)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from llmc.plugins.kernels_aot import _TRITON_TYPES, SHARED_MEM_LIMIT, _compile, trim_params
+from llmc.plugins.kernels_aot import _TRITON_TYPES, _compile, compile_for_plugin, trim_params
 from llmc.plugins.paged_kernels import (_paged_attention, _paged_write, attention_grid, int32, kernel_options,
                                         split_packed)
 
@@ -85,15 +85,9 @@ def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale
     to what TensorRT passes (inputs, int32 extras, outputs; Triton's trailing scratch pointers removed)."""
     source = _attention_source(num_heads, num_kv_heads, head_size, scale, dtype, rotary_dim=rotary_dim,
                                interleaved=interleaved, softcap=softcap, window=window, fresh=True, causal=causal)
-    compiled = _compile(_paged_attention, *source, capability)
-    if compiled.metadata.shared > SHARED_MEM_LIMIT:
-        compiled = _compile(_paged_attention, *source, capability, num_stages=1)
+    compiled = compile_for_plugin(_paged_attention, source, capability,
+                                  f"the paged attention kernel for head_size {head_size} ({dtype})")
     meta = compiled.metadata
-    if meta.shared > SHARED_MEM_LIMIT:
-        raise ValueError(f"the paged attention kernel for head_size {head_size} ({dtype}) needs {meta.shared} bytes "
-                         f"of shared memory, over the {SHARED_MEM_LIMIT} a plugin launch gets")
-    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
-        raise RuntimeError(f"{meta.name} needs Triton scratch memory, which a TensorRT AOT plugin cannot provide")
     count = len(PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_SCALARS + PAGED_PLUGIN_OUTPUTS)
     ptx = trim_params(compiled.asm["ptx"], meta.name, count)
     return PagedPluginKernel(meta.name, ptx, meta.num_warps, meta.shared, source[1]["BLOCK_M"])
