@@ -163,6 +163,7 @@ class TritonServer:
                "--http-port", str(self.ports.http), "--grpc-port", str(self.ports.grpc),
                "--metrics-port", str(self.ports.metrics), "--allow-metrics", "true", "--allow-gpu-metrics", "false",
                "--exit-timeout-secs", str(EXIT_TIMEOUT), *self.extra_args]
+        self._reap()  # a crashed server's model stubs, before its successor starts
         log = open(self.log_path, "ab")
         try:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
@@ -194,6 +195,7 @@ class TritonServer:
         """SIGTERM the server (it drains for up to EXIT_TIMEOUT, unloads models, stops their stubs and
         removes their shared memory); SIGKILL its process group only if it hangs past `grace`."""
         if self.process is None or self.process.poll() is not None:
+            self._reap()
             return
         self.process.send_signal(signal.SIGTERM)
         try:
@@ -201,6 +203,15 @@ class TritonServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)  # the group we started: server and its stubs
             self.process.wait()
+
+    def _reap(self) -> None:
+        """Kill what is left of an exited server's process group: a server that crashed (or was killed)
+        leaves its Python-backend stubs running, and nothing else would stop them."""
+        if self.process is not None and self.process.poll() is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # the group is gone: nothing was left
+                pass
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -85,10 +85,13 @@ def test_a_crashed_server_is_restarted_and_clients_recover(tiny_build, tmp_path)
         supervisor = Supervisor(srv, log=messages.append)
         with BackgroundLoad(srv.grpc_url, max_tokens=60, timeout=8) as load:
             time.sleep(1.0)
-            os.kill(srv.process.pid, signal.SIGKILL)  # the server this test started
+            crashed = srv.process.pid
+            os.kill(crashed, signal.SIGKILL)  # the server this test started
             killed = time.monotonic()
             while not load.served_after(killed + 0.5) and time.monotonic() < killed + 40:
                 supervisor.check()
                 time.sleep(0.2)
         assert any(m.startswith("tritonserver exited with -9; restarting it (1/5)") for m in messages), messages
         assert load.errors and load.served_after(killed + 0.5), (messages, load.errors[-3:])
+        with pytest.raises(ProcessLookupError):  # the crashed server's stubs were reaped with the restart
+            os.killpg(crashed, 0)
