@@ -80,6 +80,20 @@ def rotated(x_ptr, offsets, d, mask, positions, cos_ptr, sin_ptr, HALF: tl.const
 
 
 @triton.jit
+def write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, src, dst, d, mask, positions, cos_ptr, sin_ptr, HALF: tl.constexpr,
+             ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """New keys (rotated at `positions` when ROTARY) and values, read from the inputs at row offsets `src`,
+    stored into the block pools at `dst`: the separate write kernel's and the one-launch kernel's step."""
+    if ROTARY:
+        k = rotated(k_ptr, src, d, mask, positions, cos_ptr, sin_ptr, HALF, INTERLEAVED)
+    else:
+        k = tl.load(k_ptr + src + d[None, :], mask=mask, other=0.0)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + dst, tl.load(v_ptr + src + d[None, :], mask=mask, other=0.0).to(vc_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def slot_of(table_ptr, b, positions, valid, MB, NB, BS):
     """Cache slot (block * BS + offset) of each position of row b through the block table, and whether
     it is mapped (the entry exists and names a block in [0, NB))."""
@@ -108,14 +122,8 @@ def _paged_write(k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, slot
         slot, ok = slot_of(table_ptr, b, positions, heads, MB, NB, BS)
     mask = ok[:, None] & (d < D)[None, :]
     src = (t * KVH + g).to(tl.int64)[:, None] * D
-    if ROTARY:
-        k = rotated(k_ptr, src, d, mask, positions, cos_ptr, sin_ptr, HALF, INTERLEAVED)
-    else:
-        k = tl.load(k_ptr + src + d[None, :], mask=mask, other=0.0)
     dst = (slot * KVH + g)[:, None] * D + d[None, :]
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, tl.load(v_ptr + src + d[None, :], mask=mask, other=0.0).to(vc_ptr.dtype.element_ty),
-             mask=mask)
+    write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, src, dst, d, mask, positions, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
 
 
 @triton.jit
@@ -206,14 +214,8 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
         slot, mapped = slot_of(table_ptr, b, pos, writer, MB, NB, BS)
         w_mask = mapped[:, None] & d_ok[None, :]
         src = ((start + s).to(tl.int64) * KVH + kv)[:, None] * D
-        if ROTARY:
-            k_w = rotated(k_ptr, src, d, w_mask, pos, cos_ptr, sin_ptr, HALF, INTERLEAVED)
-        else:
-            k_w = tl.load(k_ptr + src + d[None, :], mask=w_mask, other=0.0)
         dst = (slot * KVH + kv)[:, None] * D + d[None, :]
-        tl.store(kc_out + dst, k_w.to(kc_out.dtype.element_ty), mask=w_mask)
-        tl.store(vc_out + dst, tl.load(v_ptr + src + d[None, :], mask=w_mask, other=0.0).to(vc_out.dtype.element_ty),
-                 mask=w_mask)
+        write_kv(k_ptr, v_ptr, kc_out, vc_out, src, dst, d, w_mask, pos, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
 
 
 def attention_grid(tokens, rows, num_heads: int, num_kv_heads: int, block_m: int = BLOCK_M, cdiv=triton.cdiv):
