@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmc.compiler.kv_cache import ELEMENT
 from llmc.compiler.source import SourceInfo, attention_shape
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
 from llmc.compiler.tensorrt.profiles import Profile, profiles
+from llmc.runtime.layout import ITEMSIZE
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
@@ -112,7 +114,7 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     kv_tokens, kv_element = spec.limits.max_seq_len * spec.limits.max_batch_size, dtype_bytes
     if spec.attention_lowering == "paged":  # the block pool, in export.kv_cache_dtype
         kv_tokens = spec.limits.kv_cache_tokens or kv_tokens
-        kv_element = {"fp32": 4, "fp16": 2, "int8": 1}[spec.export.kv_cache_dtype.value]
+        kv_element = ITEMSIZE[ELEMENT[spec.export.kv_cache_dtype]]
     kv_bytes = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * kv_tokens * kv_element
     tokens = spec.limits.max_num_tokens
     activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)

@@ -57,10 +57,6 @@ class SamplingParams(BaseModel):
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
-
     def make_rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
 
@@ -200,7 +196,6 @@ def _draw_ranked(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray, k
     cand, w, complete = _ranked(logits, top, temperature, k, top_p, width)
     if not complete.all():
         redo = np.nonzero(~complete)[0]
-        cand, w = cand.copy(), w.copy()
         full_cand, full_w, _ = _ranked(logits[redo], top[redo], temperature[redo], k[redo], top_p[redo], vocab)
         cand, w = _widen(cand, vocab), _widen(w, vocab)
         cand[redo], w[redo] = full_cand, full_w

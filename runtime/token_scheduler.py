@@ -91,7 +91,7 @@ class TokenScheduler(WaitingQueue):
             if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
                 continue
             while not self.blocks.can_append(seq) and seq in self.running:
-                if self.running == [seq]:
+                if len(self.running) == 1:  # only seq itself is left to give blocks back
                     seq.finish(FinishReason.length)
                     break
                 self.preempt(self.running[-1])
