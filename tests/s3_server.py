@@ -3,6 +3,8 @@ by the test that needs it (real HTTP, so Triton's S3 client and boto3 both talk 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -24,8 +26,6 @@ class MotoServer:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> "MotoServer":
-        import os
-
         env = dict(os.environ)
         if self.auth_after is not None:
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(self.auth_after)
@@ -55,3 +55,21 @@ class MotoServer:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             self.process.wait(10)
+
+
+@contextlib.contextmanager
+def bucket_server():
+    """A MotoServer with the bucket `models`, and CREDENTIALS in the environment (what boto3 and the
+    Triton replicas started under it read) while it runs."""
+    saved = {key: os.environ.get(key) for key in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    try:
+        with MotoServer() as server:
+            server.client().create_bucket(Bucket="models")
+            yield server
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

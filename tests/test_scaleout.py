@@ -1,7 +1,8 @@
 """Scale-out, all real processes on 127.0.0.1: a local S3 endpoint (moto_server), two Triton
 replicas serving one s3:// repository, `llmc deploy` rolling versions out across them under
 streaming load, rolling every replica back when one fails, serializing concurrent deploys, and
-refusing a bad repository with one clear message and nothing left half-uploaded.
+putting everything back when interrupted. The store's own refusals (a bad repository, a corrupted
+upload, the lock) are in test_s3store.py.
 
 The replicas are shared by the module's tests, in order; the last one kills a replica."""
 
@@ -17,21 +18,17 @@ import pytest
 from conftest import BackgroundLoad, serving_env
 from llmc.client import Client
 from llmc.deploy import DeployError, deploy
-from llmc.objectstore import CONFIG, LockBusy, open_store
+from llmc.objectstore import CONFIG, open_store
 from llmc.triton_server import TritonServer, assemble, free_port
-from s3_server import CREDENTIALS, MotoServer
+from s3_server import CREDENTIALS, bucket_server
 
 pytestmark = pytest.mark.triton
 
 
 @pytest.fixture(scope="module")
 def s3():
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in CREDENTIALS.items():  # what boto3 here and the Triton replicas read
-            mp.setenv(key, value)
-        with MotoServer() as server:
-            server.client().create_bucket(Bucket="models")
-            yield server
+    with bucket_server() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +137,33 @@ def test_a_load_failing_on_one_replica_rolls_every_replica_back(tiny_build, clus
         assert len(Client(server.grpc_url, "tiny").complete("still serving", max_tokens=4).output_ids) == 4
 
 
+def test_an_interrupted_deploy_puts_the_repository_and_every_replica_back(tiny_build, cluster, monkeypatch):
+    """Ctrl-C while the second replica loads the new version (the first has loaded it): the
+    interrupt propagates; the config names the old version again, the new one is gone from the
+    bucket, the first replica serves the old version again and the lock is released."""
+    import llmc.rollout as rollout
+
+    url, servers = cluster
+    before = _serving(tiny_build, url, servers)
+    real = rollout.Replica.load
+    loaded = []
+
+    def load(self, model, version, timeout):
+        if self.url == servers[1].grpc_url:
+            raise KeyboardInterrupt
+        real(self, model, version, timeout)
+        loaded.append((self.url, version))
+
+    monkeypatch.setattr(rollout.Replica, "load", load)
+    with pytest.raises(KeyboardInterrupt):
+        deploy(tiny_build.output, url, [s.grpc_url for s in servers], timeout=60)
+    assert loaded == [(servers[0].grpc_url, before[-1] + 1)]  # the interrupt came after one replica moved
+    assert _served_versions(servers) == [[str(before[-1])]] * 2 and _pinned_version(url) == before[-1]
+    assert open_store(url).versions("tiny") == before
+    with open_store(url).lock("tiny", wait=0):  # released: a lock left behind would raise LockBusy
+        pass
+
+
 def test_two_deploys_at_once_run_one_after_the_other(tiny_build, cluster):
     """Publish-only deploys (no replica to load: the lock guards the repository, and a load per
     replica costs seconds): the second waits for the first, so neither sees the other's half."""
@@ -163,74 +187,6 @@ def test_two_deploys_at_once_run_one_after_the_other(tiny_build, cluster):
     assert sorted((r.previous, r.version) for r in results) == [(base, base + 1), (base + 1, base + 2)]
     assert open_store(url).versions("tiny") == [base + 1, base + 2] and _pinned_version(url) == base + 2
     assert _served_versions(servers) == [[str(base)]] * 2  # published only: the replicas load it when told
-
-
-def test_the_deploy_lock_refuses_then_breaks_explicitly(s3):
-    store = open_store(f"s3://{s3.endpoint}/models/locks")
-    with store.lock("m", wait=0):
-        with pytest.raises(LockBusy, match=r"another deploy of m holds the lock .*pid \d+, \d+ s ago.*--break-lock"):
-            with store.lock("m", wait=0.5):
-                pass
-    assert s3.keys("models", "locks/") == []  # released
-    s3.client().put_object(Bucket="models", Key="locks/.m.deploy.lock",  # left by a deploy that died
-                           Body=b'{"host": "gone", "pid": 4242, "since": 0}')
-    with pytest.raises(LockBusy, match="gone pid 4242"):
-        with store.lock("m", wait=0):
-            pass
-    with store.lock("m", wait=0, break_lock=True) as broken:
-        assert broken.startswith("broke the deploy lock of m held by gone pid 4242")
-    assert s3.keys("models", "locks/") == []
-
-
-def test_bad_repositories_name_the_url_and_leave_nothing(tiny_build, s3, monkeypatch, tmp_path):
-    nowhere = f"s3://http://127.0.0.1:{free_port()}/models/repo"
-    with pytest.raises(DeployError, match=rf"^{nowhere}: cannot open the bucket: cannot reach the endpoint"):
-        deploy(tiny_build.output, nowhere, [])
-    with pytest.raises(DeployError, match="no such bucket missing-bucket"):
-        deploy(tiny_build.output, f"s3://{s3.endpoint}/missing-bucket/repo", [])
-
-    for key in CREDENTIALS:
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    with pytest.raises(DeployError, match=rf"{s3.endpoint}/models/repo: cannot open the bucket: no AWS credentials"):
-        deploy(tiny_build.output, f"s3://{s3.endpoint}/models/repo", [])
-
-    with MotoServer(auth_after=6) as locked:  # IAM checked after the setup: a user without any policy
-        admin = {"aws_access_key_id": "a", "aws_secret_access_key": "b"}
-        locked.client(**admin).create_bucket(Bucket="private")
-        iam = locked.client("iam", **admin)
-        iam.create_user(UserName="nobody")
-        key = iam.create_access_key(UserName="nobody")["AccessKey"]
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
-        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        with pytest.raises(DeployError, match=r"private/repo: cannot .*access denied to bucket private"):
-            deploy(tiny_build.output, f"s3://{locked.endpoint}/private/repo", [])
-
-
-def test_a_corrupted_upload_is_removed(tiny_build, s3, monkeypatch):
-    import llmc.s3store as s3store
-
-    real = s3store.file_checksum
-    monkeypatch.setattr(s3store, "file_checksum", lambda p, *a: "bogus" if p.name == "model.py" else real(p, *a))
-    with pytest.raises(DeployError, match=r"models/scratch: tiny/1/model.py: checksum .* after upload, expected bogus"):
-        deploy(tiny_build.output, f"s3://{s3.endpoint}/models/scratch", [])
-    assert s3.keys("models", "scratch/") == []  # nothing half-uploaded, and the lock released
-
-
-def test_multipart_checksums_match_what_s3_stores(s3, tmp_path, monkeypatch):
-    import os
-
-    import llmc.s3store as s3store
-
-    monkeypatch.setattr(s3store, "PART_SIZE", 5 * 1024 * 1024)  # S3's smallest part: 3 parts for 11 MiB
-    (tmp_path / "v").mkdir()
-    (tmp_path / "v" / "big.bin").write_bytes(os.urandom(11 * 1024 * 1024))
-    store = open_store(f"s3://{s3.endpoint}/models/multipart")
-    store.upload_version("m", 1, tmp_path / "v")  # checks every object's checksum after the upload
-    assert s3.keys("models", "multipart/") == ["multipart/m/1/big.bin"]
 
 
 def test_requests_fail_over_to_a_live_replica_before_their_first_token(cluster):
