@@ -166,3 +166,57 @@ def test_a_beam_request_above_the_limit_or_too_big_for_the_pool_is_refused(paged
         small.add_request("y", list(range(20)), SamplingParams(beam_width=4))
     with pytest.raises(ValueError, match="max_beam_width"):
         _engine(paged, max_rows=2, max_beam_width=4)
+
+
+SMOL_CASES = [  # (prompt, width, length_penalty, early_stopping, max_tokens)
+    ("<|im_start|>user\nWhat is the capital of France? Answer in one word.<|im_end|>\n<|im_start|>assistant\n",
+     4, 1.0, False, 24),
+    ("The three primary colors are", 3, 0.7, True, 12),
+    ("def fibonacci(n):", 2, 2.0, "never", 16),
+]
+
+
+@pytest.mark.slow
+def test_smollm2_beams_equal_transformers_beam_search(smollm2, tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    spec = parse_spec({"name": "s", "source": str(smollm2), "export": {"attention": "paged"},
+                       "verify": {"enabled": False}})
+    exported = build(spec, output=tmp_path / "s", until="export").exported
+    engine = _engine(("smollm2", smollm2, tmp_path / "s" / "export", exported), num_blocks=64, max_num_tokens=64)
+    tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
+    model = AutoModelForCausalLM.from_pretrained(smollm2).eval()
+    requests = {f"c{i}": (tokenizer.encode(prompt).ids,
+                          SamplingParams(beam_width=w, length_penalty=lp, early_stopping=early, max_tokens=n,
+                                         end_ids=(2,)))
+                for i, (prompt, w, lp, early, n) in enumerate(SMOL_CASES)}
+    finals, _ = _run(engine, requests)
+    for rid, (prompt, params) in requests.items():
+        beams, scores = _hf_beams(model, prompt, params)
+        assert [b.token_ids for b in finals[rid].beams] == beams, rid
+        assert [b.score for b in finals[rid].beams] == pytest.approx(scores, rel=1e-3, abs=1e-3), rid
+    assert any(b.ended for b in finals["c0"].beams)  # the answer ends with <|im_end|>
+
+
+def test_a_beam_request_alone_in_a_pool_it_outgrows_ends_with_length_and_its_running_beams(paged):
+    engine = _engine(paged, num_blocks=6)  # 23 prompt tokens: 2 blocks, then 4 beams need 8 by position 32
+    finals, _ = _run(engine, {"b": (PROMPTS[2], SamplingParams(beam_width=4, max_tokens=40))})
+    out = finals["b"]
+    assert out.finish_reason is FinishReason.length and len(out.beams) == 4
+    lengths = {len(b.token_ids) for b in out.beams}  # the running beams, at the length the pool allowed
+    assert len(lengths) == 1 and 0 < lengths.pop() < 40 and not any(b.ended for b in out.beams)
+    assert [b.score for b in out.beams] == sorted((b.score for b in out.beams), reverse=True)
+    assert not any(engine.blocks.ref_counts) and engine.blocks.num_used == 0
+
+
+def test_a_cancelled_beam_request_gives_its_blocks_back(paged):
+    engine = _engine(paged)
+    engine.add_request("b", PROMPTS[1], SamplingParams(beam_width=3, max_tokens=30))
+    for _ in range(4):
+        engine.step()
+    assert engine.blocks.num_used > 0
+    engine.cancel("b")
+    outs = engine.step()
+    assert [o.finish_reason for o in outs] == [FinishReason.cancelled] and len(outs[0].beams) == 3
+    assert not engine.has_work and engine.blocks.num_used == 0 and not any(engine.blocks.ref_counts)
