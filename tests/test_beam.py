@@ -220,3 +220,19 @@ def test_a_cancelled_beam_request_gives_its_blocks_back(paged):
     outs = engine.step()
     assert [o.finish_reason for o in outs] == [FinishReason.cancelled] and len(outs[0].beams) == 3
     assert not engine.has_work and engine.blocks.num_used == 0 and not any(engine.blocks.ref_counts)
+
+
+def test_beams_beside_speculating_rows_get_their_solo_results(paged):
+    from llmc.runtime.manifest import SpeculativeConfig
+
+    kind, _, folder, exported = paged
+    repetitive = [7, 8, 9, 10] * 6  # prompt lookup proposes for the greedy row
+    requests = {"b": (PROMPTS[0], _params(kind, CASES[0])), "greedy": (repetitive, SamplingParams(max_tokens=16))}
+    solo = {}
+    for rid, request in requests.items():
+        solo.update(_results(*_run(_engine(paged), {rid: request})))
+    runner = PagedRunner(folder / exported.onnx, exported.kv_layout, num_blocks=96, max_num_tokens=32, num_threads=1)
+    engine = PagedEngine(runner, max_rows=8, max_seq_len=128, max_num_tokens=32, max_beam_width=4,
+                         speculative=SpeculativeConfig(method="ngram", num_tokens=3, max_batch=2, min_n=1, max_n=2))
+    assert _results(*_run(engine, requests)) == solo
+    assert engine.speculator.num_draft_tokens > 0
