@@ -3,6 +3,8 @@ manifest and config.pbtxt; a beam request gets every beam once, at its end, in T
 (also when it streams), equal to the engine's own beams; inputs that contradict beam search or pass
 the limit are refused naming the field; the slot graph takes no beams."""
 
+import io
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -140,6 +142,7 @@ def test_on_a_real_triton_server_a_beam_request_returns_every_beam_at_the_end(be
     from pathlib import Path
 
     from llmc.client import Client, Generation
+    from llmc.serve import generate_to
     from llmc.triton_server import TritonServer, assemble
 
     serving_env = Path(__file__).resolve().parents[1] / ".venv-serving"
@@ -156,8 +159,15 @@ def test_on_a_real_triton_server_a_beam_request_returns_every_beam_at_the_end(be
             client.complete(PROMPT, beam_width=5)
         with pytest.raises(TypeError, match="early_stopping: the served model takes true or false"):
             client.complete(PROMPT, beam_width=2, early_stopping="never")
+        printed = io.StringIO()  # `llmc generate --beam-width 4`: every beam, best first
+        generate_to(printed, PROMPT, url=server.grpc_url, model="tiny", stream=True, beam_width=4, max_tokens=10,
+                    end_id=END_ID)
     lengths = expected["sequence_length"].tolist()
     assert gen.beam_ids == [row[:n] for row, n in zip(expected["output_ids"].tolist(), lengths)]
     assert gen.beams == [t.decode() for t in expected["text_output"]] and gen.text == gen.beams[0]
     assert gen.cum_log_probs == pytest.approx(expected["cum_log_probs"].tolist())
     assert len(chunks) == 1 and streamed.beam_ids == gen.beam_ids  # one response, at the end
+    lines = printed.getvalue().splitlines()
+    headers = [line for line in lines if line.startswith("[beam ")]
+    assert len(headers) == 4 and headers[0].startswith(f"[beam 0: {lengths[0]} tokens, cum_log_prob ")
+    assert f"{headers[1]}\n{gen.beams[1]}\n" in printed.getvalue()
