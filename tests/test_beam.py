@@ -236,3 +236,26 @@ def test_beams_beside_speculating_rows_get_their_solo_results(paged):
                          speculative=SpeculativeConfig(method="ngram", num_tokens=3, max_batch=2, min_n=1, max_n=2))
     assert _results(*_run(engine, requests)) == solo
     assert engine.speculator.num_draft_tokens > 0
+
+
+def test_fork_and_copy_on_write_count_references_and_take_what_write_cost_says():
+    from llmc.runtime.beam import BeamRow
+    from llmc.runtime.block_manager import BlockManager
+
+    blocks = BlockManager(num_blocks=12, block_size=4)
+    parent = BeamRow(list(range(10)), [blocks._take() for _ in range(3)], 10, np.float32(0))  # 2 full + 2 of 4
+    rows = [BeamRow(parent.token_ids + [t], blocks.fork(parent.block_ids), 10, np.float32(0)) for t in (1, 2, 3)]
+    blocks.free(parent)
+    assert [blocks.ref_counts[b] for b in rows[0].block_ids] == [3, 3, 3]
+    free_before = blocks.num_available
+    assert blocks.write_cost(rows) == 2  # the partial block: two copies, the last holder keeps it
+    copies = blocks.make_writable(rows)
+    assert blocks.num_available == free_before - 2 and len(copies) == 2
+    assert {src for src, _ in copies} == {rows[2].block_ids[2]} and blocks.ref_counts[rows[2].block_ids[2]] == 1
+    assert len({r.block_ids[2] for r in rows}) == 3 and [blocks.ref_counts[r.block_ids[0]] for r in rows] == [3] * 3
+    for row in rows:  # at a block boundary each row takes a new block
+        row.num_cached, row.token_ids = 12, row.token_ids + [0]
+    assert blocks.write_cost(rows) == 3 and blocks.make_writable(rows) == [] and len(rows[0].block_ids) == 4
+    for row in rows:
+        blocks.free(row)
+    assert not any(blocks.ref_counts) and blocks.num_available == 12
