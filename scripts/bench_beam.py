@@ -7,7 +7,9 @@ so a burst of load on the shared host falls on both alike. A beam-4 step carries
 greedy step carries 1: the rows share one read of the weights, so the step costs little more, and
 the beam search's own work (log_softmax and the top 2W over 4 x 49152 scores, the copy-on-write of
 a partial block) is what else it adds. Prints each pass, the medians and their ratio (the issue's
-target: at most 1.5), and the host's load (`uptime`) before and after.
+target: at most 1.5), and the host's load (`uptime`) before and after; then what the graph alone
+costs: the median of one decode call of W rows over one of a single row, at the same context
+length, calls taking turns (the part of the ratio the beam search's own work does not explain).
 
     PYTHONPATH=.view .venv/bin/python -P scripts/bench_beam.py [--passes 5] [--tokens 64] [--width 4]
 """
@@ -57,6 +59,23 @@ def timed(engine, prompt_ids: list[int], params) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
+def graph_ratio(engine, context: int, width: int, calls: int = 20) -> float:
+    """Median seconds of a decode call of `width` rows over one of 1 row, each row `context` tokens
+    deep in blocks of its own (their contents do not matter to the time)."""
+    from llmc.runtime.paged_batch import RowStep
+
+    runner = engine.runner
+    per_row = -(-(context + 1) // runner.block_size)
+    rows = [RowStep([1], context, list(range(r * per_row, (r + 1) * per_row))) for r in range(width)]
+    times: dict[int, list[float]] = {1: [], width: []}
+    for _ in range(calls):
+        for n in times:
+            start = time.perf_counter()
+            runner.step(rows[:n])
+            times[n].append(time.perf_counter() - start)
+    return statistics.median(times[width]) / statistics.median(times[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=5)
@@ -85,6 +104,9 @@ def main() -> None:
     print(f"prompt {len(prompt_ids)} tokens, {args.tokens} generated; medians of {args.passes} passes: "
           + ", ".join(f"{n} {s:.3f} s ({args.tokens / s:.1f} tokens/s)" for n, s in medians.items()))
     print(f"ratio beam-{args.width} / greedy: {medians[f'beam-{args.width}'] / medians['greedy']:.2f}")
+    context = len(prompt_ids) + args.tokens // 2
+    print(f"the graph alone: a {args.width}-row decode call / a 1-row call at context {context}: "
+          f"{graph_ratio(engine, context, args.width):.2f}")
 
 
 if __name__ == "__main__":
