@@ -111,13 +111,17 @@ class BeamSearch:
         generated = len(parents[0].token_ids) - prompt_len
         if generated < self.params.min_tokens and end_ids:
             log_probs[:, end_ids] = -np.inf
-        total = (log_probs + scores[:, None]).reshape(-1)
+        log_probs += scores[:, None]  # in place: W x vocabulary floats are most of the search's own time
+        total = log_probs.reshape(-1)
         k = min(max(2, 1 + len(end_ids)) * width, total.size)
-        top = np.argpartition(-total, k - 1)[:k]
-        top = top[np.lexsort((top, -total[top]))]  # best first; a tie goes to the lower (beam, token)
-        values, parent, token = total[top], top // log_probs.shape[1], top % log_probs.shape[1]
+        kth = np.partition(total, total.size - k)[total.size - k]  # the k-th best score
+        top = np.flatnonzero(total >= kth)  # k of them (more on a tie at the k-th)
+        top = top[np.lexsort((top, -total[top]))][:k]  # best first; a tie goes to the lower (beam, token)
+        vocab = log_probs.shape[1]
+        values, parent, token = total[top], top // vocab, top % vocab
         length = generated + 1
-        ends = np.isin(token, end_ids) | (length >= self.max_new_tokens)
+        ends = np.fromiter((t in self.params.end_ids for t in token.tolist()), bool, len(token)) | \
+            (length >= self.max_new_tokens)
         running = values + ends.astype(np.float32) * _NEG
         keep = np.argsort(-running, kind="stable")[:width]
         self._finish_hypotheses(values[:width], parent[:width], token[:width], ends[:width], parents, length)
