@@ -204,3 +204,15 @@ def free(seq: "Sequence", blocks: "BlockManager") -> None:
     """Give back the blocks of every live beam of `seq` (they keep their tokens, for results)."""
     for row in seq.beam.rows:
         blocks.free(row)
+
+
+def beam_outputs(beams, prefix: str, pad_id: int) -> dict[str, np.ndarray]:
+    """A finished beam request's response tensors, in TensorRT-LLM's shapes, best beam first:
+    text_output [W] (each after `prefix`), output_ids [W, longest] (padded with `pad_id`),
+    sequence_length [W], cum_log_probs [W]."""
+    ids = np.full((len(beams), max(len(b.token_ids) for b in beams)), pad_id, np.int32)
+    for row, b in zip(ids, beams):
+        row[:len(b.token_ids)] = b.token_ids
+    return {"text_output": np.array([(prefix + b.text).encode("utf-8") for b in beams], dtype=np.object_),
+            "output_ids": ids, "sequence_length": np.array([len(b.token_ids) for b in beams], np.int32),
+            "cum_log_probs": np.array([b.cum_log_prob for b in beams], np.float32)}

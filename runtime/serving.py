@@ -40,6 +40,7 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
+from llmc.runtime.beam import beam_outputs
 from llmc.runtime.engine import LLMEngine, StepOutput
 from llmc.runtime.logprobs import LogprobRecorder
 from llmc.runtime.metrics import ServingMetrics, null_metrics
@@ -245,8 +246,10 @@ class ServingLoop:
         if not req.stream and not req.exclude_input_in_output:
             text = req.prompt + text
         outputs = {"text_output": _bytes(text), "output_ids": np.array(entry.ids, dtype=np.int32)}
-        if beams:
-            outputs = self._beam_outputs(req, beams)
+        if beams:  # every beam, best first, padded with the end id
+            end_ids = req.params.end_ids or self.engine.end_ids
+            outputs = beam_outputs(beams, req.prompt if not req.stream and not req.exclude_input_in_output else "",
+                                   end_ids[0] if end_ids else 0)
         if entry.logprobs is not None:  # the values of exactly the tokens in output_ids
             outputs.update(entry.logprobs.take_outputs(self.tokenizer))
         if reason is not None:
@@ -260,17 +263,6 @@ class ServingLoop:
         if not sent and reason is None:
             entry.closed = True
             self.engine.cancel(rid)  # the client cannot be reached: stop generating for it
-
-    def _beam_outputs(self, req: Request, beams: tuple) -> dict[str, np.ndarray]:
-        """Every beam, best first, in TensorRT-LLM's shapes; output_ids padded with the end id."""
-        prefix = req.prompt if not req.stream and not req.exclude_input_in_output else ""
-        end_ids = req.params.end_ids or self.engine.end_ids
-        ids = np.full((len(beams), max(len(b.token_ids) for b in beams)), end_ids[0] if end_ids else 0, np.int32)
-        for row, b in zip(ids, beams):
-            row[:len(b.token_ids)] = b.token_ids
-        return {"text_output": np.array([(prefix + b.text).encode("utf-8") for b in beams], dtype=np.object_),
-                "output_ids": ids, "sequence_length": np.array([len(b.token_ids) for b in beams], np.int32),
-                "cum_log_probs": np.array([b.cum_log_prob for b in beams], np.float32)}
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
