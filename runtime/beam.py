@@ -23,6 +23,7 @@ early_stopping=...)` token for token:
 - min_tokens masks the end ids' log-probabilities to -inf while fewer tokens are generated.
 The result is the W hypotheses, best score first. A search ended from outside (cancelled, or alone
 in a KV pool it outgrew) ranks its running beams as hypotheses of their current length too.
+`beam_outputs` lays the result out as the served response's tensors (TensorRT-LLM's shapes).
 
 Written here by hand: transformers' search runs on torch tensors over a padded batch of requests
 with a reorderable cache; here one request's beams are numpy rows inside a step shared with other
