@@ -65,7 +65,8 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
     tensorrt = engine.tensorrt if isinstance(engine, EngineModel) else None
     chat = find_chat_template(source, spec.serving.chat_template)
     (model_dir / "config.pbtxt").write_text(render(model_config(
-        spec.name, gpu=tensorrt is not None, chat_template=chat.model_dump_json() if chat else None)))
+        spec.name, gpu=tensorrt is not None, chat_template=chat.model_dump_json() if chat else None,
+        max_beam_width=spec.serving.max_beam_width)))
     (model_dir / "requirements.txt").write_text(
         "\n".join(requirements(tensorrt.version if tensorrt else None)) + "\n")
     limits, serving = spec.limits, spec.serving
@@ -79,6 +80,7 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
                              default_max_tokens=serving.default_max_tokens, max_stop_words=serving.max_stop_words,
                              num_threads=serving.num_threads, prefix_caching=serving.prefix_caching,
                              itl_ratio=serving.itl_ratio if engine.kv_layout.paged else None,
+                             max_beam_width=serving.max_beam_width,
                              kv_cache_tokens=(limits.kv_cache_tokens or limits.max_batch_size * limits.max_seq_len)
                              if engine.kv_layout.paged else None))
     manifest.save(version_dir)

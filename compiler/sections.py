@@ -192,6 +192,9 @@ class ServingSpec(StrictModel):
         2.5, description="Paged graph: a step carries prompt tokens only while its cost, learned from the steps run, "
                          "stays within this many decode steps of the same rows, so a joining prompt stretches the "
                          "inter-token latency at most this much (it costs TTFT); null: up to limits.max_num_tokens.")
+    max_beam_width: Annotated[int, Field(ge=1, le=64)] = Field(
+        1, description="Paged graph: the widest beam search a request may ask (its beam_width input); each beam is a "
+                       "row of limits.max_batch_size. 1: no beam search (requests asking for it are refused).")
 
 
 class SpeculativeMethod(str, enum.Enum):

@@ -101,6 +101,18 @@ class BuildSpec(StrictModel):
                              f"batching); export.attention: {attention.value} gives {self.attention_lowering} here")
         return self
 
+    @model_validator(mode="after")
+    def _beams_need_paged(self) -> "BuildSpec":
+        width = self.serving.max_beam_width
+        if width > 1 and self.attention_lowering != AttentionLowering.paged.value:
+            raise ValueError(f"serving.max_beam_width: {width} needs the paged graph, export.attention: paged or auto "
+                             f"(beams share KV blocks copy-on-write); export.attention: {self.export.attention.value} "
+                             f"gives {self.attention_lowering} here, which runs no beams: leave max_beam_width 1")
+        if width > self.limits.max_batch_size:
+            raise ValueError(f"serving.max_beam_width ({width}) must be <= limits.max_batch_size "
+                             f"({self.limits.max_batch_size}): a beam request's beams are rows of the same step")
+        return self
+
     @property
     def attention_lowering(self) -> str:
         """The lowering `export.attention` resolves to for this target."""

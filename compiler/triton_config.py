@@ -15,9 +15,11 @@ _TYPES = {"BYTES": "TYPE_STRING", "INT32": "TYPE_INT32", "UINT64": "TYPE_UINT64"
           "BOOL": "TYPE_BOOL"}
 
 
-def model_config(name: str, *, instances: int = 1, gpu: bool = False, chat_template: str | None = None):
+def model_config(name: str, *, instances: int = 1, gpu: bool = False, chat_template: str | None = None,
+                 max_beam_width: int = 1):
     """`chat_template`: the recorded template as JSON, carried as the `chat_template` parameter so the
-    OpenAI frontend reads it over gRPC (llmc/chat_template.py)."""
+    OpenAI frontend reads it over gRPC (llmc/chat_template.py). `max_beam_width` is carried as
+    TensorRT-LLM's parameter of that name (a string, as TensorRT-LLM's config.pbtxt has it)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
@@ -32,6 +34,7 @@ def model_config(name: str, *, instances: int = 1, gpu: bool = False, chat_templ
     cfg.instance_group.add(kind=kind, count=instances)
     if chat_template is not None:
         cfg.parameters["chat_template"].string_value = chat_template
+    cfg.parameters["max_beam_width"].string_value = str(max_beam_width)
     return cfg
 
 

@@ -9,6 +9,8 @@
 parameters are the served model's optional inputs (`max_tokens`, `temperature`, `top_p`, `top_k`,
 `min_p`, penalties, `seed`, `min_tokens`, `end_id`, `stop_words`, ...). Every failure, a refused
 request, an unreachable server or a missing model, raises `GenerationError` with the server's message.
+Beam search: `client.complete(prompt, beam_width=4, length_penalty=..., early_stopping=...)`
+returns a Generation whose `beams`, `beam_ids` and `cum_log_probs` hold every beam, best first.
 Leaving a stream early ends the request on the server in band: a stop request under the same
 request id, then the stream closes with nothing pending (closing a stream with a request in flight
 can crash Triton 2.51, see runtime/serving.py); a server that does not answer the stop within

@@ -21,13 +21,18 @@ class GenerationError(RuntimeError):
 @dataclass
 class Generation:
     """One request's stream: iterate for text chunks; afterwards `text`, `finish_reason` and
-    `output_ids` hold the whole result."""
+    `output_ids` hold the whole result. A beam request (beam_width > 1) gets one response at its end:
+    `beams`, `beam_ids` and `cum_log_probs` hold every beam, best first, and `text` / `output_ids`
+    the best one."""
 
     chunks: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_input_tokens: int | None = None  # when requested with return_num_input_tokens=True
     done: bool = False  # the final response (or an error) has arrived
+    beams: list[str] | None = None  # beam search: each beam's text, best first
+    beam_ids: list[list[int]] | None = None  # each beam's generated ids (sequence_length of them)
+    cum_log_probs: list[float] | None = None  # each beam's summed log-probability
 
     @property
     def text(self) -> str:
@@ -44,10 +49,18 @@ class Generation:
 
     def _add(self, result) -> str:
         text = result.as_numpy("text_output")
-        chunk = b"".join(text.reshape(-1)).decode("utf-8") if text is not None else ""
-        ids = result.as_numpy("output_ids")
-        if ids is not None:
-            self.output_ids += ids.reshape(-1).tolist()
+        lengths = result.as_numpy("sequence_length")
+        if lengths is not None:  # a beam request's one response: [W] texts, [W, longest] ids
+            self.beams = [t.decode("utf-8") for t in text.reshape(-1)]
+            ids = result.as_numpy("output_ids").reshape(len(self.beams), -1)
+            self.beam_ids = [row[:n].tolist() for row, n in zip(ids, lengths.reshape(-1))]
+            self.cum_log_probs = result.as_numpy("cum_log_probs").reshape(-1).tolist()
+            chunk, self.output_ids = self.beams[0], list(self.beam_ids[0])
+        else:
+            chunk = b"".join(text.reshape(-1)).decode("utf-8") if text is not None else ""
+            ids = result.as_numpy("output_ids")
+            if ids is not None:
+                self.output_ids += ids.reshape(-1).tolist()
         count = result.as_numpy("num_input_tokens")
         if count is not None:
             self.num_input_tokens = int(count.reshape(-1)[0])
@@ -70,6 +83,8 @@ def make_inputs(grpc_module, prompt: str, stream: bool, params: dict) -> list:
     for name, value in params.items():
         if value is None:
             continue
+        if name == "early_stopping" and not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"early_stopping: the served model takes true or false (TensorRT-LLM's BOOL); got {value!r}")
         if name == "stop_words":
             words = [value] if isinstance(value, str) else list(value)
             tensors.append(tensor(name, "BYTES", np.array([w.encode("utf-8") for w in words], dtype=np.object_)))

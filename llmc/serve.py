@@ -108,10 +108,16 @@ def generate_to(out: TextIO, prompt: str, *, url: str, model: str | None, stream
 
             prompt = chat_prompt(url, client.model, prompt)
         for chunk in client.generate(prompt, stream, gen, **{k: v for k, v in params.items() if v is not None}):
-            out.write(chunk)
-            out.flush()
+            if gen.beams is None:
+                out.write(chunk)
+                out.flush()
     except GenerationError as err:
         raise ServingError(str(err)) from None
+    if gen.beams is not None:  # beam search: every beam, best first, with its summed log-probability
+        for i, (text, ids, logp) in enumerate(zip(gen.beams, gen.beam_ids, gen.cum_log_probs)):
+            out.write(f"[beam {i}: {len(ids)} tokens, cum_log_prob {logp:.4f}]\n{text}\n")
+        console.print(f"[dim]finish_reason: {gen.finish_reason}, {len(gen.beams)} beams[/]")
+        return
     out.write("\n")
     console.print(f"[dim]finish_reason: {gen.finish_reason}, {len(gen.output_ids)} tokens[/]")
 

@@ -13,9 +13,16 @@ The last prompt token is always computed (its logits are the first sample), so a
 never written. A block no sequence holds keeps its key and stays reusable until the pool needs it:
 free blocks are handed out first, then cached ones, least recently released first (LRU).
 
+Beam search (runtime/beam.py) shares blocks between beams: a beam forked from another holds its
+parent's blocks (`fork`, reference counts up), and before a step writes a beam's next position the
+block holding it is made the beam's own (`write_cost` / `make_writable`): a new block at a block
+boundary, else a private copy of the partial last block while other beams still hold it
+(copy-on-write; the caller copies the contents, PagedRunner.copy_blocks, before the step). Full
+blocks are never written, so they stay shared however many beams descend from them.
+
 nano-vllm's BlockManager has the same shape (can_allocate / allocate / can_append / append / free);
-what is written here beyond it: the LRU order of released cached blocks, and never sharing the block
-that holds the last prompt token.
+what is written here beyond it: the LRU order of released cached blocks, never sharing the block
+that holds the last prompt token, and the beams' fork and copy-on-write.
 """
 
 from __future__ import annotations
@@ -135,6 +142,43 @@ class BlockManager:
             if self.keys[block] is None and key not in self._by_key:
                 self.keys[block] = key
                 self._by_key[key] = block
+
+    def fork(self, block_ids: Sequence[int]) -> list[int]:
+        """`block_ids` held once more (a beam forked from their holder): a copy of the list."""
+        for block in block_ids:
+            self._hold(block)
+        return list(block_ids)
+
+    def write_cost(self, rows: Sequence[Blocked]) -> int:
+        """The blocks `make_writable(rows)` takes: one per row at a block boundary, and one per
+        row that finds its partial last block held by rows after it (the last holder keeps it)."""
+        cost, seen = 0, {}
+        for row in rows:
+            index = row.num_cached // self.block_size
+            if index >= len(row.block_ids):
+                cost += 1
+                continue
+            block = row.block_ids[index]
+            seen[block] = seen.get(block, 0) + 1
+            cost += seen[block] < self.ref_counts[block]
+        return cost
+
+    def make_writable(self, rows: Sequence[Blocked]) -> list[tuple[int, int]]:
+        """Give each row a block of its own for its next position (num_cached); returns the
+        (shared source, private copy) pairs whose contents the caller copies before the step."""
+        copies = []
+        for row in rows:
+            index = row.num_cached // self.block_size
+            if index >= len(row.block_ids):
+                row.block_ids.append(self._take())
+                continue
+            block = row.block_ids[index]
+            if self.ref_counts[block] > 1:
+                assert self.keys[block] is None, "a full (keyed) block is never written"
+                row.block_ids[index] = self._take()
+                self._release(block)
+                copies.append((block, row.block_ids[index]))
+        return copies
 
     def free(self, seq: Blocked) -> None:
         """Release `seq`'s blocks (newest first, so a prefix's tail is evicted before its head)."""

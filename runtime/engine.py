@@ -34,6 +34,7 @@ class StepOutput:
     token_ids: list[int]  # sampled this step (empty for a cancelled request)
     text: str  # text made final this step
     finish_reason: FinishReason | None
+    beams: tuple | None = None  # a finished beam request's beams, best first (runtime/beam.py's Beam)
 
     @property
     def finished(self) -> bool:
@@ -57,6 +58,8 @@ class CacheState:
 
 
 class LLMEngine:
+    max_beam_width = 1  # the slot graph runs no beams (the paged engine's limit is serving.max_beam_width)
+
     def __init__(self, runner: Runner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_queue_size: int = 256,
                  max_num_tokens: int = 8192):
         self._setup(runner, tokenizer, end_ids, runner.capacity, max_num_tokens, Scheduler(runner.rows, max_queue_size))
@@ -78,16 +81,23 @@ class LLMEngine:
         if len(prompt_ids) >= self.capacity:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; at most {self.capacity - 1} fit max_seq_len "
                              f"({self.capacity}) with room to generate")
+        if params.beam_width > self.max_beam_width:
+            raise ValueError(f"beam_width: {params.beam_width} is above this model's limit of {self.max_beam_width} "
+                             f"(serving.max_beam_width)")
         if not params.end_ids and self.end_ids:
             params = params.model_copy(update={"end_ids": self.end_ids})
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
         seq = Sequence(request_id, list(prompt_ids), params, detokenizer=detok, logprobs=logprobs)
+        self._prepare(seq)
         with self._lock:
             if request_id in self._active:
                 raise ValueError(f"request id {request_id!r} is already running")
             self.scheduler.add(seq)
             self._active[request_id] = seq
         return seq
+
+    def _prepare(self, seq: Sequence) -> None:
+        """What a new sequence gets before it is queued (the paged engine: a beam request's search)."""
 
     def cancel(self, request_id: str) -> None:
         """Stop a request at the next step; its slot is freed then."""
@@ -129,14 +139,19 @@ class LLMEngine:
                  sampled: dict[str, list[int]]) -> list[StepOutput]:
         """The step's outputs, for every sequence that sampled or finished; finished ones give their KV back."""
         touched = [s for s in running if s.request_id in sampled or s.is_finished] + finished
-        outputs = [StepOutput(s.request_id, sampled.get(s.request_id, []), s.take_text(), s.finish_reason)
-                   for s in touched]
+        outputs = [self._output(s, sampled) for s in touched]
         with self._lock:
             for s in touched:
                 if s.is_finished:
                     self.scheduler.release(s)
                     self._active.pop(s.request_id, None)
         return outputs
+
+    def _output(self, s: Sequence, sampled: dict[str, list[int]]) -> StepOutput:
+        if s.beam is not None and s.is_finished:  # a beam request: every beam, once, at the end
+            beams = tuple(s.beam.results(self.tokenizer))
+            return StepOutput(s.request_id, beams[0].token_ids if beams else [], s.take_text(), s.finish_reason, beams)
+        return StepOutput(s.request_id, sampled.get(s.request_id, []), s.take_text(), s.finish_reason)
 
     def _apply_cancellations(self) -> list[Sequence]:
         cancelled, self._cancelled = self._cancelled, []

@@ -32,6 +32,7 @@ class ServingLimits(BaseModel):
     kv_cache_tokens: int | None = Field(None, ge=1)  # the paged KV pool, all requests together (paged graphs only)
     prefix_caching: bool = True  # paged graphs: reuse the blocks of prompt prefixes seen before
     itl_ratio: float | None = None  # paged graphs: a step's cost cap in decode steps (runtime/step_cost.py); None: none
+    max_beam_width: int = Field(1, ge=1)  # paged graphs: the widest beam search a request may ask (runtime/beam.py)
 
 
 class SpeculativeConfig(BaseModel):
@@ -103,6 +104,13 @@ class RepositoryManifest(BaseModel):
     def _speculation_is_paged(self) -> "RepositoryManifest":
         if self.speculative is not None and not self.kv_layout.paged:
             raise ValueError("speculative: needs a paged graph (kv_layout.paged); this engine is the slot form")
+        return self
+
+    @model_validator(mode="after")
+    def _beams_are_paged(self) -> "RepositoryManifest":
+        if self.limits.max_beam_width > 1 and not self.kv_layout.paged:
+            raise ValueError(f"limits.max_beam_width: {self.limits.max_beam_width} needs a paged graph "
+                             "(kv_layout.paged); this engine is the slot form, which runs no beams")
         return self
 
     def save(self, folder: Path) -> Path:

@@ -14,6 +14,10 @@ carry proposed tokens (prompt lookup, ngram.py); the same call verifies them and
 the target accepts plus one token of its own (speculative.py), so such a row may gain several
 tokens a step. Outputs are the tokens the rows would get without speculation.
 
+A request with `beam_width` W > 1 (up to `max_beam_width`, serving.max_beam_width) runs beam
+search (runtime/beam.py): its prompt prefills as one row, then its W beams decode as W rows of
+every step, sharing their blocks copy-on-write; its beams come out once, when it finishes.
+
 With `itl_ratio` (serving.itl_ratio) a step's prompt tokens are also capped so the step stays
 within that many decode steps of its rows, by a cost model fitted to the steps run (step_cost.py):
 on a CPU a prompt token costs compute, and a fixed budget that suits 16 decode rows stretches a
@@ -26,6 +30,7 @@ import time
 
 import numpy as np
 
+from llmc.runtime import beam
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.engine import CacheState, LLMEngine, StepOutput
 from llmc.runtime.manifest import SpeculativeConfig
@@ -41,7 +46,12 @@ from llmc.runtime.token_scheduler import Chunk, TokenScheduler
 class PagedEngine(LLMEngine):
     def __init__(self, runner: PagedRunner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_rows: int,
                  max_seq_len: int, max_num_tokens: int, max_queue_size: int = 256, prefix_caching: bool = True,
-                 itl_ratio: float | None = None, speculative: SpeculativeConfig | None = None):
+                 itl_ratio: float | None = None, speculative: SpeculativeConfig | None = None,
+                 max_beam_width: int = 1):
+        if not 1 <= max_beam_width <= max_rows:
+            raise ValueError(f"max_beam_width ({max_beam_width}) must be between 1 and max_rows ({max_rows}): a beam "
+                             f"request's beams are rows of one step")
+        self.max_beam_width = max_beam_width
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching)
         # itl_ratio: cap a step's prompt tokens so it stays within that many decode steps (step_cost.py)
         self.cost = StepCost(itl_ratio) if itl_ratio else None
@@ -52,11 +62,17 @@ class PagedEngine(LLMEngine):
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, **kwargs) -> Sequence:
         """LLMEngine's checks, and that the prompt fits the KV pool at all (a full pool only queues it)."""
-        needed = self.blocks.blocks_for(len(prompt_ids) + 1)
+        # a beam request's first step: its prompt's blocks, and at most one more block per beam
+        needed = self.blocks.blocks_for(len(prompt_ids) + 1) if params.beam_width == 1 else \
+            self.blocks.blocks_for(len(prompt_ids)) + params.beam_width
         if needed > self.blocks.num_blocks:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; with room for one more it needs {needed} KV "
                              f"blocks and the whole pool has {self.blocks.num_blocks} (limits.kv_cache_tokens)")
         return super().add_request(request_id, prompt_ids, params, **kwargs)
+
+    def _prepare(self, seq: Sequence) -> None:
+        if seq.params.beam_width > 1:
+            beam.start(seq, self.capacity)
 
     def cache_state(self) -> CacheState:
         b, s, spec = self.blocks, self.scheduler, self.speculator
@@ -81,11 +97,15 @@ class PagedEngine(LLMEngine):
     def _run(self, chunks: list[Chunk], sampled: dict[str, list[int]]) -> None:
         # one logits row per chunk (the graph's minimum): a chunk that ends mid-prompt ignores its row
         decoding = sum(c.seq.status is Status.decoding for c in chunks)
+        if self.scheduler.copies:  # copy-on-write: beams' shared partial blocks, before the step writes them
+            self.runner.copy_blocks(self.scheduler.copies)
         start = time.perf_counter()
-        logits = self.runner.step([RowStep(c.token_ids, c.past_len, c.seq.block_ids, 1 + len(c.proposals))
+        logits = self.runner.step([RowStep(c.token_ids, c.past_len, c.block_ids, 1 + len(c.proposals))
                                    for c in chunks])
         if self.cost is not None:  # proposals cost what prompt tokens do: compute beside the weights' read
             self.cost.observe(decoding, sum(len(c.token_ids) for c in chunks) - decoding, time.perf_counter() - start)
+        if any(c.seq.beam is not None for c in chunks):
+            chunks, logits = self._beams(chunks, logits)
         if any(c.proposals for c in chunks):
             self._verify(chunks, logits, sampled)
             return
@@ -96,6 +116,25 @@ class PagedEngine(LLMEngine):
             for i in rows:
                 chunks[i].seq.status = Status.decoding
             self._sample([chunks[i].seq for i in rows], logits[rows], sampled)
+
+    def _beams(self, chunks: list[Chunk], logits: np.ndarray) -> tuple[list[Chunk], np.ndarray]:
+        """Advance the beam requests of the step (each from its rows' logits, in row order, or its
+        prompt's); the other chunks and their logits rows are returned for the usual path."""
+        ends = np.cumsum([1 + len(c.proposals) for c in chunks])
+        groups: dict[str, tuple[Sequence, list[int]]] = {}
+        others, other_rows = [], []
+        for i, chunk in enumerate(chunks):
+            if chunk.seq.beam is None:
+                others.append(chunk)
+                other_rows.extend(range(ends[i] - 1 - len(chunk.proposals), ends[i]))
+                continue
+            self.scheduler.computed(chunk)
+            if chunk.samples:
+                groups.setdefault(chunk.seq.request_id, (chunk.seq, []))[1].append(ends[i] - 1)
+        for seq, rows in groups.values():
+            seq.status = Status.decoding
+            beam.advance(seq, logits[rows], self.blocks)
+        return others, logits[other_rows]
 
     def _verify(self, chunks: list[Chunk], logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
         """A step with proposals: each sampling row keeps the tokens verify() gives it; a row's

@@ -80,8 +80,9 @@ class PagedRunner:
         pairs = np.asarray(list(pairs), dtype=np.int64).reshape(-1, 2)
         if pairs.size and (int(pairs.min()) < 0 or int(pairs.max()) >= self.num_blocks):
             raise ValueError(f"copy_blocks: block ids must be in 0..{self.num_blocks - 1}; got {pairs.tolist()}")
-        for pool in self.pools:
-            pool[pairs[:, 1]] = pool[pairs[:, 0]]
+        for src, dst in pairs.tolist():  # a block at a time: slices copy in place, no gathered temporary
+            for pool in self.pools:
+                pool[dst] = pool[src]
 
     def _bind_pools(self):
         """A new IO binding with every pool as both its past input and its present output."""

@@ -27,6 +27,7 @@ class Limits:
     max_seq_len: int
     default_max_tokens: int
     max_stop_words: int
+    max_beam_width: int = 1  # serving.max_beam_width
 
 
 _KINDS = {"INT32": "iu", "UINT64": "ui", "FP32": "f", "BOOL": "b"}  # numpy kinds each accepts
@@ -79,6 +80,13 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits) -> Request:
         raise RequestError("text_input: the prompt is empty")
     values = {name: _scalar(inputs[name], name, datatype) for name, (datatype, _) in SCALARS.items() if name in inputs}
     fields = {SCALARS[n][1]: v for n, v in values.items() if SCALARS[n][1] is not None}
+    width = values.get("beam_width", 1)
+    if width > limits.max_beam_width:
+        raise RequestError(f"beam_width: at most {limits.max_beam_width} on this model (serving.max_beam_width); "
+                           f"got {width}")
+    if width > 1 and values.get("return_log_probs"):
+        raise RequestError(f"return_log_probs: not with beam search (beam_width {width}); cum_log_probs gives each "
+                           "beam's summed log-probability")
     fields.setdefault("max_tokens", limits.default_max_tokens)
     if not 1 <= fields["max_tokens"] <= limits.max_seq_len:
         raise RequestError(f"max_tokens: must be between 1 and {limits.max_seq_len} (got {fields['max_tokens']})")
@@ -93,7 +101,9 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits) -> Request:
         params = SamplingParams(**fields)
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(map(str, first["loc"])) or "request"
+        if not first["loc"]:  # a check across fields: its message names the field at fault
+            raise RequestError(first["msg"].removeprefix("Value error, ")) from None
+        where = ".".join(map(str, first["loc"]))
         raise RequestError(f"{where}: {first['msg'].removeprefix('Value error, ')} (got {first.get('input')!r})") from None
     flags = {n: bool(values[n]) for n in ("stream", "exclude_input_in_output", "return_num_input_tokens",
                                           "return_num_output_tokens", "return_log_probs") if n in values}

@@ -17,7 +17,7 @@ numpy has no batched categorical sampler with per-row filters, so this is writte
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Literal, Sequence, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -44,6 +44,10 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**64)
     end_ids: tuple[int, ...] = ()
     stop_words: tuple[str, ...] = ()
+    # beam search (runtime/beam.py): 1 = off; W > 1 returns W beams, as transformers' generate(num_beams=W)
+    beam_width: int = Field(1, ge=1)
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0, allow_inf_nan=False)
+    early_stopping: Union[bool, Literal["never"]] = False
 
     @model_validator(mode="after")
     def _min_below_max(self) -> "SamplingParams":
@@ -51,7 +55,33 @@ class SamplingParams(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if any(not w for w in self.stop_words):
             raise ValueError("stop_words must not contain an empty string")
+        if self.beam_width > 1:
+            self._beam_compatible()
         return self
+
+    def _beam_compatible(self) -> None:
+        """Beam search ranks every continuation by its log-probability and draws nothing, so the
+        parameters that shape or seed a draw contradict it and are refused, naming the field:
+        temperature (0 and 1 both leave the log-probabilities as they are: 0 is llmc's "no
+        sampling" default, 1 TensorRT-LLM clients' default), top_k, top_p, min_p and seed. The
+        penalties are refused too: llmc applies them to raw logits per row, transformers' beam
+        search to log-probabilities per beam, and a beam's frequency counts are its own, so no
+        single answer is right. stop_words are not matched on beams (only end ids end one)."""
+        width = f"beam search (beam_width {self.beam_width})"
+        contradictions = [
+            ("temperature", self.temperature not in (0.0, 1.0), "draws nothing; temperature must be 0 or 1"),
+            ("top_k", self.top_k != 0, "draws nothing; top_k must be 0"),
+            ("top_p", self.top_p != 1.0, "draws nothing; top_p must be 1"),
+            ("min_p", self.min_p != 0.0, "draws nothing; min_p must be 0"),
+            ("seed", self.seed is not None, "is deterministic and draws nothing; send no seed"),
+            ("repetition_penalty", self.repetition_penalty != 1.0, "takes no penalties; repetition_penalty must be 1"),
+            ("frequency_penalty", self.frequency_penalty != 0.0, "takes no penalties; frequency_penalty must be 0"),
+            ("presence_penalty", self.presence_penalty != 0.0, "takes no penalties; presence_penalty must be 0"),
+            ("stop_words", bool(self.stop_words), "ends beams on end ids only; send no stop_words"),
+        ]
+        for name, bad, why in contradictions:
+            if bad:
+                raise ValueError(f"{name}: {width} {why}")
 
     @property
     def is_greedy(self) -> bool:

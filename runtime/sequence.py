@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from llmc.runtime.detokenizer import IncrementalDetokenizer, StopMatcher
 from llmc.runtime.logprobs import LogprobRecorder
 from llmc.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llmc.runtime.beam import BeamSearch
 
 
 class FinishReason(str, enum.Enum):
@@ -38,6 +42,7 @@ class Sequence:
     num_cached: int = 0  # tokens already written to this sequence's KV slot or blocks
     finish_reason: FinishReason | None = None
     logprobs: LogprobRecorder | None = None  # set when the request asked for log probabilities
+    beam: "BeamSearch | None" = None  # beam_width > 1: its beams are rows of their own (runtime/beam.py)
     text: str = ""  # everything emitted so far
     _pending: str = ""  # emitted by the last step, not yet taken by the caller
 

@@ -22,6 +22,11 @@ frontend (SIGSEGV in the tritonserver binary; triton-inference-server server#736
 measured in 1 of 3 40-second soaks of 64 streams with half of them cancelled that way, and in
 none of 6 that stopped in band.
 A failing step ends the requests in flight with an error and the loop keeps serving.
+
+A beam request (beam_width W > 1, runtime/beam.py) gets one response, at its end, streamed or not
+(beams reorder and are replaced until the search ends, so no partial text is final): every beam in
+TensorRT-LLM's shapes, text_output [W], output_ids [W, longest] padded with the end id,
+sequence_length [W] and cum_log_probs [W], best beam first.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
+from llmc.runtime.beam import beam_outputs
 from llmc.runtime.engine import LLMEngine, StepOutput
 from llmc.runtime.logprobs import LogprobRecorder
 from llmc.runtime.metrics import ServingMetrics, null_metrics
@@ -95,7 +101,7 @@ class ServingLoop:
         m = RepositoryManifest.load(folder)
         lim = m.limits
         tokenizer = Tokenizer.from_file(str(Path(folder) / m.tokenizer))
-        limits = Limits(lim.max_seq_len, lim.default_max_tokens, lim.max_stop_words)
+        limits = Limits(lim.max_seq_len, lim.default_max_tokens, lim.max_stop_words, lim.max_beam_width)
         if m.kv_layout.paged:
             return cls(_paged_engine(Path(folder) / m.engine, m, tokenizer), tokenizer, limits, metrics)
         if m.target == "tensorrt":
@@ -229,17 +235,21 @@ class ServingLoop:
             with self._lock:
                 self._live.pop(out.request_id, None)
             self.metrics.finished(now - entry.arrived, out.finish_reason is not FinishReason.cancelled)
-            self._send(out.request_id, entry, out.finish_reason)
+            self._send(out.request_id, entry, out.finish_reason, out.beams)
         elif entry.request.stream and out.text:
             self._send(out.request_id, entry, None)
 
-    def _send(self, rid: str, entry: _Live, reason: FinishReason | None) -> None:
+    def _send(self, rid: str, entry: _Live, reason: FinishReason | None, beams: tuple = ()) -> None:
         if entry.closed:
             return
         req, text = entry.request, "".join(entry.text)
         if not req.stream and not req.exclude_input_in_output:
             text = req.prompt + text
         outputs = {"text_output": _bytes(text), "output_ids": np.array(entry.ids, dtype=np.int32)}
+        if beams:  # every beam, best first, padded with the end id
+            end_ids = req.params.end_ids or self.engine.end_ids
+            outputs = beam_outputs(beams, req.prompt if not req.stream and not req.exclude_input_in_output else "",
+                                   end_ids[0] if end_ids else 0)
         if entry.logprobs is not None:  # the values of exactly the tokens in output_ids
             outputs.update(entry.logprobs.take_outputs(self.tokenizer))
         if reason is not None:
@@ -284,4 +294,4 @@ def _paged_engine(graph: Path, m, tokenizer) -> LLMEngine:
     return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
                        max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
                        max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching, itl_ratio=lim.itl_ratio,
-                       speculative=m.speculative)
+                       speculative=m.speculative, max_beam_width=lim.max_beam_width)

@@ -18,6 +18,13 @@ to the front of the queue with its output so far, which becomes part of what it 
 returns; its full blocks keep their prefix keys, so it usually finds them still cached. A running
 sequence is never corrupted: it either has blocks for every token it writes or it is not run.
 Rejected proposals roll back by the sequence's length not advancing past them (`computed`).
+
+A beam request (runtime/beam.py) is one sequence here that counts `beam_width` rows from its
+admission on: it prefills its prompt as one row, then its beams decode as rows of their own, all
+of them in the same step or none (they are scheduled together, with the blocks copy-on-write needs
+taken first: `copies` lists the block copies the step must make before it runs). When the pool runs
+out the group is preempted as a whole and restarts from its prompt: its beams stream only at the
+end, so nothing was sent, and the search is deterministic, so it ends the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from llmc.runtime import beam
+from llmc.runtime.beam import BeamRow
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.scheduler import WaitingQueue
 from llmc.runtime.sequence import FinishReason, Sequence, Status
@@ -34,17 +43,25 @@ from llmc.runtime.speculative import Speculator
 @dataclass(frozen=True)
 class Chunk:
     """What one sequence feeds the graph this step: `token_ids` at positions `past_len`.., of which
-    the last `len(proposals)` are proposed tokens to verify (speculative.py)."""
+    the last `len(proposals)` are proposed tokens to verify (speculative.py); or, with `row`, one
+    beam of a beam request: that beam's last token."""
 
     seq: Sequence
     token_ids: list[int]
     past_len: int
     proposals: list[int] = field(default_factory=list)
+    row: BeamRow | None = None
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token, so its logits give the next token."""
+        if self.row is not None:
+            return True
         return self.past_len + len(self.token_ids) - len(self.proposals) == self.seq.num_tokens
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.row.block_ids if self.row is not None else self.seq.block_ids
 
 
 class TokenScheduler(WaitingQueue):
@@ -55,10 +72,12 @@ class TokenScheduler(WaitingQueue):
         self.speculator = speculator
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
+        self.copies: list[tuple[int, int]] = []  # (source, copy) blocks to copy before the step runs
 
     def schedule(self, prompt_cap: Callable[[int], int | None] | None = None) -> list[Chunk]:
         """The step's chunks; `prompt_cap(decode rows)` may cap its prompt tokens further (step_cost.py)."""
         chunks: list[Chunk] = []
+        self.copies = []
         rows = self._decode_rows(chunks)
         budget = self.max_num_tokens - sum(len(c.token_ids) for c in chunks)
         cap = prompt_cap(rows) if prompt_cap is not None else None
@@ -67,14 +86,14 @@ class TokenScheduler(WaitingQueue):
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.num_tokens - seq.num_cached > 1:
+            if seq.num_tokens - seq.num_cached > 1 and not _forked(seq):
                 budget -= self._chunk(seq, budget, chunks)
-        while self.waiting and budget > 0 and len(self.running) < self.max_rows:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.is_finished:  # cancelled while waiting
                 self.waiting.popleft()
                 continue
-            if not self.blocks.can_allocate(seq):
+            if self.num_rows + seq.params.beam_width > self.max_rows or not self.blocks.can_allocate(seq):
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq)
@@ -83,11 +102,19 @@ class TokenScheduler(WaitingQueue):
             budget -= self._chunk(seq, budget, chunks)
         return chunks
 
+    @property
+    def num_rows(self) -> int:
+        """Rows the running sequences take: one each, a beam request its beam_width."""
+        return sum(seq.params.beam_width for seq in self.running)
+
     def _decode_rows(self, chunks: list[Chunk]) -> int:
         """One token for every decoding sequence that keeps (or gets) its blocks; returns how many.
         A sequence that alone fills the whole pool ends (`length`), as a full KV slot does: preempted,
         it would only recompute its way back to the same place."""
         for seq in list(self.running):
+            if seq in self.running and _forked(seq):
+                self._beam_rows(seq, chunks)
+                continue
             if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
                 continue
             while not self.blocks.can_append(seq) and seq in self.running:
@@ -102,6 +129,20 @@ class TokenScheduler(WaitingQueue):
             self._speculate(chunks)
         return len(chunks)
 
+    def _beam_rows(self, seq: Sequence, chunks: list[Chunk]) -> None:
+        """Every beam of `seq`, each with a block of its own for the position it writes (new, or a
+        copy of the partial block it shares), or none of them: preempting the newest sequences
+        until the blocks are there; alone in the pool it ends (`length`) with the beams it has."""
+        rows = seq.beam.rows
+        while self.blocks.write_cost(rows) > self.blocks.num_available and seq in self.running:
+            if len(self.running) == 1:
+                seq.finish(FinishReason.length)
+                return
+            self.preempt(self.running[-1])
+        if seq in self.running:
+            self.copies += self.blocks.make_writable(rows)
+            chunks.extend(Chunk(seq, [row.token_ids[-1]], row.num_cached, row=row) for row in rows)
+
     def _speculate(self, chunks: list[Chunk]) -> None:
         """Proposals after the last token of at most `max_batch` decode rows (the oldest that have
         any), within the step's spare tokens and the free blocks. Run once every decode row has its
@@ -110,6 +151,8 @@ class TokenScheduler(WaitingQueue):
         for i, chunk in enumerate(chunks):
             if spare < 1 or rows == self.speculator.max_batch:
                 break
+            if chunk.seq.beam is not None:  # beams pick tokens by score over W rows: nothing to verify
+                continue
             proposals = self.speculator.propose(chunk.seq, spare)
             if proposals and self.blocks.can_append(chunk.seq, len(proposals)):
                 self.blocks.append(chunk.seq, len(proposals))
@@ -122,7 +165,11 @@ class TokenScheduler(WaitingQueue):
         return len(tokens)
 
     def preempt(self, seq: Sequence) -> None:
-        """Take `seq`'s blocks back; it returns to the front of the queue and recomputes."""
+        """Take `seq`'s blocks back; it returns to the front of the queue and recomputes (a beam
+        request from its prompt)."""
+        if seq.beam is not None:
+            beam.free(seq, self.blocks)
+            seq.beam.restart()
         self.blocks.free(seq)
         self.running.remove(seq)
         seq.status = Status.waiting
@@ -133,12 +180,20 @@ class TokenScheduler(WaitingQueue):
         """The graph wrote `chunk`: its tokens are cached, and its full blocks can serve as prefixes.
         Of its proposals only the `accepted` ones count: a rejected one's KV is left past the
         sequence's length (overwritten later, never committed) and the blocks taken for it go back."""
-        chunk.seq.num_cached = chunk.past_len + len(chunk.token_ids) - len(chunk.proposals) + accepted
+        written = chunk.row if chunk.row is not None else chunk.seq
+        written.num_cached = chunk.past_len + len(chunk.token_ids) - len(chunk.proposals) + accepted
         if chunk.proposals:
             self.blocks.trim(chunk.seq)
-        self.blocks.commit(chunk.seq)
+        self.blocks.commit(written)
 
     def release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+            if seq.beam is not None:
+                beam.free(seq, self.blocks)
             self.blocks.free(seq)
+
+
+def _forked(seq: Sequence) -> bool:
+    """A beam request whose beams are running (its prompt is in their blocks)."""
+    return seq.beam is not None and bool(seq.beam.rows)

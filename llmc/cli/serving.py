@@ -71,12 +71,16 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable); it is cut from the output.")] = None,
     no_stream: Annotated[bool, typer.Option("--no-stream", help="Wait for the whole text instead of streaming it.")] = False,
     chat: Annotated[bool, typer.Option("--chat", help="Send the prompt as a user message, through the model's chat template.")] = False,
+    beam_width: Annotated[Optional[int], typer.Option(help="Beam search with this many beams (up to the build's serving.max_beam_width); prints every beam, best first, once at the end.")] = None,
+    length_penalty: Annotated[Optional[float], typer.Option(help="Beam search: a beam's score is its log-probability / length ** length_penalty (default 1).")] = None,
+    early_stopping: Annotated[Optional[bool], typer.Option("--early-stopping/--no-early-stopping", help="Beam search: stop once beam_width beams have ended (default: stop when no running beam can beat them).", show_default=False)] = None,
 ) -> None:
     """Generate text from a served model, printing tokens as they arrive (gRPC streaming)."""
     from llmc.serve import generate_to
 
     params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                  repetition_penalty=repetition_penalty, seed=seed, stop_words=stop or None)
+                  repetition_penalty=repetition_penalty, seed=seed, stop_words=stop or None, beam_width=beam_width,
+                  length_penalty=length_penalty, early_stopping=early_stopping)
     generate_to(sys.stdout, prompt, url=url, model=model, stream=not no_stream, chat=chat, **params)
 
 
