@@ -3,7 +3,7 @@ streamed chunks through the frontend against the same requests sent straight to 
 in one run on one server, passes in turns (direct, frontend, direct, ...), medians over passes.
 
     .venv/bin/python scripts/bench_openai.py BUILD_DIR [--concurrency 16] [--passes 3] [--aiperf]
-        [--against PYTHONPATH]
+        [--against PYTHONPATH] [--split-cores] [--spread]
 
 Both sides are measured by bounded async clients written here, chunk by chunk, so they compare
 like with like: llmc.client.AsyncClient for gRPC, httpx reading the SSE stream for the frontend.
@@ -13,6 +13,12 @@ aiperf (from its own venv, .venv-aiperf: `python3 -m venv .venv-aiperf && .venv-
 install aiperf`) also profiles the frontend's endpoint and its summary is printed. --against
 PYTHONPATH also runs a second frontend with that PYTHONPATH (e.g. `git archive OLD llmc | tar -x -C
 DIR`) in the same passes: a change to the frontend measured before/after under the same load.
+
+--split-cores gives the frontend a core of its own, as a sidecar with its own CPU request has: the
+Triton server (and the model's ONNX Runtime threads, so build with serving.num_threads 1) runs on
+the first core, the frontend and this script's clients on the others. Without it, on a machine the
+model's threads fill, the frontend's CPU per chunk comes out of the model's steps, and the
+comparison measures that contention rather than the latency the frontend adds.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -81,17 +88,30 @@ async def _run(calls, concurrency: int) -> dict:
 
 async def one_pass(side: str, grpc_url: str, api: str | None, model: str, chat: dict | None, args, seed: int) -> dict:
     prompts = [make_prompt(args.prompt_words, seed + i) for i in range(args.requests)]
+    lengths = output_lengths(args)
     if side == "direct":
         async with AsyncClient(grpc_url, model) as client:
             texts = [render(chat, [{"role": "user", "content": p}]) if chat else p for p in prompts]
-            return await _run([lambda t=t: _direct(client, model, t, args.max_tokens) for t in texts],
+            return await _run([lambda t=t, n=n: _direct(client, model, t, n) for t, n in zip(texts, lengths)],
                               args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency)
     async with httpx.AsyncClient(timeout=300, limits=limits) as http:
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        bodies = [{"model": model, "stream": True, "max_tokens": args.max_tokens, "min_tokens": args.max_tokens,
-                   **({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p})} for p in prompts]
+        bodies = [{"model": model, "stream": True, "max_tokens": n, "min_tokens": n,
+                   **({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p})}
+                  for p, n in zip(prompts, lengths)]
         return await _run([lambda b=b: _frontend(http, api + path, b) for b in bodies], args.concurrency)
+
+
+def output_lengths(args) -> list[int]:
+    """Each request's output length: all --max-tokens, or with --spread drawn from +-50% of it (the
+    same draws for every side and pass), so streams end and restart at different times, as in steady
+    traffic, rather than all together. In lockstep every batch of requests arrives at once and its
+    TTFT is mostly the queue of its own prompts, which the order of arrival decides."""
+    if not args.spread:
+        return [args.max_tokens] * args.requests
+    rng = random.Random(0)
+    return [rng.randint(max(1, args.max_tokens // 2), args.max_tokens * 3 // 2) for _ in range(args.requests)]
 
 
 def run_aiperf(api: str, model: str, chat: bool, args, out: Path) -> str:
@@ -119,9 +139,25 @@ def main() -> None:
     parser.add_argument("--aiperf", action="store_true", help="also run aiperf against the frontend")
     parser.add_argument("--tokenizer", type=Path, default=Path("models/smollm2"), help="for aiperf")
     parser.add_argument("--against", help="PYTHONPATH of another llmc whose frontend runs in the same passes")
+    parser.add_argument("--spread", action="store_true",
+                        help="output lengths drawn from +-50%% of --max-tokens, so streams do not run in lockstep")
+    parser.add_argument("--split-cores", action="store_true",
+                        help="the server on the first core, the frontend and the clients on the rest")
     args = parser.parse_args()
 
+    cores = sorted(os.sched_getaffinity(0))
+    if args.split_cores:
+        if len(cores) < 2:
+            parser.error(f"--split-cores needs at least 2 cores; this process may use {len(cores)}")
+        threads = _num_threads(args.build_dir)
+        if threads != 1:
+            parser.error(f"--split-cores: the server gets one core, so build with serving.num_threads 1 "
+                         f"({args.build_dir} has {threads or 'all cores'})")
+        os.sched_setaffinity(0, cores[:1])  # the server's processes inherit it
     server = start_server(args.build_dir, None, None, None, None)
+    if args.split_cores:
+        os.sched_setaffinity(0, cores[1:])  # the frontend's process inherits it
+        print(f"server on core {cores[0]}, frontend and clients on {cores[1:]}")
     try:
         with contextlib.ExitStack() as stack:
             apis = {"direct": None, "frontend": stack.enter_context(frontend_process(server.grpc_url))}
@@ -176,6 +212,14 @@ def frontend_process(grpc_url: str, pythonpath: str | None = None):
         proc.wait(30)
 
 
+def _num_threads(build_dir: Path) -> int:
+    """serving.num_threads of the build's one model (its manifest)."""
+    manifests = sorted(build_dir.glob("model_repository/*/1/manifest.json"))
+    if len(manifests) != 1:
+        raise SystemExit(f"{build_dir}: expected one model_repository/*/1/manifest.json, found {len(manifests)}")
+    return json.loads(manifests[0].read_text())["limits"]["num_threads"]
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc; psutil is not a dependency)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -200,7 +244,8 @@ def report(results: dict, args, endpoint: str) -> None:
                                        for i, r in enumerate(runs)))
     d = med["direct"]
     print(json.dumps({"endpoint": endpoint, "concurrency": args.concurrency, "requests": args.requests,
-                      "max_tokens": args.max_tokens, "passes": args.passes, "median_of_passes": med}, indent=1))
+                      "max_tokens": args.max_tokens, "spread": args.spread,
+                      "split_cores": args.split_cores, "passes": args.passes, "median_of_passes": med}, indent=1))
     for side in (s for s in med if s != "direct"):
         f = med[side]
         print(f"TTFT p50: {side} {f['ttft_p50'] * 1e3:.1f} ms / direct {d['ttft_p50'] * 1e3:.1f} ms = "
