@@ -23,7 +23,7 @@ Rejected proposals roll back by the sequence's length not advancing past them (`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.scheduler import WaitingQueue
@@ -40,6 +40,8 @@ class Chunk:
     token_ids: list[int]
     past_len: int
     proposals: list[int] = field(default_factory=list)
+    reserved: int = 0  # draft model: positions past the last token given blocks for the draft to fill (draft.py)
+    draft: Any = None  # draft model, sampling row: the draft's distributions [k, V] the proposals came from
 
     @property
     def samples(self) -> bool:
@@ -60,7 +62,7 @@ class TokenScheduler(WaitingQueue):
         """The step's chunks; `prompt_cap(decode rows)` may cap its prompt tokens further (step_cost.py)."""
         chunks: list[Chunk] = []
         rows = self._decode_rows(chunks)
-        budget = self.max_num_tokens - sum(len(c.token_ids) for c in chunks)
+        budget = self.max_num_tokens - sum(len(c.token_ids) + c.reserved for c in chunks)  # reserved: draft.py's
         cap = prompt_cap(rows) if prompt_cap is not None else None
         if cap is not None:
             budget = min(budget, cap)
@@ -110,6 +112,13 @@ class TokenScheduler(WaitingQueue):
         for i, chunk in enumerate(chunks):
             if spare < 1 or rows == self.speculator.max_batch:
                 break
+            if self.speculator.drafts:  # blocks for the most the draft may propose; it fills them after scheduling
+                limit = self.speculator.limit(chunk.seq, spare)
+                if limit and self.blocks.can_append(chunk.seq, limit):
+                    self.blocks.append(chunk.seq, limit)
+                    chunks[i] = Chunk(chunk.seq, chunk.token_ids, chunk.past_len, reserved=limit)
+                    spare, rows = spare - limit, rows + 1
+                continue
             proposals = self.speculator.propose(chunk.seq, spare)
             if proposals and self.blocks.can_append(chunk.seq, len(proposals)):
                 self.blocks.append(chunk.seq, len(proposals))
@@ -125,7 +134,7 @@ class TokenScheduler(WaitingQueue):
         """Take `seq`'s blocks back; it returns to the front of the queue and recomputes."""
         self.blocks.free(seq)
         self.running.remove(seq)
-        seq.status = Status.waiting
+        seq.status, seq.draft_cached = Status.waiting, 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -134,6 +143,8 @@ class TokenScheduler(WaitingQueue):
         Of its proposals only the `accepted` ones count: a rejected one's KV is left past the
         sequence's length (overwritten later, never committed) and the blocks taken for it go back."""
         chunk.seq.num_cached = chunk.past_len + len(chunk.token_ids) - len(chunk.proposals) + accepted
+        # the draft's KV past the accepted tokens holds rejected proposals: it rolls back the same way
+        chunk.seq.draft_cached = min(chunk.seq.draft_cached, chunk.seq.num_cached)
         if chunk.proposals:
             self.blocks.trim(chunk.seq)
         self.blocks.commit(chunk.seq)
