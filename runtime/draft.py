@@ -35,7 +35,7 @@ import numpy as np
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.paged_batch import RowStep
 from llmc.runtime.paged_runner import PagedRunner
-from llmc.runtime.sampling import distributions, draw_from
+from llmc.runtime.sampling import distributions, draw_from, penalize
 from llmc.runtime.token_scheduler import Chunk
 
 
@@ -79,14 +79,18 @@ class DraftProposer:
                                                    seqs[r].block_ids) for r in going])
             else:
                 logits = logits[going]
-            q = distributions(logits, [seqs[r].params for r in going], [seqs[r].prompt_array() for r in going],
-                              [seqs[r].output_ids + proposals[r] for r in going])
+            args = ([seqs[r].params for r in going], [seqs[r].prompt_array() for r in going],
+                    [seqs[r].output_ids + proposals[r] for r in going])
+            greedy = penalize(logits, *args).argmax(axis=1)  # a greedy row's q is a point mass: no array
+            hot = [row for row, r in enumerate(going) if not seqs[r].params.is_greedy]
+            q = distributions(logits[hot], *([a[i] for i in hot] for a in args)) if hot else None
             for row, r in enumerate(going):
-                seq = seqs[r]
-                token = int(q[row].argmax()) if seq.params.is_greedy else draw_from(q[row], seq.rng)
-                proposals[r].append(token)
-                if not seq.params.is_greedy:
-                    dists[r].append(q[row].astype(np.float32))
+                if seqs[r].params.is_greedy:
+                    proposals[r].append(int(greedy[row]))
+                    continue
+                dist = q[hot.index(row)]
+                proposals[r].append(draw_from(dist, seqs[r].rng))
+                dists[r].append(dist.astype(np.float32))
         for i, seq, props, d in zip(live, seqs, proposals, dists):
             seq.draft_cached = seq.num_tokens + len(props) - 1  # the last token and proposals 1..k-1
             c = chunks[i]
