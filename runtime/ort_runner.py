@@ -26,10 +26,13 @@ from llmc.runtime.layout import KVLayout, check_step
 from llmc.runtime.runner import RunnerClosed
 
 
-def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True):
+def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, spinning: bool = True):
     """A CPU session; `optimize=False` turns ONNX Runtime's graph optimizations off (the fp8 reference
     path, which also keeps ONNX Runtime's own kernels). 4-bit MatMulNBits nodes run on llmc's kernel
-    where this host has it (runtime/cpu_kernels.py): the graph is loaded, the op swapped in memory."""
+    where this host has it (runtime/cpu_kernels.py): the graph is loaded, the op swapped in memory.
+    `spinning=False` makes the session's idle threads block instead of spin-wait: for two sessions
+    taking turns on the same cores (a draft model and its target), whose spinning pools would
+    otherwise take the cores from the one computing (scripts/bench_draft.py)."""
     import onnxruntime as ort
 
     from llmc.runtime import cpu_kernels
@@ -40,6 +43,8 @@ def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True):
     options.intra_op_num_threads = num_threads or (os.cpu_count() or 1)
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     model = cpu_kernels.prepare(onnx_path, options) if optimize else str(onnx_path)
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
