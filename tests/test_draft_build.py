@@ -135,3 +135,25 @@ def test_the_plan_lists_the_draft(tiny_checkpoints, small):
     planned = plan_build(_spec(tiny_checkpoints["llama"], {"source": str(small)}))
     assert "draft" in planned.stages and planned.stages.index("draft") < planned.stages.index("package")
     assert any("draft" in note and "KV pools" in note for note in planned.notes)
+
+
+@pytest.mark.triton
+def test_on_a_real_triton_server_the_draft_serves_the_same_tokens_and_counts_its_proposals(self_draft, tmp_path):
+    from pathlib import Path
+
+    from llmc.client import Client
+    from llmc.soak import llmc_metrics
+    from llmc.triton_server import TritonServer, assemble
+
+    serving_env = Path(__file__).resolve().parents[1] / ".venv-serving"
+    if not (serving_env / "bin" / "python3").exists():
+        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    expected, _ = _serve(self_draft.repository / "tiny" / "1")
+    with TritonServer(self_draft.repository, server_dir=assemble(tmp_path / "server"), serving_env=serving_env,
+                      log_path=tmp_path / "server.log") as server:
+        client = Client(server.grpc_url, "tiny")
+        got = [client.complete(prompt, max_tokens=20).output_ids for prompt in PROMPTS]
+        metrics = llmc_metrics(f"http://127.0.0.1:{server.ports.metrics}", "tiny")
+    assert got == expected
+    drafted, accepted = metrics["llmc_spec_decode_draft_tokens_total"], metrics["llmc_spec_decode_accepted_tokens_total"]
+    assert 0 < accepted <= drafted
