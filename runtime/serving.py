@@ -283,11 +283,11 @@ def _paged_engine(graph: Path, m, tokenizer) -> LLMEngine:
     lim = m.limits
     num_blocks = -(-lim.kv_cache_tokens // m.kv_layout.block_size)
     spec = m.speculative
-    drafting = spec is not None and spec.draft is not None  # two sessions in turn: neither spins (make_session)
+    drafting = spec is not None and spec.draft is not None  # two sessions in turn: neither spins after its run
     runner = PagedRunner(graph, m.kv_layout, num_blocks=num_blocks, max_num_tokens=lim.max_num_tokens,
-                         num_threads=lim.num_threads, spinning=not drafting)
+                         num_threads=lim.num_threads, spin_after_run=not drafting)
     draft = PagedRunner(graph.parent / spec.draft.engine, spec.draft.kv_layout, num_blocks=num_blocks,
-                        max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads, spinning=False) \
+                        max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads, spin_after_run=False) \
         if drafting else None
     return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
                        max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,

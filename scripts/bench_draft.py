@@ -17,9 +17,9 @@ Measured in one run, `uptime` noted before and after:
    bench_speculative.py does) stepping in turn, so load on the shared host falls on all alike.
    Every speculative output is checked token for token against the plain one.
 
-With a draft, serving.py makes both sessions non-spinning (two sessions taking turns on 2 cores: a
-spinning pool steals the cores the other computes on); "none" is the default spinning session, and
-the non-spinning one without speculation is shown too.
+With a draft, serving.py stops both sessions' threads spinning after each run (two sessions taking
+turns on 2 cores: a pool spinning after its run takes the cores the other computes on); "none" is
+the default session, and no speculation on the drafts' kind of session is shown too.
 
     PYTHONPATH=.view .venv/bin/python -P scripts/bench_draft.py [--passes 3] [--ks 1,2,3,4] [--draft-layers 8]
 """
@@ -93,8 +93,8 @@ class PoolSlice(Slice):
 
 def costs(targets: dict, drafts: dict, prompt_ids: list[int], ks: list[int]) -> dict[str, float]:
     """Median seconds of: a target decode call ("target"), the target verifying 1 + k tokens ("verify k"),
-    a draft decode call ("draft <name>"), all on non-spinning sessions, and a decode call on the default
-    spinning one; each after the prompt's KV, taking turns call by call."""
+    a draft decode call ("draft <name>"), all on sessions that stop spinning after a run, and a decode
+    call on a default session ("target spinning"); each after the prompt's KV, taking turns call by call."""
     from llmc.runtime.paged_batch import RowStep
 
     target = targets["quiet"]
@@ -144,8 +144,8 @@ class Run:
 
 def compare(targets: dict, draft_runners: dict, manifests: dict, tokenizer, prompt_ids, ks: dict, passes) -> dict:
     """Per configuration (draft, k): (median tokens/s, proposed, accepted, tokens). (None, None) is no
-    speculation on the default (spinning) session, ("quiet", None) the same on the non-spinning one
-    the drafts' configurations use."""
+    speculation on the default session, ("quiet", None) the same on the kind of session (no spinning
+    after a run) the drafts' configurations use."""
     configs = [(None, None), ("quiet", None)] + [(d, k) for d in draft_runners for k in ks[d]]
     share = NUM_BLOCKS // len(configs)
     rates = {c: [] for c in configs}
@@ -195,11 +195,11 @@ def main() -> None:
     version = versions["self"]
     tokenizer = Tokenizer.from_file(str(version / manifests["self"].tokenizer))
     m = manifests["self"]
-    # as serving.py makes them: no speculation on the default session; with a draft, neither session spins
+    # as serving.py makes them: no speculation on the default session; with a draft, neither spins after a run
     targets = {mode: PagedRunner(version / m.engine, m.kv_layout, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_NUM_TOKENS,
-                                 num_threads=2, spinning=mode == "spinning") for mode in ("spinning", "quiet")}
+                                 num_threads=2, spin_after_run=mode == "spinning") for mode in ("spinning", "quiet")}
     drafts = {n: PagedRunner(v / manifests[n].speculative.draft.engine, manifests[n].speculative.draft.kv_layout,
-                             num_blocks=NUM_BLOCKS, max_num_tokens=MAX_NUM_TOKENS, num_threads=2, spinning=False)
+                             num_blocks=NUM_BLOCKS, max_num_tokens=MAX_NUM_TOKENS, num_threads=2, spin_after_run=False)
               for n, v in versions.items()}
     prompts = {name: tokenizer.encode(chat(text)).ids for name, text in PROMPTS.items()
                if not args.prompts or name.startswith(tuple(args.prompts.split(",")))}
@@ -215,7 +215,7 @@ def main() -> None:
         print(f"  {'draft':>9} {'k':>3} {'tok/s':>7} {'ratio':>6} {'accepted':>11} {'rate':>5} {'predicted':>9}")
         print(f"  {'none':>9} {'':>3} {plain:7.1f} {1:6.2f}")
         print(f"  {'none':>9} {'':>3} {results[('quiet', None)][0]:7.1f} {results[('quiet', None)][0] / plain:6.2f}"
-              f"   (the non-spinning session)")
+              f"   (no spinning after a run, as with a draft)")
         for (d, k), (rate, drafted, accepted, _) in results.items():
             if not k:
                 continue
