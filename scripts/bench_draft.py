@@ -14,7 +14,9 @@ Measured in one run, `uptime` noted before and after:
 2. Decode tokens/s of one request served to its end with no speculation and with each draft at each
    k (tokens - 1 over the seconds of its steps after the first token's, prefill not timed), medians
    of the passes; all configurations over one target session per kind (each its own slice of the pool, as
-   bench_speculative.py does) stepping in turn, so load on the shared host falls on all alike.
+   bench_speculative.py does) stepping in turn, so load on the shared host falls on all alike; no
+   speculation on the default session (which spins after its runs, slowing whatever runs next)
+   decodes alone, before or after them.
    Every speculative output is checked token for token against the plain one.
 
 With a draft, serving.py stops both sessions' threads spinning after each run (two sessions taking
@@ -93,15 +95,17 @@ class PoolSlice(Slice):
 
 def costs(targets: dict, drafts: dict, prompt_ids: list[int], ks: list[int]) -> dict[str, float]:
     """Median seconds of: a target decode call ("target"), the target verifying 1 + k tokens ("verify k"),
-    a draft decode call ("draft <name>"), all on sessions that stop spinning after a run, and a decode
-    call on a default session ("target spinning"); each after the prompt's KV, taking turns call by call."""
+    a draft decode call ("draft <name>"), all on sessions that stop spinning after a run (as served with
+    a draft), each after the prompt's KV, taking turns call by call. (A default session is left out:
+    its pool spinning after its call would slow the next call, whichever; the tokens/s comparison
+    shows both kinds of session decoding alike without speculation.)"""
     from llmc.runtime.paged_batch import RowStep
 
     target = targets["quiet"]
     width = -(-(len(prompt_ids) + max(ks) + 2) // target.block_size)
     table = list(range(width))
     calls = {"target": (target, 1), **{f"verify {k}": (target, k + 1) for k in ks},
-             **{f"draft {n}": (r, 1) for n, r in drafts.items()}, "target spinning": (targets["spinning"], 1)}
+             **{f"draft {n}": (r, 1) for n, r in drafts.items()}}
     for runner in {id(r): r for r, _ in calls.values()}.values():
         runner.step([RowStep(prompt_ids, 0, table)])
     times = {name: [] for name in calls}
@@ -149,17 +153,21 @@ def compare(targets: dict, draft_runners: dict, manifests: dict, tokenizer, prom
     configs = [(None, None), ("quiet", None)] + [(d, k) for d in draft_runners for k in ks[d]]
     share = NUM_BLOCKS // len(configs)
     rates = {c: [] for c in configs}
-    for _ in range(passes):
+    for p in range(passes):
         runs = {}
         for i, (d, k) in enumerate(configs):
             draft = PoolSlice(draft_runners[d], i * share, share) if k else None
             target = targets["spinning" if d is None else "quiet"]
             runs[(d, k)] = Run(PoolSlice(target, i * share, share), draft, manifests["self" if d in (None, "quiet") else d],
                                tokenizer, prompt_ids, k)
-        while any(r.engine.has_work for r in runs.values()):
-            for r in runs.values():
-                if r.engine.has_work:
-                    r.step()
+        # the default session's pool spins after its runs and would slow whichever configuration steps
+        # next: it decodes alone, before or after the others (alternating by pass)
+        phases = [{c: r for c, r in runs.items() if c != (None, None)}, {(None, None): runs[(None, None)]}]
+        for phase in phases if p % 2 == 0 else phases[::-1]:
+            while any(r.engine.has_work for r in phase.values()):
+                for r in phase.values():
+                    if r.engine.has_work:
+                        r.step()
         for c, r in runs.items():
             rates[c].append(r.rate)
             assert r.tokens == runs[(None, None)].tokens, f"{c}: speculative output differs from the plain one"
