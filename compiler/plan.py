@@ -122,8 +122,12 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     draft = spec.speculative.draft if spec.speculative is not None else None
     if draft is not None:  # its pools: the target's blocks again, at the draft's layers and heads
         from llmc.compiler.source import inspect_source
+        from llmc.errors import SourceError
 
-        d = read_dims(inspect_source(draft.source)) if draft.source is not None else dims
+        try:
+            d = read_dims(inspect_source(draft.source)) if draft.source is not None else dims
+        except SourceError as err:
+            raise SourceError(f"speculative.draft.{err}") from None
         draft_kv = 2 * d.num_layers * d.num_kv_heads * d.head_dim * kv_tokens * kv_element
         notes.append(f"speculative draft: {draft.source.path.name if draft.source else 'the target'} "
                      f"({draft.quantization.mode.value}), {d.num_layers} layers; its KV pools "

@@ -4,7 +4,8 @@ decode rows and prefill chunks.
     schedule() = every running sequence that decodes gets its next token (a new block when it
                  crosses into one; when the pool is out, the newest running sequence is preempted),
                  and with speculation up to `max_batch` of them the proposals after it
-                 (speculative.py) when the spare tokens and free blocks allow
+                 (speculative.py; with a draft model, blocks reserved for the proposals
+                 draft.py fills in after scheduling) when the spare tokens and free blocks allow
                + partly prefilled sequences continue, oldest first
                + waiting sequences are admitted (their cached prefix reused) while rows, tokens
                  and blocks last
