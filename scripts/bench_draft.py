@@ -18,6 +18,7 @@ Measured in one run, `uptime` noted before and after:
    speculation on the default session (which spins after its runs, slowing whatever runs next)
    decodes alone, before or after them.
    Every speculative output is checked token for token against the plain one.
+3. 16 streams at once, at most 4 of them speculating with the self-draft, against none: throughput.
 
 With a draft, serving.py stops both sessions' threads spinning after each run (two sessions taking
 turns on 2 cores: a pool spinning after its run takes the cores the other computes on); "none" is
@@ -41,7 +42,7 @@ from bench_paged_builds import REPO, spec_data  # noqa: E402
 from bench_speculative import PROMPTS, Slice, chat  # noqa: E402
 
 ROOT = REPO / "build" / "bench" / "draft"
-MAX_TOKENS, COST_CALLS, NUM_BLOCKS, MAX_NUM_TOKENS = 128, 15, 512, 256
+MAX_TOKENS, COST_CALLS, NUM_BLOCKS, MAX_NUM_TOKENS, STREAMS = 128, 15, 512, 256, 16
 
 
 def truncated_checkpoint(layers: int) -> Path:
@@ -179,12 +180,55 @@ def compare(targets: dict, draft_runners: dict, manifests: dict, tokenizer, prom
     return out
 
 
+def streams(targets: dict, drafts: dict, manifest, tokenizer, prompts: list[list[int]], k: int, passes: int) -> None:
+    """STREAMS requests at once (the prompts in turn), 16 rows a step, at most `manifest`'s max_batch 4 of
+    them speculating with the self-draft at k, against none, both on the sessions served with a draft,
+    stepping in turn: all tokens over all the steps' seconds (prefill included), medians of the passes;
+    every output checked against the plain one."""
+    from llmc.runtime.manifest import SpeculativeConfig
+    from llmc.runtime.paged_engine import PagedEngine
+    from llmc.runtime.sampling import SamplingParams
+
+    spec = SpeculativeConfig(**{**manifest.speculative.model_dump(), "num_tokens": k, "max_batch": 4})
+    batch = [prompts[i % len(prompts)] for i in range(STREAMS)]
+    share, rates = NUM_BLOCKS // 2, {None: [], k: []}
+    for p in range(passes):
+        engines = {}
+        for i, c in enumerate([None, k][::1 if p % 2 == 0 else -1]):
+            engines[c] = PagedEngine(PoolSlice(targets["quiet"], i * share, share), tokenizer,
+                                     end_ids=tuple(manifest.end_ids), max_rows=STREAMS, max_seq_len=2048,
+                                     max_num_tokens=MAX_NUM_TOKENS, prefix_caching=False,
+                                     speculative=spec if c else None,
+                                     draft=PoolSlice(drafts["self"], i * share, share) if c else None)
+            for j, ids in enumerate(batch):
+                engines[c].add_request(str(j), ids, SamplingParams(max_tokens=MAX_TOKENS // 2))
+        outputs = {c: {str(j): [] for j in range(STREAMS)} for c in engines}
+        seconds = {c: 0.0 for c in engines}
+        while any(e.has_work for e in engines.values()):
+            for c, e in engines.items():
+                if e.has_work:
+                    start = time.perf_counter()
+                    for out in e.step():
+                        outputs[c][out.request_id] += out.token_ids
+                    seconds[c] += time.perf_counter() - start
+        assert outputs[k] == outputs[None], "speculative outputs differ from the plain ones under load"
+        for c in engines:
+            rates[c].append(sum(map(len, outputs[c].values())) / seconds[c])
+    s = engines[k].speculator
+    plain, fast = statistics.median(rates[None]), statistics.median(rates[k])
+    print(f"\n{STREAMS} streams (at most 4 rows speculate a step): none {plain:.1f} tok/s, self-draft k {k} "
+          f"{fast:.1f} tok/s = {fast / plain:.2f}x, accepted {s.num_accepted_tokens}/{s.num_draft_tokens}; "
+          f"outputs identical")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--ks", default="1,2,3,4")
     parser.add_argument("--draft-layers", type=int, default=8, help="the truncated draft's layers (0: none)")
     parser.add_argument("--layers-ks", default="1", help="k for the truncated draft (its acceptance is low)")
+    parser.add_argument("--streams-k", type=int, default=3, help="k for the 16-stream comparison (0: skip it)")
+    parser.add_argument("--skip-batch1", action="store_true", help="only the step costs and the streams")
     parser.add_argument("--prompts", default="", help="comma-separated prefixes of the prompt names (default: all)")
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
@@ -216,7 +260,7 @@ def main() -> None:
     print(f"\nstep costs at batch 1, medians of {2 * COST_CALLS} calls (ms, and in target decode steps):")
     for name, s in c.items():
         print(f"  {name:>14}: {s * 1e3:6.1f} ms = {s / base:4.2f}")
-    for name, ids in prompts.items():
+    for name, ids in ({} if args.skip_batch1 else prompts).items():
         results = compare(targets, drafts, manifests, tokenizer, ids, draft_ks, args.passes)
         plain = results[(None, None)][0]
         print(f"\n{name}: {results[(None, None)][3]} tokens, {args.passes} passes, outputs identical with and without")
@@ -231,6 +275,8 @@ def main() -> None:
             tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
             predicted = tokens / ((k * c[f"draft {d}"] + c[f"verify {k}"]) / base)
             print(f"  {d:>9} {k:>3} {rate:7.1f} {rate / plain:6.2f} {accepted:>5}/{drafted:<5} {a:5.2f} {predicted:9.2f}")
+    if args.streams_k:
+        streams(targets, drafts, manifests["self"], tokenizer, list(prompts.values()), args.streams_k, args.passes)
     print("\nuptime after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
