@@ -218,3 +218,37 @@ def test_sampling_with_a_draft_follows_the_target_at_the_first_speculated_positi
     assert _tv(empirical, exact) < 0.06
     # what keeping every proposal would give (token 2 from the draft) is far away
     assert _tv(np.array([draft.get(c, 0.0) for c in cells]), exact) > 0.3
+
+
+def test_sampled_requests_with_penalties_and_logprobs_are_served_with_a_draft(models):
+    """Every sampling knob with a draft, each request seeded: the tokens repeat run to run, min_tokens
+    holds the end id off, and the log probabilities are the target's: teacher-forcing the output
+    through the target alone gives the same values."""
+    from llmc.runtime.logprobs import LogprobRecorder, log_softmax
+
+    requests = {"a": SamplingParams(max_tokens=TOKENS, temperature=0.7, top_k=8, top_p=0.9, seed=1),
+                "b": SamplingParams(max_tokens=TOKENS, temperature=1.0, min_p=0.05, repetition_penalty=1.3,
+                                    frequency_penalty=0.5, presence_penalty=0.3, seed=2),
+                "c": SamplingParams(max_tokens=TOKENS, temperature=0.5, min_tokens=12, end_ids=(7,), seed=3)}
+    prompts = {"a": PROMPTS["copy0"], "b": PROMPTS["copy1"], "c": PROMPTS["rand0"]}
+
+    def run():
+        engine = _engine(models, "small", k=3)
+        recorders = {name: LogprobRecorder() for name in requests}
+        for name, params in requests.items():
+            engine.add_request(name, prompts[name], params, logprobs=recorders[name])
+        tokens = {name: [] for name in requests}
+        while engine.has_work:
+            for out in engine.step():
+                tokens[out.request_id] += out.token_ids
+        return tokens, recorders, engine
+
+    tokens, recorders, engine = run()
+    assert run()[0] == tokens and engine.speculator.num_accepted_tokens > 0
+    assert 7 not in tokens["c"][:12]
+    runner = _runner(models["target"], 16, 256)
+    for name, out in tokens.items():
+        ids = prompts[name] + out
+        logits = runner.step([RowStep(ids[:-1], 0, list(range(16)), len(out))])
+        expected = [float(log_softmax(row)[t]) for row, t in zip(logits, out)]
+        np.testing.assert_allclose(recorders[name]._values, expected, atol=1e-4, err_msg=name)
