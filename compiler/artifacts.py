@@ -147,6 +147,20 @@ class QuantizedModel(Artifact):
         return self.onnx
 
 
+class DraftArtifact(Artifact):
+    """The draft stage's graph (compiler/draft.py): a paged graph the package stage copies into `draft/`."""
+
+    filename: ClassVar[str] = "draft.json"
+
+    onnx: str  # relative to the stage folder
+    kv_layout: KVLayout
+    source: str  # "self" (the target quantized) or the draft checkpoint folder's name
+    source_hash: str
+    quantization: QuantMode
+    verified: str  # the verify summary of a separate checkpoint's export ("" for a self-draft, or verify off)
+    quality: QualityReport | None = None  # a quantized draft's report against its unquantized form
+
+
 class EngineModel(Artifact):
     """A TensorRT engine (`plan`) built from the export or its Q/DQ form, checked against ONNX Runtime."""
 

@@ -5,6 +5,8 @@
     <output>/model_repository/<name>/1/model.py          the thin model from model_repository/
     <output>/model_repository/<name>/1/model.onnx ...    the engine (hard links to the export, quantize or
                                                          engine stage's files: model.onnx or model.plan)
+    <output>/model_repository/<name>/1/draft/model.onnx   speculative.method draft: the draft graph (links to the
+                                                         draft stage's files), named in the manifest
     <output>/model_repository/<name>/1/tokenizer.json
     <output>/model_repository/<name>/1/manifest.json     RepositoryManifest: what the runtime reads
     <output>/model_repository/<name>/1/llmc/             llmc.runtime copied whole (no torch, no transformers)
@@ -21,17 +23,19 @@ import shutil
 from pathlib import Path
 
 import llmc
-from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel
+from llmc.compiler.artifacts import DraftArtifact, EngineModel, ExportedModel, QuantizedModel
 from llmc.compiler.chat_template import find_chat_template
 from llmc.compiler.output import link_or_copy
 from llmc.compiler.source import SourceInfo
+from llmc.compiler.stage import Located
 from llmc.compiler.spec import BuildSpec
 from llmc.compiler.triton_config import model_config, render
 from llmc.errors import SourceError
 from llmc.runtime import cpu_kernels
-from llmc.runtime.manifest import RepositoryManifest, ServingLimits, SpeculativeConfig
+from llmc.runtime.manifest import DraftModel, RepositoryManifest, ServingLimits, SpeculativeConfig
 
 VERSION = "1"
+DRAFT_DIR = "draft"  # the draft graph's folder in the version folder
 TOKENIZER_FILE = "tokenizer.json"
 RUNTIME_SOURCES = (".py", ".c", ".h")  # the runtime package's files: modules, the CPU kernel's C and headers
 
@@ -49,10 +53,11 @@ def requirements(tensorrt_version: str | None = None) -> list[str]:
 
 
 def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | QuantizedModel | EngineModel,
-            engine_dir: Path, source: SourceInfo, repo_dir: Path) -> RepositoryManifest:
+            engine_dir: Path, source: SourceInfo, repo_dir: Path, draft: Located | None = None) -> RepositoryManifest:
     """Write the repository for `engine` (the export, its quantized form, or the TensorRT engine
     built from either) found in `engine_dir`. `spec` has its limits filled in (BuildSpec.with_model_limits;
-    the build's BuildResult.spec)."""
+    the build's BuildResult.spec). `draft` is the draft stage's DraftArtifact and folder
+    (speculative.method draft)."""
     assert spec.limits.max_seq_len is not None and spec.serving.default_max_tokens is not None, "unresolved limits"
     model_dir = repo_dir / spec.name
     version_dir = model_dir / VERSION
@@ -60,6 +65,7 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
     for name in engine.files:  # the graph and its external data side by side as ORT expects, or the plan
         link_or_copy(str(engine_dir / name), str(version_dir / name))
     _write_tokenizer(source, version_dir / TOKENIZER_FILE)
+    draft_model = _copy_draft(draft, version_dir / DRAFT_DIR) if draft is not None else None
     copy_runtime(version_dir / "llmc")
     shutil.copyfile(importlib.resources.files("llmc.model_repository") / "model.py", version_dir / "model.py")
     tensorrt = engine.tensorrt if isinstance(engine, EngineModel) else None
@@ -74,7 +80,8 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
         name=spec.name, llmc_version=llmc.__version__, target=spec.target.value, engine=engine.engine_file,
         tokenizer=TOKENIZER_FILE, kv_layout=engine.kv_layout, vocab_size=exported.model.vocab_size,
         end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash, tensorrt=tensorrt, chat_template=chat,
-        speculative=SpeculativeConfig(**spec.speculative.model_dump(mode="json")) if spec.speculative else None,
+        speculative=SpeculativeConfig(**spec.speculative.model_dump(mode="json", exclude={"draft"}), draft=draft_model)
+        if spec.speculative else None,
         limits=ServingLimits(max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                              max_num_tokens=limits.max_num_tokens, max_queue_size=serving.max_queue_size,
                              default_max_tokens=serving.default_max_tokens, max_stop_words=serving.max_stop_words,
@@ -85,6 +92,18 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
                              if engine.kv_layout.paged else None))
     manifest.save(version_dir)
     return manifest
+
+
+def _copy_draft(draft: "Located[DraftArtifact]", dest: Path) -> DraftModel:
+    """The draft graph's files into `dest` (flat: a graph and its external data stay side by side)."""
+    art = draft.artifact
+    dest.mkdir()
+    names = [Path(name).name for name in art.files]
+    assert len(set(names)) == len(names), f"draft files collide when flattened: {sorted(art.files)}"
+    for name in art.files:
+        link_or_copy(str(draft.folder / name), str(dest / Path(name).name))
+    return DraftModel(engine=f"{DRAFT_DIR}/{Path(art.onnx).name}", kv_layout=art.kv_layout, source=art.source,
+                      source_hash=art.source_hash, quantization=art.quantization.value)
 
 
 def _write_tokenizer(source: SourceInfo, dest: Path) -> None:

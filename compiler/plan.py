@@ -119,6 +119,20 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     tokens = spec.limits.max_num_tokens
     activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)
     stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run
+    draft = spec.speculative.draft if spec.speculative is not None else None
+    if draft is not None:  # its pools: the target's blocks again, at the draft's layers and heads
+        from llmc.compiler.source import inspect_source
+        from llmc.errors import SourceError
+
+        try:
+            d = read_dims(inspect_source(draft.source)) if draft.source is not None else dims
+        except SourceError as err:
+            raise SourceError(f"speculative.draft.{err}") from None
+        draft_kv = 2 * d.num_layers * d.num_kv_heads * d.head_dim * kv_tokens * kv_element
+        notes.append(f"speculative draft: {draft.source.path.name if draft.source else 'the target'} "
+                     f"({draft.quantization.mode.value}), {d.num_layers} layers; its KV pools "
+                     f"{draft_kv / 2**30:.2f} GiB beside the target's (the same blocks); k "
+                     f"{spec.speculative.num_tokens}, up to {spec.speculative.max_batch} rows a step")
     lowering = spec.attention_lowering
     if tensorrt:
         precision = (f"{spec.precision.value} through ModelOpt AutoCast (strongly typed network)"

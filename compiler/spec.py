@@ -19,13 +19,13 @@ from pydantic import ValidationError, field_validator, model_validator
 
 from llmc.compiler.sections import (
     DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, PAGED_MAX_NUM_TOKENS, SLOT_MAX_NUM_TOKENS, AttentionLowering,
-    CalibrationMethod, CalibrationSpec, ExportSpec, HardwareCompatibility, KVCacheDtype, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec,
+    CalibrationMethod, CalibrationSpec, DraftSpec, ExportSpec, HardwareCompatibility, KVCacheDtype, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec,
     SpeculativeMethod, SpeculativeSpec, StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
 from llmc.errors import SpecError
 
 # the spec's vocabulary, importable from here as from sections.py
 __all__ = ["BuildSpec", "load_spec", "parse_spec", "DEFAULT_BLOCK", "DEFAULT_MAX_SEQ_LEN", "DEFAULT_MAX_TOKENS",
-           "AttentionLowering", "CalibrationMethod", "CalibrationSpec", "ExportSpec", "HardwareCompatibility",
+           "AttentionLowering", "CalibrationMethod", "CalibrationSpec", "DraftSpec", "ExportSpec", "HardwareCompatibility",
            "LimitsSpec", "Precision", "QuantizationSpec", "QuantMode", "ServingSpec", "SourceSpec", "SpeculativeMethod",
            "SpeculativeSpec", "Target",
            "TensorRTSpec", "VerifySpec", "WeightOnlyAlgorithm"]
@@ -194,12 +194,23 @@ def _resolve_paths(spec: BuildSpec, base_dir: Path) -> BuildSpec:
     if spec.serving.chat_template is not None:
         template = (base_dir / spec.serving.chat_template.expanduser()).resolve()
         update["serving"] = spec.serving.model_copy(update={"chat_template": template})
-    calibration = spec.quantization.calibration
-    if calibration.data != "builtin":
-        data = str((base_dir / Path(calibration.data).expanduser()).resolve())
-        update["quantization"] = spec.quantization.model_copy(
-            update={"calibration": calibration.model_copy(update={"data": data})})
+    update["quantization"] = _resolve_calibration(spec.quantization, base_dir)
+    draft = spec.speculative.draft if spec.speculative is not None else None
+    if draft is not None:
+        source = draft.source.model_copy(update={"path": (base_dir / draft.source.path.expanduser()).resolve()}) \
+            if draft.source is not None else None
+        draft = draft.model_copy(update={"source": source,
+                                         "quantization": _resolve_calibration(draft.quantization, base_dir)})
+        update["speculative"] = spec.speculative.model_copy(update={"draft": draft})
     return spec.model_copy(update=update)
+
+
+def _resolve_calibration(quantization: QuantizationSpec, base_dir: Path) -> QuantizationSpec:
+    calibration = quantization.calibration
+    if calibration.data == "builtin":
+        return quantization
+    data = str((base_dir / Path(calibration.data).expanduser()).resolve())
+    return quantization.model_copy(update={"calibration": calibration.model_copy(update={"data": data})})
 
 
 def load_spec(path: str | Path) -> BuildSpec:

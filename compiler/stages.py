@@ -1,10 +1,11 @@
 """The build as a table of stages (stage.py says what a stage declares; pipeline.py runs them):
 
-    source -> export -> verify -> quantize -> engine -> package
+    source -> export -> verify -> quantize -> draft -> engine -> package
 
 `engine` belongs to target: tensorrt only; `verify` does nothing for the plugin lowering, which only
 TensorRT runs (the engine stage compares the engine with ONNX Runtime instead); `quantize` does
-nothing when quantization.mode is none. Each stage's work is a library function (export.export,
+nothing when quantization.mode is none; `draft` belongs to speculative.method: draft only (compiler/draft.py).
+Each stage's work is a library function (export.export,
 verify.verify, quantize.quantize, tensorrt.stage.make_engine, package.package); what is here is the
 wiring: which artifact it takes, what keys it, what it checks first and how it reports.
 """
@@ -15,10 +16,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from llmc.compiler import quantize, verify
-from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel, VerifyReport
+from llmc.compiler.artifacts import DraftArtifact, EngineModel, ExportedModel, QuantizedModel, VerifyReport
 from llmc.compiler.hashing import code_hash
 from llmc.compiler.source import SourceInfo, inspect_source, load_tokenizer
-from llmc.compiler.spec import BuildSpec, KVCacheDtype, QuantizationSpec, QuantMode, Target, VerifySpec
+from llmc.compiler.spec import (BuildSpec, KVCacheDtype, QuantizationSpec, QuantMode, SpeculativeMethod,
+                                Target, VerifySpec)
 from llmc.compiler.stage import Context, Located, Stage
 from llmc.compiler.tensorrt import stage as tensorrt
 from llmc.errors import VerifyError
@@ -128,6 +130,45 @@ def _quantize(exported: Located[ExportedModel], section: QuantizationSpec, ctx: 
                              previous=ctx.previous if ctx.previous.is_dir() else None, progress=ctx.progress)
 
 
+# draft: the draft model of speculative.method: draft, a paged graph beside the target's
+
+def _drafts(spec: BuildSpec) -> bool:
+    return spec.speculative is not None and spec.speculative.method is SpeculativeMethod.draft
+
+
+def _draft_key(spec: BuildSpec, ctx: Context) -> dict:
+    from llmc.compiler import draft
+
+    return draft.cache_key_parts(spec, _export_key(spec, ctx), _verify_key(spec, ctx))
+
+
+def _draft_check(spec: BuildSpec, source: SourceInfo) -> None:
+    from llmc.compiler import draft
+
+    draft.check(spec, source)
+
+
+def _draft(exported: Located[ExportedModel], spec: BuildSpec, ctx: Context) -> DraftArtifact:
+    """Reads speculative.draft, and export.kv_cache_dtype and verify for a separate checkpoint."""
+    from llmc.compiler import draft
+
+    return draft.make_draft(exported.artifact, exported.folder, ctx.source, spec, ctx.out,
+                            inputs_hash=ctx.inputs_hash, num_threads=ctx.num_threads,
+                            external_threshold=ctx.external_threshold, progress=ctx.progress)
+
+
+def _draft_summary(done: Located[DraftArtifact]) -> str:
+    from llmc.compiler import draft
+
+    return draft.summary(done.artifact)
+
+
+def _draft_describe(spec: BuildSpec) -> str:
+    d = spec.speculative.draft
+    what = f"exporting {d.source.path.name}" if d.source is not None else "the target"
+    return what + (f", quantizing ({d.quantization.mode.value})" if d.quantization.mode is not QuantMode.none else "")
+
+
 # engine: a TensorRT engine from the export or its Q/DQ form
 
 def _engine(source: Located, spec: BuildSpec, ctx: Context) -> EngineModel:
@@ -151,7 +192,7 @@ def _package(engine: Located, spec: BuildSpec, ctx: Context) -> RepositoryManife
     from llmc.compiler.package import package
 
     exported = ctx.done["export"].artifact
-    return package(spec, exported, engine.artifact, engine.folder, ctx.source, ctx.out)
+    return package(spec, exported, engine.artifact, engine.folder, ctx.source, ctx.out, draft=ctx.done.get("draft"))
 
 
 def _package_summary(done: Located[RepositoryManifest]) -> str:
@@ -161,7 +202,9 @@ def _package_summary(done: Located[RepositoryManifest]) -> str:
               f"{m.kv_layout.block_size}, {limits.max_seq_len} tokens a request")
     else:
         kv = f"{limits.max_batch_size} KV slots x {limits.max_seq_len} tokens"
-    speculating = f", speculative {spec.method} (k {spec.num_tokens}, up to {spec.max_batch} rows)" if spec else ""
+    drafting = f", draft {spec.draft.engine}" if spec and spec.draft else ""
+    speculating = f", speculative {spec.method} (k {spec.num_tokens}, up to {spec.max_batch} rows{drafting})" \
+        if spec else ""
     return f"{REPOSITORY_DIR}/{m.name}: {kv}, queue {limits.max_queue_size}{speculating}"
 
 
@@ -179,6 +222,8 @@ STAGES: tuple[Stage, ...] = (
           check=lambda spec, source: quantize.check(spec.quantization, source), skip=_quantize_skip, run=_quantize,
           accept=lambda art, spec: quantize.check_quality_gate(art.report, spec.quantization.max_perplexity_increase),
           summary=lambda done: quantize.summary(done.artifact)),
+    Stage("draft", describe=_draft_describe, takes=("export",), artifact=DraftArtifact, applies=_drafts,
+          key=_draft_key, check=_draft_check, run=_draft, summary=_draft_summary),
     Stage("engine", describe=lambda spec: f"building the TensorRT engine ({spec.precision.value})",
           takes=("quantize", "export"), artifact=EngineModel, applies=lambda spec: spec.target is Target.tensorrt,
           key=lambda spec, ctx: tensorrt.cache_key_parts(spec), check=lambda spec, source: tensorrt.check(spec),

@@ -35,22 +35,41 @@ class ServingLimits(BaseModel):
     max_beam_width: int = Field(1, ge=1)  # paged graphs: the widest beam search a request may ask (runtime/beam.py)
 
 
-class SpeculativeConfig(BaseModel):
-    """Speculative decoding in the paged engine (runtime/speculative.py): prompt-lookup proposals of
-    up to `num_tokens` tokens (n-grams of `min_n`..`max_n` tokens), for at most `max_batch` rows a step."""
+class DraftModel(BaseModel):
+    """The draft graph a `speculative.method: draft` build packages beside the target (runtime/draft.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram"]
+    engine: str  # its graph, relative to the version folder (draft/model.onnx)
+    kv_layout: KVLayout  # paged, the target's block size; pools of the target's num_blocks
+    source: str  # "self" (the target quantized) or the checkpoint folder's name
+    source_hash: str
+    quantization: str  # its quantization.mode ("none" for a separate checkpoint kept as exported)
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding in the paged engine (runtime/speculative.py): up to `num_tokens` proposed
+    tokens, for at most `max_batch` rows a step, from prompt lookup (n-grams of `min_n`..`max_n`
+    tokens, ngram.py) or from the `draft` model (draft.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram", "draft"]
     num_tokens: int = Field(ge=1)
     max_batch: int = Field(ge=1)
     min_n: int = Field(ge=1)
     max_n: int = Field(ge=1)
+    draft: DraftModel | None = None  # method draft only
 
     @model_validator(mode="after")
     def _n_range(self) -> "SpeculativeConfig":
         if self.min_n > self.max_n:
             raise ValueError(f"speculative.min_n ({self.min_n}) must be <= speculative.max_n ({self.max_n})")
+        if (self.draft is not None) != (self.method == "draft"):
+            raise ValueError(f"speculative.draft names the draft model exactly when method is draft (method is "
+                             f"{self.method}, draft is {'set' if self.draft else 'missing'})")
+        if self.draft is not None and not self.draft.kv_layout.paged:
+            raise ValueError("speculative.draft.kv_layout must be paged (the draft shares the target's block tables)")
         return self
 
 
@@ -104,6 +123,10 @@ class RepositoryManifest(BaseModel):
     def _speculation_is_paged(self) -> "RepositoryManifest":
         if self.speculative is not None and not self.kv_layout.paged:
             raise ValueError("speculative: needs a paged graph (kv_layout.paged); this engine is the slot form")
+        draft = self.speculative.draft if self.speculative is not None else None
+        if draft is not None and draft.kv_layout.block_size != self.kv_layout.block_size:
+            raise ValueError(f"speculative.draft.kv_layout.block_size ({draft.kv_layout.block_size}) must be the "
+                             f"target's ({self.kv_layout.block_size}): the draft reads the target's block tables")
         return self
 
     @model_validator(mode="after")

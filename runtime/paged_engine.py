@@ -10,9 +10,11 @@ decode, so a long prompt no longer stalls the decoding rows. The rows that reach
 are sampled together, in one vectorized pass over their logits (sampling.py).
 
 With `speculative` (the manifest's SpeculativeConfig) up to `max_batch` decoding rows a step also
-carry proposed tokens (prompt lookup, ngram.py); the same call verifies them and the rows keep what
+carry proposed tokens (prompt lookup, ngram.py; or a draft model's, draft.py: its k batched calls
+run after scheduling, before the target's); the same call verifies them and the rows keep what
 the target accepts plus one token of its own (speculative.py), so such a row may gain several
-tokens a step. Outputs are the tokens the rows would get without speculation.
+tokens a step. Greedy outputs are the tokens the rows would get without speculation; sampled ones
+follow the same distribution (and with prompt lookup are the same tokens for a seeded request).
 
 A request with `beam_width` W > 1 (up to `max_beam_width`, serving.max_beam_width) runs beam
 search (runtime/beam.py): its prompt prefills as one row, then its W beams decode as W rows of
@@ -32,6 +34,7 @@ import numpy as np
 
 from llmc.runtime import beam
 from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.draft import DraftProposer
 from llmc.runtime.engine import CacheState, LLMEngine, StepOutput
 from llmc.runtime.manifest import SpeculativeConfig
 from llmc.runtime.paged_batch import RowStep
@@ -47,7 +50,7 @@ class PagedEngine(LLMEngine):
     def __init__(self, runner: PagedRunner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_rows: int,
                  max_seq_len: int, max_num_tokens: int, max_queue_size: int = 256, prefix_caching: bool = True,
                  itl_ratio: float | None = None, speculative: SpeculativeConfig | None = None,
-                 max_beam_width: int = 1):
+                 draft: PagedRunner | None = None, max_beam_width: int = 1):
         if not 1 <= max_beam_width <= max_rows:
             raise ValueError(f"max_beam_width ({max_beam_width}) must be between 1 and max_rows ({max_rows}): a beam "
                              f"request's beams are rows of one step")
@@ -56,6 +59,12 @@ class PagedEngine(LLMEngine):
         # itl_ratio: cap a step's prompt tokens so it stays within that many decode steps (step_cost.py)
         self.cost = StepCost(itl_ratio) if itl_ratio else None
         self.speculator = Speculator.from_config(speculative, max_seq_len) if speculative else None
+        if (draft is not None) != (speculative is not None and speculative.method == "draft"):
+            raise ValueError("a draft runner goes with speculative.method: draft, and that method needs one")
+        if draft is not None and (draft.num_blocks, draft.block_size) != (runner.num_blocks, runner.block_size):
+            raise ValueError(f"the draft's pools ({draft.num_blocks} blocks of {draft.block_size}) must match the "
+                             f"target's ({runner.num_blocks} of {runner.block_size}): they share its block tables")
+        self.drafter = DraftProposer(draft, runner.vocab_size) if draft is not None else None
         self._setup(runner, tokenizer, end_ids, max_seq_len, max_num_tokens,
                     TokenScheduler(self.blocks, max_rows=max_rows, max_num_tokens=max_num_tokens,
                                    max_queue_size=max_queue_size, speculator=self.speculator))
@@ -89,6 +98,8 @@ class PagedEngine(LLMEngine):
                     seq.finish(FinishReason.length)  # the next token would pass max_seq_len
             chunks = [c for c in self.scheduler.schedule(self.cost.prompt_cap if self.cost else None)
                       if not c.seq.is_finished]
+        if self.drafter is not None:
+            chunks = self.drafter.fill(chunks, self.blocks)
         sampled: dict[str, list[int]] = {}
         if chunks:
             self._run(chunks, sampled)
@@ -145,7 +156,8 @@ class PagedEngine(LLMEngine):
             if not chunk.samples:
                 self.scheduler.computed(chunk)
         picked = np.concatenate([np.arange(ends[i] - 1 - len(chunks[i].proposals), ends[i]) for i in rows])
-        kept = verify(logits[picked], [chunks[i].seq for i in rows], [chunks[i].proposals for i in rows])
+        kept = verify(logits[picked], [chunks[i].seq for i in rows], [chunks[i].proposals for i in rows],
+                      [chunks[i].draft for i in rows])
         at = 0
         for i, tokens in zip(rows, kept):
             chunk = chunks[i]

@@ -144,6 +144,47 @@ def sample(logits: np.ndarray, params: SamplingParams, prompt_ids: np.ndarray, o
     return int(sample_rows(logits[None], [params], [prompt_ids], [output_ids], [rng])[0])
 
 
+def distributions(logits: np.ndarray, params: Sequence[SamplingParams], prompt_ids: Sequence[_Ids],
+                  output_ids: Sequence[_Ids]) -> np.ndarray:
+    """The distribution `sample_rows` draws each row's token from, as probabilities [R, V] (float64):
+    the penalized logits' softmax at the row's temperature with top-k, top-p and min-p applied, the
+    same weights `_draw` walks; a greedy row's is a point mass on its argmax. Speculative decoding
+    with a draft model (speculative.py) compares the target's and the draft's distributions with it."""
+    logits = penalize(logits, params, prompt_ids, output_ids).astype(np.float32, copy=False)
+    rows, vocab = logits.shape
+    out = np.zeros((rows, vocab), dtype=np.float64)
+    greedy = np.array([p.is_greedy for p in params], dtype=bool)
+    if greedy.any():
+        g = np.nonzero(greedy)[0]
+        out[g, logits[g].argmax(axis=1)] = 1.0
+    hot = np.nonzero(~greedy)[0]
+    for lo in range(0, len(hot), _ROWS_AT_ONCE):
+        rows = hot[lo:lo + _ROWS_AT_ONCE]
+        block, hp = logits[rows], [params[r] for r in rows]
+        top = block.max(axis=1)
+        temperature = np.array([p.temperature for p in hp], np.float32)
+        k = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in hp])
+        top_p = np.array([p.top_p for p in hp])
+        min_p = np.array([p.min_p for p in hp], np.float32)
+        ranked = (k < vocab) | (top_p < 1.0)
+        if (~ranked).any():
+            w = _weights(block[~ranked], top[~ranked], temperature[~ranked])
+            out[rows[~ranked]] = np.where(w >= min_p[~ranked, None], w, np.float32(0.0))
+        if ranked.any():
+            cand, w = _ranked_weights(block[ranked], top[ranked], temperature[ranked], k[ranked], top_p[ranked],
+                                      min_p[ranked])
+            dense = np.zeros((len(cand), vocab), dtype=np.float64)
+            np.put_along_axis(dense, cand, w, axis=1)
+            out[rows[ranked]] = dense
+    out[~greedy] /= out[~greedy].sum(axis=1, keepdims=True)
+    return out
+
+
+def draw_from(probabilities: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from a probability row [V] with one uniform of `rng` (the inverse CDF `_draw` uses)."""
+    return int(_inverse_cdf(probabilities[None], np.array([rng.random()]))[0])
+
+
 _BLOCK = 256  # the draw sums weights in blocks of this many tokens, then walks one block
 _TINY_TEMPERATURE = 1e-30  # float32 division by a smaller temperature would make the winner 0 / 0
 
@@ -220,6 +261,14 @@ def _draw_ranked(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray, k
                  min_p: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Rows with top-k or top-p: rank each row's most likely tokens by logit, keep what top-k, then
     top-p (renormalized over the top-k set), then min-p allow, and draw among them."""
+    cand, w = _ranked_weights(logits, top, temperature, k, top_p, min_p)
+    index = _pick(w, u * w.sum(axis=1))
+    return np.take_along_axis(cand, index[:, None], axis=1)[:, 0]
+
+
+def _ranked_weights(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray, k: np.ndarray, top_p: np.ndarray,
+                    min_p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate ids, their weights): what top-k, then top-p, then min-p leave of each row."""
     vocab = logits.shape[1]
     # top-k alone needs its k candidates; top-p the first _CANDIDATES (or its k), the whole row if they fall short
     width = min(vocab, int(np.max(np.where(top_p < 1.0, np.minimum(k, _CANDIDATES), k))))
@@ -229,9 +278,7 @@ def _draw_ranked(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray, k
         full_cand, full_w, _ = _ranked(logits[redo], top[redo], temperature[redo], k[redo], top_p[redo], vocab)
         cand, w = _widen(cand, vocab), _widen(w, vocab)
         cand[redo], w[redo] = full_cand, full_w
-    w = np.where(w >= min_p[:, None], w, 0.0)
-    index = _pick(w, u * w.sum(axis=1))
-    return np.take_along_axis(cand, index[:, None], axis=1)[:, 0]
+    return cand, np.where(w >= min_p[:, None], w, 0.0)
 
 
 def _widen(a: np.ndarray, width: int) -> np.ndarray:

@@ -140,6 +140,8 @@ class ServingLoop:
         self._fail_all("the model is being unloaded")
         if not self._thread.is_alive():  # no step can be running
             self.engine.runner.close()
+            if getattr(self.engine, "drafter", None) is not None:
+                self.engine.drafter.close()
 
     def submit(self, inputs: Mapping[str, np.ndarray], sink: Sink, client_id: str = "") -> None:
         """Queue a request (never blocks); a request that cannot run is answered with an error at once.
@@ -283,15 +285,21 @@ def _call(fn, *args) -> tuple[bool, object]:
 
 
 def _paged_engine(graph: Path, m, tokenizer) -> LLMEngine:
-    """The paged graph's engine: a pool of `kv_cache_tokens` tokens in blocks, `max_batch_size` rows a step."""
+    """The paged graph's engine: a pool of `kv_cache_tokens` tokens in blocks, `max_batch_size` rows a step
+    (and, with a draft model, the draft's pools of as many blocks)."""
     from llmc.runtime.paged_engine import PagedEngine
     from llmc.runtime.paged_runner import PagedRunner
 
     lim = m.limits
     num_blocks = -(-lim.kv_cache_tokens // m.kv_layout.block_size)
+    spec = m.speculative
+    drafting = spec is not None and spec.draft is not None  # two sessions in turn: neither spins after its run
     runner = PagedRunner(graph, m.kv_layout, num_blocks=num_blocks, max_num_tokens=lim.max_num_tokens,
-                         num_threads=lim.num_threads)
+                         num_threads=lim.num_threads, spin_after_run=not drafting)
+    draft = PagedRunner(graph.parent / spec.draft.engine, spec.draft.kv_layout, num_blocks=num_blocks,
+                        max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads, spin_after_run=False) \
+        if drafting else None
     return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
                        max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
                        max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching, itl_ratio=lim.itl_ratio,
-                       speculative=m.speculative, max_beam_width=lim.max_beam_width)
+                       speculative=spec, draft=draft, max_beam_width=lim.max_beam_width)

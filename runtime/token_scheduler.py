@@ -4,7 +4,8 @@ decode rows and prefill chunks.
     schedule() = every running sequence that decodes gets its next token (a new block when it
                  crosses into one; when the pool is out, the newest running sequence is preempted),
                  and with speculation up to `max_batch` of them the proposals after it
-                 (speculative.py) when the spare tokens and free blocks allow
+                 (speculative.py; with a draft model, blocks reserved for the proposals
+                 draft.py fills in after scheduling) when the spare tokens and free blocks allow
                + partly prefilled sequences continue, oldest first
                + waiting sequences are admitted (their cached prefix reused) while rows, tokens
                  and blocks last
@@ -30,7 +31,7 @@ end, so nothing was sent, and the search is deterministic, so it ends the same w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from llmc.runtime import beam
 from llmc.runtime.beam import BeamRow
@@ -50,7 +51,9 @@ class Chunk:
     token_ids: list[int]
     past_len: int
     proposals: list[int] = field(default_factory=list)
-    row: BeamRow | None = None
+    reserved: int = 0  # draft model: positions past the last token given blocks for the draft to fill (draft.py)
+    draft: Any = None  # draft model, sampling row: the draft's distributions [k, V] the proposals came from
+    row: BeamRow | None = None  # one beam of a beam request (beam.py)
 
     @property
     def samples(self) -> bool:
@@ -79,7 +82,7 @@ class TokenScheduler(WaitingQueue):
         chunks: list[Chunk] = []
         self.copies = []
         rows = self._decode_rows(chunks)
-        budget = self.max_num_tokens - sum(len(c.token_ids) for c in chunks)
+        budget = self.max_num_tokens - sum(len(c.token_ids) + c.reserved for c in chunks)  # reserved: draft.py's
         cap = prompt_cap(rows) if prompt_cap is not None else None
         if cap is not None:
             budget = min(budget, cap)
@@ -153,6 +156,13 @@ class TokenScheduler(WaitingQueue):
                 break
             if chunk.seq.beam is not None:  # beams pick tokens by score over W rows: nothing to verify
                 continue
+            if self.speculator.drafts:  # blocks for the most the draft may propose; it fills them after scheduling
+                limit = self.speculator.limit(chunk.seq, spare)
+                if limit and self.blocks.can_append(chunk.seq, limit):
+                    self.blocks.append(chunk.seq, limit)
+                    chunks[i] = Chunk(chunk.seq, chunk.token_ids, chunk.past_len, reserved=limit)
+                    spare, rows = spare - limit, rows + 1
+                continue
             proposals = self.speculator.propose(chunk.seq, spare)
             if proposals and self.blocks.can_append(chunk.seq, len(proposals)):
                 self.blocks.append(chunk.seq, len(proposals))
@@ -172,7 +182,7 @@ class TokenScheduler(WaitingQueue):
             seq.beam.restart()
         self.blocks.free(seq)
         self.running.remove(seq)
-        seq.status = Status.waiting
+        seq.status, seq.draft_cached = Status.waiting, 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -180,8 +190,10 @@ class TokenScheduler(WaitingQueue):
         """The graph wrote `chunk`: its tokens are cached, and its full blocks can serve as prefixes.
         Of its proposals only the `accepted` ones count: a rejected one's KV is left past the
         sequence's length (overwritten later, never committed) and the blocks taken for it go back."""
-        written = chunk.row if chunk.row is not None else chunk.seq
+        written = chunk.row if chunk.row is not None else chunk.seq  # a beam's own length, or the sequence's
         written.num_cached = chunk.past_len + len(chunk.token_ids) - len(chunk.proposals) + accepted
+        # the draft's KV past the accepted tokens holds rejected proposals: it rolls back the same way
+        chunk.seq.draft_cached = min(chunk.seq.draft_cached, chunk.seq.num_cached)
         if chunk.proposals:
             self.blocks.trim(chunk.seq)
         self.blocks.commit(written)

@@ -66,7 +66,7 @@ MALFORMED = [
     ({"name": "m", "source": "x", "verify": {"max_logit_diff": 0}}, "verify.max_logit_diff: Input should be greater than 0"),
     ({"name": "m", "source": 5}, "source"),
     ({"name": "m", "source": "x", "export": {"attention": "paged"}, "speculative": {"method": "draft"}},
-     "speculative: method: draft (a draft model built by the same build) is not built yet; use ngram"),
+     "speculative: method: draft needs a draft section"),
     ({"name": "m", "source": "x", "export": {"attention": "fused"}, "speculative": {"method": "ngram"}},
      "speculative: needs the paged graph, export.attention: paged or auto"),
     ({"name": "m", "source": "x", "export": {"attention": "paged"}, "speculative": {"method": "ngram", "num_tokens": 0}},
