@@ -243,6 +243,12 @@ class SpeculativeSpec(StrictModel):
         2, description="ngram: shortest n-gram looked up (1-grams match almost anywhere in prose and their "
                        "proposals are mostly rejected: scripts/bench_speculative.py).")
     max_n: Annotated[int, Field(ge=1, le=16)] = Field(3, description="ngram: longest n-gram looked up (tried first).")
+    disable_batch_size: Annotated[int, Field(ge=1, le=1024)] | None = Field(
+        None, description="No row speculates while more requests than this are running or waiting (vLLM's "
+                          "speculative_disable_by_batch_size): a full batch is compute-bound, and a draft's calls "
+                          "(and its catching up on prompts) only slow it. Unset: max_batch for method draft (its k "
+                          "calls a step cost the same however few rows speculate), never for ngram (its proposals "
+                          "cost no model call).")
     draft: DraftSpec | None = Field(None, description="method draft: the draft model (a checkpoint, or the target "
                                                       "quantized).")
 
@@ -254,6 +260,9 @@ class SpeculativeSpec(StrictModel):
                              f"draft: is the draft model of method: draft; method is {self.method.value}")
         if self.min_n > self.max_n:
             raise ValueError(f"min_n ({self.min_n}) must be <= max_n ({self.max_n})")
+        if self.disable_batch_size is not None and self.disable_batch_size < self.max_batch:
+            raise ValueError(f"disable_batch_size ({self.disable_batch_size}) must be >= max_batch ({self.max_batch}): "
+                             f"below it max_batch rows could never speculate")
         return self
 
 

@@ -59,6 +59,7 @@ class SpeculativeConfig(BaseModel):
     max_batch: int = Field(ge=1)
     min_n: int = Field(ge=1)
     max_n: int = Field(ge=1)
+    disable_batch_size: int | None = Field(None, ge=1)  # more requests: no speculation; unset: speculative.py
     draft: DraftModel | None = None  # method draft only
 
     @model_validator(mode="after")

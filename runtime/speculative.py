@@ -56,13 +56,17 @@ class Speculator:
     max_batch: int
     capacity: int  # max_seq_len: no proposal is written past it
     num_tokens: int  # k
+    disable_batch_size: int = 1 << 30  # with more requests than this running or waiting, no row speculates
     num_draft_tokens: int = 0  # proposals verified, since start
     num_accepted_tokens: int = 0  # proposals the target accepted, since start
 
     @classmethod
     def from_config(cls, config: "SpeculativeConfig", capacity: int) -> "Speculator":
         proposer = NgramProposer(config.num_tokens, config.min_n, config.max_n) if config.method == "ngram" else None
-        return cls(proposer, config.max_batch, capacity, config.num_tokens)
+        # unset: a draft's k calls a step cost the same however few of the batch's rows speculate, so it
+        # speculates only while every request may; prompt lookup's proposals cost only their tokens
+        disable = config.disable_batch_size or (config.max_batch if proposer is None else 1 << 30)
+        return cls(proposer, config.max_batch, capacity, config.num_tokens, disable)
 
     @property
     def drafts(self) -> bool:

@@ -150,6 +150,8 @@ class TokenScheduler(WaitingQueue):
         """Proposals after the last token of at most `max_batch` decode rows (the oldest that have
         any), within the step's spare tokens and the free blocks. Run once every decode row has its
         blocks, so speculation never takes a block a row needs for its own token, nor preempts anyone."""
+        if len(self.running) + len(self.waiting) > self.speculator.disable_batch_size:
+            return  # a full batch is compute-bound already; a draft would also catch up rows only to stop again
         spare, rows = self.max_num_tokens - len(chunks), 0
         for i, chunk in enumerate(chunks):
             if spare < 1 or rows == self.speculator.max_batch:

@@ -18,7 +18,9 @@ Measured in one run, `uptime` noted before and after:
    speculation on the default session (which spins after its runs, slowing whatever runs next)
    decodes alone, before or after them.
    Every speculative output is checked token for token against the plain one.
-3. 16 streams at once, at most 4 of them speculating with the self-draft, against none: throughput.
+3. 16 streams at once with the self-draft (max_batch 4, disable_batch_size as the manifest has it,
+   unset: max_batch, so nothing speculates while more than 4 requests are in), against none:
+   throughput.
 
 With a draft, serving.py stops both sessions' threads spinning after each run (two sessions taking
 turns on 2 cores: a pool spinning after its run takes the cores the other computes on); "none" is
@@ -216,7 +218,8 @@ def streams(targets: dict, drafts: dict, manifest, tokenizer, prompts: list[list
             rates[c].append(sum(map(len, outputs[c].values())) / seconds[c])
     s = engines[k].speculator
     plain, fast = statistics.median(rates[None]), statistics.median(rates[k])
-    print(f"\n{STREAMS} streams (at most 4 rows speculate a step): none {plain:.1f} tok/s, self-draft k {k} "
+    print(f"\n{STREAMS} streams (max_batch 4, no speculation above {s.disable_batch_size} requests): none {plain:.1f} "
+          f"tok/s, self-draft k {k} "
           f"{fast:.1f} tok/s = {fast / plain:.2f}x, accepted {s.num_accepted_tokens}/{s.num_draft_tokens}; "
           f"outputs identical")
 

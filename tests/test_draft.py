@@ -24,9 +24,10 @@ TOKENS = 24
 GREEDY = SamplingParams(max_tokens=TOKENS)
 
 
-def _config(layout, k=4, max_batch=4):
+def _config(layout, k=4, max_batch=4, disable_batch_size=None):
     """The manifest's entry (the engine gets the draft's runner itself; serving.py makes it from this)."""
     return SpeculativeConfig(method="draft", num_tokens=k, max_batch=max_batch, min_n=2, max_n=3,
+                             disable_batch_size=disable_batch_size,
                              draft=DraftModel(engine="draft/model.onnx", kv_layout=layout, source="test",
                                               source_hash="0", quantization="none"))
 
@@ -69,13 +70,14 @@ def _runner(model, num_blocks, max_num_tokens):
 
 
 def _engine(models, draft: str | None, *, k=4, max_batch=4, num_blocks=64, max_rows=8, max_num_tokens=48,
-            prefix_caching=True, max_queue_size=256):
+            prefix_caching=True, max_queue_size=256, max_beam_width=1, disable_batch_size=None):
     target = _runner(models["target"], num_blocks, max_num_tokens)
+    common = dict(max_rows=max_rows, max_seq_len=128, max_num_tokens=max_num_tokens, prefix_caching=prefix_caching,
+                  max_queue_size=max_queue_size, max_beam_width=max_beam_width)
     if draft is None:
-        return PagedEngine(target, max_rows=max_rows, max_seq_len=128, max_num_tokens=max_num_tokens,
-                           prefix_caching=prefix_caching, max_queue_size=max_queue_size)
-    return PagedEngine(target, max_rows=max_rows, max_seq_len=128, max_num_tokens=max_num_tokens,
-                       prefix_caching=prefix_caching, max_queue_size=max_queue_size, speculative=_config(models[draft][1].kv_layout, k, max_batch),
+        return PagedEngine(target, **common)
+    return PagedEngine(target, **common, speculative=_config(models[draft][1].kv_layout, k, max_batch,
+                                                             disable_batch_size),
                        draft=_runner(models[draft], num_blocks, max_num_tokens))
 
 
@@ -110,7 +112,7 @@ def test_greedy_with_a_draft_at_batch_1_equals_without(models, plain, draft):
 
 
 def test_greedy_with_a_draft_under_concurrent_load_equals_without(models, plain):
-    engine = _engine(models, "small", max_batch=3, max_rows=5)
+    engine = _engine(models, "small", max_batch=3, max_rows=5, disable_batch_size=5)  # 3 of 5 speculate
     assert _run(engine, {name: (PROMPTS[name], GREEDY) for name in PROMPTS}) == plain
     assert engine.speculator.num_accepted_tokens > 0 and engine.blocks.num_used == 0
 
@@ -122,6 +124,43 @@ def test_a_draft_with_preemption_no_prefix_cache_and_a_small_catch_up_budget_cha
     assert _run(engine, {n: (PROMPTS[n], GREEDY) for n in names}) == {n: plain[n] for n in names}
     assert engine.scheduler.num_preemptions > 0 and engine.speculator.num_accepted_tokens > 0
     assert engine.blocks.num_used == 0 and engine.blocks.num_free == 10
+
+
+def test_beam_requests_beside_drafted_rows_get_their_solo_results(models, plain):
+    """A beam group's rows get no reserved blocks and no proposals; the greedy rows beside it still
+    speculate, and each request ends as it does alone."""
+    beams = SamplingParams(beam_width=3, max_tokens=10)
+    finals = {}
+
+    def run(engine, requests):
+        for name, (prompt, params) in requests.items():
+            engine.add_request(name, prompt, params)
+        tokens = {name: [] for name in requests}
+        while engine.has_work:
+            for out in engine.step():
+                tokens[out.request_id] += out.token_ids
+                if out.finished and out.beams is not None:
+                    finals[out.request_id] = [list(b.token_ids) for b in out.beams]
+        return tokens
+
+    run(_engine(models, None, max_beam_width=3), {"beam": (PROMPTS["rand0"], beams)})
+    solo, finals = finals, {}
+    engine = _engine(models, "target", max_beam_width=3)
+    tokens = run(engine, {"copy0": (PROMPTS["copy0"], GREEDY), "beam": (PROMPTS["rand0"], beams),
+                          "long": (PROMPTS["long"], GREEDY)})
+    assert finals == solo and len(solo["beam"]) == 3
+    assert tokens["copy0"] == plain["copy0"] and tokens["long"] == plain["long"]
+    assert engine.speculator.num_accepted_tokens > 0 and engine.blocks.num_used == 0
+
+
+def test_a_draft_stops_speculating_with_more_requests_than_max_batch_unless_told(models):
+    from llmc.runtime.speculative import Speculator
+
+    layout = models["small"][1].kv_layout
+    assert Speculator.from_config(_config(layout, max_batch=3), 128).disable_batch_size == 3
+    told = _config(layout, max_batch=3).model_copy(update={"disable_batch_size": 16})
+    assert Speculator.from_config(told, 128).disable_batch_size == 16
+    # what the limit does to a step is the scheduler's, whatever the method: test_speculative.py
 
 
 def test_the_engine_refuses_a_draft_whose_pools_do_not_match(models):
@@ -189,7 +228,7 @@ def test_sampling_with_a_draft_follows_the_target_at_the_first_speculated_positi
     params = SamplingParams(max_tokens=3, temperature=0.8, top_k=6, repetition_penalty=1.1)
     n = 4000
     engine = _engine(models, "small", k=1, max_batch=64, max_rows=64, num_blocks=256, max_num_tokens=512,
-                     max_queue_size=n)
+                     max_queue_size=n, disable_batch_size=n)  # speculating with all n queued
     requests = {f"r{i}": (prompt, params.model_copy(update={"seed": i})) for i in range(n)}
     tokens = _run(engine, requests)
     pairs = [tuple(t[:2]) for t in tokens.values()]

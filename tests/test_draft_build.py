@@ -28,7 +28,8 @@ SELF = {"quantization": {"mode": "int4-weight-only", "algorithm": "rtn"}}
 
 def _spec(target, draft, **extra):
     return parse_spec({"name": "tiny", "source": str(target), "verify": {"enabled": False},
-                       "speculative": {"method": "draft", "num_tokens": 3, "max_batch": 2, "draft": draft},
+                       "speculative": {"method": "draft", "num_tokens": 3, "max_batch": 2, "draft": draft,
+                                       "disable_batch_size": len(PROMPTS)},
                        **TINY_SERVING_SPEC, **extra})
 
 
@@ -52,7 +53,7 @@ def _serve(version, metrics=None):
     loop = ServingLoop.from_manifest(version, metrics).start()
     try:
         sinks = [RecordingSink() for _ in PROMPTS]
-        for prompt, sink in zip(PROMPTS, sinks):  # together: rows beyond max_batch 2 decode normally
+        for prompt, sink in zip(PROMPTS, sinks):  # together: 2 rows speculate, the others decode normally
             loop.submit(request_inputs(prompt, max_tokens=20), sink)
         ids = [sink.joined("output_ids").tolist() for sink in sinks]
         time.sleep(0.3)  # the idle loop publishes the metrics
