@@ -6,6 +6,7 @@ decode rows and prefill chunks.
                  and with speculation up to `max_batch` of them the proposals after it
                  (speculative.py; with a draft model, blocks reserved for the proposals
                  draft.py fills in after scheduling) when the spare tokens and free blocks allow
+                 and no more requests are in than `disable_batch_size`
                + partly prefilled sequences continue, oldest first
                + waiting sequences are admitted (their cached prefix reused) while rows, tokens
                  and blocks last
