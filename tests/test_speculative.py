@@ -116,7 +116,6 @@ def test_rows_beyond_max_batch_decode_normally(paged, plain):
     assert max(len(c.proposals) for chunks in seen for c in chunks) == 3
 
 
-
 def test_no_row_speculates_while_more_requests_than_disable_batch_size_are_in(paged, plain):
     names = ("copy0", "copy1", "copy2")
     for limit in (2, 3):
@@ -131,6 +130,17 @@ def test_no_row_speculates_while_more_requests_than_disable_batch_size_are_in(pa
         assert speculated and max(speculated) <= limit, (limit, speculated)
     unset = SpeculativeConfig(method="ngram", num_tokens=3, max_batch=4, min_n=2, max_n=2)
     assert Speculator.from_config(unset, 128).disable_batch_size >= 1024  # unset, prompt lookup: never
+
+
+# every sampling knob the plain sampler has, each request seeded: the same tokens with speculation on or
+# off. Low temperatures: the random tiny model repeats itself there, so proposals get accepted
+SAMPLED = {"copy0:a": SamplingParams(max_tokens=TOKENS, temperature=0.05, seed=1),
+           "copy1:b": SamplingParams(max_tokens=TOKENS, temperature=0.2, top_k=5, top_p=0.9, seed=2),
+           "copy2:c": SamplingParams(max_tokens=TOKENS, temperature=0.1, min_p=0.1, repetition_penalty=1.05,
+                                     frequency_penalty=0.1, presence_penalty=0.1, seed=3),
+           "copy0:d": SamplingParams(max_tokens=TOKENS, temperature=0.1, repetition_penalty=1.2, min_tokens=5,
+                                     end_ids=(7,), seed=5),
+           "rand0:e": SamplingParams(max_tokens=TOKENS, temperature=0.05, seed=4)}
 
 
 def test_seeded_sampling_and_logprobs_with_speculation_equal_without(paged):
