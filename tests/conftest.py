@@ -148,6 +148,20 @@ def serving_env() -> Path:
     return SERVING_ENV
 
 
+def complete_on_triton(repository: Path, tmp_path: Path, prompts: list[str], max_tokens: int, model: str = "tiny"):
+    """Each prompt's output ids from a real Triton server on `repository` (greedy, one at a time),
+    and llmc's metrics of `model` after them."""
+    from llmc.client import Client
+    from llmc.soak import llmc_metrics
+    from llmc.triton_server import TritonServer, assemble
+
+    with TritonServer(repository, server_dir=assemble(tmp_path / "server"), serving_env=serving_env(),
+                      log_path=tmp_path / "server.log") as server:
+        client = Client(server.grpc_url, model)
+        got = [client.complete(prompt, max_tokens=max_tokens).output_ids for prompt in prompts]
+        return got, llmc_metrics(f"http://127.0.0.1:{server.ports.metrics}", model)
+
+
 class BackgroundLoad:
     """Threads streaming greedy requests of exactly `max_tokens` tokens until stopped: the times of
     the requests that completed whole, and the errors of the others. Leaving the block stops them

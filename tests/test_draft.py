@@ -81,13 +81,16 @@ def _engine(models, draft: str | None, *, k=4, max_batch=4, num_blocks=64, max_r
                        draft=_runner(models[draft], num_blocks, max_num_tokens))
 
 
-def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]]):
+def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]], beams: dict | None = None):
+    """Each request's tokens; a finished beam request's beams (their ids) go into `beams`."""
     for name, (prompt, params) in requests.items():
         engine.add_request(name, prompt, params)
     tokens = {name: [] for name in requests}
     while engine.has_work:
         for out in engine.step():
             tokens[out.request_id] += out.token_ids
+            if out.finished and out.beams is not None and beams is not None:
+                beams[out.request_id] = [list(b.token_ids) for b in out.beams]
     return tokens
 
 
@@ -130,24 +133,11 @@ def test_beam_requests_beside_drafted_rows_get_their_solo_results(models, plain)
     """A beam group's rows get no reserved blocks and no proposals; the greedy rows beside it still
     speculate, and each request ends as it does alone."""
     beams = SamplingParams(beam_width=3, max_tokens=10)
-    finals = {}
-
-    def run(engine, requests):
-        for name, (prompt, params) in requests.items():
-            engine.add_request(name, prompt, params)
-        tokens = {name: [] for name in requests}
-        while engine.has_work:
-            for out in engine.step():
-                tokens[out.request_id] += out.token_ids
-                if out.finished and out.beams is not None:
-                    finals[out.request_id] = [list(b.token_ids) for b in out.beams]
-        return tokens
-
-    run(_engine(models, None, max_beam_width=3), {"beam": (PROMPTS["rand0"], beams)})
-    solo, finals = finals, {}
+    solo, finals = {}, {}
+    _run(_engine(models, None, max_beam_width=3), {"beam": (PROMPTS["rand0"], beams)}, solo)
     engine = _engine(models, "target", max_beam_width=3)
-    tokens = run(engine, {"copy0": (PROMPTS["copy0"], GREEDY), "beam": (PROMPTS["rand0"], beams),
-                          "long": (PROMPTS["long"], GREEDY)})
+    tokens = _run(engine, {"copy0": (PROMPTS["copy0"], GREEDY), "beam": (PROMPTS["rand0"], beams),
+                           "long": (PROMPTS["long"], GREEDY)}, finals)
     assert finals == solo and len(solo["beam"]) == 3
     assert tokens["copy0"] == plain["copy0"] and tokens["long"] == plain["long"]
     assert engine.speculator.num_accepted_tokens > 0 and engine.blocks.num_used == 0

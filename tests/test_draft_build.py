@@ -11,7 +11,8 @@ import time
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from conftest import TINY_SERVING_SPEC, RecordingSink, byte_tokenizer, request_inputs, write_spec
+from conftest import (TINY_SERVING_SPEC, RecordingSink, byte_tokenizer, complete_on_triton, request_inputs,
+                      write_spec)
 from llmc.compiler import build
 from llmc.compiler.plan import plan_build
 from llmc.compiler.spec import load_spec, parse_spec
@@ -140,21 +141,8 @@ def test_the_plan_lists_the_draft(tiny_checkpoints, small):
 
 @pytest.mark.triton
 def test_on_a_real_triton_server_the_draft_serves_the_same_tokens_and_counts_its_proposals(self_draft, tmp_path):
-    from pathlib import Path
-
-    from llmc.client import Client
-    from llmc.soak import llmc_metrics
-    from llmc.triton_server import TritonServer, assemble
-
-    serving_env = Path(__file__).resolve().parents[1] / ".venv-serving"
-    if not (serving_env / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
     expected, _ = _serve(self_draft.repository / "tiny" / "1")
-    with TritonServer(self_draft.repository, server_dir=assemble(tmp_path / "server"), serving_env=serving_env,
-                      log_path=tmp_path / "server.log") as server:
-        client = Client(server.grpc_url, "tiny")
-        got = [client.complete(prompt, max_tokens=20).output_ids for prompt in PROMPTS]
-        metrics = llmc_metrics(f"http://127.0.0.1:{server.ports.metrics}", "tiny")
+    got, metrics = complete_on_triton(self_draft.repository, tmp_path, PROMPTS, 20)
     assert got == expected
     drafted, accepted = metrics["llmc_spec_decode_draft_tokens_total"], metrics["llmc_spec_decode_accepted_tokens_total"]
     assert 0 < accepted <= drafted

@@ -8,7 +8,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from conftest import TINY_SERVING_SPEC, RecordingSink, request_inputs
+from conftest import TINY_SERVING_SPEC, RecordingSink, complete_on_triton, request_inputs
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.manifest import RepositoryManifest, SpeculativeConfig
@@ -73,21 +73,8 @@ def test_a_manifest_refuses_speculation_on_the_slot_graph(tiny_slot_build):
 @pytest.mark.triton
 def test_on_a_real_triton_server_speculation_serves_the_same_tokens_and_exports_its_metrics(speculative_build,
                                                                                             tmp_path):
-    from pathlib import Path
-
-    from llmc.client import Client
-    from llmc.soak import llmc_metrics
-    from llmc.triton_server import TritonServer, assemble
-
-    serving_env = Path(__file__).resolve().parents[1] / ".venv-serving"
-    if not (serving_env / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
     expected, engine = _serve(speculative_build.repository / "tiny" / "1")
-    with TritonServer(speculative_build.repository, server_dir=assemble(tmp_path / "server"), serving_env=serving_env,
-                      log_path=tmp_path / "server.log") as server:
-        client = Client(server.grpc_url, "tiny")
-        got = [client.complete(prompt, max_tokens=20).output_ids for prompt in PROMPTS]
-        metrics = llmc_metrics(f"http://127.0.0.1:{server.ports.metrics}", "tiny")
+    got, metrics = complete_on_triton(speculative_build.repository, tmp_path, PROMPTS, 20)
     assert got == expected
     drafted, accepted = metrics["llmc_spec_decode_draft_tokens_total"], metrics["llmc_spec_decode_accepted_tokens_total"]
     assert 0 < accepted <= drafted
