@@ -18,10 +18,9 @@ from llmc.compiler.plan import plan_build
 from llmc.compiler.spec import load_spec, parse_spec
 from llmc.errors import SourceError, SpecError
 from llmc.runtime.manifest import RepositoryManifest
-from llmc.runtime.metrics import ServingMetrics
 from llmc.runtime.serving import ServingLoop
 from test_draft import truncated
-from test_serving import Recorder
+from test_speculative_serving import served_with_and_without_speculation
 
 PROMPTS = ["the cat sat on the mat; the cat sat on the mat; the cat", "abcdefabcdefabcdef", "x", "hello there"]
 SELF = {"quantization": {"mode": "int4-weight-only", "algorithm": "rtn"}}
@@ -78,18 +77,8 @@ def test_the_built_draft_is_packaged_named_and_served_with_the_same_greedy_token
     else:
         assert (draft.source, draft.quantization) == ("self", "int4-weight-only")
         assert draft.source_hash == manifest.source_hash and "perplexity" in stage.summary
-    recorder = Recorder()
-    ids, engine = _serve(version, ServingMetrics(recorder))
+    _, engine, _ = served_with_and_without_speculation(version, tmp_path, _serve)
     assert engine.drafter is not None and engine.speculator.num_tokens == 3
-    plain = tmp_path / "1"  # the same build without speculation
-    shutil.copytree(version, plain)
-    manifest.model_copy(update={"speculative": None}).save(plain)
-    plain_ids, plain_engine = _serve(plain)
-    assert plain_engine.speculator is None and ids == plain_ids
-    values = recorder.values
-    drafted, accepted = values["llmc_spec_decode_draft_tokens_total"], values["llmc_spec_decode_accepted_tokens_total"]
-    assert (drafted, accepted) == (engine.speculator.num_draft_tokens, engine.speculator.num_accepted_tokens)
-    assert 0 < accepted <= drafted
 
 
 def test_a_rebuild_reuses_the_draft_and_a_changed_draft_section_reruns_it(tiny_checkpoints, self_draft):

@@ -40,24 +40,34 @@ def _serve(version, metrics=None):
         loop.stop()
 
 
+def served_with_and_without_speculation(version, tmp_path, serve):
+    """`serve(version, metrics)` as built and a copy of `version` with speculation off: the same
+    outputs, and the speculative side's proposal counters equal to its engine's (both > 0). Its
+    outputs, engine and metric values."""
+    recorder = Recorder()
+    ids, engine = serve(version, ServingMetrics(recorder))
+    plain = tmp_path / "1"
+    shutil.copytree(version, plain)
+    RepositoryManifest.load(version).model_copy(update={"speculative": None}).save(plain)
+    plain_ids, plain_engine = serve(plain)
+    assert plain_engine.speculator is None and ids == plain_ids
+    values = recorder.values
+    drafted, accepted = values["llmc_spec_decode_draft_tokens_total"], values["llmc_spec_decode_accepted_tokens_total"]
+    assert (drafted, accepted) == (engine.speculator.num_draft_tokens, engine.speculator.num_accepted_tokens)
+    assert 0 < accepted <= drafted
+    return ids, engine, values
+
+
 def test_the_served_model_speculates_as_the_manifest_says_and_serves_the_same_tokens(speculative_build, tmp_path):
     version = speculative_build.repository / "tiny" / "1"
     manifest = RepositoryManifest.load(version)
     assert manifest.speculative == SpeculativeConfig(**SECTION)
     package = next(s for s in speculative_build.stages if s.name == "package")
     assert package.summary.endswith(", speculative ngram (k 3, up to 2 rows)")
-    recorder = Recorder()
-    ids, engine = _serve(version, ServingMetrics(recorder))
+    ids, engine, values = served_with_and_without_speculation(version, tmp_path, _serve)
     assert engine.speculator.max_batch == 2 and engine.speculator.proposer.num_tokens == 3
-    plain = tmp_path / "1"  # the same build without speculation
-    shutil.copytree(version, plain)
-    manifest.model_copy(update={"speculative": None}).save(plain)
-    plain_ids, plain_engine = _serve(plain)
-    assert plain_engine.speculator is None and ids == plain_ids
-    values = recorder.values
     drafted, accepted = values["llmc_spec_decode_draft_tokens_total"], values["llmc_spec_decode_accepted_tokens_total"]
-    assert (drafted, accepted) == (engine.speculator.num_draft_tokens, engine.speculator.num_accepted_tokens)
-    assert 0 < accepted <= drafted and values["llmc_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
+    assert values["llmc_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
     # one inter-token latency per token after each request's first; several tokens of one step share its
     # wait, so a request's latencies add up to no more than its whole time
     assert len(values["llmc_inter_token_latency_seconds"]) == sum(len(i) for i in ids) - len(ids)
