@@ -6,21 +6,18 @@ work, naming both tokenizer files; the spec refuses a draft section that makes n
 
 import json
 import shutil
-import time
 
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from conftest import (TINY_SERVING_SPEC, RecordingSink, byte_tokenizer, complete_on_triton, request_inputs,
-                      write_spec)
+from conftest import TINY_SERVING_SPEC, byte_tokenizer, complete_on_triton, write_spec
 from llmc.compiler import build
 from llmc.compiler.plan import plan_build
 from llmc.compiler.spec import load_spec, parse_spec
 from llmc.errors import SourceError, SpecError
 from llmc.runtime.manifest import RepositoryManifest
-from llmc.runtime.serving import ServingLoop
 from test_draft import truncated
-from test_speculative_serving import served_with_and_without_speculation
+from test_speculative_serving import serve_prompts, served_with_and_without_speculation
 
 PROMPTS = ["the cat sat on the mat; the cat sat on the mat; the cat", "abcdefabcdefabcdef", "x", "hello there"]
 SELF = {"quantization": {"mode": "int4-weight-only", "algorithm": "rtn"}}
@@ -49,19 +46,6 @@ def self_draft(tiny_checkpoints, tmp_path_factory):
     return build(_spec(tiny_checkpoints["llama"], SELF), output=tmp_path_factory.mktemp("self") / "tiny")
 
 
-def _serve(version, metrics=None):
-    loop = ServingLoop.from_manifest(version, metrics).start()
-    try:
-        sinks = [RecordingSink() for _ in PROMPTS]
-        for prompt, sink in zip(PROMPTS, sinks):  # together: 2 rows speculate, the others decode normally
-            loop.submit(request_inputs(prompt, max_tokens=20), sink)
-        ids = [sink.joined("output_ids").tolist() for sink in sinks]
-        time.sleep(0.3)  # the idle loop publishes the metrics
-        return ids, loop.engine
-    finally:
-        loop.stop()
-
-
 @pytest.mark.parametrize("which", ["separate", "self_draft"])
 def test_the_built_draft_is_packaged_named_and_served_with_the_same_greedy_tokens(which, request, tmp_path):
     result = request.getfixturevalue(which)
@@ -77,7 +61,7 @@ def test_the_built_draft_is_packaged_named_and_served_with_the_same_greedy_token
     else:
         assert (draft.source, draft.quantization) == ("self", "int4-weight-only")
         assert draft.source_hash == manifest.source_hash and "perplexity" in stage.summary
-    _, engine, _ = served_with_and_without_speculation(version, tmp_path, _serve)
+    _, engine, _ = served_with_and_without_speculation(version, tmp_path, PROMPTS)  # 2 of 4 speculate
     assert engine.drafter is not None and engine.speculator.num_tokens == 3
 
 
@@ -130,7 +114,7 @@ def test_the_plan_lists_the_draft(tiny_checkpoints, small):
 
 @pytest.mark.triton
 def test_on_a_real_triton_server_the_draft_serves_the_same_tokens_and_counts_its_proposals(self_draft, tmp_path):
-    expected, _ = _serve(self_draft.repository / "tiny" / "1")
+    expected, _ = serve_prompts(self_draft.repository / "tiny" / "1", PROMPTS)
     got, metrics = complete_on_triton(self_draft.repository, tmp_path, PROMPTS, 20)
     assert got == expected
     drafted, accepted = metrics["llmc_spec_decode_draft_tokens_total"], metrics["llmc_spec_decode_accepted_tokens_total"]

@@ -27,11 +27,13 @@ def speculative_build(tiny_checkpoints, tmp_path_factory):
     return build(spec, output=tmp_path_factory.mktemp("speculative_build") / "tiny")
 
 
-def _serve(version, metrics=None):
+def serve_prompts(version, prompts: list[str], metrics=None):
+    """`prompts` served together (greedy, 20 tokens each) by `version`'s serving loop: their output
+    ids, and the engine."""
     loop = ServingLoop.from_manifest(version, metrics).start()
     try:
-        sinks = [RecordingSink() for _ in PROMPTS]
-        for prompt, sink in zip(PROMPTS, sinks):  # together: rows beyond max_batch 2 decode normally
+        sinks = [RecordingSink() for _ in prompts]
+        for prompt, sink in zip(prompts, sinks):
             loop.submit(request_inputs(prompt, max_tokens=20), sink)
         ids = [sink.joined("output_ids").tolist() for sink in sinks]
         time.sleep(0.3)  # the idle loop publishes the metrics
@@ -40,16 +42,16 @@ def _serve(version, metrics=None):
         loop.stop()
 
 
-def served_with_and_without_speculation(version, tmp_path, serve):
-    """`serve(version, metrics)` as built and a copy of `version` with speculation off: the same
+def served_with_and_without_speculation(version, tmp_path, prompts: list[str]):
+    """`prompts` served by `version` as built and by a copy of it with speculation off: the same
     outputs, and the speculative side's proposal counters equal to its engine's (both > 0). Its
     outputs, engine and metric values."""
     recorder = Recorder()
-    ids, engine = serve(version, ServingMetrics(recorder))
+    ids, engine = serve_prompts(version, prompts, ServingMetrics(recorder))
     plain = tmp_path / "1"
     shutil.copytree(version, plain)
     RepositoryManifest.load(version).model_copy(update={"speculative": None}).save(plain)
-    plain_ids, plain_engine = serve(plain)
+    plain_ids, plain_engine = serve_prompts(plain, prompts)
     assert plain_engine.speculator is None and ids == plain_ids
     values = recorder.values
     drafted, accepted = values["llmc_spec_decode_draft_tokens_total"], values["llmc_spec_decode_accepted_tokens_total"]
@@ -64,7 +66,7 @@ def test_the_served_model_speculates_as_the_manifest_says_and_serves_the_same_to
     assert manifest.speculative == SpeculativeConfig(**SECTION)
     package = next(s for s in speculative_build.stages if s.name == "package")
     assert package.summary.endswith(", speculative ngram (k 3, up to 2 rows)")
-    ids, engine, values = served_with_and_without_speculation(version, tmp_path, _serve)
+    ids, engine, values = served_with_and_without_speculation(version, tmp_path, PROMPTS)  # 2 rows speculate
     assert engine.speculator.max_batch == 2 and engine.speculator.proposer.num_tokens == 3
     drafted, accepted = values["llmc_spec_decode_draft_tokens_total"], values["llmc_spec_decode_accepted_tokens_total"]
     assert values["llmc_spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
@@ -83,7 +85,7 @@ def test_a_manifest_refuses_speculation_on_the_slot_graph(tiny_slot_build):
 @pytest.mark.triton
 def test_on_a_real_triton_server_speculation_serves_the_same_tokens_and_exports_its_metrics(speculative_build,
                                                                                             tmp_path):
-    expected, engine = _serve(speculative_build.repository / "tiny" / "1")
+    expected, engine = serve_prompts(speculative_build.repository / "tiny" / "1", PROMPTS)
     got, metrics = complete_on_triton(speculative_build.repository, tmp_path, PROMPTS, 20)
     assert got == expected
     drafted, accepted = metrics["llmc_spec_decode_draft_tokens_total"], metrics["llmc_spec_decode_accepted_tokens_total"]
