@@ -79,18 +79,18 @@ class DraftProposer:
                                                    seqs[r].block_ids) for r in going])
             else:
                 logits = logits[going]
-            args = ([seqs[r].params for r in going], [seqs[r].prompt_array() for r in going],
-                    [seqs[r].output_ids + proposals[r] for r in going])
-            greedy = penalize(logits, *args).argmax(axis=1)  # a greedy row's q is a point mass: no array
-            hot = [row for row, r in enumerate(going) if not seqs[r].params.is_greedy]
-            q = distributions(logits[hot], *([a[i] for i in hot] for a in args)) if hot else None
-            for row, r in enumerate(going):
-                if seqs[r].params.is_greedy:
-                    proposals[r].append(int(greedy[row]))
-                    continue
-                dist = q[hot.index(row)]
-                proposals[r].append(draw_from(dist, seqs[r].rng))
-                dists[r].append(dist.astype(np.float32))
+            greedy = [at for at, r in enumerate(going) if seqs[r].params.is_greedy]  # rows of `logits`
+            hot = [at for at, r in enumerate(going) if not seqs[r].params.is_greedy]
+            if greedy:  # a greedy row's q is a point mass on the penalized argmax: no array
+                rows = [going[at] for at in greedy]
+                picked = penalize(logits[greedy], *_inputs(seqs, proposals, rows)).argmax(axis=1)
+                for r, token in zip(rows, picked.tolist()):
+                    proposals[r].append(token)
+            if hot:
+                rows = [going[at] for at in hot]
+                for r, dist in zip(rows, distributions(logits[hot], *_inputs(seqs, proposals, rows))):
+                    proposals[r].append(draw_from(dist, seqs[r].rng))
+                    dists[r].append(dist.astype(np.float32))
         for i, seq, props, d in zip(live, seqs, proposals, dists):
             seq.draft_cached = seq.num_tokens + len(props) - 1  # the last token and proposals 1..k-1
             c = chunks[i]
@@ -114,3 +114,9 @@ class DraftProposer:
         if not steps:
             return ready, np.empty((0, self.runner.vocab_size), np.float32)
         return ready, self.runner.step(steps)[np.asarray(fed_ready, dtype=bool)]
+
+
+def _inputs(seqs, proposals: list[list[int]], rows: list[int]) -> tuple[list, list, list]:
+    """sample_rows' params, prompts and outputs for `rows`, their proposals so far counted as output."""
+    return ([seqs[r].params for r in rows], [seqs[r].prompt_array() for r in rows],
+            [seqs[r].output_ids + proposals[r] for r in rows])
