@@ -41,7 +41,7 @@ from llmc.runtime.paged_batch import RowStep
 from llmc.runtime.paged_runner import PagedRunner
 from llmc.runtime.sampling import SamplingParams
 from llmc.runtime.sequence import FinishReason, Sequence, Status
-from llmc.runtime.speculative import Speculator, verify
+from llmc.runtime.speculative import Speculator, logit_rows, verify
 from llmc.runtime.step_cost import StepCost
 from llmc.runtime.token_scheduler import Chunk, TokenScheduler
 
@@ -131,17 +131,17 @@ class PagedEngine(LLMEngine):
     def _beams(self, chunks: list[Chunk], logits: np.ndarray) -> tuple[list[Chunk], np.ndarray]:
         """Advance the beam requests of the step (each from its rows' logits, in row order, or its
         prompt's); the other chunks and their logits rows are returned for the usual path."""
-        ends = np.cumsum([1 + len(c.proposals) for c in chunks])
+        spans = logit_rows([c.proposals for c in chunks])
         groups: dict[str, tuple[Sequence, list[int]]] = {}
         others, other_rows = [], []
         for i, chunk in enumerate(chunks):
             if chunk.seq.beam is None:
                 others.append(chunk)
-                other_rows.extend(range(ends[i] - 1 - len(chunk.proposals), ends[i]))
+                other_rows.extend(spans[i])
                 continue
             self.scheduler.computed(chunk)
             if chunk.samples:
-                groups.setdefault(chunk.seq.request_id, (chunk.seq, []))[1].append(ends[i] - 1)
+                groups.setdefault(chunk.seq.request_id, (chunk.seq, []))[1].append(spans[i][-1])
         for seq, rows in groups.values():
             seq.status = Status.decoding
             beam.advance(seq, logits[rows], self.blocks)
@@ -150,12 +150,12 @@ class PagedEngine(LLMEngine):
     def _verify(self, chunks: list[Chunk], logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
         """A step with proposals: each sampling row keeps the tokens verify() gives it; a row's
         length (and its committed KV) advances over its accepted proposals only."""
-        ends = np.cumsum([1 + len(c.proposals) for c in chunks])
+        spans = logit_rows([c.proposals for c in chunks])
         rows = [i for i, c in enumerate(chunks) if c.samples]
         for chunk in chunks:
             if not chunk.samples:
                 self.scheduler.computed(chunk)
-        picked = np.concatenate([np.arange(ends[i] - 1 - len(chunks[i].proposals), ends[i]) for i in rows])
+        picked = np.concatenate([spans[i] for i in rows])
         kept = verify(logits[picked], [chunks[i].seq for i in rows], [chunks[i].proposals for i in rows],
                       [chunks[i].draft for i in rows])
         at = 0

@@ -106,6 +106,13 @@ def reject(p: np.ndarray, q: np.ndarray, proposals: list[int], rng: np.random.Ge
     return proposals + [draw_from(p[len(proposals)], rng)]
 
 
+def logit_rows(proposals: list[list[int]]) -> list[np.ndarray]:
+    """Where each row's logits are in a step's: row i has 1 + len(proposals[i]) of them
+    (RowStep.num_logits), after its last token and after each proposal, rows in order."""
+    ends = np.cumsum([1 + len(props) for props in proposals])
+    return [np.arange(end - 1 - len(props), end) for end, props in zip(ends, proposals)]
+
+
 def verify(logits: np.ndarray, seqs: list["Sequence"], proposals: list[list[int]],
            drafts: list[np.ndarray | None] | None = None) -> list[list[int]]:
     """Each sequence's tokens this step: the proposals the target accepted, then its own token.
@@ -115,12 +122,12 @@ def verify(logits: np.ndarray, seqs: list["Sequence"], proposals: list[list[int]
     `drafts[i]`, when given, is the draft's q [k, V] the proposals were drawn from: a sampling row
     with one goes through `reject`; every other row through the point-mass rule."""
     drafts = drafts if drafts is not None else [None] * len(seqs)
-    ends = np.cumsum([1 + len(props) for props in proposals])
+    spans = logit_rows(proposals)
     general = [i for i, (seq, props, q) in enumerate(zip(seqs, proposals, drafts))
                if q is not None and props and not seq.params.is_greedy]
     kept: list[list[int] | None] = [None] * len(seqs)
     if general:
-        rows = np.concatenate([np.arange(ends[i] - 1 - len(proposals[i]), ends[i]) for i in general])
+        rows = np.concatenate([spans[i] for i in general])
         p = distributions(logits[rows], *_row_inputs([seqs[i] for i in general], [proposals[i] for i in general]))
         at = 0
         for i in general:
@@ -129,7 +136,7 @@ def verify(logits: np.ndarray, seqs: list["Sequence"], proposals: list[list[int]
             at += n
     plain = [i for i in range(len(seqs)) if kept[i] is None]
     if plain:
-        rows = np.concatenate([np.arange(ends[i] - 1 - len(proposals[i]), ends[i]) for i in plain])
+        rows = np.concatenate([spans[i] for i in plain])
         for i, tokens in zip(plain, _point_mass(logits[rows], [seqs[i] for i in plain], [proposals[i] for i in plain])):
             kept[i] = tokens
     return kept
