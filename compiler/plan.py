@@ -115,7 +115,11 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     if spec.attention_lowering == "paged":  # the block pool, in export.kv_cache_dtype
         kv_tokens = spec.limits.kv_cache_tokens or kv_tokens
         kv_element = ITEMSIZE[ELEMENT[spec.export.kv_cache_dtype]]
-    kv_bytes = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * kv_tokens * kv_element
+
+    def pool_bytes(d: Dims) -> int:  # keys and values of every layer for kv_tokens tokens
+        return 2 * d.num_layers * d.num_kv_heads * d.head_dim * kv_tokens * kv_element
+
+    kv_bytes = pool_bytes(dims)
     tokens = spec.limits.max_num_tokens
     activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)
     stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run
@@ -128,7 +132,7 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
             d = read_dims(inspect_source(draft.source)) if draft.source is not None else dims
         except SourceError as err:
             raise SourceError(f"speculative.draft.{err}") from None
-        draft_kv = 2 * d.num_layers * d.num_kv_heads * d.head_dim * kv_tokens * kv_element
+        draft_kv = pool_bytes(d)
         notes.append(f"speculative draft: {draft.source.path.name if draft.source else 'the target'} "
                      f"({draft.quantization.mode.value}), {d.num_layers} layers; its KV pools "
                      f"{draft_kv / 2**30:.2f} GiB beside the target's (the same blocks); k "

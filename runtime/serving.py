@@ -244,14 +244,12 @@ class ServingLoop:
     def _send(self, rid: str, entry: _Live, reason: FinishReason | None, beams: tuple = ()) -> None:
         if entry.closed:
             return
-        req, text = entry.request, "".join(entry.text)
-        if not req.stream and not req.exclude_input_in_output:
-            text = req.prompt + text
-        outputs = {"text_output": _bytes(text), "output_ids": np.array(entry.ids, dtype=np.int32)}
+        req = entry.request
+        prefix = req.prompt if not req.stream and not req.exclude_input_in_output else ""
+        outputs = {"text_output": _bytes(prefix + "".join(entry.text)), "output_ids": np.array(entry.ids, dtype=np.int32)}
         if beams:  # every beam, best first, padded with the end id
             end_ids = req.params.end_ids or self.engine.end_ids
-            outputs = beam_outputs(beams, req.prompt if not req.stream and not req.exclude_input_in_output else "",
-                                   end_ids[0] if end_ids else 0)
+            outputs = beam_outputs(beams, prefix, end_ids[0] if end_ids else 0)
         if entry.logprobs is not None:  # the values of exactly the tokens in output_ids
             outputs.update(entry.logprobs.take_outputs(self.tokenizer))
         if reason is not None:
