@@ -161,6 +161,19 @@ class DraftArtifact(Artifact):
     quality: QualityReport | None = None  # a quantized draft's report against its unquantized form
 
 
+class ExecutionEnvironment(Artifact):
+    """The environment stage's archive (compiler/environment.py): the serving packages for the container's
+    Python, which the package stage links into the version folder as Triton's EXECUTION_ENV_PATH."""
+
+    filename: ClassVar[str] = "environment.json"
+
+    archive: str
+    python: str  # X.Y
+    interpreter: str  # the container's, which the archive's bin/python3 links to
+    platform: str  # the newest wheel platform tag taken
+    packages: dict[str, str]  # name -> version, as installed
+
+
 class EngineModel(Artifact):
     """A TensorRT engine (`plan`) built from the export or its Q/DQ form, checked against ONNX Runtime."""
 

@@ -8,11 +8,14 @@
     <output>/model_repository/<name>/1/draft/model.onnx   speculative.method draft: the draft graph (links to the
                                                          draft stage's files), named in the manifest
     <output>/model_repository/<name>/1/tokenizer.json
+    <output>/model_repository/<name>/1/serving_env.tar.gz  execution_env: the serving packages for the container's
+                                                         Python (a link to the environment stage's archive)
     <output>/model_repository/<name>/1/manifest.json     RepositoryManifest: what the runtime reads
     <output>/model_repository/<name>/1/llmc/             llmc.runtime copied whole (no torch, no transformers)
     <output>/model_repository/<name>/requirements.txt    what the serving Python needs
 
-Copying `model_repository/` to any Triton server whose Python has the requirements is a deployment.
+Copying `model_repository/` to any Triton server whose Python has the requirements (or, with an
+execution_env, any Triton container with that Python) is a deployment.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import shutil
 from pathlib import Path
 
 import llmc
-from llmc.compiler.artifacts import DraftArtifact, EngineModel, ExportedModel, QuantizedModel
+from llmc.compiler.artifacts import DraftArtifact, EngineModel, ExecutionEnvironment, ExportedModel, QuantizedModel
 from llmc.compiler.chat_template import find_chat_template
 from llmc.compiler.output import link_or_copy
 from llmc.compiler.source import SourceInfo
@@ -32,7 +35,8 @@ from llmc.compiler.spec import BuildSpec
 from llmc.compiler.triton_config import model_config, render
 from llmc.errors import SourceError
 from llmc.runtime import cpu_kernels
-from llmc.runtime.manifest import DraftModel, RepositoryManifest, ServingLimits, SpeculativeConfig
+from llmc.runtime.manifest import (DraftModel, ExecutionEnvInfo, RepositoryManifest, ServingLimits,
+                                   SpeculativeConfig)
 
 VERSION = "1"
 DRAFT_DIR = "draft"  # the draft graph's folder in the version folder
@@ -53,7 +57,8 @@ def requirements(tensorrt_version: str | None = None) -> list[str]:
 
 
 def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | QuantizedModel | EngineModel,
-            engine_dir: Path, source: SourceInfo, repo_dir: Path, draft: Located | None = None) -> RepositoryManifest:
+            engine_dir: Path, source: SourceInfo, repo_dir: Path, draft: Located | None = None,
+            environment: "Located[ExecutionEnvironment] | None" = None) -> RepositoryManifest:
     """Write the repository for `engine` (the export, its quantized form, or the TensorRT engine
     built from either) found in `engine_dir`. `spec` has its limits filled in (BuildSpec.with_model_limits;
     the build's BuildResult.spec). `draft` is the draft stage's DraftArtifact and folder
@@ -66,13 +71,15 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
         link_or_copy(str(engine_dir / name), str(version_dir / name))
     _write_tokenizer(source, version_dir / TOKENIZER_FILE)
     draft_model = _copy_draft(draft, version_dir / DRAFT_DIR) if draft is not None else None
+    env = _link_environment(environment, version_dir) if environment is not None else None
     copy_runtime(version_dir / "llmc")
     shutil.copyfile(importlib.resources.files("llmc.model_repository") / "model.py", version_dir / "model.py")
     tensorrt = engine.tensorrt if isinstance(engine, EngineModel) else None
     chat = find_chat_template(source, spec.serving.chat_template)
     (model_dir / "config.pbtxt").write_text(render(model_config(
         spec.name, gpu=tensorrt is not None, chat_template=chat.model_dump_json() if chat else None,
-        max_beam_width=spec.serving.max_beam_width)))
+        max_beam_width=spec.serving.max_beam_width,
+        execution_env=f"{VERSION}/{env.archive}" if env is not None else None)))
     (model_dir / "requirements.txt").write_text(
         "\n".join(requirements(tensorrt.version if tensorrt else None)) + "\n")
     limits, serving = spec.limits, spec.serving
@@ -81,7 +88,7 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
         tokenizer=TOKENIZER_FILE, kv_layout=engine.kv_layout, vocab_size=exported.model.vocab_size,
         end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash, tensorrt=tensorrt, chat_template=chat,
         speculative=SpeculativeConfig(**spec.speculative.model_dump(mode="json", exclude={"draft"}), draft=draft_model)
-        if spec.speculative else None,
+        if spec.speculative else None, execution_env=env,
         limits=ServingLimits(max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                              max_num_tokens=limits.max_num_tokens, max_queue_size=serving.max_queue_size,
                              default_max_tokens=serving.default_max_tokens, max_stop_words=serving.max_stop_words,
@@ -104,6 +111,12 @@ def _copy_draft(draft: "Located[DraftArtifact]", dest: Path) -> DraftModel:
         link_or_copy(str(draft.folder / name), str(dest / Path(name).name))
     return DraftModel(engine=f"{DRAFT_DIR}/{Path(art.onnx).name}", kv_layout=art.kv_layout, source=art.source,
                       source_hash=art.source_hash, quantization=art.quantization.value)
+
+
+def _link_environment(environment: "Located[ExecutionEnvironment]", version_dir: Path) -> ExecutionEnvInfo:
+    art = environment.artifact
+    link_or_copy(str(environment.folder / art.archive), str(version_dir / art.archive))
+    return ExecutionEnvInfo(archive=art.archive, python=art.python, interpreter=art.interpreter)
 
 
 def _write_tokenizer(source: SourceInfo, dest: Path) -> None:

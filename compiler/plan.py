@@ -137,6 +137,11 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
                      f"({draft.quantization.mode.value}), {d.num_layers} layers; its KV pools "
                      f"{draft_kv / 2**30:.2f} GiB beside the target's (the same blocks); k "
                      f"{spec.speculative.num_tokens}, up to {spec.speculative.max_batch} rows a step")
+    if spec.execution_env is not None:
+        env = spec.execution_env
+        notes.append(f"execution_env: pip fetches the serving packages' wheels for CPython {env.python} "
+                     f"({env.arch.value}, manylinux up to glibc {env.glibc}) into the repository's 1/serving_env.tar.gz, "
+                     f"run by {env.interpreter_path} in the container")
     lowering = spec.attention_lowering
     if tensorrt:
         precision = (f"{spec.precision.value} through ModelOpt AutoCast (strongly typed network)"

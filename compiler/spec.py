@@ -3,7 +3,8 @@
 The smallest valid spec is `name` and `source`; everything else has a default. Relative paths in
 the file are resolved against the file's own folder; the default output is `build/<name>` under
 the current directory (the CLI's `--output` overrides both). The sections (limits, quantization,
-...) and their enums are in sections.py; they are imported from here too.
+...) and their enums are in sections.py (speculative's in speculative_sections.py); they are imported
+from here too.
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ import yaml
 from pydantic import ValidationError, field_validator, model_validator
 
 from llmc.compiler.sections import (
-    DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, PAGED_MAX_NUM_TOKENS, SLOT_MAX_NUM_TOKENS, AttentionLowering,
-    CalibrationMethod, CalibrationSpec, DraftSpec, ExportSpec, HardwareCompatibility, KVCacheDtype, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec,
-    SpeculativeMethod, SpeculativeSpec, StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
+    DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, PAGED_MAX_NUM_TOKENS, SLOT_MAX_NUM_TOKENS, Arch,
+    AttentionLowering, CalibrationMethod, CalibrationSpec, ExecutionEnvSpec, ExportSpec, HardwareCompatibility,
+    KVCacheDtype, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec, StrictModel, Target,
+    TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
+from llmc.compiler.speculative_sections import DraftSpec, SpeculativeMethod, SpeculativeSpec
 from llmc.errors import SpecError
 
 # the spec's vocabulary, importable from here as from sections.py
 __all__ = ["BuildSpec", "load_spec", "parse_spec", "DEFAULT_BLOCK", "DEFAULT_MAX_SEQ_LEN", "DEFAULT_MAX_TOKENS",
-           "AttentionLowering", "CalibrationMethod", "CalibrationSpec", "DraftSpec", "ExportSpec", "HardwareCompatibility",
-           "LimitsSpec", "Precision", "QuantizationSpec", "QuantMode", "ServingSpec", "SourceSpec", "SpeculativeMethod",
-           "SpeculativeSpec", "Target",
-           "TensorRTSpec", "VerifySpec", "WeightOnlyAlgorithm"]
+           "Arch", "AttentionLowering", "CalibrationMethod", "CalibrationSpec", "DraftSpec", "ExecutionEnvSpec",
+           "ExportSpec", "HardwareCompatibility", "LimitsSpec", "Precision", "QuantizationSpec", "QuantMode",
+           "ServingSpec", "SourceSpec", "SpeculativeMethod", "SpeculativeSpec", "Target", "TensorRTSpec", "VerifySpec",
+           "WeightOnlyAlgorithm"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -45,6 +48,7 @@ class BuildSpec(StrictModel):
     speculative: SpeculativeSpec | None = None
     verify: VerifySpec = VerifySpec()
     tensorrt: TensorRTSpec = TensorRTSpec()
+    execution_env: ExecutionEnvSpec | None = None
     output: Path | None = None
 
     @field_validator("name")

@@ -1,13 +1,13 @@
 """The build as a table of stages (stage.py says what a stage declares; pipeline.py runs them):
 
-    source -> export -> verify -> quantize -> draft -> engine -> package
+    source -> export -> verify -> quantize -> draft -> engine -> environment -> package
 
 `engine` belongs to target: tensorrt only; `verify` does nothing for the plugin lowering, which only
 TensorRT runs (the engine stage compares the engine with ONNX Runtime instead); `quantize` does
-nothing when quantization.mode is none; `draft` belongs to speculative.method: draft only (compiler/draft.py).
-Each stage's work is a library function (export.export,
-verify.verify, quantize.quantize, tensorrt.stage.make_engine, package.package); what is here is the
-wiring: which artifact it takes, what keys it, what it checks first and how it reports.
+nothing when quantization.mode is none; `draft` belongs to speculative.method: draft only (compiler/draft.py);
+`environment` to specs with an execution_env section only (compiler/environment.py).
+Each stage's work is a library function (export.export, verify.verify, quantize.quantize,
+tensorrt.stage.make_engine, environment.pack, package.package); what is here is the wiring: which artifact it takes, what keys it, what it checks first and how it reports.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from llmc.compiler import quantize, verify
-from llmc.compiler.artifacts import DraftArtifact, EngineModel, ExportedModel, QuantizedModel, VerifyReport
+from llmc.compiler.artifacts import (DraftArtifact, EngineModel, ExecutionEnvironment, ExportedModel, QuantizedModel,
+                                     VerifyReport)
 from llmc.compiler.hashing import code_hash
 from llmc.compiler.source import SourceInfo, inspect_source, load_tokenizer
 from llmc.compiler.spec import (BuildSpec, KVCacheDtype, QuantizationSpec, QuantMode, SpeculativeMethod,
@@ -179,6 +180,28 @@ def _engine(source: Located, spec: BuildSpec, ctx: Context) -> EngineModel:
                                 progress=ctx.progress)
 
 
+# environment: the serving packages for the container's Python (execution_env), Triton's EXECUTION_ENV_PATH
+
+def _serving_requirements(ctx: Context) -> list[str]:
+    from llmc.compiler.package import requirements
+
+    engine = ctx.done.get("engine")
+    return requirements(engine.artifact.tensorrt.version if engine is not None else None)
+
+
+def _environment(_: None, spec: BuildSpec, ctx: Context) -> ExecutionEnvironment:
+    from llmc.compiler import environment
+
+    return environment.pack(_serving_requirements(ctx), spec.execution_env, ctx.out, inputs_hash=ctx.inputs_hash,
+                            progress=ctx.progress)
+
+
+def _environment_summary(done: Located[ExecutionEnvironment]) -> str:
+    from llmc.compiler import environment
+
+    return environment.summary(done.artifact, done.folder)
+
+
 # package: the Triton model repository (links and small files: runs on every build)
 
 def _package_skip(spec: BuildSpec, done: Mapping[str, Located]) -> str | None:
@@ -192,7 +215,8 @@ def _package(engine: Located, spec: BuildSpec, ctx: Context) -> RepositoryManife
     from llmc.compiler.package import package
 
     exported = ctx.done["export"].artifact
-    return package(spec, exported, engine.artifact, engine.folder, ctx.source, ctx.out, draft=ctx.done.get("draft"))
+    return package(spec, exported, engine.artifact, engine.folder, ctx.source, ctx.out, draft=ctx.done.get("draft"),
+                   environment=ctx.done.get("environment"))
 
 
 def _package_summary(done: Located[RepositoryManifest]) -> str:
@@ -228,6 +252,13 @@ STAGES: tuple[Stage, ...] = (
           takes=("quantize", "export"), artifact=EngineModel, applies=lambda spec: spec.target is Target.tensorrt,
           key=lambda spec, ctx: tensorrt.cache_key_parts(spec), check=lambda spec, source: tensorrt.check(spec),
           run=_engine, summary=lambda done: tensorrt.summary(done.artifact)),
+    Stage("environment", describe=lambda spec: f"packing the serving packages for CPython {spec.execution_env.python} "
+                                               f"({spec.execution_env.interpreter_path})",
+          artifact=ExecutionEnvironment, applies=lambda spec: spec.execution_env is not None,
+          key=lambda spec, ctx: {"execution_env": spec.section_hash("execution_env"),
+                                 "requirements": _serving_requirements(ctx),
+                                 "code": code_hash("llmc.compiler.environment")},
+          run=_environment, summary=_environment_summary),
     Stage("package", describe=lambda spec: "writing the Triton model repository", takes=("engine", "quantize", "export"),
           folder=REPOSITORY_DIR, skip=_package_skip, run=_package, summary=_package_summary),
 )

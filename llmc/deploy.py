@@ -26,8 +26,6 @@ from llmc.objectstore import CONFIG, LocalStore, StoreError, open_store
 from llmc.rollout import Replica, ReplicaFailed, roll_back, roll_out
 from llmc.triton_server import find_repository
 
-ENV_PARAMETER = "EXECUTION_ENV_PATH"  # a packed serving environment inside the version folder (llmc/packenv.py)
-
 
 class DeployError(RuntimeError):
     """The build could not be deployed; what was serving before still serves."""
@@ -65,16 +63,16 @@ def built_model(build_dir: Path, model: str | None) -> Path:
 
 def pinned(config_text: str, version: int) -> str:
     """`config_text` serving exactly `version` (and its packed environment, when it has one)."""
-    from llmc.compiler.triton_config import parse, render
+    from llmc.compiler.triton_config import EXECUTION_ENV, parse, render
 
     cfg = parse(config_text)
     cfg.version_policy.specific.ClearField("versions")
     cfg.version_policy.specific.versions.append(version)
-    if ENV_PARAMETER in cfg.parameters:
-        value = cfg.parameters[ENV_PARAMETER].string_value
+    if EXECUTION_ENV in cfg.parameters:
+        value = cfg.parameters[EXECUTION_ENV].string_value
         head, sep, tail = value.partition("$$TRITON_MODEL_DIRECTORY/")
         if sep:  # $$TRITON_MODEL_DIRECTORY/<version>/<archive>: the archive the served version carries
-            cfg.parameters[ENV_PARAMETER].string_value = f"{head}{sep}{version}/{tail.split('/', 1)[-1]}"
+            cfg.parameters[EXECUTION_ENV].string_value = f"{head}{sep}{version}/{tail.split('/', 1)[-1]}"
     return render(cfg)
 
 

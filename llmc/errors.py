@@ -63,3 +63,9 @@ class EngineError(LlmcError):
     """TensorRT could not parse the prepared ONNX or build an engine from it."""
 
     exit_code = 10
+
+
+class ExecutionEnvError(LlmcError):
+    """The serving environment could not be made for the container's Python (execution_env)."""
+
+    exit_code = 11

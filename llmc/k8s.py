@@ -1,6 +1,6 @@
 """`llmc k8s`: Kubernetes manifests that run Triton replicas on a build's repository in object storage.
 
-    deployment.yaml          Triton (pinned image) on the s3:// repository, explicit model control with the
+    deployment.yaml          Triton (the pinned stock image, or --image) on the s3:// repository, explicit model control with the
                              model loaded at start, probes on /v2/health/ready and /live, requests and
                              limits (a GPU for tensorrt), a preStop pause and a grace period that let
                              in-flight streams drain, anti-affinity across nodes
@@ -27,10 +27,13 @@ import yaml
 
 from llmc.objectstore import is_remote, parse_s3
 
-# Triton 2.51 (NGC 24.10): the server llmc is tested with (nvidia-pytriton 0.7.0 bundles 2.51). One image
-# serves both targets: it runs ONNX Runtime builds on CPU and TensorRT builds on the GPU; the model's
-# Python packages come with the repository (llmc pack-env), not the image.
-IMAGES = {"onnxruntime": "nvcr.io/nvidia/tritonserver:24.10-py3", "tensorrt": "nvcr.io/nvidia/tritonserver:24.10-py3"}
+# Triton 2.53 (NGC 24.12), Ubuntu 24.04 with Python 3.12: the first stock container whose Python takes the
+# runtime's onnxruntime wheels (24.10, the 2.51 llmc tests with from nvidia-pytriton, has Python 3.10, which
+# onnxruntime stopped building for at 1.23). One image serves both targets: ONNX Runtime builds on CPU,
+# TensorRT builds on the GPU. The model's Python packages come with the repository (the build's
+# execution_env section, Triton's EXECUTION_ENV_PATH), not the image.
+IMAGE = "nvcr.io/nvidia/tritonserver:24.12-py3"
+IMAGE_PYTHON = "3.12"
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 DRAIN_SECONDS = 30  # Triton's --exit-timeout-secs: streams in flight finish before it stops
 PRESTOP_SECONDS = 10  # endpoints drop the pod before Triton stops accepting requests
@@ -50,6 +53,8 @@ class K8sOptions:
     memory: str = "4Gi"
     namespace: str | None = None
     secret: str = "llmc-s3"  # keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_DEFAULT_REGION)
+    packed_python: str | None = None  # the Python the build's packed serving environment is for; None: none packed
+    image: str = IMAGE
 
     def check(self) -> None:
         if not is_remote(self.repository):
@@ -58,6 +63,15 @@ class K8sOptions:
         parse_s3(self.repository)
         if self.target == "tensorrt" and not self.gpu:
             raise ValueError(f"{self.name} is a TensorRT build: its replicas need a GPU (drop --cpu)")
+        if self.image == IMAGE and self.packed_python is None:
+            raise ValueError(f"{self.name} carries no serving environment, and the stock image {IMAGE} has none of "
+                             "its Python packages: build it with an execution_env section (the packages travel in "
+                             "the repository), or pass --image with an image that has its requirements.txt installed")
+        if self.image == IMAGE and self.packed_python != IMAGE_PYTHON:
+            raise ValueError(f"{self.name}'s serving environment is for Python {self.packed_python} "
+                             f"(execution_env.python), and {IMAGE} has Python {IMAGE_PYTHON}: pass --image with a "
+                             f"Triton image of Python {self.packed_python}, or build with execution_env.python: "
+                             f"'{IMAGE_PYTHON}'")
         if not 1 <= self.replicas <= self.max_replicas:
             raise ValueError(f"--replicas {self.replicas}: must be between 1 and --max-replicas {self.max_replicas}")
 
@@ -84,7 +98,7 @@ def triton_container(opts: K8sOptions, repository: str) -> dict:
            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")]
     probe = {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
     return {
-        "name": "triton", "image": IMAGES[opts.target], "command": ["tritonserver"], "args": args, "env": env,
+        "name": "triton", "image": opts.image, "command": ["tritonserver"], "args": args, "env": env,
         "ports": [{"name": n, "containerPort": p} for n, p in PORTS.items()], "resources": resources,
         "readinessProbe": probe,
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10,
@@ -187,12 +201,13 @@ def write_manifests(opts: K8sOptions, output: Path, with_kserve: bool = False) -
 
 
 def options_from_build(build_dir: Path, repository: str, **overrides) -> K8sOptions:
-    """K8sOptions for a build: its model's name and target (a TensorRT build gets a GPU)."""
+    """K8sOptions for a build: its model's name, target (a TensorRT build gets a GPU) and packed environment."""
     from llmc.runtime.manifest import RepositoryManifest
     from llmc.triton_server import find_repository
 
     models = [d for d in find_repository(build_dir).iterdir() if (d / "config.pbtxt").is_file()]
     manifest = RepositoryManifest.load(models[0] / "1")
     gpu = overrides.pop("gpu", None)
-    return K8sOptions(name=manifest.name, repository=repository, target=manifest.target,
+    packed = manifest.execution_env.python if manifest.execution_env is not None else None
+    return K8sOptions(name=manifest.name, repository=repository, target=manifest.target, packed_python=packed,
                       gpu=manifest.target == "tensorrt" if gpu is None else gpu, **overrides)

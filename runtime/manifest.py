@@ -101,6 +101,15 @@ class ChatTemplate(BaseModel):
     source: str  # where it came from: the checkpoint's file, or the spec's path
 
 
+class ExecutionEnvInfo(BaseModel):
+    """The serving packages packed in the version folder for a container's Python (config.pbtxt's
+    EXECUTION_ENV_PATH; the build's execution_env section)."""
+
+    archive: str  # in the version folder
+    python: str  # X.Y, the container's
+    interpreter: str  # the container's path the archive's bin/python3 links to
+
+
 class RepositoryManifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -119,6 +128,7 @@ class RepositoryManifest(BaseModel):
     tensorrt: TensorRTInfo | None = None  # target tensorrt only
     chat_template: ChatTemplate | None = None  # none: the model serves completions only
     speculative: SpeculativeConfig | None = None  # paged graphs only; none: every row decodes one token a step
+    execution_env: ExecutionEnvInfo | None = None  # none: the serving Python has the requirements installed
 
     @model_validator(mode="after")
     def _speculation_is_paged(self) -> "RepositoryManifest":

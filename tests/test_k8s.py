@@ -14,10 +14,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmc.k8s import KUBERNETES_VERSIONS, K8sOptions, manifests, options_from_build, write_manifests
+from llmc.k8s import IMAGE_PYTHON, KUBERNETES_VERSIONS, K8sOptions, manifests, options_from_build, write_manifests
 
 REPOSITORY = "s3://http://minio.storage:9000/models/repo"
 CORE = {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap"}
+
+
+def options(**kw) -> K8sOptions:
+    """Options for a build whose packed environment suits the stock image."""
+    return K8sOptions(packed_python=IMAGE_PYTHON, **kw)
 
 
 def _definition_validator(version: str, definition: str):
@@ -64,7 +69,7 @@ def _unknown(given, kept, path: str = "") -> list[str]:
 def test_manifests_validate_against_the_kubernetes_schemas(version, with_kserve, gpu):
     import kubernetes_validate
 
-    resources = [r for rs in manifests(K8sOptions(name="smollm2", repository=REPOSITORY, gpu=gpu, replicas=3),
+    resources = [r for rs in manifests(options(name="smollm2", repository=REPOSITORY, gpu=gpu, replicas=3),
                                        with_kserve).values() for r in rs]
     kinds = {r["kind"] for r in resources}
     assert kinds == ({"ServingRuntime", "InferenceService", "ServiceMonitor", "ConfigMap"} if with_kserve
@@ -87,13 +92,13 @@ def test_manifests_validate_against_the_kubernetes_schemas(version, with_kserve,
 def test_a_broken_manifest_fails_validation():
     import kubernetes_validate
 
-    deployment = manifests(K8sOptions(name="m", repository=REPOSITORY))["deployment.yaml"][0]
+    deployment = manifests(options(name="m", repository=REPOSITORY))["deployment.yaml"][0]
     deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] = [8000]
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
     import jsonschema
 
-    runtime = manifests(K8sOptions(name="m", repository=REPOSITORY), with_kserve=True)["kserve.yaml"][0]
+    runtime = manifests(options(name="m", repository=REPOSITORY), with_kserve=True)["kserve.yaml"][0]
     runtime["spec"]["containers"][0]["argz"] = []  # a custom resource's container is checked as a Container
     with pytest.raises(jsonschema.ValidationError, match="argz"):
         _definition_validator(KUBERNETES_VERSIONS[-1], "io.k8s.api.core.v1.Container").validate(
@@ -101,7 +106,7 @@ def test_a_broken_manifest_fails_validation():
 
     import pydantic
 
-    monitor = manifests(K8sOptions(name="m", repository=REPOSITORY))["servicemonitor.yaml"][0]
+    monitor = manifests(options(name="m", repository=REPOSITORY))["servicemonitor.yaml"][0]
     _validate_crd(monitor)
     typo = {**monitor, "spec": {**monitor["spec"], "endpoints": [{**monitor["spec"]["endpoints"][0], "intervall": "5s"}]}}
     with pytest.raises(ValueError, match=r"spec\.endpoints\[0\]\.intervall"):
@@ -112,7 +117,7 @@ def test_a_broken_manifest_fails_validation():
 
 
 def test_the_deployment_serves_the_bucket_and_drains(tmp_path):
-    files = write_manifests(K8sOptions(name="smollm2", repository=REPOSITORY, gpu=True), tmp_path)
+    files = write_manifests(options(name="smollm2", repository=REPOSITORY, gpu=True), tmp_path)
     assert sorted(p.name for p in files) == ["deployment.yaml", "hpa.yaml", "pdb.yaml", "prometheus-adapter.yaml",
                                              "service.yaml", "servicemonitor.yaml"]
     deployment = yaml.safe_load((tmp_path / "deployment.yaml").read_text())
@@ -131,21 +136,31 @@ def test_the_deployment_serves_the_bucket_and_drains(tmp_path):
 
 def test_options_refuse_what_cannot_run(tiny_build):
     with pytest.raises(ValueError, match="give its s3:// URL"):
-        K8sOptions(name="m", repository="/srv/models").check()
+        options(name="m", repository="/srv/models").check()
     with pytest.raises(ValueError, match="TensorRT build: its replicas need a GPU"):
-        K8sOptions(name="m", repository=REPOSITORY, target="tensorrt").check()
+        options(name="m", repository=REPOSITORY, target="tensorrt").check()
     opts = options_from_build(tiny_build.output, REPOSITORY, replicas=2)
-    assert (opts.name, opts.target, opts.gpu) == ("tiny", "onnxruntime", False)
+    assert (opts.name, opts.target, opts.gpu, opts.packed_python) == ("tiny", "onnxruntime", False, None)
+    with pytest.raises(ValueError, match=r"tiny carries no serving environment, and the stock image .*24\.12-py3 has "
+                                         r"none of its Python packages: build it with an execution_env section"):
+        opts.check()
+    options_from_build(tiny_build.output, REPOSITORY, image="registry.example/triton-llmc:1").check()  # packages in it
+    with pytest.raises(ValueError, match=r"m's serving environment is for Python 3\.10 \(execution_env\.python\), and "
+                                         r".* has Python 3\.12: pass --image"):
+        K8sOptions(name="m", repository=REPOSITORY, packed_python="3.10").check()
+    K8sOptions(name="m", repository=REPOSITORY, packed_python="3.10", image="registry.example/triton-py310:1").check()
 
 
 def test_cli_writes_the_manifests(tiny_build, tmp_path):
     llmc = Path(sys.executable).parent / "llmc"
     run = subprocess.run([str(llmc), "k8s", str(tiny_build.output), "--repository", REPOSITORY, "--output",
-                          str(tmp_path / "k8s"), "--replicas", "2", "--kserve"], capture_output=True, text=True,
+                          str(tmp_path / "k8s"), "--replicas", "2", "--kserve", "--image", "registry.example/triton:1"],
+                         capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert sorted(p.name for p in (tmp_path / "k8s").iterdir()) == ["kserve.yaml", "prometheus-adapter.yaml",
                                                                       "servicemonitor.yaml"]
     runtime, service = yaml.safe_load_all((tmp_path / "k8s" / "kserve.yaml").read_text())
+    assert runtime["spec"]["containers"][0]["image"] == "registry.example/triton:1"
     assert service["spec"]["predictor"]["model"]["storageUri"] == "s3://models/repo"
     assert "--load-model=tiny" in runtime["spec"]["containers"][0]["args"]

@@ -230,7 +230,7 @@ def test_the_autoscaler_metrics_are_exported_by_a_live_replica(tiny_build, clust
 
     url, servers = cluster
     _serving(tiny_build, url, servers)
-    opts = K8sOptions(name="tiny", repository=url)
+    opts = K8sOptions(packed_python="3.12", name="tiny", repository=url)
     hpa = manifests(opts)["hpa.yaml"][0]
     with urllib.request.urlopen(f"http://127.0.0.1:{servers[0].ports.metrics}/metrics", timeout=10) as r:
         samples = {line.split("{")[0].split(" ")[0] for line in r.read().decode().splitlines()

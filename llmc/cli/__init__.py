@@ -1,7 +1,7 @@
 """The `llmc` command line: a thin layer over `llmc.compiler`, `llmc.serve`, `llmc.deploy` and the
 other operator tools. app.py holds the app and what every command shares; the commands are grouped
 by what they act on: build.py (build, export, verify, inspect), serving.py (serve, openai, generate,
-bench), deploy.py (deploy, pack-env, k8s)."""
+bench), deploy.py (deploy, k8s)."""
 
 # importing a group registers its commands, in the order --help lists them
 from llmc.cli import build, serving, deploy  # noqa: F401, I001

@@ -44,7 +44,7 @@ A TensorRT build needs TensorRT and an NVIDIA GPU: the engine gets a prefill and
         for table in sections_table([Section(f"build plan: {spec}", plan_build(load_spec(spec)).rows())]):
             out.print(table)
         return
-    _run_build(spec, output, "package", {"export", "verify", "quantize", "draft", "engine"} if force else set())
+    _run_build(spec, output, "package", {"export", "verify", "quantize", "draft", "engine", "environment"} if force else set())
 
 
 @app.command()

@@ -1,4 +1,4 @@
-"""Commands that ship a build: deploy, pack-env, k8s."""
+"""Commands that ship a build: deploy, k8s."""
 
 from __future__ import annotations
 
@@ -43,29 +43,6 @@ def deploy(
               f"in {result.seconds:.1f} s")
 
 
-@app.command(name="pack-env")
-@friendly
-def pack_env(
-    build_dir: Annotated[Path, typer.Argument(help="A build folder made by `llmc build`.", show_default=False)],
-    serving_env: Annotated[Optional[Path], typer.Option(help="The venv to pack (default: $LLMC_SERVING_ENV or the .venv-serving made by scripts/setup.sh).")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Which model of the build (default: its only one).")] = None,
-) -> None:
-    """Pack the serving environment into the build's repository (Triton's EXECUTION_ENV_PATH), so the Triton that loads it needs nothing installed.
-
-    The archive (venv-pack) goes into <name>/1/serving_env.tar.gz and config.pbtxt points at it; `llmc deploy` carries it with the version. A venv's archive needs the same Python at the same path where it runs (docs/scaling.md). Run it again after each build.
-    """
-    from llmc.console import out
-    from llmc.errors import ServingError
-    from llmc.packenv import PackError, pack_env as run_pack
-    from llmc.triton_server import TritonError
-
-    try:
-        result = run_pack(build_dir, serving_env, model)
-    except (PackError, TritonError) as err:
-        raise ServingError(str(err)) from None
-    out.print(f"[green]packed[/] {result.archive} ({result.bytes / 2**20:.0f} MiB) in {result.seconds:.1f} s")
-
-
 @app.command()
 @friendly
 def k8s(
@@ -80,18 +57,19 @@ def k8s(
     namespace: Annotated[Optional[str], typer.Option(help="Namespace of the resources (default: kubectl's).")] = None,
     secret: Annotated[str, typer.Option(help="The Secret holding AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_DEFAULT_REGION).")] = "llmc-s3",
     kserve: Annotated[bool, typer.Option("--kserve", help="A KServe ServingRuntime + InferenceService instead of Deployment, Service, HPA and PDB.")] = False,
+    image: Annotated[Optional[str], typer.Option(help="The Triton image (default: NGC's stock tritonserver 24.12-py3, Python 3.12, which needs a build with an execution_env section for Python 3.12).", show_default=False)] = None,
 ) -> None:
     """Write Kubernetes manifests for Triton replicas serving the build from object storage.
 
-    A Deployment (pinned Triton image, explicit model control with the model loaded at start, readiness and liveness probes, resources, a preStop pause and a grace period for in-flight streams, anti-affinity), a Service, a HorizontalPodAutoscaler on llmc's queue and KV-cache gauges with the Prometheus adapter rules, a PodDisruptionBudget and a ServiceMonitor.
+    A Deployment (the pinned stock Triton image running the packages the build packed with its execution_env section, or --image; explicit model control with the model loaded at start, readiness and liveness probes, resources, a preStop pause and a grace period for in-flight streams, anti-affinity), a Service, a HorizontalPodAutoscaler on llmc's queue and KV-cache gauges with the Prometheus adapter rules, a PodDisruptionBudget and a ServiceMonitor.
     """
     from llmc.console import out
     from llmc.errors import UnsupportedError
-    from llmc.k8s import options_from_build, write_manifests
+    from llmc.k8s import IMAGE, options_from_build, write_manifests
 
     try:
         opts = options_from_build(build_dir, repository, replicas=replicas, max_replicas=max_replicas, gpu=gpu,
-                                  cpu=cpu, memory=memory, namespace=namespace, secret=secret)
+                                  cpu=cpu, memory=memory, namespace=namespace, secret=secret, image=image or IMAGE)
         files = write_manifests(opts, output, with_kserve=kserve)
     except ValueError as err:
         raise UnsupportedError(str(err)) from None
