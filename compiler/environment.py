@@ -5,8 +5,8 @@ and activates before starting the model's stub. This stage makes one for the Pyt
 container named by the spec's `execution_env` section, so a stock container (nothing installed by
 hand) serves the build:
 
-    bin/activate          what Triton's backend reads: releases before 25.08 source it, later ones
-                          set VIRTUAL_ENV and PATH from its place and never run it
+    bin/activate          what Triton's backend reads: releases up to mid-2025 source it, later ones
+                          set VIRTUAL_ENV and PATH from its place and only check that it exists
     bin/python3           a link to the container's own interpreter (`execution_env.interpreter`)
     pyvenv.cfg            makes that interpreter a venv's: its stdlib, this archive's site-packages
     lib/pythonX.Y/site-packages/   the model's requirements.txt, from wheels for that Python
@@ -24,6 +24,7 @@ sys.prefix the archive: the archive's site-packages on the container's stdlib.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import re
 import shutil
@@ -39,11 +40,9 @@ from llmc.errors import ExecutionEnvError
 
 ARCHIVE = "serving_env.tar.gz"
 OLDEST_GLIBC = 17  # manylinux2014 (glibc 2.17): the oldest tag wheels of the requirements are made for
-# what the model never runs: console scripts pip writes for the building machine's Python, caches
-LEFT_OUT = ("bin", "__pycache__")
 
-# the activation script Triton's backend sources (before 25.08; later releases only need the file to exist
-# and set the same variables themselves). Written by hand: it finds its own folder, so the archive is
+# the activation script Triton's backend sources (up to mid-2025; later releases only need the file to
+# exist and set the same variables themselves). Written by hand: it finds its own folder, so the archive is
 # relocatable wherever Triton unpacks it, which venv's and venv-pack's scripts leave to a rewrite.
 ACTIVATE = """\
 # Sourced by Triton's Python backend (EXECUTION_ENV_PATH) before the model's stub starts.
@@ -87,9 +86,9 @@ def pack(requirements: list[str], section: ExecutionEnvSpec, out: Path, *, input
         progress(0, 3)
         _install(Path(tmp) / "requirements.txt", site, section, requirements)
         progress(1, 3)
-        for name in LEFT_OUT:
-            for path in site.rglob(name) if name == "__pycache__" else [site / name]:
-                shutil.rmtree(path, ignore_errors=True)
+        # what the model never runs: console scripts pip wrote for the building machine's Python, caches
+        for path in [site / "bin", *site.rglob("__pycache__")]:
+            shutil.rmtree(path, ignore_errors=True)
         packages = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions(path=[str(site)])}
         _venv_around(env, section)
         progress(2, 3)
@@ -105,8 +104,10 @@ def pack(requirements: list[str], section: ExecutionEnvSpec, out: Path, *, input
 
 
 def _install(requirements: Path, site: Path, section: ExecutionEnvSpec, lines: list[str]) -> None:
-    result = subprocess.run(pip_command(requirements, site, section), capture_output=True, text=True,
-                            env={**os.environ, "PIP_REQUIRE_VIRTUALENV": "0"})
+    if importlib.util.find_spec("pip") is None:
+        raise ExecutionEnvError(f"execution_env: the environment stage runs pip, and {sys.executable} has none: "
+                                f"install pip into the Python that runs llmc")
+    result = subprocess.run(pip_command(requirements, site, section), capture_output=True, text=True)
     if result.returncode == 0:
         return
     missing = re.findall(r"No matching distribution found for (\S+)", result.stderr)
