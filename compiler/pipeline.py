@@ -91,7 +91,8 @@ def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package"
 
     assert until in STAGE_NAMES, until
     output = Path(output or spec.output_dir).absolute()
-    stages = [s for s in STAGES[:STAGE_NAMES.index(until) + 1] if s.applies(spec)]
+    stages = [s for s in STAGES[:STAGE_NAMES.index(until) + 1]
+              if s.applies(spec) and (until == STAGE_NAMES[-1] or not s.for_package)]
     run = _Run(spec, output, reporter or NullReporter(), set(force or ()), external_threshold or PROTOBUF_LIMIT)
     try:
         for stage in stages:

@@ -140,8 +140,8 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     if spec.execution_env is not None:
         env = spec.execution_env
         notes.append(f"execution_env: pip fetches the serving packages' wheels for CPython {env.python} "
-                     f"({env.arch.value}, manylinux up to glibc {env.glibc}) into the repository's 1/serving_env.tar.gz, "
-                     f"run by {env.interpreter_path} in the container")
+                     f"({env.arch.value}, manylinux up to glibc {env.glibc}) into the repository's "
+                     f"1/serving_env.tar.gz, run by {env.interpreter_path} in the container")
     lowering = spec.attention_lowering
     if tensorrt:
         precision = (f"{spec.precision.value} through ModelOpt AutoCast (strongly typed network)"

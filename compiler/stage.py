@@ -11,6 +11,8 @@ A `Stage` declares:
   that does work runs;
 - `applies(spec)`: whether the target has this stage at all; `skip(spec, done)`: why it does
   nothing in this build (None: it runs), from the spec and the stages done so far;
+- `for_package`: made for the last stage only, so a build that stops earlier (`llmc export`)
+  leaves it out wherever it sits in the table;
 - `run(input, section, ctx) -> artifact`: the design's `stage(artifact, section) -> artifact`; `ctx`
   carries what is not an artifact (the stage's folder, the PyTorch model loaded on first use,
   progress);
@@ -75,6 +77,7 @@ class Stage:
     skip: Callable[[BuildSpec, Mapping[str, Located]], str | None] = _nothing
     accept: Callable[[Any, BuildSpec], None] = _nothing
     folder: str = ""  # its folder in the output (default: its name)
+    for_package: bool = False  # only builds that run the package stage run it
 
     def __post_init__(self) -> None:
         if not self.folder:

@@ -1,13 +1,15 @@
 """The build as a table of stages (stage.py says what a stage declares; pipeline.py runs them):
 
-    source -> export -> verify -> quantize -> draft -> engine -> environment -> package
+    source -> environment -> export -> verify -> quantize -> draft -> engine -> package
 
 `engine` belongs to target: tensorrt only; `verify` does nothing for the plugin lowering, which only
 TensorRT runs (the engine stage compares the engine with ONNX Runtime instead); `quantize` does
-nothing when quantization.mode is none; `draft` belongs to speculative.method: draft only (compiler/draft.py);
-`environment` to specs with an execution_env section only (compiler/environment.py).
+nothing when quantization.mode is none; `draft` belongs to speculative.method: draft only
+(compiler/draft.py); `environment` to specs with an execution_env section only (compiler/environment.py),
+and runs first: it needs only the spec, and a Python without the wheels fails before the export.
 Each stage's work is a library function (export.export, verify.verify, quantize.quantize,
-tensorrt.stage.make_engine, environment.pack, package.package); what is here is the wiring: which artifact it takes, what keys it, what it checks first and how it reports.
+tensorrt.stage.make_engine, environment.pack, package.package); what is here is the wiring: which
+artifact it takes, what keys it, what it checks first and how it reports.
 """
 
 from __future__ import annotations
@@ -181,18 +183,22 @@ def _engine(source: Located, spec: BuildSpec, ctx: Context) -> EngineModel:
 
 
 # environment: the serving packages for the container's Python (execution_env), Triton's EXECUTION_ENV_PATH
+# (runs first, after source; declared here beside package, which links its archive)
 
-def _serving_requirements(ctx: Context) -> list[str]:
+def _serving_requirements(spec: BuildSpec) -> list[str]:
+    """requirements.txt's lines; a TensorRT build's engine is built by the TensorRT installed here (its
+    stage's check made sure there is one), whose version the serving Python needs."""
+    import importlib.metadata
+
     from llmc.compiler.package import requirements
 
-    engine = ctx.done.get("engine")
-    return requirements(engine.artifact.tensorrt.version if engine is not None else None)
+    return requirements(importlib.metadata.version("tensorrt") if spec.target is Target.tensorrt else None)
 
 
 def _environment(_: None, spec: BuildSpec, ctx: Context) -> ExecutionEnvironment:
     from llmc.compiler import environment
 
-    return environment.pack(_serving_requirements(ctx), spec.execution_env, ctx.out, inputs_hash=ctx.inputs_hash,
+    return environment.pack(_serving_requirements(spec), spec.execution_env, ctx.out, inputs_hash=ctx.inputs_hash,
                             progress=ctx.progress)
 
 
@@ -234,6 +240,13 @@ def _package_summary(done: Located[RepositoryManifest]) -> str:
 
 STAGES: tuple[Stage, ...] = (
     Stage("source", describe=lambda spec: f"hashing {spec.source.path.name}", run=_source, summary=_source_summary),
+    Stage("environment", describe=lambda spec: f"packing the serving packages for CPython {spec.execution_env.python} "
+                                               f"({spec.execution_env.interpreter_path})",
+          artifact=ExecutionEnvironment, applies=lambda spec: spec.execution_env is not None, for_package=True,
+          key=lambda spec, ctx: {"execution_env": spec.section_hash("execution_env"),
+                                 "requirements": _serving_requirements(spec),
+                                 "code": code_hash("llmc.compiler.environment")},
+          run=_environment, summary=_environment_summary),
     Stage("export", describe=lambda spec: "exporting to ONNX", takes=("source",), artifact=ExportedModel,
           section=lambda spec: (Lowering(spec.attention_lowering), spec.export.kv_cache_dtype), key=_export_key, run=_export,
           summary=_export_summary),
@@ -252,13 +265,6 @@ STAGES: tuple[Stage, ...] = (
           takes=("quantize", "export"), artifact=EngineModel, applies=lambda spec: spec.target is Target.tensorrt,
           key=lambda spec, ctx: tensorrt.cache_key_parts(spec), check=lambda spec, source: tensorrt.check(spec),
           run=_engine, summary=lambda done: tensorrt.summary(done.artifact)),
-    Stage("environment", describe=lambda spec: f"packing the serving packages for CPython {spec.execution_env.python} "
-                                               f"({spec.execution_env.interpreter_path})",
-          artifact=ExecutionEnvironment, applies=lambda spec: spec.execution_env is not None,
-          key=lambda spec, ctx: {"execution_env": spec.section_hash("execution_env"),
-                                 "requirements": _serving_requirements(ctx),
-                                 "code": code_hash("llmc.compiler.environment")},
-          run=_environment, summary=_environment_summary),
     Stage("package", describe=lambda spec: "writing the Triton model repository", takes=("engine", "quantize", "export"),
           folder=REPOSITORY_DIR, skip=_package_skip, run=_package, summary=_package_summary),
 )

@@ -5,6 +5,7 @@ Triton's EXECUTION_ENV_PATH. pip reaches the package index here as in CI (PyPI).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,20 +38,32 @@ def _members(archive) -> dict[str, tarfile.TarInfo]:
         return {m.name: m for m in tar.getmembers()}
 
 
-@pytest.mark.triton
-def test_the_build_packs_the_serving_packages_and_a_bare_python_serves_them(tiny_build, tiny_checkpoints, tmp_path):
-    output = tmp_path / "tiny"
+@pytest.fixture(scope="module")
+def packed(tiny_build, tiny_checkpoints, tmp_path_factory):
+    """The tiny build again with execution_env for this machine's Python, and that build's result."""
+    output = tmp_path_factory.mktemp("packed") / "tiny"
     shutil.copytree(tiny_build.output, output)  # the model's stages come from the cache: only the new ones run
-    result = build(_spec(tiny_checkpoints["llama"], python=PYTHON, interpreter=INTERPRETER), output=output)
-    status = {s.name: s.status for s in result.stages}
+    return build(_spec(tiny_checkpoints["llama"], python=PYTHON, interpreter=INTERPRETER), output=output)
+
+
+def _bare_python(folder):
+    """A venv without a package: the Python a stock container's Triton starts with."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    assert subprocess.run([str(folder / "bin" / "python3"), "-c", "import numpy"], capture_output=True).returncode != 0
+    return folder
+
+
+@pytest.mark.triton
+def test_the_build_packs_the_serving_packages_and_a_bare_python_serves_them(packed, tiny_checkpoints, tmp_path):
+    status = {s.name: s.status for s in packed.stages}
     assert status["export"] == "cached" and status["environment"] == "ran"
-    env = result.artifacts["environment"].artifact
+    env = packed.artifacts["environment"].artifact
     installed = {name.lower(): version for name, version in env.packages.items()}
     for line in requirements():  # what requirements.txt asks, as installed for the container's Python
         name, _, pin = line.partition("==")
         assert name.split("<")[0].split(">")[0] in installed and (not pin or installed[name] == pin), line
 
-    model = output / "model_repository" / "tiny"
+    model = packed.output / "model_repository" / "tiny"
     archive = model / "1" / environment.ARCHIVE
     members = _members(archive)
     site = f"lib/python{PYTHON}/site-packages"
@@ -64,17 +77,34 @@ def test_the_build_packs_the_serving_packages_and_a_bare_python_serves_them(tiny
     manifest = RepositoryManifest.load(model / "1")
     assert (manifest.execution_env.python, manifest.execution_env.interpreter) == (PYTHON, INTERPRETER)
 
-    bare = tmp_path / "bare"  # the Python Triton starts with: no numpy, onnxruntime, tokenizers, pydantic
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
-    assert subprocess.run([str(bare / "bin" / "python3"), "-c", "import numpy"], capture_output=True).returncode != 0
+    bare = _bare_python(tmp_path / "bare")
     with TritonServer(model.parent, server_dir=assemble(tmp_path / "server"), serving_env=bare,
                       log_path=tmp_path / "server.log") as server:
         assert len(Client(server.grpc_url, "tiny").complete("packed", max_tokens=4).output_ids) == 4
     log = (tmp_path / "server.log").read_text()
     assert f"Using Python execution env {archive}" in log and "Error processing line" not in log
 
-    again = build(_spec(tiny_checkpoints["llama"], python=PYTHON, interpreter=INTERPRETER), output=output)
+    again = build(_spec(tiny_checkpoints["llama"], python=PYTHON, interpreter=INTERPRETER), output=packed.output)
     assert {s.name: s.status for s in again.stages}["environment"] == "cached"
+
+
+@pytest.mark.triton
+def test_a_replica_with_a_bare_python_serves_the_packed_build_from_a_bucket(packed, tmp_path):
+    """Deployed twice (the second prunes the first): the replica copies version 2 from the bucket and
+    runs it in version 2's own archive."""
+    from llmc.deploy import deploy
+    from s3_server import bucket_server
+
+    with bucket_server() as s3:
+        url = f"s3://{s3.endpoint}/models/repo"
+        deploy(packed.output, url, [])
+        deploy(packed.output, url, [], keep=1)
+        assert sorted({key.split("/")[2] for key in s3.keys("models", "repo/tiny/") if key.count("/") > 2}) == ["2"]
+        with TritonServer(url, server_dir=assemble(tmp_path / "server"), serving_env=_bare_python(tmp_path / "bare"),
+                          log_path=tmp_path / "server.log") as server:
+            assert len(Client(server.grpc_url, "tiny").complete("from the bucket", max_tokens=4).output_ids) == 4
+    log = (tmp_path / "server.log").read_text()
+    assert re.search(rf"Using Python execution env \S+/2/{re.escape(environment.ARCHIVE)}", log), log[-2000:]
 
 
 def test_the_archive_is_made_for_the_containers_python_not_the_builders(tmp_path):
@@ -99,9 +129,12 @@ def test_a_python_without_the_wheels_fails_the_build_naming_the_field(tiny_build
     output = tmp_path / "tiny"
     shutil.copytree(tiny_build.output, output)
     before = sorted(p.relative_to(output) for p in output.rglob("*"))
-    with pytest.raises(ExecutionEnvError, match=r"execution_env: no wheel of onnxruntime==\S+ for CPython 3\.10 on "
-                                                r"x86_64 with glibc 2\.28 \(execution_env\.python.*24\.12 and later: 3\.12"):
+    refused = (r"execution_env: no wheel of onnxruntime==\S+ for CPython 3\.10 on x86_64 with glibc 2\.28 "
+               r"\(execution_env\.python.*24\.12 and later: 3\.12")
+    with pytest.raises(ExecutionEnvError, match=refused):
         build(_spec(tiny_checkpoints["llama"], python="3.10"), output=output)
+    exported = build(_spec(tiny_checkpoints["llama"], python="3.10"), output=tmp_path / "export", until="export")
+    assert [s.name for s in exported.stages] == ["source", "export"]  # packed only for the repository
     assert sorted(p.relative_to(output) for p in output.rglob("*")) == before  # the last build stands, untouched
 
 
@@ -130,7 +163,7 @@ def test_the_plan_lists_the_stage(tiny_checkpoints):
     from llmc.compiler import plan_build
 
     plan = plan_build(_spec(tiny_checkpoints["llama"]))
-    assert plan.stages[-2:] == ["environment", "package"]
+    assert plan.stages[:3] == ["source", "environment", "export"]  # first: a Python without wheels fails early
     assert any("wheels for CPython 3.12" in note and "/usr/bin/python3.12" in note for note in plan.notes)
 
 
