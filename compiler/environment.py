@@ -113,6 +113,12 @@ def _install(requirements: Path, site: Path, section: ExecutionEnvSpec, lines: l
     missing = re.findall(r"No matching distribution found for (\S+)", result.stderr)
     where = (f"CPython {section.python} on {section.arch.value} with glibc {section.glibc} "
              f"(execution_env.python, .arch, .glibc)")
+    if any(name.startswith("tensorrt") for name in missing):
+        raise ExecutionEnvError(
+            f"execution_env: no wheel of {', '.join(missing)} for {where}: PyPI carries TensorRT's Python package "
+            "as a source distribution that fetches NVIDIA's wheels when it is built, which a cross-target install "
+            "cannot do. Point pip at an index holding TensorRT's wheels (PIP_EXTRA_INDEX_URL), or leave "
+            "execution_env out and serve from an image with TensorRT for Python installed (llmc k8s --image)")
     if missing:
         raise ExecutionEnvError(
             f"execution_env: no wheel of {', '.join(missing)} for {where}; the serving environment needs "

@@ -138,6 +138,13 @@ def test_a_python_without_the_wheels_fails_the_build_naming_the_field(tiny_build
     assert sorted(p.relative_to(output) for p in output.rglob("*")) == before  # the last build stands, untouched
 
 
+def test_a_tensorrt_build_is_told_where_its_wheels_are(tmp_path):
+    with pytest.raises(ExecutionEnvError, match=r"no wheel of tensorrt==10\.14\.1\.48 for CPython 3\.12 .*source "
+                                                r"distribution.*PIP_EXTRA_INDEX_URL.*llmc k8s --image"):
+        environment.pack(requirements("10.14.1.48"), ExecutionEnvSpec(), tmp_path, inputs_hash="h")
+    assert not (tmp_path / environment.ARCHIVE).exists()
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("python", "3", r"execution_env\.python: give the container's Python as major\.minor"),
     ("python", 3.12, r"execution_env\.python: Input should be a valid string"),
