@@ -30,6 +30,8 @@ def build(
 ) -> None:
     """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch, quantize (quantization.mode), build the TensorRT engine (target: tensorrt), package a Triton model repository.
 
+    With an execution_env section the repository also carries the serving Python's packages, fetched by pip as wheels for the Triton container's Python (default 3.12, /usr/bin/python3.12: NGC's stock tritonserver from 24.12 on), so that container serves it with nothing installed (docs/scaling.md).
+
 A TensorRT build needs TensorRT and an NVIDIA GPU: the engine gets a prefill and a decode optimization profile from `limits`, the `tensorrt:` options (workspace, optimization level, hardware/version compatibility, timing cache in <output>/engine/timing.cache), and is compared with ONNX Runtime (Polygraphy) before it is packaged with KIND_GPU instances.
 
     A quantized build measures perplexity (held-out text), greedy agreement, size and decode speed against the unquantized graph and fails (exit code 9) when perplexity rises more than quantization.max_perplexity_increase; `llmc inspect` shows that report.
