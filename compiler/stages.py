@@ -186,13 +186,15 @@ def _engine(source: Located, spec: BuildSpec, ctx: Context) -> EngineModel:
 # (runs first, after source; declared here beside package, which links its archive)
 
 def _serving_requirements(spec: BuildSpec) -> list[str]:
-    """requirements.txt's lines; a TensorRT build's engine is built by the TensorRT installed here (its
-    stage's check made sure there is one), whose version the serving Python needs."""
-    import importlib.metadata
-
+    """requirements.txt's lines; a TensorRT build's engine is built by the TensorRT imported here (its
+    stage's check made sure there is one), whose version the engine records and the serving Python needs."""
     from llmc.compiler.package import requirements
 
-    return requirements(importlib.metadata.version("tensorrt") if spec.target is Target.tensorrt else None)
+    if spec.target is not Target.tensorrt:
+        return requirements()
+    import tensorrt
+
+    return requirements(tensorrt.__version__)
 
 
 def _environment(_: None, spec: BuildSpec, ctx: Context) -> ExecutionEnvironment:

@@ -1,9 +1,9 @@
 """`llmc k8s`: Kubernetes manifests that run Triton replicas on a build's repository in object storage.
 
     deployment.yaml          Triton (the pinned stock image, or --image) on the s3:// repository, explicit
-                             model control with the model loaded at start, probes on /v2/health/ready and /live, requests and
-                             limits (a GPU for tensorrt), a preStop pause and a grace period that let
-                             in-flight streams drain, anti-affinity across nodes
+                             model control with the model loaded at start, probes on /v2/health/ready and
+                             /live, requests and limits (a GPU for tensorrt), a preStop pause and a grace
+                             period that let in-flight streams drain, anti-affinity across nodes
     service.yaml             HTTP, gRPC and metrics ports
     hpa.yaml                 a HorizontalPodAutoscaler on llmc's own gauges per pod: the waiting queue
                              (llmc_requests_waiting) and KV cache use (llmc_kv_cache_usage_ratio)
