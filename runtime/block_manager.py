@@ -149,13 +149,19 @@ class BlockManager:
             self._hold(block)
         return list(block_ids)
 
+    def _next_write(self, row: Blocked) -> int | None:
+        """The index in `row.block_ids` of the block its next position (num_cached) falls in; None at a
+        block boundary, where it needs a new block."""
+        index = row.num_cached // self.block_size
+        return index if index < len(row.block_ids) else None
+
     def write_cost(self, rows: Sequence[Blocked]) -> int:
         """The blocks `make_writable(rows)` takes: one per row at a block boundary, and one per
         row that finds its partial last block held by rows after it (the last holder keeps it)."""
         cost, seen = 0, {}
         for row in rows:
-            index = row.num_cached // self.block_size
-            if index >= len(row.block_ids):
+            index = self._next_write(row)
+            if index is None:
                 cost += 1
                 continue
             block = row.block_ids[index]
@@ -168,8 +174,8 @@ class BlockManager:
         (shared source, private copy) pairs whose contents the caller copies before the step."""
         copies = []
         for row in rows:
-            index = row.num_cached // self.block_size
-            if index >= len(row.block_ids):
+            index = self._next_write(row)
+            if index is None:
                 row.block_ids.append(self._take())
                 continue
             block = row.block_ids[index]
