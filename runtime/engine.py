@@ -124,6 +124,10 @@ class LLMEngine:
     def has_work(self) -> bool:
         return bool(self._active)
 
+    def close(self) -> None:
+        """Free the model and its KV cache (no step may be running)."""
+        self.runner.close()
+
     def step(self) -> list[StepOutput]:
         with self._lock:
             finished = self._apply_cancellations()

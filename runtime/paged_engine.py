@@ -83,6 +83,11 @@ class PagedEngine(LLMEngine):
         if seq.params.beam_width > 1:
             beam.start(seq, self.capacity)
 
+    def close(self) -> None:
+        super().close()
+        if self.drafter is not None:
+            self.drafter.close()
+
     def cache_state(self) -> CacheState:
         b, s, spec = self.blocks, self.scheduler, self.speculator
         return CacheState(s.num_running, s.num_waiting, b.num_used / b.num_blocks,

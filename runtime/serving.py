@@ -132,16 +132,14 @@ class ServingLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop; requests still in flight get an error. Once the loop thread has ended, the
-        runner is closed: an unloaded version frees its model and KV cache (GPU memory for TensorRT)."""
+        engine is closed: an unloaded version frees its models and KV cache (GPU memory for TensorRT)."""
         self._stopping.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._fail_all("the model is being unloaded")
         if not self._thread.is_alive():  # no step can be running
-            self.engine.runner.close()
-            if getattr(self.engine, "drafter", None) is not None:
-                self.engine.drafter.close()
+            self.engine.close()
 
     def submit(self, inputs: Mapping[str, np.ndarray], sink: Sink, client_id: str = "") -> None:
         """Queue a request (never blocks); a request that cannot run is answered with an error at once.
