@@ -43,12 +43,17 @@ def check(spec: BuildSpec, target: SourceInfo) -> None:
     if section.source is None:
         quantize.check(section.quantization, target)
         return
-    try:
-        info = inspect_source(section.source)
-    except SourceError as err:
-        raise SourceError(f"speculative.draft.{err}") from None
+    info = inspect_draft(section)
     check_same_vocabulary(target, info)
     quantize.check(section.quantization, info)
+
+
+def inspect_draft(section: DraftSpec) -> SourceInfo:
+    """The separate draft checkpoint, found; a problem with it names the field (speculative.draft.source...)."""
+    try:
+        return inspect_source(section.source)
+    except SourceError as err:
+        raise SourceError(f"speculative.draft.{err}") from None
 
 
 def check_same_vocabulary(target: SourceInfo, draft: SourceInfo) -> None:

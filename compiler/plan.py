@@ -125,13 +125,9 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run
     draft = spec.speculative.draft if spec.speculative is not None else None
     if draft is not None:  # its pools: the target's blocks again, at the draft's layers and heads
-        from llmc.compiler.source import inspect_source
-        from llmc.errors import SourceError
+        from llmc.compiler.draft import inspect_draft
 
-        try:
-            d = read_dims(inspect_source(draft.source)) if draft.source is not None else dims
-        except SourceError as err:
-            raise SourceError(f"speculative.draft.{err}") from None
+        d = read_dims(inspect_draft(draft)) if draft.source is not None else dims
         draft_kv = pool_bytes(d)
         notes.append(f"speculative draft: {draft.source.path.name if draft.source else 'the target'} "
                      f"({draft.quantization.mode.value}), {d.num_layers} layers; its KV pools "
