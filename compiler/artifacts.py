@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from llmc.compiler.hashing import sha256_file
 from llmc.compiler.spec import QuantMode
 from llmc.errors import ArtifactError
-from llmc.plugins.lowering import Lowering
+from llmc.plugins.op.lowering import Lowering
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.manifest import TensorRTInfo
 

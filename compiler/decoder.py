@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from llmc.plugins.attention import rotate_half  # importing it registers torch.ops.llmc.attention
+from llmc.plugins.op.attention import rotate_half  # importing it registers torch.ops.llmc.attention
 
 
 # attend(query [B,S,H,D], key [B,S,KVH,D], value, k_cache, v_cache, scale, rotary tables ((cos, sin) or ()))

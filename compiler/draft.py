@@ -23,7 +23,7 @@ from llmc.compiler.artifacts import DraftArtifact, ExportedModel
 from llmc.compiler.source import SourceInfo, inspect_source, load_model, load_tokenizer
 from llmc.compiler.spec import BuildSpec, DraftSpec, QuantMode
 from llmc.errors import SourceError, VerifyError
-from llmc.plugins.lowering import Lowering
+from llmc.plugins.op.lowering import Lowering
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 

@@ -2,7 +2,7 @@
 
 The HF model is first rebuilt around `llmc::attention` (decoder.py), so what is exported is our
 forward, not transformers' attention code; the op is then lowered to the form the target runs
-(plugins/lowering.py: ONNX Runtime's fused GroupQueryAttention, opset-23 reference ops, or a
+(plugins/op/lowering.py: ONNX Runtime's fused GroupQueryAttention, opset-23 reference ops, or a
 TensorRT plugin node), and the graph must pass `onnx.checker` with full shape inference.
 
 Graph I/O (optimum / onnxruntime-genai names where they exist): `input_ids [batch, sequence_length]`,
@@ -25,7 +25,7 @@ from llmc.compiler.sections import KVCacheDtype
 from llmc.compiler.source import SUPPORTED_MODEL_TYPES, attention_shape
 from llmc.errors import ExportError
 from llmc.compiler.graph_passes import fuse_skip_rms_norm, simplify
-from llmc.plugins.lowering import MICROSOFT_DOMAIN, Heads, Lowering, translation_table, trim_unused_outputs
+from llmc.plugins.op.lowering import MICROSOFT_DOMAIN, Heads, Lowering, translation_table, trim_unused_outputs
 from llmc.runtime.layout import KVLayout
 
 OPSET = 23

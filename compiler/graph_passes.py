@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.plugins.lowering import MICROSOFT_DOMAIN, pack_qkv
+from llmc.plugins.op.lowering import MICROSOFT_DOMAIN, pack_qkv
 
 
 def drop_reshape_round_trips(graph) -> None:
@@ -51,7 +51,7 @@ def simplify(model) -> None:
     from onnx_ir.passes.common import (CommonSubexpressionEliminationPass, DeduplicateInitializersPass,
                                        RemoveUnusedNodesPass)
 
-    from llmc.plugins.paged_op import pack_qkv as pack_paged_qkv  # imports torch: only where export runs
+    from llmc.plugins.op.paged_op import pack_qkv as pack_paged_qkv  # imports torch: only where export runs
 
     sequence_length_from_input_ids(model.graph)
     drop_reshape_round_trips(model.graph)

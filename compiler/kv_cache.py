@@ -3,7 +3,7 @@
 The pools are graph inputs that flow only into the llmc.PagedAttention nodes and back out as their
 aliased outputs, so the element type is a property of the exported graph, set after the export by
 retyping those inputs and outputs (`retype_pools`); the kernel has a registration per cache type
-(runtime/paged_attention_op.c).
+(runtime/kernels/paged_attention/paged_attention_op.c).
 
 int8 follows ONNX Runtime's PagedAttention contract: symmetric codes, dequantization scales as the
 node's `k_scale`/`v_scale` inputs. Those are static, so the build measures them (`pool_scales`):

@@ -34,7 +34,7 @@ from llmc.compiler.stage import Located
 from llmc.compiler.spec import BuildSpec
 from llmc.compiler.triton_config import model_config, render
 from llmc.errors import SourceError
-from llmc.runtime import cpu_kernels
+from llmc.runtime.kernels import cpu_kernels
 from llmc.runtime.manifest import (DraftModel, ExecutionEnvInfo, RepositoryManifest, ServingLimits,
                                    SpeculativeConfig)
 
@@ -48,7 +48,7 @@ def requirements(tensorrt_version: str | None = None) -> list[str]:
     """The serving Python's packages: the exact runtime versions verified here (the engine's
     TensorRT for a TensorRT build); numpy 1 for the stub."""
     if tensorrt_version is None:
-        # onnx: make_session swaps llmc's CPU kernel into 4-bit graphs (runtime/cpu_kernels.py)
+        # onnx: make_session swaps llmc's CPU kernel into 4-bit graphs (runtime/kernels/cpu_kernels.py)
         runtime = [f"onnxruntime=={importlib.metadata.version('onnxruntime')}",
                    f"onnx=={importlib.metadata.version('onnx')}"]
     else:
@@ -144,7 +144,7 @@ def copy_runtime(dest: Path) -> None:
     shutil.copytree(runtime, dest / "runtime", ignore=_not_runtime_source, copy_function=shutil.copyfile)
     library = cpu_kernels.library()
     if library is not None:
-        shutil.copyfile(library, dest / "runtime" / library.name)
+        shutil.copyfile(library, dest / "runtime" / "kernels" / library.name)  # where cpu_kernels looks first
 
 
 def _not_runtime_source(folder: str, names: list[str]) -> list[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-import llmc.plugins.paged_op  # noqa: F401  (registers torch.ops.llmc.paged_attention)
+import llmc.plugins.op.paged_op  # noqa: F401  (registers torch.ops.llmc.paged_attention)
 from llmc.compiler.decoder import Attend
 from llmc.runtime.layout import KVLayout, PAGED_INPUTS
 

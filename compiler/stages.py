@@ -27,16 +27,16 @@ from llmc.compiler.spec import (BuildSpec, KVCacheDtype, QuantizationSpec, Quant
 from llmc.compiler.stage import Context, Located, Stage
 from llmc.compiler.tensorrt import stage as tensorrt
 from llmc.errors import VerifyError
-from llmc.plugins.lowering import Lowering
+from llmc.plugins.op.lowering import Lowering
 from llmc.runtime.manifest import RepositoryManifest
 
 REPOSITORY_DIR = "model_repository"
 # the modules whose code decides each stage's output (part of its cache key)
 EXPORT_CODE = ("llmc.compiler.export", "llmc.compiler.decoder", "llmc.compiler.paged_decoder", "llmc.compiler.kv_cache",
-               "llmc.compiler.graph_passes", "llmc.plugins.attention", "llmc.plugins.lowering",
-               "llmc.plugins.paged_op", "llmc.runtime.layout")
-VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.ort_runner", "llmc.runtime.paged_runner",
-               "llmc.runtime.paged_batch")
+               "llmc.compiler.graph_passes", "llmc.plugins.op.attention", "llmc.plugins.op.lowering",
+               "llmc.plugins.op.paged_op", "llmc.runtime.layout")
+VERIFY_CODE = ("llmc.compiler.verify", "llmc.runtime.runners.ort", "llmc.runtime.runners.paged",
+               "llmc.runtime.runners.paged_batch")
 
 
 # source: the checkpoint, found and hashed without loading weights, and the limits it decides

@@ -1,7 +1,7 @@
 """config.pbtxt for a packaged model, built as tritonclient's `ModelConfig` protobuf and printed
 with protobuf's text_format (no string templates).
 
-Tensor names and types come from `llmc.runtime.tensors` (TensorRT-LLM's names, see DESIGN.md), so
+Tensor names and types come from `llmc.runtime.serving.tensors` (TensorRT-LLM's names, see DESIGN.md), so
 tritonclient, the HTTP generate endpoints and Triton's OpenAI-compatible frontend work unchanged.
 The model is decoupled (responses stream); batching happens inside the runtime, so Triton's own
 batching is off (`max_batch_size: 0`, scalars have shape [1]).
@@ -9,7 +9,7 @@ batching is off (`max_batch_size: 0`, scalars have shape [1]).
 
 from __future__ import annotations
 
-from llmc.runtime.tensors import OUTPUTS, SCALARS
+from llmc.runtime.serving.tensors import OUTPUTS, SCALARS
 
 _TYPES = {"BYTES": "TYPE_STRING", "INT32": "TYPE_INT32", "UINT64": "TYPE_UINT64", "FP32": "TYPE_FP32",
           "BOOL": "TYPE_BOOL"}

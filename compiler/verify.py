@@ -2,10 +2,10 @@
 
 The reference is the original HF model (not llmc's rebuilt decoder) running each prompt alone:
 prefill, then greedy decoding on its own tokens. The candidate is the graph driven the way serving
-drives it (runtime/ort_runner.py): each prompt prefilled into its own cache slot, then every row
+drives it (runtime/runners/ort.py): each prompt prefilled into its own cache slot, then every row
 decoding side by side in one batch, each at its own position (no padding, no attention mask).
 
-A paged export (runtime/paged_runner.py) is driven as its engine drives it: rows joining one step
+A paged export (runtime/runners/paged.py) is driven as its engine drives it: rows joining one step
 apart, each prompt fed in chunks while the rows before it decode, so steps mix decoding rows with
 prompt chunks and a prompt spans several steps; every prompt token's logits are asked for.
 
@@ -28,9 +28,9 @@ import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel, VerifyCase, VerifyReport
 from llmc.errors import UnsupportedError
-from llmc.runtime.ort_runner import OrtRunner
-from llmc.runtime.paged_runner import PagedRunner, RowStep
-from llmc.runtime.runner import Runner
+from llmc.runtime.runners.ort import OrtRunner
+from llmc.runtime.runners.paged import PagedRunner, RowStep
+from llmc.runtime.runners.protocol import Runner
 
 PROMPTS = (
     "The capital of France is",

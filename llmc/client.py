@@ -13,7 +13,7 @@ Beam search: `client.complete(prompt, beam_width=4, length_penalty=..., early_st
 returns a Generation whose `beams`, `beam_ids` and `cum_log_probs` hold every beam, best first.
 Leaving a stream early ends the request on the server in band: a stop request under the same
 request id, then the stream closes with nothing pending (closing a stream with a request in flight
-can crash Triton 2.51, see runtime/serving.py); a server that does not answer the stop within
+can crash Triton 2.51, see runtime/serving/loop.py); a server that does not answer the stop within
 `STOP_SECONDS` gets its stream cancelled instead.
 
 Several replicas: pass a list of addresses (or "host:port,host:port"). Requests start on them in

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmc.runtime.tensors import SCALARS
+from llmc.runtime.serving.tensors import SCALARS
 
 _NUMPY = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}
 _NOT_PARAMETERS = {"stream", "stop"}  # model inputs the client sets itself

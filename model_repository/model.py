@@ -1,6 +1,6 @@
 """The Triton Python-backend model llmc packages into `<repository>/<name>/1/model.py`.
 
-Thin on purpose: the serving loop lives in `llmc.runtime.serving` (a copy ships in this folder, so
+Thin on purpose: the serving loop lives in `llmc.runtime.serving.loop` (a copy ships in this folder, so
 the repository needs only the packages in its requirements.txt). `execute` hands each request to
 the loop and returns at once; the loop's thread batches requests in flight and streams responses
 through each request's response sender (the model is decoupled).
@@ -15,8 +15,8 @@ sys.path.insert(0, str(HERE))  # the llmc runtime copied next to this file wins 
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from llmc.runtime.metrics import triton_metrics  # noqa: E402
-from llmc.runtime.serving import ServingLoop  # noqa: E402
+from llmc.runtime.serving.metrics import triton_metrics  # noqa: E402
+from llmc.runtime.serving.loop import ServingLoop  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DRAIN_SECONDS = 20.0  # below Triton's default 30 s stub timeout

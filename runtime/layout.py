@@ -22,7 +22,7 @@ num_kv_heads, head_dim]` (`dims`), and a step is packed tokens with no padding: 
 `past_seqlens` int32 `[batch]` and `block_table` int32 `[batch, max_blocks]` (-1 where a row has no
 block), and `logits_indices` int64 `[num_logits]` (the packed tokens that get logits) -> `logits
 [num_logits, vocab]`; present aliases past (updated in place). `block_size` is the tokens per block
-the runner allocates (the graph takes any). runtime/paged_runner.py drives it.
+the runner allocates (the graph takes any). runtime/runners/paged.py drives it.
 """
 
 from __future__ import annotations

@@ -31,12 +31,12 @@ class ServingLimits(BaseModel):
     num_threads: int = Field(0, ge=0)  # 0 = all cores
     kv_cache_tokens: int | None = Field(None, ge=1)  # the paged KV pool, all requests together (paged graphs only)
     prefix_caching: bool = True  # paged graphs: reuse the blocks of prompt prefixes seen before
-    itl_ratio: float | None = None  # paged graphs: a step's cost cap in decode steps (runtime/step_cost.py); None: none
-    max_beam_width: int = Field(1, ge=1)  # paged graphs: the widest beam search a request may ask (runtime/beam.py)
+    itl_ratio: float | None = None  # paged graphs: a step's cost cap in decode steps (runtime/engine/step_cost.py); None: none
+    max_beam_width: int = Field(1, ge=1)  # paged graphs: the widest beam search a request may ask (runtime/engine/beam.py)
 
 
 class DraftModel(BaseModel):
-    """The draft graph a `speculative.method: draft` build packages beside the target (runtime/draft.py)."""
+    """The draft graph a `speculative.method: draft` build packages beside the target (runtime/engine/draft.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -48,7 +48,7 @@ class DraftModel(BaseModel):
 
 
 class SpeculativeConfig(BaseModel):
-    """Speculative decoding in the paged engine (runtime/speculative.py): up to `num_tokens` proposed
+    """Speculative decoding in the paged engine (runtime/engine/speculative.py): up to `num_tokens` proposed
     tokens, for at most `max_batch` rows a step, from prompt lookup (n-grams of `min_n`..`max_n`
     tokens, ngram.py) or from the `draft` model (draft.py)."""
 

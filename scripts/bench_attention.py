@@ -95,7 +95,7 @@ def hf_opset23_build() -> Path:
 
 
 def hf_opset23_step_time(path: Path, batch: int, context: int, threads: int, steps: int) -> float:
-    from llmc.runtime.ort_runner import make_session
+    from llmc.runtime.runners.ort import make_session
 
     session = make_session(path, threads)
     past_inputs = session.get_inputs()[3:]
@@ -131,7 +131,7 @@ def genai_build(threads: int, precision: str = "fp32") -> Path:
 
 
 def runner(model, batch: int, capacity: int, threads: int):
-    from llmc.runtime.ort_runner import OrtRunner
+    from llmc.runtime.runners.ort import OrtRunner
 
     path, layout = model
     r = OrtRunner(path, layout, max_batch=batch, capacity=capacity, num_threads=threads)

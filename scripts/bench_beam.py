@@ -36,8 +36,8 @@ def load(width: int):
     from tokenizers import Tokenizer
 
     from llmc.runtime.manifest import RepositoryManifest
-    from llmc.runtime.paged_engine import PagedEngine
-    from llmc.runtime.paged_runner import PagedRunner
+    from llmc.runtime.engine.paged_engine import PagedEngine
+    from llmc.runtime.runners.paged import PagedRunner
 
     folder = build_variant("beam-fp32", "paged", limits={"max_batch_size": 4, "max_num_tokens": 256},
                            serving={"itl_ratio": None, "max_beam_width": width})
@@ -63,7 +63,7 @@ def timed(engine, prompt_ids: list[int], params) -> tuple[float, int]:
 def graph_ratio(engine, context: int, width: int, calls: int = 20) -> float:
     """Median seconds of a decode call of `width` rows over one of 1 row, each row `context` tokens
     deep in blocks of its own (their contents do not matter to the time)."""
-    from llmc.runtime.paged_batch import RowStep
+    from llmc.runtime.runners.paged_batch import RowStep
 
     runner = engine.runner
     per_row = -(-(context + 1) // runner.block_size)
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    from llmc.runtime.sampling import SamplingParams
+    from llmc.runtime.decoding.sampling import SamplingParams
 
     engine, tokenizer = load(args.width)
     prompt_ids = tokenizer.encode(PROMPT).ids

@@ -102,7 +102,7 @@ def costs(targets: dict, drafts: dict, prompt_ids: list[int], ks: list[int]) -> 
     a draft), each after the prompt's KV, taking turns call by call. (A default session is left out:
     its pool spinning after its call would slow the next call, whichever; the tokens/s comparison
     shows both kinds of session decoding alike without speculation.)"""
-    from llmc.runtime.paged_batch import RowStep
+    from llmc.runtime.runners.paged_batch import RowStep
 
     target = targets["quiet"]
     width = -(-(len(prompt_ids) + max(ks) + 2) // target.block_size)
@@ -125,8 +125,8 @@ def costs(targets: dict, drafts: dict, prompt_ids: list[int], ks: list[int]) -> 
 class Run:
     def __init__(self, target, draft, manifest, tokenizer, prompt_ids: list[int], k: int | None):
         from llmc.runtime.manifest import SpeculativeConfig
-        from llmc.runtime.paged_engine import PagedEngine
-        from llmc.runtime.sampling import SamplingParams
+        from llmc.runtime.engine.paged_engine import PagedEngine
+        from llmc.runtime.decoding.sampling import SamplingParams
 
         spec = SpeculativeConfig(**{**manifest.speculative.model_dump(), "num_tokens": k}) if k else None
         self.engine = PagedEngine(target, tokenizer, end_ids=tuple(manifest.end_ids), max_rows=1, max_seq_len=2048,
@@ -188,8 +188,8 @@ def streams(targets: dict, drafts: dict, manifest, tokenizer, prompts: list[list
     stepping in turn: all tokens over all the steps' seconds (prefill included), medians of the passes;
     every output checked against the plain one."""
     from llmc.runtime.manifest import SpeculativeConfig
-    from llmc.runtime.paged_engine import PagedEngine
-    from llmc.runtime.sampling import SamplingParams
+    from llmc.runtime.engine.paged_engine import PagedEngine
+    from llmc.runtime.decoding.sampling import SamplingParams
 
     spec = SpeculativeConfig(**{**manifest.speculative.model_dump(), "num_tokens": k, "max_batch": 4})
     batch = [prompts[i % len(prompts)] for i in range(STREAMS)]
@@ -238,7 +238,7 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     from llmc.runtime.manifest import RepositoryManifest
-    from llmc.runtime.paged_runner import PagedRunner
+    from llmc.runtime.runners.paged import PagedRunner
 
     print("uptime before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     versions = {"self": build_with_draft("self", {"quantization": {"mode": "int4-weight-only"}})}

@@ -4,8 +4,8 @@
                                              [--head-dim 128] [--dtype fp16] [--passes 5]
 
 One decode step (one new token per row, every row at `context - 1` cached tokens) of:
-  - llmc three launches (plugins/kernels.py: rope/cache write + split-KV decode + merge),
-  - llmc one launch (plugins/kernels_aot.py: the TensorRT plugin's kernel),
+  - llmc three launches (plugins/gpu/kernels.py: rope/cache write + split-KV decode + merge),
+  - llmc one launch (plugins/gpu/kernels_aot.py: the TensorRT plugin's kernel),
   - torch SDPA over the same cache (`enable_gqa`; the new token already written, so SDPA does
     less work than the kernels, which also write the cache).
 Each is timed with CUDA events (median of `--passes` x 50 steps after warm-up); the achieved memory
@@ -50,9 +50,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_kernels: needs an NVIDIA GPU (CUDA); none is visible here", file=sys.stderr)
         return 2
-    from llmc.plugins.attention import reference_attention
-    from llmc.plugins.kernels import fused_attention
-    from llmc.plugins.kernels_aot import one_launch_attention
+    from llmc.plugins.op.attention import reference_attention
+    from llmc.plugins.gpu.kernels import fused_attention
+    from llmc.plugins.gpu.kernels_aot import one_launch_attention
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     b, c, h, kvh, d = args.batch, args.context, args.heads, args.kv_heads, args.head_dim

@@ -26,8 +26,8 @@ from llmc.compiler.quantize.quality import perplexity
 from llmc.compiler.quantize.textdata import builtin_documents, token_windows
 from llmc.compiler.source import inspect_source, load_tokenizer
 from llmc.compiler.spec import parse_spec
-from llmc.runtime.paged_runner import PagedRunner, RowStep
-from llmc.runtime.paged_slots import slot_runner
+from llmc.runtime.runners.paged import PagedRunner, RowStep
+from llmc.runtime.runners.paged_slots import slot_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ("fp32", "fp16", "int8")

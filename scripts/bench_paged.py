@@ -21,7 +21,7 @@ decode   in process, no prefill in flight (scripts/bench_paged_decode.py)
 memory   one pass: the paged graph with max_seq_len 8192 and 64 rows a step, on a pool of 16 x 2048
          tokens, serves 64 streams of ~300-token prompts at once, then one 8,000-token request
 budget   the paged graph under each of --budgets tokens a step, and under --budget without the step
-         cost cap (serving.itl_ratio: null, runtime/step_cost.py), 16 streams as in sweep
+         cost cap (serving.itl_ratio: null, runtime/engine/step_cost.py), 16 streams as in sweep
 
 The host is shared: before each measurement the script samples how busy its CPUs are with the
 servers idle (1 s of /proc/stat) and marks the measurements that started over 25% busy.

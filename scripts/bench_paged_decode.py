@@ -25,13 +25,13 @@ BATCHES = (1, 16)
 
 def _engine(graph: str, folder, artifact, rows: int):
     if graph == "slot":
-        from llmc.runtime.engine import LLMEngine
-        from llmc.runtime.ort_runner import OrtRunner
+        from llmc.runtime.engine.slot_engine import LLMEngine
+        from llmc.runtime.runners.ort import OrtRunner
 
         runner = OrtRunner(folder / artifact.onnx, artifact.kv_layout, max_batch=rows, capacity=CAPACITY, num_threads=2)
         return LLMEngine(runner, max_num_tokens=8192)
-    from llmc.runtime.paged_engine import PagedEngine
-    from llmc.runtime.paged_runner import PagedRunner
+    from llmc.runtime.engine.paged_engine import PagedEngine
+    from llmc.runtime.runners.paged import PagedRunner
 
     blocks = rows * CAPACITY // artifact.kv_layout.block_size
     runner = PagedRunner(folder / artifact.onnx, artifact.kv_layout, num_blocks=blocks, max_num_tokens=256,
@@ -41,7 +41,7 @@ def _engine(graph: str, folder, artifact, rows: int):
 
 def _prefilled(engine, rows: int, seed: int):
     """`engine` with `rows` requests that have all sampled their first token."""
-    from llmc.runtime.sampling import SamplingParams
+    from llmc.runtime.decoding.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
     for i in range(rows):

@@ -40,7 +40,7 @@ def export(graph: str):
 
     from llmc.compiler import build, load_spec, paged_decoder
     from llmc.compiler.spec import parse_spec
-    from llmc.plugins import paged_op
+    from llmc.plugins.op import paged_op
 
     data = {**load_spec(REPO / "examples" / "smollm2.yaml").model_dump(mode="json", exclude={"output"}),
             "name": f"smollm2-{graph}", "export": {"attention": "fused" if graph == "fused" else "paged"}}
@@ -60,8 +60,8 @@ def _rotary_in_model(self, decoder):
 
 
 def runners(threads: int, context: int) -> dict:
-    from llmc.runtime.ort_runner import OrtRunner
-    from llmc.runtime.paged_runner import PagedRunner
+    from llmc.runtime.runners.ort import OrtRunner
+    from llmc.runtime.runners.paged import PagedRunner
 
     out = {}
     for graph in GRAPHS:
@@ -78,7 +78,7 @@ def runners(threads: int, context: int) -> dict:
 
 def step(runner, kind: str, context: int):
     """A callable running one step of `kind` ("decode-1", "decode-16", "prefill-256")."""
-    from llmc.runtime.paged_runner import PagedRunner, RowStep
+    from llmc.runtime.runners.paged import PagedRunner, RowStep
 
     if kind == "prefill-256":
         ids = np.random.default_rng(0).integers(0, runner.vocab_size, 256)

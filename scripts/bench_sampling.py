@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from llmc.runtime.sampling import SamplingParams, sample, sample_rows
+from llmc.runtime.decoding.sampling import SamplingParams, sample, sample_rows
 
 VOCAB, REPEAT = 49_152, 20
 MIXES = {

@@ -54,7 +54,7 @@ def load():
     from tokenizers import Tokenizer
 
     from llmc.runtime.manifest import RepositoryManifest
-    from llmc.runtime.paged_runner import PagedRunner
+    from llmc.runtime.runners.paged import PagedRunner
 
     folder = build_variant("speculative-fp32", "paged", limits={"max_batch_size": 4, "max_num_tokens": 256},
                            serving={"itl_ratio": None})
@@ -68,7 +68,7 @@ def load():
 def verification_cost(runner, prompt_ids: list[int], ks: list[int], rows: int) -> dict[int, float]:
     """Median seconds of one call carrying `rows` rows of 1 + k tokens each after the prompt's KV,
     each row its own copy of it; the k take turns call by call, so load on the host falls on all alike."""
-    from llmc.runtime.paged_batch import RowStep
+    from llmc.runtime.runners.paged_batch import RowStep
 
     width = -(-(len(prompt_ids) + max(ks) + 1) // runner.block_size)
     tables = [list(range(r * width, (r + 1) * width)) for r in range(rows)]
@@ -91,7 +91,7 @@ class Slice:
         self.runner, self.first, self.num_blocks, self.block_size = runner, first, num_blocks, runner.block_size
 
     def step(self, rows):
-        from llmc.runtime.paged_batch import RowStep
+        from llmc.runtime.runners.paged_batch import RowStep
 
         return self.runner.step([RowStep(r.token_ids, r.past_len, [b + self.first for b in r.block_ids], r.num_logits)
                                  for r in rows])
@@ -105,8 +105,8 @@ class Run:
     def __init__(self, pool: Slice, manifest, tokenizer, prompts: list[list[int]], k: int | None,
                  ngram: tuple[int, int], rows: int = 4):
         from llmc.runtime.manifest import SpeculativeConfig
-        from llmc.runtime.paged_engine import PagedEngine
-        from llmc.runtime.sampling import SamplingParams
+        from llmc.runtime.engine.paged_engine import PagedEngine
+        from llmc.runtime.decoding.sampling import SamplingParams
 
         spec = SpeculativeConfig(method="ngram", num_tokens=k, max_batch=4, min_n=ngram[0], max_n=ngram[1]) \
             if k else None

@@ -5,7 +5,7 @@
 Contenders (SmolLM2-135M fp32, CPU, batch 1, greedy, the same ~128-token prompt, 64 new tokens):
   HF transformers `generate()`   PyTorch eager, torch threads = --threads
   onnxruntime-genai `generate()`  its own fp32 CPU build of the checkpoint, in process
-  llmc in process                 the packaged model's engine (runtime/engine.py: scheduler, sampling,
+  llmc in process                 the packaged model's engine (runtime/engine/slot_engine.py: scheduler, sampling,
                                   detokenizer) on ONNX Runtime, no server
   llmc through Triton             the same repository served by a real Triton, streamed over gRPC
 
@@ -52,8 +52,8 @@ def hf_generate(model, prompt: list[int], new: int) -> tuple[float, float, int]:
 
 
 def llmc_in_process(version_dir: Path, prompt: list[int], new: int) -> tuple[float, float, int]:
-    from llmc.runtime.sampling import SamplingParams
-    from llmc.runtime.serving import ServingLoop
+    from llmc.runtime.decoding.sampling import SamplingParams
+    from llmc.runtime.serving.loop import ServingLoop
 
     engine = ServingLoop.from_manifest(version_dir).engine  # the engine alone: no thread, no server
     start = time.perf_counter()

@@ -138,7 +138,7 @@ def greedy_reference(model, prompt_ids: list[int], max_tokens: int, end_ids=()) 
     return tokens
 
 
-SERVING_ENV = Path(__file__).resolve().parents[1] / ".venv-serving"
+SERVING_ENV = REPO / ".venv-serving"
 
 
 def serving_env() -> Path:
@@ -216,7 +216,7 @@ def assert_serves_like_its_graph(result, tmp_path: Path, prompt: str = "quantize
     decode (the quantized graph when there is one) run in process."""
     from llmc.client import Client
     from llmc.compiler.quantize.quality import greedy
-    from llmc.runtime.paged_slots import slot_runner
+    from llmc.runtime.runners.paged_slots import slot_runner
     from llmc.triton_server import TritonServer, assemble
 
     env = serving_env()

@@ -37,7 +37,7 @@ HANDLERS: dict[QuantMode, QuantHandler] = {
 # the code whose changes invalidate a quantized graph: every module of this package, and the
 # runtime code the quality report runs on
 QUANTIZE_CODE = (__name__, *sorted(f"{__name__}.{m.name}" for m in pkgutil.iter_modules(__path__)),
-                 "llmc.runtime.ort_runner", "llmc.runtime.cpu_kernels")
+                 "llmc.runtime.runners.ort", "llmc.runtime.kernels.cpu_kernels")
 EVAL_SEQ_LEN, EVAL_WINDOWS, AGREEMENT_STEPS = 256, 8, 32
 
 

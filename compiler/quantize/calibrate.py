@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from llmc.compiler.hashing import hash_json
 from llmc.runtime.layout import KVLayout
-from llmc.runtime.paged_batch import RowStep, pack
+from llmc.runtime.runners.paged_batch import RowStep, pack
 
 PERCENTILE, NUM_BINS, NUM_QUANTIZED_BINS = 99.99, 2048, 128
 CACHE_NAME = "calibration.json"
@@ -92,7 +92,7 @@ def run_tensors(model, layout: KVLayout, windows: list[np.ndarray], tensors: lis
     import onnx
 
     from llmc.compiler.export import save_model
-    from llmc.runtime.ort_runner import make_session
+    from llmc.runtime.runners.ort import make_session
 
     augmented = onnx.ModelProto()
     augmented.CopyFrom(model)

@@ -19,8 +19,8 @@ import numpy as np
 
 from llmc.compiler.artifacts import QualityReport
 from llmc.runtime.layout import KVLayout
-from llmc.runtime.paged_slots import slot_runner
-from llmc.runtime.runner import Runner
+from llmc.runtime.runners.paged_slots import slot_runner
+from llmc.runtime.runners.protocol import Runner
 
 SPEED_PROMPT, SPEED_STEPS = 64, 24
 

@@ -153,7 +153,7 @@ def searched_codes(model, layout: KVLayout, windows: list[np.ndarray], bits: int
 def cpu_kernel() -> str | None:
     """The llmc CPU kernel the quality report's measurements run 4-bit nodes on here (its file name
     carries its source's hash, then the instruction set), or None for ONNX Runtime's own."""
-    from llmc.runtime import cpu_kernels
+    from llmc.runtime.kernels import cpu_kernels
 
     kernels = cpu_kernels.load()
     return f"{kernels.library.name} {kernels.isa}" if kernels else None
@@ -161,7 +161,7 @@ def cpu_kernel() -> str | None:
 
 def _runs_on(model) -> str:
     """Which kernel the report's measurements (and serving on a host like this one) run 4-bit nodes on."""
-    from llmc.runtime import cpu_kernels
+    from llmc.runtime.kernels import cpu_kernels
 
     taken = len(cpu_kernels.swappable(model))
     if not taken:
@@ -169,5 +169,5 @@ def _runs_on(model) -> str:
     kernels = cpu_kernels.load()
     if kernels is None:
         return "; measured on onnxruntime's kernel (llmc's MatMulNBits4 needs AVX2 + FMA or AVX512-VNNI and a C compiler)"
-    return (f"; {taken} node(s) measured on llmc's MatMulNBits4 kernel (runtime/matmul_nbits4.c, {kernels.isa}), as "
+    return (f"; {taken} node(s) measured on llmc's MatMulNBits4 kernel (runtime/kernels/matmul_nbits4/matmul_nbits4.c, {kernels.isa}), as "
             f"served on such CPUs")

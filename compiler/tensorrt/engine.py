@@ -6,7 +6,7 @@ made from its options that does its work only when called, so a build is their c
 
     network_from_onnx    a strongly typed network (types come from the graph: TensorRT 11 has no
                          precision flags) parsed from the ONNX prepared for it (prep.py); the
-                         LlmcFusedAttention nodes become the AOT plugin (plugins/trt_plugin.py)
+                         LlmcFusedAttention nodes become the AOT plugin (plugins/trt/plugin.py)
     create_config        memory pool limit, optimization level, hardware / version compatibility,
                          the prefill and decode profiles over the same KV-cache inputs (profiles.py),
                          the timing cache read from <output>/engine/timing.cache, a progress monitor
@@ -186,8 +186,8 @@ def build_engine(onnx_path: Path, profiles: list[Profile], options: TensorRTSpec
     `timing_cache` (None: none) is read before the build and written back after it."""
     import tensorrt as trt
 
-    from llmc.plugins import trt_plugin
-    from llmc.runtime.trt_runner import gpu_identity
+    from llmc.plugins.trt import plugin
+    from llmc.runtime.runners.trt import gpu_identity
 
     gpu, capability = gpu_identity()
     trt_plugin.set_target_capability(plugin_capability(options, capability))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from llmc.compiler.export import ONNX_NAME, save_model
 from llmc.compiler.graph_passes import deduplicate_initializers
-from llmc.plugins.lowering import register_schemas
+from llmc.plugins.op.lowering import register_schemas
 
 FP32_OPS = ["RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"]
 

@@ -4,7 +4,7 @@
     decode    one token per row, up to every KV slot
 
 Profile keys may be patterns (`past_key_values.*`); `profile_shapes` expands them to the network's
-inputs. The order is the runtime's profile index (runtime/trt_runner.py: PREFILL, DECODE).
+inputs. The order is the runtime's profile index (runtime/runners/trt.py: PREFILL, DECODE).
 Plain data: the dry run (plan.py) lists the same profiles the engine stage builds.
 """
 

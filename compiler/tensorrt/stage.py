@@ -22,8 +22,8 @@ from llmc.errors import UnsupportedError
 
 # the modules whose code decides the engine (part of the stage's cache key)
 ENGINE_CODE = ("llmc.compiler.tensorrt.engine", "llmc.compiler.tensorrt.prep", "llmc.compiler.tensorrt.profiles",
-               "llmc.compiler.tensorrt.stage", "llmc.compiler.tensorrt.verify_engine", "llmc.plugins.trt_plugin",
-               "llmc.plugins.kernels", "llmc.plugins.kernels_aot", "llmc.runtime.trt_runner")
+               "llmc.compiler.tensorrt.stage", "llmc.compiler.tensorrt.verify_engine", "llmc.plugins.trt.plugin",
+               "llmc.plugins.gpu.kernels", "llmc.plugins.gpu.kernels_aot", "llmc.runtime.runners.trt")
 LAYOUT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # what the build imports besides TensorRT, and the llmc extra that installs it
 NEEDED_MODULES = (("modelopt.onnx.autocast", "quantize"), ("polygraphy", "quantize"), ("triton", "kernels"),
@@ -71,7 +71,7 @@ def cache_key_parts(spec: BuildSpec) -> dict:
     reads, the code, TensorRT's version and the GPU (an engine runs on the GPU it was built for)."""
     import tensorrt
 
-    from llmc.runtime.trt_runner import gpu_identity
+    from llmc.runtime.runners.trt import gpu_identity
 
     return {"precision": spec.precision.value, "spec": spec.section_hash("tensorrt", "limits", "verify"),
             "code": code_hash(*ENGINE_CODE), "tensorrt": tensorrt.__version__, "gpu": gpu_identity()}

@@ -22,7 +22,7 @@ from llmc.compiler.verify import compare, runner_greedy
 from llmc.errors import VerifyError
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.manifest import TensorRTInfo
-from llmc.runtime.runner import Runner
+from llmc.runtime.runners.protocol import Runner
 
 # (atol, rtol) on logits: fp32 engines still use TF32 tensor cores; fp16/bf16 carry their rounding
 # through every layer. Starting points, to be re-measured on GPU builds (no GPU was lent so far).
@@ -63,7 +63,7 @@ def reference_graph(source: ExportedModel | QuantizedModel, source_dir: Path, ex
     if exported.lowering.runs_on_onnxruntime:
         return source_dir / source.onnx, source.kv_layout
     from llmc.compiler import export as export_stage
-    from llmc.plugins.lowering import Lowering
+    from llmc.plugins.op.lowering import Lowering
 
     ref = export_stage.export(torch_model, tokenizer, scratch, lowering=Lowering.fused, source_hash=source_hash,
                               inputs_hash="engine-reference")
@@ -75,8 +75,8 @@ def verify_engine(plan: Path, layout: KVLayout, info: TensorRTInfo, reference: t
     """The engine `plan` vs ONNX Runtime running `reference` on the verify prompts, at the serving
     limits; the summary line, or VerifyError when Polygraphy rejects the engine's logits."""
     from llmc.compiler.verify import prompt_ids
-    from llmc.runtime.ort_runner import OrtRunner
-    from llmc.runtime.trt_runner import TrtRunner
+    from llmc.runtime.runners.ort import OrtRunner
+    from llmc.runtime.runners.trt import TrtRunner
 
     steps, lim, precision = spec.verify.decode_steps, spec.limits, spec.precision.value
     prompts = [p[:lim.max_seq_len - steps] for p in prompt_ids(tokenizer, vocab_size)[:lim.max_batch_size]]

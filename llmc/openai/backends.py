@@ -38,7 +38,7 @@ class ModelInfo:
 
 class ChoiceGeneration(Generation):
     """One choice's stream: the client's Generation plus the usage counts and the log probabilities
-    (runtime/logprobs.py's outputs)."""
+    (runtime/decoding/logprobs.py's outputs)."""
 
     def __init__(self):
         super().__init__()

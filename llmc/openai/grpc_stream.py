@@ -5,7 +5,7 @@ failures the model answered (a refusal: 400/429) and which the transport had (th
 503 and the server is marked down), and no retry on another server. The request's tensors and the
 responses' parsing are the client's (make_inputs, stop_inputs, Generation); leaving early ends the
 request in band as the client does (a stop request under the same id, then the stream half-closes
-with nothing pending; see runtime/serving.py for why cancelling a gRPC call is avoided).
+with nothing pending; see runtime/serving/loop.py for why cancelling a gRPC call is avoided).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The OpenAI API's request bodies (the parameters llmc serves), its error body, and the mapping from
-a request to the served model's inputs (TensorRT-LLM's tensor names, runtime/tensors.py).
+a request to the served model's inputs (TensorRT-LLM's tensor names, runtime/serving/tensors.py).
 
 Value ranges (`top_p` 0, `temperature` -1, a prompt longer than the context, ...) are checked by the
 served model, whose refusal names the tensor; `model_error` maps it to a 400 naming the OpenAI
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 16  # choices per request: each is an independent request to the model
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs` (runtime/logprobs.py's too)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs` (runtime/decoding/logprobs.py's too)
 
 
 class OpenAIError(Exception):

@@ -1,0 +1,279 @@
+"""OpenAI Triton kernels for the paged attention op (ONNX Runtime's PagedAttention contract;
+semantics: plugins/op/attention.py `reference_paged_attention`) on a GPU, called from PyTorch.
+
+    paged_attention(query [T, H*D] (or packed [T, (H + 2 KVH) * D]), key/value [T, KVH*D] or None,
+                    key_cache/value_cache [num_blocks, block_size, KVH, D],
+                    cumulative_sequence_length int [B + 1], past_seqlens int [B], block_table int [B, max_blocks],
+                    num_heads, kv_num_heads, scale=0, cos_cache=None, sin_cache=None, *, slot_mapping=None,
+                    rotary_interleaved=False, softcap=0, local_window_size=-1, is_causal=True)
+      -> (output [T, H*D], key_cache, value_cache)      the caches updated in place
+
+Two launches:
+1. `_paged_write`, one program per packed token: finds the token's row (binary search over
+   `cumulative_sequence_length`), rotates its keys at its position (rotate-half or interleaved, over
+   the tables' width) and writes keys and values into the slot the block table (or `slot_mapping`) names.
+2. `_paged_attention`: flash attention over the block pools. A program holds up to BLOCK_M
+   (token, query head) pairs of one row and one KV group, so a group's keys are loaded once for all of
+   its heads and a decode row fills a block with them. Rows are packed without padding: program i
+   belongs to the row whose first block index `cu[b] * G // BLOCK_M + b` is the last one <= i
+   (a binary search); `T * G // BLOCK_M + B` programs (rounded up) cover every row however the tokens are split,
+   the spare ones mask everything. Keys are gathered position by position through the block table,
+   so any block size works; unmapped entries (outside [0, num_blocks)) are masked out.
+
+The same attention kernel with FRESH=1 is the whole op in one launch (the TensorRT plugin's kernel,
+paged_kernels_aot.py): keys at or past a row's cached length come from the inputs, rotated on the fly,
+and the programs holding a group's first head write them into the blocks.
+
+No key splitting (flash-decoding) yet: a long decode row is one program per KV group.
+fp16, bf16 and fp32; accumulation in fp32. Runs on CPU under `TRITON_INTERPRET=1`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from llmc.plugins.gpu.kernels import softmax_block
+
+BLOCK_M, BLOCK_N = 16, 32  # (token, head) pairs per program, keys per inner step
+
+
+@triton.jit
+def find_row(cu_ptr, B, target, G: tl.constexpr, BLOCK_M: tl.constexpr, PER_BLOCK: tl.constexpr):
+    """The last row b in [0, B) whose start is <= target: the start is cu[b] (a token index), or with
+    PER_BLOCK the row's first program index cu[b] * G // BLOCK_M + b."""
+    lo = 0
+    hi = B - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(cu_ptr + mid)
+        if PER_BLOCK:
+            start = start * G // BLOCK_M + mid
+        ok = start <= target
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def rotated(x_ptr, offsets, d, mask, positions, cos_ptr, sin_ptr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """x[offsets + d] in fp32, rotated at `positions` ([rows]) over its first 2 * HALF channels:
+    pairs (i, i + HALF) (rotate-half) or (2i, 2i + 1) (interleaved); the channels after pass through."""
+    x = tl.load(x_ptr + offsets + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        partner = d ^ 1
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+        freq = d // 2
+    else:
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        freq = d % HALF
+    rot = mask & (d < 2 * HALF)[None, :]
+    table = positions.to(tl.int64)[:, None] * HALF + freq[None, :]
+    cos = tl.load(cos_ptr + table, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + table, mask=rot, other=0.0).to(tl.float32)
+    other = tl.load(x_ptr + offsets + partner[None, :], mask=rot, other=0.0).to(tl.float32)
+    return x * cos + sign[None, :] * other * sin
+
+
+@triton.jit
+def write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, src, dst, d, mask, positions, cos_ptr, sin_ptr, HALF: tl.constexpr,
+             ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """New keys (rotated at `positions` when ROTARY) and values, read from the inputs at row offsets `src`,
+    stored into the block pools at `dst`: the separate write kernel's and the one-launch kernel's step."""
+    if ROTARY:
+        k = rotated(k_ptr, src, d, mask, positions, cos_ptr, sin_ptr, HALF, INTERLEAVED)
+    else:
+        k = tl.load(k_ptr + src + d[None, :], mask=mask, other=0.0)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + dst, tl.load(v_ptr + src + d[None, :], mask=mask, other=0.0).to(vc_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def slot_of(table_ptr, b, positions, valid, MB, NB, BS):
+    """Cache slot (block * BS + offset) of each position of row b through the block table, and whether
+    it is mapped (the entry exists and names a block in [0, NB))."""
+    index = positions // BS
+    block = tl.load(table_ptr + b * MB + index, mask=valid & (index < MB), other=-1).to(tl.int64)
+    mapped = valid & (block >= 0) & (block < NB)
+    return block * BS + positions % BS, mapped
+
+
+@triton.jit
+def _paged_write(k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, slots_ptr, cos_ptr, sin_ptr,
+                 B, MB, NB, BS, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_KVH: tl.constexpr,
+                 BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, SLOTS: tl.constexpr):
+    """One program per packed token: its keys (rotated) and values into its cache slot, all KV heads."""
+    t = tl.program_id(0)
+    b = find_row(cu_ptr, B, t, 1, 1, False)
+    position = tl.load(past_ptr + b) + t - tl.load(cu_ptr + b)
+    g = tl.arange(0, BLOCK_KVH)
+    d = tl.arange(0, BLOCK_D)
+    heads = g < KVH
+    positions = tl.zeros([BLOCK_KVH], tl.int32) + position
+    if SLOTS:
+        slot = tl.load(slots_ptr + t + 0 * g).to(tl.int64)
+        ok = heads & (slot >= 0) & (slot < NB * BS)
+    else:
+        slot, ok = slot_of(table_ptr, b, positions, heads, MB, NB, BS)
+    mask = ok[:, None] & (d < D)[None, :]
+    src = (t * KVH + g).to(tl.int64)[:, None] * D
+    dst = (slot * KVH + g)[:, None] * D + d[None, :]
+    write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, src, dst, d, mask, positions, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
+
+
+@triton.jit
+def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped, past, start, kv, d_ok, d,
+                KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr,
+                INTERLEAVED: tl.constexpr, FRESH: tl.constexpr):
+    """One block of keys and values (fp32) at positions n: from the cache, or with FRESH those at or past
+    the row's cached length `past` from the new-token inputs (rotated, rounded as the cache holds them)."""
+    cached = mapped
+    if FRESH:
+        cached = mapped & (n < past)
+    at = (slot * KVH + kv)[:, None] * D + d[None, :]
+    k = tl.load(kc_ptr + at, mask=cached[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    v = tl.load(vc_ptr + at, mask=cached[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    if FRESH:
+        new = (mapped & (n >= past))[:, None] & d_ok[None, :]
+        src = ((start + n - past).to(tl.int64) * KVH + kv)[:, None] * D
+        if ROTARY:
+            k_new = rotated(k_ptr, src, d, new, n, cos_ptr, sin_ptr, HALF, INTERLEAVED)
+        else:
+            k_new = tl.load(k_ptr + src + d[None, :], mask=new, other=0.0).to(tl.float32)
+        k = tl.where(new, k_new.to(kc_ptr.dtype.element_ty).to(tl.float32), k)
+        v_new = tl.load(v_ptr + src + d[None, :], mask=new, other=0.0)
+        v = tl.where(new, v_new.to(vc_ptr.dtype.element_ty).to(tl.float32), v)
+    return k, v
+
+
+@triton.jit
+def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, cos_ptr, sin_ptr,
+                     B, MB, NB, BS, o_ptr, kc_out, vc_out,
+                     SCALE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr,
+                     INTERLEAVED: tl.constexpr, FRESH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One program per (block of a row's (token, group head) pairs, KV head). Parameters in TensorRT's
+    AOT-plugin order: input tensors, int32 scalars, output tensors (the caches aliased to the inputs).
+    UPCAST: tiles reach the dots as fp32 (under the interpreter for bf16, which NumPy lacks)."""
+    G: tl.constexpr = H // KVH
+    kv = tl.program_id(1)
+    b = find_row(cu_ptr, B, tl.program_id(0), G, BLOCK_M, True)
+    start = tl.load(cu_ptr + b)
+    past = tl.load(past_ptr + b)
+    r = (tl.program_id(0) - start * G // BLOCK_M - b) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = (r >= 0) & (r < (tl.load(cu_ptr + b + 1) - start) * G)
+    s = r // G
+    pos = past + s
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q_at = ((start + s).to(tl.int64) * H + kv * G + r % G)[:, None] * D
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    if ROTARY:
+        q = rotated(q_ptr, q_at, d, q_mask, pos, cos_ptr, sin_ptr, HALF, INTERLEAVED)
+    else:
+        q = tl.load(q_ptr + q_at + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    if not UPCAST:
+        q = q.to(q_ptr.dtype.element_ty)
+    if CAUSAL:
+        hi = tl.max(tl.where(row_ok, pos + 1, 0), 0)
+    else:
+        hi = tl.where(tl.max(row_ok.to(tl.int32), 0) > 0, past + tl.load(cu_ptr + b + 1) - start, 0)
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(tl.min(tl.where(row_ok, pos, hi), 0) - WINDOW + 1, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        n = start_n + tl.arange(0, BLOCK_N)
+        slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS)
+        k, v = _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped, past, start, kv, d_ok, d,
+                           KVH, D, HALF, ROTARY, INTERLEAVED, FRESH)
+        if not UPCAST:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE
+        if SOFTCAP > 0:
+            scores = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * scores / SOFTCAP) + 1.0))  # softcap * tanh(x / softcap)
+        visible = mapped[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (n[None, :] > pos[:, None] - WINDOW)
+        p, alpha, m_i, l_i = softmax_block(tl.where(visible, scores, float("-inf")), m_i, l_i)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + q_at + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
+    if FRESH:  # the row's new keys and values into the blocks, once per token: by its group's first head
+        writer = row_ok & (r % G == 0)
+        slot, mapped = slot_of(table_ptr, b, pos, writer, MB, NB, BS)
+        w_mask = mapped[:, None] & d_ok[None, :]
+        src = ((start + s).to(tl.int64) * KVH + kv)[:, None] * D
+        dst = (slot * KVH + kv)[:, None] * D + d[None, :]
+        write_kv(k_ptr, v_ptr, kc_out, vc_out, src, dst, d, w_mask, pos, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
+
+
+def attention_grid(tokens, rows, num_heads: int, num_kv_heads: int, block_m: int = BLOCK_M, cdiv=triton.cdiv):
+    """(programs over the rows' packed (token, head) pairs, KV heads): enough for any split of `tokens`
+    among `rows`; works on ints and on TensorRT's symbolic shape expressions (pass `trtp.cdiv`)."""
+    return cdiv(tokens * (num_heads // num_kv_heads), block_m) + rows, num_kv_heads
+
+
+def split_packed(query, key, value, num_heads: int, kv_num_heads: int):
+    """Query, key and value as separate contiguous [T, width] tensors (the contract's packed QKV split)."""
+    if key is None:
+        head_size = query.shape[1] // (num_heads + 2 * kv_num_heads)
+        query, key, value = query.split([num_heads * head_size, kv_num_heads * head_size,
+                                         kv_num_heads * head_size], dim=1)
+    return query.contiguous(), key.contiguous(), value.contiguous()
+
+
+def kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, rotary_interleaved, softcap,
+                   local_window_size, is_causal) -> dict:
+    """The attention kernel's compile-time constants for these tensors and attributes."""
+    head_size = query.shape[1] // num_heads
+    assert num_heads % kv_num_heads == 0 and key_cache.shape[2:] == (kv_num_heads, head_size), key_cache.shape
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return {"SCALE": float(scale or head_size ** -0.5), "H": num_heads, "KVH": kv_num_heads, "D": head_size,
+            "HALF": cos_cache.shape[1] if cos_cache is not None else 1, "SOFTCAP": float(softcap),
+            "WINDOW": int(local_window_size), "CAUSAL": bool(is_causal), "ROTARY": cos_cache is not None,
+            "INTERLEAVED": bool(rotary_interleaved), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
+            "BLOCK_D": max(16, triton.next_power_of_2(head_size)),
+            "DOT_PRECISION": "ieee" if query.dtype == torch.float32 else "tf32",
+            "UPCAST": query.dtype == torch.bfloat16 and interpreted}
+
+
+def int32(*tensors):
+    return [t.to(torch.int32).contiguous() for t in tensors]
+
+
+def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
+                    num_heads: int, kv_num_heads: int, scale: float = 0.0, cos_cache=None, sin_cache=None, *,
+                    slot_mapping=None, rotary_interleaved: bool = False, softcap: float = 0.0,
+                    local_window_size: int = -1, is_causal: bool = True):
+    """`reference_paged_attention` on the GPU kernels: the new keys and values written into the caches
+    (in place), then attention; returns (output [T, H*D], key_cache, value_cache)."""
+    query, key, value = split_packed(query, key, value, num_heads, kv_num_heads)
+    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "contiguous caches expected"
+    options = kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, rotary_interleaved,
+                             softcap, local_window_size, is_causal)
+    cu, past, table = int32(cumulative_sequence_length, past_seqlens, block_table)
+    tokens, rows, num_blocks, block_size = query.shape[0], past.shape[0], key_cache.shape[0], key_cache.shape[1]
+    scalars = (rows, table.shape[1], num_blocks, block_size)
+    cos, sin = (cos_cache.contiguous(), sin_cache.contiguous()) if cos_cache is not None else (query, query)
+    slots = slot_mapping.to(torch.int64).contiguous() if slot_mapping is not None else cu
+    if tokens:
+        _paged_write[(tokens,)](key, value, key_cache, value_cache, cu, past, table, slots, cos, sin, *scalars,
+                                kv_num_heads, options["D"], options["HALF"], triton.next_power_of_2(kv_num_heads),
+                                options["BLOCK_D"], options["ROTARY"], options["INTERLEAVED"], slot_mapping is not None)
+    out = torch.empty_like(query)
+    if tokens:
+        grid = attention_grid(tokens, rows, num_heads, kv_num_heads)
+        _paged_attention[grid](query, key, value, key_cache, value_cache, cu, past, table, cos, sin, *scalars,
+                               out, key_cache, value_cache, FRESH=False, **options)
+    return out, key_cache, value_cache

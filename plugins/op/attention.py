@@ -1,0 +1,209 @@
+"""`llmc::attention`: the one attention op the compiler owns, as a torch custom op with a reference.
+
+    attention(query [B, S, H, D], key [B, S, KVH, D], value [B, S, KVH, D],
+              k_cache [B, KVH, C, D], v_cache [B, KVH, C, D], cache_position int64 [B], scale,
+              cos_cache [P, D/2] = None, sin_cache [P, D/2] = None)
+      -> (output [B, S, H, D], k_cache', v_cache')
+
+Row b's S new tokens are written into the preallocated cache (capacity C) at positions
+`cache_position[b] .. cache_position[b] + S - 1`; query i of row b attends causally to cache
+positions `0 .. cache_position[b] + i`. Rows may sit at different positions (what in-flight
+batching needs); H must be a multiple of KVH (MHA, GQA, MQA). Cache entries beyond a row's
+position are never read, so a right-padded row's pad tokens and stale data from an earlier
+occupant of the slot are harmless.
+
+The op is functional (returns new caches, `mutates_args=()`): torch.export and the ONNX translator
+handle it as one node, which each target lowers to its own fused form (ONNX Runtime
+GroupQueryAttention with a shared past/present buffer updates the cache in place).
+
+With `cos_cache`/`sin_cache` (one row per position, half the head dim: the rotate-half RoPE
+convention of Llama-family models) the op applies rotary embeddings to the new queries and keys at
+their positions itself, so a fused kernel can do it on the fly; without them, query and key
+arrive already rotated (or the model has no rotary at all, like GPT-2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _check(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor) -> None:
+    b, s, h, d = query.shape
+    kvh = key.shape[2]
+    assert key.shape == value.shape == (b, s, kvh, d), (key.shape, value.shape, query.shape)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[:2] == (b, kvh) and k_cache.shape[3] == d, k_cache.shape
+    assert h % kvh == 0, f"num_heads {h} is not a multiple of num_kv_heads {kvh}"
+    assert cache_position.shape == (b,), cache_position.shape
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dim: the rotate-half RoPE convention of Llama-family models."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(x: Tensor, cos_cache: Tensor, sin_cache: Tensor, positions: Tensor) -> Tensor:
+    """Rotary embedding, rotate-half convention: x [B, S, heads, D] at `positions` [B, S]."""
+    cos = torch.cat([cos_cache[positions]] * 2, dim=-1)[:, :, None].to(torch.float32)  # [B, S, 1, D]
+    sin = torch.cat([sin_cache[positions]] * 2, dim=-1)[:, :, None].to(torch.float32)
+    x32 = x.to(torch.float32)
+    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+
+
+def reference_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                        cache_position: Tensor, scale: float, cos_cache: Tensor | None = None,
+                        sin_cache: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Plain PyTorch semantics of the op: the definition every lowering and kernel is tested against."""
+    _check(query, key, value, k_cache, v_cache, cache_position)
+    b, s, h, d = query.shape
+    kvh, capacity = key.shape[2], k_cache.shape[2]
+    positions = cache_position.to(torch.int64)[:, None] + torch.arange(s, device=query.device)  # [B, S]
+    if not torch.compiler.is_compiling() and int(positions.max()) >= capacity:
+        raise ValueError(f"KV cache overflow: position {int(positions.max())} does not fit capacity {capacity}")
+    assert (cos_cache is None) == (sin_cache is None), "cos_cache and sin_cache come together"
+    if cos_cache is not None:
+        assert cos_cache.shape == sin_cache.shape and cos_cache.shape[1] * 2 == d, (cos_cache.shape, d)
+        query, key = rotate(query, cos_cache, sin_cache, positions), rotate(key, cos_cache, sin_cache, positions)
+    index = positions[:, None, :, None].expand(b, kvh, s, d)
+    k_out = k_cache.scatter(2, index, key.transpose(1, 2).to(k_cache.dtype))
+    v_out = v_cache.scatter(2, index, value.transpose(1, 2).to(v_cache.dtype))
+
+    group = h // kvh
+    q = query.transpose(1, 2).float()  # [B, H, S, D]
+    k = k_out.float().repeat_interleave(group, dim=1)  # [B, H, C, D]
+    v = v_out.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, S, C]
+    visible = torch.arange(capacity, device=query.device)[None, None, :] <= positions[:, :, None]  # [B, S, C]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, H, S, D]
+    return out.transpose(1, 2).to(query.dtype).contiguous(), k_out, v_out
+
+
+@torch.library.custom_op("llmc::attention", mutates_args=())
+def attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+              cache_position: Tensor, scale: float, cos_cache: Tensor | None = None,
+              sin_cache: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    return reference_attention(query, key, value, k_cache, v_cache, cache_position, scale, cos_cache, sin_cache)
+
+
+@attention.register_fake
+def _attention_fake(query, key, value, k_cache, v_cache, cache_position, scale, cos_cache=None, sin_cache=None):
+    _check(query, key, value, k_cache, v_cache, cache_position)
+    return torch.empty_like(query), torch.empty_like(k_cache), torch.empty_like(v_cache)
+
+
+def _rotate_paged(x: Tensor, cos_cache: Tensor, sin_cache: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
+    """Rotary embedding of x [T, heads, D] at `positions` [T] over its first 2 * cos_cache.shape[1] channels
+    (the rest pass through): rotate-half pairs (i, i + R/2), or interleaved pairs (2i, 2i + 1)."""
+    half = cos_cache.shape[1]
+    cos = cos_cache[positions].float()[:, None]  # [T, 1, R/2]
+    sin = sin_cache[positions].float()[:, None]
+    x = x.float().clone()
+    if interleaved:
+        x1, x2 = x[..., 0:2 * half:2].clone(), x[..., 1:2 * half:2].clone()
+        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    else:
+        x1, x2 = x[..., :half].clone(), x[..., half:2 * half].clone()
+        x[..., :half], x[..., half:2 * half] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return x
+
+
+def _channel_scales(scale: Tensor, kv_heads: int, head_size: int) -> Tensor:
+    """A cache scale ([1] or [KVH, 1, D]) as [KVH, D]."""
+    return scale.float().reshape(-1, head_size).expand(kv_heads, head_size) if scale.numel() > 1 else \
+        scale.float().reshape(1, 1).expand(kv_heads, head_size)
+
+
+def _encode(x: Tensor, dtype: torch.dtype, scale: Tensor | None) -> Tensor:
+    """[N, KVH, D] float values as a cache stores them: cast, or int8 codes under `scale`."""
+    if dtype != torch.int8:
+        return x.to(dtype)
+    codes = torch.round(x / _channel_scales(scale, x.shape[1], x.shape[2]))
+    return codes.clamp(-128, 127).to(torch.int8)
+
+
+def _decode(x: Tensor, scale: Tensor | None) -> Tensor:
+    """[N, KVH, D] cache entries as float32: int8 codes times their scales."""
+    if x.dtype != torch.int8:
+        return x.float()
+    return x.float() * _channel_scales(scale, x.shape[1], x.shape[2])
+
+
+def reference_paged_attention(query: Tensor, key: Tensor | None, value: Tensor | None, key_cache: Tensor,
+                              value_cache: Tensor, cumulative_sequence_length: Tensor, past_seqlens: Tensor,
+                              block_table: Tensor, num_heads: int, kv_num_heads: int, scale: float = 0.0,
+                              cos_cache: Tensor | None = None, sin_cache: Tensor | None = None, *,
+                              slot_mapping: Tensor | None = None, rotary_interleaved: bool = False,
+                              softcap: float = 0.0, local_window_size: int = -1, is_causal: bool = True,
+                              k_scale: Tensor | None = None,
+                              v_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """ONNX Runtime's com.microsoft.PagedAttention in plain PyTorch, the definition llmc's CPU kernel
+    (runtime/kernels/paged_attention/paged_attention.c) is tested against. Writes the new keys and values INTO `key_cache` and
+    `value_cache` (the contract updates them in place) and returns (output [T, H*D], key_cache, value_cache).
+
+    query [T, H*D] (or packed [T, (H + 2 KVH) * D] with key and value None), key/value [T, KVH*D];
+    caches [num_blocks, block_size, KVH, D]; row b owns tokens cumulative_sequence_length[b] .. [b+1],
+    at positions past_seqlens[b] + i. With cos/sin tables [P, R/2] (do_rotary) the new queries and keys
+    are rotated at those positions. Token t's key/value go to slot `slot_mapping[t]` (block * block_size
+    + offset; -1 writes nothing) or, without it, to its position's slot through `block_table`. Each query
+    then attends to its row's positions 0 .. its own (all of the row's with is_causal=False), at most
+    `local_window_size` of them counting itself (when > 0), read from the cache through `block_table`;
+    block-table entries outside [0, num_blocks) are unmapped and masked out. softcap > 0 turns a logit
+    x into softcap * tanh(x / softcap); scale 0 means 1 / sqrt(D). A query with nothing to attend to
+    gets zeros. int8 caches take `k_scale`/`v_scale`, the contract's dequantization scales ([1]:
+    PER_TENSOR, [KVH, 1, D]: PER_CHANNEL): x is stored as round(x / scale) (to nearest even) saturated to
+    [-128, 127] and read back as code * scale."""
+    tokens = query.shape[0]
+    if key is None:
+        head_size = query.shape[1] // (num_heads + 2 * kv_num_heads)
+        query, key, value = query.split([num_heads * head_size, kv_num_heads * head_size,
+                                         kv_num_heads * head_size], dim=1)
+    head_size = query.shape[1] // num_heads
+    num_blocks, block_size = key_cache.shape[:2]
+    scale = scale or head_size ** -0.5
+    cu, past = cumulative_sequence_length.tolist(), past_seqlens.tolist()
+    rows = torch.repeat_interleave(torch.arange(len(past)), torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))
+    positions = torch.tensor(past, dtype=torch.int64)[rows] + torch.arange(tokens) - torch.tensor(cu[:-1])[rows]
+    q = query.reshape(tokens, num_heads, head_size).float()
+    k = key.reshape(tokens, kv_num_heads, head_size).float()
+    if cos_cache is not None:
+        q = _rotate_paged(q, cos_cache, sin_cache, positions, rotary_interleaved)
+        k = _rotate_paged(k, cos_cache, sin_cache, positions, rotary_interleaved)
+    table = block_table.to(torch.int64)
+    table = torch.where((table >= 0) & (table < num_blocks), table, -1)
+    if slot_mapping is None:
+        block = table[rows, positions // block_size]
+        slots = torch.where(block >= 0, block * block_size + positions % block_size, -1)
+    else:
+        slots = slot_mapping.to(torch.int64)
+    k_flat = key_cache.view(num_blocks * block_size, kv_num_heads, head_size)
+    v_flat = value_cache.view(num_blocks * block_size, kv_num_heads, head_size)
+    written = slots >= 0
+    k_flat[slots[written]] = _encode(k[written], key_cache.dtype, k_scale)
+    v_flat[slots[written]] = _encode(value.reshape(tokens, kv_num_heads, head_size)[written].float(), value_cache.dtype,
+                                     v_scale)
+
+    out = torch.zeros(tokens, num_heads, head_size)
+    group = num_heads // kv_num_heads
+    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        total = past[b] + end - start
+        if end == start:
+            continue
+        seen = torch.arange(total)
+        block = table[b, seen // block_size]
+        slot = block.clamp(min=0) * block_size + seen % block_size
+        keys = _decode(k_flat[slot], k_scale).repeat_interleave(group, dim=1)  # [total, H, D]
+        values = _decode(v_flat[slot], v_scale).repeat_interleave(group, dim=1)
+        logits = torch.einsum("qhd,khd->hqk", q[start:end], keys) * scale
+        if softcap > 0:
+            logits = softcap * torch.tanh(logits / softcap)
+        at = positions[start:end, None]  # [n, 1]
+        visible = (block >= 0)[None, :].expand(end - start, total)
+        if is_causal:
+            visible = visible & (seen[None, :] <= at)
+        if local_window_size > 0:
+            visible = visible & (seen[None, :] > at - local_window_size)
+        weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+        out[start:end] = torch.einsum("hqk,khd->qhd", weights, values)
+    return out.reshape(tokens, num_heads * head_size).to(query.dtype), key_cache, value_cache

@@ -1,0 +1,268 @@
+"""ONNX lowerings of `llmc::attention`: one torch op, one ONNX form per consumer.
+
+    fused      com.microsoft.GroupQueryAttention (ONNX Runtime). The cache inputs are full-capacity
+               buffers and the op writes the new tokens into them; bound through IO binding as both
+               `past_key_values.*` and `present.*`, the update happens in place. Rotary tables,
+               when the op gets them, go to GQA too (`do_rotary=1`): it rotates at the positions
+               it derives from `seqlens_k`, which are exactly the op's `cache_position + i`.
+    reference  standard ONNX (opset 23): `RotaryEmbedding` when there are tables, ScatterElements
+               writes the new tokens into a copy of the cache, `Attention` runs over the whole
+               capacity under a causal, per-row mask. For tools that need plain ONNX; ONNX Runtime
+               runs it too (with a cache copy per step).
+    plugin     one `LlmcFusedAttention` node for TensorRT's ONNX parser, which imports a node whose
+               op type is a registered plugin's name (`plugin_version`, `plugin_namespace`
+               attributes). Its kernel and registration live with the TensorRT target.
+    paged      one `llmc.PagedAttention` node (ONNX Runtime's com.microsoft.PagedAttention contract)
+               over block pools, for a decoder traced with `llmc::paged_attention` instead
+               (plugins/op/paged_op.py): packed tokens, block tables, caches updated in place; llmc's
+               CPU kernel runs it.
+
+Every form maps `cache_position` (int64 [B], tokens already cached per row) to what the op wants:
+GQA takes `seqlens_k = cache_position + S - 1` (int32, last index written) and
+`total_sequence_length = max(cache_position) + S`; the plugin takes int32 positions.
+
+`register_schemas()` must run before export: onnxscript builds nodes from `onnx.defs` schemas,
+and `onnx.checker` validates the custom domains against them (with shape inference).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import onnx
+from onnx import TensorProto
+from onnx.defs import OpSchema
+
+from llmc.plugins.trt import paged_node
+from llmc.plugins.op import paged_schema
+
+MICROSOFT_DOMAIN = "com.microsoft"
+LLMC_DOMAIN = "llmc"
+PLUGIN_OP = "LlmcFusedAttention"
+PLUGIN_NAMESPACE = "llmc"
+PLUGIN_VERSION = "1"
+_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+
+
+class Lowering(str, enum.Enum):
+    fused = "fused"
+    reference = "reference"
+    plugin = "plugin"
+    paged = "paged"
+
+    @property
+    def runs_on_onnxruntime(self) -> bool:
+        return self is not Lowering.plugin
+
+
+@dataclass(frozen=True)
+class Heads:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _copy_types(pairs: list[tuple[int, int]]):
+    """Shape inference that gives output `o` the type and shape of input `i` for each (o, i)."""
+    def infer(ctx) -> None:
+        for o, i in pairs:
+            ctx.set_output_type(o, ctx.get_input_type(i))
+    return infer
+
+
+def _infer_gqa(ctx) -> None:
+    """Output [B, S, H * D] (query is [B, S, (H + 2 KVH) * D] when K and V come packed in it);
+    present has the past's shape (shared buffers)."""
+    out = onnx.TypeProto()
+    out.CopyFrom(ctx.get_input_type(0))
+    packed = not (ctx.has_input(1) and ctx.has_input(2))
+    dims = out.tensor_type.shape.dim
+    if packed and len(dims) == 3 and dims[2].HasField("dim_value"):
+        heads = onnx.helper.get_attribute_value(ctx.get_attribute("num_heads"))
+        kv_heads = onnx.helper.get_attribute_value(ctx.get_attribute("kv_num_heads"))
+        dims[2].dim_value = dims[2].dim_value // (heads + 2 * kv_heads) * heads
+    ctx.set_output_type(0, out)
+    ctx.set_output_type(1, ctx.get_input_type(3))
+    ctx.set_output_type(2, ctx.get_input_type(4))
+
+
+def _schema(name: str, domain: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
+            attributes: list[OpSchema.Attribute], doc: str, infer) -> OpSchema:
+    """Inputs named with a trailing '?' are optional."""
+    optional = OpSchema.FormalParameterOption.Optional
+    schema = OpSchema(
+        name, domain, 1, doc,
+        inputs=[OpSchema.FormalParameter(n.rstrip("?"), t, **({"param_option": optional} if n.endswith("?") else {}))
+                for n, t in inputs],
+        outputs=[OpSchema.FormalParameter(n, t) for n, t in outputs],
+        type_constraints=[("T", _FLOATS, "activations and cache"), ("M", ["tensor(int32)"], "lengths")],
+        attributes=attributes,
+    )
+    schema.set_type_and_shape_inference_function(infer)
+    return schema
+
+
+def _gqa_schema() -> OpSchema:
+    A = OpSchema.AttrType
+    return _schema(
+        "GroupQueryAttention", MICROSOFT_DOMAIN,
+        [("query", "T"), ("key?", "T"), ("value?", "T"), ("past_key", "T"), ("past_value", "T"),
+         ("seqlens_k", "M"), ("total_sequence_length", "M"), ("cos_cache?", "T"), ("sin_cache?", "T")],
+        [("output", "T"), ("present_key", "T"), ("present_value", "T")],
+        [OpSchema.Attribute("num_heads", A.INT, "query heads"),
+         OpSchema.Attribute("kv_num_heads", A.INT, "key/value heads"),
+         OpSchema.Attribute("scale", A.FLOAT, "softmax scale", required=False),
+         OpSchema.Attribute("do_rotary", A.INT, "apply rotary inside the op", required=False)],
+        "ONNX Runtime contrib op, the subset of inputs llmc emits (see onnxruntime ContribOperators.md).",
+        _infer_gqa,
+    )
+
+
+def _plugin_schema() -> OpSchema:
+    A = OpSchema.AttrType
+    return _schema(
+        PLUGIN_OP, LLMC_DOMAIN,
+        [("query", "T"), ("key", "T"), ("value", "T"), ("k_cache", "T"), ("v_cache", "T"), ("cache_position", "M"),
+         ("cos_cache", "T"), ("sin_cache", "T")],
+        [("output", "T"), ("k_cache_out", "T"), ("v_cache_out", "T")],
+        [OpSchema.Attribute(n, A.STRING, "TensorRT plugin registry key") for n in ("plugin_version", "plugin_namespace")]
+        + [OpSchema.Attribute(n, A.INT, "") for n in ("num_heads", "num_kv_heads", "head_dim")]
+        + [OpSchema.Attribute("scale", A.FLOAT, "softmax scale"),
+           OpSchema.Attribute("rotary", A.INT, "1: rotate the new queries and keys with the tables")],
+        "llmc::attention as a TensorRT plugin node: query [B,S,H,D], key/value [B,S,KVH,D], "
+        "caches [B,KVH,C,D] written at cache_position (int32 [B]); with rotary=1 the plugin applies "
+        "rotary embeddings (rotate-half) from the cos/sin tables [P,D/2] to the new queries and keys "
+        "(the tables are always inputs, a [1,D/2] zero placeholder without rotary: a TensorRT "
+        "plugin has a fixed number of inputs).",
+        _copy_types([(0, 0), (1, 3), (2, 4)]),
+    )
+
+
+def register_schemas() -> None:
+    """Make the custom ops known to onnx (and so to onnxscript and onnx.checker). Idempotent."""
+    for make, name, domain in ((_gqa_schema, "GroupQueryAttention", MICROSOFT_DOMAIN),
+                               (_plugin_schema, PLUGIN_OP, LLMC_DOMAIN)):
+        if not onnx.defs.has(name, domain):
+            onnx.defs.register_schema(make())
+    paged_schema.register()  # llmc.PagedAttention and com.microsoft.PagedAttention
+    paged_plugin.register_schema()  # LlmcPagedAttention, the TensorRT plugin node
+
+
+def _fused(heads: Heads):
+    from onnxscript import opset23 as op
+    from onnxscript.values import Opset
+
+    msft = Opset(MICROSOFT_DOMAIN, 1)
+
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None):
+        seq = op.Shape(query, start=1, end=2)  # [1]
+        last = op.Sub(op.Add(cache_position, seq), op.Constant(value_int=1))
+        seqlens_k = op.Cast(last, to=TensorProto.INT32)
+        total = op.Cast(op.Add(op.ReduceMax(cache_position, keepdims=0), op.Squeeze(seq)), to=TensorProto.INT32)
+        rotary = [] if cos_cache is None else [cos_cache, sin_cache]  # GQA rotates at seqlens-derived positions
+        flat = op.Constant(value_ints=[0, 0, -1])  # [B, S, heads, D] -> [B, S, heads * D]
+        out, k_out, v_out = msft.GroupQueryAttention(
+            op.Reshape(query, flat), op.Reshape(key, flat), op.Reshape(value, flat), k_cache, v_cache,
+            seqlens_k, total, *rotary, num_heads=heads.num_heads, kv_num_heads=heads.num_kv_heads, scale=scale,
+            do_rotary=int(bool(rotary)))
+        return op.Reshape(out, op.Constant(value_ints=[0, 0, heads.num_heads, heads.head_dim])), k_out, v_out
+
+    return attention
+
+
+def _reference(heads: Heads):
+    from onnxscript import opset23 as op
+
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None):
+        zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+        steps = op.Range(zero, op.Squeeze(op.Shape(query, start=1, end=2)), one)  # [S]
+        positions = op.Add(op.Unsqueeze(cache_position, op.Constant(value_ints=[1])), steps)  # [B, S]
+        q = op.Transpose(query, perm=[0, 2, 1, 3])  # [B, H, S, D]
+        k_new = op.Transpose(key, perm=[0, 2, 1, 3])  # [B, KVH, S, D]
+        v_new = op.Transpose(value, perm=[0, 2, 1, 3])
+        if cos_cache is not None:
+            q = op.RotaryEmbedding(q, cos_cache, sin_cache, positions, interleaved=0)
+            k_new = op.RotaryEmbedding(k_new, cos_cache, sin_cache, positions, interleaved=0)
+        index = op.Expand(op.Unsqueeze(positions, op.Constant(value_ints=[1, 3])), op.Shape(k_new))
+        k_out = op.ScatterElements(k_cache, index, k_new, axis=2)
+        v_out = op.ScatterElements(v_cache, index, v_new, axis=2)
+        slots = op.Range(zero, op.Squeeze(op.Shape(k_cache, start=2, end=3)), one)  # [C]
+        visible = op.LessOrEqual(slots, op.Unsqueeze(positions, op.Constant(value_ints=[2])))  # [B, S, C]
+        mask = op.Unsqueeze(visible, op.Constant(value_ints=[1]))  # [B, 1, S, C]
+        # the exporter emits all four outputs of Attention; the unused optional ones are dropped after
+        # export (trim_unused_outputs) so ONNX Runtime does not compute them
+        out = op.Attention(q, k_out, v_out, mask, scale=scale)[0]
+        return op.Transpose(out, perm=[0, 2, 1, 3]), k_out, v_out
+
+    return attention
+
+
+def _plugin(heads: Heads):
+    import numpy
+    import onnx.numpy_helper
+    from onnxscript import opset23 as op
+    from onnxscript.values import Opset
+
+    llmc = Opset(LLMC_DOMAIN, 1)
+
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None):
+        rotary = cos_cache is not None
+        if not rotary:  # the plugin's fixed arity: a placeholder table it never reads
+            placeholder = op.CastLike(op.Constant(value=onnx.numpy_helper.from_array(
+                numpy.zeros((1, heads.head_dim // 2), numpy.float32))), query)
+            cos_cache = sin_cache = placeholder
+        return llmc.LlmcFusedAttention(
+            query, key, value, k_cache, v_cache, op.Cast(cache_position, to=TensorProto.INT32), cos_cache, sin_cache,
+            plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE, num_heads=heads.num_heads,
+            num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim, scale=scale, rotary=int(rotary))
+
+    return attention
+
+
+def pack_qkv(graph) -> None:
+    """GroupQueryAttention nodes fed by the three outputs of one last-axis Split (a fused QKV
+    projection) take the Split's input instead: GQA's packed-QKV form, one node less per layer.
+    Works on an onnx_ir graph after export; the orphaned Split is left for dead-code removal."""
+    for node in graph:
+        if node.op_type != "GroupQueryAttention" or node.domain != MICROSOFT_DOMAIN:
+            continue
+        q, k, v = node.inputs[:3]
+        split = q.producer() if q is not None else None
+        if split is None or split.op_type != "Split" or len(split.outputs) != 3 \
+                or any(a is not b for a, b in zip(split.outputs, (q, k, v))):
+            continue
+        source = split.inputs[0]
+        if source.shape is None or split.attributes.get_int("axis", 0) not in (-1, len(source.shape) - 1):
+            continue
+        node.replace_input_with(0, source)
+        node.replace_input_with(1, None)
+        node.replace_input_with(2, None)
+
+
+def trim_unused_outputs(graph: onnx.GraphProto) -> None:
+    """Blank the trailing optional outputs of `Attention` nodes that nothing reads."""
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    for node in graph.node:
+        if node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
+            outputs = list(node.output)
+            while len(outputs) > 1 and outputs[-1] not in used:
+                outputs.pop()
+            outputs = [o if o in used or i == 0 else "" for i, o in enumerate(outputs)]
+            del node.output[:]
+            node.output.extend(outputs)
+
+
+def translation_table(lowering: Lowering, heads: Heads) -> dict:
+    """`custom_translation_table` for torch.onnx.export: llmc::attention -> the lowering's ONNX."""
+    import torch
+
+    import llmc.plugins.op.attention  # noqa: F401  (registers torch.ops.llmc.attention)
+
+    register_schemas()
+    if lowering is Lowering.paged:
+        from llmc.plugins.op import paged_op
+
+        return {torch.ops.llmc.paged_attention.default: paged_op.lowering()}
+    make = {Lowering.fused: _fused, Lowering.reference: _reference, Lowering.plugin: _plugin}[lowering]
+    return {torch.ops.llmc.attention.default: make(heads)}

@@ -1,0 +1,75 @@
+"""Iteration-level (in-flight) batching over a fixed set of KV slots.
+
+Each KV slot (a row of the runner's cache buffers) holds one running sequence. Waiting sequences
+take the lowest free slot as soon as one frees up, so they join the running batch at the next
+step, and a finished or cancelled sequence gives its slot back at once. Keeping slots low keeps
+the decode batch (a contiguous row range, free slots inside it riding along as dummy rows) short.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from llmc.runtime.engine.sequence import Sequence, Status
+
+
+class QueueFull(Exception):
+    """The waiting queue is at `max_queue_size`: the caller should answer "busy, retry"."""
+
+
+class WaitingQueue:
+    """What every scheduler has: a bounded queue of sequences waiting for a place in the running
+    batch, and that batch (`running`, kept by the scheduler)."""
+
+    running: dict | list
+
+    def __init__(self, max_queue_size: int):
+        self.max_queue_size = max_queue_size
+        self.waiting: deque[Sequence] = deque()
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_queue_size:
+            raise QueueFull(f"the waiting queue is full ({self.max_queue_size} requests); retry later")
+        self.waiting.append(seq)
+
+    def drop_waiting(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+
+class Scheduler(WaitingQueue):
+    def __init__(self, max_batch_size: int, max_queue_size: int):
+        super().__init__(max_queue_size)
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self._free = list(range(max_batch_size))  # a heap: the lowest free slot first
+
+    def admit(self) -> None:
+        while self.waiting and self._free:
+            seq = self.waiting.popleft()
+            if seq.is_finished:  # cancelled while waiting
+                continue
+            seq.slot, seq.status = heapq.heappop(self._free), Status.prefilling
+            self.running[seq.slot] = seq
+
+    def next_prefill(self) -> Sequence | None:
+        """The running sequence whose prompt is not fully cached yet, lowest slot first."""
+        pending = [s for s in self.running.values() if s.status is Status.prefilling]
+        return min(pending, key=lambda s: s.slot) if pending else None
+
+    def decoding(self) -> list[Sequence]:
+        return sorted((s for s in self.running.values() if s.status is Status.decoding), key=lambda s: s.slot)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.slot is not None and self.running.get(seq.slot) is seq:
+            del self.running[seq.slot]
+            heapq.heappush(self._free, seq.slot)
+        seq.slot = None

@@ -1,0 +1,214 @@
+"""A token-budget scheduler over the paged KV cache: each step is one call of the graph that mixes
+decode rows and prefill chunks.
+
+    schedule() = every running sequence that decodes gets its next token (a new block when it
+                 crosses into one; when the pool is out, the newest running sequence is preempted),
+                 and with speculation up to `max_batch` of them the proposals after it
+                 (speculative.py; with a draft model, blocks reserved for the proposals
+                 draft.py fills in after scheduling) when the spare tokens and free blocks allow
+                 and no more requests are in than `disable_batch_size`
+               + partly prefilled sequences continue, oldest first
+               + waiting sequences are admitted (their cached prefix reused) while rows, tokens
+                 and blocks last
+               all within `max_num_tokens` tokens (prompt tokens also within the caller's
+               cap, step_cost.py) and `max_rows` rows
+
+A sequence's pending tokens are those whose KV is not cached yet: `all_token_ids()[num_cached:]`.
+A decoding sequence has one (the token it sampled last); a prefilling one its uncached prompt.
+Preemption is by recompute (vLLM's default): the preempted sequence gives its blocks back and goes
+to the front of the queue with its output so far, which becomes part of what it prefills when it
+returns; its full blocks keep their prefix keys, so it usually finds them still cached. A running
+sequence is never corrupted: it either has blocks for every token it writes or it is not run.
+Rejected proposals roll back by the sequence's length not advancing past them (`computed`).
+
+A beam request (runtime/engine/beam.py) is one sequence here that counts `beam_width` rows from its
+admission on: it prefills its prompt as one row, then its beams decode as rows of their own, all
+of them in the same step or none (they are scheduled together, with the blocks copy-on-write needs
+taken first: `copies` lists the block copies the step must make before it runs). When the pool runs
+out the group is preempted as a whole and restarts from its prompt: its beams stream only at the
+end, so nothing was sent, and the search is deterministic, so it ends the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from llmc.runtime.engine import beam
+from llmc.runtime.engine.beam import BeamRow
+from llmc.runtime.engine.block_manager import BlockManager
+from llmc.runtime.engine.slot_scheduler import WaitingQueue
+from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
+from llmc.runtime.engine.speculative import Speculator
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one sequence feeds the graph this step: `token_ids` at positions `past_len`.., of which
+    the last `len(proposals)` are proposed tokens to verify (speculative.py); or, with `row`, one
+    beam of a beam request: that beam's last token."""
+
+    seq: Sequence
+    token_ids: list[int]
+    past_len: int
+    proposals: list[int] = field(default_factory=list)
+    reserved: int = 0  # draft model: positions past the last token given blocks for the draft to fill (draft.py)
+    draft: Any = None  # draft model, sampling row: the draft's distributions [k, V] the proposals came from
+    row: BeamRow | None = None  # one beam of a beam request (beam.py)
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token, so its logits give the next token."""
+        if self.row is not None:
+            return True
+        return self.past_len + len(self.token_ids) - len(self.proposals) == self.seq.num_tokens
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.row.block_ids if self.row is not None else self.seq.block_ids
+
+
+class TokenScheduler(WaitingQueue):
+    def __init__(self, blocks: BlockManager, *, max_rows: int, max_num_tokens: int, max_queue_size: int,
+                 speculator: Speculator | None = None):
+        super().__init__(max_queue_size)
+        self.blocks, self.max_rows, self.max_num_tokens = blocks, max_rows, max_num_tokens
+        self.speculator = speculator
+        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.num_preemptions = 0
+        self.copies: list[tuple[int, int]] = []  # (source, copy) blocks to copy before the step runs
+
+    def schedule(self, prompt_cap: Callable[[int], int | None] | None = None) -> list[Chunk]:
+        """The step's chunks; `prompt_cap(decode rows)` may cap its prompt tokens further (step_cost.py)."""
+        chunks: list[Chunk] = []
+        self.copies = []
+        rows = self._decode_rows(chunks)
+        budget = self.max_num_tokens - sum(len(c.token_ids) + c.reserved for c in chunks)  # reserved: draft.py's
+        cap = prompt_cap(rows) if prompt_cap is not None else None
+        if cap is not None:
+            budget = min(budget, cap)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.num_tokens - seq.num_cached > 1 and not _forked(seq):
+                budget -= self._chunk(seq, budget, chunks)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seq.is_finished:  # cancelled while waiting
+                self.waiting.popleft()
+                continue
+            if self.num_rows + seq.params.beam_width > self.max_rows or not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq)
+            seq.status = Status.prefilling
+            self.running.append(seq)
+            budget -= self._chunk(seq, budget, chunks)
+        return chunks
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the running sequences take: one each, a beam request its beam_width."""
+        return sum(seq.params.beam_width for seq in self.running)
+
+    def _decode_rows(self, chunks: list[Chunk]) -> int:
+        """One token for every decoding sequence that keeps (or gets) its blocks; returns how many.
+        A sequence that alone fills the whole pool ends (`length`), as a full KV slot does: preempted,
+        it would only recompute its way back to the same place."""
+        for seq in list(self.running):
+            if seq in self.running and _forked(seq):
+                self._beam_rows(seq, chunks)
+                continue
+            if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
+                continue
+            while not self.blocks.can_append(seq) and seq in self.running:
+                if len(self.running) == 1:  # only seq itself is left to give blocks back
+                    seq.finish(FinishReason.length)
+                    break
+                self.preempt(self.running[-1])
+            if seq in self.running and not seq.is_finished:
+                self.blocks.append(seq)
+                chunks.append(Chunk(seq, [seq.all_token_ids()[-1]], seq.num_cached))
+        if self.speculator is not None:
+            self._speculate(chunks)
+        return len(chunks)
+
+    def _beam_rows(self, seq: Sequence, chunks: list[Chunk]) -> None:
+        """Every beam of `seq`, each with a block of its own for the position it writes (new, or a
+        copy of the partial block it shares), or none of them: preempting the newest sequences
+        until the blocks are there; alone in the pool it ends (`length`) with the beams it has."""
+        rows = seq.beam.rows
+        while self.blocks.write_cost(rows) > self.blocks.num_available and seq in self.running:
+            if len(self.running) == 1:
+                seq.finish(FinishReason.length)
+                return
+            self.preempt(self.running[-1])
+        if seq in self.running:
+            self.copies += self.blocks.make_writable(rows)
+            chunks.extend(Chunk(seq, [row.token_ids[-1]], row.num_cached, row=row) for row in rows)
+
+    def _speculate(self, chunks: list[Chunk]) -> None:
+        """Proposals after the last token of at most `max_batch` decode rows (the oldest that have
+        any), within the step's spare tokens and the free blocks. Run once every decode row has its
+        blocks, so speculation never takes a block a row needs for its own token, nor preempts anyone."""
+        if len(self.running) + len(self.waiting) > self.speculator.disable_batch_size:
+            return  # a full batch is compute-bound already; a draft would also catch up rows only to stop again
+        spare, rows = self.max_num_tokens - len(chunks), 0
+        for i, chunk in enumerate(chunks):
+            if spare < 1 or rows == self.speculator.max_batch:
+                break
+            if chunk.seq.beam is not None:  # beams pick tokens by score over W rows: nothing to verify
+                continue
+            if self.speculator.drafts:  # blocks for the most the draft may propose; it fills them after scheduling
+                limit = self.speculator.limit(chunk.seq, spare)
+                if limit and self.blocks.can_append(chunk.seq, limit):
+                    self.blocks.append(chunk.seq, limit)
+                    chunks[i] = Chunk(chunk.seq, chunk.token_ids, chunk.past_len, reserved=limit)
+                    spare, rows = spare - limit, rows + 1
+                continue
+            proposals = self.speculator.propose(chunk.seq, spare)
+            if proposals and self.blocks.can_append(chunk.seq, len(proposals)):
+                self.blocks.append(chunk.seq, len(proposals))
+                chunks[i] = Chunk(chunk.seq, chunk.token_ids + proposals, chunk.past_len, proposals)
+                spare, rows = spare - len(proposals), rows + 1
+
+    def _chunk(self, seq: Sequence, budget: int, chunks: list[Chunk]) -> int:
+        tokens = seq.all_token_ids()[seq.num_cached:seq.num_cached + budget]
+        chunks.append(Chunk(seq, list(tokens), seq.num_cached))
+        return len(tokens)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take `seq`'s blocks back; it returns to the front of the queue and recomputes (a beam
+        request from its prompt)."""
+        if seq.beam is not None:
+            beam.free(seq, self.blocks)
+            seq.beam.restart()
+        self.blocks.free(seq)
+        self.running.remove(seq)
+        seq.status, seq.draft_cached = Status.waiting, 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def computed(self, chunk: Chunk, accepted: int = 0) -> None:
+        """The graph wrote `chunk`: its tokens are cached, and its full blocks can serve as prefixes.
+        Of its proposals only the `accepted` ones count: a rejected one's KV is left past the
+        sequence's length (overwritten later, never committed) and the blocks taken for it go back."""
+        written = chunk.row if chunk.row is not None else chunk.seq  # a beam's own length, or the sequence's
+        written.num_cached = chunk.past_len + len(chunk.token_ids) - len(chunk.proposals) + accepted
+        # the draft's KV past the accepted tokens holds rejected proposals: it rolls back the same way
+        chunk.seq.draft_cached = min(chunk.seq.draft_cached, chunk.seq.num_cached)
+        if chunk.proposals:
+            self.blocks.trim(chunk.seq)
+        self.blocks.commit(written)
+
+    def release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            if seq.beam is not None:
+                beam.free(seq, self.blocks)
+            self.blocks.free(seq)
+
+
+def _forked(seq: Sequence) -> bool:
+    """A beam request whose beams are running (its prompt is in their blocks)."""
+    return seq.beam is not None and bool(seq.beam.rows)

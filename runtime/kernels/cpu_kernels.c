@@ -1,0 +1,188 @@
+/* llmc's CPU kernels for ONNX Runtime, loaded as a custom-op library (runtime/kernels/cpu_kernels.py builds
+ * and registers it).
+ *
+ * llmc.MatMulNBits4: a drop-in for com.microsoft.MatMulNBits with bits=4, block_size=32 and
+ * accuracy_level=4 (int8 activations) — the same inputs (A, B, scales, optional zero_points), the
+ * same attributes plus `threads` (the session's intra-op threads) and `isa` (which instruction
+ * set's kernel: "avx512vnni" or "avx2"), the same packed layout, so a graph swaps one op type for
+ * the other and back.
+ * The kernel itself is matmul_nbits4.c (why it exists, how it works); this file is the op around it.
+ *
+ * llmc.PagedAttention: ONNX Runtime's com.microsoft.PagedAttention contract on CPU (float32 activations,
+ * float32 or float16 caches), paged_attention_op.c; it runs on every x86 CPU (a portable path
+ * besides AVX2), so the library registers it whatever the CPU, and MatMulNBits4 only where the CPU
+ * has the 4-bit kernel's instruction sets (its kernels refuse the rest).
+ *
+ * ONNX Runtime's C ABI, the parts used: ort_abi.h, written by hand (the wheel ships no headers).
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "matmul_nbits4.h"
+#include "ort_abi.h"
+#include "paged_attention_op.h"
+
+/* ---- for the Python side (runtime/kernels/cpu_kernels.py, through ctypes) ---- */
+static char isa_names[64];
+static pthread_once_t isa_names_once = PTHREAD_ONCE_INIT;
+
+static void list_isas(void) {
+  for (int isa = 0; isa < Q4_ISA_COUNT; isa++) {
+    if (!q4_isa_supported(isa)) continue;
+    if (*isa_names) strcat(isa_names, ",");
+    strcat(isa_names, q4_isa_name(isa));
+  }
+}
+
+/* the instruction sets this CPU runs the kernel on, best first, comma-separated ("" for none) */
+const char *llmc_cpu_kernels_isas(void) {
+  pthread_once(&isa_names_once, list_isas);
+  return isa_names;
+}
+
+OrtApiTable llmc_ort_api;
+static OrtStatus *fail(int code, const char *msg) { return llmc_fail(code, msg); }
+
+/* ---- the custom op ---- */
+typedef struct {
+  int64_t k, n, threads;
+  int isa;
+} Kernel;
+
+
+/* the instruction set an `isa` attribute names, if this CPU runs it; else an error saying what does */
+static OrtStatus *isa_named(const OrtKernelInfo *info, int *isa) {
+  char name[32];
+  size_t size = sizeof name;
+  TRY(CALL(KernelInfoGetAttribute_string, fn_attr_string, info, "isa", name, &size));
+  for (*isa = 0; *isa < Q4_ISA_COUNT; ++*isa)
+    if (!strcmp(name, q4_isa_name(*isa)) && q4_isa_supported(*isa)) return NULL;
+  char message[160]; /* CreateStatus copies it */
+  snprintf(message, sizeof message, "llmc.MatMulNBits4: isa '%s' is not one this CPU runs (%s)", name,
+           llmc_cpu_kernels_isas());
+  return fail(ORT_INVALID_ARGUMENT, message);
+}
+
+static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const OrtKernelInfo *info, void **out) {
+  (void)op;
+  (void)table;
+  int64_t k, n, bits, block, level, threads;
+  int isa;
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "K", &k));
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "N", &n));
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "bits", &bits));
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "block_size", &block));
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "accuracy_level", &level));
+  TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "threads", &threads)); /* the session's, set by the swap */
+  TRY(isa_named(info, &isa));
+  if (bits != 4 || block != 32 || level != 4 || k <= 0 || k % 64 || n <= 0 || threads < 1)
+    return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4 takes bits=4, block_size=32, accuracy_level=4 and K a "
+                                      "multiple of 64 (leave other MatMulNBits nodes as they are)");
+  Kernel *kernel = (Kernel *)malloc(sizeof(Kernel));
+  if (!kernel) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
+  kernel->k = k;
+  kernel->n = n;
+  kernel->threads = threads;
+  kernel->isa = isa;
+  *out = kernel;
+  return NULL;
+}
+
+static OrtStatus *shape_of(const OrtValue *value, int64_t *dims, size_t *count) {
+  OrtShape *shape;
+  TRY(CALL(GetTensorTypeAndShape, fn_shape, value, &shape));
+  OrtStatus *status = CALL(GetDimensionsCount, fn_dim_count, shape, count);
+  if (!status && *count > 8) status = fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: A has more than 8 dimensions");
+  if (!status) status = CALL(GetDimensions, fn_dims, shape, dims, *count);
+  CALL(ReleaseTensorTypeAndShapeInfo, fn_release_shape, shape);
+  return status;
+}
+
+static OrtStatus *compute(void *state, OrtKernelContext *context) {
+  const Kernel *kernel = (const Kernel *)state;
+  const OrtValue *a_value, *b_value, *s_value, *z_value = NULL;
+  size_t inputs;
+  TRY(CALL(KernelContext_GetInputCount, fn_input_count, context, &inputs));
+  TRY(CALL(KernelContext_GetInput, fn_input, context, 0, &a_value));
+  TRY(CALL(KernelContext_GetInput, fn_input, context, 1, &b_value));
+  TRY(CALL(KernelContext_GetInput, fn_input, context, 2, &s_value));
+  if (inputs > 3) TRY(CALL(KernelContext_GetInput, fn_input, context, 3, &z_value));
+  int64_t dims[8], bdims[8];
+  size_t rank, brank;
+  TRY(shape_of(a_value, dims, &rank));
+  TRY(shape_of(b_value, bdims, &brank));
+  if (rank < 1 || dims[rank - 1] != kernel->k)
+    return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: A's last dimension is not K");
+  if (brank != 3 || bdims[0] != kernel->n || bdims[1] != kernel->k / 32 || bdims[2] != 16)
+    return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: B is not [N, K/32, 16]");
+  int64_t m = 1;
+  for (size_t i = 0; i + 1 < rank; i++) m *= dims[i];
+  dims[rank - 1] = kernel->n;
+  OrtValue *y_value;
+  void *a, *b, *s, *z = NULL, *y;
+  TRY(CALL(KernelContext_GetOutput, fn_output, context, 0, dims, rank, &y_value));
+  TRY(CALL(GetTensorMutableData, fn_data, (const OrtValue *)y_value, &y));
+  if (m == 0) return NULL;
+  TRY(CALL(GetTensorMutableData, fn_data, a_value, &a));
+  TRY(CALL(GetTensorMutableData, fn_data, b_value, &b));
+  TRY(CALL(GetTensorMutableData, fn_data, s_value, &s));
+  if (z_value) TRY(CALL(GetTensorMutableData, fn_data, z_value, &z));
+
+  void *memory = malloc(q4_memory(m, kernel->k));
+  if (!memory) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
+  size_t tasks;
+  Q4Matmul *call = q4_prepare(memory, kernel->isa, (const float *)a, m, kernel->k, kernel->n, kernel->threads,
+                              (const uint8_t *)b, (const float *)s, (const uint8_t *)z, (float *)y, &tasks);
+  OrtStatus *status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, q4_run, tasks, 0, call);
+  if (!status && q4_failed(call)) status = fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
+  free(memory);
+  return status;
+}
+
+static void destroy_kernel(void *kernel) { free(kernel); }
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "MatMulNBits4"; }
+static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 || i == 3 ? TYPE_UINT8 : TYPE_FLOAT; }
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 4; }
+static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
+static int input_characteristic(const OrtCustomOp *op, size_t i) { (void)op; return i == 3 ? IO_OPTIONAL : IO_REQUIRED; }
+static int output_characteristic(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return IO_REQUIRED; }
+static int memory_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; /* OrtMemTypeDefault */ }
+static int variadic_min_arity(const OrtCustomOp *op) { (void)op; return 1; }
+static int variadic_homogeneity(const OrtCustomOp *op) { (void)op; return 1; }
+
+static const OrtCustomOp matmul_nbits4 = {
+    16, NULL, op_name, op_provider, input_type, input_count, output_type, output_count, NULL, destroy_kernel,
+    input_characteristic, output_characteristic, memory_type, variadic_min_arity, variadic_homogeneity,
+    variadic_min_arity, variadic_homogeneity, create_kernel, compute,
+};
+
+static OrtCustomOpDomain *domain;
+static int domain_failed;
+static pthread_once_t domain_once = PTHREAD_ONCE_INIT;
+typedef OrtStatus *(*fn_create_domain)(const char *, OrtCustomOpDomain **);
+typedef OrtStatus *(*fn_domain_add)(OrtCustomOpDomain *, const OrtCustomOp *);
+typedef OrtStatus *(*fn_add_domain)(OrtSessionOptions *, OrtCustomOpDomain *);
+
+static void make_domain(void) {
+  OrtStatus *status = CALL(CreateCustomOpDomain, fn_create_domain, "llmc", &domain);
+  if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &matmul_nbits4);
+  for (int i = 0; !status && i < PAGED_ATTENTION_OPS; i++)
+    status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &paged_attention_ops[i]);
+  domain_failed = status != NULL; /* ONNX Runtime owns a returned status: report a fresh one each call */
+  if (status) CALL(ReleaseStatus, fn_release_status, status);
+}
+
+/* called by ONNX Runtime's SessionOptions.register_custom_ops_library */
+OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+  OrtApiTable table = base->GetApi(ORT_API_VERSION_USED);
+  if (!table) return NULL; /* older than 1.17: nothing registered (cpu_kernels.py checks the version first) */
+  llmc_ort_api = table;
+  pthread_once(&domain_once, make_domain);
+  if (domain_failed) return fail(ORT_FAIL, "llmc: could not create the custom-op domain");
+  return CALL(AddCustomOpDomain, fn_add_domain, options, domain);
+}

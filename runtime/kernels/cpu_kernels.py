@@ -1,0 +1,245 @@
+"""llmc's CPU kernels for ONNX Runtime: the 4-bit matmul `matmul_nbits4*.c` and the op around it,
+`cpu_kernels.c`, and paged attention `paged_attention*.c` (the op `llmc.PagedAttention`,
+ONNX Runtime's com.microsoft.PagedAttention contract on CPU), built into one library registered as a
+custom-op library.
+
+`llmc.PagedAttention` runs on any x86 CPU (portable loops besides AVX2 and AVX512), and a paged graph
+cannot run without it: `prepare` registers the library whenever a graph has the node (`paged_library()`
+builds it whatever `LLMC_CPU_KERNELS` says, or raises naming what is missing) and gives each node the
+session's thread count.
+
+`MatMulNBits4` (domain `llmc`) is a drop-in for ONNX Runtime's `MatMulNBits` with bits=4,
+block_size=32 and accuracy_level=4: same inputs, attributes and packed layout, faster at batch-1
+decode (matmul_nbits4.c says why and how), with kernels for AVX512-VNNI and for AVX2 + FMA CPUs.
+Stored graphs keep the standard op, so they run on any ONNX Runtime and in onnxruntime-genai;
+`make_session` swaps the op type in memory when `library()` is available here, and otherwise the
+graph runs as stored.
+
+`library()` finds or builds the shared library: a prebuilt copy next to this module (what a packaged
+model repository carries, so a serving host needs no compiler), else one in the cache
+(`$LLMC_CACHE_DIR`, default `~/.cache/llmc`), else it compiles the C files with `$CC` (default `cc`)
+into the cache. None — and ONNX Runtime's own kernels — where this CPU has neither instruction set,
+no compiler is found, ONNX Runtime is older than 1.17, or `LLMC_CPU_KERNELS=0`.
+`LLMC_CPU_KERNELS=avx2` (or `avx512vnni`) pins one instruction set; by default the best one runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+HERE = Path(__file__).parent
+SOURCE = HERE / "cpu_kernels.c"  # the ops' registration; it includes each kernel's header
+# Each kernel has its folder (its own C files and headers); the library is one compile of them all.
+INCLUDE_DIRS = (HERE, HERE / "matmul_nbits4", HERE / "paged_attention")
+SOURCES = tuple(HERE / name for name in (
+    "cpu_kernels.c", "ort_abi.h", "matmul_nbits4/matmul_nbits4.h", "matmul_nbits4/matmul_nbits4.c",
+    "matmul_nbits4/matmul_nbits4_isa.h", "matmul_nbits4/matmul_nbits4_avx512.c", "matmul_nbits4/matmul_nbits4_avx2.c",
+    "paged_attention/paged_attention.h", "paged_attention/paged_attention.c",
+    "paged_attention/paged_attention_portable.c", "paged_attention/paged_attention_avx2.c",
+    "paged_attention/paged_attention_avx512.c", "paged_attention/paged_attention_checks.h",
+    "paged_attention/paged_attention_checks.c", "paged_attention/paged_attention_op.h",
+    "paged_attention/paged_attention_op.c"))
+DOMAIN, OP, PAGED_OP = "llmc", "MatMulNBits4", "PagedAttention"
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
+LIBS = ["-lm", "-lpthread"]
+SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels; an instruction set's name pins it
+log = logging.getLogger(__name__)
+
+
+class Kernels(NamedTuple):
+    library: Path
+    isas: tuple[str, ...]  # the instruction sets this CPU runs the kernel on, best first
+    isa: str  # the one swapped graphs run on
+
+
+def library_name() -> str:
+    """The file name of the library built from this source with these flags."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
+    return f"libllmc_cpu_kernels-{digest}.so"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLMC_CACHE_DIR") or Path.home() / ".cache" / "llmc") / "kernels"
+
+
+def build(dest_dir: Path) -> Path:
+    """Compile the library into `dest_dir` (written under a temporary name, then renamed into place)."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / library_name()
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC)")
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        out = Path(tmp) / dest.name
+        sources = [str(p) for p in SOURCES if p.suffix == ".c"]
+        includes = [f"-I{d}" for d in INCLUDE_DIRS]
+        result = subprocess.run([compiler, *FLAGS, *includes, "-o", str(out), *sources, *LIBS], capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"{compiler} failed on {', '.join(p.name for p in SOURCES)}:\n{result.stderr.strip()}")
+        os.replace(out, dest)
+    return dest
+
+
+@functools.cache
+def load() -> Kernels | None:
+    """The loadable library for this host and the instruction set it runs, or None (the reason logged once)."""
+    switch = os.environ.get(SWITCH, "1")
+    if switch == "0":
+        return None
+    import onnxruntime as ort
+
+    if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 17):
+        log.info("llmc CPU kernels: ONNX Runtime %s is older than 1.17", ort.__version__)
+        return None
+    try:
+        path = _find_or_build()
+        listing = ctypes.CDLL(str(path)).llmc_cpu_kernels_isas
+        listing.restype = ctypes.c_char_p
+        isas = tuple(filter(None, listing().decode().split(",")))
+    except (OSError, RuntimeError) as err:
+        log.warning("llmc CPU kernels unavailable, using ONNX Runtime's own: %s", err)
+        return None
+    if not isas:
+        log.info("llmc CPU kernels: this CPU has neither AVX2 + FMA nor AVX512-VNNI; using ONNX Runtime's own")
+        return None
+    if switch != "1" and switch not in isas:
+        log.warning("llmc CPU kernels: %s=%s is not an instruction set this CPU runs them on (%s); using ONNX "
+                    "Runtime's own", SWITCH, switch, ", ".join(isas))
+        return None
+    return Kernels(path, isas, switch if switch in isas else isas[0])
+
+
+def _find_or_build() -> Path:
+    """The library: a prebuilt copy next to this module, else the cache's, else one compiled into the cache."""
+    name = library_name()
+    path = next((p for p in (HERE / name, cache_dir() / name) if p.is_file()), None)
+    return path or build(cache_dir())
+
+
+@functools.cache
+def paged_library() -> Path:
+    """The library for llmc.PagedAttention, which every x86 CPU runs (a portable path besides AVX2 and
+    AVX512) and a paged graph cannot run without: found or built whatever `LLMC_CPU_KERNELS` says, or a
+    RuntimeError saying what is missing."""
+    import onnxruntime as ort
+
+    if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 17):
+        raise RuntimeError(f"llmc.PagedAttention needs ONNX Runtime >= 1.17 (custom-op API 17); this is {ort.__version__}")
+    try:
+        path = _find_or_build()
+        ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as err:
+        raise RuntimeError(f"this graph's llmc.PagedAttention nodes run only on llmc's CPU kernel library, which could "
+                           f"not be found or built ({', '.join(p.name for p in SOURCES if p.suffix == '.c')} with "
+                           f"$CC, default cc): {err}") from err
+    return path
+
+
+def paged_isas() -> tuple[str, ...]:
+    """The instruction sets this CPU runs llmc.PagedAttention's loops on, best first ("portable" last)."""
+    listing = ctypes.CDLL(str(paged_library())).llmc_paged_attention_isas
+    listing.restype = ctypes.c_char_p
+    return tuple(listing().decode().split(","))
+
+
+def library() -> Path | None:
+    """The loadable library for this host, or None."""
+    kernels = load()
+    return kernels.library if kernels else None
+
+
+def _attributes(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def eligible(node, uint8_initializers: set[str]) -> bool:
+    """Whether a node is a MatMulNBits the llmc kernel computes as ONNX Runtime's does: 4 bits in blocks
+    of 32, int8 activations, K a multiple of 64, no g_idx or bias, zero points (if any) packed uint8."""
+    if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) > 4:
+        return False
+    if len(node.input) == 4 and node.input[3] and node.input[3] not in uint8_initializers:
+        return False
+    a = _attributes(node)
+    return (a.get("bits", 4) == 4 and a.get("block_size") == 32 and a.get("accuracy_level", 0) == 4
+            and a.get("K", 0) % 64 == 0)
+
+
+def swappable(model) -> list:
+    """The nodes of an ONNX ModelProto llmc's kernel takes."""
+    from onnx import TensorProto
+
+    uint8 = {t.name for t in model.graph.initializer if t.data_type == TensorProto.UINT8}
+    return [n for n in model.graph.node if eligible(n, uint8)]
+
+
+def accelerate(model, threads: int, isa: str) -> int:
+    """Swap eligible MatMulNBits nodes of an ONNX ModelProto for llmc's, in place, for a session of
+    `threads` intra-op threads (decode splits the columns into one run per thread), computed by the
+    kernel for instruction set `isa`; returns how many."""
+    from onnx import helper
+
+    nodes = swappable(model)
+    for node in nodes:
+        node.op_type, node.domain = OP, DOMAIN
+        node.attribute.extend([helper.make_attribute("threads", max(1, threads)), helper.make_attribute("isa", isa)])
+    if nodes and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.add(domain=DOMAIN, version=1)
+    return len(nodes)
+
+
+REFUSED_INPUTS = {11: "head_sink", 12: "q_norm_weight", 13: "k_norm_weight"}  # k_scale/v_scale: int8 caches take them
+
+
+def configure_paged(model, threads: int) -> int:
+    """Give the llmc.PagedAttention nodes of an ONNX ModelProto the session's intra-op thread count (how
+    finely the kernel splits its work), in place; an input the CPU kernel does not implement is refused here
+    (the kernel refuses attributes it does not when the session creates it). Returns how many nodes."""
+    from onnx import helper
+
+    nodes = [n for n in model.graph.node if n.op_type == PAGED_OP and n.domain == DOMAIN]
+    for node in nodes:
+        refused = [name for i, name in REFUSED_INPUTS.items() if i < len(node.input) and node.input[i]]
+        if refused:
+            raise ValueError(f"llmc.PagedAttention node {node.name!r}: input {refused[0]} is not implemented on CPU")
+        if not any(a.name == "threads" for a in node.attribute):
+            node.attribute.append(helper.make_attribute("threads", max(1, threads)))
+    return len(nodes)
+
+
+def prepare(onnx_path: Path, options) -> str | bytes:
+    """What to open an ONNX Runtime session on: the graph with llmc's 4-bit kernel swapped in where this host
+    has it and the graph has nodes it takes, and with the library registered on `options` (its
+    llmc.PagedAttention nodes given the thread count) when either op is there; else the file's path as it
+    is. A graph with llmc.PagedAttention nodes cannot run without the library: a RuntimeError says why
+    it is missing. The edited graph goes to ONNX Runtime as bytes; external data, if any, is read by
+    ONNX Runtime from beside the file, as for the file itself."""
+    import mmap
+
+    onnx_path = Path(onnx_path)
+    with open(onnx_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        mentions_q4, mentions_paged = data.find(b"MatMulNBits") >= 0, data.find(PAGED_OP.encode()) >= 0
+    kernels = load() if mentions_q4 else None  # no parse for graphs with neither op
+    if kernels is None and not mentions_paged:
+        return str(onnx_path)
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    threads = options.intra_op_num_threads or os.cpu_count() or 1
+    swapped = accelerate(model, threads, kernels.isa) if kernels else 0
+    paged = configure_paged(model, threads)
+    if not swapped and not paged:
+        return str(onnx_path)
+    options.register_custom_ops_library(str(paged_library() if paged else kernels.library))
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(onnx_path.parent))
+    return model.SerializeToString()

@@ -1,0 +1,301 @@
+"""The serving loop: Triton-style requests in, streamed responses out, one engine thread batching.
+
+`submit(inputs, sink)` parses and queues a request and returns at once (a bad request is answered
+with an error right there); one thread runs `LLMEngine.step()` while there is work and sends each
+request's new text through its `sink`. A sink is whatever delivers responses: the Python-backend
+model wraps Triton's response sender, tests use a recording one.
+
+    sink.send(outputs: dict[str, np.ndarray], final: bool)   # a response; the last has final=True
+    sink.error(message: str)                                  # a final error response
+    sink.is_cancelled() -> bool                               # the client went away
+
+Every request ends with exactly one final response (text, error, or finish_reason `cancelled`),
+except one whose sink reported it cancelled: Triton's Python backend ends a cancelled decoupled
+request's stream itself when `is_cancelled()` sees it, so nothing more is sent on that sink.
+
+Cancelling: a client ends a request early either by closing its gRPC stream (Triton cancels the
+request; the loop notices at its next poll) or in band, with a stop request (`stop` true) under
+the same request id on the same stream: the request ends with finish_reason `cancelled`, the stop
+request gets one empty final response, and the client closes a stream with nothing pending. llmc's
+clients stop in band: cancelling a call with responses in flight can crash Triton 2.51's gRPC
+frontend (SIGSEGV in the tritonserver binary; triton-inference-server server#7368, fixed in 24.12):
+measured in 1 of 3 40-second soaks of 64 streams with half of them cancelled that way, and in
+none of 6 that stopped in band.
+A failing step ends the requests in flight with an error and the loop keeps serving.
+
+A beam request (beam_width W > 1, runtime/engine/beam.py) gets one response, at its end, streamed or not
+(beams reorder and are replaced until the search ends, so no partial text is final): every beam in
+TensorRT-LLM's shapes, text_output [W], output_ids [W, longest] padded with the end id,
+sequence_length [W] and cum_log_probs [W], best beam first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from llmc.runtime.engine.beam import beam_outputs
+from llmc.runtime.engine.slot_engine import LLMEngine, StepOutput
+from llmc.runtime.decoding.logprobs import LogprobRecorder
+from llmc.runtime.serving.metrics import ServingMetrics, null_metrics
+from llmc.runtime.serving.request import Limits, Request, RequestError, is_stop, parse_request
+from llmc.runtime.engine.slot_scheduler import QueueFull
+from llmc.runtime.engine.sequence import FinishReason
+
+CANCEL_CHECK_INTERVAL = 0.02  # seconds between polls of the clients' cancellation flags
+
+
+class Sink(Protocol):
+    def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
+    def error(self, message: str) -> None: ...
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass
+class _Live:
+    request: Request
+    sink: Sink
+    num_prompt_tokens: int
+    arrived: float
+    last_token_at: float | None = None
+    ids: list[int] = field(default_factory=list)  # not yet sent (streaming) / all (otherwise)
+    text: list[str] = field(default_factory=list)
+    num_output_tokens: int = 0
+    client_id: str = ""  # the request id the client sent it under (what a stop request names)
+    closed: bool = False  # the sink reported a cancellation (or failed): nothing more is sent on it
+    logprobs: LogprobRecorder | None = None  # the request asked for log probabilities
+
+
+def _bytes(value: str) -> np.ndarray:
+    return np.array([value.encode("utf-8")], dtype=np.object_)
+
+
+def _int32(value: int) -> np.ndarray:
+    return np.array([value], dtype=np.int32)
+
+
+class ServingLoop:
+    def __init__(self, engine: LLMEngine, tokenizer, limits: Limits, metrics: ServingMetrics | None = None):
+        self.engine, self.tokenizer, self.limits = engine, tokenizer, limits
+        self.metrics = metrics or null_metrics()
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._wake, self._stopping = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmc-engine", daemon=True)
+        self._last_cancel_check = 0.0
+
+    @classmethod
+    def from_manifest(cls, folder: Path, metrics: ServingMetrics | None = None) -> "ServingLoop":
+        """Load the engine and tokenizer a packaged model version describes."""
+        from tokenizers import Tokenizer
+
+        from llmc.runtime.manifest import RepositoryManifest
+
+        m = RepositoryManifest.load(folder)
+        lim = m.limits
+        tokenizer = Tokenizer.from_file(str(Path(folder) / m.tokenizer))
+        limits = Limits(lim.max_seq_len, lim.default_max_tokens, lim.max_stop_words, lim.max_beam_width)
+        if m.kv_layout.paged:
+            return cls(_paged_engine(Path(folder) / m.engine, m, tokenizer), tokenizer, limits, metrics)
+        if m.target == "tensorrt":
+            from llmc.runtime.runners.trt import TrtRunner
+
+            runner = TrtRunner(Path(folder) / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
+                               capacity=lim.max_seq_len, max_num_tokens=lim.max_num_tokens, info=m.tensorrt)
+        else:
+            from llmc.runtime.runners.ort import OrtRunner
+
+            runner = OrtRunner(Path(folder) / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
+                               capacity=lim.max_seq_len, num_threads=lim.num_threads)
+        engine = LLMEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_queue_size=lim.max_queue_size,
+                           max_num_tokens=lim.max_num_tokens)
+        return cls(engine, tokenizer, limits, metrics)
+
+    def start(self) -> "ServingLoop":
+        self._thread.start()
+        return self
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the requests in flight to finish (an unloading model version
+        gets no new ones: Triton sends them to the version that replaces it). True if all did."""
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.02)
+        return not self.num_in_flight
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still in flight get an error. Once the loop thread has ended, the
+        engine is closed: an unloaded version frees its models and KV cache (GPU memory for TensorRT)."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._fail_all("the model is being unloaded")
+        if not self._thread.is_alive():  # no step can be running
+            self.engine.close()
+
+    def submit(self, inputs: Mapping[str, np.ndarray], sink: Sink, client_id: str = "") -> None:
+        """Queue a request (never blocks); a request that cannot run is answered with an error at once.
+        `client_id` is the request id the client chose (Triton's `request.request_id()`); a stop
+        request ends the live request with the same one and is answered at once."""
+        rid = f"r{next(self._ids)}"
+        try:
+            if is_stop(inputs):
+                self._stop(client_id)
+                _call(sink.send, {"text_output": _bytes(""), "output_ids": np.zeros(0, dtype=np.int32)}, True)
+                return
+            request = parse_request(inputs, self.limits)
+            prompt_ids = self.tokenizer.encode(request.prompt).ids
+            logprobs = LogprobRecorder(request.num_top_logprobs) if request.return_log_probs else None
+            with self._lock:
+                self._live[rid] = _Live(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id,
+                                        logprobs=logprobs)
+                self.engine.add_request(rid, prompt_ids, request.params, logprobs=logprobs)
+        except (RequestError, ValueError, QueueFull) as err:
+            with self._lock:
+                self._live.pop(rid, None)
+            message = str(err)
+            if isinstance(err, QueueFull):
+                message = f"busy, retry: {err}"
+            elif not isinstance(err, RequestError):
+                message = f"text_input: {err}"
+            self.metrics.failed()
+            _call(sink.error, message)
+            return
+        self.metrics.admitted(len(prompt_ids))
+        self._wake.set()
+
+    def _stop(self, client_id: str) -> None:
+        """Cancel the live request(s) sent under `client_id`; none (it already ended): nothing to do."""
+        with self._lock:
+            rids = [rid for rid, entry in self._live.items() if client_id and entry.client_id == client_id]
+        for rid in rids:
+            self.engine.cancel(rid)
+        self._wake.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._live)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()
+            if not self.engine.has_work:
+                self._wake.wait(0.1)
+                continue
+            self._poll_cancellations()
+            try:
+                outputs = self.engine.step()
+            except Exception as err:  # the step failed: end what was in flight, keep serving
+                self.engine.abort_all()
+                self._fail_all(f"internal error while generating: {err!r}")
+                continue
+            self.metrics.load(self.engine.cache_state())  # first: a client that sees a response sees them current
+            now = time.monotonic()
+            for out in outputs:
+                self._respond(out, now)
+        self.metrics.load(self.engine.cache_state())
+
+    def _poll_cancellations(self) -> None:
+        now = time.monotonic()
+        if now - self._last_cancel_check < CANCEL_CHECK_INTERVAL:
+            return
+        self._last_cancel_check = now
+        with self._lock:
+            live = list(self._live.items())
+        for rid, entry in live:
+            reachable, cancelled = _call(entry.sink.is_cancelled)
+            if cancelled or not reachable:
+                entry.closed = True
+                self.engine.cancel(rid)
+
+    def _respond(self, out: StepOutput, now: float) -> None:
+        entry = self._live.get(out.request_id)
+        if entry is None:
+            return
+        if out.token_ids:
+            if entry.last_token_at is None:
+                self.metrics.first_token(now - entry.arrived)
+                self.metrics.tokens(len(out.token_ids), None)
+            else:
+                # a speculating row's step brings several tokens: each counts its share of the wait
+                self.metrics.tokens(len(out.token_ids), (now - entry.last_token_at) / len(out.token_ids))
+            entry.last_token_at = now
+        entry.ids += out.token_ids
+        entry.text.append(out.text)
+        entry.num_output_tokens += len(out.token_ids)
+        if out.finished:
+            with self._lock:
+                self._live.pop(out.request_id, None)
+            self.metrics.finished(now - entry.arrived, out.finish_reason is not FinishReason.cancelled)
+            self._send(out.request_id, entry, out.finish_reason, out.beams)
+        elif entry.request.stream and out.text:
+            self._send(out.request_id, entry, None)
+
+    def _send(self, rid: str, entry: _Live, reason: FinishReason | None, beams: tuple = ()) -> None:
+        if entry.closed:
+            return
+        req = entry.request
+        prefix = req.prompt if not req.stream and not req.exclude_input_in_output else ""
+        outputs = {"text_output": _bytes(prefix + "".join(entry.text)), "output_ids": np.array(entry.ids, dtype=np.int32)}
+        if beams:  # every beam, best first, padded with the end id
+            end_ids = req.params.end_ids or self.engine.end_ids
+            outputs = beam_outputs(beams, prefix, end_ids[0] if end_ids else 0)
+        if entry.logprobs is not None:  # the values of exactly the tokens in output_ids
+            outputs.update(entry.logprobs.take_outputs(self.tokenizer))
+        if reason is not None:
+            outputs["finish_reason"] = _bytes(reason.value)
+            if req.return_num_input_tokens:
+                outputs["num_input_tokens"] = _int32(entry.num_prompt_tokens)
+            if req.return_num_output_tokens:
+                outputs["num_output_tokens"] = _int32(entry.num_output_tokens)
+        entry.ids, entry.text = [], []
+        sent, _ = _call(entry.sink.send, outputs, reason is not None)
+        if not sent and reason is None:
+            entry.closed = True
+            self.engine.cancel(rid)  # the client cannot be reached: stop generating for it
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            live, self._live = list(self._live.values()), {}
+        for entry in live:
+            self.metrics.failed()
+            if not entry.closed:
+                _call(entry.sink.error, message)
+
+
+def _call(fn, *args) -> tuple[bool, object]:
+    """Call into a sink: (whether it worked, its result). A sink that raises (its client is gone)
+    must not stop the loop."""
+    try:
+        return True, fn(*args)
+    except Exception:
+        return False, None
+
+
+def _paged_engine(graph: Path, m, tokenizer) -> LLMEngine:
+    """The paged graph's engine: a pool of `kv_cache_tokens` tokens in blocks, `max_batch_size` rows a step
+    (and, with a draft model, the draft's pools of as many blocks)."""
+    from llmc.runtime.engine.paged_engine import PagedEngine
+    from llmc.runtime.runners.paged import PagedRunner
+
+    lim = m.limits
+    num_blocks = -(-lim.kv_cache_tokens // m.kv_layout.block_size)
+    spec = m.speculative
+    drafting = spec is not None and spec.draft is not None  # two sessions in turn: neither spins after its run
+    runner = PagedRunner(graph, m.kv_layout, num_blocks=num_blocks, max_num_tokens=lim.max_num_tokens,
+                         num_threads=lim.num_threads, spin_after_run=not drafting)
+    draft = PagedRunner(graph.parent / spec.draft.engine, spec.draft.kv_layout, num_blocks=num_blocks,
+                        max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads, spin_after_run=False) \
+        if drafting else None
+    return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
+                       max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
+                       max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching, itl_ratio=lim.itl_ratio,
+                       speculative=spec, draft=draft, max_beam_width=lim.max_beam_width)

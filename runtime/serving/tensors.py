@@ -1,0 +1,37 @@
+"""The served model's tensors, named as TensorRT-LLM's Triton models name them: the one table that
+config.pbtxt (compiler/triton_config.py), the request parser (request.py) and the client
+(llmc/client.py) all read. Plain data importing nothing, so the client loads it without the
+runtime's dependencies (pydantic, tokenizers, ONNX Runtime).
+
+Required input `text_input` (BYTES [1]); optional `stop_words` (BYTES [-1]) and the scalars below.
+"""
+
+from __future__ import annotations
+
+# The served model's optional scalar inputs: name -> (Triton datatype, SamplingParams field or None).
+SCALARS: dict[str, tuple[str, str | None]] = {
+    "max_tokens": ("INT32", "max_tokens"), "min_tokens": ("INT32", "min_tokens"), "top_k": ("INT32", "top_k"),
+    "end_id": ("INT32", None), "pad_id": ("INT32", None), "seed": ("UINT64", "seed"),
+    "temperature": ("FP32", "temperature"), "top_p": ("FP32", "top_p"), "min_p": ("FP32", "min_p"),
+    "repetition_penalty": ("FP32", "repetition_penalty"), "frequency_penalty": ("FP32", "frequency_penalty"),
+    "presence_penalty": ("FP32", "presence_penalty"),
+    "stream": ("BOOL", None), "exclude_input_in_output": ("BOOL", None), "return_log_probs": ("BOOL", None),
+    "return_num_input_tokens": ("BOOL", None), "return_num_output_tokens": ("BOOL", None),
+    "stop": ("BOOL", None),  # a stop request: end the request sent under the same request id (is_stop)
+    "num_top_logprobs": ("INT32", None),  # with return_log_probs: the N most likely tokens per step (logprobs.py)
+    # beam search (runtime/engine/beam.py), TensorRT-LLM's names and types: 1 = off, at most serving.max_beam_width
+    "beam_width": ("INT32", "beam_width"), "length_penalty": ("FP32", "length_penalty"),
+    "early_stopping": ("BOOL", "early_stopping"),
+}
+# outputs: name -> (Triton datatype, dims). A beam request (beam_width W > 1) gets TensorRT-LLM's
+# shapes in its one final response: text_output [W], output_ids [W, longest] (padded with the end id),
+# sequence_length [W], cum_log_probs [W]; output_ids is declared [-1] for the plain requests' [len]
+# (Triton does not check a Python model's response shapes against config.pbtxt).
+OUTPUTS: dict[str, tuple[str, list[int]]] = {
+    "text_output": ("BYTES", [-1]), "output_ids": ("INT32", [-1]), "finish_reason": ("BYTES", [1]),
+    "num_input_tokens": ("INT32", [1]), "num_output_tokens": ("INT32", [1]),
+    # with return_log_probs (runtime/decoding/logprobs.py): per generated token, and the top-N alternatives
+    "output_log_probs": ("FP32", [-1]), "cum_log_probs": ("FP32", [-1]), "token_texts": ("BYTES", [-1]),
+    "top_log_prob_ids": ("INT32", [-1, -1]), "top_log_probs": ("FP32", [-1, -1]), "top_token_texts": ("BYTES", [-1, -1]),
+    "sequence_length": ("INT32", [-1]),  # a beam request's: each beam's generated tokens
+}

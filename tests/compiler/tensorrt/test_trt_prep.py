@@ -1,0 +1,57 @@
+"""The ONNX prepared for a TensorRT engine: AutoCast fp16/bf16 over the plugin, reference and Q/DQ
+graphs; passes onnx.checker and the TensorRT Q/DQ rules; KV I/O in the low precision."""
+
+import onnx
+import pytest
+from onnx import TensorProto
+
+from llmc.compiler import build
+from llmc.compiler.spec import parse_spec
+from llmc.compiler.tensorrt.compat import qdq_problems
+from llmc.compiler.tensorrt.prep import FP32_OPS, prepare_for_tensorrt
+from llmc.plugins.op.lowering import PLUGIN_OP
+
+LOW = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+
+
+def _types(model):
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in
+             [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    types.update({t.name: t.data_type for t in inferred.graph.initializer})
+    return types
+
+
+@pytest.mark.parametrize(("model_type", "precision"), [("llama", "fp16"), ("llama", "bf16"), ("gpt2", "fp16")])
+def test_plugin_graph_is_cast_with_kv_io_in_low_precision_and_norms_in_fp32(tiny_checkpoints, tmp_path, model_type,
+                                                                            precision):
+    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints[model_type]), "target": "tensorrt",
+                       "precision": precision})
+    build(spec, output=tmp_path / "out", until="export")
+    path = prepare_for_tensorrt(tmp_path / "out" / "export" / "model.onnx", precision, tmp_path / "trt")
+    onnx.checker.check_model(str(path), full_check=True)
+    model = onnx.load(str(path))
+    io = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
+    assert io["past_key_values.0.key"] == io["present.0.key"] == io["logits"] == LOW[precision]
+    assert io["input_ids"] == TensorProto.INT64
+    types = _types(model)
+    plugins = [n for n in model.graph.node if n.op_type == PLUGIN_OP]
+    assert plugins and all(types[i] == LOW[precision] for n in plugins for i in (n.input[0], n.input[6], n.input[7]))
+    norms = [n for n in model.graph.node if n.op_type in FP32_OPS]
+    assert norms and all(types[n.output[0]] == TensorProto.FLOAT for n in norms)
+    names = [t.name for t in model.graph.initializer]
+    assert len(names) == len(set(names))
+
+
+def test_a_qdq_graph_keeps_the_tensorrt_rules_in_fp16(tiny_llama, tmp_path):
+    spec = parse_spec({"name": "t", "source": str(tiny_llama), "limits": {"max_seq_len": 320},
+                       "quantization": {"mode": "fp8", "max_perplexity_increase": 10.0,
+                                        "calibration": {"seq_len": 32, "num_samples": 4}}})
+    result = build(spec, output=tmp_path / "out", until="quantize")
+    path = prepare_for_tensorrt(tmp_path / "out" / "quantize" / result.quantized.onnx, "fp16", tmp_path / "trt")
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    assert qdq_problems(model) == []
+    scales = {t.name: t.data_type for t in model.graph.initializer}
+    dequantizers = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert dequantizers and all(scales[n.input[1]] == TensorProto.FLOAT16 for n in dequantizers)  # fp16 network

@@ -1,0 +1,81 @@
+"""Helpers shared by tests in several folders: a truncated checkpoint as a draft, a metrics recorder,
+and a built version served with and without speculation."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+from conftest import RecordingSink, request_inputs
+from llmc.runtime.manifest import RepositoryManifest
+from llmc.runtime.serving.loop import ServingLoop
+from llmc.runtime.serving.metrics import ServingMetrics
+
+
+def truncated(checkpoint, folder, num_layers=1):
+    """`checkpoint` with its first `num_layers` decoder layers only (embeddings, norm and LM head kept):
+    a smaller draft with the same tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (checkpoint / name).is_file():
+            shutil.copyfile(checkpoint / name, folder / name)
+    return folder
+
+
+class Recorder:
+    def __init__(self):
+        self.values = {}
+
+    def __call__(self, kind, name, doc, buckets, extra=None):
+        rec = self
+        name += "".join(f"{{{k}={v}}}" for k, v in (extra or {}).items())  # llmc_kv_cache_blocks{state=used}
+
+        class Metric:
+            def observe(self, v):
+                rec.values.setdefault(name, []).append(v)
+
+            def increment(self, v):
+                rec.values[name] = rec.values.get(name, 0) + v
+
+            def set(self, v):
+                rec.values[name] = v
+
+        return Metric()
+
+
+def serve_prompts(version, prompts: list[str], metrics=None):
+    """`prompts` served together (greedy, 20 tokens each) by `version`'s serving loop: their output
+    ids, and the engine."""
+    loop = ServingLoop.from_manifest(version, metrics).start()
+    try:
+        sinks = [RecordingSink() for _ in prompts]
+        for prompt, sink in zip(prompts, sinks):
+            loop.submit(request_inputs(prompt, max_tokens=20), sink)
+        ids = [sink.joined("output_ids").tolist() for sink in sinks]
+        time.sleep(0.3)  # the idle loop publishes the metrics
+        return ids, loop.engine
+    finally:
+        loop.stop()
+
+
+def served_with_and_without_speculation(version, tmp_path, prompts: list[str]):
+    """`prompts` served by `version` as built and by a copy of it with speculation off: the same
+    outputs, and the speculative side's proposal counters equal to its engine's (both > 0). Its
+    outputs, engine and metric values."""
+    recorder = Recorder()
+    ids, engine = serve_prompts(version, prompts, ServingMetrics(recorder))
+    plain = tmp_path / "1"
+    shutil.copytree(version, plain)
+    RepositoryManifest.load(version).model_copy(update={"speculative": None}).save(plain)
+    plain_ids, plain_engine = serve_prompts(plain, prompts)
+    assert plain_engine.speculator is None and ids == plain_ids
+    values = recorder.values
+    drafted, accepted = values["llmc_spec_decode_draft_tokens_total"], values["llmc_spec_decode_accepted_tokens_total"]
+    assert (drafted, accepted) == (engine.speculator.num_draft_tokens, engine.speculator.num_accepted_tokens)
+    assert 0 < accepted <= drafted
+    return ids, engine, values

@@ -1,0 +1,53 @@
+"""The import rules (pyproject.toml's [tool.importlinter] contracts), checked by import-linter through
+scripts/lint_imports.py: kept by the tree, and broken, by name, when a forbidden import is added to a
+copy of it (the tree itself is never touched)."""
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+ROOT = REPO
+SOURCES = ("llmc", "compiler", "runtime", "plugins", "model_repository")  # pyproject's package-dir folders
+
+
+def _lint_imports():
+    spec = importlib.util.spec_from_file_location("lint_imports", ROOT / "scripts" / "lint_imports.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_tree_keeps_every_contract():
+    result = _lint_imports().lint(ROOT, [])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout and "broken" not in result.stdout.replace("0 broken", "")
+    assert "Contracts: 4 kept" in result.stdout
+
+
+@pytest.mark.parametrize("module, line, contract, chain", [
+    ("runtime/decoding/sampling.py", "import llmc.compiler.spec", "runtime and model_repository never import the compiler",
+     "llmc.runtime.decoding.sampling -> llmc.compiler.spec"),
+    ("model_repository/model.py", "from llmc.compiler.spec import BuildSpec",
+     "runtime and model_repository never import the compiler", "llmc.model_repository.model -> llmc.compiler.spec"),
+    ("plugins/op/attention.py", "from llmc.runtime.layout import KVLayout",
+     "plugins import neither the compiler nor the runtime", "llmc.plugins.op.attention -> llmc.runtime.layout"),
+    ("runtime/decoding/detokenizer.py", "import transformers", "runtime and model_repository import no torch or transformers",
+     "llmc.runtime.decoding.detokenizer -> transformers"),
+    ("llmc/client.py", "from llmc.runtime.serving.request import parse_request",
+     "the client needs only tritonclient and numpy", "llmc.runtime.serving.request -> pydantic"),
+])
+def test_a_forbidden_import_breaks_its_contract(tmp_path, module, line, contract, chain):
+    copy = tmp_path / "tree"
+    for folder in SOURCES:
+        shutil.copytree(ROOT / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copyfile(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    source = copy / module
+    source.write_text(source.read_text() + f"\n\ndef _forbidden():\n    {line}\n")  # even a lazy import counts
+    result = _lint_imports().lint(copy, [])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{contract} BROKEN" in result.stdout and "Contracts: 3 kept, 1 broken" in result.stdout
+    assert chain in result.stdout, result.stdout
+    assert "_forbidden" not in (ROOT / module).read_text()

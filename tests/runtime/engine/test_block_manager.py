@@ -1,0 +1,175 @@
+"""The paged KV cache's bookkeeping (runtime/engine/block_manager.py) and the token-budget scheduler over it
+(runtime/engine/token_scheduler.py): reference counts, prefix reuse, LRU eviction, chunked prefill mixed
+with decode rows, preemption by recompute, and invariants under random load."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmc.runtime.engine.block_manager import BlockManager
+from llmc.runtime.decoding.sampling import SamplingParams
+from llmc.runtime.engine.slot_scheduler import QueueFull
+from llmc.runtime.engine.sequence import Sequence, Status
+from llmc.runtime.engine.token_scheduler import TokenScheduler
+
+
+def seq(prompt, request_id="r", max_tokens=64):
+    return Sequence(request_id, list(prompt), SamplingParams(max_tokens=max_tokens))
+
+
+def computed(s):  # the graph wrote every token of s
+    s.num_cached = s.num_tokens
+
+
+def test_blocks_are_counted_and_given_back():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(10))
+    assert bm.can_allocate(a)
+    bm.allocate(a)
+    assert len(a.block_ids) == 3 and a.num_cached == 0 and (bm.num_used, bm.num_free) == (3, 5)
+    a.output_ids += [1, 2]  # 12 tokens: still 3 blocks
+    bm.append(a)
+    assert len(a.block_ids) == 3
+    a.output_ids.append(3)  # the 13th token starts a block
+    assert bm.can_append(a)
+    bm.append(a)
+    assert len(a.block_ids) == 4 and len(set(a.block_ids)) == 4
+    bm.free(a)
+    assert (bm.num_used, bm.num_free, a.block_ids, a.num_cached) == (0, 8, [], 0)
+
+
+def test_a_cached_prefix_is_shared_and_the_last_prompt_token_is_always_computed():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])
+    bm.allocate(a)
+    computed(a)
+    bm.commit(a)  # three full blocks keyed
+    b = seq([1, 2, 3, 4, 5, 6, 7, 8, 99, 98])
+    bm.allocate(b)
+    assert b.block_ids[:2] == a.block_ids[:2] and b.num_cached == 8 and b.block_ids[2] not in a.block_ids
+    assert [bm.ref_counts[x] for x in a.block_ids[:3]] == [2, 2, 1]
+    c = seq([1, 2, 3, 4, 5, 6, 7, 8])  # the whole prompt is cached, but its last token needs logits
+    bm.allocate(c)
+    assert c.num_cached == 4 and c.block_ids[0] == a.block_ids[0] and c.block_ids[1] != a.block_ids[1]
+    assert (bm.prefix_queries, bm.prefix_hits) == (13 + 10 + 8, 0 + 8 + 4)
+    bm.free(a)
+    assert bm.ref_counts[a.block_ids[0] if a.block_ids else b.block_ids[0]] == 2  # b and c still hold it
+
+
+def test_released_prefixes_stay_reusable_until_the_pool_needs_them_lru_first():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    first, second = seq([1, 2, 3]), seq([5, 6, 7])
+    for s in (first, second):
+        bm.allocate(s)
+        computed(s)
+        bm.commit(s)
+    kept = {tuple(s.prompt_ids): s.block_ids[0] for s in (first, second)}
+    bm.free(first)
+    bm.free(second)
+    assert (bm.num_cached, bm.num_free) == (2, 2)
+    again = seq([5, 6, 0])
+    bm.allocate(again)
+    assert again.block_ids[0] == kept[(5, 6, 7)] and again.num_cached == 2
+    big = seq([9, 9, 9, 9])  # needs 2 blocks: the last free one, then the oldest cached one (first's)
+    bm.allocate(big)
+    assert kept[(1, 2, 3)] in big.block_ids and bm.num_cached == 0
+    assert not bm.can_allocate(seq([1, 2, 3]))  # its prefix was evicted and the pool is full
+    bm.free(big)
+    probe = seq([1, 2, 3])
+    bm.allocate(probe)
+    assert probe.num_cached == 0  # evicted keys are gone
+
+
+def test_prefix_caching_off_shares_nothing():
+    bm = BlockManager(num_blocks=8, block_size=2, prefix_caching=False)
+    a = seq([1, 2, 3, 4, 5])
+    bm.allocate(a)
+    computed(a)
+    bm.commit(a)
+    bm.free(a)
+    b = seq([1, 2, 3, 4, 5])
+    bm.allocate(b)
+    assert b.num_cached == 0 and bm.num_cached == 0 and bm.prefix_queries == 0
+
+
+def test_steps_mix_decode_rows_with_prompt_chunks_within_the_token_budget():
+    sched = TokenScheduler(BlockManager(64, 4), max_rows=8, max_num_tokens=16, max_queue_size=8)
+    decoders = [seq(range(5), f"d{i}") for i in range(3)]
+    for d in decoders:
+        sched.add(d)
+    for chunk in sched.schedule():  # 15 prompt tokens fit the budget: all three prefill at once
+        sched.computed(chunk)
+        assert chunk.samples
+        chunk.seq.output_ids.append(7)
+        chunk.seq.status = Status.decoding
+    long = seq(range(100, 140), "long")
+    sched.add(long)
+    chunks = sched.schedule()
+    assert [(c.seq.request_id, len(c.token_ids)) for c in chunks] == [("d0", 1), ("d1", 1), ("d2", 1), ("long", 13)]
+    assert not chunks[-1].samples and chunks[0].samples and chunks[0].past_len == 5
+    for chunk in chunks:
+        sched.computed(chunk)
+        if chunk.samples:
+            chunk.seq.output_ids.append(8)
+    chunks = sched.schedule()
+    assert [c.past_len for c in chunks] == [6, 6, 6, 13] and len(chunks[-1].token_ids) == 13
+
+
+def test_rows_and_queue_are_bounded():
+    sched = TokenScheduler(BlockManager(64, 4), max_rows=2, max_num_tokens=64, max_queue_size=3)
+    for i in range(3):
+        sched.add(seq([1, 2, 3], f"r{i}"))
+    with pytest.raises(QueueFull):
+        sched.add(seq([1], "late"))
+    assert len(sched.schedule()) == 2 and sched.num_waiting == 1 and sched.num_running == 2
+
+
+def test_a_full_pool_queues_and_preempts_the_newest_which_recomputes():
+    sched = TokenScheduler(BlockManager(4, 4), max_rows=4, max_num_tokens=64, max_queue_size=8)
+    old, new = seq(range(8), "old"), seq(range(50, 57), "new")
+    sched.add(old)
+    sched.add(new)
+    for chunk in sched.schedule():  # 2 + 2 blocks: the pool is full
+        sched.computed(chunk)
+        chunk.seq.output_ids.append(1)
+        chunk.seq.status = Status.decoding
+    sched.add(seq([5], "queued"))
+    chunks = sched.schedule()  # old's 9th token needs a fifth block: new is preempted, queued waits
+    assert [c.seq.request_id for c in chunks] == ["old"] and sched.num_preemptions == 1
+    assert new.status is Status.waiting and sched.waiting[0] is new and new.block_ids == []
+    assert all(len(c.seq.block_ids) * 4 >= c.past_len + len(c.token_ids) for c in chunks)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=12),
+       st.integers(4, 24), st.sampled_from([1, 4, 8]), st.booleans())
+def test_random_load_keeps_the_invariants(requests, num_blocks, block_size, caching):
+    bm = BlockManager(num_blocks, block_size, caching)
+    sched = TokenScheduler(bm, max_rows=4, max_num_tokens=32, max_queue_size=64)
+    seqs = []
+    for i, (length, max_tokens, family) in enumerate(requests):
+        if bm.blocks_for(length + max_tokens) > num_blocks:
+            continue  # the engine refuses what can never fit
+        s = seq([family] * (length // 2) + list(range(length - length // 2)), f"r{i}", max_tokens)
+        seqs.append(s)
+        sched.add(s)
+    for _ in range(2000):
+        if not sched.running and not sched.waiting:
+            break
+        chunks = sched.schedule()
+        assert chunks or not sched.running, "running sequences but nothing scheduled"
+        assert sum(len(c.token_ids) for c in chunks) <= 32 and len(chunks) <= 4
+        holders = [b for s in sched.running for b in s.block_ids]
+        assert all(bm.ref_counts[b] == holders.count(b) for b in set(holders))
+        assert bm.num_used == len(set(holders))
+        for c in chunks:
+            assert len(c.seq.block_ids) * block_size >= c.past_len + len(c.token_ids)
+            sched.computed(c)
+            if c.samples:
+                c.seq.output_ids.append(len(c.seq.output_ids))
+                c.seq.status = Status.decoding
+                if len(c.seq.output_ids) >= c.seq.params.max_tokens:
+                    c.seq.status = Status.finished
+                    sched.release(c.seq)
+    assert not sched.running and not sched.waiting
+    assert all(len(s.output_ids) == s.params.max_tokens for s in seqs) and bm.num_used == 0

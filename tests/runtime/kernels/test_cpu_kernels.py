@@ -1,0 +1,216 @@
+"""llmc's CPU kernel (runtime/matmul_nbits4*.c, the op in runtime/kernels/cpu_kernels.c): llmc.MatMulNBits4
+computes what ONNX Runtime's MatMulNBits computes on every instruction set this CPU has, and
+make_session swaps it in only where it applies."""
+
+import logging
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from llmc.runtime.kernels import cpu_kernels
+from llmc.runtime.runners.ort import make_session
+
+KERNELS = cpu_kernels.load()
+needs_kernel = pytest.mark.skipif(KERNELS is None, reason="llmc's CPU kernel needs AVX2 + FMA or AVX512-VNNI, and a "
+                                                          "C compiler (see the log)")
+ISAS = KERNELS.isas if KERNELS else ("avx2",)  # every kernel this CPU runs (AVX512 hosts run both)
+
+
+def _model(k: int, n: int, *, zero_points: bool = True, rank: int = 2, **attrs) -> onnx.ModelProto:
+    """One MatMulNBits over random 4-bit codes, blocks of 32 (scales and zero points random too)."""
+    rng = np.random.default_rng(k * 1000 + n)
+    blocks = (k + 31) // 32
+    inits = [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8), "B"),
+             numpy_helper.from_array((rng.random(n * blocks, dtype=np.float32) + 0.1) * 0.02, "scales")]
+    if zero_points:
+        inits.append(numpy_helper.from_array(rng.integers(0, 256, n * ((blocks + 1) // 2), dtype=np.uint8), "zp"))
+    attributes = {"K": k, "N": n, "bits": 4, "block_size": 32, "accuracy_level": 4, **attrs}
+    node = helper.make_node("MatMulNBits", ["A", "B", "scales", *(["zp"] if zero_points else [])], ["Y"],
+                            domain="com.microsoft", **attributes)
+    lead = ["rows"] if rank == 2 else ["batch", "rows"]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [*lead, k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [*lead, n])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+def _session(model: onnx.ModelProto, library=None) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    if library is not None:
+        options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k, n, zero_points", [(576, 40, True), (128, 576, True), (1536, 33, False), (64, 16, True),
+                                               (192, 7, True)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 21, 29])
+def test_llmc_kernel_computes_what_matmulnbits_computes(isa, k, n, zero_points, rows):
+    """Every path of the kernel (one to four rows a tile, the prefill panel from 12 or 20 rows, a tail
+    of rows; K with and without a final pair of blocks; N not a multiple of 4, 8 or 16; no zero points)
+    against ONNX Runtime's kernel, which quantizes the activations the same way: equal to float rounding."""
+    model = _model(k, n, zero_points=zero_points)
+    reference = _session(model)
+    swapped = onnx.ModelProto.FromString(model.SerializeToString())
+    assert cpu_kernels.accelerate(swapped, 2, isa) == 1 and swapped.graph.node[0].op_type == cpu_kernels.OP
+    ours = _session(swapped, cpu_kernels.library())
+    a = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32) * 3
+    a[0, :40] = 0.0  # an all-zero block: scale 0 on the activation side
+    expected, got = reference.run(None, {"A": a})[0], ours.run(None, {"A": a})[0]
+    assert got.shape == (rows, n)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 29])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_llmc_kernel_sums_the_largest_products_without_overflow(isa, rows, sign):
+    """Every weight code 15 against activations that all quantize to +-127: the largest partial sums
+    the kernels form (the AVX2 kernel keeps up to eight products of 15 x 127 in an int16 lane)."""
+    model = _model(256, 24)
+    b = next(t for t in model.graph.initializer if t.name == "B")
+    b.CopyFrom(numpy_helper.from_array(np.full((24, 8, 16), 0xFF, np.uint8), "B"))
+    swapped = onnx.ModelProto.FromString(model.SerializeToString())
+    cpu_kernels.accelerate(swapped, 2, isa)
+    a = np.full((rows, 256), sign * 2.5, np.float32)
+    expected = _session(model).run(None, {"A": a})[0]
+    got = _session(swapped, cpu_kernels.library()).run(None, {"A": a})[0]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_llmc_kernel_takes_leading_dimensions(isa):
+    model = _model(128, 24, rank=3)
+    swapped = onnx.ModelProto.FromString(model.SerializeToString())
+    cpu_kernels.accelerate(swapped, 2, isa)
+    a = np.random.default_rng(0).standard_normal((2, 7, 128)).astype(np.float32)
+    expected = _session(model).run(None, {"A": a})[0]
+    got = _session(swapped, cpu_kernels.library()).run(None, {"A": a})[0]
+    assert got.shape == (2, 7, 24)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("change", [{"bits": 8}, {"block_size": 64}, {"accuracy_level": 0}, {"K": 96}])
+def test_only_nodes_the_kernel_computes_as_onnxruntime_does_are_swapped(change):
+    k = change.get("K", 128)
+    attrs = {key: value for key, value in change.items() if key != "K"}
+    model = _model(k, 16, **attrs)
+    assert cpu_kernels.accelerate(model, 2, "avx2") == 0 and model.graph.node[0].op_type == "MatMulNBits"
+
+
+def test_float_zero_points_and_extra_inputs_keep_onnxruntimes_kernel():
+    model = _model(128, 16)
+    zp = next(t for t in model.graph.initializer if t.name == "zp")
+    zp.CopyFrom(numpy_helper.from_array(np.full(16 * 2, 8.0, np.float32), "zp"))
+    assert cpu_kernels.accelerate(model, 2, "avx2") == 0
+    model = _model(128, 16)
+    model.graph.node[0].input.extend(["", "bias"])  # g_idx, bias
+    assert cpu_kernels.accelerate(model, 2, "avx2") == 0
+
+
+@needs_kernel
+def test_make_session_runs_the_stored_graph_on_the_kernel_and_leaves_the_file_alone(tmp_path):
+    model = _model(576, 48)
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    before = path.read_bytes()
+    swapped = cpu_kernels.prepare(path, ort.SessionOptions())
+    assert [n.op_type for n in onnx.ModelProto.FromString(swapped).graph.node] == [cpu_kernels.OP]
+    a = np.random.default_rng(1).standard_normal((3, 576)).astype(np.float32)
+    expected = _session(model).run(None, {"A": a})[0]
+    got = make_session(path, 2).run(None, {"A": a})[0]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+    assert path.read_bytes() == before
+
+
+@needs_kernel
+def test_external_data_is_read_from_beside_the_graph_file(tmp_path):
+    model = _model(128, 32)
+    a = np.random.default_rng(2).standard_normal((1, 128)).astype(np.float32)
+    expected = _session(model).run(None, {"A": a})[0]
+    onnx.save(model, str(tmp_path / "model.onnx"), save_as_external_data=True, location="weights.bin",
+              size_threshold=0)
+    assert (tmp_path / "weights.bin").stat().st_size > 128 * 32 // 2
+    np.testing.assert_allclose(make_session(tmp_path / "model.onnx", 2).run(None, {"A": a})[0], expected, rtol=0,
+                               atol=2e-5 * np.abs(expected).max())
+
+
+def test_graphs_without_the_op_open_from_their_file(tmp_path):
+    model = _model(128, 16, bits=8)  # not one the kernel takes
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    assert cpu_kernels.prepare(tmp_path / "m.onnx", ort.SessionOptions()) == str(tmp_path / "m.onnx")
+
+
+@needs_kernel
+def test_an_isa_the_cpu_does_not_run_is_refused_by_name():
+    swapped = _model(128, 16)
+    cpu_kernels.accelerate(swapped, 2, "sse2")
+    with pytest.raises(Exception, match="isa 'sse2' is not one this CPU runs"):
+        _session(swapped, cpu_kernels.library())
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.SWITCH, "0")
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.library() is None
+    finally:
+        monkeypatch.delenv(cpu_kernels.SWITCH)
+        cpu_kernels.load.cache_clear()
+
+
+@needs_kernel
+def test_the_switch_pins_an_instruction_set_and_refuses_one_the_cpu_lacks(monkeypatch, caplog):
+    try:
+        monkeypatch.setenv(cpu_kernels.SWITCH, ISAS[-1])
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load().isa == ISAS[-1]
+        monkeypatch.setenv(cpu_kernels.SWITCH, "neon")
+        cpu_kernels.load.cache_clear()
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+            assert cpu_kernels.load() is None
+        assert "LLMC_CPU_KERNELS=neon" in caplog.text and ISAS[0] in caplog.text
+    finally:
+        monkeypatch.delenv(cpu_kernels.SWITCH)
+        cpu_kernels.load.cache_clear()
+
+
+def test_a_missing_compiler_falls_back_with_a_warning_that_names_it(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "llmc-no-such-cc")
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))  # nothing prebuilt here
+    (tmp_path / "cpu_kernels.c").write_text("/* a source no library was built from */\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", tmp_path / "cpu_kernels.c")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (tmp_path / "cpu_kernels.c",))
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+            assert cpu_kernels.library() is None
+        assert "llmc-no-such-cc" in caplog.text and "set CC" in caplog.text
+        assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp_path):
+    source = tmp_path / "cpu_kernels.c"
+    source.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (source,))
+    with pytest.raises(RuntimeError, match="failed on cpu_kernels.c"):
+        cpu_kernels.build(tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.so"))
+
+
+def test_a_missing_source_falls_back_instead_of_failing(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (tmp_path / "gone.c",))
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.library() is None
+    finally:
+        cpu_kernels.load.cache_clear()
