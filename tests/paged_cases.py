@@ -7,6 +7,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
+from llmc.plugins.op import paged_schema
 from llmc.plugins.op.attention import reference_paged_attention
 
 

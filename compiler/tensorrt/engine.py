@@ -186,7 +186,7 @@ def build_engine(onnx_path: Path, profiles: list[Profile], options: TensorRTSpec
     `timing_cache` (None: none) is read before the build and written back after it."""
     import tensorrt as trt
 
-    from llmc.plugins.trt import plugin
+    from llmc.plugins.trt import plugin as trt_plugin
     from llmc.runtime.runners.trt import gpu_identity
 
     gpu, capability = gpu_identity()

@@ -146,7 +146,7 @@ def register_schemas() -> None:
         if not onnx.defs.has(name, domain):
             onnx.defs.register_schema(make())
     paged_schema.register()  # llmc.PagedAttention and com.microsoft.PagedAttention
-    paged_plugin.register_schema()  # LlmcPagedAttention, the TensorRT plugin node
+    paged_node.register_schema()  # LlmcPagedAttention, the TensorRT plugin node
 
 
 def _fused(heads: Heads):

@@ -11,9 +11,8 @@ from llmc.compiler.package import copy_runtime, requirements
 from llmc.compiler.triton_config import parse
 from llmc.runtime.manifest import ManifestError, RepositoryManifest
 from llmc.runtime.serving.tensors import OUTPUTS, SCALARS
-from conftest import REPO
+from conftest import SERVING_ENV
 
-SERVING_ENV = REPO / ".venv-serving"
 
 
 def test_repository_layout_and_manifest(tiny_build):

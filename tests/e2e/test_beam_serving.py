@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from conftest import REPO, TINY_SERVING_SPEC, RecordingSink, request_inputs
+from conftest import TINY_SERVING_SPEC, RecordingSink, request_inputs, serving_env
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.compiler.triton_config import parse
@@ -139,17 +139,12 @@ def test_the_slot_graph_takes_no_beams(tiny_checkpoints, tiny_slot_build, tmp_pa
 
 @pytest.mark.triton
 def test_on_a_real_triton_server_a_beam_request_returns_every_beam_at_the_end(beam_build, loop, tmp_path):
-    from pathlib import Path
-
     from llmc.client import Client, Generation
     from llmc.serve import generate_to
     from llmc.triton_server import TritonServer, assemble
 
-    serving_env = REPO / ".venv-serving"
-    if not (serving_env / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
     expected = _submit(loop, beam_width=4, max_tokens=10, end_id=END_ID).responses[0]
-    with TritonServer(beam_build.repository, server_dir=assemble(tmp_path / "server"), serving_env=serving_env,
+    with TritonServer(beam_build.repository, server_dir=assemble(tmp_path / "server"), serving_env=serving_env(),
                       log_path=tmp_path / "server.log") as server:
         client = Client(server.grpc_url, "tiny")
         gen = client.complete(PROMPT, beam_width=4, max_tokens=10, end_id=END_ID)

@@ -14,10 +14,9 @@ import pytest
 
 from llmc.supervisor import children as children_of
 from llmc.triton_server import free_port
-from conftest import REPO
+from conftest import SERVING_ENV
 
 LLMC = Path(sys.executable).parent / "llmc"
-SERVING_ENV = REPO / ".venv-serving"
 pytestmark = pytest.mark.triton
 
 

@@ -14,14 +14,13 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import REPO, TINY_SERVING_SPEC, add_model_variant, byte_tokenizer, greedy_reference
+from conftest import SERVING_ENV, TINY_SERVING_SPEC, add_model_variant, byte_tokenizer, greedy_reference
 from llmc.compiler.triton_config import parse
 from llmc.openai.server import OpenAIServer
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.soak import llmc_metrics
 from llmc.triton_server import TritonServer, assemble, free_port
 
-SERVING_ENV = REPO / ".venv-serving"
 pytestmark = pytest.mark.triton
 # A chat template for the byte-level tiny model (plain-text markers: its vocabulary is bytes) that
 # also lists the tools it is given, as tool-using templates do.

@@ -7,17 +7,15 @@ import shutil
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO, add_model_variant, byte_tokenizer, greedy_reference
+from conftest import SERVING_ENV, add_model_variant, byte_tokenizer, greedy_reference
 from llmc.client import AsyncClient, Client, Generation, GenerationError
 from llmc.soak import llmc_metrics
 from llmc.triton_server import TritonServer, assemble
 
-SERVING_ENV = REPO / ".venv-serving"
 pytestmark = pytest.mark.triton
 ONE_SLOT = "tiny_one_slot"  # one KV slot, a queue of one and long contexts: for queueing and cancelling
 

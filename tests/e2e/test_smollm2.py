@@ -6,11 +6,10 @@ from pathlib import Path
 import pytest
 
 from llmc.compiler import build, load_spec
-from conftest import REPO
+from conftest import REPO, SERVING_ENV
 
 
 
-SERVING_ENV = REPO / ".venv-serving"
 
 
 @pytest.fixture(scope="module")

@@ -2,19 +2,14 @@
 manifest, the served model builds its engine from it, serves the same tokens as without it and
 reports TensorRT-LLM's speculative-decoding figures as llmc_spec_decode_* metrics."""
 
-import shutil
-import time
-
 import pytest
 from pydantic import ValidationError
 
-from conftest import TINY_SERVING_SPEC, RecordingSink, complete_on_triton, request_inputs
+from conftest import TINY_SERVING_SPEC, complete_on_triton
+from helpers import serve_prompts, served_with_and_without_speculation
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.manifest import RepositoryManifest, SpeculativeConfig
-from llmc.runtime.serving.metrics import ServingMetrics
-from llmc.runtime.serving.loop import ServingLoop
-from helpers import Recorder
 
 SECTION = {"method": "ngram", "num_tokens": 3, "max_batch": 2, "min_n": 1, "max_n": 2}
 PROMPTS = ["the cat sat on the mat; the cat sat on the mat; the cat", "abcdefabcdefabcdef", "x"]

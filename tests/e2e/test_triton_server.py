@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import SERVING_ENV
 from llmc.triton_server import Ports, TritonError, TritonServer, assemble
 
-SERVING_ENV = REPO / ".venv-serving"
 
 pytestmark = pytest.mark.triton
 
@@ -21,7 +21,7 @@ instance_group [ { kind: KIND_CPU count: 1 } ]
 """
 ECHO_MODEL = """import numpy as np
 import triton_python_backend_utils as pb_utils
-from conftest import REPO
+from conftest import SERVING_ENV
 
 
 class TritonPythonModel:

@@ -4,7 +4,6 @@ copy of it (the tree itself is never touched)."""
 
 import importlib.util
 import shutil
-from pathlib import Path
 
 import pytest
 from conftest import REPO

@@ -113,8 +113,8 @@ def _fake_tensorrt(built: bytes | None):
 
 @pytest.fixture
 def fake_trt(monkeypatch):
-    from llmc.plugins.trt import plugin
-    from llmc.runtime.runners import trt
+    from llmc.plugins.trt import plugin as trt_plugin
+    from llmc.runtime.runners import trt as trt_runner
 
     with contextlib.suppress(ImportError):  # notes at import whether TensorRT is here: must see the real answer
         import modelopt.onnx.trt_utils  # noqa: F401

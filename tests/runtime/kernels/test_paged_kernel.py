@@ -7,10 +7,8 @@ blocks, windows and softcap, in place (IO binding one buffer to a cache's input 
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
 
 from llmc.plugins.op import paged_schema
-from llmc.plugins.op.attention import reference_paged_attention
 from llmc.runtime.kernels import cpu_kernels
 
 from paged_cases import case, paged_model, reference

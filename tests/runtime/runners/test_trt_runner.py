@@ -65,7 +65,7 @@ def _tensorrt(events: list[str]):
 
 @pytest.mark.parametrize("in_place", [True, False])
 def test_trt_runner_close_frees_every_device_buffer_and_the_engine_once(monkeypatch, tmp_path, in_place):
-    from llmc.runtime.runners import trt
+    from llmc.runtime.runners import trt as trt_runner
 
     events = []
     cuda = _Cuda(events)

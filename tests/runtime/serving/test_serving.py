@@ -84,7 +84,7 @@ def test_a_stop_request_ends_the_request_with_its_id(served):
 
 
 def test_cancelled_request_frees_its_slot_and_the_gauges_return_to_zero(served, monkeypatch):
-    from llmc.runtime.serving import loop
+    from llmc.runtime.serving import loop as serving
 
     monkeypatch.setattr(serving, "CANCEL_CHECK_INTERVAL", 0.0)  # poll every step: the tiny model is fast
     loop, recorder = served
