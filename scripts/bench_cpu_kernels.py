@@ -24,7 +24,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llmc.runtime import cpu_kernels  # noqa: E402
+from llmc.runtime.kernels import cpu_kernels  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 LAYER_SHAPES = [("q", HIDDEN, 576), ("k", HIDDEN, 192), ("v", HIDDEN, 192), ("o", HIDDEN, 576),

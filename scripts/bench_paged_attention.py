@@ -26,7 +26,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llmc.runtime import cpu_kernels  # noqa: E402
+from llmc.runtime.kernels import cpu_kernels  # noqa: E402
 
 HEADS, KV_HEADS, D, CAPACITY, BLOCK = 9, 3, 64, 2048, 16
 F, I32 = TensorProto.FLOAT, TensorProto.INT32

@@ -25,7 +25,8 @@ from onnx.reference.op_run import OpRun  # noqa: E402
 
 from llmc.compiler import build  # noqa: E402
 from llmc.compiler.spec import parse_spec  # noqa: E402
-from llmc.plugins import paged_kernels_aot, trt_plugin  # noqa: E402
+from llmc.plugins.gpu import paged_kernels_aot  # noqa: E402
+from llmc.plugins.trt import plugin as trt_plugin  # noqa: E402
 from llmc.plugins.op.attention import reference_paged_attention  # noqa: E402
 from llmc.plugins.op.lowering import register_schemas  # noqa: E402
 from llmc.plugins.trt.paged_node import PAGED_PLUGIN_OP, to_plugin_nodes  # noqa: E402
