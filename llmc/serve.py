@@ -39,7 +39,7 @@ def start_server(build_dir: Path | str, http_port: int | None, grpc_port: int | 
 
 def _repository(location: Path | str) -> Path | str:
     """A build folder's repository (resolved), or an s3:// repository checked to hold a model."""
-    from llmc.objectstore import StoreError, is_remote, open_store
+    from llmc.fleet.objectstore import StoreError, is_remote, open_store
     from llmc.triton_server import find_repository
 
     if not is_remote(location):
@@ -60,7 +60,7 @@ def serve_forever(build_dir: Path, http_port: int, grpc_port: int, metrics_port:
     """Triton (and, with `openai_port`, the OpenAI-compatible API in front of it) until Ctrl-C."""
     from llmc.console import console
     from llmc.openai.server import start_beside
-    from llmc.objectstore import open_store
+    from llmc.fleet.objectstore import open_store
     from llmc.supervisor import Supervisor
 
     server = start_server(build_dir, http_port, grpc_port, metrics_port, serving_env)

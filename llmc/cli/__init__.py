@@ -1,4 +1,4 @@
-"""The `llmc` command line: a thin layer over `llmc.compiler`, `llmc.serve`, `llmc.deploy` and the
+"""The `llmc` command line: a thin layer over `llmc.compiler`, `llmc.serve`, `llmc.fleet.deploy` and the
 other operator tools. app.py holds the app and what every command shares; the commands are grouped
 by what they act on: build.py (build, export, verify, inspect), serving.py (serve, openai, generate,
 bench), deploy.py (deploy, k8s)."""

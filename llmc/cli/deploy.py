@@ -28,7 +28,7 @@ def deploy(
     """
     from llmc.console import out
     from llmc.errors import ServingError
-    from llmc.deploy import DeployError, deploy as run_deploy
+    from llmc.fleet.deploy import DeployError, deploy as run_deploy
 
     try:
         result = run_deploy(build_dir, repository, url or [], model=model, keep=keep, timeout=timeout,
@@ -65,7 +65,7 @@ def k8s(
     """
     from llmc.console import out
     from llmc.errors import UnsupportedError
-    from llmc.k8s import IMAGE, options_from_build, write_manifests
+    from llmc.fleet.k8s import IMAGE, options_from_build, write_manifests
 
     try:
         opts = options_from_build(build_dir, repository, replicas=replicas, max_replicas=max_replicas, gpu=gpu,

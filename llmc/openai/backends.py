@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 import numpy as np
 
 from llmc.chat_template import PARAMETER, parse_parameter
-from llmc.client import Generation
-from llmc.openai import grpc_stream
+from llmc.client import Generation, Unreachable, make_inputs
+from llmc.client.stream import responses
 from llmc.openai.protocol import OpenAIError
 
 HEALTH_INTERVAL = 2.0  # seconds between health checks
@@ -197,15 +198,22 @@ class Pool:
 
     async def generate(self, backend: Backend, model: str, prompt: str, stream: bool, gen: ChoiceGeneration,
                        params: dict) -> AsyncIterator[str]:
-        """Text chunks of one request on `backend`; the model's refusal raises grpc_stream.Refused, a
-        broken server marks it down and raises OpenAIError 503."""
+        """Text chunks of one request on `backend`, on its own stream as llmc.client's (leaving early
+        stops the request in band: llmc/client/stream.py), with no retry on another server; the
+        model's refusal raises llmc.client.Refused (400/429), a broken server marks it down and
+        raises OpenAIError 503."""
         import tritonclient.grpc as grpc
 
         backend.in_flight += 1
         try:
-            async for chunk in grpc_stream.generate(backend.client, grpc, model, prompt, stream, gen, params):
-                yield chunk
-        except grpc_stream.Unreachable as err:
+            request = {"model_name": model, "inputs": make_inputs(grpc, prompt, stream, params),
+                       "request_id": uuid.uuid4().hex}
+            async with contextlib.aclosing(responses(backend.client, grpc, request)) as results:
+                async for result, error in results:
+                    chunk = gen.take(result, error)  # an error response raises Refused
+                    if chunk:
+                        yield chunk
+        except Unreachable as err:
             backend.healthy = False  # skipped until the health check finds it ready again
             raise OpenAIError(503, f"{backend.url}: the server failed the request ({err})", None,
                               "service_unavailable") from None

@@ -3,7 +3,7 @@ Server-Sent Events in OpenAI's chunk format (ending with `data: [DONE]`).
 
 The workers run outside the HTTP request's task on purpose: when a client disconnects, Starlette
 cancels the response's task group, and anyio's cancellation is level-triggered, so the client's
-in-band stop (llmc.client: a stop request, then the stream closes with nothing pending) could not
+in-band stop (llmc/client/stream.py: a stop request, then the stream closes with nothing pending) could not
 be awaited there. Cancelling a worker instead raises one CancelledError inside its generate(),
 whose cleanup then stops the request on the server, which frees its KV slot.
 """
@@ -16,8 +16,8 @@ from typing import AsyncIterator
 
 import orjson
 
+from llmc.client import Refused
 from llmc.openai.backends import ChoiceGeneration, Pool
-from llmc.openai.grpc_stream import Refused
 from llmc.openai.protocol import OpenAIError, model_error
 from llmc.openai.responses import CompletionLogprobs, Reply, chat_delta, chat_logprobs, completion_choice, usage
 

@@ -6,9 +6,13 @@ value array per layer, `[num_blocks, block_size, kv_heads, head_dim]`). A sequen
 block ids, its block table; token i of the sequence lives in block `block_ids[i // block_size]`
 at offset `i % block_size`.
 
-Prefix caching: a full block is keyed by the hash of its tokens chained with the hash of every
-block before it, so equal keys mean equal prefixes (and equal KV). A new sequence reuses the cached
-blocks of its longest cached prefix, sharing them (reference counts), and computes only the rest.
+Prefix caching: a full block is keyed by a sha256 of its tokens chained with the key of the block
+before it (`block_hash`), so a key names the whole prefix up to the block's end. A new sequence
+reuses the cached blocks of its longest cached prefix, sharing them (reference counts), and computes
+only the rest. A key is only where to look: a hit counts only when the block's own tokens and the
+keyed block it was computed after are the sequence's (`_holds`), so two prefixes whose keys collide
+never share KV (one request's prompt would otherwise reach another's output, vLLM's
+GHSA-rm76-4mrf-v9r8); by induction from the first block, the hit blocks hold the sequence's prefix.
 The last prompt token is always computed (its logits are the first sample), so a shared block is
 never written. A block no sequence holds keeps its key and stays reusable until the pool needs it:
 free blocks are handed out first, then cached ones, least recently released first (LRU).
@@ -27,8 +31,10 @@ that holds the last prompt token, and the beams' fork and copy-on-write.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
-from typing import Protocol, Sequence
+from typing import Iterator, NamedTuple, Protocol, Sequence
 
 
 class Blocked(Protocol):
@@ -41,8 +47,25 @@ class Blocked(Protocol):
     def all_token_ids(self) -> Sequence[int]: ...
 
 
-def block_hash(previous: int | None, tokens: Sequence[int]) -> int:
-    return hash((previous, tuple(tokens)))
+def block_hash(previous: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The key of a full block: sha256 over the previous block's key (32 bytes; none for the first
+    block) and this block's token ids (8 bytes each). Python's hash() of a tuple was here: unkeyed
+    and cheap to collide on purpose. sha256 because it is the fastest strong hash hashlib has for
+    inputs this short (~3 us a 16-token block on one core, blake2b the same, hash() ~0.4 us): it runs
+    once per full block a prompt is looked up with (`_prefix_keys` remembers them) and once per block
+    computed (`commit` hashes only the blocks it has not keyed yet)."""
+    return hashlib.sha256((previous or b"") + array("q", tokens).tobytes()).digest()
+
+
+class Keyed(NamedTuple):
+    """What a keyed block holds, checked on a hit."""
+
+    serial: int  # names this keying of the block: a block keyed again (after eviction) gets a new one
+    parent: int  # the serial of the keyed block before it (ROOT for a first block)
+    tokens: tuple[int, ...]
+
+
+ROOT = 0  # the serial of the empty prefix
 
 
 class BlockManager:
@@ -50,10 +73,13 @@ class BlockManager:
         assert num_blocks >= 1 and block_size >= 1
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.keys: list[int | None] = [None] * num_blocks  # a full block's prefix hash
+        self.keys: list[bytes | None] = [None] * num_blocks  # a full block's prefix hash
+        self._keyed: list[Keyed | None] = [None] * num_blocks  # set with its key
+        self._serial = ROOT
         self._free = list(range(num_blocks - 1, -1, -1))  # never used, or released without a key; pop() = lowest
         self._cached: OrderedDict[int, None] = OrderedDict()  # released with a key, oldest first
-        self._by_key: dict[int, int] = {}  # prefix hash -> block id
+        self._by_key: dict[bytes, int] = {}  # prefix hash -> block id
+        self._memo: tuple[list[int], list[bytes]] = ([], [])  # _prefix_keys': the last tokens looked up
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found, since start
 
     # the pool's state (metrics)
@@ -76,17 +102,38 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _block_tokens(self, tokens: Sequence[int], index: int) -> tuple[int, ...]:
+        return tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+
+    def _holds(self, block: int, parent: int, tokens: tuple[int, ...]) -> bool:
+        """Whether keyed `block` was computed from `tokens` right after the keyed block `parent`."""
+        keyed = self._keyed[block]
+        return keyed is not None and keyed.parent == parent and keyed.tokens == tokens
+
+    def _prefix_keys(self, tokens: Sequence[int]) -> Iterator[bytes]:
+        """The keys of the full blocks of `tokens` before the last token, in order, computed as they
+        are asked for and remembered for the same tokens asked again (can_allocate, then allocate;
+        the request at the head of the queue, every step it waits)."""
+        memo_tokens, keys = self._memo
+        if memo_tokens != tokens:
+            keys = []
+            self._memo = (list(tokens), keys)
+        for index in range((len(tokens) - 1) // self.block_size):
+            if index == len(keys):
+                keys.append(block_hash(keys[-1] if keys else None, self._block_tokens(tokens, index)))
+            yield keys[index]
+
     def _cached_prefix(self, tokens: Sequence[int]) -> list[int]:
         """The cached blocks of the longest cached prefix, never reaching the last token."""
         if not self.prefix_caching:
             return []
-        found, key = [], None
-        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
-            key = block_hash(key, tokens[start:start + self.block_size])
+        found, parent = [], ROOT
+        for index, key in enumerate(self._prefix_keys(tokens)):
             block = self._by_key.get(key)
-            if block is None:
-                break
+            if block is None or not self._holds(block, parent, self._block_tokens(tokens, index)):
+                break  # not cached, or a collision: another prefix's block under this key
             found.append(block)
+            parent = self._keyed[block].serial
         return found
 
     def can_allocate(self, seq: Blocked) -> bool:
@@ -135,13 +182,29 @@ class BlockManager:
         """Key the blocks `seq` has filled (its first num_cached tokens), so later prompts reuse them."""
         if not self.prefix_caching:
             return
-        tokens, key = seq.all_token_ids(), None
-        for index in range(seq.num_cached // self.block_size):
-            key = block_hash(key, tokens[index * self.block_size:(index + 1) * self.block_size])
-            block = seq.block_ids[index]
-            if self.keys[block] is None and key not in self._by_key:
-                self.keys[block] = key
+        # a keyed block in a table holds that table's prefix (a hit, or keyed here): start after the last
+        full = seq.num_cached // self.block_size
+        start = full
+        while start > 0 and self.keys[seq.block_ids[start - 1]] is None:
+            start -= 1
+        key, parent = None, ROOT
+        if start:
+            last = seq.block_ids[start - 1]
+            key, parent = self.keys[last], self._keyed[last].serial
+        tokens = seq.all_token_ids()
+        for index in range(start, full):
+            block, block_tokens = seq.block_ids[index], self._block_tokens(tokens, index)
+            key = block_hash(key, block_tokens)
+            holder = self._by_key.get(key)
+            if holder is None:
+                self._serial += 1
+                self.keys[block], self._keyed[block] = key, Keyed(self._serial, parent, block_tokens)
                 self._by_key[key] = block
+                parent = self._serial
+            elif self._holds(holder, parent, block_tokens):
+                parent = self._keyed[holder].serial  # another row computed the same prefix: its block stands
+            else:
+                return  # a collision: the key is another prefix's, and the blocks from here stay unkeyed
 
     def fork(self, block_ids: Sequence[int]) -> list[int]:
         """`block_ids` held once more (a beam forked from their holder): a copy of the list."""
@@ -213,7 +276,7 @@ class BlockManager:
         else:
             block, _ = self._cached.popitem(last=False)  # the least recently released cached block
             del self._by_key[self.keys[block]]
-            self.keys[block] = None
+            self.keys[block], self._keyed[block] = None, None  # its serial dies: blocks keyed after it miss
         assert self.ref_counts[block] == 0
         self.ref_counts[block] = 1
         return block

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import BackgroundLoad, serving_env
 from llmc.client import Client
-from llmc.deploy import DeployError, deploy, versions
+from llmc.fleet.deploy import DeployError, deploy, versions
 from llmc.triton_server import TritonServer, assemble
 
 pytestmark = pytest.mark.triton

@@ -92,7 +92,7 @@ def test_the_build_packs_the_serving_packages_and_a_bare_python_serves_them(pack
 def test_a_replica_with_a_bare_python_serves_the_packed_build_from_a_bucket(packed, tmp_path):
     """Deployed twice (the second prunes the first): the replica copies version 2 from the bucket and
     runs it in version 2's own archive."""
-    from llmc.deploy import deploy
+    from llmc.fleet.deploy import deploy
     from s3_server import bucket_server
 
     with bucket_server() as s3:
@@ -175,7 +175,7 @@ def test_the_plan_lists_the_stage(tiny_checkpoints):
 
 
 def test_a_deployed_version_points_at_its_own_archive():
-    from llmc.deploy import pinned
+    from llmc.fleet.deploy import pinned
 
     text = render(model_config("tiny", execution_env=f"1/{environment.ARCHIVE}"))
     served = parse(pinned(text, 7))

@@ -17,8 +17,8 @@ import pytest
 
 from conftest import BackgroundLoad, serving_env
 from llmc.client import Client
-from llmc.deploy import DeployError, deploy
-from llmc.objectstore import CONFIG, open_store
+from llmc.fleet.deploy import DeployError, deploy
+from llmc.fleet.objectstore import CONFIG, open_store
 from llmc.triton_server import TritonServer, assemble, free_port
 from s3_server import CREDENTIALS, bucket_server
 
@@ -141,7 +141,7 @@ def test_an_interrupted_deploy_puts_the_repository_and_every_replica_back(tiny_b
     """Ctrl-C while the second replica loads the new version (the first has loaded it): the
     interrupt propagates; the config names the old version again, the new one is gone from the
     bucket, the first replica serves the old version again and the lock is released."""
-    import llmc.rollout as rollout
+    import llmc.fleet.rollout as rollout
 
     url, servers = cluster
     before = _serving(tiny_build, url, servers)
@@ -226,7 +226,7 @@ def test_llmc_serve_serves_the_bucket(tiny_build, cluster, s3):
 
 
 def test_the_autoscaler_metrics_are_exported_by_a_live_replica(tiny_build, cluster):
-    from llmc.k8s import K8sOptions, manifests
+    from llmc.fleet.k8s import K8sOptions, manifests
 
     url, servers = cluster
     _serving(tiny_build, url, servers)

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import SERVING_ENV, add_model_variant, byte_tokenizer, greedy_reference
 from llmc.client import AsyncClient, Client, Generation, GenerationError
+from llmc.client import stream as client_stream
 from llmc.soak import llmc_metrics
 from llmc.triton_server import TritonServer, assemble
 
@@ -89,13 +90,13 @@ def test_32_concurrent_mixed_requests_each_equal_their_solo_result(server):
 @pytest.mark.parametrize("in_band", [True, False], ids=["stop-request", "stream-cancelled"])
 def test_leaving_a_stream_early_frees_the_slot(server, monkeypatch, in_band):
     stops = []
-    stop = Client._stop
+    stopped = client_stream._stopped_sync
 
-    def spy(self, *args):  # in band: the server must answer the stop; else: the gRPC stream is cancelled
-        stops.append(stop(self, *args) if in_band else False)
+    def spy(*args):  # in band: the server must answer the stop; else: the gRPC stream is cancelled
+        stops.append(stopped(*args) if in_band else False)
         return stops[-1]
 
-    monkeypatch.setattr(Client, "_stop", spy)
+    monkeypatch.setattr(client_stream, "_stopped_sync", spy)
     client = Client(server.grpc_url, ONE_SLOT)
     before = _metrics(server, ONE_SLOT).get("llmc_request_failure_total", 0)
     stream = client.generate("a long one", max_tokens=2000, min_tokens=2000)
@@ -118,13 +119,13 @@ def test_an_async_stream_left_early_is_stopped_in_band(server, monkeypatch):
     from llmc.client import AsyncClient
 
     stops = []
-    stop = AsyncClient._stop
+    stopped = client_stream._stopped
 
-    async def spy(self, *args):
-        stops.append(await stop(self, *args))
+    async def spy(*args):
+        stops.append(await stopped(*args))
         return stops[-1]
 
-    monkeypatch.setattr(AsyncClient, "_stop", spy)
+    monkeypatch.setattr(client_stream, "_stopped", spy)
 
     async def leave_early():
         async with AsyncClient(server.grpc_url, ONE_SLOT) as client:

@@ -38,7 +38,7 @@ def test_the_tree_keeps_every_contract():
      "plugins import neither the compiler nor the runtime", "llmc.plugins.op.attention -> llmc.runtime.layout"),
     ("runtime/decoding/detokenizer.py", "import transformers", "runtime and model_repository import no torch or transformers",
      "llmc.runtime.decoding.detokenizer -> transformers"),
-    ("llmc/client.py", "from llmc.runtime.serving.request import parse_request",
+    ("llmc/client/stream.py", "from llmc.runtime.serving.request import parse_request",
      "the client needs only tritonclient and numpy", "llmc.runtime.serving.request -> pydantic"),
     ("runtime/engine/sequence.py", "from llmc.runtime.serving.request import Request",
      "runtime wings: serving -> engine -> runners -> kernels, decoding at the bottom",

@@ -2,10 +2,13 @@
 (runtime/engine/token_scheduler.py): reference counts, prefix reuse, LRU eviction, chunked prefill mixed
 with decode rows, preemption by recompute, and invariants under random load."""
 
+from unittest import mock
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmc.runtime.engine import block_manager
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine.slot_scheduler import QueueFull
@@ -78,6 +81,73 @@ def test_released_prefixes_stay_reusable_until_the_pool_needs_them_lru_first():
     probe = seq([1, 2, 3])
     bm.allocate(probe)
     assert probe.num_cached == 0  # evicted keys are gone
+
+
+def test_a_key_collision_shares_no_kv(monkeypatch):
+    """Every block gets the same key: a hit still needs the block's own tokens, computed after the
+    sequence's own previous block (not equal tokens at another position)."""
+    monkeypatch.setattr(block_manager, "block_hash", lambda previous, tokens: b"same")
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = seq([1, 2, 3, 4, 5])
+    bm.allocate(a)
+    computed(a)
+    bm.commit(a)  # a's first block holds the key
+    other = seq([9, 9, 9, 9, 5])
+    bm.allocate(other)
+    assert other.num_cached == 0 and a.block_ids[0] not in other.block_ids
+    repeated = seq([1, 2, 3, 4, 1, 2, 3, 4, 0])  # its second block has a's first block's tokens, at 4..7
+    bm.allocate(repeated)
+    assert repeated.num_cached == 4 and repeated.block_ids[0] == a.block_ids[0]
+    assert repeated.block_ids[1] != a.block_ids[0]
+    assert (bm.ref_counts[a.block_ids[0]], bm.prefix_hits) == (2, 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=10), st.booleans()), min_size=2,
+                max_size=14))
+def test_hits_hold_exactly_the_prefix_when_keys_collide(requests):
+    """Keys from few buckets (most unequal prefixes collide), prompts from three token ids (many equal
+    prefixes): every block a sequence gets as cached holds the KV of its own tokens at their positions."""
+    kv = {}  # (block, offset) -> the tokens up to and including the one whose KV is written there
+    held = []
+    with mock.patch.object(block_manager, "block_hash", lambda previous, tokens: bytes([sum(tokens) % 3])):
+        bm = BlockManager(num_blocks=8, block_size=2)
+        for prompt, keep in requests:
+            s = seq(prompt)
+            if not bm.can_allocate(s):
+                for h in held:
+                    bm.free(h)
+                held = []
+            bm.allocate(s)
+            tokens = s.all_token_ids()
+            for p in range(s.num_tokens):
+                where = (s.block_ids[p // 2], p % 2)
+                if p < s.num_cached:
+                    assert kv[where] == tuple(tokens[:p + 1])
+                else:
+                    kv[where] = tuple(tokens[:p + 1])
+            computed(s)
+            bm.commit(s)
+            if keep:
+                held.append(s)
+            else:
+                bm.free(s)
+
+
+def test_a_prefix_two_rows_computed_at_once_still_chains():
+    """Both rows computed [1, 2, 3, 4] before either was keyed: the first keys it, and the second's own
+    next block is keyed after the first's, so a prompt of the second's prefix finds both."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a, b = seq([1, 2, 3, 4, 5, 6, 7, 8, 0]), seq([1, 2, 3, 4, 9, 9, 9, 9, 0])
+    for s in (a, b):
+        bm.allocate(s)
+    for s in (a, b):
+        computed(s)
+        bm.commit(s)
+    assert bm.keys[b.block_ids[0]] is None and bm.keys[b.block_ids[1]] is not None
+    c = seq([1, 2, 3, 4, 9, 9, 9, 9, 1])
+    bm.allocate(c)
+    assert c.num_cached == 8 and c.block_ids[:2] == [a.block_ids[0], b.block_ids[1]]
 
 
 def test_prefix_caching_off_shares_nothing():

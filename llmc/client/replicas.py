@@ -8,8 +8,8 @@ GenerationError, never a silent second run of the same prompt.
 
 gRPC's own load balancing (a `dns:` name resolving to every pod behind a headless Service) spreads
 connections but neither retries a request on another pod nor tells a refusal from a crash, which
-is why this small policy is written here. Imports nothing beyond the standard library (the client
-must load with tritonclient and numpy alone).
+is why this small policy is written here. `check` sorts a stream's responses (llmc/client/stream.py)
+for the clients: NotStarted for a failure before the first response, which they may try again.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import itertools
 import threading
 import time
 from typing import Sequence
+
+from llmc.client.generation import GenerationError, Refused, Unreachable, from_model, message
 
 COOLDOWN_SECONDS = 5.0
 # what a request that never started may hit on one replica and not on another
@@ -68,3 +70,30 @@ class Replicas:
     def succeeded(self, url: str) -> None:
         with self._lock:
             self._failed.pop(url, None)
+
+
+class NotStarted(Exception):
+    """The request failed before its first response: `error` is what to raise, `reason` what to judge
+    (whether another replica may not fail the same way)."""
+
+    def __init__(self, error: GenerationError, reason: str | None = None):
+        super().__init__(str(error))
+        self.error, self.reason = error, reason or str(error)
+
+
+def check(error, started: bool) -> None:
+    """Raise for an error response that Generation.take is not to raise: a transport failure
+    (Unreachable; the client names the replica, `not_started`), and any error before the first
+    response (NotStarted: another replica may take the request). A model's error after the first
+    response is take's to raise (Refused)."""
+    if error is None or (started and from_model(error)):
+        return
+    if not from_model(error):
+        raise Unreachable(message(error))
+    raise NotStarted(Refused(message(error)))
+
+
+def not_started(url: str, err: Unreachable, started: bool) -> Exception:
+    """What a transport failure on replica `url` raises: NotStarted before the first response."""
+    failure = Unreachable(f"{url}: {err}")
+    return failure if started else NotStarted(failure, str(err))

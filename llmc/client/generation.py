@@ -18,6 +18,15 @@ class GenerationError(RuntimeError):
     """The server refused or failed a request (its message), or could not be reached."""
 
 
+class Refused(GenerationError):
+    """The served model answered the request with an error: its message as it is (it names the input
+    at fault, or says the model is busy)."""
+
+
+class Unreachable(GenerationError):
+    """The transport failed: the server went away, or the stream broke or ended early."""
+
+
 @dataclass
 class Generation:
     """One request's stream: iterate for text chunks; afterwards `text`, `finish_reason` and
@@ -39,10 +48,10 @@ class Generation:
         return "".join(self.chunks)
 
     def take(self, result, error) -> str:
-        """Add one streamed response and return its text; an error response raises GenerationError."""
+        """Add one streamed response and return its text; an error response raises Refused."""
         if error is not None:
             self.done = True
-            raise GenerationError(message(error))
+            raise Refused(message(error))
         chunk = self._add(result)
         self.done = is_final(result)
         return chunk

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmc.deploy import DeployError, deploy
-from llmc.objectstore import LockBusy, open_store
+from llmc.fleet.deploy import DeployError, deploy
+from llmc.fleet.objectstore import LockBusy, open_store
 from llmc.triton_server import free_port
 from s3_server import CREDENTIALS, MotoServer, bucket_server
 
@@ -65,7 +65,7 @@ def test_bad_repositories_name_the_url_and_leave_nothing(tiny_build, s3, monkeyp
 
 
 def test_a_corrupted_upload_is_removed(tiny_build, s3, monkeypatch):
-    import llmc.s3store as s3store
+    import llmc.fleet.s3store as s3store
 
     real = s3store.file_checksum
     monkeypatch.setattr(s3store, "file_checksum", lambda p, *a: "bogus" if p.name == "model.py" else real(p, *a))
@@ -77,7 +77,7 @@ def test_a_corrupted_upload_is_removed(tiny_build, s3, monkeypatch):
 def test_multipart_checksums_match_what_s3_stores(s3, tmp_path, monkeypatch):
     import os
 
-    import llmc.s3store as s3store
+    import llmc.fleet.s3store as s3store
 
     monkeypatch.setattr(s3store, "PART_SIZE", 5 * 1024 * 1024)  # S3's smallest part: 3 parts for 11 MiB
     (tmp_path / "v").mkdir()

@@ -1,4 +1,4 @@
-"""Where a Triton model repository lives: a local folder or an S3 bucket (llmc/s3store.py).
+"""Where a Triton model repository lives: a local folder or an S3 bucket (llmc/fleet/s3store.py).
 
 `open_store(location)` takes what Triton's `--model-repository` takes: a folder, or
 `s3://[http[s]://host:port/]bucket/prefix` (a bare `host:port` means http, as Triton reads it;
@@ -12,7 +12,7 @@ no endpoint means AWS). Both stores offer what `llmc deploy` needs, the same way
 
 A local version folder is staged under a hidden name and renamed (one atomic step); an S3 prefix
 cannot be renamed, so there the served config.pbtxt is the pointer: it names the version Triton
-loads (`version_policy: specific`, see llmc/deploy.py), and a version uploaded under a prefix no
+loads (`version_policy: specific`, see llmc/fleet/deploy.py), and a version uploaded under a prefix no
 config names is invisible until the config, written last, names it.
 """
 
@@ -171,7 +171,7 @@ def _owner_text(text: str) -> str:
 def open_store(location: str | Path):
     """The store for a repository location (a folder, or an s3:// URL)."""
     if is_remote(location):
-        from llmc.s3store import S3Store
+        from llmc.fleet.s3store import S3Store
 
         return S3Store(str(location))
     text = str(location)

@@ -1,5 +1,5 @@
 """`llmc deploy`: a build's model into a shared Triton model repository (a folder, or an S3 bucket:
-llmc/objectstore.py) as version N+1, loaded on every replica in turn, with rollback.
+llmc/fleet/objectstore.py) as version N+1, loaded on every replica in turn, with rollback.
 
     <repository>/<name>/config.pbtxt   the build's, naming the version Triton serves
                                        (version_policy: specific), written last
@@ -10,7 +10,7 @@ llmc/objectstore.py) as version N+1, loaded on every replica in turn, with rollb
 2. Pin the served config to version N, so nothing that reads the repository (a replica starting
    up, another load) can see N+1 before it is whole; upload N+1 (checked: store's own rule).
 3. Write the config naming N+1 (last), then load it on each `--url` replica, one at a time,
-   through the repository API, checking readiness (llmc/rollout.py).
+   through the repository API, checking readiness (llmc/fleet/rollout.py).
 4. Any failure: the old config comes back, N+1 is removed, every replica asked to load goes back
    to N (or unloads a model that was new), and DeployError names the replica and Triton's reason.
 5. Success: version folders beyond `keep` are removed.
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmc.objectstore import CONFIG, LocalStore, StoreError, open_store
-from llmc.rollout import Replica, ReplicaFailed, roll_back, roll_out
+from llmc.fleet.objectstore import CONFIG, LocalStore, StoreError, open_store
+from llmc.fleet.rollout import Replica, ReplicaFailed, roll_back, roll_out
 from llmc.triton_server import find_repository
 
 

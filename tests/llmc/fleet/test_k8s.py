@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmc.k8s import IMAGE_PYTHON, KUBERNETES_VERSIONS, K8sOptions, manifests, options_from_build, write_manifests
+from llmc.fleet.k8s import IMAGE_PYTHON, KUBERNETES_VERSIONS, K8sOptions, manifests, options_from_build, write_manifests
 
 REPOSITORY = "s3://http://minio.storage:9000/models/repo"
 CORE = {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap"}
