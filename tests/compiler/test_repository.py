@@ -55,15 +55,16 @@ def test_the_runtime_package_is_copied_whole_without_caches(tmp_path):
     here; no __pycache__ (the source has one wherever Python wrote its bytecode) and nothing else."""
     from llmc.runtime.kernels import cpu_kernels
 
-    source = Path(cpu_kernels.__file__).parent
+    source = Path(cpu_kernels.__file__).parents[1]  # runtime/
     copy_runtime(tmp_path / "llmc")
     copy = tmp_path / "llmc" / "runtime"
     copied = {str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()}
     sources = {str(p.relative_to(source)) for p in source.rglob("*")
                if p.suffix in (".py", ".c", ".h") and "__pycache__" not in p.parts}
     library = cpu_kernels.library()
-    assert copied == sources | ({library.name} if library else set())
-    assert {"__init__.py", "engine.py", "serving.py", "tensors.py", "cpu_kernels.c", "matmul_nbits4.h"} <= copied
+    assert copied == sources | ({f"kernels/{library.name}"} if library else set())
+    assert {"__init__.py", "manifest.py", "serving/loop.py", "serving/tensors.py", "kernels/cpu_kernels.c",
+            "kernels/matmul_nbits4/matmul_nbits4.h", "kernels/paged_attention/paged_attention_op.c"} <= copied
     assert (tmp_path / "llmc" / "__init__.py").read_bytes() == Path(llmc.__file__).read_bytes()
 
 
