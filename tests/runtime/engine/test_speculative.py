@@ -10,7 +10,6 @@ import pytest
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.engine.block_manager import BlockManager, block_hash
-from llmc.runtime.decoding.logprobs import LogprobRecorder
 from llmc.runtime.manifest import SpeculativeConfig
 from llmc.runtime.engine.ngram import NgramProposer
 from llmc.runtime.engine.paged_engine import PagedEngine
@@ -18,7 +17,8 @@ from llmc.runtime.runners.paged import PagedRunner
 from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine.sequence import Sequence, Status
 from llmc.runtime.engine.speculative import Speculator, verify
-from llmc.runtime.engine.token_scheduler import Chunk, TokenScheduler
+from llmc.runtime.engine.step_plan import Chunk
+from llmc.runtime.engine.token_scheduler import TokenScheduler
 
 rng = np.random.default_rng(11)
 PASSAGE = rng.integers(0, 256, 24).tolist()
@@ -51,15 +51,16 @@ def _engine(paged, speculative=SPEC, *, num_blocks=64, max_rows=8, max_num_token
 
 
 def _run(engine, requests: dict[str, SamplingParams], logprobs=False):
-    recorders = {}
     for name, params in requests.items():
-        recorders[name] = LogprobRecorder(2) if logprobs else None
-        engine.add_request(name, PROMPTS[name.split(":")[0]], params, logprobs=recorders[name])
+        engine.add_request(name, PROMPTS[name.split(":")[0]], params, logprobs=2 if logprobs else None)
     tokens = {name: [] for name in requests}
+    values = {name: [] for name in requests} if logprobs else {}
     while engine.has_work:
         for out in engine.step():
             tokens[out.request_id] += out.token_ids
-    values = {n: r._values for n, r in recorders.items() if r is not None}
+            if logprobs:
+                assert len(out.logprobs) == len(out.token_ids)
+                values[out.request_id] += out.logprobs.values.tolist()
     return tokens, values
 
 
