@@ -93,7 +93,8 @@ class CacheState:
 class Engine(Protocol):
     """What the serving loop drives: SlotEngine and PagedEngine."""
 
-    end_ids: tuple[int, ...]
+    @property
+    def end_ids(self) -> tuple[int, ...]: ...
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     logprobs: int | None = None) -> Sequence: ...

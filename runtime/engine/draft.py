@@ -1,6 +1,7 @@
 """Draft-model proposals (`speculative.method: draft`): a smaller paged graph (a separate checkpoint
 with the target's tokenizer, or the target itself quantized) proposes k tokens a step for the rows
-the step plan reserved blocks for (step_plan.py), and the target verifies them in its one call (speculative.py).
+of the step plan that reserved blocks for them (step_plan.py), and the target verifies them in its
+one call (speculative.py).
 
 The draft has its own block pools (a PagedRunner) of the target's num_blocks and block_size, and
 reads and writes them through the target's block tables: block b of a sequence holds its target KV

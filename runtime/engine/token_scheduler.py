@@ -24,9 +24,9 @@ Rejected proposals roll back by the sequence's length not advancing past them (`
 A beam request (runtime/engine/beam.py) is one sequence here that counts `beam_width` rows from its
 admission on: it prefills its prompt as one row, then its beams decode as rows of their own, all
 of them in the same step or none (they are scheduled together, with the blocks copy-on-write needs
-taken first: the plan's `copies` lists the block copies the step must make before it runs). When the pool runs
-out the group is preempted as a whole and restarts from its prompt: its beams stream only at the
-end, so nothing was sent, and the search is deterministic, so it ends the same way.
+taken first: the plan's `copies` lists the block copies the step must make before it runs). When
+the pool runs out the group is preempted as a whole and restarts from its prompt: its beams stream
+only at the end, so nothing was sent, and the search is deterministic, so it ends the same way.
 """
 
 from __future__ import annotations
