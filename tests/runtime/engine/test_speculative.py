@@ -312,3 +312,24 @@ def test_at_most_max_batch_rows_speculate_the_oldest_that_have_proposals():
         scheduler.running.append(seq)
     chunks = scheduler.schedule()
     assert [(c.seq.request_id, c.proposals) for c in chunks] == [("none", []), ("first", [7, 5]), ("second", [])]
+
+
+def test_a_step_plan_takes_a_drafts_proposals_into_its_reservations_and_gives_unused_blocks_back():
+    """With a draft model the scheduler reserves blocks; the draft fills the plan through its own
+    methods: proposals into a reservation, or the reservation withdrawn and its blocks given back."""
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    scheduler = TokenScheduler(blocks, max_rows=2, max_num_tokens=16, max_queue_size=4,
+                               speculator=Speculator(None, max_batch=2, capacity=64, num_tokens=3))
+    for name, prompt in (("a", [1, 2, 3, 4, 5, 6]), ("b", [7, 8, 9, 10, 11, 12])):
+        seq = Sequence(name, prompt, SamplingParams(max_tokens=9))
+        blocks.allocate(seq)
+        seq.num_cached, seq.status = len(prompt), Status.decoding
+        seq.output_ids.append(prompt[0])
+        scheduler.running.append(seq)
+    plan = scheduler.schedule()
+    assert plan.reserved == [0, 1] and [c.reserved for c in plan] == [3, 3] and blocks.num_free == 2
+    plan.propose(0, [5, 6], None)
+    plan.withdraw(1)
+    assert plan.reserved == [] and blocks.num_free == 3 and len(plan[1].seq.block_ids) == 2
+    assert [(c.token_ids, c.proposals) for c in plan] == [([1, 5, 6], [5, 6]), ([7], [])]
+    assert [r.num_logits for r in plan.row_steps()] == [3, 1]
