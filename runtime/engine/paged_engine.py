@@ -8,14 +8,14 @@
 Requests, cancellation and streaming are the EngineCore's (core.py), as in the slot engine
 (slot_engine.py); what differs is where KV lives (blocks from block_manager.py instead of a slot
 per request) and that a step mixes prefill and decode, so a long prompt no longer stalls the
-decoding rows. The rows that reached their last token
-are sampled together, in one vectorized pass over their logits (sampling.py).
+decoding rows. The rows that reached their last token are sampled together, in one vectorized
+pass over their logits (sampling.py).
 
 With `speculative` (the manifest's SpeculativeConfig) up to `max_batch` decoding rows a step also
 carry proposed tokens (prompt lookup, ngram.py; or a draft model's, draft.py: its k batched calls
-fill the plan after scheduling, before the target's); the same call verifies them and the rows keep what
-the target accepts plus one token of its own (speculative.py), so such a row may gain several
-tokens a step. Greedy outputs are the tokens the rows would get without speculation; sampled ones
+fill the plan after scheduling, before the target's); the same call verifies them and the rows
+keep what the target accepts plus one token of its own (speculative.py), so such a row may gain
+several tokens a step. Greedy outputs are the tokens the rows would get without speculation; sampled ones
 follow the same distribution (and with prompt lookup are the same tokens for a seeded request).
 
 A request with `beam_width` W > 1 (up to `max_beam_width`, serving.max_beam_width) runs beam
