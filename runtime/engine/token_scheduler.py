@@ -49,15 +49,14 @@ class TokenScheduler(WaitingQueue):
         self.speculator = speculator
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
-        self._copies: list[tuple[int, int]] = []  # the step being planned's copy-on-write block copies
 
     def schedule(self, prompt_cap: Callable[[int], int | None] | None = None) -> StepPlan:
         """The step's plan (step_plan.py); `prompt_cap(decode rows)` may cap its prompt tokens further
         (step_cost.py). A sequence that finished while it was planned (alone in a pool it outgrew)
         has no row in it."""
         chunks: list[Chunk] = []
-        self._copies = []
-        rows = self._decode_rows(chunks)
+        copies: list[tuple[int, int]] = []  # (source, copy) blocks to copy before the step runs
+        rows = self._decode_rows(chunks, copies)
         budget = self.max_num_tokens - sum(len(c.token_ids) + c.reserved for c in chunks)  # reserved: draft.py's
         cap = prompt_cap(rows) if prompt_cap is not None else None
         if cap is not None:
@@ -79,7 +78,7 @@ class TokenScheduler(WaitingQueue):
             seq.status = Status.prefilling
             self.running.append(seq)
             budget -= self._chunk(seq, budget, chunks)
-        return StepPlan(self, [c for c in chunks if not c.seq.is_finished], self._copies)
+        return StepPlan(self, [c for c in chunks if not c.seq.is_finished], copies)
 
     @property
     def num_running(self) -> int:
@@ -90,13 +89,13 @@ class TokenScheduler(WaitingQueue):
         """Rows the running sequences take: one each, a beam request its beam_width."""
         return sum(seq.params.beam_width for seq in self.running)
 
-    def _decode_rows(self, chunks: list[Chunk]) -> int:
+    def _decode_rows(self, chunks: list[Chunk], copies: list[tuple[int, int]]) -> int:
         """One token for every decoding sequence that keeps (or gets) its blocks; returns how many.
         A sequence that alone fills the whole pool ends (`length`), as a full KV slot does: preempted,
         it would only recompute its way back to the same place."""
         for seq in list(self.running):
             if seq in self.running and _forked(seq):
-                self._beam_rows(seq, chunks)
+                self._beam_rows(seq, chunks, copies)
                 continue
             if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
                 continue
@@ -112,7 +111,7 @@ class TokenScheduler(WaitingQueue):
             self._speculate(chunks)
         return len(chunks)
 
-    def _beam_rows(self, seq: Sequence, chunks: list[Chunk]) -> None:
+    def _beam_rows(self, seq: Sequence, chunks: list[Chunk], copies: list[tuple[int, int]]) -> None:
         """Every beam of `seq`, each with a block of its own for the position it writes (new, or a
         copy of the partial block it shares), or none of them: preempting the newest sequences
         until the blocks are there; alone in the pool it ends (`length`) with the beams it has."""
@@ -123,7 +122,7 @@ class TokenScheduler(WaitingQueue):
                 return
             self.preempt(self.running[-1])
         if seq in self.running:
-            self._copies += self.blocks.make_writable(rows)
+            copies.extend(self.blocks.make_writable(rows))
             chunks.extend(Chunk(seq, [row.token_ids[-1]], row.num_cached, row=row) for row in rows)
 
     def _speculate(self, chunks: list[Chunk]) -> None:
