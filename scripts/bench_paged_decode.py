@@ -1,5 +1,5 @@
 """Decode speed with no prefill in flight, in process (scripts/bench_paged.py's `decode` section):
-the slot graph under LLMEngine against the paged graph under PagedEngine, fp32 and
+the slot graph under SlotEngine against the paged graph under PagedEngine, fp32 and
 int4-weight-only (round to nearest, blocks of 32), batch 1 and 16.
 
 Each engine gets its rows (distinct 256-token prompts, greedy, too many tokens asked to finish) and
@@ -25,11 +25,11 @@ BATCHES = (1, 16)
 
 def _engine(graph: str, folder, artifact, rows: int):
     if graph == "slot":
-        from llmc.runtime.engine.slot_engine import LLMEngine
+        from llmc.runtime.engine.slot_engine import SlotEngine
         from llmc.runtime.runners.ort import OrtRunner
 
         runner = OrtRunner(folder / artifact.onnx, artifact.kv_layout, max_batch=rows, capacity=CAPACITY, num_threads=2)
-        return LLMEngine(runner, max_num_tokens=8192)
+        return SlotEngine(runner, max_num_tokens=8192)
     from llmc.runtime.engine.paged_engine import PagedEngine
     from llmc.runtime.runners.paged import PagedRunner
 

@@ -9,17 +9,15 @@ name); `num_top_logprobs` (0-20) adds the N most likely alternatives of each ste
 Nothing here runs unless a request asks: the engine calls `record` only for a sequence that
 carries a recorder, so a request without log probabilities costs one `is None` check per token.
 
-Outputs (each response carries the values of the tokens it carries, so a stream's chunks line up
-with their `output_ids`):
-    output_log_probs   FP32  [tokens]         the sampled token's log probability
-    cum_log_probs      FP32  [1]              their sum over the whole request so far
-    token_texts        BYTES [tokens]         each sampled token decoded alone (for OpenAI's `tokens`)
-    top_log_prob_ids   INT32 [tokens, N]      the N most likely tokens of each step, best first
-    top_log_probs      FP32  [tokens, N]      their log probabilities
-    top_token_texts    BYTES [tokens, N]      each decoded alone
+The engine takes a step's values as `Logprobs`, each token's text decoded alone (for OpenAI's
+`tokens`), and hands them out with the step's tokens; the serving wing joins a response's steps
+and lays them out as TensorRT-LLM's tensors (runtime/serving/responses.py): output_log_probs,
+cum_log_probs, token_texts, top_log_prob_ids, top_log_probs, top_token_texts.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,9 +31,38 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return (shifted - np.log(np.exp(shifted).sum())).astype(np.float32)
 
 
+@dataclass(frozen=True)
+class Logprobs:
+    """The log probabilities of some of a request's tokens, in order: each sampled token's value,
+    the sum over the whole request so far, each token's text, and with `num_top` the most likely
+    tokens of each step (best first), their values and texts."""
+
+    num_top: int
+    values: np.ndarray  # float32 [n]
+    cumulative: float
+    token_texts: tuple[str, ...]
+    top_ids: np.ndarray  # int32 [n, num_top]
+    top_values: np.ndarray  # float32 [n, num_top]
+    top_texts: tuple[tuple[str, ...], ...]
+
+    @classmethod
+    def empty(cls, num_top: int, cumulative: float = 0.0) -> "Logprobs":
+        return cls(num_top, np.zeros(0, np.float32), cumulative, (), np.zeros((0, num_top), np.int32),
+                   np.zeros((0, num_top), np.float32), ())
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def join(self, later: "Logprobs") -> "Logprobs":
+        """These tokens' values, then `later`'s (the cumulative sum is the later one's)."""
+        return Logprobs(self.num_top, np.concatenate([self.values, later.values]), later.cumulative,
+                        self.token_texts + later.token_texts, np.concatenate([self.top_ids, later.top_ids]),
+                        np.concatenate([self.top_values, later.top_values]), self.top_texts + later.top_texts)
+
+
 class LogprobRecorder:
     """One request's log probabilities: `record` is called by the engine for each sampled token,
-    `take_outputs` by the serving loop when it sends a response (the values since the last one)."""
+    `take` when it hands a step's tokens out (the values since the last take)."""
 
     def __init__(self, num_top: int = 0):
         assert 0 <= num_top <= MAX_TOP_LOGPROBS, num_top
@@ -58,23 +85,23 @@ class LogprobRecorder:
             self._top_ids.append(top.astype(np.int32))
             self._top_values.append(logprobs[top])
 
-    def take_outputs(self, tokenizer) -> dict[str, np.ndarray]:
-        """The output tensors for the tokens recorded since the last call; `tokenizer` (HF
-        `tokenizers`) decodes each token alone."""
-        outputs = {"output_log_probs": np.array(self._values, dtype=np.float32),
-                   "cum_log_probs": np.array([self.cumulative], dtype=np.float32),
-                   "token_texts": _texts(tokenizer, self._ids)}
-        if self.num_top:
-            n = len(self._top_ids)
-            ids = np.stack(self._top_ids) if n else np.zeros((0, self.num_top), dtype=np.int32)
-            outputs["top_log_prob_ids"] = ids
-            outputs["top_log_probs"] = np.stack(self._top_values) if n else np.zeros((0, self.num_top), np.float32)
-            outputs["top_token_texts"] = _texts(tokenizer, ids.reshape(-1).tolist()).reshape(ids.shape)
+    def take(self, tokenizer) -> Logprobs:
+        """The values recorded since the last call; `tokenizer` (HF `tokenizers`) decodes each token
+        alone (without one, as an engine without one has no text, the texts are empty)."""
+        n = len(self._ids)
+        top_ids = np.stack(self._top_ids) if self.num_top and n else np.zeros((n, self.num_top), np.int32)
+        top_values = np.stack(self._top_values) if self.num_top and n else np.zeros((n, self.num_top), np.float32)
+        texts = _texts(tokenizer, self._ids + top_ids.reshape(-1).tolist())
+        top_texts = tuple(tuple(texts[n + i * self.num_top:n + (i + 1) * self.num_top]) for i in range(n)) \
+            if self.num_top else ()
+        out = Logprobs(self.num_top, np.array(self._values, dtype=np.float32), self.cumulative, tuple(texts[:n]),
+                       top_ids, top_values, top_texts)
         self._ids, self._values, self._top_ids, self._top_values = [], [], [], []
-        return outputs
+        return out
 
 
-def _texts(tokenizer, ids: list[int]) -> np.ndarray:
+def _texts(tokenizer, ids: list[int]) -> list[str]:
     """Each id decoded alone (a piece of a multi-byte character decodes to U+FFFD, as in vLLM)."""
-    texts = tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False) if ids else []
-    return np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
+    if tokenizer is None or not ids:
+        return [""] * len(ids)
+    return tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)

@@ -11,8 +11,9 @@ tokens for the same logits, whatever else shares the step.
 `sample_rows` works on `[rows, vocab]` at once: penalties scattered through flat indices, one
 set of float32 weights (exp of the shifted, scaled logits), top-k and top-p over each row's most
 likely candidates (a row whose nucleus reaches past them is sorted in full), min-p as a threshold,
-and the draw as an inverse CDF in two levels (blocks of tokens, then one block) with float64 sums.
-numpy has no batched categorical sampler with per-row filters, so this is written here.
+and the draw as an inverse CDF in two levels (blocks of tokens, then one block) with float64 sums
+(the weights, the ranking and the inverse CDF are draw.py's). numpy has no batched categorical
+sampler with per-row filters, so this is written here.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from typing import Literal, Sequence, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from llmc.runtime.decoding.draw import draw_ranked, inverse_cdf, ranked_weights, rows_where, weights
+
 _Ids = Union[np.ndarray, Sequence[int]]  # a row's prompt or output ids: an array or a list
 # sampled rows go through in groups this large: a [16, 49152] float32 pass stays in cache, 64 rows
 # measured slower than a row-by-row loop (scripts/bench_sampling.py)
 _ROWS_AT_ONCE = 16
-_CANDIDATES = 1024  # top-p sorts each row's most likely tokens first; a full sort is the fallback
 
 
 class SamplingParams(BaseModel):
@@ -168,11 +170,11 @@ def distributions(logits: np.ndarray, params: Sequence[SamplingParams], prompt_i
         min_p = np.array([p.min_p for p in hp], np.float32)
         ranked = (k < vocab) | (top_p < 1.0)
         if (~ranked).any():
-            w = _weights(block[~ranked], top[~ranked], temperature[~ranked])
+            w = weights(block[~ranked], top[~ranked], temperature[~ranked])
             out[rows[~ranked]] = np.where(w >= min_p[~ranked, None], w, np.float32(0.0))
         if ranked.any():
-            cand, w = _ranked_weights(block[ranked], top[ranked], temperature[ranked], k[ranked], top_p[ranked],
-                                      min_p[ranked])
+            cand, w = ranked_weights(block[ranked], top[ranked], temperature[ranked], k[ranked], top_p[ranked],
+                                     min_p[ranked])
             dense = np.zeros((len(cand), vocab), dtype=np.float64)
             np.put_along_axis(dense, cand, w, axis=1)
             out[rows[ranked]] = dense
@@ -182,21 +184,7 @@ def distributions(logits: np.ndarray, params: Sequence[SamplingParams], prompt_i
 
 def draw_from(probabilities: np.ndarray, rng: np.random.Generator) -> int:
     """One token from a probability row [V] with one uniform of `rng` (the inverse CDF `_draw` uses)."""
-    return int(_inverse_cdf(probabilities[None], np.array([rng.random()]))[0])
-
-
-_BLOCK = 256  # the draw sums weights in blocks of this many tokens, then walks one block
-_TINY_TEMPERATURE = 1e-30  # float32 division by a smaller temperature would make the winner 0 / 0
-
-
-def _weights(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray) -> np.ndarray:
-    """exp((logits - top) / temperature) in float32, `top` being each row's largest logit:
-    unnormalized probabilities, the most likely token's exactly 1. Shifting before scaling sends a
-    tiny temperature's runners-up to 0 instead of overflowing (the property tests found NaN
-    probabilities that way once)."""
-    with np.errstate(over="ignore"):
-        z = (logits - top[:, None]) / np.maximum(temperature, _TINY_TEMPERATURE)[:, None]
-    return np.exp(z, dtype=np.float32)
+    return int(inverse_cdf(probabilities[None], np.array([rng.random()]))[0])
 
 
 def _draw(logits: np.ndarray, params: list[SamplingParams], rngs: list[np.random.Generator]) -> np.ndarray:
@@ -214,98 +202,13 @@ def _draw(logits: np.ndarray, params: list[SamplingParams], rngs: list[np.random
     u = np.array([rng.random() for rng in rngs])
     tokens = np.empty(len(params), dtype=np.int64)
     ranked = (k < vocab) | (top_p < 1.0)
-    plain, rows = _rows_where(~ranked), _rows_where(ranked)
+    plain, rows = rows_where(~ranked), rows_where(ranked)
     if plain is not None:
-        w = _weights(logits[plain], top[plain], temperature[plain])
+        w = weights(logits[plain], top[plain], temperature[plain])
         if min_p[plain].any():  # min_p times the top weight, which is 1: the top token always stays
             w = np.where(w >= min_p[plain, None], w, np.float32(0.0))
-        tokens[plain] = _inverse_cdf(w, u[plain])
+        tokens[plain] = inverse_cdf(w, u[plain])
     if rows is not None:
-        tokens[rows] = _draw_ranked(logits[rows], top[rows], temperature[rows], k[rows], top_p[rows], min_p[rows],
-                                    u[rows])
+        tokens[rows] = draw_ranked(logits[rows], top[rows], temperature[rows], k[rows], top_p[rows], min_p[rows],
+                                   u[rows])
     return tokens
-
-
-def _rows_where(mask: np.ndarray) -> slice | np.ndarray | None:
-    """Index for the rows in `mask`: all of them as a slice (a view, no copy), none as None."""
-    if mask.all():
-        return slice(None)
-    return np.nonzero(mask)[0] if mask.any() else None
-
-
-def _inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """The token each row's uniform draw `u` lands on, under its nonnegative weights [R, V]: the
-    block its share of the total falls in (sums in float64), then the token inside that block."""
-    rows, vocab = weights.shape
-    pad = -vocab % _BLOCK
-    blocked = (np.pad(weights, ((0, 0), (0, pad))) if pad else weights).reshape(rows, -1, _BLOCK)
-    cum = np.cumsum(blocked.sum(axis=2, dtype=np.float64), axis=1)
-    target = u * cum[:, -1]
-    last_block = cum.shape[1] - 1 - (np.diff(cum, axis=1, prepend=0.0)[:, ::-1] > 0).argmax(axis=1)
-    block = np.minimum((cum <= target[:, None]).sum(axis=1), last_block)
-    r = np.arange(rows)
-    before = np.where(block > 0, cum[r, np.maximum(block - 1, 0)], 0.0)
-    return block * _BLOCK + _pick(blocked[r, block], target - before)
-
-
-def _pick(weights: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Per row, the first index whose running sum of `weights` passes `target` (a draw rounding up to
-    the total takes the last index with weight)."""
-    cum = np.cumsum(weights, axis=1, dtype=np.float64)
-    index = (cum <= target[:, None]).sum(axis=1)
-    last = weights.shape[1] - 1 - (weights[:, ::-1] > 0).argmax(axis=1)
-    return np.minimum(index, last)
-
-
-def _draw_ranked(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray, k: np.ndarray, top_p: np.ndarray,
-                 min_p: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """Rows with top-k or top-p: rank each row's most likely tokens by logit, keep what top-k, then
-    top-p (renormalized over the top-k set), then min-p allow, and draw among them."""
-    cand, w = _ranked_weights(logits, top, temperature, k, top_p, min_p)
-    index = _pick(w, u * w.sum(axis=1))
-    return np.take_along_axis(cand, index[:, None], axis=1)[:, 0]
-
-
-def _ranked_weights(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray, k: np.ndarray, top_p: np.ndarray,
-                    min_p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(candidate ids, their weights): what top-k, then top-p, then min-p leave of each row."""
-    vocab = logits.shape[1]
-    # top-k alone needs its k candidates; top-p the first _CANDIDATES (or its k), the whole row if they fall short
-    width = min(vocab, int(np.max(np.where(top_p < 1.0, np.minimum(k, _CANDIDATES), k))))
-    cand, w, complete = _ranked(logits, top, temperature, k, top_p, width)
-    if not complete.all():
-        redo = np.nonzero(~complete)[0]
-        full_cand, full_w, _ = _ranked(logits[redo], top[redo], temperature[redo], k[redo], top_p[redo], vocab)
-        cand, w = _widen(cand, vocab), _widen(w, vocab)
-        cand[redo], w[redo] = full_cand, full_w
-    return cand, np.where(w >= min_p[:, None], w, 0.0)
-
-
-def _widen(a: np.ndarray, width: int) -> np.ndarray:
-    """`a` [R, w] padded with zeros to [R, width]: a zero weight is never drawn."""
-    return np.pad(a, ((0, 0), (0, width - a.shape[1])))
-
-
-def _ranked(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray, k: np.ndarray, top_p: np.ndarray,
-            width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each row's `width` most likely tokens, best first, with their weights zeroed where top-k or
-    top-p drop them: (token ids [R, width], weights [R, width] float64, whether each row's answer
-    is final: its nucleus ended within them, or it asked none)."""
-    vocab = logits.shape[1]
-    cand = np.argpartition(logits, vocab - width, axis=1)[:, vocab - width:] if width < vocab else \
-        np.broadcast_to(np.arange(vocab), logits.shape)
-    order = np.argsort(-np.take_along_axis(logits, cand, axis=1), axis=1, kind="stable")
-    cand = np.take_along_axis(cand, order, axis=1)
-    w = _weights(np.take_along_axis(logits, cand, axis=1), top, temperature).astype(np.float64)
-    w[np.arange(width)[None, :] >= k[:, None]] = 0.0  # top-k
-    nucleus = top_p < 1.0
-    # the top-k set's mass: within the candidates, or the whole row's when k does not limit it (a k
-    # between the two leaves it unknown: such a row is not complete and is ranked again in full)
-    total = np.where(k <= width, w.sum(axis=1), 1.0)
-    whole = np.nonzero(nucleus & (k >= vocab))[0]
-    if whole.size:
-        total[whole] = _weights(logits[whole], top[whole], temperature[whole]).sum(axis=1, dtype=np.float64)
-    mass = np.cumsum(w, axis=1) / total[:, None]
-    w[nucleus[:, None] & (mass - w / total[:, None] >= top_p[:, None])] = 0.0  # the token crossing top_p stays
-    complete = ~nucleus | (k <= width) | (width >= vocab) | ((k >= vocab) & (mass[:, -1] >= top_p))
-    return cand, w, complete

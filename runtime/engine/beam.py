@@ -23,7 +23,7 @@ early_stopping=...)` token for token:
 - min_tokens masks the end ids' log-probabilities to -inf while fewer tokens are generated.
 The result is the W hypotheses, best score first. A search ended from outside (cancelled, or alone
 in a KV pool it outgrew) ranks its running beams as hypotheses of their current length too.
-`beam_outputs` lays the result out as the served response's tensors (TensorRT-LLM's shapes).
+The serving wing lays the result out as the response's tensors (runtime/serving/responses.py).
 
 Written here by hand: transformers' search runs on torch tensors over a padded batch of requests
 with a reorderable cache; here one request's beams are numpy rows inside a step shared with other
@@ -206,14 +206,3 @@ def free(seq: "Sequence", blocks: "BlockManager") -> None:
     for row in seq.beam.rows:
         blocks.free(row)
 
-
-def beam_outputs(beams, prefix: str, pad_id: int) -> dict[str, np.ndarray]:
-    """A finished beam request's response tensors, in TensorRT-LLM's shapes, best beam first:
-    text_output [W] (each after `prefix`), output_ids [W, longest] (padded with `pad_id`),
-    sequence_length [W], cum_log_probs [W]."""
-    ids = np.full((len(beams), max(len(b.token_ids) for b in beams)), pad_id, np.int32)
-    for row, b in zip(ids, beams):
-        row[:len(b.token_ids)] = b.token_ids
-    return {"text_output": np.array([(prefix + b.text).encode("utf-8") for b in beams], dtype=np.object_),
-            "output_ids": ids, "sequence_length": np.array([len(b.token_ids) for b in beams], np.int32),
-            "cum_log_probs": np.array([b.cum_log_prob for b in beams], np.float32)}

@@ -1,6 +1,7 @@
 """Draft-model proposals (`speculative.method: draft`): a smaller paged graph (a separate checkpoint
 with the target's tokenizer, or the target itself quantized) proposes k tokens a step for the rows
-the scheduler reserved blocks for, and the target verifies them in its one call (speculative.py).
+of the step plan that reserved blocks for them (step_plan.py), and the target verifies them in its
+one call (speculative.py).
 
 The draft has its own block pools (a PagedRunner) of the target's num_blocks and block_size, and
 reads and writes them through the target's block tables: block b of a sequence holds its target KV
@@ -32,11 +33,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.runtime.engine.block_manager import BlockManager
-from llmc.runtime.runners.paged_batch import RowStep
-from llmc.runtime.runners.paged import PagedRunner
 from llmc.runtime.decoding.sampling import distributions, draw_from, penalize
-from llmc.runtime.engine.token_scheduler import Chunk
+from llmc.runtime.engine.step_plan import Chunk, StepPlan
+from llmc.runtime.runners.paged import PagedRunner
+from llmc.runtime.runners.paged_batch import RowStep
 
 
 class DraftProposer:
@@ -54,22 +54,20 @@ class DraftProposer:
     def close(self) -> None:
         self.runner.close()
 
-    def fill(self, chunks: list[Chunk], blocks: BlockManager) -> list[Chunk]:
-        """`chunks` with the draft's proposals after each row that reserved positions for them; a
-        row the draft could not catch up this step gives its reserved blocks back."""
-        rows = [i for i, c in enumerate(chunks) if c.reserved]
+    def fill(self, plan: StepPlan) -> None:
+        """The draft's proposals after each row of `plan` that reserved positions for them; a row the
+        draft could not catch up this step decodes without, and its reserved blocks go back."""
+        rows = plan.reserved
         if not rows:
-            return chunks
-        ready, logits = self._catch_up([chunks[i] for i in rows])
-        out = list(chunks)
+            return
+        ready, logits = self._catch_up([plan.chunks[i] for i in rows])
         for i, ok in zip(rows, ready):
             if not ok:
-                blocks.trim(chunks[i].seq)
-                out[i] = Chunk(chunks[i].seq, chunks[i].token_ids, chunks[i].past_len)
+                plan.withdraw(i)
         live = [i for i, ok in zip(rows, ready) if ok]
         if not live:
-            return out
-        seqs, limits = [chunks[i].seq for i in live], [chunks[i].reserved for i in live]
+            return
+        seqs, limits = [plan.chunks[i].seq for i in live], [plan.chunks[i].reserved for i in live]
         proposals: list[list[int]] = [[] for _ in live]
         dists: list[list[np.ndarray]] = [[] for _ in live]
         for step in range(max(limits)):
@@ -93,9 +91,7 @@ class DraftProposer:
                     dists[r].append(dist.astype(np.float32))
         for i, seq, props, d in zip(live, seqs, proposals, dists):
             seq.draft_cached = seq.num_tokens + len(props) - 1  # the last token and proposals 1..k-1
-            c = chunks[i]
-            out[i] = Chunk(seq, c.token_ids + props, c.past_len, props, draft=np.stack(d) if d else None)
-        return out
+            plan.propose(i, props, np.stack(d) if d else None)
 
     def _catch_up(self, chunks: list[Chunk]) -> tuple[list[bool], np.ndarray]:
         """One draft call feeding each row the tokens its draft KV lacks, up to its last, within the

@@ -9,41 +9,12 @@ the decode batch (a contiguous row range, free slots inside it riding along as d
 from __future__ import annotations
 
 import heapq
-from collections import deque
 
+from llmc.runtime.engine.core import QueueFull, WaitingQueue
 from llmc.runtime.engine.sequence import Sequence, Status
 
-
-class QueueFull(Exception):
-    """The waiting queue is at `max_queue_size`: the caller should answer "busy, retry"."""
-
-
-class WaitingQueue:
-    """What every scheduler has: a bounded queue of sequences waiting for a place in the running
-    batch, and that batch (`running`, kept by the scheduler)."""
-
-    running: dict | list
-
-    def __init__(self, max_queue_size: int):
-        self.max_queue_size = max_queue_size
-        self.waiting: deque[Sequence] = deque()
-
-    def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_queue_size:
-            raise QueueFull(f"the waiting queue is full ({self.max_queue_size} requests); retry later")
-        self.waiting.append(seq)
-
-    def drop_waiting(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
+# QueueFull lives in core.py; tests/runtime/engine/test_block_manager.py still imports it from here
+__all__ = ["QueueFull", "Scheduler"]
 
 
 class Scheduler(WaitingQueue):
@@ -59,6 +30,10 @@ class Scheduler(WaitingQueue):
                 continue
             seq.slot, seq.status = heapq.heappop(self._free), Status.prefilling
             self.running[seq.slot] = seq
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
 
     def next_prefill(self) -> Sequence | None:
         """The running sequence whose prompt is not fully cached yet, lowest slot first."""

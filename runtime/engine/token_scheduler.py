@@ -24,48 +24,21 @@ Rejected proposals roll back by the sequence's length not advancing past them (`
 A beam request (runtime/engine/beam.py) is one sequence here that counts `beam_width` rows from its
 admission on: it prefills its prompt as one row, then its beams decode as rows of their own, all
 of them in the same step or none (they are scheduled together, with the blocks copy-on-write needs
-taken first: `copies` lists the block copies the step must make before it runs). When the pool runs
-out the group is preempted as a whole and restarts from its prompt: its beams stream only at the
-end, so nothing was sent, and the search is deterministic, so it ends the same way.
+taken first: the plan's `copies` lists the block copies the step must make before it runs). When
+the pool runs out the group is preempted as a whole and restarts from its prompt: its beams stream
+only at the end, so nothing was sent, and the search is deterministic, so it ends the same way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from llmc.runtime.engine import beam
-from llmc.runtime.engine.beam import BeamRow
 from llmc.runtime.engine.block_manager import BlockManager
-from llmc.runtime.engine.slot_scheduler import WaitingQueue
+from llmc.runtime.engine.core import WaitingQueue
 from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
 from llmc.runtime.engine.speculative import Speculator
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """What one sequence feeds the graph this step: `token_ids` at positions `past_len`.., of which
-    the last `len(proposals)` are proposed tokens to verify (speculative.py); or, with `row`, one
-    beam of a beam request: that beam's last token."""
-
-    seq: Sequence
-    token_ids: list[int]
-    past_len: int
-    proposals: list[int] = field(default_factory=list)
-    reserved: int = 0  # draft model: positions past the last token given blocks for the draft to fill (draft.py)
-    draft: Any = None  # draft model, sampling row: the draft's distributions [k, V] the proposals came from
-    row: BeamRow | None = None  # one beam of a beam request (beam.py)
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last token, so its logits give the next token."""
-        if self.row is not None:
-            return True
-        return self.past_len + len(self.token_ids) - len(self.proposals) == self.seq.num_tokens
-
-    @property
-    def block_ids(self) -> list[int]:
-        return self.row.block_ids if self.row is not None else self.seq.block_ids
+from llmc.runtime.engine.step_plan import Chunk, StepPlan
 
 
 class TokenScheduler(WaitingQueue):
@@ -76,13 +49,14 @@ class TokenScheduler(WaitingQueue):
         self.speculator = speculator
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
-        self.copies: list[tuple[int, int]] = []  # (source, copy) blocks to copy before the step runs
 
-    def schedule(self, prompt_cap: Callable[[int], int | None] | None = None) -> list[Chunk]:
-        """The step's chunks; `prompt_cap(decode rows)` may cap its prompt tokens further (step_cost.py)."""
+    def schedule(self, prompt_cap: Callable[[int], int | None] | None = None) -> StepPlan:
+        """The step's plan (step_plan.py); `prompt_cap(decode rows)` may cap its prompt tokens further
+        (step_cost.py). A sequence that finished while it was planned (alone in a pool it outgrew)
+        has no row in it."""
         chunks: list[Chunk] = []
-        self.copies = []
-        rows = self._decode_rows(chunks)
+        copies: list[tuple[int, int]] = []  # (source, copy) blocks to copy before the step runs
+        rows = self._decode_rows(chunks, copies)
         budget = self.max_num_tokens - sum(len(c.token_ids) + c.reserved for c in chunks)  # reserved: draft.py's
         cap = prompt_cap(rows) if prompt_cap is not None else None
         if cap is not None:
@@ -104,20 +78,24 @@ class TokenScheduler(WaitingQueue):
             seq.status = Status.prefilling
             self.running.append(seq)
             budget -= self._chunk(seq, budget, chunks)
-        return chunks
+        return StepPlan(self, [c for c in chunks if not c.seq.is_finished], copies)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
 
     @property
     def num_rows(self) -> int:
         """Rows the running sequences take: one each, a beam request its beam_width."""
         return sum(seq.params.beam_width for seq in self.running)
 
-    def _decode_rows(self, chunks: list[Chunk]) -> int:
+    def _decode_rows(self, chunks: list[Chunk], copies: list[tuple[int, int]]) -> int:
         """One token for every decoding sequence that keeps (or gets) its blocks; returns how many.
         A sequence that alone fills the whole pool ends (`length`), as a full KV slot does: preempted,
         it would only recompute its way back to the same place."""
         for seq in list(self.running):
             if seq in self.running and _forked(seq):
-                self._beam_rows(seq, chunks)
+                self._beam_rows(seq, chunks, copies)
                 continue
             if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
                 continue
@@ -133,7 +111,7 @@ class TokenScheduler(WaitingQueue):
             self._speculate(chunks)
         return len(chunks)
 
-    def _beam_rows(self, seq: Sequence, chunks: list[Chunk]) -> None:
+    def _beam_rows(self, seq: Sequence, chunks: list[Chunk], copies: list[tuple[int, int]]) -> None:
         """Every beam of `seq`, each with a block of its own for the position it writes (new, or a
         copy of the partial block it shares), or none of them: preempting the newest sequences
         until the blocks are there; alone in the pool it ends (`length`) with the beams it has."""
@@ -144,7 +122,7 @@ class TokenScheduler(WaitingQueue):
                 return
             self.preempt(self.running[-1])
         if seq in self.running:
-            self.copies += self.blocks.make_writable(rows)
+            copies.extend(self.blocks.make_writable(rows))
             chunks.extend(Chunk(seq, [row.token_ids[-1]], row.num_cached, row=row) for row in rows)
 
     def _speculate(self, chunks: list[Chunk]) -> None:

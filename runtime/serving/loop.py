@@ -1,7 +1,7 @@
 """The serving loop: Triton-style requests in, streamed responses out, one engine thread batching.
 
 `submit(inputs, sink)` parses and queues a request and returns at once (a bad request is answered
-with an error right there); one thread runs `LLMEngine.step()` while there is work and sends each
+with an error right there); one thread runs the engine's `step()` while there is work and sends each
 request's new text through its `sink`. A sink is whatever delivers responses: the Python-backend
 model wraps Triton's response sender, tests use a recording one.
 
@@ -27,6 +27,10 @@ A beam request (beam_width W > 1, runtime/engine/beam.py) gets one response, at 
 (beams reorder and are replaced until the search ends, so no partial text is final): every beam in
 TensorRT-LLM's shapes, text_output [W], output_ids [W, longest] padded with the end id,
 sequence_length [W] and cum_log_probs [W], best beam first.
+
+The engine hands out text, beams and log probabilities (token texts included) with each step's
+tokens; the loop joins a response's steps and lays them out (responses.py). The engine and its
+tokenizer come from the composition root (loader.py).
 """
 
 from __future__ import annotations
@@ -40,13 +44,12 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
-from llmc.runtime.engine.beam import beam_outputs
-from llmc.runtime.engine.slot_engine import LLMEngine, StepOutput
-from llmc.runtime.decoding.logprobs import LogprobRecorder
+from llmc.runtime.decoding.logprobs import Logprobs
+from llmc.runtime.engine.core import Engine, QueueFull, StepOutput
+from llmc.runtime.engine.sequence import FinishReason
 from llmc.runtime.serving.metrics import ServingMetrics, null_metrics
 from llmc.runtime.serving.request import Limits, Request, RequestError, is_stop, parse_request
-from llmc.runtime.engine.slot_scheduler import QueueFull
-from llmc.runtime.engine.sequence import FinishReason
+from llmc.runtime.serving.responses import bytes_tensor, response
 
 CANCEL_CHECK_INTERVAL = 0.02  # seconds between polls of the clients' cancellation flags
 
@@ -69,19 +72,11 @@ class _Live:
     num_output_tokens: int = 0
     client_id: str = ""  # the request id the client sent it under (what a stop request names)
     closed: bool = False  # the sink reported a cancellation (or failed): nothing more is sent on it
-    logprobs: LogprobRecorder | None = None  # the request asked for log probabilities
-
-
-def _bytes(value: str) -> np.ndarray:
-    return np.array([value.encode("utf-8")], dtype=np.object_)
-
-
-def _int32(value: int) -> np.ndarray:
-    return np.array([value], dtype=np.int32)
+    logprobs: Logprobs | None = None  # the request asked for log probabilities: those of `ids`
 
 
 class ServingLoop:
-    def __init__(self, engine: LLMEngine, tokenizer, limits: Limits, metrics: ServingMetrics | None = None):
+    def __init__(self, engine: Engine, tokenizer, limits: Limits, metrics: ServingMetrics | None = None):
         self.engine, self.tokenizer, self.limits = engine, tokenizer, limits
         self.metrics = metrics or null_metrics()
         self._live: dict[str, _Live] = {}
@@ -93,29 +88,10 @@ class ServingLoop:
 
     @classmethod
     def from_manifest(cls, folder: Path, metrics: ServingMetrics | None = None) -> "ServingLoop":
-        """Load the engine and tokenizer a packaged model version describes."""
-        from tokenizers import Tokenizer
+        """Serve the engine and tokenizer a packaged model version describes (loader.py)."""
+        from llmc.runtime.serving.loader import load
 
-        from llmc.runtime.manifest import RepositoryManifest
-
-        m = RepositoryManifest.load(folder)
-        lim = m.limits
-        tokenizer = Tokenizer.from_file(str(Path(folder) / m.tokenizer))
-        limits = Limits(lim.max_seq_len, lim.default_max_tokens, lim.max_stop_words, lim.max_beam_width)
-        if m.kv_layout.paged:
-            return cls(_paged_engine(Path(folder) / m.engine, m, tokenizer), tokenizer, limits, metrics)
-        if m.target == "tensorrt":
-            from llmc.runtime.runners.trt import TrtRunner
-
-            runner = TrtRunner(Path(folder) / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
-                               capacity=lim.max_seq_len, max_num_tokens=lim.max_num_tokens, info=m.tensorrt)
-        else:
-            from llmc.runtime.runners.ort import OrtRunner
-
-            runner = OrtRunner(Path(folder) / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
-                               capacity=lim.max_seq_len, num_threads=lim.num_threads)
-        engine = LLMEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_queue_size=lim.max_queue_size,
-                           max_num_tokens=lim.max_num_tokens)
+        engine, tokenizer, limits = load(folder)
         return cls(engine, tokenizer, limits, metrics)
 
     def start(self) -> "ServingLoop":
@@ -149,15 +125,15 @@ class ServingLoop:
         try:
             if is_stop(inputs):
                 self._stop(client_id)
-                _call(sink.send, {"text_output": _bytes(""), "output_ids": np.zeros(0, dtype=np.int32)}, True)
+                _call(sink.send, {"text_output": bytes_tensor(""), "output_ids": np.zeros(0, dtype=np.int32)}, True)
                 return
             request = parse_request(inputs, self.limits)
             prompt_ids = self.tokenizer.encode(request.prompt).ids
-            logprobs = LogprobRecorder(request.num_top_logprobs) if request.return_log_probs else None
+            top = request.num_top_logprobs if request.return_log_probs else None
             with self._lock:
                 self._live[rid] = _Live(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id,
-                                        logprobs=logprobs)
-                self.engine.add_request(rid, prompt_ids, request.params, logprobs=logprobs)
+                                        logprobs=Logprobs.empty(top) if top is not None else None)
+                self.engine.add_request(rid, prompt_ids, request.params, logprobs=top)
         except (RequestError, ValueError, QueueFull) as err:
             with self._lock:
                 self._live.pop(rid, None)
@@ -230,6 +206,8 @@ class ServingLoop:
             entry.last_token_at = now
         entry.ids += out.token_ids
         entry.text.append(out.text)
+        if entry.logprobs is not None and out.logprobs is not None:
+            entry.logprobs = entry.logprobs.join(out.logprobs)
         entry.num_output_tokens += len(out.token_ids)
         if out.finished:
             with self._lock:
@@ -242,21 +220,13 @@ class ServingLoop:
     def _send(self, rid: str, entry: _Live, reason: FinishReason | None, beams: tuple = ()) -> None:
         if entry.closed:
             return
-        req = entry.request
-        prefix = req.prompt if not req.stream and not req.exclude_input_in_output else ""
-        outputs = {"text_output": _bytes(prefix + "".join(entry.text)), "output_ids": np.array(entry.ids, dtype=np.int32)}
-        if beams:  # every beam, best first, padded with the end id
-            end_ids = req.params.end_ids or self.engine.end_ids
-            outputs = beam_outputs(beams, prefix, end_ids[0] if end_ids else 0)
-        if entry.logprobs is not None:  # the values of exactly the tokens in output_ids
-            outputs.update(entry.logprobs.take_outputs(self.tokenizer))
-        if reason is not None:
-            outputs["finish_reason"] = _bytes(reason.value)
-            if req.return_num_input_tokens:
-                outputs["num_input_tokens"] = _int32(entry.num_prompt_tokens)
-            if req.return_num_output_tokens:
-                outputs["num_output_tokens"] = _int32(entry.num_output_tokens)
+        end_ids = entry.request.params.end_ids or self.engine.end_ids
+        outputs = response(entry.request, entry.ids, "".join(entry.text), reason=reason, beams=beams,
+                           pad_id=end_ids[0] if end_ids else 0, logprobs=entry.logprobs,
+                           num_prompt_tokens=entry.num_prompt_tokens, num_output_tokens=entry.num_output_tokens)
         entry.ids, entry.text = [], []
+        if entry.logprobs is not None:  # the next response carries the tokens after these
+            entry.logprobs = Logprobs.empty(entry.logprobs.num_top, entry.logprobs.cumulative)
         sent, _ = _call(entry.sink.send, outputs, reason is not None)
         if not sent and reason is None:
             entry.closed = True
@@ -279,23 +249,3 @@ def _call(fn, *args) -> tuple[bool, object]:
     except Exception:
         return False, None
 
-
-def _paged_engine(graph: Path, m, tokenizer) -> LLMEngine:
-    """The paged graph's engine: a pool of `kv_cache_tokens` tokens in blocks, `max_batch_size` rows a step
-    (and, with a draft model, the draft's pools of as many blocks)."""
-    from llmc.runtime.engine.paged_engine import PagedEngine
-    from llmc.runtime.runners.paged import PagedRunner
-
-    lim = m.limits
-    num_blocks = -(-lim.kv_cache_tokens // m.kv_layout.block_size)
-    spec = m.speculative
-    drafting = spec is not None and spec.draft is not None  # two sessions in turn: neither spins after its run
-    runner = PagedRunner(graph, m.kv_layout, num_blocks=num_blocks, max_num_tokens=lim.max_num_tokens,
-                         num_threads=lim.num_threads, spin_after_run=not drafting)
-    draft = PagedRunner(graph.parent / spec.draft.engine, spec.draft.kv_layout, num_blocks=num_blocks,
-                        max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads, spin_after_run=False) \
-        if drafting else None
-    return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
-                       max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
-                       max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching, itl_ratio=lim.itl_ratio,
-                       speculative=spec, draft=draft, max_beam_width=lim.max_beam_width)

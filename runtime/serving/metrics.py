@@ -12,7 +12,7 @@ import threading
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from llmc.runtime.engine.slot_engine import CacheState
+    from llmc.runtime.engine.core import CacheState
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
 
@@ -81,7 +81,7 @@ class ServingMetrics:
         self.m["llmc_request_failure_total"].increment(1)
 
     def load(self, state: "CacheState") -> None:
-        """The engine's cache and queues after a step (runtime/engine/slot_engine.py CacheState)."""
+        """The engine's cache and queues after a step (runtime/engine/core.py CacheState)."""
         self.m["llmc_requests_running"].set(state.running)
         self.m["llmc_requests_waiting"].set(state.waiting)
         self.m["llmc_kv_cache_usage_ratio"].set(state.usage)

@@ -65,7 +65,7 @@ def _scalar(array: np.ndarray, name: str, datatype: str):
 def is_stop(inputs: Mapping[str, np.ndarray]) -> bool:
     """A stop request (`stop` true): it asks to end the live request that has its request id; its
     other inputs are ignored. The in-band way to cancel (closing the gRPC stream instead races
-    Triton 2.51's cancellation handling, which can crash the server: see serving.py)."""
+    Triton 2.51's cancellation handling, which can crash the server: see loop.py)."""
     return "stop" in inputs and bool(_scalar(inputs["stop"], "stop", "BOOL"))
 
 

@@ -72,14 +72,37 @@ def test_num_top_logprobs_needs_return_log_probs(loop):
     assert sink.done.wait(10) and sink.errors == ["num_top_logprobs: needs return_log_probs true"]
 
 
-def test_recorder_outputs_only_what_was_recorded_since_the_last_take():
+def test_recorder_hands_out_only_what_was_recorded_since_the_last_take():
     rec = LogprobRecorder(2)
     logits = np.array([0.0, 2.0, 1.0, -1.0], dtype=np.float32)
     rec.record(logits, 2)
     tok = byte_tokenizer()
-    first = rec.take_outputs(tok)
-    assert first["output_log_probs"].tolist() == pytest.approx([log_softmax(logits)[2]])
-    assert first["top_log_prob_ids"].tolist() == [[1, 2]] and first["top_token_texts"].shape == (1, 2)
-    empty = rec.take_outputs(tok)
-    assert empty["output_log_probs"].shape == (0,) and empty["top_log_probs"].shape == (0, 2)
-    assert empty["cum_log_probs"][0] == pytest.approx(log_softmax(logits)[2])
+    first = rec.take(tok)
+    assert first.values.tolist() == pytest.approx([log_softmax(logits)[2]])
+    assert first.top_ids.tolist() == [[1, 2]] and first.token_texts == (tok.decode([2], skip_special_tokens=False),)
+    assert first.top_texts == (tuple(tok.decode([i], skip_special_tokens=False) for i in (1, 2)),)
+    empty = rec.take(tok)
+    assert len(empty) == 0 and empty.top_values.shape == (0, 2) and empty.top_texts == ()
+    assert empty.cumulative == pytest.approx(log_softmax(logits)[2])
+
+
+def test_a_responses_steps_join_into_tensors_that_line_up_with_its_tokens():
+    """A response carries several steps' values (a stream sends when text is final): joined in
+    order, laid out with one row per token and the latest cumulative sum."""
+    from llmc.runtime.decoding.logprobs import Logprobs
+    from llmc.runtime.serving.responses import logprob_outputs
+
+    rec, tok = LogprobRecorder(3), byte_tokenizer()
+    logits = np.array([0.0, 2.0, 1.0, -1.0], dtype=np.float32)
+    steps = []
+    for token in (1, 3):
+        rec.record(logits, token)
+        steps.append(rec.take(tok))
+    joined = Logprobs.empty(3).join(steps[0]).join(steps[1])
+    out = logprob_outputs(joined)
+    expected = log_softmax(logits)[[1, 3]]
+    assert out["output_log_probs"].tolist() == pytest.approx(expected.tolist())
+    assert out["cum_log_probs"].tolist() == pytest.approx([expected.sum()])
+    assert out["token_texts"].tolist() == [tok.decode([i], skip_special_tokens=False).encode() for i in (1, 3)]
+    assert out["top_log_prob_ids"].tolist() == [[1, 2, 0]] * 2 and out["top_token_texts"].shape == (2, 3)
+    assert logprob_outputs(Logprobs.empty(3, 1.5))["top_token_texts"].shape == (0, 3)

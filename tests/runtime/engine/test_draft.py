@@ -237,7 +237,7 @@ def test_sampled_requests_with_penalties_and_logprobs_are_served_with_a_draft(mo
     """Every sampling knob with a draft, each request seeded: the tokens repeat run to run, min_tokens
     holds the end id off, and the log probabilities are the target's: teacher-forcing the output
     through the target alone gives the same values."""
-    from llmc.runtime.decoding.logprobs import LogprobRecorder, log_softmax
+    from llmc.runtime.decoding.logprobs import log_softmax
 
     requests = {"a": SamplingParams(max_tokens=TOKENS, temperature=0.7, top_k=8, top_p=0.9, seed=1),
                 "b": SamplingParams(max_tokens=TOKENS, temperature=1.0, min_p=0.05, repetition_penalty=1.3,
@@ -247,16 +247,16 @@ def test_sampled_requests_with_penalties_and_logprobs_are_served_with_a_draft(mo
 
     def run():
         engine = _engine(models, "small", k=3)
-        recorders = {name: LogprobRecorder() for name in requests}
         for name, params in requests.items():
-            engine.add_request(name, prompts[name], params, logprobs=recorders[name])
-        tokens = {name: [] for name in requests}
+            engine.add_request(name, prompts[name], params, logprobs=0)
+        tokens, values = {name: [] for name in requests}, {name: [] for name in requests}
         while engine.has_work:
             for out in engine.step():
                 tokens[out.request_id] += out.token_ids
-        return tokens, recorders, engine
+                values[out.request_id] += out.logprobs.values.tolist()
+        return tokens, values, engine
 
-    tokens, recorders, engine = run()
+    tokens, values, engine = run()
     assert run()[0] == tokens and engine.speculator.num_accepted_tokens > 0
     assert 7 not in tokens["c"][:12]
     runner = _runner(models["target"], 16, 256)
@@ -264,4 +264,4 @@ def test_sampled_requests_with_penalties_and_logprobs_are_served_with_a_draft(mo
         ids = prompts[name] + out
         logits = runner.step([RowStep(ids[:-1], 0, list(range(16)), len(out))])
         expected = [float(log_softmax(row)[t]) for row, t in zip(logits, out)]
-        np.testing.assert_allclose(recorders[name]._values, expected, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(values[name], expected, atol=1e-4, err_msg=name)

@@ -99,12 +99,14 @@ def test_a_prompt_the_pool_cannot_hold_is_refused_and_a_full_pool_queues(paged, 
 
 def test_max_seq_len_finishes_a_request_with_length(paged):
     engine = _engine(paged)
-    engine.capacity = len(PROMPTS["short"]) + 4
+    engine.core.capacity = len(PROMPTS["short"]) + 4
     engine.add_request("short", PROMPTS["short"], SamplingParams(max_tokens=50))
-    reasons = {}
+    reasons, tokens = {}, []
     while engine.has_work:
-        reasons.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
-    assert reasons == {"short": FinishReason.length}
+        outputs = engine.step()
+        tokens += [t for o in outputs for t in o.token_ids]
+        reasons.update({o.request_id: o.finish_reason for o in outputs if o.finished})
+    assert reasons == {"short": FinishReason.length} and len(tokens) == 5  # the last token needs no KV
 
 
 def test_a_request_that_outgrows_the_whole_pool_ends_with_length(paged):

@@ -6,10 +6,10 @@ from llmc.compiler import build
 from llmc.compiler.source import inspect_source, load_model
 from llmc.compiler.spec import parse_spec
 from llmc.compiler.verify import torch_greedy
-from llmc.runtime.engine.slot_engine import LLMEngine
+from llmc.runtime.engine.slot_engine import SlotEngine
 from llmc.runtime.runners.ort import OrtRunner
 from llmc.runtime.decoding.sampling import SamplingParams
-from llmc.runtime.engine.slot_scheduler import QueueFull
+from llmc.runtime.engine.core import QueueFull
 from llmc.runtime.engine.sequence import FinishReason
 
 PROMPTS = {"a": [5, 17, 99, 3, 42, 8, 1], "b": [7, 7, 200], "c": [31, 64, 2, 9, 120], "d": [11], "e": [250, 3, 3, 3]}
@@ -26,7 +26,7 @@ def tiny(tiny_checkpoints, tmp_path_factory):
 
 def _engine(tiny, max_batch=3, capacity=64, **kwargs):
     path, layout, _ = tiny
-    return LLMEngine(OrtRunner(path, layout, max_batch=max_batch, capacity=capacity, num_threads=1), **kwargs)
+    return SlotEngine(OrtRunner(path, layout, max_batch=max_batch, capacity=capacity, num_threads=1), **kwargs)
 
 
 def _run(engine, arrivals, params):

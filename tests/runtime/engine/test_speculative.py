@@ -10,7 +10,6 @@ import pytest
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.engine.block_manager import BlockManager, block_hash
-from llmc.runtime.decoding.logprobs import LogprobRecorder
 from llmc.runtime.manifest import SpeculativeConfig
 from llmc.runtime.engine.ngram import NgramProposer
 from llmc.runtime.engine.paged_engine import PagedEngine
@@ -18,7 +17,8 @@ from llmc.runtime.runners.paged import PagedRunner
 from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine.sequence import Sequence, Status
 from llmc.runtime.engine.speculative import Speculator, verify
-from llmc.runtime.engine.token_scheduler import Chunk, TokenScheduler
+from llmc.runtime.engine.step_plan import Chunk
+from llmc.runtime.engine.token_scheduler import TokenScheduler
 
 rng = np.random.default_rng(11)
 PASSAGE = rng.integers(0, 256, 24).tolist()
@@ -51,15 +51,16 @@ def _engine(paged, speculative=SPEC, *, num_blocks=64, max_rows=8, max_num_token
 
 
 def _run(engine, requests: dict[str, SamplingParams], logprobs=False):
-    recorders = {}
     for name, params in requests.items():
-        recorders[name] = LogprobRecorder(2) if logprobs else None
-        engine.add_request(name, PROMPTS[name.split(":")[0]], params, logprobs=recorders[name])
+        engine.add_request(name, PROMPTS[name.split(":")[0]], params, logprobs=2 if logprobs else None)
     tokens = {name: [] for name in requests}
+    values = {name: [] for name in requests} if logprobs else {}
     while engine.has_work:
         for out in engine.step():
             tokens[out.request_id] += out.token_ids
-    values = {n: r._values for n, r in recorders.items() if r is not None}
+            if logprobs:
+                assert len(out.logprobs) == len(out.token_ids)
+                values[out.request_id] += out.logprobs.values.tolist()
     return tokens, values
 
 
@@ -311,3 +312,24 @@ def test_at_most_max_batch_rows_speculate_the_oldest_that_have_proposals():
         scheduler.running.append(seq)
     chunks = scheduler.schedule()
     assert [(c.seq.request_id, c.proposals) for c in chunks] == [("none", []), ("first", [7, 5]), ("second", [])]
+
+
+def test_a_step_plan_takes_a_drafts_proposals_into_its_reservations_and_gives_unused_blocks_back():
+    """With a draft model the scheduler reserves blocks; the draft fills the plan through its own
+    methods: proposals into a reservation, or the reservation withdrawn and its blocks given back."""
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    scheduler = TokenScheduler(blocks, max_rows=2, max_num_tokens=16, max_queue_size=4,
+                               speculator=Speculator(None, max_batch=2, capacity=64, num_tokens=3))
+    for name, prompt in (("a", [1, 2, 3, 4, 5, 6]), ("b", [7, 8, 9, 10, 11, 12])):
+        seq = Sequence(name, prompt, SamplingParams(max_tokens=9))
+        blocks.allocate(seq)
+        seq.num_cached, seq.status = len(prompt), Status.decoding
+        seq.output_ids.append(prompt[0])
+        scheduler.running.append(seq)
+    plan = scheduler.schedule()
+    assert plan.reserved == [0, 1] and [c.reserved for c in plan] == [3, 3] and blocks.num_free == 2
+    plan.propose(0, [5, 6], None)
+    plan.withdraw(1)
+    assert plan.reserved == [] and blocks.num_free == 3 and len(plan[1].seq.block_ids) == 2
+    assert [(c.token_ids, c.proposals) for c in plan] == [([1, 5, 6], [5, 6]), ([7], [])]
+    assert [r.num_logits for r in plan.row_steps()] == [3, 1]

@@ -97,16 +97,29 @@ def test_sampling_returns_an_allowed_token_and_the_same_one_for_the_same_seed(pa
 
 
 @FAST
-@given(st.dictionaries(st.sampled_from(list(SamplingParams.model_fields)), st.one_of(
-    st.integers(-5, 2**65), st.floats(allow_nan=True), st.text(max_size=4), st.none()), max_size=4))
-def test_sampling_params_validate_into_their_ranges_or_refuse(fields):
+@given(st.fixed_dictionaries({}, optional={
+    "max_tokens": st.integers(1, 6), "min_tokens": st.integers(0, 6), "beam_width": st.integers(1, 3),
+    "temperature": st.sampled_from([0.0, 0.5, 1.0]), "top_k": st.integers(0, 2), "seed": st.none() | st.integers(0, 3),
+    "stop_words": st.lists(st.sampled_from(["", "x", "yz"]), max_size=2).map(tuple)}))
+def test_sampling_params_refuse_exactly_the_combinations_llmc_rules_out(fields):
+    """SamplingParams' own rules across fields (not pydantic's limits on one): min_tokens above
+    max_tokens, an empty stop word, and a beam request with anything that shapes a draw are refused,
+    the first broken rule named; every other combination is accepted."""
     from pydantic import ValidationError
 
+    p = {"max_tokens": 256, "min_tokens": 0, "beam_width": 1, "temperature": 0.0, "top_k": 0, "seed": None,
+         "stop_words": (), **fields}
+    beam = p["beam_width"] > 1
+    broken = [message for message, bad in [
+        ("min_tokens", p["min_tokens"] > p["max_tokens"]), ("stop_words must not contain", "" in p["stop_words"]),
+        ("temperature:", beam and p["temperature"] not in (0.0, 1.0)), ("top_k:", beam and p["top_k"] != 0),
+        ("seed:", beam and p["seed"] is not None), ("stop_words:", beam and bool(p["stop_words"]))] if bad]
     try:
-        p = SamplingParams(**fields)
-    except ValidationError:
-        return
-    assert p.max_tokens >= 1 and 0 <= p.min_tokens <= p.max_tokens and 0 < p.top_p <= 1 and p.temperature >= 0
+        SamplingParams(**fields)
+    except ValidationError as err:
+        assert broken and broken[0] in err.errors()[0]["msg"], (broken, err)
+    else:
+        assert not broken
 
 
 # -- the spec loader ----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import RecordingSink, byte_tokenizer, greedy_reference, request_inputs
 from helpers import Recorder
-from llmc.runtime.engine.slot_engine import CacheState
+from llmc.runtime.engine.core import CacheState
 from llmc.runtime.serving.metrics import ServingMetrics
 from llmc.runtime.serving.loop import ServingLoop
 

@@ -1,0 +1,69 @@
+"""The composition root: from a packaged model version's manifest to a running engine, its
+tokenizer and the limits requests are checked against. The only place that knows every runner
+and engine class; `ServingLoop.from_manifest` (loop.py) serves what it loads.
+
+    paged graph (kv_layout.paged)   PagedEngine over a PagedRunner (and a draft's, with speculative.draft)
+    tensorrt                        SlotEngine over a TrtRunner
+    onnxruntime                     SlotEngine over an OrtRunner
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmc.runtime.engine.core import Engine
+from llmc.runtime.manifest import RepositoryManifest
+from llmc.runtime.serving.request import Limits
+
+
+def load(folder: Path) -> tuple[Engine, object, Limits]:
+    """The engine, tokenizer (HF `tokenizers`) and request limits the version in `folder` describes."""
+    from tokenizers import Tokenizer
+
+    folder = Path(folder)
+    m = RepositoryManifest.load(folder)
+    lim = m.limits
+    tokenizer = Tokenizer.from_file(str(folder / m.tokenizer))
+    limits = Limits(lim.max_seq_len, lim.default_max_tokens, lim.max_stop_words, lim.max_beam_width)
+    engine = paged_engine(folder / m.engine, m, tokenizer) if m.kv_layout.paged else slot_engine(folder, m, tokenizer)
+    return engine, tokenizer, limits
+
+
+def slot_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
+    """A slot graph's engine: TensorRT's runner or ONNX Runtime's, `max_batch_size` slots."""
+    from llmc.runtime.engine.slot_engine import SlotEngine
+
+    lim = m.limits
+    if m.target == "tensorrt":
+        from llmc.runtime.runners.trt import TrtRunner
+
+        runner = TrtRunner(folder / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
+                           capacity=lim.max_seq_len, max_num_tokens=lim.max_num_tokens, info=m.tensorrt)
+    else:
+        from llmc.runtime.runners.ort import OrtRunner
+
+        runner = OrtRunner(folder / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
+                           capacity=lim.max_seq_len, num_threads=lim.num_threads)
+    return SlotEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_queue_size=lim.max_queue_size,
+                      max_num_tokens=lim.max_num_tokens)
+
+
+def paged_engine(graph: Path, m: RepositoryManifest, tokenizer) -> Engine:
+    """The paged graph's engine: a pool of `kv_cache_tokens` tokens in blocks, `max_batch_size` rows a step
+    (and, with a draft model, the draft's pools of as many blocks)."""
+    from llmc.runtime.engine.paged_engine import PagedEngine
+    from llmc.runtime.runners.paged import PagedRunner
+
+    lim = m.limits
+    num_blocks = -(-lim.kv_cache_tokens // m.kv_layout.block_size)
+    spec = m.speculative
+    drafting = spec is not None and spec.draft is not None  # two sessions in turn: neither spins after its run
+    runner = PagedRunner(graph, m.kv_layout, num_blocks=num_blocks, max_num_tokens=lim.max_num_tokens,
+                         num_threads=lim.num_threads, spin_after_run=not drafting)
+    draft = PagedRunner(graph.parent / spec.draft.engine, spec.draft.kv_layout, num_blocks=num_blocks,
+                        max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads, spin_after_run=False) \
+        if drafting else None
+    return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
+                       max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
+                       max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching, itl_ratio=lim.itl_ratio,
+                       speculative=spec, draft=draft, max_beam_width=lim.max_beam_width)
