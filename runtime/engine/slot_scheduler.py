@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import heapq
 
-from llmc.runtime.engine.core import QueueFull, WaitingQueue
+from llmc.runtime.engine.core import WaitingQueue
 from llmc.runtime.engine.sequence import Sequence, Status
-
-# QueueFull lives in core.py; tests/runtime/engine/test_block_manager.py still imports it from here
-__all__ = ["QueueFull", "Scheduler"]
 
 
 class Scheduler(WaitingQueue):

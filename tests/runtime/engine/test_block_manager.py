@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from llmc.runtime.engine import block_manager
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.decoding.sampling import SamplingParams
-from llmc.runtime.engine.slot_scheduler import QueueFull
+from llmc.runtime.engine.core import QueueFull
 from llmc.runtime.engine.sequence import Sequence, Status
 from llmc.runtime.engine.token_scheduler import TokenScheduler
 
