@@ -12,7 +12,7 @@ from conftest import assert_serves_like_its_graph, write_spec
 from llmc.compiler import build
 from llmc.compiler.quantize.handler import untie_lm_head
 from llmc.compiler.spec import parse_spec
-from llmc.compiler.quantize.textdata import builtin_documents, load_documents, token_windows
+from llmc.compiler.textdata import builtin_documents, load_documents, token_windows
 from llmc.errors import QuantizationError, SpecError, UnsupportedError
 from llmc.runtime.manifest import RepositoryManifest
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.compiler.sections import KVCacheDtype
+from llmc.compiler.spec.sections import KVCacheDtype
 from llmc.runtime.layout import KVLayout
 
 ELEMENT = {KVCacheDtype.fp32: "float32", KVCacheDtype.fp16: "float16", KVCacheDtype.int8: "int8"}
@@ -39,7 +39,7 @@ def calibration_windows(tokenizer, vocab_size: int) -> list[np.ndarray]:
     if tokenizer is None:
         rng = np.random.default_rng(0)
         return [rng.integers(0, vocab_size, CALIBRATION_TOKENS) for _ in range(CALIBRATION_WINDOWS)]
-    from llmc.compiler.quantize.textdata import builtin_documents, token_windows
+    from llmc.compiler.textdata import builtin_documents, token_windows
 
     return token_windows(tokenizer, builtin_documents("calibration"), CALIBRATION_TOKENS, CALIBRATION_WINDOWS,
                          "export.kv_cache_dtype", "the built-in calibration text")
@@ -54,12 +54,12 @@ def rotary_dim(decoder, head_dim: int) -> int:
 
 
 def pool_scales(decoder, layout: KVLayout, windows: list[np.ndarray], rotary_dim: int) -> np.ndarray:
-    """int8 scales [num_layers, 2 (key, value), kv_heads, 1, head_dim]: the decoder (compiler/decoder.py)
+    """int8 scales [num_layers, 2 (key, value), kv_heads, 1, head_dim]: the decoder (compiler/graph/decoder.py)
     run on each window with float32 pools, each cache's peak per head and channel (values': times
     VALUE_HEADROOM) over 127."""
     import torch
 
-    from llmc.compiler.paged_decoder import PagedDecoder
+    from llmc.compiler.graph.paged_decoder import PagedDecoder
 
     module = PagedDecoder(decoder).eval()
     peaks = torch.zeros(layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
