@@ -53,10 +53,10 @@ def test_missing_or_foreign_manifest_is_a_clear_error(tmp_path):
 def test_the_runtime_package_is_copied_whole_without_caches(tmp_path):
     """Every module and C source of llmc.runtime, at any depth, and the CPU-kernel library built
     here; no __pycache__ (the source has one wherever Python wrote its bytecode) and nothing else."""
-    import llmc.runtime
+    from llmc import runtime
     from llmc.runtime.kernels import cpu_kernels
 
-    source = Path(llmc.runtime.__file__).parent
+    source = Path(runtime.__file__).parent
     copy_runtime(tmp_path / "llmc")
     copy = tmp_path / "llmc" / "runtime"
     copied = {str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()}
