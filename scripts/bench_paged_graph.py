@@ -38,8 +38,7 @@ def export(graph: str):
     """The graph's export (folder, artifact); variants made by switching one choice off while exporting."""
     from unittest import mock
 
-    from llmc.compiler import build, load_spec
-    from llmc.compiler.graph import paged_decoder
+    from llmc.compiler import build, load_spec, paged_decoder
     from llmc.compiler.spec import parse_spec
     from llmc.plugins.op import paged_op
 

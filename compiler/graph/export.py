@@ -110,7 +110,7 @@ def _traced(decoder, info: ModelInfo, layout: KVLayout) -> tuple:
     """What torch.onnx.export traces for this layout: the module, example inputs, dynamic shapes and
     the graph's input names (the slot form here, the paged form in paged_decoder.py)."""
     if layout.paged:
-        from llmc.compiler.graph import paged_decoder
+        from llmc.compiler import paged_decoder
 
         return (paged_decoder.PagedDecoder(decoder).eval(), paged_decoder.example_inputs(info.vocab_size, layout),
                 paged_decoder.dynamic_shapes(layout), paged_decoder.input_names(layout))
@@ -142,7 +142,7 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     import onnx
     import torch
 
-    from llmc.compiler.graph.decoder import decoder_for
+    from llmc.compiler.decoder import decoder_for
 
     layout = kv_layout(info, lowering, kv_cache_dtype)
     decoder = decoder_for(model, info.family)
@@ -266,10 +266,10 @@ def _summary(done: Located[ExportedModel]) -> str:
             f"{size:.1f} MiB")
 
 
-# what runs an export: this package (the decoder, the KV cache dtypes, the graph passes), the checkpoint's
-# loader, the calibration text of int8 KV caches, the attention op and its lowerings, the KV layout
-EXPORT_CODE = ("llmc.compiler.graph", "llmc.compiler.source", "llmc.compiler.textdata", "llmc.plugins.op",
-               "llmc.runtime.layout")
+# what runs an export: this package (the KV cache dtypes, the graph passes), the decoders it traces, the
+# checkpoint's loader, the calibration text of int8 KV caches, the attention op and its lowerings, the KV layout
+EXPORT_CODE = ("llmc.compiler.graph", "llmc.compiler.decoder", "llmc.compiler.paged_decoder", "llmc.compiler.source",
+               "llmc.compiler.textdata", "llmc.plugins.op", "llmc.runtime.layout")
 EXPORT = Stage("export", describe=lambda spec: "exporting to ONNX", takes=("source",), artifact=ExportedModel,
                section=lambda spec: (Lowering(spec.attention_lowering), spec.export.kv_cache_dtype),
                code=EXPORT_CODE, key=export_key, run=_run, summary=_summary)

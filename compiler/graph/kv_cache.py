@@ -54,12 +54,12 @@ def rotary_dim(decoder, head_dim: int) -> int:
 
 
 def pool_scales(decoder, layout: KVLayout, windows: list[np.ndarray], rotary_dim: int) -> np.ndarray:
-    """int8 scales [num_layers, 2 (key, value), kv_heads, 1, head_dim]: the decoder (compiler/graph/decoder.py)
+    """int8 scales [num_layers, 2 (key, value), kv_heads, 1, head_dim]: the decoder (compiler/decoder.py)
     run on each window with float32 pools, each cache's peak per head and channel (values': times
     VALUE_HEADROOM) over 127."""
     import torch
 
-    from llmc.compiler.graph.paged_decoder import PagedDecoder
+    from llmc.compiler.paged_decoder import PagedDecoder
 
     module = PagedDecoder(decoder).eval()
     peaks = torch.zeros(layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)

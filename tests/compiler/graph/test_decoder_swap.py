@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llmc.compiler.graph.decoder import LlamaFamilyDecoder, decoder_for
+from llmc.compiler.decoder import LlamaFamilyDecoder, decoder_for
 from llmc.compiler.source import SUPPORTED_MODEL_TYPES
 
 

@@ -106,7 +106,7 @@ def _torch_int8_logits(checkpoint, graph, layout, prompt):
     """The PyTorch decoder over int8 pools with the graph's own scales (the reference op quantizing)."""
     import torch
 
-    from llmc.compiler.graph.decoder import decoder_for
+    from llmc.compiler.decoder import decoder_for
     from llmc.compiler.source import inspect_source, load_model
     from llmc.compiler.spec import SourceSpec
     from llmc.plugins.op.attention import reference_paged_attention
@@ -183,8 +183,8 @@ def _float_pools(checkpoint, layout, window):
     """The PyTorch decoder's float32 keys and values for one window: [layers, 2, tokens, kv_heads, head_dim]."""
     import torch
 
-    from llmc.compiler.graph.decoder import decoder_for
-    from llmc.compiler.graph.paged_decoder import PagedDecoder
+    from llmc.compiler.decoder import decoder_for
+    from llmc.compiler.paged_decoder import PagedDecoder
     from llmc.compiler.source import inspect_source, load_model
     from llmc.compiler.spec import SourceSpec
 
@@ -208,7 +208,7 @@ def test_int8_scales_fit_the_calibration_text(kv_build, tiny_checkpoints):
     stored codes (its inputs are the float model's; later layers see int8 attention before them) are those values
     rounded. A scale in the wrong layer, head, channel or cache, or a rotary pair taken wrongly, breaks one of these."""
     from llmc.compiler.graph import kv_cache
-    from llmc.compiler.graph.decoder import decoder_for
+    from llmc.compiler.decoder import decoder_for
     from llmc.compiler.source import inspect_source, load_model, load_tokenizer
     from llmc.compiler.spec import SourceSpec
 

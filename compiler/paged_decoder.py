@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 import llmc.plugins.op.paged_op  # noqa: F401  (registers torch.ops.llmc.paged_attention)
-from llmc.compiler.graph.decoder import Attend
+from llmc.compiler.decoder import Attend
 from llmc.runtime.layout import KVLayout, PAGED_INPUTS
 
 
