@@ -228,7 +228,7 @@ def test_a_4bit_repository_carries_the_cpu_kernel_for_hosts_without_a_compiler(i
     if cpu_kernels.library() is None:
         pytest.skip("llmc's CPU kernel is unavailable on this host")
     version = int4_build.repository / "q" / "1"
-    assert (version / "llmc" / "runtime" / cpu_kernels.library().name).is_file()
+    assert (version / "llmc" / "runtime" / "kernels" / cpu_kernels.library().name).is_file()  # where cpu_kernels looks
     code = f"""
 import sys
 sys.path.insert(0, {str(version)!r})

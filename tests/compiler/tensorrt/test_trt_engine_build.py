@@ -123,7 +123,7 @@ def test_a_tensorrt_build_packages_a_gpu_repository_whose_manifest_describes_the
     config = parse((model_dir / "config.pbtxt").read_text())
     assert [g.kind for g in config.instance_group] == [config.instance_group[0].KIND_GPU]
     assert "tensorrt==10.14.1" in (model_dir / "requirements.txt").read_text().split()
-    assert (model_dir / "1" / "llmc" / "runtime" / "trt_runner.py").is_file()
+    assert (model_dir / "1" / "llmc" / "runtime" / "runners" / "trt.py").is_file()
     loaded = RepositoryManifest.load(model_dir / "1")
     assert loaded == manifest and loaded.engine == "model.plan" and loaded.tensorrt == info
     assert loaded.kv_layout.dtype == "float16" and loaded.kv_layout.bytes_per_token() * 2 == \
