@@ -3,6 +3,13 @@
 Library API (the CLI only calls these):
 
     from llmc.compiler import load_spec, build, plan_build, export, verify, inspect_path
+
+The layout: spec/ (the spec and its sections), source.py (the checkpoint), stage.py (what a stage
+declares), graph/ (export and verify) with the decoders it traces (decoder.py, paged_decoder.py: the
+graph records their module paths), quantize/, draft.py, tensorrt/ (the engine), repository/ (the
+Triton model repository and the serving environment), pipeline/ (the table of stages, the build,
+the plan); artifacts.py, hashing.py, output.py, textdata/ and inspect.py beside them. No module here
+is named like an API function, so importing a module never hides one (tests/compiler/test_library_api.py).
 """
 
 from llmc.compiler.spec import BuildSpec, load_spec
@@ -13,19 +20,19 @@ __all__ = ["BuildSpec", "load_spec", "build", "plan_build", "export", "verify", 
 def __getattr__(name: str):
     # Stages import torch/onnx lazily so `llmc --help` and spec validation stay fast.
     if name == "build":
-        from llmc.compiler.pipeline import build
+        from llmc.compiler.pipeline.run import build
 
         return build
     if name == "plan_build":
-        from llmc.compiler.plan import plan_build
+        from llmc.compiler.pipeline.plan import plan_build
 
         return plan_build
     if name == "export":
-        from llmc.compiler.export import export
+        from llmc.compiler.graph.export import export
 
         return export
     if name == "verify":
-        from llmc.compiler.verify import verify
+        from llmc.compiler.graph.verify import verify
 
         return verify
     if name == "inspect_path":

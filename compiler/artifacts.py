@@ -162,7 +162,7 @@ class DraftArtifact(Artifact):
 
 
 class ExecutionEnvironment(Artifact):
-    """The environment stage's archive (compiler/environment.py): the serving packages for the container's
+    """The environment stage's archive (compiler/repository/environment.py): the serving packages for the container's
     Python, which the package stage links into the version folder as Triton's EXECUTION_ENV_PATH."""
 
     filename: ClassVar[str] = "environment.json"

@@ -7,7 +7,7 @@
 
 Each step is the library function the target's stages use (export.export, verify.verify,
 quantize.quantize); the stage writes them under its folder (`export/`, `verify/`, the quantized graph
-at its top) and records the graph the runtime loads in a `DraftArtifact`. The package stage copies
+at its top) and records the graph the runtime loads in a `DraftArtifact`; `DRAFT` declares the stage. The package stage copies
 that graph into the version folder's `draft/` and names it in the manifest (runtime/manifest.py
 DraftModel). The draft's quality report (perplexity, agreement, speed against its unquantized form)
 is measured and reported, not gated: a worse draft costs acceptance, never correctness.
@@ -18,10 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from llmc.compiler import export, quantize, verify
+from llmc.compiler import quantize
 from llmc.compiler.artifacts import DraftArtifact, ExportedModel
-from llmc.compiler.source import SourceInfo, inspect_source, load_model, load_tokenizer
-from llmc.compiler.spec import BuildSpec, DraftSpec, QuantMode
+from llmc.compiler.graph import export, verify
+from llmc.compiler.source import SourceInfo, inspect_source, load_model, load_tokenizer, read_dims
+from llmc.compiler.spec import BuildSpec, DraftSpec, QuantMode, SpeculativeMethod
+from llmc.compiler.stage import Context, Located, Stage
 from llmc.errors import SourceError, VerifyError
 from llmc.plugins.op.lowering import Lowering
 
@@ -58,8 +60,6 @@ def inspect_draft(section: DraftSpec) -> SourceInfo:
 
 def check_same_vocabulary(target: SourceInfo, draft: SourceInfo) -> None:
     """Refuse a draft whose tokenizer or vocabulary differs from the target's, naming both files."""
-    from llmc.compiler.plan import read_dims
-
     target_tok, draft_tok = load_tokenizer(target), load_tokenizer(draft)
     where = f"{tokenizer_file(draft)} (draft) and {tokenizer_file(target)} (target)"
     if target_tok is None or draft_tok is None:
@@ -80,8 +80,9 @@ def check_same_vocabulary(target: SourceInfo, draft: SourceInfo) -> None:
 
 
 def cache_key_parts(spec: BuildSpec, export_key: dict, verify_key: dict) -> dict:
-    """What keys the draft besides the target's export: its section, its checkpoint's content hash
-    (a separate draft), what keys an export and a verify, and the quantize stage's code and tools."""
+    """What keys the draft besides the target's export and the code (DRAFT_CODE): its section, its
+    checkpoint's content hash (a separate draft), what keys an export and a verify, and the quantize
+    stage's tools."""
     section = spec.speculative.draft
     key = {"draft": section.model_dump(mode="json", exclude={"quantization": {"max_perplexity_increase"}}),
            "quantize": quantize.cache_key_parts(section.quantization)
@@ -147,3 +148,27 @@ def summary(art: DraftArtifact) -> str:
                      f"({r.perplexity_increase:+.1%}), greedy agreement {r.token_agreement:.0%}, decode "
                      f"{r.decode_tok_s_quantized / r.decode_tok_s_reference:.2f}x its unquantized form")
     return "; ".join(parts)
+
+
+# the draft stage: reads speculative.draft, and export.kv_cache_dtype and verify for a separate checkpoint
+
+def _drafts(spec: BuildSpec) -> bool:
+    return spec.speculative is not None and spec.speculative.method is SpeculativeMethod.draft
+
+
+def _run(exported: Located[ExportedModel], spec: BuildSpec, ctx: Context) -> DraftArtifact:
+    return make_draft(exported.artifact, exported.folder, ctx.source, spec, ctx.out, inputs_hash=ctx.inputs_hash,
+                      num_threads=ctx.num_threads, external_threshold=ctx.external_threshold, progress=ctx.progress)
+
+
+def _describe(spec: BuildSpec) -> str:
+    d = spec.speculative.draft
+    what = f"exporting {d.source.path.name}" if d.source is not None else "the target"
+    return what + (f", quantizing ({d.quantization.mode.value})" if d.quantization.mode is not QuantMode.none else "")
+
+
+# what makes a draft: this module and what the export, verify and quantize stages run
+DRAFT_CODE = tuple(sorted({__name__, *export.EXPORT_CODE, *verify.VERIFY_CODE, *quantize.QUANTIZE_CODE}))
+DRAFT = Stage("draft", describe=_describe, takes=("export",), artifact=DraftArtifact, applies=_drafts, code=DRAFT_CODE,
+              key=lambda spec, ctx: cache_key_parts(spec, export.export_key(spec, ctx), verify.verify_key(spec, ctx)),
+              check=check, run=_run, summary=lambda done: summary(done.artifact))

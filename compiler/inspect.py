@@ -77,7 +77,7 @@ def quantized_sections(art: QuantizedModel, folder: Path) -> list[Section]:
 def onnx_sections(path: Path) -> list[Section]:
     import onnx
 
-    from llmc.compiler.export import tensor_infos
+    from llmc.compiler.graph.export import tensor_infos
 
     try:
         proto = onnx.load(str(path), load_external_data=False)

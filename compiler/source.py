@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from llmc.compiler.hashing import sha256_files
-from llmc.compiler.spec import SourceSpec
+from llmc.compiler.spec import BuildSpec, SourceSpec
+from llmc.compiler.stage import Located, Stage
 from llmc.errors import SourceError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -202,3 +203,74 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Config facts the plan needs (read from config.json or the GGUF header, no weights)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def linear_params(self) -> int:
+        """Weights of the linear layers (what quantization shrinks), LM head included when untied."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + (3 if self.model_type != "gpt2" else 2) * h * i
+        return self.num_layers * per_layer + (0 if self.tied_embeddings else self.vocab_size * h)
+
+    @property
+    def other_params(self) -> int:
+        """Embeddings (and GPT-2's positions) and norms."""
+        extra = self.max_position_embeddings * self.hidden_size if self.model_type == "gpt2" else 0
+        return self.vocab_size * self.hidden_size + extra + (2 * self.num_layers + 1) * self.hidden_size
+
+
+def read_dims(info: SourceInfo) -> Dims:
+    from transformers import AutoConfig
+
+    if info.kind == "gguf":
+        c = AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name, local_files_only=True)
+    else:
+        c = AutoConfig.from_pretrained(str(info.path), local_files_only=True, trust_remote_code=False)
+    heads, kv_heads, head_dim = attention_shape(c)
+    return Dims(model_type=c.model_type, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+                intermediate_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
+                or 4 * c.hidden_size,
+                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=c.vocab_size,
+                tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+                max_position_embeddings=c.max_position_embeddings)
+
+
+# the source stage: the checkpoint, found and hashed without loading weights, and the limits it decides
+
+@dataclass(frozen=True)
+class FoundSource:
+    info: SourceInfo
+    hash: str  # of the weights, config and tokenizer files
+    spec: BuildSpec  # the build's spec with the limits left unset filled in from the checkpoint
+    notes: tuple[str, ...]  # what was filled in
+
+
+def find_source(spec: BuildSpec) -> FoundSource:
+    info = inspect_source(spec.source)
+    resolved, notes = spec.with_model_limits(info.max_position_embeddings)
+    return FoundSource(info, info.content_hash(), resolved, tuple(notes))
+
+
+def _summary(done: Located[FoundSource]) -> str:
+    info = done.artifact.info
+    return "; ".join((f"{info.kind} {info.model_type}, {len(info.weight_files)} weight file(s)", *done.artifact.notes))
+
+
+SOURCE = Stage("source", describe=lambda spec: f"hashing {spec.source.path.name}", opens=True,
+               run=lambda _, spec, ctx: find_source(spec), summary=_summary)

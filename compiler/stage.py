@@ -1,16 +1,25 @@
 """What a build stage is: a declaration the pipeline runs, and what a stage's run receives.
 
-A `Stage` declares:
-- `takes`: the earlier stages whose artifact it reads, the first one present wins (the engine is
+Each stage is declared beside the library function that does its work (source.py, graph/export.py,
+graph/verify.py, quantize/, draft.py, tensorrt/stage.py, repository/environment.py and package.py);
+pipeline/stages.py only puts them in order. A `Stage` declares:
+- `takes`: the earlier stages whose artifact is its input, the first one present wins (the engine is
   built from the quantized graph when there is one, else from the export); `run` gets it with its
   folder as a `Located`;
+- `reads`: the other earlier stages whose results it reads. `ctx.done` holds the results of the
+  stages named in `takes` and `reads`, and nothing else, and all of them enter its cache key;
 - `section(spec)`: the part of the spec it reads, handed to `run`;
-- `key(spec, ctx)`: what besides its input decides its output (spec fields, tool versions, the
-  source of the modules that make it); with the input's files it makes the stage's cache key;
+- `code`: the modules and packages that run it (a package: its whole folder, C sources included);
+  their content is part of its cache key (hashing.code_hash);
+- `key(spec, ctx)`: what else decides its output (spec fields, tool versions); with its inputs'
+  files and its code it makes the stage's cache key;
+- `opens`: its result is the `FoundSource` the build runs on (the source stage): the completed
+  spec, and the checkpoint each later stage's context carries; the checks of every later stage run
+  as soon as it is done;
 - `check(spec, source)`: its preconditions, checked for every stage of a build before any stage
   that does work runs;
 - `applies(spec)`: whether the target has this stage at all; `skip(spec, done)`: why it does
-  nothing in this build (None: it runs), from the spec and the stages done so far;
+  nothing in this build (None: it runs), from the spec and the results it declared;
 - `for_package`: made for the last stage only, so a build that stops earlier (`llmc export`)
   leaves it out wherever it sits in the table;
 - `run(input, section, ctx) -> artifact`: the design's `stage(artifact, section) -> artifact`; `ctx`
@@ -27,7 +36,6 @@ from pathlib import Path
 from typing import Any, Callable, Generic, Mapping, TypeVar
 
 from llmc.compiler.artifacts import Artifact
-from llmc.compiler.source import SourceInfo
 from llmc.compiler.spec import BuildSpec
 
 A = TypeVar("A")
@@ -48,11 +56,13 @@ class Context:
 
     out: Path  # the stage's folder in the staging output (created by the stage)
     previous: Path  # the stage's folder in the last published output (may not exist)
-    source: SourceInfo | None  # None only while the source stage itself runs
+    # the checkpoint the source stage found (a source.SourceInfo; not imported here, source.py declares its
+    # stage with this module), None only while the source stage itself runs
+    source: Any
     source_hash: str
     inputs_hash: str  # the stage's cache key, recorded in the artifact it makes
     model: Callable[[], tuple[Any, Any]]  # (PyTorch model, tokenizer), loaded on first call
-    done: Mapping[str, Located] = field(default_factory=dict)  # the stages run so far
+    done: Mapping[str, Located] = field(default_factory=dict)  # the results of the stages it takes and reads
     progress: Progress = lambda done, total: None
     num_threads: int = 0
     external_threshold: int = 0  # graphs above this many bytes keep their weights as external data
@@ -70,14 +80,17 @@ class Stage:
     summary: Callable[[Located], str]
     section: Callable[[BuildSpec], Any] = lambda spec: spec
     takes: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
     artifact: type[Artifact] | None = None  # a cached stage's record; None: runs on every build
+    code: tuple[str, ...] = ()
     key: Callable[[BuildSpec, Context], dict] = lambda spec, ctx: {}
-    check: Callable[[BuildSpec, SourceInfo], None] = _nothing
+    check: Callable[[BuildSpec, Any], None] = _nothing  # (spec, the found source.SourceInfo)
     applies: Callable[[BuildSpec], bool] = lambda spec: True
     skip: Callable[[BuildSpec, Mapping[str, Located]], str | None] = _nothing
     accept: Callable[[Any, BuildSpec], None] = _nothing
     folder: str = ""  # its folder in the output (default: its name)
     for_package: bool = False  # only builds that run the package stage run it
+    opens: bool = False
 
     def __post_init__(self) -> None:
         if not self.folder:
@@ -85,3 +98,7 @@ class Stage:
 
     def input(self, done: Mapping[str, Located]) -> Located | None:
         return next((done[name] for name in self.takes if name in done), None)
+
+    def declared(self, done: Mapping[str, Located]) -> dict[str, Located]:
+        """The results in `done` it declared it reads (`takes` and `reads`), in the order it names them."""
+        return {name: done[name] for name in (*self.takes, *self.reads) if name in done}

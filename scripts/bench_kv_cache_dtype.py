@@ -23,7 +23,7 @@ import numpy as np
 
 from llmc.compiler import build
 from llmc.compiler.quantize.quality import perplexity
-from llmc.compiler.quantize.textdata import builtin_documents, token_windows
+from llmc.compiler.textdata import builtin_documents, token_windows
 from llmc.compiler.source import inspect_source, load_tokenizer
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.runners.paged import PagedRunner, RowStep

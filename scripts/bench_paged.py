@@ -245,7 +245,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="128,256,512", help="token budgets the budget section compares")
     parser.add_argument("--json", type=Path, default=REPO / "build" / "bench" / "paged.json")
     args = parser.parse_args()
-    from llmc.compiler.sections import PAGED_MAX_NUM_TOKENS
+    from llmc.compiler.spec.sections import PAGED_MAX_NUM_TOKENS
 
     args.budget = args.budget or PAGED_MAX_NUM_TOKENS
     sections = [s for s in args.sections.split(",") if s]

@@ -58,7 +58,7 @@ def genai_perplexity(model_dir: Path) -> float:
     from transformers import AutoTokenizer
 
     from llmc.compiler.quantize import EVAL_SEQ_LEN, EVAL_WINDOWS
-    from llmc.compiler.quantize.textdata import builtin_documents, token_windows
+    from llmc.compiler.textdata import builtin_documents, token_windows
 
     tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "smollm2")
     windows = token_windows(tokenizer, builtin_documents("heldout"), EVAL_SEQ_LEN, EVAL_WINDOWS, "eval", "held-out")

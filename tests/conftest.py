@@ -128,7 +128,7 @@ def tiny_paged_build(tiny_checkpoints, tmp_path_factory):
 
 def greedy_reference(model, prompt_ids: list[int], max_tokens: int, end_ids=()) -> list[int]:
     """PyTorch greedy tokens for one prompt, ending after an end id as the runtime does."""
-    from llmc.compiler.verify import torch_greedy
+    from llmc.compiler.graph.verify import torch_greedy
 
     _, last = torch_greedy(model, prompt_ids, max_tokens, lambda: None)
     tokens = [int(l.argmax()) for l in last]
@@ -234,7 +234,7 @@ def add_model_variant(repository: Path, source: str, name: str, **limits) -> Non
     """Copy model `source` of a Triton repository as model `name`, with some serving limits changed."""
     import shutil
 
-    from llmc.compiler.triton_config import parse, render
+    from llmc.compiler.repository.triton_config import parse, render
     from llmc.runtime.manifest import RepositoryManifest
 
     shutil.copytree(repository / source, repository / name)

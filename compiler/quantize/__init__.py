@@ -6,46 +6,46 @@ the runtime; `HANDLERS` maps every `QuantMode` to one:
   llmc's block search, awq.py and blockwise.py, or ORT's round to nearest);
 - qdq_static.py: `int8`, `fp8` as Q/DQ for TensorRT (calibrate.py, smoothquant.py, ModelOpt in qdq.py).
 Every mode ends with the same quality report (quality.py) against the unquantized graph, on held-out
-text (textdata.py) never used for calibration.
+text (compiler/textdata/) never used for calibration.
 
 Library API: `check` (before any work), `quantize` (the run), `cache_key_parts` (what keys the
-stage), `check_quality_gate` and `summary`.
+stage besides the export and the code), `check_quality_gate` and `summary`; `QUANTIZE` declares the
+stage with them.
 """
 
 from __future__ import annotations
 
-import pkgutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from llmc.compiler.artifacts import ExportedModel, QualityReport, QuantizedModel, hash_outputs
-from llmc.compiler.export import EXTERNAL_DATA_NAME, ONNX_NAME, PROTOBUF_LIMIT, save_model, tool_versions
-from llmc.compiler.hashing import code_hash
+from llmc.compiler.graph.export import EXTERNAL_DATA_NAME, ONNX_NAME, PROTOBUF_LIMIT, save_model, tool_versions
+from llmc.compiler.graph.verify import PROMPTS
 from llmc.compiler.quantize.handler import Job, QuantHandler, calibration_windows
 from llmc.compiler.quantize.qdq_static import StaticQDQ
-from llmc.compiler.quantize.textdata import builtin_documents, load_documents, token_windows
 from llmc.compiler.quantize.weight_only import WeightOnly
-from llmc.compiler.source import SourceInfo
-from llmc.compiler.spec import QuantizationSpec, QuantMode
+from llmc.compiler.source import SourceInfo, load_tokenizer
+from llmc.compiler.spec import BuildSpec, QuantizationSpec, QuantMode
+from llmc.compiler.stage import Context, Located, Stage
+from llmc.compiler.textdata import builtin_documents, load_documents, token_windows
 from llmc.errors import QuantizationError, SpecError
 
 HANDLERS: dict[QuantMode, QuantHandler] = {
     QuantMode.int8_weight_only: WeightOnly(bits=8), QuantMode.int4_weight_only: WeightOnly(bits=4),
     QuantMode.int8: StaticQDQ(QuantMode.int8), QuantMode.fp8: StaticQDQ(QuantMode.fp8),
 }
-# the code whose changes invalidate a quantized graph: every module of this package, and the
-# runtime code the quality report runs on
-QUANTIZE_CODE = (__name__, *sorted(f"{__name__}.{m.name}" for m in pkgutil.iter_modules(__path__)),
-                 "llmc.runtime.runners.ort", "llmc.runtime.kernels.cpu_kernels")
+# the code whose changes invalidate a quantized graph: this package; the tokenizer's loader; the calibration and
+# held-out text; the export's graph code it saves and rewrites with; and what the quality report runs on: the
+# runners (the paged ones included), the CPU kernels (C sources) they load, the KV layout
+QUANTIZE_CODE = (__name__, "llmc.compiler.source", "llmc.compiler.textdata", "llmc.compiler.graph",
+                 "llmc.runtime.runners", "llmc.runtime.kernels", "llmc.runtime.layout")
 EVAL_SEQ_LEN, EVAL_WINDOWS, AGREEMENT_STEPS = 256, 8, 32
 
 
 def check(spec: QuantizationSpec, info: SourceInfo) -> None:
     """What a quantize run needs, checked before any work: the calibration text, the mode's tools, the
     checkpoint's tokenizer, and enough calibration tokens for the modes that calibrate."""
-    from llmc.compiler.source import load_tokenizer
-
     if spec.mode is QuantMode.none:
         return
     handler = HANDLERS[spec.mode]
@@ -60,13 +60,12 @@ def check(spec: QuantizationSpec, info: SourceInfo) -> None:
 
 
 def cache_key_parts(spec: QuantizationSpec) -> dict:
-    """What keys a quantize run besides the export: the spec's section (less the quality gate, which
-    only judges the report), this package's code and the versions of the tools the mode runs on."""
+    """What keys a quantize run besides the export and the code (QUANTIZE_CODE): the spec's section (less
+    the quality gate, which only judges the report) and the versions of the tools the mode runs on."""
     import onnxruntime
 
     return {"quantization": spec.model_dump(mode="json", exclude={"max_perplexity_increase"}),
-            "code": code_hash(*QUANTIZE_CODE), "onnxruntime": onnxruntime.__version__,
-            **HANDLERS[spec.mode].tools()}
+            "onnxruntime": onnxruntime.__version__, **HANDLERS[spec.mode].tools()}
 
 
 def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: QuantizationSpec, tokenizer, *,
@@ -100,7 +99,6 @@ def _measure(source: Path, out_dir: Path, exported: ExportedModel, tokenizer, *,
              progress, sizes: tuple[int, int]) -> QualityReport:
     """The quantized graph in `out_dir` against `source` on the built-in held-out text and the verify prompts."""
     from llmc.compiler.quantize.quality import compare
-    from llmc.compiler.verify import PROMPTS
 
     windows = token_windows(tokenizer, builtin_documents("heldout"), EVAL_SEQ_LEN, EVAL_WINDOWS,
                             "quantization", "the built-in held-out text")
@@ -130,3 +128,23 @@ def summary(art: QuantizedModel) -> str:
 
 def _mib(value: float) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.2f}"
+
+
+# the quantize stage: the export made smaller, with a measured quality report and gate
+
+def _skip(spec: BuildSpec, done: Mapping[str, Located]) -> str | None:
+    return "quantization.mode is none" if spec.quantization.mode is QuantMode.none else None
+
+
+def _run(exported: Located[ExportedModel], section: QuantizationSpec, ctx: Context) -> QuantizedModel:
+    return quantize(exported.artifact, exported.folder, ctx.out, section, load_tokenizer(ctx.source),
+                    inputs_hash=ctx.inputs_hash, num_threads=ctx.num_threads,
+                    previous=ctx.previous if ctx.previous.is_dir() else None, progress=ctx.progress)
+
+
+QUANTIZE = Stage("quantize", describe=lambda spec: f"quantizing ({spec.quantization.mode.value}) and measuring quality",
+                 takes=("export",), artifact=QuantizedModel, section=lambda spec: spec.quantization,
+                 code=QUANTIZE_CODE, key=lambda spec, ctx: cache_key_parts(spec.quantization),
+                 check=lambda spec, source: check(spec.quantization, source), skip=_skip, run=_run,
+                 accept=lambda art, spec: check_quality_gate(art.report, spec.quantization.max_perplexity_increase),
+                 summary=lambda done: summary(done.artifact))

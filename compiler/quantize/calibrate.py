@@ -91,7 +91,7 @@ def run_tensors(model, layout: KVLayout, windows: list[np.ndarray], tensors: lis
     what is asked for."""
     import onnx
 
-    from llmc.compiler.export import save_model
+    from llmc.compiler.graph.export import save_model
     from llmc.runtime.runners.ort import make_session
 
     augmented = onnx.ModelProto()

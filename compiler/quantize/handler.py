@@ -15,7 +15,7 @@ import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel
 from llmc.compiler.quantize.calibrate import Calibration
-from llmc.compiler.quantize.textdata import load_documents, token_windows
+from llmc.compiler.textdata import load_documents, token_windows
 from llmc.compiler.spec import QuantizationSpec
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.compiler.export import ONNX_NAME, save_model
-from llmc.compiler.graph_passes import deduplicate_initializers
+from llmc.compiler.graph.export import ONNX_NAME, save_model
+from llmc.compiler.graph.passes import deduplicate_initializers
 from llmc.compiler.hashing import hash_json
 from llmc.compiler.quantize.calibrate import Calibration, calibrate, calibration_key
 from llmc.compiler.quantize.handler import Job, Quantized, calibration_windows, untie_lm_head

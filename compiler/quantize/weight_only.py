@@ -7,7 +7,7 @@ Converted: ONNX Runtime's own `MatMulNBitsQuantizer` turns every MatMul with con
 `com.microsoft.MatMulNBits` (block-wise, `accuracy_level` 4 = int8 activations in the kernel, the
 fast CPU path), packing the searched codes when there are some. Blocks are 128 weights at 8 bits and
 32 at 4 unless the spec says (spec.block). Sibling layers (the MLP's gate and up) are then merged into
-one MatMulNBits (compiler/graph_passes.py).
+one MatMulNBits (compiler/graph/passes.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmc.compiler.graph_passes import merge_sibling_matmul_nbits
+from llmc.compiler.graph.passes import merge_sibling_matmul_nbits
 from llmc.compiler.quantize.awq import awq
 from llmc.compiler.quantize.blockwise import BlockCodes, pack, search
 from llmc.compiler.quantize.calibrate import mean_squares

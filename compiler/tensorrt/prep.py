@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.compiler.export import ONNX_NAME, save_model
-from llmc.compiler.graph_passes import deduplicate_initializers
+from llmc.compiler.graph.export import ONNX_NAME, save_model
+from llmc.compiler.graph.passes import deduplicate_initializers
 from llmc.plugins.op.lowering import register_schemas
 
 FP32_OPS = ["RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"]

@@ -4,9 +4,9 @@
     Runtime (verify_engine.py) -> <out_dir>/model.plan + engine.json
 
 `check(spec)` refuses, before any work, a TensorRT build on a machine that lacks what it needs;
-`cache_key_parts(spec)` is what the stage's cache key holds besides its source's files (the spec
-sections, TensorRT's version, the GPU, the code); `summary(engine)` is its line in the build report.
-The stage knows nothing of the pipeline: the pipeline decides the folders and when to reuse.
+`cache_key_parts(spec)` is what the stage's cache key holds besides its inputs' files and its code
+(ENGINE_CODE): the spec sections, TensorRT's version, the GPU; `summary(engine)` is its line in the
+build report; `ENGINE` declares the stage with them. The pipeline decides the folders and when to reuse.
 """
 
 from __future__ import annotations
@@ -16,14 +16,17 @@ from pathlib import Path
 from typing import Callable
 
 from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel, hash_outputs
-from llmc.compiler.hashing import code_hash
 from llmc.compiler.spec import BuildSpec, Target
+from llmc.compiler.stage import Context, Located, Stage
 from llmc.errors import UnsupportedError
 
-# the modules whose code decides the engine (part of the stage's cache key)
-ENGINE_CODE = ("llmc.compiler.tensorrt.engine", "llmc.compiler.tensorrt.prep", "llmc.compiler.tensorrt.profiles",
-               "llmc.compiler.tensorrt.stage", "llmc.compiler.tensorrt.verify_engine", "llmc.plugins.trt.plugin",
-               "llmc.plugins.gpu.kernels", "llmc.plugins.gpu.kernels_aot", "llmc.runtime.runners.trt")
+# the code that decides the engine (part of the stage's cache key): this package; the graph code it prepares
+# the ONNX with and compares against (verify_engine exports the plugin lowering's fused stand-in); the
+# checkpoint's loader; the TensorRT plugin and its GPU kernels; the runners (TensorRT's and ONNX Runtime's, with
+# the CPU kernels it loads) and the KV layout
+ENGINE_CODE = ("llmc.compiler.tensorrt", "llmc.compiler.graph", "llmc.compiler.source", "llmc.plugins.trt",
+               "llmc.plugins.gpu", "llmc.plugins.op", "llmc.runtime.runners", "llmc.runtime.kernels",
+               "llmc.runtime.layout")
 LAYOUT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # what the build imports besides TensorRT, and the llmc extra that installs it
 NEEDED_MODULES = (("modelopt.onnx.autocast", "quantize"), ("polygraphy", "quantize"), ("triton", "kernels"),
@@ -67,14 +70,14 @@ def check(spec: BuildSpec) -> None:
 
 
 def cache_key_parts(spec: BuildSpec) -> dict:
-    """The engine's cache key besides its source's files: precision, the spec sections the stage
-    reads, the code, TensorRT's version and the GPU (an engine runs on the GPU it was built for)."""
+    """The engine's cache key besides its inputs' files and its code: precision, the spec sections the
+    stage reads, TensorRT's version and the GPU (an engine runs on the GPU it was built for)."""
     import tensorrt
 
     from llmc.runtime.runners.trt import gpu_identity
 
     return {"precision": spec.precision.value, "spec": spec.section_hash("tensorrt", "limits", "verify"),
-            "code": code_hash(*ENGINE_CODE), "tensorrt": tensorrt.__version__, "gpu": gpu_identity()}
+            "tensorrt": tensorrt.__version__, "gpu": gpu_identity()}
 
 
 def carry_timing_cache(spec: BuildSpec, previous: Path, staging: Path) -> Path | None:
@@ -130,3 +133,18 @@ def summary(engine: EngineModel) -> str:
     t = engine.tensorrt
     return (f"{engine.plan}: TensorRT {t.version}, {t.gpu} (sm {t.compute_capability}), {t.precision}, "
             f"profiles {', '.join(t.profiles)}" + (f"; {engine.verified}" if engine.verified else ""))
+
+
+def _run(source: Located, spec: BuildSpec, ctx: Context) -> EngineModel:
+    """From the quantized graph when there is one, else the export; the export's model (declared in `takes`)
+    either way."""
+    exported = ctx.done["export"]
+    return make_engine(source.artifact, source.folder, exported.artifact, spec, ctx.out,
+                       inputs_hash=ctx.inputs_hash, load_model=ctx.model, source_hash=ctx.source_hash,
+                       timing_cache=carry_timing_cache(spec, ctx.previous, ctx.out), progress=ctx.progress)
+
+
+ENGINE = Stage("engine", describe=lambda spec: f"building the TensorRT engine ({spec.precision.value})",
+               takes=("quantize", "export"), artifact=EngineModel, applies=lambda spec: spec.target is Target.tensorrt,
+               code=ENGINE_CODE, key=lambda spec, ctx: cache_key_parts(spec), check=lambda spec, source: check(spec),
+               run=_run, summary=lambda done: summary(done.artifact))

@@ -18,7 +18,7 @@ import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel, QuantizedModel, VerifyCase
 from llmc.compiler.spec import BuildSpec
-from llmc.compiler.verify import compare, runner_greedy
+from llmc.compiler.graph.verify import compare, runner_greedy
 from llmc.errors import VerifyError
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.manifest import TensorRTInfo
@@ -62,7 +62,7 @@ def reference_graph(source: ExportedModel | QuantizedModel, source_dir: Path, ex
     Runtime can run it, else (the plugin node) the same checkpoint's fused export, written to `scratch`."""
     if exported.lowering.runs_on_onnxruntime:
         return source_dir / source.onnx, source.kv_layout
-    from llmc.compiler import export as export_stage
+    from llmc.compiler.graph import export as export_stage
     from llmc.plugins.op.lowering import Lowering
 
     ref = export_stage.export(torch_model, tokenizer, scratch, lowering=Lowering.fused, source_hash=source_hash,
@@ -74,7 +74,7 @@ def verify_engine(plan: Path, layout: KVLayout, info: TensorRTInfo, reference: t
                   vocab_size: int, spec: BuildSpec, progress: Callable[[int, int], None] | None = None) -> str:
     """The engine `plan` vs ONNX Runtime running `reference` on the verify prompts, at the serving
     limits; the summary line, or VerifyError when Polygraphy rejects the engine's logits."""
-    from llmc.compiler.verify import prompt_ids
+    from llmc.compiler.graph.verify import prompt_ids
     from llmc.runtime.runners.ort import OrtRunner
     from llmc.runtime.runners.trt import TrtRunner
 

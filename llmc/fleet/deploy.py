@@ -63,7 +63,7 @@ def built_model(build_dir: Path, model: str | None) -> Path:
 
 def pinned(config_text: str, version: int) -> str:
     """`config_text` serving exactly `version` (and its packed environment, when it has one)."""
-    from llmc.compiler.triton_config import EXECUTION_ENV, parse, render
+    from llmc.compiler.repository.triton_config import EXECUTION_ENV, parse, render
 
     cfg = parse(config_text)
     cfg.version_policy.specific.ClearField("versions")

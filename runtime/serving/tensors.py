@@ -1,5 +1,5 @@
 """The served model's tensors, named as TensorRT-LLM's Triton models name them: the one table that
-config.pbtxt (compiler/triton_config.py), the request parser (request.py) and the client
+config.pbtxt (compiler/repository/triton_config.py), the request parser (request.py) and the client
 (llmc/client.py) all read. Plain data importing nothing, so the client loads it without the
 runtime's dependencies (pydantic, tokenizers, ONNX Runtime).
 

@@ -12,8 +12,9 @@ def test_wheel_imports_and_runs(tmp_path):
                     str(tmp_path / "dist"), str(REPO)], check=True, timeout=300)
     wheel = next((tmp_path / "dist").glob("llmc-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("llmc/cli/__init__.py", "llmc/cli/app.py", "llmc/compiler/spec.py", "llmc/compiler/export.py",
-                   "llmc/runtime/layout.py", "llmc/plugins/__init__.py", "llmc/model_repository/model.py",
+    for module in ("llmc/cli/__init__.py", "llmc/cli/app.py", "llmc/compiler/spec/__init__.py",
+                   "llmc/compiler/graph/export.py", "llmc/compiler/pipeline/stages.py",
+                   "llmc/compiler/repository/package.py", "llmc/compiler/textdata/corpus.txt", "llmc/runtime/layout.py", "llmc/plugins/__init__.py", "llmc/model_repository/model.py",
                    "llmc/runtime/serving/loop.py"):
         assert module in names
     assert not any(n.startswith(("compiler/", "runtime/", "plugins/", "tests/")) for n in names)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from conftest import TINY_SERVING_SPEC, RecordingSink, request_inputs, serving_env
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
-from llmc.compiler.triton_config import parse
+from llmc.compiler.repository.triton_config import parse
 from llmc.errors import SpecError
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.serving.loop import ServingLoop

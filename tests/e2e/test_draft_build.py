@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import TINY_SERVING_SPEC, byte_tokenizer, complete_on_triton, write_spec
 from llmc.compiler import build
-from llmc.compiler.plan import plan_build
+from llmc.compiler.pipeline.plan import plan_build
 from llmc.compiler.spec import load_spec, parse_spec
 from llmc.errors import SourceError, SpecError
 from llmc.runtime.manifest import RepositoryManifest

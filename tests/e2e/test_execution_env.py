@@ -16,10 +16,11 @@ import pytest
 
 from conftest import TINY_SERVING_SPEC
 from llmc.client import Client
-from llmc.compiler import build, environment
-from llmc.compiler.package import requirements
+from llmc.compiler import build
+from llmc.compiler.repository import environment
+from llmc.compiler.repository.package import requirements
 from llmc.compiler.spec import ExecutionEnvSpec, parse_spec
-from llmc.compiler.triton_config import model_config, parse, render
+from llmc.compiler.repository.triton_config import model_config, parse, render
 from llmc.errors import ExecutionEnvError, SpecError
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.triton_server import TritonServer, assemble

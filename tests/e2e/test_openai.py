@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from conftest import SERVING_ENV, TINY_SERVING_SPEC, add_model_variant, byte_tokenizer, greedy_reference
-from llmc.compiler.triton_config import parse
+from llmc.compiler.repository.triton_config import parse
 from llmc.openai.server import OpenAIServer
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.soak import llmc_metrics

@@ -65,7 +65,7 @@ def _served_versions(servers) -> list[list[str]]:
 
 
 def _pinned_version(url: str) -> int:
-    from llmc.compiler.triton_config import parse
+    from llmc.compiler.repository.triton_config import parse
 
     return list(parse(open_store(url).read("tiny", CONFIG)).version_policy.specific.versions)[0]
 

@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.tensorrt, pytest.mark.cuda,
 def test_tiny_engine_builds_verifies_packages_and_decodes_like_onnxruntime(tiny_llama, tmp_path, precision):
     from llmc.compiler import build
     from llmc.compiler.spec import parse_spec
-    from llmc.compiler.triton_config import parse
-    from llmc.compiler.verify import runner_greedy
+    from llmc.compiler.repository.triton_config import parse
+    from llmc.compiler.graph.verify import runner_greedy
     from llmc.runtime.runners.ort import OrtRunner
     from llmc.runtime.runners.trt import TrtRunner
 

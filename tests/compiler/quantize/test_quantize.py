@@ -12,7 +12,7 @@ from conftest import assert_serves_like_its_graph, write_spec
 from llmc.compiler import build
 from llmc.compiler.quantize.handler import untie_lm_head
 from llmc.compiler.spec import parse_spec
-from llmc.compiler.quantize.textdata import builtin_documents, load_documents, token_windows
+from llmc.compiler.textdata import builtin_documents, load_documents, token_windows
 from llmc.errors import QuantizationError, SpecError, UnsupportedError
 from llmc.runtime.manifest import RepositoryManifest
 
@@ -228,7 +228,7 @@ def test_a_4bit_repository_carries_the_cpu_kernel_for_hosts_without_a_compiler(i
     if cpu_kernels.library() is None:
         pytest.skip("llmc's CPU kernel is unavailable on this host")
     version = int4_build.repository / "q" / "1"
-    assert (version / "llmc" / "runtime" / "kernels" / cpu_kernels.library().name).is_file()
+    assert (version / "llmc" / "runtime" / "kernels" / cpu_kernels.library().name).is_file()  # where cpu_kernels looks
     code = f"""
 import sys
 sys.path.insert(0, {str(version)!r})

@@ -44,7 +44,7 @@ def test_sibling_matmul_nbits_are_merged_into_one_with_the_same_outputs():
     from onnx import TensorProto, helper, numpy_helper
 
     from llmc.compiler.quantize.blockwise import minmax, pack
-    from llmc.compiler.graph_passes import merge_sibling_matmul_nbits
+    from llmc.compiler.graph.passes import merge_sibling_matmul_nbits
 
     rng = np.random.default_rng(4)
     nodes, inits = [], []

@@ -102,9 +102,9 @@ def test_a_tensorrt_build_packages_a_gpu_repository_whose_manifest_describes_the
     the TensorRT pin, the manifest's engine record; loading it without TensorRT says what is missing."""
     from llmc.compiler import build
     from llmc.compiler.artifacts import EngineModel, hash_outputs
-    from llmc.compiler.package import package
+    from llmc.compiler.repository.package import package
     from llmc.compiler.source import inspect_source
-    from llmc.compiler.triton_config import parse
+    from llmc.compiler.repository.triton_config import parse
     from llmc.runtime.manifest import RepositoryManifest
     from llmc.runtime.serving.loop import ServingLoop
 

@@ -1,11 +1,12 @@
 """`build`: run the table of stages (stages.py) over a spec, reuse what is unchanged, publish the
-output atomically (output.py).
+output atomically (compiler/output.py).
 
-One loop: the source stage finds the checkpoint and fills the limits it decides into the spec;
-every stage of the build then checks its preconditions, before any stage that does work runs;
-then each stage runs through `_cached_run`, which keys it (its input's files, what it declared
-decides its output, its code), reuses the last output's artifact when the key matches and its files
-are intact (hard links), runs it otherwise, applies its gate, and reports it.
+One loop: the stage that opens the build (the source stage) finds the checkpoint and fills the limits
+it decides into the spec; every stage of the build then checks its preconditions, before any stage
+that does work runs; then each stage runs through `_cached_run`, which keys it (`cache_key`: the
+files of the results it takes and reads, what it declared decides its output, its code), reuses the
+last output's artifact when the key matches and its files are intact (hard links), runs it
+otherwise, applies its gate, and reports it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from typing import Any, Protocol
 
 from llmc.compiler import output as out
 from llmc.compiler.artifacts import Artifact
-from llmc.compiler.hashing import hash_json
-from llmc.compiler.source import SourceInfo, load_model
+from llmc.compiler.graph.export import PROTOBUF_LIMIT
+from llmc.compiler.hashing import code_hash, hash_json
+from llmc.compiler.pipeline.stages import STAGES
+from llmc.compiler.repository.package import REPOSITORY_DIR
+from llmc.compiler.source import FoundSource, SourceInfo, load_model
 from llmc.compiler.spec import BuildSpec
 from llmc.compiler.stage import Context, Located, Stage
-from llmc.compiler.stages import REPOSITORY_DIR, STAGES
 
 STAGE_NAMES = tuple(s.name for s in STAGES)
 BUILD_RECORD = "build.json"
@@ -87,18 +90,16 @@ def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package"
           reporter: Reporter | None = None, external_threshold: int | None = None) -> BuildResult:
     """Build `spec` into `output` (default: the spec's). Stages after `until` are not run; stages
     named in `force` run even when cached."""
-    from llmc.compiler.export import PROTOBUF_LIMIT
-
     assert until in STAGE_NAMES, until
     output = Path(output or spec.output_dir).absolute()
     stages = [s for s in STAGES[:STAGE_NAMES.index(until) + 1]
               if s.applies(spec) and (until == STAGE_NAMES[-1] or not s.for_package)]
     run = _Run(spec, output, reporter or NullReporter(), set(force or ()), external_threshold or PROTOBUF_LIMIT)
     try:
-        for stage in stages:
+        for i, stage in enumerate(stages):
             run.stage(stage)
-            if stage.name == "source":  # the checkpoint is known: the limits it decides, then every check
-                run.source_found(stages[1:])
+            if stage.opens:  # the checkpoint is known: the limits it decides, then every later check
+                run.source_found(run.result.artifacts[stage.name].artifact, stages[i + 1:])
         run.write_record()
         out.publish(run.staging, output)
     except BaseException:
@@ -116,6 +117,7 @@ class _Run:
         self.output, self.reporter, self.force = output, reporter, force
         self.external_threshold = external_threshold
         self.model = _Model()
+        self.found: FoundSource | None = None
         self.result = BuildResult(output=output, spec=spec)
         self.staging = out.make_staging(output)
 
@@ -123,9 +125,9 @@ class _Run:
     def spec(self) -> BuildSpec:
         return self.result.spec
 
-    def source_found(self, later: list[Stage]) -> None:
+    def source_found(self, found: FoundSource, later: list[Stage]) -> None:
         """Build with the spec the checkpoint completed; check what every later stage needs."""
-        found = self.result.artifacts["source"].artifact
+        self.found = found
         self.result.spec, self.model.info = found.spec, found.info
         for stage in later:
             stage.check(self.spec, found.info)
@@ -133,7 +135,7 @@ class _Run:
     def stage(self, stage: Stage) -> None:
         self.reporter.stage_started(stage.name, stage.describe(self.spec))
         start = time.perf_counter()
-        reason = stage.skip(self.spec, self.result.artifacts)
+        reason = stage.skip(self.spec, stage.declared(self.result.artifacts))
         if reason is None:
             status, done = self._cached_run(stage)
             self.result.artifacts[stage.name] = done
@@ -147,17 +149,16 @@ class _Run:
     def _cached_run(self, stage: Stage) -> tuple[str, Located]:
         """(status, artifact): the last output's artifact when its key matches and its files are
         intact, linked into the staging output; else the stage's run."""
-        source = self.result.artifacts.get("source")
+        found = self.found
         ctx = Context(out=self.staging / stage.folder, previous=self.output / stage.folder,
-                      source=source.artifact.info if source else None, source_hash=source.artifact.hash if source else "",
-                      inputs_hash="", model=self.model, done=self.result.artifacts,
+                      source=found.info if found else None, source_hash=found.hash if found else "",
+                      inputs_hash="", model=self.model, done=stage.declared(self.result.artifacts),
                       progress=self.reporter.stage_progress, num_threads=self.spec.serving.num_threads,
                       external_threshold=self.external_threshold)
-        taken = stage.input(self.result.artifacts)
+        taken = stage.input(ctx.done)
         status, art = "ran", None
         if stage.artifact is not None:
-            ctx = replace(ctx, inputs_hash=hash_json({"stage": stage.name, "input": _identity(taken),
-                                                      **stage.key(self.spec, ctx)}))
+            ctx = replace(ctx, inputs_hash=cache_key(stage, self.spec, ctx))
             if stage.name not in self.force:
                 art = stage.artifact.load_cached(ctx.previous, ctx.inputs_hash)
             if art is not None:
@@ -183,9 +184,14 @@ class _Run:
         (self.staging / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _identity(taken: Located | None) -> Any:
-    """What identifies a stage's input in its key: an artifact's file hashes, the checkpoint's hash."""
-    if taken is None:
-        return None
-    art = taken.artifact
+def cache_key(stage: Stage, spec: BuildSpec, ctx: Context) -> str:
+    """A cached stage's key: its name, the identity of every earlier result it takes or reads (ctx.done),
+    the content of the code it declared (whole folders, C sources included) and what its `key` adds."""
+    return hash_json({"stage": stage.name, "inputs": {name: _identity(done) for name, done in ctx.done.items()},
+                      "code": code_hash(*stage.code), **stage.key(spec, ctx)})
+
+
+def _identity(done: Located) -> Any:
+    """What identifies an earlier result in a key: an artifact's file hashes, the checkpoint's hash."""
+    art = done.artifact
     return art.files if isinstance(art, Artifact) else art.hash

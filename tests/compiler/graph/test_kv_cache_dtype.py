@@ -1,4 +1,4 @@
-"""`export.kv_cache_dtype` (compiler/kv_cache.py): the spec refuses it off the paged graph; fp16 and int8
+"""`export.kv_cache_dtype` (compiler/graph/kv_cache.py): the spec refuses it off the paged graph; fp16 and int8
 builds of the tiny Llama declare their pools in that type (int8: per-channel scales as initializers,
 calibrated so the calibration text's keys and values fit), the memory accounting follows, verify passes
 at the dtype's tolerance, and the packaged model serves in process. The int8 graph computes exactly
@@ -207,7 +207,7 @@ def test_int8_scales_fit_the_calibration_text(kv_build, tiny_checkpoints):
     pair's largest norm is 127 steps, each value channel's largest magnitude 127 / VALUE_HEADROOM steps. The first layer's
     stored codes (its inputs are the float model's; later layers see int8 attention before them) are those values
     rounded. A scale in the wrong layer, head, channel or cache, or a rotary pair taken wrongly, breaks one of these."""
-    from llmc.compiler import kv_cache
+    from llmc.compiler.graph import kv_cache
     from llmc.compiler.decoder import decoder_for
     from llmc.compiler.source import inspect_source, load_model, load_tokenizer
     from llmc.compiler.spec import SourceSpec

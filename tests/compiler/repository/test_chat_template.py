@@ -1,4 +1,4 @@
-"""Chat templates (llmc/chat_template.py, compiler/chat_template.py): rendered as transformers
+"""Chat templates (llmc/chat_template.py, compiler/repository/chat_template.py): rendered as transformers
 renders them, in a sandbox; found in the checkpoint or given by the spec; broken ones fail the build."""
 
 import json
@@ -44,7 +44,7 @@ def test_special_tokens_reach_the_template():
 
 
 def test_the_spec_overrides_the_checkpoint_and_broken_templates_fail_the_build(tiny_llama, tmp_path):
-    from llmc.compiler.chat_template import find_chat_template
+    from llmc.compiler.repository.chat_template import find_chat_template
     from llmc.compiler.source import inspect_source
     from llmc.compiler.spec import SourceSpec
 

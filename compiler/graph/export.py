@@ -21,10 +21,12 @@ import warnings
 from pathlib import Path
 
 from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
-from llmc.compiler.sections import KVCacheDtype
-from llmc.compiler.source import SUPPORTED_MODEL_TYPES, attention_shape
+from llmc.compiler.graph.passes import fuse_skip_rms_norm, simplify
+from llmc.compiler.source import SUPPORTED_MODEL_TYPES, FoundSource, attention_shape
+from llmc.compiler.spec import BuildSpec
+from llmc.compiler.spec.sections import KVCacheDtype
+from llmc.compiler.stage import Context, Located, Stage
 from llmc.errors import ExportError
-from llmc.compiler.graph_passes import fuse_skip_rms_norm, simplify
 from llmc.plugins.op.lowering import MICROSOFT_DOMAIN, Heads, Lowering, translation_table, trim_unused_outputs
 from llmc.runtime.layout import KVLayout
 
@@ -56,7 +58,7 @@ def model_info(model, tokenizer) -> ModelInfo:
 
 
 def kv_layout(info: ModelInfo, lowering: Lowering, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32) -> KVLayout:
-    from llmc.compiler.kv_cache import ELEMENT
+    from llmc.compiler.graph.kv_cache import ELEMENT
 
     if lowering is Lowering.paged:
         return KVLayout.paged_layout(info.num_layers, info.num_kv_heads, info.head_dim, dtype=ELEMENT[kv_cache_dtype])
@@ -136,7 +138,7 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
                 tokenizer=None) -> bool:
     """Write `out_dir/model.onnx` (+ `model.onnx.data` when over the threshold) with attention in
     `lowering`'s form and the paged pools in `kv_cache_dtype` (int8 scales calibrated with `tokenizer`'s
-    tokens, compiler/kv_cache.py). Returns whether weights went to external data."""
+    tokens, compiler/graph/kv_cache.py). Returns whether weights went to external data."""
     import onnx
     import torch
 
@@ -177,7 +179,7 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
 
 def _retype_pools(proto, decoder, info: ModelInfo, layout: KVLayout, tokenizer) -> None:
     """The exported float32 pools given `layout.dtype` (and, for int8, scales measured on calibration text)."""
-    from llmc.compiler import kv_cache
+    from llmc.compiler.graph import kv_cache
 
     scales = None
     if layout.dtype == "int8":
@@ -238,3 +240,36 @@ def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: 
     )
     artifact.save(out_dir)
     return artifact
+
+
+# the export stage: the found checkpoint -> ONNX with an explicit KV cache
+
+def export_key(spec: BuildSpec, ctx: Context) -> dict:
+    """What keys an export besides the checkpoint and the code (the draft stage's key holds it too)."""
+    return {"lowering": spec.attention_lowering, "precision": spec.precision.value,
+            "kv_cache_dtype": spec.export.kv_cache_dtype.value,
+            "versions": tool_versions(), "opset": OPSET, "external_threshold": ctx.external_threshold}
+
+
+def _run(source: Located[FoundSource], section: tuple[Lowering, KVCacheDtype], ctx: Context) -> ExportedModel:
+    model, tokenizer = ctx.model()
+    lowering, kv_cache_dtype = section
+    return export(model, tokenizer, ctx.out, lowering=lowering, source_hash=ctx.source_hash,
+                  inputs_hash=ctx.inputs_hash, external_threshold=ctx.external_threshold, kv_cache_dtype=kv_cache_dtype)
+
+
+def _summary(done: Located[ExportedModel]) -> str:
+    art = done.artifact
+    size = sum((done.folder / f).stat().st_size for f in art.files) / 2**20
+    pools = f", {art.kv_layout.dtype} KV pools" if art.kv_layout.paged else ""
+    return (f"{art.onnx}, opset {art.opset}, {art.model.num_layers} layers, {art.lowering.value} attention{pools}, "
+            f"{size:.1f} MiB")
+
+
+# what runs an export: this package (the KV cache dtypes, the graph passes), the decoders it traces, the
+# checkpoint's loader, the calibration text of int8 KV caches, the attention op and its lowerings, the KV layout
+EXPORT_CODE = ("llmc.compiler.graph", "llmc.compiler.decoder", "llmc.compiler.paged_decoder", "llmc.compiler.source",
+               "llmc.compiler.textdata", "llmc.plugins.op", "llmc.runtime.layout")
+EXPORT = Stage("export", describe=lambda spec: "exporting to ONNX", takes=("source",), artifact=ExportedModel,
+               section=lambda spec: (Lowering(spec.attention_lowering), spec.export.kv_cache_dtype),
+               code=EXPORT_CODE, key=export_key, run=_run, summary=_summary)

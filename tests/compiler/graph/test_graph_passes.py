@@ -5,7 +5,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from llmc.compiler.graph_passes import fuse_skip_rms_norm
+from llmc.compiler.graph.passes import fuse_skip_rms_norm
 from llmc.plugins.op.lowering import MICROSOFT_DOMAIN
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.compiler.sections import KVCacheDtype
+from llmc.compiler.spec.sections import KVCacheDtype
 from llmc.runtime.layout import KVLayout
 
 ELEMENT = {KVCacheDtype.fp32: "float32", KVCacheDtype.fp16: "float16", KVCacheDtype.int8: "int8"}
@@ -39,7 +39,7 @@ def calibration_windows(tokenizer, vocab_size: int) -> list[np.ndarray]:
     if tokenizer is None:
         rng = np.random.default_rng(0)
         return [rng.integers(0, vocab_size, CALIBRATION_TOKENS) for _ in range(CALIBRATION_WINDOWS)]
-    from llmc.compiler.quantize.textdata import builtin_documents, token_windows
+    from llmc.compiler.textdata import builtin_documents, token_windows
 
     return token_windows(tokenizer, builtin_documents("calibration"), CALIBRATION_TOKENS, CALIBRATION_WINDOWS,
                          "export.kv_cache_dtype", "the built-in calibration text")

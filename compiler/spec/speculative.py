@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from llmc.compiler.sections import QuantizationSpec, QuantMode, SourceSpec, StrictModel
+from llmc.compiler.spec.sections import QuantizationSpec, QuantMode, SourceSpec, StrictModel
 
 
 class SpeculativeMethod(str, enum.Enum):

@@ -1,4 +1,4 @@
-"""Package stage: a Triton model repository that serves the build.
+"""Package stage (`PACKAGE`): a Triton model repository that serves the build.
 
     <output>/model_repository/<name>/config.pbtxt        decoupled Python-backend model (triton_config.py),
                                                          KIND_CPU instances, KIND_GPU for a TensorRT engine
@@ -24,20 +24,22 @@ import importlib.metadata
 import importlib.resources
 import shutil
 from pathlib import Path
+from typing import Mapping
 
 import llmc
 from llmc.compiler.artifacts import DraftArtifact, EngineModel, ExecutionEnvironment, ExportedModel, QuantizedModel
-from llmc.compiler.chat_template import find_chat_template
 from llmc.compiler.output import link_or_copy
-from llmc.compiler.source import SourceInfo
-from llmc.compiler.stage import Located
+from llmc.compiler.repository.chat_template import find_chat_template
+from llmc.compiler.repository.triton_config import model_config, render
+from llmc.compiler.source import SourceInfo, load_tokenizer
 from llmc.compiler.spec import BuildSpec
-from llmc.compiler.triton_config import model_config, render
+from llmc.compiler.stage import Context, Located, Stage
 from llmc.errors import SourceError
 from llmc.runtime.kernels import cpu_kernels
 from llmc.runtime.manifest import (DraftModel, ExecutionEnvInfo, RepositoryManifest, ServingLimits,
                                    SpeculativeConfig)
 
+REPOSITORY_DIR = "model_repository"  # the package stage's folder in the output
 VERSION = "1"
 DRAFT_DIR = "draft"  # the draft graph's folder in the version folder
 TOKENIZER_FILE = "tokenizer.json"
@@ -124,8 +126,6 @@ def _write_tokenizer(source: SourceInfo, dest: Path) -> None:
     if source.kind != "gguf" and (source.path / TOKENIZER_FILE).is_file():
         shutil.copyfile(source.path / TOKENIZER_FILE, dest)
         return
-    from llmc.compiler.source import load_tokenizer
-
     tokenizer = load_tokenizer(source)
     if tokenizer is None or not getattr(tokenizer, "is_fast", False):
         raise SourceError(f"{source.path}: the served model needs a fast tokenizer (tokenizer.json) and none "
@@ -154,3 +154,37 @@ def _not_runtime_source(folder: str, names: list[str]) -> list[str]:
             return name == "__pycache__" or name.startswith(".")
         return Path(name).suffix not in RUNTIME_SOURCES
     return [name for name in names if left(name)]
+
+
+# the package stage: the Triton model repository (links and small files: runs on every build)
+
+def _skip(spec: BuildSpec, done: Mapping[str, Located]) -> str | None:
+    exported = done.get("export")
+    if exported is not None and not exported.artifact.model.has_tokenizer:
+        return "the checkpoint has no tokenizer, so there is no text to serve"
+    return None
+
+
+def _run(engine: Located, spec: BuildSpec, ctx: Context) -> RepositoryManifest:
+    """The engine, else the quantized graph, else the export; the export's model, the draft and the
+    environment stages' files (declared in `takes` and `reads`)."""
+    return package(spec, ctx.done["export"].artifact, engine.artifact, engine.folder, ctx.source, ctx.out,
+                   draft=ctx.done.get("draft"), environment=ctx.done.get("environment"))
+
+
+def _summary(done: Located[RepositoryManifest]) -> str:
+    m, limits, spec = done.artifact, done.artifact.limits, done.artifact.speculative
+    if m.kv_layout.paged:
+        kv = (f"{limits.max_batch_size} rows a step, a KV pool of {limits.kv_cache_tokens} tokens in blocks of "
+              f"{m.kv_layout.block_size}, {limits.max_seq_len} tokens a request")
+    else:
+        kv = f"{limits.max_batch_size} KV slots x {limits.max_seq_len} tokens"
+    drafting = f", draft {spec.draft.engine}" if spec and spec.draft else ""
+    speculating = f", speculative {spec.method} (k {spec.num_tokens}, up to {spec.max_batch} rows{drafting})" \
+        if spec else ""
+    return f"{REPOSITORY_DIR}/{m.name}: {kv}, queue {limits.max_queue_size}{speculating}"
+
+
+PACKAGE = Stage("package", describe=lambda spec: "writing the Triton model repository",
+                takes=("engine", "quantize", "export"), reads=("draft", "environment"), folder=REPOSITORY_DIR,
+                skip=_skip, run=_run, summary=_summary)

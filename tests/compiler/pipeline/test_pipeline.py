@@ -128,15 +128,25 @@ def test_kill_between_the_two_renames_is_repaired(tiny_llama, tmp_path):
     assert not list(tmp_path.glob(".out.*"))
 
 
-def test_code_hash_follows_the_source_of_the_named_modules(tmp_path, monkeypatch):
+def test_code_hash_follows_the_source_of_the_named_modules_and_the_whole_folders_of_packages(tmp_path, monkeypatch):
     from llmc.compiler.hashing import code_hash
 
     (tmp_path / "llmc_probe_mod.py").write_text("X = 1\n")
+    kernel = tmp_path / "llmc_probe_pkg" / "kernels" / "k.c"  # a C source in a subfolder, no module beside it
+    kernel.parent.mkdir(parents=True)
+    (tmp_path / "llmc_probe_pkg" / "__init__.py").write_text("")
+    kernel.write_text("int k(void) { return 1; }\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    before = code_hash("llmc_probe_mod", "llmc.compiler.export")
-    assert code_hash("llmc.compiler.export", "llmc_probe_mod") == before  # order does not matter
+    before = code_hash("llmc_probe_mod", "llmc_probe_pkg", "llmc.compiler.graph.export")
+    assert code_hash("llmc.compiler.graph.export", "llmc_probe_pkg", "llmc_probe_mod") == before  # order does not matter
     (tmp_path / "llmc_probe_mod.py").write_text("X = 2\n")
-    assert code_hash("llmc_probe_mod", "llmc.compiler.export") != before
+    assert code_hash("llmc_probe_mod", "llmc_probe_pkg", "llmc.compiler.graph.export") != before
+    before = code_hash("llmc_probe_pkg")
+    (kernel.parent / "__pycache__").mkdir()
+    (kernel.parent / "__pycache__" / "k.cpython-311.pyc").write_bytes(b"build output")
+    assert code_hash("llmc_probe_pkg") == before  # caches are not code
+    kernel.write_text("int k(void) { return 2; }\n")
+    assert code_hash("llmc_probe_pkg") != before
 
 
 def test_the_result_points_at_the_published_output(tiny_llama, tmp_path):
@@ -144,3 +154,87 @@ def test_the_result_points_at_the_published_output(tiny_llama, tmp_path):
     assert result.artifacts["export"].folder == tmp_path / "out" / "export"
     assert (result.artifacts["export"].folder / result.exported.onnx).is_file()
     assert result.artifacts["package"].folder == result.repository
+
+
+KEY_PROBE = """
+import json, sys
+from pathlib import Path
+from llmc.compiler.hashing import code_hash
+from llmc.compiler.pipeline.run import cache_key
+from llmc.compiler.pipeline.stages import STAGES
+from llmc.compiler.spec import parse_spec
+from llmc.compiler.stage import Context
+
+stages = {s.name: s for s in STAGES}
+spec = parse_spec({"name": "t", "source": "x"})
+ctx = Context(out=Path("out"), previous=Path("previous"), source=None, source_hash="", inputs_hash="",
+              model=lambda: None)
+keys = {}
+for path in [None, *sys.argv[1:]]:  # each file in turn with one byte changed, then restored
+    data = Path(path).read_bytes() if path else b""
+    if path:
+        Path(path).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    keys[path or "unchanged"] = {"verify": cache_key(stages["verify"], spec, ctx),
+                                 "quantize code": code_hash(*stages["quantize"].code)}
+    if path:
+        Path(path).write_bytes(data)
+print(json.dumps(keys))
+"""
+
+
+def test_one_changed_byte_in_a_kernel_source_or_a_runner_changes_the_keys_of_what_runs_it(tmp_path):
+    """The verify stage and the quantize stage's quality check run the runners (the paged ones too), and
+    through them the CPU kernels, C compiled on first use: their keys hold that code, so a changed kernel or
+    runner never reuses a verify or quality report it did not make. Checked on a copy of the installed tree."""
+    import importlib.util
+    import shutil
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("lint_imports", REPO / "scripts" / "lint_imports.py")
+    lint_imports = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lint_imports)
+    lint_imports.make_view(REPO, tmp_path / "view")  # llmc/ laid out as installed, made of links
+    site = tmp_path / "site"
+    shutil.copytree(tmp_path / "view", site, ignore=shutil.ignore_patterns("__pycache__"))  # links followed
+    kernels = site / "llmc" / "runtime" / "kernels"
+    sources = sorted(p for p in kernels.rglob("*") if p.suffix in (".c", ".h"))
+    assert {p.parent.name for p in sources} >= {"kernels", "matmul_nbits4", "paged_attention"}
+    changed = [*map(str, sources), str(site / "llmc" / "runtime" / "runners" / "paged.py")]
+    res = subprocess.run([sys.executable, "-c", KEY_PROBE, *changed], capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(site), "PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    keys = json.loads(res.stdout)
+    base = keys.pop("unchanged")
+    assert keys.keys() == set(changed)
+    for path, key in keys.items():
+        assert key["verify"] != base["verify"], f"{path}: a changed byte left the verify key as it was"
+        assert key["quantize code"] != base["quantize code"], f"{path}: the quantize stage's code hash did not change"
+
+
+def test_a_stage_sees_only_the_earlier_results_it_declared(tiny_llama, tmp_path, monkeypatch):
+    """ctx.done holds what a stage takes and reads, nothing else; the stage that opens the build is known by
+    its declaration (`opens`), not its name: every later stage gets the checkpoint it found."""
+    from dataclasses import replace
+
+    from llmc.compiler.pipeline import run
+    from llmc.compiler.source import SOURCE
+    from llmc.compiler.stage import Stage
+
+    seen = {}
+
+    def recorder(name):
+        def record(taken, section, ctx):
+            seen[name] = (taken.artifact if taken else None, sorted(ctx.done), ctx.source.path)
+            return name
+        return record
+
+    table = (replace(SOURCE, name="checkpoint"),
+             Stage("a", describe=str, run=recorder("a"), summary=str),
+             Stage("b", describe=str, takes=("a",), run=recorder("b"), summary=str),
+             Stage("c", describe=str, takes=("b",), reads=("checkpoint",), run=recorder("c"), summary=str))
+    monkeypatch.setattr(run, "STAGES", table)
+    monkeypatch.setattr(run, "STAGE_NAMES", tuple(s.name for s in table))
+    run.build(parse_spec({"name": "t", "source": str(tiny_llama)}), output=tmp_path / "out", until="c")
+    assert seen == {"a": (None, [], tiny_llama), "b": ("a", ["a"], tiny_llama),
+                    "c": ("b", ["b", "checkpoint"], tiny_llama)}

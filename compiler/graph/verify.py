@@ -22,12 +22,15 @@ test models need, docs/build.md).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel, VerifyCase, VerifyReport
-from llmc.errors import UnsupportedError
+from llmc.compiler.spec import BuildSpec, VerifySpec
+from llmc.compiler.stage import Context, Located, Stage
+from llmc.errors import UnsupportedError, VerifyError
+from llmc.plugins.op.lowering import Lowering
 from llmc.runtime.runners.ort import OrtRunner
 from llmc.runtime.runners.paged import PagedRunner, RowStep
 from llmc.runtime.runners.protocol import Runner
@@ -217,3 +220,44 @@ def summary(report: VerifyReport) -> str:
     batches = " + ".join(f"batch {c.batch}" for c in report.cases)
     return (f"{verdict} over {steps} steps ({batches}), max |Δlogit| "
             f"{report.max_abs_logit_diff:.1e} (tolerance {report.tolerance:.0e})")
+
+
+# the verify stage: the export on ONNX Runtime against PyTorch
+
+def _skip(spec: BuildSpec, done: Mapping[str, Located]) -> str | None:
+    if not spec.verify.enabled:
+        return "verify.enabled is false"
+    if not Lowering(spec.attention_lowering).runs_on_onnxruntime:
+        return "the plugin graph runs on TensorRT only; the engine stage checks the engine against ONNX Runtime"
+    return None
+
+
+def verify_key(spec: BuildSpec, ctx: Context) -> dict:
+    """What keys a verify besides the export and the code (the draft stage's key holds it too)."""
+    import onnxruntime
+
+    return {"verify": spec.section_hash("verify"), "onnxruntime": onnxruntime.__version__}
+
+
+def _run(exported: Located[ExportedModel], section: VerifySpec, ctx: Context) -> VerifyReport:
+    model, tokenizer = ctx.model()
+    return verify(exported.artifact, exported.folder, model, tokenizer, ctx.out, inputs_hash=ctx.inputs_hash,
+                  steps=section.decode_steps, tolerance=section.max_logit_diff, num_threads=ctx.num_threads,
+                  progress=ctx.progress)
+
+
+def _accept(report: VerifyReport, spec: BuildSpec) -> None:
+    if not report:
+        raise VerifyError(f"verification failed: {summary(report)}\n"
+                          + "\n".join(f"  {c.name}: {c.token_agreement:.1%} tokens equal, first divergence "
+                                      f"{c.first_divergence}, max |Δlogit| {c.max_abs_logit_diff:.2e}"
+                                      for c in report.cases))
+
+
+# what runs a verify: this package, the checkpoint's loader, the runners, the CPU kernels they load
+# (the paged attention op and MatMulNBits, C sources), the KV layout
+VERIFY_CODE = ("llmc.compiler.graph", "llmc.compiler.source", "llmc.runtime.runners", "llmc.runtime.kernels",
+               "llmc.runtime.layout")
+VERIFY = Stage("verify", describe=lambda spec: f"PyTorch vs ONNX Runtime ({spec.attention_lowering} attention)",
+               takes=("export",), artifact=VerifyReport, section=lambda spec: spec.verify, code=VERIFY_CODE,
+               key=verify_key, skip=_skip, run=_run, accept=_accept, summary=lambda done: summary(done.artifact))

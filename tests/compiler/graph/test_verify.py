@@ -9,7 +9,7 @@ from llmc.compiler import build
 from llmc.compiler.artifacts import ExportedModel
 from llmc.compiler.spec import parse_spec
 from llmc.compiler.source import inspect_source, load_model
-from llmc.compiler.verify import verify
+from llmc.compiler.graph.verify import verify
 from llmc.errors import VerifyError
 
 
@@ -56,7 +56,7 @@ def test_broken_export_fails_the_build_and_keeps_previous_output(tiny_llama, tmp
     build(spec, output=out)
     before = (out / "build.json").read_text()
 
-    from llmc.compiler import export as export_stage
+    from llmc.compiler.graph import export as export_stage
 
     real = export_stage.export_onnx
 

@@ -1,6 +1,6 @@
 """Text for calibration and for measuring perplexity: the built-in corpus or a user's file.
 
-`builtin` is compiler/quantize/data/corpus.txt (written for llmc, public domain), split by document into a
+`builtin` is compiler/textdata/corpus.txt (written for llmc, public domain), split by document into a
 calibration half and a held-out half, so perplexity is never measured on calibration text. A user's
 file is a `.txt` (documents separated by blank lines) or a `.jsonl` (one object per line with a
 `text` field). Every problem names the spec field and the file.
@@ -23,7 +23,7 @@ _SEPARATOR = "====="
 def builtin_documents(split: str) -> list[str]:
     """The built-in corpus's `calibration` or `heldout` documents."""
     assert split in ("calibration", "heldout"), split
-    text = (resources.files("llmc.compiler.quantize") / "data" / "corpus.txt").read_text(encoding="utf-8")
+    text = (resources.files(__name__) / "corpus.txt").read_text(encoding="utf-8")
     docs = [d.strip() for d in text.split(_SEPARATOR)[1:] if d.strip()]
     half = len(docs) // 2
     return docs[:half] if split == "calibration" else docs[half:]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import llmc
-from llmc.compiler.package import copy_runtime, requirements
-from llmc.compiler.triton_config import parse
+from llmc.compiler.repository.package import copy_runtime, requirements
+from llmc.compiler.repository.triton_config import parse
 from llmc.runtime.manifest import ManifestError, RepositoryManifest
 from llmc.runtime.serving.tensors import OUTPUTS, SCALARS
 from conftest import SERVING_ENV
@@ -53,18 +53,20 @@ def test_missing_or_foreign_manifest_is_a_clear_error(tmp_path):
 def test_the_runtime_package_is_copied_whole_without_caches(tmp_path):
     """Every module and C source of llmc.runtime, at any depth, and the CPU-kernel library built
     here; no __pycache__ (the source has one wherever Python wrote its bytecode) and nothing else."""
+    from llmc import runtime
     from llmc.runtime.kernels import cpu_kernels
 
-    source = Path(cpu_kernels.__file__).parents[1]  # runtime/
+    source = Path(runtime.__file__).parent
     copy_runtime(tmp_path / "llmc")
     copy = tmp_path / "llmc" / "runtime"
     copied = {str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()}
     sources = {str(p.relative_to(source)) for p in source.rglob("*")
                if p.suffix in (".py", ".c", ".h") and "__pycache__" not in p.parts}
     library = cpu_kernels.library()
-    assert copied == sources | ({f"kernels/{library.name}"} if library else set())
-    assert {"__init__.py", "manifest.py", "serving/loop.py", "serving/tensors.py", "kernels/cpu_kernels.c",
-            "kernels/matmul_nbits4/matmul_nbits4.h", "kernels/paged_attention/paged_attention_op.c"} <= copied
+    library = f"kernels/{library.name}" if library else None
+    assert copied == sources | ({library} if library else set())
+    assert {"__init__.py", "layout.py", "engine/slot_engine.py", "serving/tensors.py", "kernels/cpu_kernels.c",
+            "kernels/matmul_nbits4/matmul_nbits4.h", "kernels/paged_attention/paged_attention.c"} <= copied
     assert (tmp_path / "llmc" / "__init__.py").read_bytes() == Path(llmc.__file__).read_bytes()
 
 

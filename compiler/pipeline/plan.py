@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmc.compiler.kv_cache import ELEMENT
-from llmc.compiler.source import SourceInfo, attention_shape
+from llmc.compiler.draft import inspect_draft
+from llmc.compiler.graph.kv_cache import ELEMENT
+from llmc.compiler.pipeline.stages import STAGES
+from llmc.compiler.source import Dims, inspect_source, read_dims
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
 from llmc.compiler.tensorrt.profiles import Profile, profiles
 from llmc.runtime.layout import ITEMSIZE
@@ -22,52 +24,6 @@ from llmc.runtime.layout import ITEMSIZE
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
                 QuantMode.int4_weight_only: 0.5}
-
-
-@dataclass(frozen=True)
-class Dims:
-    """Config facts the plan needs (read from config.json or the GGUF header, no weights)."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tied_embeddings: bool
-    max_position_embeddings: int
-
-    @property
-    def linear_params(self) -> int:
-        """Weights of the linear layers (what quantization shrinks), LM head included when untied."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.num_kv_heads * self.head_dim
-        q = self.num_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + (3 if self.model_type != "gpt2" else 2) * h * i
-        return self.num_layers * per_layer + (0 if self.tied_embeddings else self.vocab_size * h)
-
-    @property
-    def other_params(self) -> int:
-        """Embeddings (and GPT-2's positions) and norms."""
-        extra = self.max_position_embeddings * self.hidden_size if self.model_type == "gpt2" else 0
-        return self.vocab_size * self.hidden_size + extra + (2 * self.num_layers + 1) * self.hidden_size
-
-
-def read_dims(info: SourceInfo) -> Dims:
-    from transformers import AutoConfig
-
-    if info.kind == "gguf":
-        c = AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name, local_files_only=True)
-    else:
-        c = AutoConfig.from_pretrained(str(info.path), local_files_only=True, trust_remote_code=False)
-    heads, kv_heads, head_dim = attention_shape(c)
-    return Dims(model_type=c.model_type, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
-                intermediate_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
-                or 4 * c.hidden_size,
-                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=c.vocab_size,
-                tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
-                max_position_embeddings=c.max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -101,8 +57,6 @@ class BuildPlan:
 
 
 def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
-    from llmc.compiler.stages import STAGES
-
     spec, notes = spec.with_model_limits(dims.max_position_embeddings)
     q = spec.quantization
     tensorrt = spec.target is Target.tensorrt
@@ -125,8 +79,6 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run
     draft = spec.speculative.draft if spec.speculative is not None else None
     if draft is not None:  # its pools: the target's blocks again, at the draft's layers and heads
-        from llmc.compiler.draft import inspect_draft
-
         d = read_dims(inspect_draft(draft)) if draft.source is not None else dims
         draft_kv = pool_bytes(d)
         notes.append(f"speculative draft: {draft.source.path.name if draft.source else 'the target'} "
@@ -159,6 +111,4 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
 
 def plan_build(spec: BuildSpec) -> BuildPlan:
     """The plan for `spec` (reads the checkpoint's config only)."""
-    from llmc.compiler.source import inspect_source
-
     return build_plan(spec, read_dims(inspect_source(spec.source)))

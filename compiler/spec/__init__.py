@@ -18,12 +18,12 @@ from typing import Any
 import yaml
 from pydantic import ValidationError, field_validator, model_validator
 
-from llmc.compiler.sections import (
+from llmc.compiler.spec.sections import (
     DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, PAGED_MAX_NUM_TOKENS, SLOT_MAX_NUM_TOKENS, Arch,
     AttentionLowering, CalibrationMethod, CalibrationSpec, ExecutionEnvSpec, ExportSpec, HardwareCompatibility,
     KVCacheDtype, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec, StrictModel, Target,
     TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
-from llmc.compiler.speculative_sections import DraftSpec, SpeculativeMethod, SpeculativeSpec
+from llmc.compiler.spec.speculative import DraftSpec, SpeculativeMethod, SpeculativeSpec
 from llmc.errors import SpecError
 
 # the spec's vocabulary, importable from here as from sections.py

@@ -35,7 +35,10 @@ import tempfile
 from pathlib import Path
 
 from llmc.compiler.artifacts import ExecutionEnvironment, hash_outputs
-from llmc.compiler.sections import ExecutionEnvSpec
+from llmc.compiler.repository.package import requirements
+from llmc.compiler.spec import BuildSpec, Target
+from llmc.compiler.spec.sections import ExecutionEnvSpec
+from llmc.compiler.stage import Context, Stage
 from llmc.errors import ExecutionEnvError
 
 ARCHIVE = "serving_env.tar.gz"
@@ -145,3 +148,30 @@ def summary(art: ExecutionEnvironment, folder: Path) -> str:
     size = (folder / art.archive).stat().st_size / 2**20
     return (f"{art.archive}: {len(art.packages)} packages for CPython {art.python} ({art.interpreter}, "
             f"{art.platform}), {size:.0f} MiB")
+
+
+# the environment stage: the serving packages for the container's Python (execution_env), Triton's
+# EXECUTION_ENV_PATH; it runs first, after source, and the package stage links its archive
+
+def serving_requirements(spec: BuildSpec) -> list[str]:
+    """requirements.txt's lines; a TensorRT build's engine is built by the TensorRT imported here (its
+    stage's check made sure there is one), whose version the engine records and the serving Python needs."""
+    if spec.target is not Target.tensorrt:
+        return requirements()
+    import tensorrt
+
+    return requirements(tensorrt.__version__)
+
+
+def _run(_: None, spec: BuildSpec, ctx: Context) -> ExecutionEnvironment:
+    return pack(serving_requirements(spec), spec.execution_env, ctx.out, inputs_hash=ctx.inputs_hash,
+                progress=ctx.progress)
+
+
+ENVIRONMENT = Stage("environment", describe=lambda spec: f"packing the serving packages for CPython "
+                                                         f"{spec.execution_env.python} ({spec.execution_env.interpreter_path})",
+                    artifact=ExecutionEnvironment, applies=lambda spec: spec.execution_env is not None, for_package=True,
+                    code=(__name__, "llmc.compiler.repository.package"),
+                    key=lambda spec, ctx: {"execution_env": spec.section_hash("execution_env"),
+                                           "requirements": serving_requirements(spec)},
+                    run=_run, summary=lambda done: summary(done.artifact, done.folder))

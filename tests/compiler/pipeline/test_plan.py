@@ -6,9 +6,9 @@ import pytest
 from onnx import numpy_helper
 
 from llmc.compiler import build
-from llmc.compiler.plan import plan_build, read_dims
+from llmc.compiler.pipeline.plan import plan_build
+from llmc.compiler.source import inspect_source, read_dims
 from llmc.compiler.tensorrt.stage import tensorrt_missing
-from llmc.compiler.source import inspect_source
 from llmc.compiler.spec import parse_spec
 from llmc.errors import UnsupportedError
 

@@ -231,7 +231,7 @@ class Arch(str, enum.Enum):
 
 class ExecutionEnvSpec(StrictModel):
     """The serving Python's packages packed into the repository for the Triton container that serves it
-    (Triton's EXECUTION_ENV_PATH; compiler/environment.py), so a stock container needs nothing installed."""
+    (Triton's EXECUTION_ENV_PATH; compiler/repository/environment.py), so a stock container needs nothing installed."""
 
     python: str = Field(
         "3.12", description="The container's Python, X.Y: 3.12 in Triton's containers from 24.12 on (Ubuntu 24.04); "
