@@ -51,6 +51,10 @@ def test_the_tree_keeps_every_contract():
      "llmc.runtime.kernels.cpu_kernels -> llmc.runtime.runners.protocol"),
     ("runtime/layout.py", "from llmc.runtime.decoding.sampling import SamplingParams",
      "the manifest and the KV layout import no runtime wing", "llmc.runtime.layout -> llmc.runtime.decoding.sampling"),
+    ("compiler/graph/export.py", "from llmc.compiler.pipeline.stages import STAGES",
+     "the compiler's modules and packages import each other without cycles", "- .graph -> .pipeline (1 import)"),
+    ("compiler/graph/passes.py", "from llmc.compiler.graph.export import ONNX_NAME",
+     "the compiler's modules and packages import each other without cycles", "- .passes -> .export (1 import)"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path, module, line, contract, chain):
     copy = tmp_path / "tree"
