@@ -3,7 +3,7 @@ export is rewritten to (plugins/trt/paged_node.py: schema, checker, shape infere
 computes, run through the plugin's kernel under TRITON_INTERPRET=1), and the `tensorrt.plugin`
 registration (plugins/trt/plugin.py, trt_paged_plugin.py) over a stand-in that checks the signatures
 as TensorRT's validator does and records the AOT launch. The plugin's PTX calling convention is
-tests/test_paged_triton.py's; an engine with the plugin needs TensorRT and a GPU (none here)."""
+tests/gpu/test_paged_triton.py's; an engine with the plugin needs TensorRT and a GPU (none here)."""
 
 import inspect
 import os
