@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 import yaml
 
+# the OpenAI API's rig (tests/openai_server.py): its fixtures are used by tests/e2e/test_openai*.py
+pytest_plugins = ["openai_server"]
+
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = REPO / "models" / "smollm2"
 
