@@ -73,6 +73,27 @@ def tiny_llama(tiny_checkpoints) -> Path:
     return tiny_checkpoints["llama"]
 
 
+@pytest.fixture(scope="session")
+def paged_export(tiny_checkpoints, tmp_path_factory):
+    """`paged_export(family="llama", kv_cache_dtype="fp32")`: that tiny checkpoint's paged graph, as
+    (export folder, ExportedModel), exported on first use and shared by every test of the run that
+    asks for it (they only read it: runners map it, engines run it)."""
+    from llmc.compiler import build
+    from llmc.compiler.spec import parse_spec
+
+    made: dict[tuple[str, str], tuple[Path, object]] = {}
+
+    def get(family: str = "llama", kv_cache_dtype: str = "fp32"):
+        if (family, kv_cache_dtype) not in made:
+            spec = parse_spec({"name": "t", "source": str(tiny_checkpoints[family]),
+                               "export": {"attention": "paged", "kv_cache_dtype": kv_cache_dtype}})
+            folder = tmp_path_factory.mktemp(f"paged-{family}-{kv_cache_dtype}") / "t"
+            made[family, kv_cache_dtype] = folder / "export", build(spec, output=folder, until="export").exported
+        return made[family, kv_cache_dtype]
+
+    return get
+
+
 def write_spec(folder: Path, data: dict, name: str = "model.yaml") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name

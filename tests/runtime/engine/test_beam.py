@@ -25,12 +25,9 @@ CASES = [(0, 2, 1.0, False, 0, 12, 0), (1, 3, 0.5, True, 0, 14, 0), (2, 4, 2.0, 
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2", "qwen2"])
-def paged(request, tiny_checkpoints, tmp_path_factory):
+def paged(request, tiny_checkpoints, paged_export):
     kind = request.param
-    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints[kind]), "export": {"attention": "paged"},
-                       "verify": {"enabled": False}})
-    folder = tmp_path_factory.mktemp(f"beam_{kind}") / "t"
-    return kind, tiny_checkpoints[kind], folder / "export", build(spec, output=folder, until="export").exported
+    return kind, tiny_checkpoints[kind], *paged_export(kind)
 
 
 def _engine(paged, *, num_blocks=96, max_rows=8, max_num_tokens=32, max_beam_width=4):
@@ -123,7 +120,6 @@ def test_beam_requests_of_several_widths_beside_greedy_and_sampled_ones_get_thei
 
 
 def test_beams_share_blocks_and_copy_only_the_partial_block_they_write(paged):
-    kind = paged[0]
     engine = _engine(paged, max_num_tokens=32)
     bs = engine.blocks.block_size
     prompt = PROMPTS[2]  # 23 tokens: full blocks and a partial one at any block size below 23

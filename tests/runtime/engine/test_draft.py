@@ -40,11 +40,11 @@ def _export(checkpoint, folder):
 
 
 @pytest.fixture(scope="module")
-def models(tiny_checkpoints, tmp_path_factory):
+def models(tiny_checkpoints, tmp_path_factory, paged_export):
     """The tiny Llama (target) and its first layer alone (draft, the same byte tokenizer)."""
     root = tmp_path_factory.mktemp("draft")
     small = truncated(tiny_checkpoints["llama"], root / "small-ckpt")
-    return {"target": _export(tiny_checkpoints["llama"], root / "target"), "small": _export(small, root / "small")}
+    return {"target": paged_export("llama"), "small": _export(small, root / "small")}
 
 
 def _runner(model, num_blocks, max_num_tokens):

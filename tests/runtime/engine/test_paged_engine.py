@@ -7,8 +7,6 @@ import numpy as np
 import pytest
 
 from conftest import greedy_reference
-from llmc.compiler import build
-from llmc.compiler.spec import parse_spec
 from llmc.runtime.engine.paged_engine import PagedEngine
 from llmc.runtime.runners.paged import PagedRunner
 from llmc.runtime.decoding.sampling import SamplingParams
@@ -22,10 +20,8 @@ TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def paged(tiny_checkpoints, tmp_path_factory):
-    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "paged"}})
-    folder = tmp_path_factory.mktemp("paged_engine") / "t"
-    return folder / "export", build(spec, output=folder, until="export").exported
+def paged(paged_export):
+    return paged_export("llama")
 
 
 def _engine(paged, *, num_blocks=64, max_rows=8, max_num_tokens=24, prefix_caching=True, itl_ratio=None):

@@ -7,8 +7,6 @@ model: test_speculative_rules.py."""
 import numpy as np
 import pytest
 
-from llmc.compiler import build
-from llmc.compiler.spec import parse_spec
 from llmc.runtime.manifest import SpeculativeConfig
 from llmc.runtime.engine.paged_engine import PagedEngine
 from llmc.runtime.runners.paged import PagedRunner
@@ -25,16 +23,9 @@ TOKENS = 24
 SPEC = SpeculativeConfig(method="ngram", num_tokens=4, max_batch=4, min_n=1, max_n=3)
 
 
-def _export(tiny_checkpoints, tmp_path_factory, family: str, kv_cache_dtype: str = "fp32"):
-    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints[family]),
-                       "export": {"attention": "paged", "kv_cache_dtype": kv_cache_dtype}})
-    folder = tmp_path_factory.mktemp(f"speculative-{family}-{kv_cache_dtype}") / "t"
-    return folder / "export", build(spec, output=folder, until="export").exported
-
-
 @pytest.fixture(scope="module")
-def paged(tiny_checkpoints, tmp_path_factory):
-    return _export(tiny_checkpoints, tmp_path_factory, "llama")
+def paged(paged_export):
+    return paged_export("llama")
 
 
 def _engine(paged, speculative=SPEC, *, num_blocks=64, max_rows=8, max_num_tokens=48, prefix_caching=True):
@@ -84,9 +75,8 @@ def test_greedy_with_speculation_under_concurrent_load_equals_without(paged, pla
 
 
 @pytest.mark.parametrize("family, kv_cache_dtype", [("qwen2", "fp32"), ("gpt2", "fp32"), ("llama", "int8")])
-def test_greedy_with_speculation_equals_without_on_other_families_and_caches(tiny_checkpoints, tmp_path_factory,
-                                                                              family, kv_cache_dtype):
-    paged = _export(tiny_checkpoints, tmp_path_factory, family, kv_cache_dtype)
+def test_greedy_with_speculation_equals_without_on_other_families_and_caches(paged_export, family, kv_cache_dtype):
+    paged = paged_export(family, kv_cache_dtype)
     plain = {name: _run(_engine(paged, None), {name: GREEDY})[0][name] for name in PROMPTS}
     engine = _engine(paged, max_rows=6)
     assert _run(engine, {name: GREEDY for name in PROMPTS})[0] == plain
