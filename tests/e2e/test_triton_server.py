@@ -9,7 +9,6 @@ import pytest
 from conftest import SERVING_ENV
 from llmc.triton_server import Ports, TritonError, TritonServer, assemble
 
-
 pytestmark = pytest.mark.triton
 
 ECHO_CONFIG = """name: "echo"
@@ -21,7 +20,6 @@ instance_group [ { kind: KIND_CPU count: 1 } ]
 """
 ECHO_MODEL = """import numpy as np
 import triton_python_backend_utils as pb_utils
-from conftest import SERVING_ENV
 
 
 class TritonPythonModel:
