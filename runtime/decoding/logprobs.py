@@ -53,11 +53,15 @@ class Logprobs:
     def __len__(self) -> int:
         return len(self.values)
 
-    def join(self, later: "Logprobs") -> "Logprobs":
-        """These tokens' values, then `later`'s (the cumulative sum is the later one's)."""
-        return Logprobs(self.num_top, np.concatenate([self.values, later.values]), later.cumulative,
-                        self.token_texts + later.token_texts, np.concatenate([self.top_ids, later.top_ids]),
-                        np.concatenate([self.top_values, later.top_values]), self.top_texts + later.top_texts)
+    @classmethod
+    def concat(cls, parts: list["Logprobs"]) -> "Logprobs":
+        """Consecutive records of one request as one, in a single copy (a response gathers a step's
+        record at a time); the cumulative sum is the last part's. `parts` is not empty."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(parts[0].num_top, np.concatenate([p.values for p in parts]), parts[-1].cumulative,
+                   tuple(t for p in parts for t in p.token_texts), np.concatenate([p.top_ids for p in parts]),
+                   np.concatenate([p.top_values for p in parts]), tuple(t for p in parts for t in p.top_texts))
 
 
 class LogprobRecorder:

@@ -72,7 +72,9 @@ class _Live:
     num_output_tokens: int = 0
     client_id: str = ""  # the request id the client sent it under (what a stop request names)
     closed: bool = False  # the sink reported a cancellation (or failed): nothing more is sent on it
-    logprobs: Logprobs | None = None  # the request asked for log probabilities: those of `ids`
+    # the request asked for log probabilities: the records of `ids`, a step's at a time, after an empty one
+    # carrying the sum so far (joined once, when a response is sent)
+    logprobs: list[Logprobs] | None = None
 
 
 class ServingLoop:
@@ -132,7 +134,7 @@ class ServingLoop:
             top = request.num_top_logprobs if request.return_log_probs else None
             with self._lock:
                 self._live[rid] = _Live(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id,
-                                        logprobs=Logprobs.empty(top) if top is not None else None)
+                                        logprobs=[Logprobs.empty(top)] if top is not None else None)
                 self.engine.add_request(rid, prompt_ids, request.params, logprobs=top)
         except (RequestError, ValueError, QueueFull) as err:
             with self._lock:
@@ -207,7 +209,7 @@ class ServingLoop:
         entry.ids += out.token_ids
         entry.text.append(out.text)
         if entry.logprobs is not None and out.logprobs is not None:
-            entry.logprobs = entry.logprobs.join(out.logprobs)
+            entry.logprobs.append(out.logprobs)
         entry.num_output_tokens += len(out.token_ids)
         if out.finished:
             with self._lock:
@@ -221,12 +223,13 @@ class ServingLoop:
         if entry.closed:
             return
         end_ids = entry.request.params.end_ids or self.engine.end_ids
+        logprobs = Logprobs.concat(entry.logprobs) if entry.logprobs is not None else None
         outputs = response(entry.request, entry.ids, "".join(entry.text), reason=reason, beams=beams,
-                           pad_id=end_ids[0] if end_ids else 0, logprobs=entry.logprobs,
+                           pad_id=end_ids[0] if end_ids else 0, logprobs=logprobs,
                            num_prompt_tokens=entry.num_prompt_tokens, num_output_tokens=entry.num_output_tokens)
         entry.ids, entry.text = [], []
-        if entry.logprobs is not None:  # the next response carries the tokens after these
-            entry.logprobs = Logprobs.empty(entry.logprobs.num_top, entry.logprobs.cumulative)
+        if logprobs is not None:  # the next response carries the tokens after these
+            entry.logprobs = [Logprobs.empty(logprobs.num_top, logprobs.cumulative)]
         sent, _ = _call(entry.sink.send, outputs, reason is not None)
         if not sent and reason is None:
             entry.closed = True

@@ -98,7 +98,7 @@ def test_a_responses_steps_join_into_tensors_that_line_up_with_its_tokens():
     for token in (1, 3):
         rec.record(logits, token)
         steps.append(rec.take(tok))
-    joined = Logprobs.empty(3).join(steps[0]).join(steps[1])
+    joined = Logprobs.concat([Logprobs.empty(3), *steps])
     out = logprob_outputs(joined)
     expected = log_softmax(logits)[[1, 3]]
     assert out["output_log_probs"].tolist() == pytest.approx(expected.tolist())
