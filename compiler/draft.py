@@ -21,7 +21,8 @@ from typing import Callable
 from llmc.compiler import quantize
 from llmc.compiler.artifacts import DraftArtifact, ExportedModel
 from llmc.compiler.graph import export, verify
-from llmc.compiler.source import SourceInfo, inspect_source, load_model, load_tokenizer, read_dims
+from llmc.compiler.models.config import read_dims
+from llmc.compiler.source import SourceInfo, inspect_source, load_model, load_tokenizer
 from llmc.compiler.spec import BuildSpec, DraftSpec, QuantMode, SpeculativeMethod
 from llmc.compiler.stage import Context, Located, Stage
 from llmc.errors import SourceError, VerifyError

@@ -11,7 +11,8 @@ The T tokens of B rows come packed with no padding (row b's are `cumulative_sequ
 (`position_ids`: GPT-2's learned positions, Llama's rotary when it stays in the model), and each
 layer's attention is one `llmc::paged_attention` call over the block pools. Only the tokens
 `logits_indices` names reach the final norm and the LM head, so a prefill chunk costs one row of
-the vocabulary projection, not one per token.
+the vocabulary projection, not one per token. A decoder with LongRoPE (compiler/models/rope.py) also
+gets each token's row's last position this step, which its table switch reads.
 """
 
 from __future__ import annotations
@@ -20,18 +21,20 @@ import torch
 from torch import Tensor, nn
 
 import llmc.plugins.op.paged_op  # noqa: F401  (registers torch.ops.llmc.paged_attention)
-from llmc.compiler.decoder import Attend
+from llmc.compiler.models.base import Attend, LayerAttention
 from llmc.runtime.layout import KVLayout, PAGED_INPUTS
 
 
 def paged_attend(cumulative_sequence_length: Tensor, past_seqlens: Tensor, block_table: Tensor) -> Attend:
     """`llmc::paged_attention` for the decoder's [1, T, heads, D] tensors (one packed sequence)."""
-    def attend(q, k, v, k_cache, v_cache, scale, tables):
+    def attend(q, k, v, k_cache, v_cache, spec: LayerAttention, tables, sink=None):
         _, t, heads, head_dim = q.shape
         kv_heads = k.shape[2]
+        cos, sin = tables or (None, None)
         out, k_cache, v_cache = torch.ops.llmc.paged_attention(
             q.reshape(t, heads * head_dim), k.reshape(t, kv_heads * head_dim), v.reshape(t, kv_heads * head_dim),
-            k_cache, v_cache, cumulative_sequence_length, past_seqlens, block_table, heads, kv_heads, scale, *tables)
+            k_cache, v_cache, cumulative_sequence_length, past_seqlens, block_table, heads, kv_heads, spec.scale,
+            cos, sin, sink, spec.softcap, spec.window)
         return out.view(1, t, heads, head_dim), k_cache, v_cache
     return attend
 
@@ -46,8 +49,13 @@ class PagedDecoder(nn.Module):
     def forward(self, input_ids, position_ids, cumulative_sequence_length, past_seqlens, block_table, logits_indices,
                 past):
         attend = paged_attend(cumulative_sequence_length, past_seqlens, block_table)
+        row_last = None
+        if self.decoder.rope.needs_row_last:  # each token's row's last position: row r owns tokens cu[r] .. cu[r+1]
+            ends = cumulative_sequence_length[1:]
+            row = (torch.arange(input_ids.shape[0])[:, None] >= ends[None, :]).sum(dim=1)
+            row_last = (past_seqlens + ends - cumulative_sequence_length[:-1] - 1).to(torch.int64)[row][None]
         hidden, keys, values = self.decoder.body(input_ids[None], position_ids[None], attend, list(past[0::2]),
-                                                 list(past[1::2]))
+                                                 list(past[1::2]), row_last)
         # [1, L, hidden]: kept 3-D so the LM head exports as a MatMul, as in the slot graph (2-D makes it a
         # Gemm, which weight-only quantization leaves in fp32)
         logits = self.decoder.head(hidden.index_select(1, logits_indices))[0]

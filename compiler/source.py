@@ -15,15 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from llmc.compiler.hashing import sha256_files
+from llmc.compiler.models.config import check_rope
 from llmc.compiler.spec import BuildSpec, SourceSpec
 from llmc.compiler.stage import Located, Stage
 from llmc.errors import SourceError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-#: HF `model_type` -> family. SmolLM2 checkpoints are `llama`.
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                     "merges.txt", "special_tokens_map.json", "chat_template.jinja")
@@ -49,21 +47,12 @@ class SourceInfo:
         return sha256_files(self.hashed_files, self.root)
 
 
-def attention_shape(config) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) of a HF config: GPT-2 and MHA configs name no KV heads,
-    most name no head dim."""
-    heads = config.num_attention_heads
-    return (heads, getattr(config, "num_key_value_heads", None) or heads,
-            getattr(config, "head_dim", None) or config.hidden_size // heads)
-
-
 def _check_model_type(model_type: Any, where: Path) -> str:
+    from llmc.compiler.models import FAMILIES, SUPPORTED_MODEL_TYPES  # the decoders: torch, imported when needed
+
     if model_type not in SUPPORTED_MODEL_TYPES:
-        supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
-        raise SourceError(
-            f"{where}: model_type {model_type!r} is not supported; supported architectures: "
-            f"{supported} (Llama family incl. SmolLM2, and GPT-2)"
-        )
+        families = "; ".join(f"{f.name}: {', '.join(f.model_types)}" for f in FAMILIES)
+        raise SourceError(f"{where}: model_type {model_type!r} is not supported; supported families ({families})")
     return model_type
 
 
@@ -92,6 +81,7 @@ def _hf_info(path: Path, allow_pickle: bool) -> SourceInfo:
     except json.JSONDecodeError as err:
         raise SourceError(f"{config_path}: not valid JSON ({err})") from None
     model_type = _check_model_type(config.get("model_type"), config_path)
+    check_rope(config, config_path)
     weights = tuple(sorted(path.glob("*.safetensors")))
     uses_pickle = False
     if not weights:
@@ -203,52 +193,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
-
-
-@dataclass(frozen=True)
-class Dims:
-    """Config facts the plan needs (read from config.json or the GGUF header, no weights)."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tied_embeddings: bool
-    max_position_embeddings: int
-
-    @property
-    def linear_params(self) -> int:
-        """Weights of the linear layers (what quantization shrinks), LM head included when untied."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.num_kv_heads * self.head_dim
-        q = self.num_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + (3 if self.model_type != "gpt2" else 2) * h * i
-        return self.num_layers * per_layer + (0 if self.tied_embeddings else self.vocab_size * h)
-
-    @property
-    def other_params(self) -> int:
-        """Embeddings (and GPT-2's positions) and norms."""
-        extra = self.max_position_embeddings * self.hidden_size if self.model_type == "gpt2" else 0
-        return self.vocab_size * self.hidden_size + extra + (2 * self.num_layers + 1) * self.hidden_size
-
-
-def read_dims(info: SourceInfo) -> Dims:
-    from transformers import AutoConfig
-
-    if info.kind == "gguf":
-        c = AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name, local_files_only=True)
-    else:
-        c = AutoConfig.from_pretrained(str(info.path), local_files_only=True, trust_remote_code=False)
-    heads, kv_heads, head_dim = attention_shape(c)
-    return Dims(model_type=c.model_type, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
-                intermediate_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
-                or 4 * c.hidden_size,
-                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=c.vocab_size,
-                tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
-                max_position_embeddings=c.max_position_embeddings)
 
 
 # the source stage: the checkpoint, found and hashed without loading weights, and the limits it decides

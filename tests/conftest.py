@@ -10,24 +10,19 @@ import numpy as np
 import pytest
 import yaml
 
+from llmc.compiler.models import FAMILIES
+
 # the OpenAI API's rig (tests/openai_server.py): its fixtures are used by tests/e2e/test_openai*.py
 pytest_plugins = ["openai_server"]
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = REPO / "models" / "smollm2"
 
-# Small but real: GQA (4 query heads over 2 KV heads) for the Llama family. A wider init than the
-# default keeps greedy choices far from ties, so parity checks are not at the mercy of rounding.
-TINY = {
-    "llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1),
-    "qwen2": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1),
-    "mistral": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=2048, initializer_range=0.1),
-    "gpt2": dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=2048, initializer_range=0.1,
-                 bos_token_id=0, eos_token_id=0),
-}
+# Small but real: each family's tiny config (compiler/models/<family>.py: GQA, windows shorter than the
+# verify prompts, a LongRoPE switch they cross), with a wider init than the default so greedy choices
+# stay far from ties and parity checks are not at the mercy of rounding.
+TINY = {model_type: config for family in FAMILIES for model_type, config in family.tiny.items()}
+NORM_NOISE = 0.3  # norms moved off their initial values (1, or Gemma's 0 under 1 + w): a wrong norm formula shows
 
 
 def byte_tokenizer():
@@ -51,6 +46,10 @@ def make_checkpoint(model_type: str, folder: Path, seed: int = 0, safe: bool = T
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **{**TINY[model_type], **config})
     model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or ".ln_" in name:
+                param.add_(torch.randn_like(param) * NORM_NOISE)
     if safe:
         model.save_pretrained(folder)
     else:

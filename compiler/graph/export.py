@@ -22,7 +22,9 @@ from pathlib import Path
 
 from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
 from llmc.compiler.graph.passes import fuse_skip_rms_norm, simplify
-from llmc.compiler.source import SUPPORTED_MODEL_TYPES, FoundSource, attention_shape
+from llmc.compiler.models import SUPPORTED_MODEL_TYPES
+from llmc.compiler.models.config import attention_shape
+from llmc.compiler.source import FoundSource
 from llmc.compiler.spec import BuildSpec
 from llmc.compiler.spec.sections import KVCacheDtype
 from llmc.compiler.stage import Context, Located, Stage
@@ -142,10 +144,10 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     import onnx
     import torch
 
-    from llmc.compiler.decoder import decoder_for
+    from llmc.compiler.models import decoder_for
 
     layout = kv_layout(info, lowering, kv_cache_dtype)
-    decoder = decoder_for(model, info.family)
+    decoder = decoder_for(model)
     module, inputs, shapes, in_names = _traced(decoder, info, layout.model_copy(update={"dtype": "float32"}))
     out_names = ["logits", *layout.present_names()]
     table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))
@@ -184,7 +186,7 @@ def _retype_pools(proto, decoder, info: ModelInfo, layout: KVLayout, tokenizer) 
     scales = None
     if layout.dtype == "int8":
         windows = kv_cache.calibration_windows(tokenizer, info.vocab_size)
-        scales = kv_cache.pool_scales(decoder, layout, windows, kv_cache.rotary_dim(decoder, layout.head_dim))
+        scales = kv_cache.pool_scales(decoder, layout, windows, decoder.rope.rotary_dim)
     kv_cache.retype_pools(proto, layout, scales)
 
 
@@ -268,7 +270,7 @@ def _summary(done: Located[ExportedModel]) -> str:
 
 # what runs an export: this package (the KV cache dtypes, the graph passes), the decoders it traces, the
 # checkpoint's loader, the calibration text of int8 KV caches, the attention op and its lowerings, the KV layout
-EXPORT_CODE = ("llmc.compiler.graph", "llmc.compiler.decoder", "llmc.compiler.paged_decoder", "llmc.compiler.source",
+EXPORT_CODE = ("llmc.compiler.graph", "llmc.compiler.models", "llmc.compiler.paged_decoder", "llmc.compiler.source",
                "llmc.compiler.textdata", "llmc.plugins.op", "llmc.runtime.layout")
 EXPORT = Stage("export", describe=lambda spec: "exporting to ONNX", takes=("source",), artifact=ExportedModel,
                section=lambda spec: (Lowering(spec.attention_lowering), spec.export.kv_cache_dtype),

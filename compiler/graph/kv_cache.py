@@ -45,16 +45,8 @@ def calibration_windows(tokenizer, vocab_size: int) -> list[np.ndarray]:
                          "export.kv_cache_dtype", "the built-in calibration text")
 
 
-def rotary_dim(decoder, head_dim: int) -> int:
-    """The channels the keys are rotated over: the op's tables' width, the head when the model rotates, else 0."""
-    cos = getattr(decoder, "cos_cache", None)
-    if cos is not None:
-        return 2 * int(cos.shape[1])
-    return head_dim if hasattr(decoder, "rotary_emb") else 0
-
-
 def pool_scales(decoder, layout: KVLayout, windows: list[np.ndarray], rotary_dim: int) -> np.ndarray:
-    """int8 scales [num_layers, 2 (key, value), kv_heads, 1, head_dim]: the decoder (compiler/decoder.py)
+    """int8 scales [num_layers, 2 (key, value), kv_heads, 1, head_dim]: the decoder (compiler/models/)
     run on each window with float32 pools, each cache's peak per head and channel (values': times
     VALUE_HEADROOM) over 127."""
     import torch

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from llmc.compiler.draft import inspect_draft
 from llmc.compiler.graph.kv_cache import ELEMENT
 from llmc.compiler.pipeline.stages import STAGES
-from llmc.compiler.source import Dims, inspect_source, read_dims
+from llmc.compiler.models.config import Dims, read_dims
+from llmc.compiler.source import inspect_source
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
 from llmc.compiler.tensorrt.profiles import Profile, profiles
 from llmc.runtime.layout import ITEMSIZE

@@ -16,10 +16,18 @@ The op is functional (returns new caches, `mutates_args=()`): torch.export and t
 handle it as one node, which each target lowers to its own fused form (ONNX Runtime
 GroupQueryAttention with a shared past/present buffer updates the cache in place).
 
-With `cos_cache`/`sin_cache` (one row per position, half the head dim: the rotate-half RoPE
-convention of Llama-family models) the op applies rotary embeddings to the new queries and keys at
-their positions itself, so a fused kernel can do it on the fly; without them, query and key
-arrive already rotated (or the model has no rotary at all, like GPT-2).
+With `cos_cache`/`sin_cache` (one row per position, R/2 columns: the rotate-half RoPE convention of
+Llama-family models over the first R <= D channels, the rest passing through: partial rotary) the op
+applies rotary embeddings to the new queries and keys at their positions itself, so a fused kernel
+can do it on the fly; without them, query and key arrive already rotated (or the model has no
+rotary at all, like GPT-2, or this layer has none, like SmolLM3's no-RoPE layers).
+
+The per-layer attention features (every lowering and kernel carries them; 0 / -1 / None is off):
+- `softcap`: a scaled logit x becomes softcap * tanh(x / softcap) (Gemma 2);
+- `local_window_size` W: a query sees at most W positions, itself included (`kv > q - W`:
+  transformers' sliding window; Mistral, Gemma 2/3, Qwen's sliding layers);
+- `head_sink` [H]: one more logit per head joins each softmax's denominator and is then dropped
+  (attention sinks: gpt-oss); it is neither scaled nor capped.
 """
 
 from __future__ import annotations
@@ -43,17 +51,42 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotate(x: Tensor, cos_cache: Tensor, sin_cache: Tensor, positions: Tensor) -> Tensor:
-    """Rotary embedding, rotate-half convention: x [B, S, heads, D] at `positions` [B, S]."""
-    cos = torch.cat([cos_cache[positions]] * 2, dim=-1)[:, :, None].to(torch.float32)  # [B, S, 1, D]
-    sin = torch.cat([sin_cache[positions]] * 2, dim=-1)[:, :, None].to(torch.float32)
-    x32 = x.to(torch.float32)
-    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+def rotate(x: Tensor, cos_cache: Tensor, sin_cache: Tensor, positions: Tensor | None,
+           interleaved: bool = False) -> Tensor:
+    """Rotary embedding of x [..., heads, D] at `positions` [...] (x's leading dims; None: the tables are
+    already one row per token, [..., R/2]) over its first R = 2 * cos_cache.shape[-1] channels, the rest
+    passing through: rotate-half pairs (i, i + R/2), or interleaved pairs (2i, 2i + 1). Computed in
+    float32, returned in x's dtype."""
+    half = cos_cache.shape[-1]
+    if positions is not None:
+        cos_cache, sin_cache = cos_cache[positions], sin_cache[positions]
+    cos = cos_cache.float().unsqueeze(-2)  # [..., 1, R/2]
+    sin = sin_cache.float().unsqueeze(-2)
+    x32 = x.float()
+    if interleaved:
+        x1, x2 = x32[..., 0:2 * half:2], x32[..., 1:2 * half:2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x32[..., :half], x32[..., half:2 * half]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((rotated, x32[..., 2 * half:]), dim=-1).to(x.dtype)
+
+
+def softmax_with_sink(logits: Tensor, head_sink: Tensor | None, head_dim: int) -> Tensor:
+    """softmax over the last dim; with sinks [H], each head's sink logit joins the denominator (the
+    head is `logits`' dim `head_dim`). Fully masked rows (all -inf, no sink) give zeros."""
+    if head_sink is None:
+        return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    shape = [1] * logits.dim()
+    shape[head_dim] = -1
+    sink = head_sink.float().reshape(shape).expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
 
 
 def reference_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                         cache_position: Tensor, scale: float, cos_cache: Tensor | None = None,
-                        sin_cache: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                        sin_cache: Tensor | None = None, head_sink: Tensor | None = None, softcap: float = 0.0,
+                        local_window_size: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     """Plain PyTorch semantics of the op: the definition every lowering and kernel is tested against."""
     _check(query, key, value, k_cache, v_cache, cache_position)
     b, s, h, d = query.shape
@@ -63,7 +96,7 @@ def reference_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tens
         raise ValueError(f"KV cache overflow: position {int(positions.max())} does not fit capacity {capacity}")
     assert (cos_cache is None) == (sin_cache is None), "cos_cache and sin_cache come together"
     if cos_cache is not None:
-        assert cos_cache.shape == sin_cache.shape and cos_cache.shape[1] * 2 == d, (cos_cache.shape, d)
+        assert cos_cache.shape == sin_cache.shape and cos_cache.shape[1] * 2 <= d, (cos_cache.shape, d)
         query, key = rotate(query, cos_cache, sin_cache, positions), rotate(key, cos_cache, sin_cache, positions)
     index = positions[:, None, :, None].expand(b, kvh, s, d)
     k_out = k_cache.scatter(2, index, key.transpose(1, 2).to(k_cache.dtype))
@@ -74,39 +107,31 @@ def reference_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tens
     k = k_out.float().repeat_interleave(group, dim=1)  # [B, H, C, D]
     v = v_out.float().repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, S, C]
-    visible = torch.arange(capacity, device=query.device)[None, None, :] <= positions[:, :, None]  # [B, S, C]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    slots = torch.arange(capacity, device=query.device)[None, None, :]
+    visible = slots <= positions[:, :, None]  # [B, S, C]
+    if local_window_size > 0:
+        visible = visible & (slots > positions[:, :, None] - local_window_size)
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, H, S, D]
+    out = torch.matmul(softmax_with_sink(scores, head_sink, 1), v)  # [B, H, S, D]
     return out.transpose(1, 2).to(query.dtype).contiguous(), k_out, v_out
 
 
 @torch.library.custom_op("llmc::attention", mutates_args=())
 def attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
               cache_position: Tensor, scale: float, cos_cache: Tensor | None = None,
-              sin_cache: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    return reference_attention(query, key, value, k_cache, v_cache, cache_position, scale, cos_cache, sin_cache)
+              sin_cache: Tensor | None = None, head_sink: Tensor | None = None, softcap: float = 0.0,
+              local_window_size: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+    return reference_attention(query, key, value, k_cache, v_cache, cache_position, scale, cos_cache, sin_cache,
+                               head_sink, softcap, local_window_size)
 
 
 @attention.register_fake
-def _attention_fake(query, key, value, k_cache, v_cache, cache_position, scale, cos_cache=None, sin_cache=None):
+def _attention_fake(query, key, value, k_cache, v_cache, cache_position, scale, cos_cache=None, sin_cache=None,
+                    head_sink=None, softcap=0.0, local_window_size=-1):
     _check(query, key, value, k_cache, v_cache, cache_position)
     return torch.empty_like(query), torch.empty_like(k_cache), torch.empty_like(v_cache)
-
-
-def _rotate_paged(x: Tensor, cos_cache: Tensor, sin_cache: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
-    """Rotary embedding of x [T, heads, D] at `positions` [T] over its first 2 * cos_cache.shape[1] channels
-    (the rest pass through): rotate-half pairs (i, i + R/2), or interleaved pairs (2i, 2i + 1)."""
-    half = cos_cache.shape[1]
-    cos = cos_cache[positions].float()[:, None]  # [T, 1, R/2]
-    sin = sin_cache[positions].float()[:, None]
-    x = x.float().clone()
-    if interleaved:
-        x1, x2 = x[..., 0:2 * half:2].clone(), x[..., 1:2 * half:2].clone()
-        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    else:
-        x1, x2 = x[..., :half].clone(), x[..., half:2 * half].clone()
-        x[..., :half], x[..., half:2 * half] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    return x
 
 
 def _channel_scales(scale: Tensor, kv_heads: int, head_size: int) -> Tensor:
@@ -136,7 +161,7 @@ def reference_paged_attention(query: Tensor, key: Tensor | None, value: Tensor |
                               cos_cache: Tensor | None = None, sin_cache: Tensor | None = None, *,
                               slot_mapping: Tensor | None = None, rotary_interleaved: bool = False,
                               softcap: float = 0.0, local_window_size: int = -1, is_causal: bool = True,
-                              k_scale: Tensor | None = None,
+                              head_sink: Tensor | None = None, k_scale: Tensor | None = None,
                               v_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """ONNX Runtime's com.microsoft.PagedAttention in plain PyTorch, the definition llmc's CPU kernel
     (runtime/kernels/paged_attention/paged_attention.c) is tested against. Writes the new keys and values INTO `key_cache` and
@@ -150,8 +175,8 @@ def reference_paged_attention(query: Tensor, key: Tensor | None, value: Tensor |
     then attends to its row's positions 0 .. its own (all of the row's with is_causal=False), at most
     `local_window_size` of them counting itself (when > 0), read from the cache through `block_table`;
     block-table entries outside [0, num_blocks) are unmapped and masked out. softcap > 0 turns a logit
-    x into softcap * tanh(x / softcap); scale 0 means 1 / sqrt(D). A query with nothing to attend to
-    gets zeros. int8 caches take `k_scale`/`v_scale`, the contract's dequantization scales ([1]:
+    x into softcap * tanh(x / softcap); scale 0 means 1 / sqrt(D); `head_sink` [H] adds one logit per
+    head to each softmax's denominator. A query with nothing to attend to (and no sink) gets zeros. int8 caches take `k_scale`/`v_scale`, the contract's dequantization scales ([1]:
     PER_TENSOR, [KVH, 1, D]: PER_CHANNEL): x is stored as round(x / scale) (to nearest even) saturated to
     [-128, 127] and read back as code * scale."""
     tokens = query.shape[0]
@@ -168,8 +193,8 @@ def reference_paged_attention(query: Tensor, key: Tensor | None, value: Tensor |
     q = query.reshape(tokens, num_heads, head_size).float()
     k = key.reshape(tokens, kv_num_heads, head_size).float()
     if cos_cache is not None:
-        q = _rotate_paged(q, cos_cache, sin_cache, positions, rotary_interleaved)
-        k = _rotate_paged(k, cos_cache, sin_cache, positions, rotary_interleaved)
+        q = rotate(q, cos_cache, sin_cache, positions, rotary_interleaved)
+        k = rotate(k, cos_cache, sin_cache, positions, rotary_interleaved)
     table = block_table.to(torch.int64)
     table = torch.where((table >= 0) & (table < num_blocks), table, -1)
     if slot_mapping is None:
@@ -204,6 +229,6 @@ def reference_paged_attention(query: Tensor, key: Tensor | None, value: Tensor |
             visible = visible & (seen[None, :] <= at)
         if local_window_size > 0:
             visible = visible & (seen[None, :] > at - local_window_size)
-        weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+        weights = softmax_with_sink(logits.masked_fill(~visible, float("-inf")), head_sink, 0)
         out[start:end] = torch.einsum("hqk,khd->qhd", weights, values)
     return out.reshape(tokens, num_heads * head_size).to(query.dtype), key_cache, value_cache

@@ -96,7 +96,8 @@ def _schema(name: str, domain: str, inputs: list[tuple[str, str]], outputs: list
         inputs=[OpSchema.FormalParameter(n.rstrip("?"), t, **({"param_option": optional} if n.endswith("?") else {}))
                 for n, t in inputs],
         outputs=[OpSchema.FormalParameter(n, t) for n, t in outputs],
-        type_constraints=[("T", _FLOATS, "activations and cache"), ("M", ["tensor(int32)"], "lengths")],
+        type_constraints=[("T", _FLOATS, "activations and cache"), ("M", ["tensor(int32)"], "lengths")]
+        + ([("P", ["tensor(int64)"], "positions")] if any(t == "P" for _, t in inputs) else []),
         attributes=attributes,
     )
     schema.set_type_and_shape_inference_function(infer)
@@ -108,12 +109,16 @@ def _gqa_schema() -> OpSchema:
     return _schema(
         "GroupQueryAttention", MICROSOFT_DOMAIN,
         [("query", "T"), ("key?", "T"), ("value?", "T"), ("past_key", "T"), ("past_value", "T"),
-         ("seqlens_k", "M"), ("total_sequence_length", "M"), ("cos_cache?", "T"), ("sin_cache?", "T")],
+         ("seqlens_k", "M"), ("total_sequence_length", "M"), ("cos_cache?", "T"), ("sin_cache?", "T"),
+         ("position_ids?", "P"), ("attention_bias?", "T"), ("head_sink?", "T")],
         [("output", "T"), ("present_key", "T"), ("present_value", "T")],
         [OpSchema.Attribute("num_heads", A.INT, "query heads"),
          OpSchema.Attribute("kv_num_heads", A.INT, "key/value heads"),
          OpSchema.Attribute("scale", A.FLOAT, "softmax scale", required=False),
-         OpSchema.Attribute("do_rotary", A.INT, "apply rotary inside the op", required=False)],
+         OpSchema.Attribute("do_rotary", A.INT, "apply rotary inside the op", required=False),
+         OpSchema.Attribute("softcap", A.FLOAT, "logit softcap (0: none)", required=False),
+         OpSchema.Attribute("local_window_size", A.INT, "keys a query sees, itself included (-1: all)",
+                            required=False)],
         "ONNX Runtime contrib op, the subset of inputs llmc emits (see onnxruntime ContribOperators.md).",
         _infer_gqa,
     )
@@ -149,23 +154,34 @@ def register_schemas() -> None:
     paged_node.register_schema()  # LlmcPagedAttention, the TensorRT plugin node
 
 
+def _features(softcap: float, local_window_size: int) -> dict:
+    """The attention features' attributes, only where set (so a graph without them is unchanged)."""
+    return {**({"softcap": softcap} if softcap > 0 else {}),
+            **({"local_window_size": local_window_size} if local_window_size > 0 else {})}
+
+
 def _fused(heads: Heads):
     from onnxscript import opset23 as op
     from onnxscript.values import Opset
 
     msft = Opset(MICROSOFT_DOMAIN, 1)
 
-    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None):
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None,
+                  head_sink=None, softcap: float = 0.0, local_window_size: int = -1):
         seq = op.Shape(query, start=1, end=2)  # [1]
         last = op.Sub(op.Add(cache_position, seq), op.Constant(value_int=1))
         seqlens_k = op.Cast(last, to=TensorProto.INT32)
         total = op.Cast(op.Add(op.ReduceMax(cache_position, keepdims=0), op.Squeeze(seq)), to=TensorProto.INT32)
-        rotary = [] if cos_cache is None else [cos_cache, sin_cache]  # GQA rotates at seqlens-derived positions
+        # GQA rotates at seqlens-derived positions; partial tables (R < D) rotate the first R channels.
+        # head_sink is input 11, after position_ids and attention_bias, which llmc leaves absent.
+        extra = [cos_cache, sin_cache] + ([None, None, head_sink] if head_sink is not None else [])
+        while extra and extra[-1] is None:
+            extra.pop()
         flat = op.Constant(value_ints=[0, 0, -1])  # [B, S, heads, D] -> [B, S, heads * D]
         out, k_out, v_out = msft.GroupQueryAttention(
             op.Reshape(query, flat), op.Reshape(key, flat), op.Reshape(value, flat), k_cache, v_cache,
-            seqlens_k, total, *rotary, num_heads=heads.num_heads, kv_num_heads=heads.num_kv_heads, scale=scale,
-            do_rotary=int(bool(rotary)))
+            seqlens_k, total, *extra, num_heads=heads.num_heads, kv_num_heads=heads.num_kv_heads, scale=scale,
+            do_rotary=int(cos_cache is not None), **_features(softcap, local_window_size))
         return op.Reshape(out, op.Constant(value_ints=[0, 0, heads.num_heads, heads.head_dim])), k_out, v_out
 
     return attention
@@ -174,7 +190,11 @@ def _fused(heads: Heads):
 def _reference(heads: Heads):
     from onnxscript import opset23 as op
 
-    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None):
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None,
+                  head_sink=None, softcap: float = 0.0, local_window_size: int = -1):
+        if head_sink is not None:
+            raise NotImplementedError("attention sinks (`head_sink`): opset 23's Attention has no sink input; "
+                                      "export with `export.attention: paged` or `fused`")
         zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
         steps = op.Range(zero, op.Squeeze(op.Shape(query, start=1, end=2)), one)  # [S]
         positions = op.Add(op.Unsqueeze(cache_position, op.Constant(value_ints=[1])), steps)  # [B, S]
@@ -182,17 +202,22 @@ def _reference(heads: Heads):
         k_new = op.Transpose(key, perm=[0, 2, 1, 3])  # [B, KVH, S, D]
         v_new = op.Transpose(value, perm=[0, 2, 1, 3])
         if cos_cache is not None:
-            q = op.RotaryEmbedding(q, cos_cache, sin_cache, positions, interleaved=0)
-            k_new = op.RotaryEmbedding(k_new, cos_cache, sin_cache, positions, interleaved=0)
+            rotary = 2 * cos_cache.shape[1]
+            partial = {"rotary_embedding_dim": rotary} if rotary != heads.head_dim else {}
+            q = op.RotaryEmbedding(q, cos_cache, sin_cache, positions, interleaved=0, **partial)
+            k_new = op.RotaryEmbedding(k_new, cos_cache, sin_cache, positions, interleaved=0, **partial)
         index = op.Expand(op.Unsqueeze(positions, op.Constant(value_ints=[1, 3])), op.Shape(k_new))
         k_out = op.ScatterElements(k_cache, index, k_new, axis=2)
         v_out = op.ScatterElements(v_cache, index, v_new, axis=2)
         slots = op.Range(zero, op.Squeeze(op.Shape(k_cache, start=2, end=3)), one)  # [C]
-        visible = op.LessOrEqual(slots, op.Unsqueeze(positions, op.Constant(value_ints=[2])))  # [B, S, C]
+        at = op.Unsqueeze(positions, op.Constant(value_ints=[2]))  # [B, S, 1]
+        visible = op.LessOrEqual(slots, at)  # [B, S, C]
+        if local_window_size > 0:
+            visible = op.And(visible, op.Greater(slots, op.Sub(at, op.Constant(value_int=local_window_size))))
         mask = op.Unsqueeze(visible, op.Constant(value_ints=[1]))  # [B, 1, S, C]
         # the exporter emits all four outputs of Attention; the unused optional ones are dropped after
         # export (trim_unused_outputs) so ONNX Runtime does not compute them
-        out = op.Attention(q, k_out, v_out, mask, scale=scale)[0]
+        out = op.Attention(q, k_out, v_out, mask, scale=scale, **({"softcap": softcap} if softcap > 0 else {}))[0]
         return op.Transpose(out, perm=[0, 2, 1, 3]), k_out, v_out
 
     return attention
@@ -206,7 +231,11 @@ def _plugin(heads: Heads):
 
     llmc = Opset(LLMC_DOMAIN, 1)
 
-    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None):
+    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None,
+                  head_sink=None, softcap: float = 0.0, local_window_size: int = -1):
+        if head_sink is not None or softcap > 0 or local_window_size > 0:
+            raise NotImplementedError("the TensorRT plugin node (LlmcFusedAttention v1) carries no softcap, window "
+                                      "or attention sinks")
         rotary = cos_cache is not None
         if not rotary:  # the plugin's fixed arity: a placeholder table it never reads
             placeholder = op.CastLike(op.Constant(value=onnx.numpy_helper.from_array(

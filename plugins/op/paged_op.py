@@ -4,7 +4,8 @@
                     key_cache [num_blocks, block_size, KVH, D], value_cache (same),
                     cumulative_sequence_length int32 [B + 1], past_seqlens int32 [B],
                     block_table int32 [B, max_blocks], num_heads, kv_num_heads, scale,
-                    cos_cache [P, D/2] = None, sin_cache [P, D/2] = None)
+                    cos_cache [P, R/2] = None, sin_cache [P, R/2] = None, head_sink [H] = None,
+                    softcap = 0.0, local_window_size = -1)
       -> (output [T, H*D], key_cache', value_cache')
 
 Exactly ONNX Runtime's `com.microsoft.PagedAttention` contract (its inputs, in order, and its
@@ -12,7 +13,9 @@ attributes): T packed tokens of B rows, row b's `cumulative_sequence_length[b+1]
 at positions `past_seqlens[b] ..`, their keys and values written into the blocks `block_table[b]`
 names (position p in block `block_table[b, p // block_size]`, offset `p % block_size`), each query
 attending causally to its row's cached and new tokens; with cos/sin tables the op rotates the new
-queries and keys at those positions (`do_rotary`). Its semantics (the reference and the kernels)
+queries and keys at those positions (`do_rotary`; R < D rotates the first R channels); `softcap`,
+`local_window_size` and `head_sink` are the contract's, as plugins/op/attention.py defines them (each
+reaches the node only when set, so a graph without them is what it was). Its semantics (the reference and the kernels)
 are plugins/op/attention.py's and runtime/paged_attention's; this module only gives the exporter a node
 to trace (a functional custom op, as `llmc::attention` is) and lowers it to one
 `llmc.PagedAttention` node, whose schema plugins/op/lowering.py registers. A graph whose node is moved
@@ -32,17 +35,20 @@ OP_TYPE = "PagedAttention"
 def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                     cumulative_sequence_length: Tensor, past_seqlens: Tensor, block_table: Tensor, num_heads: int,
                     kv_num_heads: int, scale: float, cos_cache: Tensor | None = None,
-                    sin_cache: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    sin_cache: Tensor | None = None, head_sink: Tensor | None = None, softcap: float = 0.0,
+                    local_window_size: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     from llmc.plugins.op.attention import reference_paged_attention
 
     return reference_paged_attention(query, key, value, key_cache.clone(), value_cache.clone(),
                                      cumulative_sequence_length, past_seqlens, block_table, num_heads, kv_num_heads,
-                                     scale, cos_cache, sin_cache)
+                                     scale, cos_cache, sin_cache, softcap=softcap, local_window_size=local_window_size,
+                                     head_sink=head_sink)
 
 
 @paged_attention.register_fake
 def _paged_attention_fake(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens,
-                          block_table, num_heads, kv_num_heads, scale, cos_cache=None, sin_cache=None):
+                          block_table, num_heads, kv_num_heads, scale, cos_cache=None, sin_cache=None,
+                          head_sink=None, softcap=0.0, local_window_size=-1):
     assert query.dim() == key.dim() == 2 and key_cache.dim() == 4, (query.shape, key.shape, key_cache.shape)
     assert key_cache.shape == value_cache.shape and key_cache.shape[2] == kv_num_heads, key_cache.shape
     return torch.empty_like(query), torch.empty_like(key_cache), torch.empty_like(value_cache)
@@ -55,11 +61,21 @@ def lowering():
     llmc = Opset(LLMC_DOMAIN, 1)
 
     def attention(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
-                  num_heads: int, kv_num_heads: int, scale: float, cos_cache=None, sin_cache=None):
-        rotary = [] if cos_cache is None else [cos_cache, sin_cache]
+                  num_heads: int, kv_num_heads: int, scale: float, cos_cache=None, sin_cache=None, head_sink=None,
+                  softcap: float = 0.0, local_window_size: int = -1):
+        inputs = [cos_cache, sin_cache]
+        if head_sink is not None:  # input 11, after slot_mapping (10), which llmc leaves absent
+            inputs += [None, head_sink]
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        features = {}  # only what is set, so a graph without these features is unchanged
+        if softcap > 0:
+            features["softcap"] = softcap
+        if local_window_size > 0:
+            features["local_window_size"] = local_window_size
         return llmc.PagedAttention(query, key, value, key_cache, value_cache, cumulative_sequence_length,
-                                   past_seqlens, block_table, *rotary, num_heads=num_heads, kv_num_heads=kv_num_heads,
-                                   scale=scale, do_rotary=int(bool(rotary)))
+                                   past_seqlens, block_table, *inputs, num_heads=num_heads, kv_num_heads=kv_num_heads,
+                                   scale=scale, do_rotary=int(cos_cache is not None), **features)
 
     return attention
 

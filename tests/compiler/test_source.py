@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from llmc.compiler.source import SUPPORTED_MODEL_TYPES, inspect_source, load_model
+from llmc.compiler.models import SUPPORTED_MODEL_TYPES
+from llmc.compiler.source import inspect_source, load_model
 from llmc.compiler.spec import SourceSpec
 from llmc.errors import SourceError
 

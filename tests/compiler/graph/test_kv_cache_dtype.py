@@ -106,7 +106,7 @@ def _torch_int8_logits(checkpoint, graph, layout, prompt):
     """The PyTorch decoder over int8 pools with the graph's own scales (the reference op quantizing)."""
     import torch
 
-    from llmc.compiler.decoder import decoder_for
+    from llmc.compiler.models import decoder_for
     from llmc.compiler.source import inspect_source, load_model
     from llmc.compiler.spec import SourceSpec
     from llmc.plugins.op.attention import reference_paged_attention
@@ -114,7 +114,7 @@ def _torch_int8_logits(checkpoint, graph, layout, prompt):
     model = load_model(inspect_source(SourceSpec(path=checkpoint)))[0]
     with torch.no_grad():
         fp32 = model(torch.tensor([prompt])).logits[0].numpy()
-    decoder = decoder_for(model, "llama").eval()
+    decoder = decoder_for(model).eval()
     scales = {i.name: torch.from_numpy(numpy_helper.to_array(i).copy()) for i in graph.initializer
               if i.name.startswith("kv_scale.")}
     layer = iter(range(layout.num_layers))
@@ -183,13 +183,13 @@ def _float_pools(checkpoint, layout, window):
     """The PyTorch decoder's float32 keys and values for one window: [layers, 2, tokens, kv_heads, head_dim]."""
     import torch
 
-    from llmc.compiler.decoder import decoder_for
+    from llmc.compiler.models import decoder_for
     from llmc.compiler.paged_decoder import PagedDecoder
     from llmc.compiler.source import inspect_source, load_model
     from llmc.compiler.spec import SourceSpec
 
     model = load_model(inspect_source(SourceSpec(path=checkpoint)))[0]
-    module, n = PagedDecoder(decoder_for(model, "llama")).eval(), len(window)
+    module, n = PagedDecoder(decoder_for(model)).eval(), len(window)
     blocks = len(_blocks(layout, n))
     pools = tuple(torch.zeros(blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
                   for _ in range(2 * layout.num_layers))
@@ -208,7 +208,7 @@ def test_int8_scales_fit_the_calibration_text(kv_build, tiny_checkpoints):
     stored codes (its inputs are the float model's; later layers see int8 attention before them) are those values
     rounded. A scale in the wrong layer, head, channel or cache, or a rotary pair taken wrongly, breaks one of these."""
     from llmc.compiler.graph import kv_cache
-    from llmc.compiler.decoder import decoder_for
+    from llmc.compiler.models import decoder_for
     from llmc.compiler.source import inspect_source, load_model, load_tokenizer
     from llmc.compiler.spec import SourceSpec
 
@@ -220,7 +220,7 @@ def test_int8_scales_fit_the_calibration_text(kv_build, tiny_checkpoints):
     scales = np.stack([[numpy_helper.to_array(i) for i in graph.initializer if i.name == f"kv_scale.{layer}.{kind}"][0]
                        for layer in range(layout.num_layers) for kind in ("key", "value")])[:, :, 0]
     scales = scales.reshape(layout.num_layers, 2, 1, layout.num_kv_heads, layout.head_dim)
-    half = kv_cache.rotary_dim(decoder_for(load_model(info)[0], "llama"), layout.head_dim) // 2
+    half = decoder_for(load_model(info)[0]).rope.rotary_dim // 2
     peaks = np.zeros((layout.num_layers, 2, layout.num_kv_heads, layout.head_dim))
     for window in kv_cache.calibration_windows(load_tokenizer(info), result.exported.model.vocab_size):
         table = _blocks(layout, len(window))

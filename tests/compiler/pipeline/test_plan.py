@@ -7,7 +7,8 @@ from onnx import numpy_helper
 
 from llmc.compiler import build
 from llmc.compiler.pipeline.plan import plan_build
-from llmc.compiler.source import inspect_source, read_dims
+from llmc.compiler.models.config import read_dims
+from llmc.compiler.source import inspect_source
 from llmc.compiler.tensorrt.stage import tensorrt_missing
 from llmc.compiler.spec import parse_spec
 from llmc.errors import UnsupportedError
@@ -20,16 +21,19 @@ def _spec(ckpt, **extra):
                        **extra})
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "phi3", "gemma2"])  # phi3: fused projections
 def test_weight_estimate_matches_the_exported_initializers(tiny_checkpoints, tmp_path, model_type):
     spec = _spec(tiny_checkpoints[model_type])
     planned = plan_build(spec)
     build(spec, output=tmp_path / "out", until="export")
     model = onnx.load(str(tmp_path / "out" / "export" / "model.onnx"))
     stored = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer if len(t.dims) >= 2)
-    rotary = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer if "cache" in t.name)
+    dims = read_dims(inspect_source(spec.source))
+    # RoPE tables [positions, <= head_dim / 2] are not weights
+    rotary = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer
+                 if len(t.dims) == 2 and t.dims[0] == dims.max_position_embeddings and t.dims[1] <= dims.head_dim // 2)
     assert planned.weights_bytes == pytest.approx(stored - rotary, rel=0.05)
-    assert planned.attention_nodes == read_dims(inspect_source(spec.source)).num_layers
+    assert planned.attention_nodes == dims.num_layers
 
 
 def test_kv_cache_and_activation_estimates_follow_the_limits(tiny_llama):

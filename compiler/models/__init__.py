@@ -1,0 +1,29 @@
+"""Model families: one file per family, each a few hooks over the base decoder (base.py) and its tiny
+test config (family.py says what a file declares). Adding a Llama-like family is one file here and its
+line in FAMILIES.
+
+    base.py      the base decoder (Llama's shape) and its hooks
+    rope.py      RoPE tables from the model's own rotary modules
+    config.py    the one reader of a checkpoint's config
+    <family>.py  llama (+ mistral, qwen2, gemma), gpt2, qwen3, gemma2, gemma3, phi3, granite, olmo2, smollm3
+"""
+
+from __future__ import annotations
+
+from llmc.compiler.models import gemma2, gemma3, gpt2, granite, llama, olmo2, phi3, qwen3, smollm3
+from llmc.compiler.models.family import Family
+
+FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, gpt2, qwen3, gemma2, gemma3, phi3, granite, olmo2,
+                                                       smollm3))
+
+#: HF `model_type` -> family name
+SUPPORTED_MODEL_TYPES: dict[str, str] = {t: f.name for f in FAMILIES for t in f.model_types}
+
+
+def family_of(model_type: str) -> Family:
+    return next(f for f in FAMILIES if model_type in f.model_types)
+
+
+def decoder_for(hf_model):
+    """The llmc decoder for an HF model of a supported `model_type` (SUPPORTED_MODEL_TYPES)."""
+    return family_of(hf_model.config.model_type).decoder(hf_model).eval()

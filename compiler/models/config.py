@@ -1,0 +1,108 @@
+"""The one reader of a checkpoint's config: every fact the compiler takes from `config.json` (or a
+GGUF header) is read here, so source, plan, export and the KV cache agree on it.
+
+    read_config(info)        the transformers config, without loading weights
+    attention_shape(config)  (query heads, KV heads, head dim)
+    rope_parameters(config)  the RoPE settings (transformers 5 keeps them in `rope_parameters`,
+                             nested per layer type for Gemma 3)
+    read_dims(info)          Dims: sizes and parameter counts for the plan
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmc.errors import SourceError
+
+
+def read_config(info):
+    """The checkpoint's transformers config (`info`: a compiler.source.SourceInfo)."""
+    from transformers import AutoConfig
+
+    if info.kind == "gguf":
+        return AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name, local_files_only=True)
+    return AutoConfig.from_pretrained(str(info.path), local_files_only=True, trust_remote_code=False)
+
+
+def attention_shape(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a HF config: GPT-2 and MHA configs name no KV heads,
+    most name no head dim (Qwen3 and Gemma do, and theirs is not hidden / heads)."""
+    heads = config.num_attention_heads
+    return (heads, getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The RoPE settings of a config, or of one layer type where the config nests them per type."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
+    return dict(params)
+
+
+#: RoPE types with a fixed table per position, and LongRoPE (compiler/models/rope.py)
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+def check_rope(config: dict, where) -> None:
+    """Refuse, naming the field, a RoPE type whose frequencies change with the sequence length
+    (`dynamic`) or that llmc does not know: read from config.json before anything loads."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = config.get(key) or {}
+        nested = params if all(isinstance(v, dict) for v in params.values()) and params else {"": params}
+        for layer_type, p in nested.items():
+            rope_type = (p or {}).get("rope_type", (p or {}).get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE:
+                field = key + (f".{layer_type}" if layer_type else "") + ".rope_type"
+                raise SourceError(f"{where}: {field} {rope_type!r} is not supported (no fixed table per position "
+                                  f"reproduces it); supported: {', '.join(SUPPORTED_ROPE)}")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Config facts the plan needs, parameter counts included (no weights read)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    max_position_embeddings: int
+    linear_params: int  # weights of matrices (what quantization shrinks), the LM head included when untied
+    other_params: int  # embeddings, norms, biases
+
+
+def parameter_counts(config) -> tuple[int, int]:
+    """(matrix weights, everything else) of the model `config` describes, counted on the meta device:
+    the family's own modules decide, so no family needs a formula. A matrix is any parameter of two
+    or more dims outside an embedding (linear and Conv1D weights, fused experts); a tied LM head is
+    the embedding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    linear = other = 0
+    for p in model.parameters():  # tied parameters once
+        if p.dim() >= 2 and id(p) not in embeddings:
+            linear += p.numel()
+        else:
+            other += p.numel()
+    return linear, other
+
+
+def read_dims(info) -> Dims:
+    c = read_config(info)
+    heads, kv_heads, head_dim = attention_shape(c)
+    linear, other = parameter_counts(c)
+    return Dims(model_type=c.model_type, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+                intermediate_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
+                or 4 * c.hidden_size,
+                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=c.vocab_size,
+                tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+                max_position_embeddings=c.max_position_embeddings, linear_params=linear, other_params=other)

@@ -1,0 +1,94 @@
+"""RoPE for the decoders, computed by the model's own rotary modules (nothing re-derived here).
+
+    default, linear, llama3, yarn   one fixed table per position, which the attention op applies
+                                    (`cos_cache`/`sin_cache` [P, R/2]; yarn's attention factor and
+                                    linear/llama3's scaling are already in the values)
+    longrope                        two tables: transformers rotates a forward's tokens with the long
+                                    factors when its last position + 1 exceeds
+                                    `original_max_position_embeddings`, else the short ones. The switch
+                                    is per forward, so here it is per row and step (`row_last`): the
+                                    rotation happens in the model, before the op
+    dynamic (and anything else)     refused: its frequencies change with the sequence length in a way
+                                    no per-position table reproduces
+
+Partial rotary (`partial_rotary_factor`: Phi-4-mini, R < D) needs nothing special: the module's cos/sin
+are R wide, and so are the tables.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from llmc.compiler.models.config import rope_parameters
+from llmc.errors import SourceError
+
+FIXED = {"default", "linear", "llama3", "yarn"}
+
+
+def _table(rotary: Callable, positions: int) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        cos, sin = rotary(torch.zeros(1), torch.arange(positions)[None])  # [1, P, R], the two halves equal
+    half = cos.shape[-1] // 2
+    return cos[0, :, :half].float().contiguous(), sin[0, :, :half].float().contiguous()
+
+
+class RotaryTables(nn.Module):
+    """The RoPE tables of a decoder's layer kinds ("default", or Gemma 3's "sliding_attention" and
+    "full_attention"), as non-persistent buffers."""
+
+    def __init__(self, rotary: dict[str, Callable], kinds: set[str], config):
+        super().__init__()
+        self.fixed: list[str] = []
+        self.longrope: dict[str, int] = {}  # kind -> original_max_position_embeddings
+        positions = config.max_position_embeddings
+        for kind in sorted(kinds):
+            params = rope_parameters(config, None if kind == "default" else kind)
+            rope_type, field = params.get("rope_type", "default"), _field(config, kind)
+            if rope_type in FIXED:
+                cos, sin = _table(rotary[kind], positions)
+                self.fixed.append(kind)
+            elif rope_type == "longrope":
+                original = int(params["original_max_position_embeddings"])
+                cos, sin = _table(rotary[kind], max(positions, original + 1))  # the long factors
+                short_cos, short_sin = _table(rotary[kind], original)  # the short ones (resets the module)
+                self.register_buffer(f"{kind}_short_cos", torch.cat([short_cos, cos[original:]]), persistent=False)
+                self.register_buffer(f"{kind}_short_sin", torch.cat([short_sin, sin[original:]]), persistent=False)
+                self.longrope[kind] = original
+            else:
+                raise SourceError(
+                    f"{field}.rope_type: {rope_type!r} RoPE is not supported (its frequencies change with the "
+                    f"sequence length, so no fixed table reproduces transformers); supported: "
+                    f"{', '.join(sorted(FIXED | {'longrope'}))}")
+            self.register_buffer(f"{kind}_cos", cos, persistent=False)
+            self.register_buffer(f"{kind}_sin", sin, persistent=False)
+
+    @property
+    def needs_row_last(self) -> bool:
+        return bool(self.longrope)
+
+    def tables(self, kind: str) -> tuple[Tensor, Tensor]:
+        """The fixed table the op applies."""
+        return getattr(self, f"{kind}_cos"), getattr(self, f"{kind}_sin")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels rotated (R), 0 when no layer rotates."""
+        kinds = self.fixed + list(self.longrope)
+        return 2 * int(getattr(self, f"{kinds[0]}_cos").shape[1]) if kinds else 0
+
+    def in_model_rotation(self, positions: Tensor, row_last: Tensor | None) -> dict[str, tuple[Tensor, Tensor]]:
+        """kind -> (cos, sin) [B, S, R/2] per token, for the kinds rotated in the model (LongRoPE):
+        the long table for rows whose last position this step reaches `original_max_position_embeddings`."""
+        out = {}
+        for kind, original in self.longrope.items():
+            long = (row_last >= original)[..., None]
+            out[kind] = tuple(torch.where(long, getattr(self, f"{kind}_{t}")[positions],
+                                          getattr(self, f"{kind}_short_{t}")[positions]) for t in ("cos", "sin"))
+        return out
+
+
+def _field(config, kind: str) -> str:
+    return "config.json rope_parameters" + ("" if kind == "default" else f"[{kind!r}]")

@@ -1,0 +1,128 @@
+"""Each family's decoder (compiler/models/) reproduces its checkpoint's own PyTorch model, with rows at
+different positions, on tiny configs that can fail: norms moved off their initial values, windows
+shorter than the prompts, a LongRoPE switch crossed while decoding."""
+
+import pytest
+import torch
+
+from conftest import TINY
+from llmc.compiler.models import FAMILIES, SUPPORTED_MODEL_TYPES, decoder_for
+from llmc.compiler.source import inspect_source
+from llmc.compiler.spec import SourceSpec
+from llmc.errors import SourceError
+
+# 30, 11 and 19 tokens: longer than every tiny window (8)
+PROMPTS = [[(7 * i + 3) % 250 + 1 for i in range(30)], [7, 7, 200, 5, 9, 31, 64, 2, 9, 120, 33],
+           [(11 * i) % 256 for i in range(19)]]
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _decode(dec, prompts, steps, capacity):
+    """Prefill all rows at once (right-padded), then decode each at its own position."""
+    width = max(map(len, prompts))
+    shape = (len(prompts), dec.num_kv_heads, capacity, dec.head_dim)
+    kc = [torch.zeros(shape) for _ in dec.layers]
+    vc = [torch.zeros(shape) for _ in dec.layers]
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    rows = torch.arange(len(prompts))
+    with torch.no_grad():
+        logits, kc, vc = dec(ids, torch.zeros(len(prompts), dtype=torch.int64), kc, vc)
+        lengths = torch.tensor([len(p) for p in prompts])
+        ours = [logits[rows, lengths - 1]]
+        for _ in range(steps):
+            logits, kc, vc = dec(ours[-1].argmax(-1)[:, None], lengths, kc, vc)
+            lengths = lengths + 1
+            ours.append(logits[:, -1])
+    return ours
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_batch_at_different_positions_matches_the_checkpoints_own_model(tiny_checkpoints, model_type):
+    hf = _load(tiny_checkpoints[model_type])
+    dec = decoder_for(hf)
+    prompts, steps = PROMPTS, 24  # phi3's LongRoPE switch (88) is not reached here: see the test below
+    ours = _decode(dec, prompts, steps, capacity=128)
+    for row, prompt in enumerate(prompts):
+        seq = torch.tensor([prompt + [int(o[row].argmax()) for o in ours[:-1]]])
+        with torch.no_grad():
+            ref = hf(seq).logits[0, len(prompt) - 1:]
+        torch.testing.assert_close(torch.stack([o[row] for o in ours]), ref, rtol=1e-4, atol=1e-4)
+    tokens = [int(o[0].argmax()) for o in ours]
+    assert len(set(tokens)) > 3, f"{model_type}: degenerate greedy output {tokens} proves little"
+
+
+def test_the_tiny_configs_exercise_every_feature(tiny_checkpoints):
+    """A feature nobody's tiny config has is a feature no test sees."""
+    specs = {t: decoder_for(_load(tiny_checkpoints[t])).specs for t in ("gemma2", "gemma3_text", "smollm3", "qwen3")}
+    assert {s.window for s in specs["gemma2"]} == {8, -1} and all(s.softcap == 5.0 for s in specs["gemma2"])
+    assert [s.rope for s in specs["gemma3_text"]] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert [s.rope for s in specs["smollm3"]] == ["default", None, "default", None]
+    assert [s.window for s in specs["qwen3"]] == [-1, 8]
+    phi3 = decoder_for(_load(tiny_checkpoints["phi3"]))
+    assert phi3.rope.longrope == {"default": 88} and phi3.rope.rotary_dim == 12 < phi3.head_dim
+
+
+def test_longrope_switches_mid_generation_and_for_a_long_prefill(tiny_checkpoints):
+    """A row crossing original_max_position_embeddings (88) while decoding, and one prefilled past it,
+    against transformers' own generation with its cache (it rotates a forward's tokens with the long
+    factors when that forward reaches past 88: the whole long prompt, then each later token). Rows go
+    one at a time, as the slot graph prefills them."""
+    from llmc.compiler.graph.verify import torch_greedy
+
+    hf = _load(tiny_checkpoints["phi3"])
+    dec = decoder_for(hf)
+    for prompt in (PROMPTS[0] * 3, PROMPTS[1] * 7):  # 90 tokens (past the switch at prefill), 77 (crosses at step 11)
+        _, last = torch_greedy(hf, prompt, 16, lambda: None)  # the prompt's last logits, then 15 steps'
+        ours = _decode(dec, [prompt], 15, capacity=128)
+        ref = torch.stack([torch.as_tensor(x) for x in last])
+        torch.testing.assert_close(torch.stack([o[0] for o in ours]), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_window_or_norm_off_by_one_would_show(tiny_checkpoints):
+    """The check above can fail: the same decoder with its window one wider, or its q/k norms skipped,
+    no longer matches."""
+    from dataclasses import replace
+
+    hf = _load(tiny_checkpoints["gemma2"])
+    dec = decoder_for(hf)
+    dec.specs = [replace(s, window=s.window + 1 if s.window > 0 else -1) for s in dec.specs]
+    ours = _decode(dec, PROMPTS[:1], 2, capacity=64)
+    with torch.no_grad():
+        ref = hf(torch.tensor(PROMPTS[:1])).logits[0, -1]
+    assert not torch.allclose(ours[0][0], ref, atol=1e-3)
+
+
+def test_dynamic_rope_is_refused_naming_the_field(tmp_path):
+    import json
+
+    from conftest import make_checkpoint
+
+    ckpt = make_checkpoint("llama", tmp_path / "dyn", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                        "rope_theta": 10000.0})
+    assert json.loads((ckpt / "config.json").read_text())["rope_parameters"]["rope_type"] == "dynamic"
+    with pytest.raises(SourceError, match=r"rope_parameters.rope_type 'dynamic' is not supported"):
+        inspect_source(SourceSpec(path=ckpt))
+
+
+def test_the_registry_claims_each_model_type_once():
+    claimed = [t for f in FAMILIES for t in f.model_types]
+    assert len(claimed) == len(set(claimed)) == len(SUPPORTED_MODEL_TYPES)
+    assert {"qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2", "smollm3"} <= set(claimed)
+
+
+def test_gpt2_scaled_by_inverse_layer_index():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gpt2", vocab_size=64, n_embd=32, n_layer=3, n_head=2, n_positions=64,
+                                  scale_attn_by_inverse_layer_idx=True, initializer_range=0.2)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    ours = _decode(decoder_for(hf), [[5, 17, 9, 3]], 3, capacity=16)
+    seq = torch.tensor([[5, 17, 9, 3] + [int(o[0].argmax()) for o in ours[:-1]]])
+    with torch.no_grad():
+        torch.testing.assert_close(torch.stack([o[0] for o in ours]), hf(seq).logits[0, 3:], rtol=1e-4, atol=1e-4)
