@@ -107,6 +107,7 @@ def generate_to(out: TextIO, prompt: str, *, url: str, model: str | None, stream
             from llmc.chat_template import chat_prompt
 
             prompt = chat_prompt(url, client.model, prompt)
+            params["add_special_tokens"] = False  # the template wrote its own BOS (llmc.chat_template)
         for chunk in client.generate(prompt, stream, gen, **{k: v for k, v in params.items() if v is not None}):
             if gen.beams is None:
                 out.write(chunk)

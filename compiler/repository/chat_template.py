@@ -14,9 +14,10 @@ from llmc.errors import SpecError
 from llmc.runtime.manifest import ChatTemplate
 
 
-def find_chat_template(source: SourceInfo, override: Path | None) -> ChatTemplate | None:
-    """The template to serve (None: the model serves completions only)."""
-    tokenizer = load_tokenizer(source)
+def find_chat_template(source: SourceInfo, override: Path | None, tokenizer=None) -> ChatTemplate | None:
+    """The template to serve (None: the model serves completions only); `tokenizer`: the source's, when
+    the caller has loaded it already."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
     if override is not None:
         try:
             template, origin = Path(override).read_text(encoding="utf-8"), str(override)

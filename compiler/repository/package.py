@@ -7,7 +7,8 @@
                                                          engine stage's files: model.onnx or model.plan)
     <output>/model_repository/<name>/1/draft/model.onnx   speculative.method draft: the draft graph (links to the
                                                          draft stage's files), named in the manifest
-    <output>/model_repository/<name>/1/tokenizer.json
+    <output>/model_repository/<name>/1/tokenizer.json    AutoTokenizer's own pipeline, checked against it on sample
+                                                         texts and the chat template (repository/tokenizer.py)
     <output>/model_repository/<name>/1/serving_env.tar.gz  execution_env: the serving packages for the container's
                                                          Python (a link to the environment stage's archive)
     <output>/model_repository/<name>/1/manifest.json     RepositoryManifest: what the runtime reads
@@ -30,11 +31,11 @@ import llmc
 from llmc.compiler.artifacts import DraftArtifact, EngineModel, ExecutionEnvironment, ExportedModel, QuantizedModel
 from llmc.compiler.output import link_or_copy
 from llmc.compiler.repository.chat_template import find_chat_template
+from llmc.compiler.repository.tokenizer import write_tokenizer
 from llmc.compiler.repository.triton_config import model_config, render
 from llmc.compiler.source import SourceInfo, load_tokenizer
 from llmc.compiler.spec import BuildSpec
 from llmc.compiler.stage import Context, Located, Stage
-from llmc.errors import SourceError
 from llmc.runtime.kernels import cpu_kernels
 from llmc.runtime.manifest import (DraftModel, ExecutionEnvInfo, RepositoryManifest, ServingLimits,
                                    SpeculativeConfig)
@@ -71,13 +72,15 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
     version_dir.mkdir(parents=True)
     for name in engine.files:  # the graph and its external data side by side as ORT expects, or the plan
         link_or_copy(str(engine_dir / name), str(version_dir / name))
-    _write_tokenizer(source, version_dir / TOKENIZER_FILE)
+    tokenizer = load_tokenizer(source)
+    chat = find_chat_template(source, spec.serving.chat_template, tokenizer)
+    write_tokenizer(tokenizer, version_dir / TOKENIZER_FILE, origin=str(source.path),
+                    chat_template=chat.model_dump() if chat else None, check=spec.verify.enabled)
     draft_model = _copy_draft(draft, version_dir / DRAFT_DIR) if draft is not None else None
     env = _link_environment(environment, version_dir) if environment is not None else None
     copy_runtime(version_dir / "llmc")
     shutil.copyfile(importlib.resources.files("llmc.model_repository") / "model.py", version_dir / "model.py")
     tensorrt = engine.tensorrt if isinstance(engine, EngineModel) else None
-    chat = find_chat_template(source, spec.serving.chat_template)
     (model_dir / "config.pbtxt").write_text(render(model_config(
         spec.name, gpu=tensorrt is not None, chat_template=chat.model_dump_json() if chat else None,
         max_beam_width=spec.serving.max_beam_width,
@@ -119,18 +122,6 @@ def _link_environment(environment: "Located[ExecutionEnvironment]", version_dir:
     art = environment.artifact
     link_or_copy(str(environment.folder / art.archive), str(version_dir / art.archive))
     return ExecutionEnvInfo(archive=art.archive, python=art.python, interpreter=art.interpreter)
-
-
-def _write_tokenizer(source: SourceInfo, dest: Path) -> None:
-    """tokenizer.json (HF `tokenizers` format): copied when the checkpoint has one, else converted."""
-    if source.kind != "gguf" and (source.path / TOKENIZER_FILE).is_file():
-        shutil.copyfile(source.path / TOKENIZER_FILE, dest)
-        return
-    tokenizer = load_tokenizer(source)
-    if tokenizer is None or not getattr(tokenizer, "is_fast", False):
-        raise SourceError(f"{source.path}: the served model needs a fast tokenizer (tokenizer.json) and none "
-                          "could be made from this checkpoint")
-    tokenizer.backend_tokenizer.save(str(dest))
 
 
 def copy_runtime(dest: Path) -> None:

@@ -105,6 +105,8 @@ def model_inputs(req: _Common, choice: int = 0) -> dict:
     top = num_top_logprobs(req)
     if top is not None:
         params.update(return_log_probs=True, num_top_logprobs=top)
+    if isinstance(req, ChatRequest):  # the rendered template writes its own BOS, as apply_chat_template expects
+        params.update(add_special_tokens=False)
     return {k: v for k, v in params.items() if v is not None}
 
 

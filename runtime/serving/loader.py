@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmc.runtime.decoding.tokenizer import load as load_tokenizer
 from llmc.runtime.engine.core import Engine
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.serving.request import Limits
@@ -18,12 +19,10 @@ from llmc.runtime.serving.request import Limits
 
 def load(folder: Path) -> tuple[Engine, object, Limits]:
     """The engine, tokenizer (HF `tokenizers`) and request limits the version in `folder` describes."""
-    from tokenizers import Tokenizer
-
     folder = Path(folder)
     m = RepositoryManifest.load(folder)
     lim = m.limits
-    tokenizer = Tokenizer.from_file(str(folder / m.tokenizer))
+    tokenizer = load_tokenizer(folder / m.tokenizer)
     limits = Limits(lim.max_seq_len, lim.default_max_tokens, lim.max_stop_words, lim.max_beam_width)
     engine = paged_engine(folder / m.engine, m, tokenizer) if m.kv_layout.paged else slot_engine(folder, m, tokenizer)
     return engine, tokenizer, limits

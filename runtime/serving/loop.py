@@ -45,6 +45,7 @@ from typing import Mapping, Protocol
 import numpy as np
 
 from llmc.runtime.decoding.logprobs import Logprobs
+from llmc.runtime.decoding.tokenizer import encode
 from llmc.runtime.engine.core import Engine, QueueFull, StepOutput
 from llmc.runtime.engine.sequence import FinishReason
 from llmc.runtime.serving.metrics import ServingMetrics, null_metrics
@@ -130,7 +131,7 @@ class ServingLoop:
                 _call(sink.send, {"text_output": bytes_tensor(""), "output_ids": np.zeros(0, dtype=np.int32)}, True)
                 return
             request = parse_request(inputs, self.limits)
-            prompt_ids = self.tokenizer.encode(request.prompt).ids
+            prompt_ids = encode(self.tokenizer, request.prompt, request.add_special_tokens)
             top = request.num_top_logprobs if request.return_log_probs else None
             with self._lock:
                 self._live[rid] = _Live(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id,

@@ -43,6 +43,7 @@ class Request:
     return_num_output_tokens: bool = False
     return_log_probs: bool = False
     num_top_logprobs: int = 0  # with return_log_probs: the N most likely alternatives per token
+    add_special_tokens: bool = True  # false for a prompt rendered from a chat template (decoding/tokenizer.py)
 
 
 def _text(value, name: str) -> str:
@@ -106,7 +107,8 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits) -> Request:
         where = ".".join(map(str, first["loc"]))
         raise RequestError(f"{where}: {first['msg'].removeprefix('Value error, ')} (got {first.get('input')!r})") from None
     flags = {n: bool(values[n]) for n in ("stream", "exclude_input_in_output", "return_num_input_tokens",
-                                          "return_num_output_tokens", "return_log_probs") if n in values}
+                                          "return_num_output_tokens", "return_log_probs", "add_special_tokens")
+             if n in values}
     top = values.get("num_top_logprobs", 0)
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise RequestError(f"num_top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS} (got {top})")

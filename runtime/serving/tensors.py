@@ -19,6 +19,9 @@ SCALARS: dict[str, tuple[str, str | None]] = {
     "return_num_input_tokens": ("BOOL", None), "return_num_output_tokens": ("BOOL", None),
     "stop": ("BOOL", None),  # a stop request: end the request sent under the same request id (is_stop)
     "num_top_logprobs": ("INT32", None),  # with return_log_probs: the N most likely tokens per step (logprobs.py)
+    # false: the prompt is encoded without the tokenizer's BOS/EOS, as transformers encodes a rendered chat
+    # template (it writes its own); the OpenAI frontend and `llmc generate --chat` send it (decoding/tokenizer.py)
+    "add_special_tokens": ("BOOL", None),
     # beam search (runtime/engine/beam.py), TensorRT-LLM's names and types: 1 = off, at most serving.max_beam_width
     "beam_width": ("INT32", "beam_width"), "length_penalty": ("FP32", "length_penalty"),
     "early_stopping": ("BOOL", "early_stopping"),
