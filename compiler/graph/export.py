@@ -28,7 +28,7 @@ from llmc.compiler.source import FoundSource
 from llmc.compiler.spec import BuildSpec
 from llmc.compiler.spec.sections import KVCacheDtype
 from llmc.compiler.stage import Context, Located, Stage
-from llmc.errors import ExportError
+from llmc.errors import ExportError, UnsupportedError
 from llmc.plugins.op.lowering import MICROSOFT_DOMAIN, Heads, Lowering, translation_table, trim_unused_outputs
 from llmc.runtime.layout import KVLayout
 
@@ -68,6 +68,22 @@ def kv_layout(info: ModelInfo, lowering: Lowering, kv_cache_dtype: KVCacheDtype 
     fused = lowering is Lowering.fused
     return KVLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                     in_place=fused, max_prefill_rows=1 if fused else None)
+
+
+def lowering_refusal(decoder, lowering: Lowering) -> str | None:
+    """Why `lowering` cannot express this decoder's attention (None when it can): the build then says
+    which feature forces another `export.attention`."""
+    sinks = decoder.sinks is not None
+    if lowering is Lowering.reference and sinks:
+        return "attention sinks: opset 23's Attention has no sink input; use `paged` (the default) or `fused`"
+    if lowering is Lowering.fused and decoder.head_dim % 16:
+        return (f"ONNX Runtime's CPU GroupQueryAttention needs a head size that is a multiple of 16, and this "
+                f"model's is {decoder.head_dim}; use `paged` (the default)")
+    rotary = decoder.rope.rotary_dim if decoder.rope.fixed else 0  # the tables the op applies
+    if lowering is Lowering.fused and rotary % 16:
+        return (f"ONNX Runtime's CPU GroupQueryAttention rotates a multiple of 16 channels, and this model rotates "
+                f"{rotary} (partial rotary); use `paged` (the default)")
+    return None
 
 
 def _flat(decoder):
@@ -148,6 +164,9 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
 
     layout = kv_layout(info, lowering, kv_cache_dtype)
     decoder = decoder_for(model)
+    refusal = lowering_refusal(decoder, lowering)
+    if refusal is not None:
+        raise UnsupportedError(f"export.attention: {lowering.value} cannot export {info.model_type}: {refusal}")
     module, inputs, shapes, in_names = _traced(decoder, info, layout.model_copy(update={"dtype": "float32"}))
     out_names = ["logits", *layout.present_names()]
     table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))

@@ -5,16 +5,17 @@ line in FAMILIES.
     base.py      the base decoder (Llama's shape) and its hooks
     rope.py      RoPE tables from the model's own rotary modules
     config.py    the one reader of a checkpoint's config
-    <family>.py  llama (+ mistral, qwen2, gemma), gpt2, qwen3, gemma2, gemma3, phi3, granite, olmo2, smollm3
+    <family>.py  llama (+ mistral, qwen2, gemma), gpt2, qwen3, gemma2, gemma3, phi3, granite, olmo2, smollm3,
+                 nemotron
 """
 
 from __future__ import annotations
 
-from llmc.compiler.models import gemma2, gemma3, gpt2, granite, llama, olmo2, phi3, qwen3, smollm3
+from llmc.compiler.models import gemma2, gemma3, gpt2, granite, llama, nemotron, olmo2, phi3, qwen3, smollm3
 from llmc.compiler.models.family import Family
 
 FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, gpt2, qwen3, gemma2, gemma3, phi3, granite, olmo2,
-                                                       smollm3))
+                                                       smollm3, nemotron))
 
 #: HF `model_type` -> family name
 SUPPORTED_MODEL_TYPES: dict[str, str] = {t: f.name for f in FAMILIES for t in f.model_types}

@@ -129,9 +129,9 @@ class Decoder(nn.Module):
         return layer.self_attn.o_proj
 
     def layer_attention(self, i: int, layer) -> LayerAttention:
-        attn = layer.self_attn
-        softcap = getattr(attn, "attn_logit_softcapping", None) or 0.0
-        return LayerAttention(scale=float(attn.scaling), softcap=float(softcap), window=sliding_window(attn, self.config))
+        attn = self.attention_module(layer)
+        softcap = float(getattr(attn, "attn_logit_softcapping", None) or 0.0)
+        return LayerAttention(scale=float(attn.scaling), softcap=softcap, window=sliding_window(attn, self.config))
 
     def fused_qkv(self, layer) -> nn.Module:
         attn = layer.self_attn

@@ -1,21 +1,19 @@
-"""What a model family file declares (compiler/models/<family>.py): its `model_type`s, its decoder
-class, the features it uses (for the README's table and `llmc inspect`), and one tiny random config
-per model type, which the parity tests build (tests/conftest.py) — nothing else."""
+"""What a model family file declares (compiler/models/<family>.py): its decoder class and one tiny
+random config per `model_type` it claims, which the parity tests build (tests/conftest.py). The
+README's family table says what each family adds (tests/compiler/models/test_readme_families.py keeps
+it in step with this registry)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
 @dataclass(frozen=True)
 class Family:
     name: str
-    decoder: type  # a compiler.models.base.Decoder (or GPT-2's)
-    features: str  # a line for the README's family table
+    decoder: type  # a compiler.models.base.Decoder
     tiny: dict[str, dict[str, Any]]  # model_type -> tiny config fields (its keys are the model types claimed)
-    fused: bool = True  # whether ONNX Runtime's CPU GroupQueryAttention can run it (else `paged` is forced)
-    notes: dict[str, str] = field(default_factory=dict)
 
     @property
     def model_types(self) -> tuple[str, ...]:

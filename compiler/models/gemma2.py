@@ -24,11 +24,10 @@ class SandwichDecoder(Decoder):
 
 _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, initializer_range=0.1,
-             tie_word_embeddings=False, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+             tie_word_embeddings=False, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+             final_logit_softcapping=3.0)
 
 FAMILY = Family(
     name="gemma2", decoder=SandwichDecoder,
-    features="(1 + w) RMSNorm, scaled embeddings, GeGLU, sandwich norms, attention and final logit softcap, "
-             "query_pre_attn_scalar, sliding window on alternate layers",
     tiny={"gemma2": _TINY},
 )

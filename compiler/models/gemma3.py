@@ -25,7 +25,6 @@ class Gemma3Decoder(SandwichDecoder):
 
 FAMILY = Family(
     name="gemma3", decoder=Gemma3Decoder,
-    features="Gemma 2's blocks, per-head q/k norms, 5 sliding : 1 global layers, separate local/global RoPE",
     tiny={"gemma3_text": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                               initializer_range=0.1, tie_word_embeddings=False, sliding_window=8,

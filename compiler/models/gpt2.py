@@ -10,7 +10,8 @@ from llmc.compiler.models.family import Family
 class GPT2Decoder(Decoder):
     def __init__(self, hf_model):
         if getattr(hf_model.config, "add_cross_attention", False):
-            raise NotImplementedError("GPT-2 with cross-attention is an encoder-decoder; llmc exports decoder-only models")
+            raise NotImplementedError("GPT-2 with cross-attention is an encoder-decoder; llmc exports decoder-only "
+                                      "models")
         super().__init__(hf_model)
         self.wpe = hf_model.transformer.wpe
 
@@ -43,6 +44,6 @@ class GPT2Decoder(Decoder):
         return hidden + layer.mlp(layer.ln_2(hidden))
 
 
-FAMILY = Family(name="gpt2", decoder=GPT2Decoder, features="learned positions, fused QKV (Conv1D), MHA",
+FAMILY = Family(name="gpt2", decoder=GPT2Decoder,
                 tiny={"gpt2": dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=2048,
                                    initializer_range=0.4, bos_token_id=0, eos_token_id=0)})

@@ -19,7 +19,7 @@ class GraniteDecoder(Decoder):
 
 
 FAMILY = Family(
-    name="granite", decoder=GraniteDecoder, features="embedding, attention, residual and logits multipliers",
+    name="granite", decoder=GraniteDecoder,
     tiny={"granite": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                           initializer_range=0.1, embedding_multiplier=6.0, attention_multiplier=0.2,

@@ -9,7 +9,7 @@ _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
              num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1)
 
 FAMILY = Family(
-    name="llama", decoder=Decoder, features="rotary, GQA; Mistral/Qwen2: sliding window",
+    name="llama", decoder=Decoder,
     tiny={"llama": _TINY, "qwen2": _TINY, "mistral": {**_TINY, "num_key_value_heads": 1},
           # untied: a tied head over Gemma's √hidden-scaled embeddings repeats the input token
           "gemma": {**_TINY, "head_dim": 16, "num_key_value_heads": 1, "tie_word_embeddings": False}},

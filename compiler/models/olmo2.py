@@ -19,7 +19,7 @@ class Olmo2Decoder(Decoder):
 
 
 FAMILY = Family(
-    name="olmo2", decoder=Olmo2Decoder, features="post-norm blocks, q/k RMSNorm over the whole projection",
+    name="olmo2", decoder=Olmo2Decoder,
     tiny={"olmo2": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                         initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)},

@@ -17,7 +17,6 @@ class Phi3Decoder(Decoder):
 _HALF = 6  # rotary channels / 2: head_dim 16 * 0.75 = 12
 FAMILY = Family(
     name="phi3", decoder=Phi3Decoder,
-    features="fused qkv_proj and gate_up_proj, partial rotary, LongRoPE (short/long factors, attention factor)",
     tiny={"phi3": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                        original_max_position_embeddings=88, initializer_range=0.1, pad_token_id=0,

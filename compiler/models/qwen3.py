@@ -12,7 +12,7 @@ class Qwen3Decoder(Decoder):
 
 
 FAMILY = Family(
-    name="qwen3", decoder=Qwen3Decoder, features="per-head q/k RMSNorm, head_dim != hidden/heads, sliding layers",
+    name="qwen3", decoder=Qwen3Decoder,
     tiny={"qwen3": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
                         initializer_range=0.1, use_sliding_window=True, sliding_window=8, max_window_layers=1)},

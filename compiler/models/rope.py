@@ -29,10 +29,15 @@ FIXED = {"default", "linear", "llama3", "yarn"}
 
 
 def _table(rotary: Callable, positions: int) -> tuple[Tensor, Tensor]:
+    """(cos, sin) [P, R/2]. Most rotary modules return R columns, the two halves equal (rotate-half
+    applied to the whole head); some (gpt-oss) return the R/2 frequencies once."""
     with torch.no_grad():
-        cos, sin = rotary(torch.zeros(1), torch.arange(positions)[None])  # [1, P, R], the two halves equal
+        cos, sin = rotary(torch.zeros(1), torch.arange(positions)[None])
+    cos, sin = cos[0].float(), sin[0].float()
     half = cos.shape[-1] // 2
-    return cos[0, :, :half].float().contiguous(), sin[0, :, :half].float().contiguous()
+    if torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:]):
+        cos, sin = cos[:, :half], sin[:, :half]
+    return cos.contiguous(), sin.contiguous()
 
 
 class RotaryTables(nn.Module):

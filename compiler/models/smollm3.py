@@ -12,7 +12,7 @@ class SmolLM3Decoder(Decoder):
 
 
 FAMILY = Family(
-    name="smollm3", decoder=SmolLM3Decoder, features="no-RoPE layers (no_rope_layers)",
+    name="smollm3", decoder=SmolLM3Decoder,
     tiny={"smollm3": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                           initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,

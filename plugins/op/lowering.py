@@ -284,6 +284,7 @@ def trim_unused_outputs(graph: onnx.GraphProto) -> None:
 
 def translation_table(lowering: Lowering, heads: Heads) -> dict:
     """`custom_translation_table` for torch.onnx.export: llmc::attention -> the lowering's ONNX."""
+    import onnxscript  # noqa: F401  (first: it imports onnx.reference, which fails on one op name in two domains)
     import torch
 
     import llmc.plugins.op.attention  # noqa: F401  (registers torch.ops.llmc.attention)

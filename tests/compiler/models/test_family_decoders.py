@@ -97,6 +97,27 @@ def test_a_window_or_norm_off_by_one_would_show(tiny_checkpoints):
     assert not torch.allclose(ours[0][0], ref, atol=1e-3)
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},  # with its attention factor
+])
+def test_fixed_table_rope_variants_match(rope):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", **{**TINY["llama"], "rope_parameters": {"rope_theta": 10000.0, **rope}})
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    dec = decoder_for(hf)
+    assert dec.rope.fixed == ["default"] and not dec.rope.longrope
+    ours = _decode(dec, PROMPTS[:1], 4, capacity=64)
+    seq = torch.tensor([PROMPTS[0] + [int(o[0].argmax()) for o in ours[:-1]]])
+    with torch.no_grad():
+        ref = hf(seq).logits[0, len(PROMPTS[0]) - 1:]
+    torch.testing.assert_close(torch.stack([o[0] for o in ours]), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_dynamic_rope_is_refused_naming_the_field(tmp_path):
     import json
 
@@ -126,3 +147,38 @@ def test_gpt2_scaled_by_inverse_layer_index():
     seq = torch.tensor([[5, 17, 9, 3] + [int(o[0].argmax()) for o in ours[:-1]]])
     with torch.no_grad():
         torch.testing.assert_close(torch.stack([o[0] for o in ours]), hf(seq).logits[0, 3:], rtol=1e-4, atol=1e-4)
+
+
+def test_attention_sinks_match_gpt_oss():
+    """The op's sinks (and a rotary module that returns each frequency once) against gpt-oss's own
+    attention; its mixture-of-experts MLP returns (hidden, router logits), which this test's block unpacks
+    (the family itself is issue 33's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmc.compiler.models.base import Decoder
+
+    class SinkDecoder(Decoder):
+        def block(self, layer, hidden, attention):
+            hidden = hidden + attention(layer.input_layernorm(hidden))
+            return hidden + layer.mlp(layer.post_attention_layernorm(hidden))[0]
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "gpt_oss", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=2048,
+        sliding_window=8, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        layer_types=["sliding_attention", "full_attention"])
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "sinks" in name:
+                param.copy_(torch.randn_like(param) * 2)
+    dec = SinkDecoder(hf).eval()
+    assert dec.sinks is not None and [s.window for s in dec.specs] == [8, -1]
+    ours = _decode(dec, PROMPTS[:1], 6, capacity=64)
+    seq = torch.tensor([PROMPTS[0] + [int(o[0].argmax()) for o in ours[:-1]]])
+    with torch.no_grad():
+        ref = hf(seq).logits[0, len(PROMPTS[0]) - 1:]
+        torch.testing.assert_close(torch.stack([o[0] for o in ours]), ref, rtol=1e-4, atol=1e-4)
+        dec.sinks = None  # the check can fail: without the sinks the logits move
+        assert not torch.allclose(_decode(dec, PROMPTS[:1], 0, capacity=64)[0][0], ref[0], atol=1e-3)

@@ -1,0 +1,48 @@
+"""Every new family builds from a minimal spec (`name` + `source`) and its export verifies against
+the checkpoint's own PyTorch model (32 greedy steps, batch 1 and batch 3 at different positions, prompts
+longer than the windows), in the paged graph (the default) and, in the slow sweep, in the fused graph
+(and the reference graph for one family per feature); a lowering that cannot express a family says
+which feature forces `paged`."""
+
+import pytest
+
+from llmc.compiler import build
+from llmc.compiler.spec import parse_spec
+from llmc.errors import UnsupportedError
+
+NEW = ("qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2", "smollm3", "nemotron")
+
+
+def _verified(checkpoint, folder, **spec):
+    report = build(parse_spec({"name": "t", "source": str(checkpoint), **spec}), output=folder, until="verify").verify
+    assert report.passed and [c.batch for c in report.cases] == [1, 3], report
+    assert all(c.token_agreement == 1.0 for c in report.cases), report  # tiny models: no near ties to excuse
+    return report
+
+
+@pytest.mark.parametrize("model_type", NEW)
+def test_minimal_spec_builds_the_paged_graph_and_verifies(tiny_checkpoints, tmp_path, model_type):
+    report = _verified(tiny_checkpoints[model_type], tmp_path / "out")
+    assert "paged attention" in report.candidate and max(report.cases[1].prompt_lengths) > 8  # past every window
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", NEW)
+def test_the_fused_graph_verifies(tiny_checkpoints, tmp_path, model_type):
+    _verified(tiny_checkpoints[model_type], tmp_path / "out", export={"attention": "fused"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gemma2", "phi3", "nemotron"])  # window mask + softcap, LongRoPE, partial
+def test_the_reference_graph_verifies(tiny_checkpoints, tmp_path, model_type):
+    _verified(tiny_checkpoints[model_type], tmp_path / "out", export={"attention": "reference"})
+
+
+def test_a_lowering_that_cannot_express_the_model_names_what_forces_paged(tmp_path):
+    from conftest import make_checkpoint
+
+    ckpt = make_checkpoint("qwen3", tmp_path / "q", head_dim=24)  # GQA's CPU kernel wants multiples of 16
+    spec = parse_spec({"name": "t", "source": str(ckpt), "export": {"attention": "fused"}})
+    with pytest.raises(UnsupportedError, match=r"export.attention: fused cannot export qwen3: .*multiple of 16.*24"):
+        build(spec, output=tmp_path / "out", until="export")
+    assert not (tmp_path / "out" / "export" / "model.onnx").exists()
