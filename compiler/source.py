@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llmc.compiler.hashing import sha256_files
-from llmc.compiler.models.config import check_rope
+from llmc.compiler.models.config import TEXT_PARTS, check_rope
 from llmc.compiler.spec import BuildSpec, SourceSpec
 from llmc.compiler.stage import Located, Stage
 from llmc.errors import SourceError
@@ -50,8 +50,9 @@ class SourceInfo:
 def _check_model_type(model_type: Any, where: Path) -> str:
     from llmc.compiler.models import FAMILIES, SUPPORTED_MODEL_TYPES  # the decoders: torch, imported when needed
 
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        families = "; ".join(f"{f.name}: {', '.join(f.model_types)}" for f in FAMILIES)
+    if model_type not in SUPPORTED_MODEL_TYPES and model_type not in TEXT_PARTS:
+        families = "; ".join([f"{f.name}: {', '.join(f.model_types)}" for f in FAMILIES]
+                             + [f"{t} (multimodal: its {text} text model)" for t, text in TEXT_PARTS.items()])
         raise SourceError(f"{where}: model_type {model_type!r} is not supported; supported families ({families})")
     return model_type
 
@@ -81,7 +82,8 @@ def _hf_info(path: Path, allow_pickle: bool) -> SourceInfo:
     except json.JSONDecodeError as err:
         raise SourceError(f"{config_path}: not valid JSON ({err})") from None
     model_type = _check_model_type(config.get("model_type"), config_path)
-    check_rope(config, config_path)
+    text = config.get("text_config") or {} if model_type in TEXT_PARTS else config
+    check_rope(text, config_path)
     weights = tuple(sorted(path.glob("*.safetensors")))
     uses_pickle = False
     if not weights:
@@ -96,7 +98,7 @@ def _hf_info(path: Path, allow_pickle: bool) -> SourceInfo:
         uses_pickle = True
     extras = [path / n for n in ("config.json", "generation_config.json", *_TOKENIZER_FILES)]
     hashed = tuple(weights) + tuple(p for p in extras if p.is_file())
-    positions = config.get("max_position_embeddings") or config.get("n_positions")  # GPT-2 names it n_positions
+    positions = text.get("max_position_embeddings") or text.get("n_positions")  # GPT-2 names it n_positions
     return SourceInfo(path, "hf", model_type, weights, hashed, uses_pickle, positions)
 
 
@@ -127,11 +129,25 @@ def load_model(info: SourceInfo):
             model = _load_pickle_checkpoint(info)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(info.path), use_safetensors=True, **common)
+        if info.model_type in TEXT_PARTS:
+            model = text_part(model)
     except SourceError:
         raise
     except Exception as err:
         raise SourceError(f"{info.path}: could not load the checkpoint: {err}") from err
     return model.eval(), load_tokenizer(info)
+
+
+def text_part(model):
+    """The causal LM inside a multimodal checkpoint (Gemma 3 4B and up): its text config's own model
+    class, given the language model's weights and the LM head. The vision tower is left behind."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    text = AutoModelForCausalLM.from_config(model.config.get_text_config(), dtype=torch.float32)
+    text.model.load_state_dict(model.model.language_model.state_dict())
+    text.lm_head.load_state_dict(model.lm_head.state_dict())
+    return text
 
 
 def _load_gguf(info: SourceInfo, common: dict[str, Any]):

@@ -15,13 +15,19 @@ from dataclasses import dataclass
 from llmc.errors import SourceError
 
 
+#: multimodal model types -> the model type of the text model llmc exports from them (source.text_part)
+TEXT_PARTS = {"gemma3": "gemma3_text"}
+
+
 def read_config(info):
-    """The checkpoint's transformers config (`info`: a compiler.source.SourceInfo)."""
+    """The checkpoint's transformers config (`info`: a compiler.source.SourceInfo); a multimodal
+    checkpoint's text config."""
     from transformers import AutoConfig
 
     if info.kind == "gguf":
         return AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name, local_files_only=True)
-    return AutoConfig.from_pretrained(str(info.path), local_files_only=True, trust_remote_code=False)
+    config = AutoConfig.from_pretrained(str(info.path), local_files_only=True, trust_remote_code=False)
+    return config.get_text_config() if config.model_type in TEXT_PARTS else config
 
 
 def attention_shape(config) -> tuple[int, int, int]:

@@ -46,3 +46,20 @@ def test_a_lowering_that_cannot_express_the_model_names_what_forces_paged(tmp_pa
     with pytest.raises(UnsupportedError, match=r"export.attention: fused cannot export qwen3: .*multiple of 16.*24"):
         build(spec, output=tmp_path / "out", until="export")
     assert not (tmp_path / "out" / "export" / "model.onnx").exists()
+
+
+def test_a_multimodal_gemma3_checkpoint_builds_its_text_model(tiny_checkpoints, tmp_path):
+    """A `gemma3` checkpoint (Gemma 3 4B and up: a vision tower beside the language model) exports the
+    language model it nests, verified against that model."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3Config, PreTrainedTokenizerFast
+
+    from conftest import TINY, byte_tokenizer
+
+    torch.manual_seed(0)
+    config = Gemma3Config(text_config=TINY["gemma3_text"], vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer()).save_pretrained(tmp_path / "ckpt")
+    report = _verified(tmp_path / "ckpt", tmp_path / "out")
+    assert "gemma3_text" in report.reference
