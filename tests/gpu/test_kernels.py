@@ -102,6 +102,17 @@ def test_attention_features_match_the_reference(feature, new, positions, kernel)
     _check(case, 0.3, KERNELS[kernel], (head_sink, softcap, window), **splits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_all_features_in_half_precision(dtype, kernel):
+    """Every feature at once in fp16/bf16 (sinks read as fp32 from a half-precision tensor), prefill and decode."""
+    sinks, softcap, window, rotary_dim = FEATURES["all"]
+    for new, positions in ((9, [0, 21]), (1, [3, 40])):
+        case = _case(len(positions), new, 6, 2, 16, 64, positions, dtype, rotary=True, seed=6, rotary_dim=rotary_dim)
+        head_sink = (torch.rand(6, generator=torch.Generator().manual_seed(7)) * 8 - 3).to(dtype)
+        _check(case, 0.3, KERNELS[kernel], (head_sink, softcap, window))
+
+
 @pytest.mark.parametrize("splits", [1, 2, 8])
 def test_decode_gives_the_same_answer_however_the_keys_are_split(splits):
     case = _case(2, 1, 6, 3, 16, 200, [5, 190], torch.float32, rotary=False, seed=2)

@@ -96,6 +96,13 @@ def test_contract_options_match_the_reference(kernel, options, rotary_dim):
     check(case, KERNELS[kernel], **options)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_all_features_in_half_precision(dtype, kernel):
+    case = make_case([3, 1, 17], [5, 30, 2], 6, 2, 16, 8, dtype, rotary_dim=8, seed=6)
+    check(case, KERNELS[kernel], head_sink=SINKS.to(dtype), softcap=2.0, local_window_size=6, scale=0.3)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_unmapped_blocks_are_neither_read_nor_written(kernel):
     # row 0 lost a cached block (-1), row 1 one its new tokens would go to (an index past the pool)
