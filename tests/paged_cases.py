@@ -12,8 +12,9 @@ from llmc.plugins.op.attention import reference_paged_attention
 
 
 def paged_model(domain: str, dtype: int, *, heads=4, kv_heads=2, head_size=8, blocks=6, block_size=4,
-                rotary=False, packed=False, outputs=3, extra_inputs=(), **attributes) -> onnx.ModelProto:
-    """One PagedAttention node over graph inputs named as its inputs; symbolic token and row counts."""
+                rotary=False, rotary_dim=None, packed=False, outputs=3, extra_inputs=(), **attributes) -> onnx.ModelProto:
+    """One PagedAttention node over graph inputs named as its inputs; symbolic token and row counts; rotary
+    tables [P, rotary_dim / 2] (default: the whole head)."""
     hidden, kv_hidden = heads * head_size, kv_heads * head_size
     cache = [blocks, block_size, kv_heads, head_size]
     inputs = [("query", dtype, ["T", hidden + 2 * kv_hidden if packed else hidden])]
@@ -21,7 +22,8 @@ def paged_model(domain: str, dtype: int, *, heads=4, kv_heads=2, head_size=8, bl
     inputs += [("key_cache", dtype, cache), ("value_cache", dtype, cache),
                ("cumulative_sequence_length", TensorProto.INT32, ["B1"]), ("past_seqlens", TensorProto.INT32, ["B"]),
                ("block_table", TensorProto.INT32, ["B", "M"])]
-    inputs += [("cos_cache", dtype, ["P", head_size // 2]), ("sin_cache", dtype, ["P", head_size // 2])] if rotary else []
+    half = (rotary_dim or head_size) // 2
+    inputs += [("cos_cache", dtype, ["P", half]), ("sin_cache", dtype, ["P", half])] if rotary else []
     names = [n for n, _, _ in inputs]
     node_inputs = names[:1] + (["", ""] if packed else names[1:3]) + names[(1 if packed else 3):]
     node_inputs += [""] * (10 - len(node_inputs)) if extra_inputs else []
@@ -39,10 +41,12 @@ def paged_model(domain: str, dtype: int, *, heads=4, kv_heads=2, head_size=8, bl
 
 
 def case(rows, heads, kv_heads, head_size, block_size, *, seed=0, rotary=False, fp16=False, spare_blocks=3,
-         packed=False, int8=None):
+         packed=False, int8=None, rotary_dim=None, sinks=False):
     """Rows [(past, new)], each row's blocks scattered over a pool with stale data everywhere. int8:
     "PER_TENSOR" or "PER_CHANNEL", an int8 cache of random codes with such k_scale and v_scale (the
-    per-channel ones spread over 30x, so a channel's scale visibly matters)."""
+    per-channel ones spread over 30x, so a channel's scale visibly matters). rotary_dim: partial rotary
+    tables (default: the whole head). sinks: a head_sink [heads] spread over [-3, 5], so that a sink takes
+    from nothing to most of a softmax's mass."""
     rng = np.random.default_rng(seed)
     per_row = [-(-(p + n) // block_size) for p, n in rows]
     width = max(per_row) + 1
@@ -68,7 +72,7 @@ def case(rows, heads, kv_heads, head_size, block_size, *, seed=0, rotary=False, 
         feeds["key"] = rng.standard_normal((tokens, kv_heads * head_size), np.float32)
         feeds["value"] = rng.standard_normal((tokens, kv_heads * head_size), np.float32)
     if rotary:
-        angles = rng.random((max(p + n for p, n in rows) + 3, head_size // 2), np.float32) * 6
+        angles = rng.random((max(p + n for p, n in rows) + 3, (rotary_dim or head_size) // 2), np.float32) * 6
         feeds["cos_cache"], feeds["sin_cache"] = np.cos(angles), np.sin(angles)
     if int8:
         for name in ("key_cache", "value_cache"):
@@ -76,6 +80,8 @@ def case(rows, heads, kv_heads, head_size, block_size, *, seed=0, rotary=False, 
         shape = (kv_heads, 1, head_size) if int8 == "PER_CHANNEL" else (1,)
         for name in ("k_scale", "v_scale"):  # new keys and values (~N(0, 1)) land mostly inside the codes' range
             feeds[name] = (np.exp(rng.uniform(np.log(0.01), np.log(0.3), shape))).astype(np.float32)
+    if sinks:
+        feeds["head_sink"] = rng.uniform(-3, 5, heads).astype(np.float32)
     return feeds
 
 
@@ -87,5 +93,5 @@ def reference(feeds, heads, kv_heads, **attributes):
         t.get("sin_cache"), slot_mapping=t.get("slot_mapping"),
         rotary_interleaved=bool(attributes.get("rotary_interleaved", 0)), softcap=attributes.get("softcap", 0.0),
         local_window_size=attributes.get("local_window_size", -1), is_causal=bool(attributes.get("is_causal", 1)),
-        k_scale=t.get("k_scale"), v_scale=t.get("v_scale"))
+        head_sink=t.get("head_sink"), k_scale=t.get("k_scale"), v_scale=t.get("v_scale"))
     return out.numpy(), kc.numpy(), vc.numpy()

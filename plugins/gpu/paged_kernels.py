@@ -5,7 +5,7 @@ semantics: plugins/op/attention.py `reference_paged_attention`) on a GPU, called
                     key_cache/value_cache [num_blocks, block_size, KVH, D],
                     cumulative_sequence_length int [B + 1], past_seqlens int [B], block_table int [B, max_blocks],
                     num_heads, kv_num_heads, scale=0, cos_cache=None, sin_cache=None, *, slot_mapping=None,
-                    rotary_interleaved=False, softcap=0, local_window_size=-1, is_causal=True)
+                    rotary_interleaved=False, softcap=0, local_window_size=-1, is_causal=True, head_sink=None)
       -> (output [T, H*D], key_cache, value_cache)      the caches updated in place
 
 Two launches:
@@ -24,6 +24,9 @@ The same attention kernel with FRESH=1 is the whole op in one launch (the Tensor
 paged_kernels_aot.py): keys at or past a row's cached length come from the inputs, rotated on the fly,
 and the programs holding a group's first head write them into the blocks.
 
+softcap, local_window_size and head_sink (SINKS: each head's sink logit joins its softmax's denominator
+when the softmax is finished, `with_sink`) are the contract's, as compile-time constants.
+
 No key splitting (flash-decoding) yet: a long decode row is one program per KV group.
 fp16, bf16 and fp32; accumulation in fp32. Runs on CPU under `TRITON_INTERPRET=1`.
 """
@@ -36,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmc.plugins.gpu.kernels import softmax_block
+from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
 
 BLOCK_M, BLOCK_N = 16, 32  # (token, head) pairs per program, keys per inner step
 
@@ -56,27 +59,6 @@ def find_row(cu_ptr, B, target, G: tl.constexpr, BLOCK_M: tl.constexpr, PER_BLOC
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
     return lo
-
-
-@triton.jit
-def rotated(x_ptr, offsets, d, mask, positions, cos_ptr, sin_ptr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """x[offsets + d] in fp32, rotated at `positions` ([rows]) over its first 2 * HALF channels:
-    pairs (i, i + HALF) (rotate-half) or (2i, 2i + 1) (interleaved); the channels after pass through."""
-    x = tl.load(x_ptr + offsets + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    if INTERLEAVED:
-        partner = d ^ 1
-        sign = tl.where(d % 2 == 0, -1.0, 1.0)
-        freq = d // 2
-    else:
-        partner = tl.where(d < HALF, d + HALF, d - HALF)
-        sign = tl.where(d < HALF, -1.0, 1.0)
-        freq = d % HALF
-    rot = mask & (d < 2 * HALF)[None, :]
-    table = positions.to(tl.int64)[:, None] * HALF + freq[None, :]
-    cos = tl.load(cos_ptr + table, mask=rot, other=1.0).to(tl.float32)
-    sin = tl.load(sin_ptr + table, mask=rot, other=0.0).to(tl.float32)
-    other = tl.load(x_ptr + offsets + partner[None, :], mask=rot, other=0.0).to(tl.float32)
-    return x * cos + sign[None, :] * other * sin
 
 
 @triton.jit
@@ -152,12 +134,12 @@ def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped,
 
 
 @triton.jit
-def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, cos_ptr, sin_ptr,
+def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, cos_ptr, sin_ptr, sink_ptr,
                      B, MB, NB, BS, o_ptr, kc_out, vc_out,
                      SCALE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr,
                      INTERLEAVED: tl.constexpr, FRESH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SINKS: tl.constexpr):
     """One program per (block of a row's (token, group head) pairs, KV head). Parameters in TensorRT's
     AOT-plugin order: input tensors, int32 scalars, output tensors (the caches aliased to the inputs).
     UPCAST: tiles reach the dots as fp32 (under the interpreter for bf16, which NumPy lacks)."""
@@ -197,9 +179,7 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
                            KVH, D, HALF, ROTARY, INTERLEAVED, FRESH)
         if not UPCAST:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE
-        if SOFTCAP > 0:
-            scores = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * scores / SOFTCAP) + 1.0))  # softcap * tanh(x / softcap)
+        scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE, SOFTCAP)
         visible = mapped[None, :] & row_ok[:, None]
         if CAUSAL:
             visible = visible & (n[None, :] <= pos[:, None])
@@ -207,6 +187,9 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
             visible = visible & (n[None, :] > pos[:, None] - WINDOW)
         p, alpha, m_i, l_i = softmax_block(tl.where(visible, scores, float("-inf")), m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if SINKS:
+        head = kv * G + r % G
+        acc, l_i = with_sink(acc, m_i, l_i, tl.load(sink_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32))
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(o_ptr + q_at + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
     if FRESH:  # the row's new keys and values into the blocks, once per token: by its group's first head
@@ -234,7 +217,7 @@ def split_packed(query, key, value, num_heads: int, kv_num_heads: int):
 
 
 def kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, rotary_interleaved, softcap,
-                   local_window_size, is_causal) -> dict:
+                   local_window_size, is_causal, head_sink=None) -> dict:
     """The attention kernel's compile-time constants for these tensors and attributes."""
     head_size = query.shape[1] // num_heads
     assert num_heads % kv_num_heads == 0 and key_cache.shape[2:] == (kv_num_heads, head_size), key_cache.shape
@@ -245,7 +228,15 @@ def kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, 
             "INTERLEAVED": bool(rotary_interleaved), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
             "BLOCK_D": max(16, triton.next_power_of_2(head_size)),
             "DOT_PRECISION": "ieee" if query.dtype == torch.float32 else "tf32",
-            "UPCAST": query.dtype == torch.bfloat16 and interpreted}
+            "UPCAST": query.dtype == torch.bfloat16 and interpreted, "SINKS": head_sink is not None}
+
+
+def sinks(head_sink, num_heads: int, placeholder):
+    """head_sink as the kernel reads it (contiguous [num_heads]), or a placeholder it never reads."""
+    if head_sink is None:
+        return placeholder
+    assert head_sink.shape == (num_heads,), f"head_sink is not [num_heads {num_heads}]"
+    return head_sink.contiguous()
 
 
 def int32(*tensors):
@@ -255,13 +246,13 @@ def int32(*tensors):
 def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
                     num_heads: int, kv_num_heads: int, scale: float = 0.0, cos_cache=None, sin_cache=None, *,
                     slot_mapping=None, rotary_interleaved: bool = False, softcap: float = 0.0,
-                    local_window_size: int = -1, is_causal: bool = True):
+                    local_window_size: int = -1, is_causal: bool = True, head_sink=None):
     """`reference_paged_attention` on the GPU kernels: the new keys and values written into the caches
     (in place), then attention; returns (output [T, H*D], key_cache, value_cache)."""
     query, key, value = split_packed(query, key, value, num_heads, kv_num_heads)
     assert key_cache.is_contiguous() and value_cache.is_contiguous(), "contiguous caches expected"
     options = kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, rotary_interleaved,
-                             softcap, local_window_size, is_causal)
+                             softcap, local_window_size, is_causal, head_sink)
     cu, past, table = int32(cumulative_sequence_length, past_seqlens, block_table)
     tokens, rows, num_blocks, block_size = query.shape[0], past.shape[0], key_cache.shape[0], key_cache.shape[1]
     scalars = (rows, table.shape[1], num_blocks, block_size)
@@ -274,6 +265,7 @@ def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequen
     out = torch.empty_like(query)
     if tokens:
         grid = attention_grid(tokens, rows, num_heads, kv_num_heads)
-        _paged_attention[grid](query, key, value, key_cache, value_cache, cu, past, table, cos, sin, *scalars,
-                               out, key_cache, value_cache, FRESH=False, **options)
+        _paged_attention[grid](query, key, value, key_cache, value_cache, cu, past, table, cos, sin,
+                               sinks(head_sink, num_heads, query), *scalars, out, key_cache, value_cache, FRESH=False,
+                               **options)
     return out, key_cache, value_cache

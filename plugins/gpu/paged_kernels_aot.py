@@ -20,10 +20,10 @@ import triton
 
 from llmc.plugins.gpu.kernels_aot import _TRITON_TYPES, _compile, compile_for_plugin, trim_params
 from llmc.plugins.gpu.paged_kernels import (_paged_attention, _paged_write, attention_grid, int32, kernel_options,
-                                        split_packed)
+                                            sinks, split_packed)
 
 PAGED_PLUGIN_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "cu_ptr", "past_ptr", "table_ptr", "cos_ptr",
-                       "sin_ptr")
+                       "sin_ptr", "sink_ptr")
 PAGED_PLUGIN_SCALARS = ("B", "MB", "NB", "BS")  # rows, block-table width, blocks in the pool, block size
 PAGED_PLUGIN_OUTPUTS = ("o_ptr", "kc_out", "vc_out")
 _INTS = ("cu_ptr", "past_ptr", "table_ptr")
@@ -32,20 +32,22 @@ _INTS = ("cu_ptr", "past_ptr", "table_ptr")
 def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens,
                                block_table, num_heads: int, kv_num_heads: int, scale: float = 0.0, cos_cache=None,
                                sin_cache=None, *, slot_mapping=None, rotary_interleaved: bool = False,
-                               softcap: float = 0.0, local_window_size: int = -1, is_causal: bool = True):
+                               softcap: float = 0.0, local_window_size: int = -1, is_causal: bool = True,
+                               head_sink=None):
     """`reference_paged_attention` in one launch (the TensorRT plugin's kernel), caches updated in place."""
     if slot_mapping is not None:
         raise ValueError("the one-launch paged kernel reads the new keys where block_table puts them: "
                          "no slot_mapping (use paged_kernels.paged_attention)")
     query, key, value = split_packed(query, key, value, num_heads, kv_num_heads)
     options = kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, rotary_interleaved,
-                             softcap, local_window_size, is_causal)
+                             softcap, local_window_size, is_causal, head_sink)
     cu, past, table = int32(cumulative_sequence_length, past_seqlens, block_table)
     cos, sin = (cos_cache.contiguous(), sin_cache.contiguous()) if cos_cache is not None else (query, query)
     out = torch.empty_like(query)
     if query.shape[0]:
         grid = attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads)
-        _paged_attention[grid](query, key, value, key_cache, value_cache, cu, past, table, cos, sin, past.shape[0],
+        _paged_attention[grid](query, key, value, key_cache, value_cache, cu, past, table, cos, sin,
+                               sinks(head_sink, num_heads, query), past.shape[0],
                                table.shape[1], key_cache.shape[0], key_cache.shape[1], out, key_cache, value_cache,
                                FRESH=True, **options)
     return out, key_cache, value_cache
@@ -67,24 +69,27 @@ class PagedPluginKernel:
 
 
 def _attention_source(num_heads: int, num_kv_heads: int, head_size: int, scale: float, t: str, *, rotary_dim: int,
-                      interleaved: bool, softcap: float, window: int, fresh: bool, causal: bool = True):
+                      interleaved: bool, softcap: float, window: int, fresh: bool, causal: bool = True,
+                      sinks: bool = False):
     names = PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_OUTPUTS
     signature = {**{n: "*i32" if n in _INTS else f"*{t}" for n in names}, **{n: "i32" for n in PAGED_PLUGIN_SCALARS}}
     dtype = {v: k for k, v in _TRITON_TYPES.items()}[t]
     cache = torch.empty((1, 1, num_kv_heads, head_size), dtype=dtype)
     cos = torch.empty((1, rotary_dim // 2)) if rotary_dim else None
     constexprs = kernel_options(torch.empty((1, num_heads * head_size), dtype=dtype), cache, num_heads, num_kv_heads,
-                                scale, cos, interleaved, softcap, window, causal)
+                                scale, cos, interleaved, softcap, window, causal,
+                                torch.empty(num_heads) if sinks else None)
     return signature, {**constexprs, "FRESH": fresh, "UPCAST": False}
 
 
 def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale: float, dtype: str, capability: int,
                         *, rotary_dim: int, interleaved: bool = False, softcap: float = 0.0, window: int = -1,
-                        causal: bool = True) -> PagedPluginKernel:
+                        causal: bool = True, sinks: bool = False) -> PagedPluginKernel:
     """The plugin's kernel for `dtype` ("fp16", "bf16", "fp32") on sm_<capability>, its parameters cut
     to what TensorRT passes (inputs, int32 extras, outputs; Triton's trailing scratch pointers removed)."""
     source = _attention_source(num_heads, num_kv_heads, head_size, scale, dtype, rotary_dim=rotary_dim,
-                               interleaved=interleaved, softcap=softcap, window=window, fresh=True, causal=causal)
+                               interleaved=interleaved, softcap=softcap, window=window, fresh=True, causal=causal,
+                               sinks=sinks)
     compiled = compile_for_plugin(_paged_attention, source, capability,
                                   f"the paged attention kernel for head_size {head_size} ({dtype})")
     meta = compiled.metadata
@@ -94,9 +99,9 @@ def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale
 
 
 def compile_paged_ptx(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, capability: int, *,
-                      rotary_dim: int) -> dict[str, str]:
+                      rotary_dim: int, softcap: float = 0.0, window: int = -1, sinks: bool = False) -> dict[str, str]:
     """PTX of the paged kernels (cache write, attention over the cache, the one-launch form) for one
-    model's shapes and a GPU generation (80: A100, 90: H100), compiled without a GPU."""
+    model's shapes and attention features and a GPU generation (80: A100, 90: H100), compiled without a GPU."""
     t = _TRITON_TYPES[dtype]
     write_signature = {**{n: f"*{t}" for n in ("k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr")},
                        **{n: "*i32" for n in _INTS}, "slots_ptr": "*i64", **{n: "i32" for n in PAGED_PLUGIN_SCALARS}}
@@ -107,7 +112,8 @@ def compile_paged_ptx(num_heads: int, num_kv_heads: int, head_size: int, dtype: 
     kernels = {"paged_write": (_paged_write, write_signature, write_constexprs)}
     for name, fresh in (("paged_attention", False), ("paged_attention_one_launch", True)):
         kernels[name] = (_paged_attention, *_attention_source(num_heads, num_kv_heads, head_size, 0.125, t,
-                                                              rotary_dim=rotary_dim, interleaved=False, softcap=0.0,
-                                                              window=-1, fresh=fresh))
+                                                              rotary_dim=rotary_dim, interleaved=False,
+                                                              softcap=softcap, window=window, fresh=fresh,
+                                                              sinks=sinks))
     return {name: _compile(fn, signature, constexprs, capability).asm["ptx"]
             for name, (fn, signature, constexprs) in kernels.items()}

@@ -125,23 +125,10 @@ def _gqa_schema() -> OpSchema:
 
 
 def _plugin_schema() -> OpSchema:
-    A = OpSchema.AttrType
-    return _schema(
-        PLUGIN_OP, LLMC_DOMAIN,
-        [("query", "T"), ("key", "T"), ("value", "T"), ("k_cache", "T"), ("v_cache", "T"), ("cache_position", "M"),
-         ("cos_cache", "T"), ("sin_cache", "T")],
-        [("output", "T"), ("k_cache_out", "T"), ("v_cache_out", "T")],
-        [OpSchema.Attribute(n, A.STRING, "TensorRT plugin registry key") for n in ("plugin_version", "plugin_namespace")]
-        + [OpSchema.Attribute(n, A.INT, "") for n in ("num_heads", "num_kv_heads", "head_dim")]
-        + [OpSchema.Attribute("scale", A.FLOAT, "softmax scale"),
-           OpSchema.Attribute("rotary", A.INT, "1: rotate the new queries and keys with the tables")],
-        "llmc::attention as a TensorRT plugin node: query [B,S,H,D], key/value [B,S,KVH,D], "
-        "caches [B,KVH,C,D] written at cache_position (int32 [B]); with rotary=1 the plugin applies "
-        "rotary embeddings (rotate-half) from the cos/sin tables [P,D/2] to the new queries and keys "
-        "(the tables are always inputs, a [1,D/2] zero placeholder without rotary: a TensorRT "
-        "plugin has a fixed number of inputs).",
-        _copy_types([(0, 0), (1, 3), (2, 4)]),
-    )
+    """LlmcFusedAttention's schema: plugins/trt/fused_node.py (with the node's attention-feature fields)."""
+    from llmc.plugins.trt import fused_node
+
+    return fused_node.plugin_schema()
 
 
 def register_schemas() -> None:
@@ -224,29 +211,10 @@ def _reference(heads: Heads):
 
 
 def _plugin(heads: Heads):
-    import numpy
-    import onnx.numpy_helper
-    from onnxscript import opset23 as op
-    from onnxscript.values import Opset
+    """One LlmcFusedAttention node per call, every attention feature a plugin field: plugins/trt/fused_node.py."""
+    from llmc.plugins.trt import fused_node
 
-    llmc = Opset(LLMC_DOMAIN, 1)
-
-    def attention(query, key, value, k_cache, v_cache, cache_position, scale: float, cos_cache=None, sin_cache=None,
-                  head_sink=None, softcap: float = 0.0, local_window_size: int = -1):
-        if head_sink is not None or softcap > 0 or local_window_size > 0:
-            raise NotImplementedError("the TensorRT plugin node (LlmcFusedAttention v1) carries no softcap, window "
-                                      "or attention sinks")
-        rotary = cos_cache is not None
-        if not rotary:  # the plugin's fixed arity: a placeholder table it never reads
-            placeholder = op.CastLike(op.Constant(value=onnx.numpy_helper.from_array(
-                numpy.zeros((1, heads.head_dim // 2), numpy.float32))), query)
-            cos_cache = sin_cache = placeholder
-        return llmc.LlmcFusedAttention(
-            query, key, value, k_cache, v_cache, op.Cast(cache_position, to=TensorProto.INT32), cos_cache, sin_cache,
-            plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE, num_heads=heads.num_heads,
-            num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim, scale=scale, rotary=int(rotary))
-
-    return attention
+    return fused_node.lowering(heads)
 
 
 def pack_qkv(graph) -> None:

@@ -10,8 +10,9 @@ input or attribute (at session creation through runtime/kernels/cpu_kernels.py, 
   `v_scale` with `k_quant_type`/`v_quant_type` PER_TENSOR or PER_CHANNEL, `k_cache_dtype` '' or 'int8'), GQA/MQA, rotary
   (`do_rotary`, rotate-half or `rotary_interleaved`, partial tables, `rotary_offset`), `scale`,
   `softcap`, `local_window_size`, `is_causal` 0 or 1, `slot_mapping` (-1 skips a write), unmapped
-  block-table entries (masked out), `attention_metadata` (accepted; a hint the CPU does not need);
-- refuses: `head_sink`, `q_norm_weight`/`k_norm_weight`, scales or quant types on float caches, packed
+  block-table entries (masked out), `head_sink` (float32 [num_heads]: attention sinks, on every instruction
+  set's path), `attention_metadata` (accepted; a hint the CPU does not need);
+- refuses: `head_sink` of another shape or type, `q_norm_weight`/`k_norm_weight`, scales or quant types on float caches, packed
   int4 / fp8 caches, and `kv_cache_layout: LATENT` / `v_head_size` (MLA); and past_seqlens that do not fit the
   block table (the CUDA kernel zeroes such a row; on CPU the lengths are exact, so it is an error).
 """

@@ -4,18 +4,19 @@ in place of a paged export's `llmc.PagedAttention` nodes (ONNX Runtime's contrac
     LlmcPagedAttention(query [T, H*D], key [T, KVH*D], value [T, KVH*D],
                        key_cache [num_blocks, block_size, KVH, D], value_cache (same),
                        cumulative_sequence_length int32 [B + 1], past_seqlens int32 [B],
-                       block_table int32 [B, max_blocks], cos_cache [P, R/2], sin_cache [P, R/2])
+                       block_table int32 [B, max_blocks], cos_cache [P, R/2], sin_cache [P, R/2], head_sink [H])
       -> (output [T, H*D], key_cache_out, value_cache_out)     the caches aliased: updated in place
 
     attributes  plugin_version, plugin_namespace (the parser's registry key), num_heads, kv_num_heads,
                 head_size, scale, rotary_dim (R; 0: no rotary, the tables a [1, D/2] zero placeholder, since
                 a TensorRT plugin has a fixed number of inputs), rotary_interleaved, softcap,
-                local_window_size, is_causal
+                local_window_size, is_causal, sinks (1: head_sink, the contract's input 11, joins each head's
+                softmax denominator; 0: head_sink is a [H] zero placeholder the kernel never reads)
 
 TensorRT's ONNX parser imports a node whose op type is a registered plugin's name (the domain is
 ignored); plugins/trt/plugin.py registers the plugin, whose kernel is paged_kernels_aot.py's one launch.
 Packed QKV is split back into three inputs (one Split a layer). What the plugin does not carry
-(`slot_mapping`, head sinks, q/k norms, quantized caches, MLA) is refused with the node and input named.
+(`slot_mapping`, q/k norms, quantized caches, MLA) is refused with the node and input named.
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ PLUGIN_VERSION = "1"
 LLMC_DOMAIN = "llmc"
 _INPUTS = [("query", "T"), ("key", "T"), ("value", "T"), ("key_cache", "T"), ("value_cache", "T"),
            ("cumulative_sequence_length", "S"), ("past_seqlens", "S"), ("block_table", "S"), ("cos_cache", "T"),
-           ("sin_cache", "T")]
+           ("sin_cache", "T"), ("head_sink", "T")]
 _OUTPUTS = [("output", "T"), ("key_cache_out", "T"), ("value_cache_out", "T")]
 INT_ATTRIBUTES = ("num_heads", "kv_num_heads", "head_size", "rotary_dim", "rotary_interleaved", "local_window_size",
-                  "is_causal")
+                  "is_causal", "sinks")
 FLOAT_ATTRIBUTES = ("scale", "softcap")
 # the contract's defaults for what the plugin cannot do: a node must leave these as they are
 _UNSUPPORTED_ATTRIBUTES = {"k_quant_type": b"NONE", "v_quant_type": b"NONE", "k_cache_dtype": b"",
                            "v_cache_dtype": b"", "kv_cache_layout": b"SEPARATE"}
-_UNSUPPORTED_INPUTS = ("slot_mapping", "head_sink", "q_norm_weight", "k_norm_weight", "k_scale", "v_scale")
+_UNSUPPORTED_INPUTS = ("slot_mapping", "q_norm_weight", "k_norm_weight", "k_scale", "v_scale")
 
 
 def _infer(ctx) -> None:
@@ -58,7 +59,8 @@ def plugin_schema() -> OpSchema:
     schema = OpSchema(
         PAGED_PLUGIN_OP, LLMC_DOMAIN, 1,
         "ONNX Runtime's PagedAttention contract as a TensorRT plugin node (plugins/trt/paged_node.py): separate "
-        "query/key/value, the caches updated in place, cos/sin tables always present (a placeholder without rotary).",
+        "query/key/value, the caches updated in place, cos/sin tables and head_sink always present (placeholders "
+        "without rotary or sinks).",
         inputs=[OpSchema.FormalParameter(n, t) for n, t in _INPUTS],
         outputs=[OpSchema.FormalParameter(n, t) for n, t in _OUTPUTS],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations and caches"),
@@ -102,11 +104,11 @@ def _check_supported(node: onnx.NodeProto, attrs: dict) -> None:
 
 
 def _plugin_node(model: onnx.ModelProto, node: onnx.NodeProto) -> list[onnx.NodeProto]:
-    """The nodes that replace one PagedAttention node: a Split for packed QKV, a placeholder table
-    without rotary, then the plugin node with the original outputs."""
+    """The nodes that replace one PagedAttention node: a Split for packed QKV, placeholder tables
+    without rotary and sinks without head_sink, then the plugin node with the original outputs."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     _check_supported(node, attrs)
-    inputs = list(node.input) + [""] * (10 - len(node.input))
+    inputs = list(node.input) + [""] * (12 - len(node.input))  # up to head_sink (11)
     heads, kv_heads = attrs["num_heads"], attrs["kv_num_heads"]
     head_size = _static_dim(model, inputs[3], 3, f"PagedAttention node {node.name!r}")
     added, name = [], node.name or node.output[0]
@@ -123,13 +125,21 @@ def _plugin_node(model: onnx.ModelProto, node: onnx.NodeProto) -> list[onnx.Node
         model.graph.initializer.append(zeros)
         inputs[8] = inputs[9] = f"{name}_no_rotary_like"
         added.append(helper.make_node("CastLike", [zeros.name, inputs[0]], [inputs[8]]))
+    sinks = bool(inputs[11])
+    if not sinks:
+        zeros = numpy_helper.from_array(numpy.zeros(heads, numpy.float32), f"{name}_no_sinks")
+        model.graph.initializer.append(zeros)
+        inputs[11] = f"{name}_no_sinks_like"
+        added.append(helper.make_node("CastLike", [zeros.name, inputs[0]], [inputs[11]]))
     outputs = [o or f"{name}_unused_{i}" for i, o in enumerate(list(node.output) + [""] * (3 - len(node.output)))]
     added.append(helper.make_node(
-        PAGED_PLUGIN_OP, inputs[:10], outputs, name=node.name, domain=LLMC_DOMAIN, plugin_version=PLUGIN_VERSION,
+        PAGED_PLUGIN_OP, inputs[:10] + inputs[11:12], outputs, name=node.name, domain=LLMC_DOMAIN,
+        plugin_version=PLUGIN_VERSION,
         plugin_namespace=PLUGIN_NAMESPACE, num_heads=heads, kv_num_heads=kv_heads, head_size=head_size,
         scale=float(attrs.get("scale", 0.0)) or head_size ** -0.5, rotary_dim=rotary_dim,
         rotary_interleaved=int(attrs.get("rotary_interleaved", 0)), softcap=float(attrs.get("softcap", 0.0)),
-        local_window_size=int(attrs.get("local_window_size", -1)), is_causal=int(attrs.get("is_causal", 1))))
+        local_window_size=int(attrs.get("local_window_size", -1)), is_causal=int(attrs.get("is_causal", 1)),
+        sinks=int(sinks)))
     return added
 
 

@@ -5,9 +5,10 @@ deployable plugin (`tensorrt.plugin`) with an ahead-of-time implementation only.
                      engine's block pools are bound once and updated in place)
     @trtp.autotune   one float type for every float tensor (fp32, fp16 or bf16), int32 lengths and tables
     @trtp.aot_impl   paged_kernels_aot.py's one-launch kernel compiled to PTX for the node's heads, head
-                     size, rotary and softmax options; its grid (packed tokens x group / BLOCK_M + rows,
-                     KV heads) and int32 extras (rows, block-table width, pool blocks, block size) as
-                     shape expressions, so one engine serves any batch and any split of its tokens
+                     size, rotary and softmax options (softcap, window, causal, sinks; head_sink an input);
+                     its grid (packed tokens x group / BLOCK_M + rows, KV heads) and int32 extras (rows,
+                     block-table width, pool blocks, block size) as shape expressions, so one engine
+                     serves any batch and any split of its tokens
 
 TensorRT checks these functions' signatures (real annotations, not strings: this module has no
 `from __future__ import annotations`) and embeds the PTX in the engine; nothing here runs at inference.
@@ -30,28 +31,30 @@ def register_paged(trtp, capability, float_type) -> None:
     @trtp.register(PAGED_PLUGIN_ID)
     def describe(query: TensorDesc, key: TensorDesc, value: TensorDesc, key_cache: TensorDesc,
                  value_cache: TensorDesc, cumulative_sequence_length: TensorDesc, past_seqlens: TensorDesc,
-                 block_table: TensorDesc, cos_cache: TensorDesc, sin_cache: TensorDesc, num_heads: int,
-                 kv_num_heads: int, head_size: int, rotary_dim: int, rotary_interleaved: int, local_window_size: int,
-                 is_causal: int, scale: float, softcap: float) -> Tuple[TensorDesc, TensorDesc, TensorDesc]:
+                 block_table: TensorDesc, cos_cache: TensorDesc, sin_cache: TensorDesc, head_sink: TensorDesc,
+                 num_heads: int, kv_num_heads: int, head_size: int, rotary_dim: int, rotary_interleaved: int,
+                 local_window_size: int, is_causal: int, sinks: int, scale: float,
+                 softcap: float) -> Tuple[TensorDesc, TensorDesc, TensorDesc]:
         return query.like(), key_cache.aliased(), value_cache.aliased()
 
     @trtp.autotune(PAGED_PLUGIN_ID)
     def formats(query: TensorDesc, key: TensorDesc, value: TensorDesc, key_cache: TensorDesc, value_cache: TensorDesc,
                 cumulative_sequence_length: TensorDesc, past_seqlens: TensorDesc, block_table: TensorDesc,
-                cos_cache: TensorDesc, sin_cache: TensorDesc, outputs: Tuple[TensorDesc]):
-        return [trtp.AutoTuneCombination(", ".join([_FLOATS] * 5 + ["INT32"] * 3 + [_FLOATS] * 5))]
+                cos_cache: TensorDesc, sin_cache: TensorDesc, head_sink: TensorDesc, outputs: Tuple[TensorDesc]):
+        return [trtp.AutoTuneCombination(", ".join([_FLOATS] * 5 + ["INT32"] * 3 + [_FLOATS] * 6))]
 
     @trtp.aot_impl(PAGED_PLUGIN_ID)
     def compile_kernel(query: TensorDesc, key: TensorDesc, value: TensorDesc, key_cache: TensorDesc,
                        value_cache: TensorDesc, cumulative_sequence_length: TensorDesc, past_seqlens: TensorDesc,
-                       block_table: TensorDesc, cos_cache: TensorDesc, sin_cache: TensorDesc, num_heads: int,
-                       kv_num_heads: int, head_size: int, rotary_dim: int, rotary_interleaved: int,
-                       local_window_size: int, is_causal: int, scale: float, softcap: float,
+                       block_table: TensorDesc, cos_cache: TensorDesc, sin_cache: TensorDesc, head_sink: TensorDesc,
+                       num_heads: int, kv_num_heads: int, head_size: int, rotary_dim: int, rotary_interleaved: int,
+                       local_window_size: int, is_causal: int, sinks: int, scale: float, softcap: float,
                        outputs: Tuple[TensorDesc], tactic: int,
                        ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs]:
         kernel = paged_kernels_aot.paged_plugin_kernel(
             num_heads, kv_num_heads, head_size, scale, float_type(query.dtype), capability(), rotary_dim=rotary_dim,
-            interleaved=bool(rotary_interleaved), softcap=softcap, window=local_window_size, causal=bool(is_causal))
+            interleaved=bool(rotary_interleaved), softcap=softcap, window=local_window_size, causal=bool(is_causal),
+            sinks=bool(sinks))
         rows = past_seqlens.shape_expr[0]
         launch = trtp.KernelLaunchParams()
         launch.grid_x, launch.grid_y = kernel.grid(query.shape_expr[0], rows, num_heads, kv_num_heads, cdiv=trtp.cdiv)

@@ -5,8 +5,10 @@ implementations only; `register()` registers both.
     @trtp.register   output like the query; k_cache' / v_cache' aliased to the cache inputs, so
                      the cache is updated in place (the engine's KV buffers are bound once)
     @trtp.autotune   one float type for every float tensor (fp32, fp16 or bf16), int32 positions
-    @trtp.aot_impl   the one-launch kernel of kernels_aot.py compiled to PTX for the node's shapes
-                     and scale, with its grid and integer arguments as shape expressions
+    @trtp.aot_impl   the one-launch kernel of kernels_aot.py compiled to PTX for the node's shapes,
+                     scale and attention features (rotary width, softcap, window, sinks: plugin fields,
+                     plugins/trt/fused_node.py; the sinks an input), its grid and integer arguments
+                     as shape expressions
 
 TensorRT embeds the PTX in the engine, so the engine runs without Python or Triton: in Triton's
 TensorRT backend, in `trtexec`, and in llmc's TensorRT runner. The ONNX parser finds the plugin by
@@ -60,26 +62,29 @@ def register() -> None:
     @trtp.register(PLUGIN_ID)
     def describe(query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc, k_cache: trtp.TensorDesc,
                  v_cache: trtp.TensorDesc, cache_position: trtp.TensorDesc, cos_cache: trtp.TensorDesc,
-                 sin_cache: trtp.TensorDesc, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 rotary: int) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
+                 sin_cache: trtp.TensorDesc, head_sink: trtp.TensorDesc, num_heads: int, num_kv_heads: int,
+                 head_dim: int, scale: float, rotary: int, rotary_dim: int, softcap: float, local_window_size: int,
+                 sinks: int) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
         return query.like(), k_cache.aliased(), v_cache.aliased()
 
     @trtp.autotune(PLUGIN_ID)
     def formats(query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc, k_cache: trtp.TensorDesc,
                 v_cache: trtp.TensorDesc, cache_position: trtp.TensorDesc, cos_cache: trtp.TensorDesc,
-                sin_cache: trtp.TensorDesc, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                rotary: int, outputs: Tuple[trtp.TensorDesc]):
+                sin_cache: trtp.TensorDesc, head_sink: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc]):
         floats = "FP32|FP16|BF16"  # alternatives line up position by position: one type for all
-        return [trtp.AutoTuneCombination(", ".join([floats] * 5 + ["INT32"] + [floats] * 5))]
+        return [trtp.AutoTuneCombination(", ".join([floats] * 5 + ["INT32"] + [floats] * 6))]
 
     @trtp.aot_impl(PLUGIN_ID)
     def compile_kernel(query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc,
                        k_cache: trtp.TensorDesc, v_cache: trtp.TensorDesc, cache_position: trtp.TensorDesc,
-                       cos_cache: trtp.TensorDesc, sin_cache: trtp.TensorDesc, num_heads: int, num_kv_heads: int,
-                       head_dim: int, scale: float, rotary: int, outputs: Tuple[trtp.TensorDesc], tactic: int,
+                       cos_cache: trtp.TensorDesc, sin_cache: trtp.TensorDesc, head_sink: trtp.TensorDesc,
+                       num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rotary: int, rotary_dim: int,
+                       softcap: float, local_window_size: int, sinks: int, outputs: Tuple[trtp.TensorDesc],
+                       tactic: int,
                        ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs]:
         kernel = plugin_kernel(num_heads, num_kv_heads, head_dim, scale, _float_type(query.dtype), _capability(),
-                               rotary=bool(rotary))
+                               rotary=bool(rotary), rotary_dim=rotary_dim or head_dim, softcap=softcap,
+                               window=local_window_size, sinks=bool(sinks))
         batch, tokens = query.shape_expr[0], query.shape_expr[1]
         launch = trtp.KernelLaunchParams()
         launch.grid_x, launch.grid_y = kernel.grid(tokens, batch, num_heads, num_kv_heads, cdiv=trtp.cdiv)

@@ -198,7 +198,7 @@ def accelerate(model, threads: int, isa: str) -> int:
     return len(nodes)
 
 
-REFUSED_INPUTS = {11: "head_sink", 12: "q_norm_weight", 13: "k_norm_weight"}  # k_scale/v_scale: int8 caches take them
+REFUSED_INPUTS = {12: "q_norm_weight", 13: "k_norm_weight"}  # k_scale/v_scale: int8 caches take them
 
 
 def configure_paged(model, threads: int) -> int:

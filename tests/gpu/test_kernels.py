@@ -20,7 +20,8 @@ from llmc.plugins.gpu.kernels_aot import PluginKernel, entry_params, one_launch_
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def _case(batch, new, heads, kv_heads, head_dim, capacity, positions, dtype, rotary, device="cpu", seed=0):
+def _case(batch, new, heads, kv_heads, head_dim, capacity, positions, dtype, rotary, device="cpu", seed=0,
+          rotary_dim=None):
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -30,7 +31,7 @@ def _case(batch, new, heads, kv_heads, head_dim, capacity, positions, dtype, rot
     kc, vc = rand(batch, kv_heads, capacity, head_dim), rand(batch, kv_heads, capacity, head_dim)  # stale data
     cos = sin = None
     if rotary:
-        angles = torch.rand(capacity, head_dim // 2, generator=g) * 6
+        angles = torch.rand(capacity, (rotary_dim or head_dim) // 2, generator=g) * 6
         cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
     return q, k, v, kc, vc, torch.tensor(positions, dtype=torch.int64, device=device), cos, sin
 
@@ -47,11 +48,12 @@ def _compiled(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return run
 
 
-def _check(case, scale, kernel=fused_attention, **kwargs):
+def _check(case, scale, kernel=fused_attention, features=(), **kwargs):
+    """features: (head_sink, softcap, local_window_size), the op's attention features."""
     q, k, v, kc, vc, pos, cos, sin = case
-    ref_out, ref_k, ref_v = reference_attention(q, k, v, kc, vc, pos, scale, cos, sin)
+    ref_out, ref_k, ref_v = reference_attention(q, k, v, kc, vc, pos, scale, cos, sin, *features)
     kc2, vc2 = kc.clone(), vc.clone()
-    out = kernel(q, k, v, kc2, vc2, pos, scale, cos, sin, **kwargs)
+    out = kernel(q, k, v, kc2, vc2, pos, scale, cos, sin, *features, **kwargs)
     tol = TOLERANCE[q.dtype]
     torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(kc2.float(), ref_k.float(), atol=tol, rtol=tol)  # written in place, the rest kept
@@ -74,6 +76,41 @@ def test_prefill_matches_the_reference(dtype, heads, kv_heads, rotary, kernel):
 def test_decode_matches_the_reference_for_rows_of_mixed_lengths(dtype, heads, kv_heads, kernel):
     case = _case(3, 1, heads, kv_heads, 32, 150, [0, 37, 149], dtype, rotary=True, seed=1)
     _check(case, 32 ** -0.5, KERNELS[kernel])
+
+
+FEATURES = {  # (sinks, softcap, window, rotary_dim of head_dim 16)
+    "sinks": (True, 0.0, -1, None),
+    "softcap": (False, 1.5, -1, None),
+    "window": (False, 0.0, 7, None),
+    "partial rotary": (False, 0.0, -1, 8),
+    "all": (True, 2.0, 7, 8),
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("new, positions", [(13, [0, 21]), (1, [3, 40, 90])])  # prefill; decode
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_features_match_the_reference(feature, new, positions, kernel):
+    """Sinks (spread over [-3, 5], from no share to most of a softmax), softcap, a window of 7 shorter than the
+    prompt and than the decode rows (three-launch decode over 4 key splits: the early ones fall outside it),
+    partial rotary, all together; GQA 3:1, rows at different positions."""
+    sinks, softcap, window, rotary_dim = FEATURES[feature]
+    case = _case(len(positions), new, 6, 2, 16, 100, positions, torch.float32, rotary=True, seed=4,
+                 rotary_dim=rotary_dim)
+    head_sink = torch.rand(6, generator=torch.Generator().manual_seed(5)) * 8 - 3 if sinks else None
+    splits = {"splits": 4} if kernel == "three launches" and new == 1 else {}
+    _check(case, 0.3, KERNELS[kernel], (head_sink, softcap, window), **splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_all_features_in_half_precision(dtype, kernel):
+    """Every feature at once in fp16/bf16 (sinks read as fp32 from a half-precision tensor), prefill and decode."""
+    sinks, softcap, window, rotary_dim = FEATURES["all"]
+    for new, positions in ((9, [0, 21]), (1, [3, 40])):
+        case = _case(len(positions), new, 6, 2, 16, 64, positions, dtype, rotary=True, seed=6, rotary_dim=rotary_dim)
+        head_sink = (torch.rand(6, generator=torch.Generator().manual_seed(7)) * 8 - 3).to(dtype)
+        _check(case, 0.3, KERNELS[kernel], (head_sink, softcap, window))
 
 
 @pytest.mark.parametrize("splits", [1, 2, 8])
@@ -110,6 +147,10 @@ def test_kernels_compile_to_ptx_without_a_gpu(capability):
         f"    ptx = compile_ptx(9, 3, 64, dtype, {capability}, rotary=True)\n"
         "    for name, text in ptx.items():\n"
         f"        assert '.target sm_{capability}' in text and f'.entry _{{name}}' in text, name\n"
+        f"    ptx = compile_ptx(9, 3, 64, dtype, {capability}, rotary=True, rotary_dim=32, softcap=50.0, window=128,\n"
+        "                      sinks=True)\n"
+        "    for name, text in ptx.items():\n"
+        f"        assert '.target sm_{capability}' in text and f'.entry _{{name}}' in text, name\n"
         "print('ok', sorted(ptx))\n"
     )
     run = _compiled(code)
@@ -117,16 +158,18 @@ def test_kernels_compile_to_ptx_without_a_gpu(capability):
 
 
 def test_plugin_kernel_has_tensorrt_aot_calling_convention():
-    """8 input pointers, 2 int32 extras, 3 output pointers, nothing after (TensorRT passes exactly
-    these), for every float type, with and without rotary, for sm_80 and sm_90."""
+    """9 input pointers (head_sink's too, read or not), 2 int32 extras, 3 output pointers, nothing after
+    (TensorRT passes exactly these), for every float type, with and without rotary (partial; with softcap,
+    else with sinks and a window), for sm_80 and sm_90."""
     code = (
         "from llmc.plugins.gpu.kernels_aot import entry_params, plugin_kernel\n"
         "for cap in (80, 90):\n"
         "    for dtype in ('fp16', 'bf16', 'fp32'):  # fp32 D=128 needs the one-stage fallback\n"
         "        for rotary in (True, False):\n"
-        "            k = plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary=rotary)\n"
+        "            k = plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary=rotary, rotary_dim=64, sinks=not rotary,\n"
+        "                              softcap=50.0 * rotary, window=-1 if rotary else 256)\n"
         "            types = [t for t, _ in entry_params(k.ptx, k.name)]\n"
-        "            assert types == ['.u64'] * 8 + ['.u32'] * 2 + ['.u64'] * 3, types\n"
+        "            assert types == ['.u64'] * 9 + ['.u32'] * 2 + ['.u64'] * 3, types\n"
         "            assert f'.target sm_{cap}' in k.ptx and k.num_warps > 0 and 0 < k.shared_mem <= 48 * 1024\n"
         "print('ok')\n"
     )

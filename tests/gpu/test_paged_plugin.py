@@ -26,6 +26,7 @@ from onnx.reference.op_run import OpRun  # noqa: E402
 from llmc.compiler import build  # noqa: E402
 from llmc.compiler.spec import parse_spec  # noqa: E402
 from llmc.plugins.gpu import paged_kernels_aot  # noqa: E402
+from llmc.plugins.op import paged_schema  # noqa: E402
 from llmc.plugins.trt import plugin as trt_plugin  # noqa: E402
 from llmc.plugins.op.attention import reference_paged_attention  # noqa: E402
 from llmc.plugins.op.lowering import register_schemas  # noqa: E402
@@ -46,8 +47,9 @@ def paged_node_model(*, rotary=True, packed=True, dtype=F32, extra=(), **attribu
     inputs += [("cos_cache", dtype, [64, D // 2]), ("sin_cache", dtype, [64, D // 2])] if rotary else []
     names = [n for n, _, _ in inputs]
     node_inputs = names[:1] + (["", ""] if packed else names[1:3]) + names[(1 if packed else 3):]
-    node_inputs += [""] * (10 - len(node_inputs)) + list(extra) if extra else []
-    inputs += [(n, TensorProto.INT32, ["T"]) for n in extra]
+    for name in extra:  # at its contract index: slot_mapping (int32 [T]) 10, head_sink ([H]) 11
+        node_inputs += [""] * ([n for n, _, _ in paged_schema.INPUTS].index(name) - len(node_inputs)) + [name]
+        inputs.append((name, dtype, [H]) if name == "head_sink" else (name, TensorProto.INT32, ["T"]))
     node = helper.make_node("PagedAttention", node_inputs, ["out", "present.0.key", "present.0.value"], name="attn0",
                             domain="llmc", num_heads=H, kv_num_heads=KVH, do_rotary=int(rotary), **attributes)
     outputs = [helper.make_tensor_value_info(n, dtype, s) for n, s in (("out", ["T", H * D]),
@@ -61,16 +63,18 @@ class LlmcPagedAttention(OpRun):
 
     op_domain = "llmc"
 
-    def _run(self, q, k, v, kc, vc, cu, past, table, cos, sin, **_):
+    def _run(self, q, k, v, kc, vc, cu, past, table, cos, sin, sink, **_):
         a = {n: getattr(self, n) for n in ("num_heads", "kv_num_heads", "head_size", "rotary_dim", "scale",
-                                           "rotary_interleaved", "softcap", "local_window_size", "is_causal")}
+                                           "rotary_interleaved", "softcap", "local_window_size", "is_causal", "sinks")}
+        assert sink.shape == (a["num_heads"],)
         assert cos.shape[1] == (a["rotary_dim"] // 2 or a["head_size"] // 2)
         tables = (torch.from_numpy(cos), torch.from_numpy(sin)) if a["rotary_dim"] else (None, None)
         kc, vc = torch.from_numpy(kc.copy()), torch.from_numpy(vc.copy())
         out, kc, vc = paged_kernels_aot.paged_attention_one_launch(
             *(torch.from_numpy(x) for x in (q, k, v)), kc, vc, *(torch.from_numpy(x) for x in (cu, past, table)),
             a["num_heads"], a["kv_num_heads"], a["scale"], *tables, rotary_interleaved=bool(a["rotary_interleaved"]),
-            softcap=a["softcap"], local_window_size=a["local_window_size"], is_causal=bool(a["is_causal"]))
+            softcap=a["softcap"], local_window_size=a["local_window_size"], is_causal=bool(a["is_causal"]),
+            head_sink=torch.from_numpy(sink) if a["sinks"] else None)
         return out.numpy(), kc.numpy(), vc.numpy()
 
 
@@ -90,28 +94,31 @@ def _feeds(model, seed=0):
 
 def _reference(model, feeds, **options):
     t = {n: torch.from_numpy(v.copy()) for n, v in feeds.items()}
-    args = {k: t.get(k) for k in ("key", "value", "cos_cache", "sin_cache")}
+    args = {k: t.get(k) for k in ("key", "value", "cos_cache", "sin_cache", "head_sink")}
     return reference_paged_attention(t["query"], args["key"], args["value"], t["key_cache"], t["value_cache"],
                                      t["cumulative_sequence_length"], t["past_seqlens"], t["block_table"], H, KVH,
-                                     cos_cache=args["cos_cache"], sin_cache=args["sin_cache"], **options)
+                                     cos_cache=args["cos_cache"], sin_cache=args["sin_cache"],
+                                     head_sink=args["head_sink"], **options)
 
 
-@pytest.mark.parametrize("rotary, packed, attributes", [
-    (True, True, {}),
-    (False, False, {"scale": 0.3}),
-    (True, False, {"rotary_interleaved": 1, "softcap": 3.0, "local_window_size": 5}),
+@pytest.mark.parametrize("rotary, packed, sinks, attributes", [
+    (True, True, False, {}),
+    (False, False, True, {"scale": 0.3}),
+    (True, False, True, {"rotary_interleaved": 1, "softcap": 3.0, "local_window_size": 5}),
 ])
-def test_plugin_node_computes_the_paged_contract(rotary, packed, attributes):
-    model = paged_node_model(rotary=rotary, packed=packed, **attributes)
+def test_plugin_node_computes_the_paged_contract(rotary, packed, sinks, attributes):
+    model = paged_node_model(rotary=rotary, packed=packed, extra=["head_sink"] if sinks else [], **attributes)
     feeds = _feeds(model)
     assert to_plugin_nodes(model) == 1
     onnx.checker.check_model(model, full_check=True)
     ops = [n.op_type for n in model.graph.node]
-    assert ops == (["Split"] if packed else []) + ([] if rotary else ["CastLike"]) + [PAGED_PLUGIN_OP]
+    assert ops == (["Split"] if packed else []) + ([] if rotary else ["CastLike"]) + ([] if sinks else ["CastLike"]) \
+        + [PAGED_PLUGIN_OP]
     node = model.graph.node[-1]
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     assert (attrs["plugin_version"], attrs["plugin_namespace"], attrs["head_size"]) == (b"1", b"llmc", D)
-    assert attrs["rotary_dim"] == (D if rotary else 0) and len(node.input) == 10
+    assert attrs["rotary_dim"] == (D if rotary else 0) and attrs["sinks"] == sinks and len(node.input) == 11
+    assert (node.input[10] == "head_sink") == sinks
     assert list(node.output) == ["out", "present.0.key", "present.0.value"]
     got = ReferenceEvaluator(model, new_ops=[LlmcPagedAttention]).run(None, feeds)
     want = _reference(model, feeds, **{k: bool(v) if k == "rotary_interleaved" else v for k, v in attributes.items()})
@@ -223,10 +230,12 @@ def test_both_plugins_register_with_signatures_tensorrt_accepts(monkeypatch):
         _check_signature(aot, attrs, ["outputs", "tactic"], "aot_impl")
         assert len(typing.get_args(inspect.signature(aot).return_annotation)) == 4
     paged = registry[("llmc::LlmcPagedAttention", "register")]
-    formats = registry[("llmc::LlmcPagedAttention", "autotune")](*[None] * 11)[0].split(", ")
-    assert len(formats) == 13 and formats[5:8] == ["INT32"] * 3 and set(formats) - {"INT32"} == {"FP32|FP16|BF16"}
-    descs = [_TensorDesc() for _ in range(10)]
-    assert paged(*descs, *[0] * 9) == (("like", descs[0]), ("aliased", descs[3]), ("aliased", descs[4]))
+    formats = registry[("llmc::LlmcPagedAttention", "autotune")](*[None] * 12)[0].split(", ")
+    assert len(formats) == 14 and formats[5:8] == ["INT32"] * 3 and set(formats) - {"INT32"} == {"FP32|FP16|BF16"}
+    descs = [_TensorDesc() for _ in range(11)]
+    assert paged(*descs, *[0] * 10) == (("like", descs[0]), ("aliased", descs[3]), ("aliased", descs[4]))
+    fused = registry[("llmc::LlmcFusedAttention", "autotune")](*[None] * 10)[0].split(", ")
+    assert len(fused) == 12 and fused[5] == "INT32" and set(fused) - {"INT32"} == {"FP32|FP16|BF16"}
 
 
 def test_paged_aot_impl_compiles_for_the_node_and_launches_over_shape_expressions(monkeypatch):
@@ -242,11 +251,11 @@ def test_paged_aot_impl_compiles_for_the_node_and_launches_over_shape_expression
     tokens, rows, width, blocks, block_size = 37, 3, 9, 50, 16
     descs = [_TensorDesc("bf16", s) for s in ([tokens, H * D], [tokens, KVH * D], [tokens, KVH * D],
                                               [blocks, block_size, KVH, D], [blocks, block_size, KVH, D], [rows + 1],
-                                              [rows], [rows, width], [64, D // 2], [64, D // 2])]
+                                              [rows], [rows, width], [64, D // 2], [64, D // 2], [H])]
     name, ptx, launch, extra = registry[("llmc::LlmcPagedAttention", "aot_impl")](
-        *descs, H, KVH, D, D, 0, -1, 1, 0.25, 0.0, outputs=(), tactic=0)
-    assert asked == [((H, KVH, D, 0.25, "bf16", 80), {"rotary_dim": D, "interleaved": False, "softcap": 0.0,
-                                                      "window": -1, "causal": True})]
+        *descs, H, KVH, D, D, 0, 7, 1, 1, 0.25, 2.5, outputs=(), tactic=0)
+    assert asked == [((H, KVH, D, 0.25, "bf16", 80), {"rotary_dim": D, "interleaved": False, "softcap": 2.5,
+                                                      "window": 7, "causal": True, "sinks": True})]
     assert (name, ptx, launch.block_x, launch.shared_mem) == ("_paged_attention", "ptx", 128, 9216)
     assert (launch.grid_x, launch.grid_y) == (-(-tokens * (H // KVH) // 16) + rows, KVH)
     assert extra == (("i32", rows), ("i32", width), ("i32", blocks), ("i32", block_size))

@@ -22,6 +22,7 @@ from llmc.plugins.gpu.paged_kernels import BLOCK_M, attention_grid, paged_attent
 from llmc.plugins.gpu.paged_kernels_aot import paged_attention_one_launch  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+SINKS = torch.tensor([-3.0, 5.0, 0.5, 2.0, -1.0, 4.0])  # one per head of the 6-head cases
 KERNELS = {"write + attention": paged_attention, "one launch": paged_attention_one_launch}
 
 
@@ -87,10 +88,19 @@ def test_mixed_rows_match_the_reference(dtype, heads, kv_heads, kernel):
     ({"softcap": 2.5, "scale": 0.4}, 16),
     ({"local_window_size": 6}, 16),
     ({"is_causal": False}, 16),
+    ({"head_sink": SINKS}, 16),  # attention sinks: from no share of a softmax to most of it
+    ({"head_sink": SINKS, "softcap": 2.0, "local_window_size": 6, "scale": 0.3}, 8),  # all, with partial rotary
 ])
 def test_contract_options_match_the_reference(kernel, options, rotary_dim):
     case = make_case([3, 1, 17], [5, 30, 2], 6, 2, 16, 8, torch.float32, rotary_dim=rotary_dim, seed=1)
     check(case, KERNELS[kernel], **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_all_features_in_half_precision(dtype, kernel):
+    case = make_case([3, 1, 17], [5, 30, 2], 6, 2, 16, 8, dtype, rotary_dim=8, seed=6)
+    check(case, KERNELS[kernel], head_sink=SINKS.to(dtype), softcap=2.0, local_window_size=6, scale=0.3)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -172,8 +182,9 @@ def test_paged_kernels_compile_to_ptx_without_a_gpu(capability):
     code = (
         "import torch\n"
         "from llmc.plugins.gpu.paged_kernels_aot import compile_paged_ptx\n"
-        "for dtype, rotary_dim in ((torch.float16, 64), (torch.bfloat16, 0)):\n"
-        f"    ptx = compile_paged_ptx(9, 3, 64, dtype, {capability}, rotary_dim=rotary_dim)\n"
+        "for dtype, rotary_dim, features in ((torch.float16, 64, {}), (torch.bfloat16, 0, {}),\n"
+        "                                    (torch.float16, 32, dict(softcap=30.0, window=128, sinks=True))):\n"
+        f"    ptx = compile_paged_ptx(9, 3, 64, dtype, {capability}, rotary_dim=rotary_dim, **features)\n"
         "    for name, text in ptx.items():\n"
         f"        assert '.target sm_{capability}' in text and '.entry _paged_' in text, name\n"
         "print('ok', sorted(ptx))\n"
@@ -182,17 +193,18 @@ def test_paged_kernels_compile_to_ptx_without_a_gpu(capability):
 
 
 def test_paged_plugin_kernel_has_tensorrt_aot_calling_convention():
-    """10 input pointers, 4 int32 extras, 3 output pointers and nothing after, for every float type,
-    with and without rotary, for sm_80 and sm_90."""
+    """11 input pointers (head_sink's too, read or not), 4 int32 extras, 3 output pointers and nothing after,
+    for every float type, with and without rotary (without: with sinks and softcap), for sm_80 and sm_90."""
     code = (
         "from llmc.plugins.gpu.kernels_aot import entry_params\n"
         "from llmc.plugins.gpu.paged_kernels_aot import paged_plugin_kernel\n"
         "for cap in (80, 90):\n"
         "    for dtype in ('fp16', 'bf16', 'fp32'):\n"
         "        for rotary_dim in (128, 0):\n"
-        "            k = paged_plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary_dim=rotary_dim)\n"
+        "            k = paged_plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary_dim=rotary_dim,\n"
+        "                                    sinks=rotary_dim == 0, softcap=50.0 * (rotary_dim == 0))\n"
         "            types = [t for t, _ in entry_params(k.ptx, k.name)]\n"
-        "            assert types == ['.u64'] * 10 + ['.u32'] * 4 + ['.u64'] * 3, types\n"
+        "            assert types == ['.u64'] * 11 + ['.u32'] * 4 + ['.u64'] * 3, types\n"
         "            assert f'.target sm_{cap}' in k.ptx and k.num_warps > 0 and 0 < k.shared_mem <= 48 * 1024\n"
         "print('ok')\n"
     )

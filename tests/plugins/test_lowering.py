@@ -30,7 +30,8 @@ def test_tensorrt_target_exports_plugin_nodes_that_the_checker_accepts(tiny_chec
     assert attrs["plugin_version"] == b"1" and attrs["plugin_namespace"] == b"llmc"
     assert (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]) == (info.num_heads, info.num_kv_heads, info.head_dim)
     assert attrs["scale"] == pytest.approx(info.head_dim ** -0.5)
-    assert attrs["rotary"] == (model_type == "llama") and all(len(n.input) == 8 for n in nodes)  # fixed arity
+    assert attrs["rotary"] == (model_type == "llama") and all(len(n.input) == 9 for n in nodes)  # fixed arity
+    assert (attrs["softcap"], attrs["local_window_size"], attrs["sinks"]) == (0.0, -1, 0)  # the features off
     assert result.exported.lowering.value == "plugin"
     inferred = onnx.shape_inference.infer_shapes(onnx.load(str(path)), strict_mode=True)
     shapes = {v.name: v.type.tensor_type for v in inferred.graph.value_info}
@@ -49,9 +50,9 @@ def _plugin_model(position_type):
     f = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info(n, f, s) for n, s in
               (("q", [1, 2, 4, 8]), ("k", [1, 2, 2, 8]), ("v", [1, 2, 2, 8]), ("kc", [1, 2, 16, 8]), ("vc", [1, 2, 16, 8]),
-               ("cos", [16, 4]), ("sin", [16, 4]))]
+               ("cos", [16, 4]), ("sin", [16, 4]), ("sink", [4]))]
     inputs.append(helper.make_tensor_value_info("pos", position_type, [1]))
-    node = helper.make_node(PLUGIN_OP, ["q", "k", "v", "kc", "vc", "pos", "cos", "sin"], ["o", "kc2", "vc2"],
+    node = helper.make_node(PLUGIN_OP, ["q", "k", "v", "kc", "vc", "pos", "cos", "sin", "sink"], ["o", "kc2", "vc2"],
                             domain=LLMC_DOMAIN, plugin_version="1", plugin_namespace="llmc", num_heads=4, num_kv_heads=2,
                             head_dim=8, scale=0.35, rotary=1)
     outputs = [helper.make_tensor_value_info(n, f, None) for n in ("o", "kc2", "vc2")]

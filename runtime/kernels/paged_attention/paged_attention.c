@@ -16,7 +16,10 @@
  * a PER_TENSOR scale comes expanded): a key or value is stored as x / scale rounded to nearest even and
  * saturated to [-128, 127]. The loops read the codes as they are: the key scales are folded into the
  * scratch queries (q . (s * k) = (q * s) . k) and the value scales into the finished output, so int8
- * costs the attention loops nothing beyond widening a byte. */
+ * costs the attention loops nothing beyond widening a byte.
+ *
+ * Attention sinks (head_sink [heads]) change only the softmax's denominator, once per query when its
+ * online softmax is finished (`normalizer`): the same for every instruction set's loops. */
 #include "paged_attention.h"
 
 #include <math.h>
@@ -215,6 +218,19 @@ static void attend_tile(const PagedCall *call, const Tile *tile, int ta, int tb,
   call->loops->accumulate(out, p, tile->values + ta, n, d);
 }
 
+/* what a query's accumulated values are multiplied by: 1 / its softmax's denominator, which with attention
+ * sinks also holds exp(sink - max) (the max taken over the logits and the sink, so neither overflows); a
+ * query that saw nothing (and no sink) gets zeros */
+static float normalizer(const PagedArgs *a, const Softmax *state, int64_t head) {
+  float sum = state->sum, factor = 1.f;
+  if (a->head_sink && a->head_sink[head] > -INFINITY) {
+    float sink = a->head_sink[head], max = state->max > sink ? state->max : sink;
+    factor = expf(state->max - max); /* 0 when nothing was seen */
+    sum = sum * factor + expf(sink - max);
+  }
+  return sum > 0 ? factor / sum : 0.f;
+}
+
 void paged_attend(void *opaque, size_t index) {
   PagedCall *call = (PagedCall *)opaque;
   const PagedArgs *a = &call->a;
@@ -249,7 +265,7 @@ void paged_attend(void *opaque, size_t index) {
 #undef LO
   for (int qi = 0; qi < queries; qi++) {
     int64_t i = task->first + qi / task->heads, h = task->head + qi % task->heads;
-    float *out = a->output + ((start + i) * a->heads + h) * a->d, scale = state[qi].sum > 0 ? 1.f / state[qi].sum : 0.f;
+    float *out = a->output + ((start + i) * a->heads + h) * a->d, scale = normalizer(a, &state[qi], h);
     const float *vs = a->v_scale ? a->v_scale + kv_head * a->d : NULL; /* int8 values: their scales applied once */
     for (int64_t c = 0; c < a->d; c++) out[c] = acc[qi * a->d + c] * scale * (vs ? vs[c] : 1.f);
   }

@@ -48,6 +48,8 @@ typedef struct {
   int interleaved, causal;
   float scale, softcap;
   int64_t window;                                     /* > 0: attend to at most this many positions */
+  const float *head_sink;                             /* [heads] or NULL: each head's sink logit joins its
+                                                         softmax's denominator (attention sinks) */
   float *output;                                      /* [tokens, heads * d] */
   int64_t threads;                                    /* the session's intra-op threads */
   int isa;

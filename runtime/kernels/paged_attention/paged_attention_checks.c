@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-static const char *const REFUSED[] = {"head_sink", "q_norm_weight", "k_norm_weight"};
+static const char *const REFUSED[] = {"q_norm_weight", "k_norm_weight"}; /* inputs 12 and 13 */
 const char *const paged_cache_names[] = {"float", "float16", "int8"};
 
 OrtStatus *paged_bad(const char *format, ...) {
@@ -27,6 +27,7 @@ OrtStatus *paged_tensor(OrtKernelContext *context, size_t count, size_t index, T
   TRY(CALL(GetTensorTypeAndShape, fn_shape, t->value, &shape));
   OrtStatus *status = CALL(GetDimensionsCount, fn_dim_count, shape, &t->rank);
   if (!status && t->rank <= 4) status = CALL(GetDimensions, fn_dims, shape, t->dims, t->rank);
+  if (!status) status = CALL(GetTensorElementType, fn_element_type, shape, &t->type);
   CALL(ReleaseTensorTypeAndShapeInfo, fn_release_shape, shape);
   if (!status) status = CALL(GetTensorMutableData, fn_data, t->value, &t->data);
   return status;
@@ -43,8 +44,8 @@ static int shaped(const Tensor *t, size_t rank, int64_t d0, int64_t d1, int64_t 
 
 /* the head size and the shapes the others must have; PagedArgs' sizes filled in */
 OrtStatus *paged_check_shapes(const PagedOp *op, const Tensor *in, PagedArgs *a) {
-  for (int i = 0; i < 3; i++)
-    if (in[IN_HEAD_SINK + i].value) return paged_bad("%s is not implemented on CPU", REFUSED[i]);
+  for (int i = 0; i < 2; i++)
+    if (in[IN_HEAD_SINK + 1 + i].value) return paged_bad("%s is not implemented on CPU", REFUSED[i]);
   for (int i = IN_K_SCALE; i <= IN_V_SCALE; i++)
     if (!in[i].value != (op->cache != PAGED_CACHE_I8))
       return paged_bad("%s comes with an int8 cache and only then (this one holds %s)", i == IN_K_SCALE ? "k_scale" : "v_scale",
@@ -66,6 +67,9 @@ OrtStatus *paged_check_shapes(const PagedOp *op, const Tensor *in, PagedArgs *a)
   if (!shaped(&in[IN_VALUE_CACHE], 4, kc->dims[0], kc->dims[1], kc->dims[2], kc->dims[3]))
     return paged_bad("value_cache's shape is not key_cache's");
   a->blocks = kc->dims[0], a->block_size = kc->dims[1];
+  const Tensor *sink = &in[IN_HEAD_SINK];
+  if (sink->value && (sink->type != TYPE_FLOAT || !shaped(sink, 1, a->heads, 0, 0, 0)))
+    return paged_bad("head_sink is not float32 [num_heads %lld]", (long long)a->heads);
   const Tensor *cu = &in[IN_CUMULATIVE], *table = &in[IN_BLOCK_TABLE];
   if (cu->rank != 1 || cu->dims[0] < 2) return paged_bad("cumulative_sequence_length is not [batch_size + 1]");
   a->batch = cu->dims[0] - 1;

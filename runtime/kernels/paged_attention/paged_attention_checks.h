@@ -23,6 +23,7 @@ typedef struct {
   const OrtValue *value; /* NULL: absent */
   int64_t dims[4];
   size_t rank;
+  int type; /* its element type (TYPE_*) */
   void *data;
 } Tensor;
 

@@ -3,7 +3,8 @@
  * what it runs and what it refuses), plus two of llmc's: `threads` (the session's intra-op threads,
  * set by runtime/kernels/cpu_kernels.py; default: the CPU count) and `isa` ("avx512", "avx2" or "portable";
  * default: the best this CPU runs). Float32 query, key, value and rotary tables; float32, float16 or
- * int8 caches (a kernel for each; int8 takes k_scale/v_scale, PER_TENSOR or PER_CHANNEL). Caches update in place: when ONNX Runtime hands over output buffers that
+ * int8 caches (a kernel for each; int8 takes k_scale/v_scale, PER_TENSOR or PER_CHANNEL); float32 head_sink
+ * [num_heads] (attention sinks). Caches update in place: when ONNX Runtime hands over output buffers that
  * are the input caches' memory (IO binding one buffer to both), only the new tokens are written;
  * otherwise the input caches are copied to the outputs first. Shapes and values are checked in
  * paged_attention_checks.c, each error naming the input or attribute at fault. */
@@ -159,6 +160,7 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   a.cumulative = (const int32_t *)in[IN_CUMULATIVE].data, a.past = (const int32_t *)in[IN_PAST].data;
   a.block_table = (const int32_t *)in[IN_BLOCK_TABLE].data, a.slot_mapping = (const int32_t *)in[IN_SLOT_MAPPING].data;
   a.cos = op->do_rotary ? (const float *)in[IN_COS].data : NULL, a.sin = op->do_rotary ? (const float *)in[IN_SIN].data : NULL;
+  a.head_sink = in[IN_HEAD_SINK].value ? (const float *)in[IN_HEAD_SINK].data : NULL;
   TRY(paged_check_values(in, &a));
   a.cache = op->cache, a.interleaved = op->interleaved, a.causal = op->causal, a.window = op->window;
   a.scale = op->scale != 0.f ? op->scale : 1.f / sqrtf((float)a.d), a.softcap = op->softcap;
@@ -198,6 +200,7 @@ static int cache_type(const OrtCustomOp *op) {
 }
 static int input_type(const OrtCustomOp *op, size_t i) {
   if (is_cache(i)) return cache_type(op);
+  if (i == IN_HEAD_SINK) return 0; /* UNDEFINED: any type reaches compute, which names head_sink if not float32 */
   return i == IN_CUMULATIVE || i == IN_PAST || i == IN_BLOCK_TABLE || i == IN_SLOT_MAPPING || i == 16 ? TYPE_INT32
                                                                                                        : TYPE_FLOAT;
 }

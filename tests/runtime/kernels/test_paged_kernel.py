@@ -2,7 +2,8 @@
 what plugins/op/attention.py's reference_paged_attention computes, on every instruction set this CPU runs
 (AVX512, AVX2, the portable loops), over block sizes, GQA ratios, head sizes, rows at different positions,
 chunked prefill, rotary, float16 and int8 caches (per-tensor and per-channel scales), slot mappings, unmapped
-blocks, windows and softcap, in place (IO binding one buffer to a cache's input and output) and copied."""
+blocks, windows and softcap, in place (IO binding one buffer to a cache's input and output) and copied.
+Attention sinks, partial rotary and the features combined: test_paged_features.py."""
 
 import numpy as np
 import onnxruntime as ort
@@ -21,13 +22,14 @@ CACHE_TYPES = {np.dtype(np.float32): FLOAT, np.dtype(np.float16): FLOAT16, np.dt
 def session(feeds, heads, kv_heads, isa, threads=2, **attributes):
     head_size = feeds["key_cache"].shape[3]
     extra = [(name, 6, list(feeds[name].shape)) for name in ("slot_mapping",) if name in feeds]
-    extra += [(name, FLOAT, list(feeds[name].shape)) for name in ("k_scale", "v_scale") if name in feeds]
+    extra += [(name, FLOAT, list(feeds[name].shape)) for name in ("head_sink", "k_scale", "v_scale") if name in feeds]
     if "k_scale" in feeds:
         quant = "PER_CHANNEL" if feeds["k_scale"].size > 1 else "PER_TENSOR"
         attributes = {"k_quant_type": quant, "v_quant_type": quant, "k_cache_dtype": "int8", **attributes}
     model = paged_model(paged_schema.LLMC_DOMAIN, CACHE_TYPES[feeds["key_cache"].dtype],
                         heads=heads, kv_heads=kv_heads, head_size=head_size, blocks=feeds["key_cache"].shape[0],
                         block_size=feeds["key_cache"].shape[1], rotary="cos_cache" in feeds,
+                        rotary_dim=2 * feeds["cos_cache"].shape[1] if "cos_cache" in feeds else None,
                         packed="key" not in feeds, extra_inputs=extra, isa=isa, threads=threads, **attributes)
     if "cos_cache" in feeds:  # the tables and the queries are float32 whatever the cache holds
         for value in model.graph.input:
@@ -35,7 +37,8 @@ def session(feeds, heads, kv_heads, isa, threads=2, **attributes):
                 value.type.tensor_type.elem_type = FLOAT
         model.graph.output[0].type.tensor_type.elem_type = FLOAT
     for value in (*model.graph.input, model.graph.output[0]):
-        if value.name in ("query", "key", "value", "output", "k_scale", "v_scale", "cos_cache", "sin_cache"):
+        if value.name in ("query", "key", "value", "output", "k_scale", "v_scale", "cos_cache", "sin_cache",
+                          "head_sink"):
             value.type.tensor_type.elem_type = FLOAT
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -165,10 +168,10 @@ def test_refusals_name_what_is_not_implemented(tmp_path):
     run time, each error naming the input or attribute."""
     from llmc.runtime.runners.ort import make_session
 
-    sink = paged_model(paged_schema.LLMC_DOMAIN, FLOAT, extra_inputs=[("head_sink", FLOAT, [4])])
-    (tmp_path / "sink.onnx").write_bytes(sink.SerializeToString())
-    with pytest.raises(ValueError, match="head_sink is not implemented"):
-        make_session(tmp_path / "sink.onnx")
+    norm = paged_model(paged_schema.LLMC_DOMAIN, FLOAT, extra_inputs=[("q_norm_weight", FLOAT, [8])])
+    (tmp_path / "norm.onnx").write_bytes(norm.SerializeToString())
+    with pytest.raises(ValueError, match="q_norm_weight is not implemented"):
+        make_session(tmp_path / "norm.onnx")
     feeds = case([(2, 2)], 4, 2, 8, 4)
     for attributes, message in (({"kv_cache_layout": "LATENT"}, "kv_cache_layout 'LATENT'"),
                                 ({"k_quant_type": "PER_TENSOR"}, "k_quant_type 'PER_TENSOR' needs an int8 cache"),
