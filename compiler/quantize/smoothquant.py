@@ -43,8 +43,15 @@ def smoothable(graph) -> list[Site]:
       gate/up, LM head): divide the norm's scale;
     - a gated MLP's `Mul(act(gate), up)` read only by the down projection, where `up` is a linear
       layer read only by that Mul: divide the up projection's output columns. This is where
-      SmolLM2's and Llama's largest activations (thousands) live, out of a norm's reach."""
-    initializers = {t.name for t in graph.initializer}
+      SmolLM2's and Llama's largest activations (thousands) live, out of a norm's reach.
+    Either may reach its linear layers through a flattening `Reshape` (read_by_linears). Nothing else
+    is a site: a norm read by a residual Add (Gemma's sandwich norms, OLMo 2's post-norms) or by
+    attention (q/k norms) keeps its scale, since dividing it would change the function."""
+    from onnx import numpy_helper
+
+    initializers = {t.name: t for t in graph.initializer}
+    constants = {**initializers, **{n.output[0]: a.t for n in graph.node if n.op_type == "Constant"
+                                    for a in n.attribute if a.name == "value"}}
     producers = {o: n for n in graph.node for o in n.output}
     readers: dict[str, list] = {}
     for node in graph.node:
@@ -58,20 +65,37 @@ def smoothable(graph) -> list[Site]:
             u.op_type == "MatMul" and u.input[0] == tensor and u.input[1] in initializers for u in users)
         return users if ok else []
 
+    def read_by_linears(tensor: str) -> tuple[str, list]:
+        """(what the linear layers read, those layers): `tensor` itself, or its flattened copy where its
+        only reader is a `Reshape` to a constant shape [.., C] (GPT-2's Conv1D views [.., C] as
+        [-1, C]: rows move, channels stay; the caller checks that C is the producer's width)."""
+        users = linear_readers(tensor)
+        only = readers.get(tensor, [])
+        if users or len(only) != 1 or only[0].op_type != "Reshape" or only[0].input[1] not in constants:
+            return tensor, users
+        shape = numpy_helper.to_array(constants[only[0].input[1]])
+        flat, width = only[0].output[0], int(shape[-1]) if shape.ndim == 1 and len(shape) else 0
+        users = linear_readers(flat)
+        return (flat, users) if width > 0 and all(initializers[u.input[1]].dims[0] == width for u in users) \
+            else (tensor, [])
+
     sites = []
     for node in graph.node:
-        users = linear_readers(node.output[0])
+        tensor, users = read_by_linears(node.output[0])
         if not users:
             continue
+        channels = initializers[users[0].input[1]].dims[0]  # what s must have: the readers' input width
         slots = [i for i in NORMS.get(node.op_type, ()) if i < len(node.input) and node.input[i]]
         if slots and node.input[slots[0]] in initializers:
-            sites.append(Site(node.output[0], users, [(node, i, 0) for i in slots if node.input[i] in initializers]))
+            divide = [(node, i, 0) for i in slots if node.input[i] in initializers]
+            if all(list(initializers[n.input[i]].dims) == [channels] for n, i, _ in divide):  # not a broadcast scalar
+                sites.append(Site(tensor, users, divide))
         elif node.op_type == "Mul":
             up = next((producers.get(i) for i in node.input
                        if producers.get(i) is not None and producers[i].op_type == "MatMul"
                        and producers[i].input[1] in initializers and len(readers.get(i, [])) == 1), None)
-            if up is not None:
-                sites.append(Site(node.output[0], users, [(up, 1, 1)]))
+            if up is not None and initializers[up.input[1]].dims[-1] == channels:
+                sites.append(Site(tensor, users, [(up, 1, 1)]))
     return sites
 
 
