@@ -105,3 +105,22 @@ def test_weight_only_quantizes_every_linear_layer_through_the_quality_gate(paged
     check_quality_gate(art.report, spec.max_perplexity_increase)  # the default gate: perplexity +5% at most
     assert art.report.token_agreement >= (0.9 if art.bits == 8 else 0.4)
 
+
+def test_greedy_agreement_judges_both_graphs_on_the_same_inputs(paged_export, tiny_checkpoints):
+    """Phi-3's tiny LongRoPE switches its table past 88 positions, which the longest verify prompt
+    (80 tokens) crosses while decoding 32: there the graph's step-by-step decode and its one-step
+    prefill of the same tokens pick differently. The report feeds both graphs the same tokens, so a
+    graph measured against itself agrees fully (judged against its own step-by-step decode: 76/96)."""
+    from llmc.compiler.graph.verify import PROMPTS
+    from llmc.compiler.quantize import AGREEMENT_STEPS
+    from llmc.compiler.quantize.quality import compare
+
+    folder, exported = paged_export("phi3")
+    tokenizer = load_tokenizer(inspect_source(SourceSpec(path=tiny_checkpoints["phi3"])))
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert max(map(len, prompts)) + AGREEMENT_STEPS > TINY["phi3"]["original_max_position_embeddings"]
+    graph = folder / exported.onnx
+    report = compare(graph, graph, exported.kv_layout, windows=[np.arange(64) % 256], eval_text="ids",
+                     prompts=prompts, steps=AGREEMENT_STEPS, vocab_size=exported.model.vocab_size, sizes=(1, 1),
+                     num_threads=1)
+    assert report.token_agreement == 1.0 and report.perplexity_increase == 0.0
