@@ -23,6 +23,9 @@ GGUF_TINY = {
     "gemma3": ("gemma3_text", dict(query_pre_attn_scalar=256, tie_word_embeddings=True, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
+    "gemma2": ("gemma2", dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              tie_word_embeddings=True)),
+    "phi3": ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)),
 }
 
 
@@ -40,20 +43,27 @@ def write_gguf(model, path: Path, arch: str, **extra) -> Path:
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_dimension_count(c.head_dim)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     params = c.rope_parameters
     writer.add_rope_freq_base(params.get("full_attention", params)["rope_theta"])
     if getattr(c, "sliding_window", None) and arch.startswith("gemma"):
         writer.add_sliding_window(c.sliding_window)
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(c, cap, None):
+            getattr(writer, f"add_{cap}")(getattr(c, cap))
     for name, value in extra.items():
         getattr(writer, f"add_{name}")(value)
     tokens = sorted(ByteLevel.alphabet())
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * len(tokens))  # NORMAL
+    for token in ("bos", "eos", "pad"):
+        if isinstance(getattr(c, f"{token}_token_id", None), int):
+            getattr(writer, f"add_{token}_token_id")(getattr(c, f"{token}_token_id"))
     writer.add_token_scores([0.0] * len(tokens))  # no merges: transformers derives none from single characters
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), c.num_hidden_layers)
     for name, tensor in model.state_dict().items():
