@@ -15,10 +15,10 @@ from llmc.compiler.source import inspect_source, load_tokenizer
 from llmc.compiler.spec import QuantizationSpec, SourceSpec
 
 # what AWQ may scale, per family: per layer the attention input norm, the MLP input norm and the gated
-# MLP's up -> down, then the final norm. Not the norms whose output feeds a residual Add (Gemma 2/3's
-# sandwich norms, OLMo 2's post-norms) or attention (q/k norms); Phi-3's up is a slice of the fused
-# gate_up_proj (no site); GPT-2's MLP is not gated
-SITES_PER_LAYER = {"olmo2": 1, "phi3": 2, "gpt2": 2}
+# MLP's up -> down (Phi-3's up: its half of gate_up_proj), then the final norm. Not the norms whose output
+# feeds a residual Add (Gemma 2/3's sandwich norms, OLMo 2's post-norms: OLMo 2 keeps only the MLP's
+# site) or attention (q/k norms); GPT-2's MLP is not gated
+SITES_PER_LAYER = {"olmo2": 1, "gpt2": 2}
 GATED_FAMILIES = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2", "smollm3", "gpt2"]
 
 
@@ -80,7 +80,7 @@ def test_a_norm_read_by_a_residual_or_by_attention_is_no_site():
              const("g_ln", np.ones(4)), const("b_ln", np.zeros(4)), const("shape", [-1, 4]), const("w3", np.ones((4, 4)))]
     out = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("att", "y2", "y3")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])], out, inits)
-    sites = {s.tensor: [(n.op_type, n.input[i]) for n, i, _ in s.divide] for s in smoothable(graph)}
+    sites = {s.tensor: [(n.op_type, n.input[i]) for n, i, *_ in s.divide] for s in smoothable(graph)}
     assert sites == {"normed": [("RMSNormalization", "g_in")],
                      "flat": [("LayerNormalization", "g_ln"), ("LayerNormalization", "b_ln")]}
 
