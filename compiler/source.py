@@ -109,7 +109,8 @@ def _gguf_model_type(arch: Any, path: Path) -> str:
 def _check_gguf_config(fields: dict, tensors: list[str], config, path: Path) -> None:
     """Refuse a file whose stated head size, rotary width, softcaps or RoPE scaling the transformers
     config built from it does not carry (its GGUF readers skip some keys, leaving the config class's
-    defaults: e.g. Qwen3's `attention.key_length`, Phi-4-mini's partial rotary, Gemma 3's RoPE scaling)."""
+    defaults: e.g. Qwen3's `attention.key_length`, Phi-4-mini's partial rotary, Gemma 3's RoPE scaling,
+    Llama 3's and Phi-3-128k's frequency factors, which llama.cpp stores as tensors)."""
     import math
 
     import transformers
@@ -131,8 +132,9 @@ def _check_gguf_config(fields: dict, tensors: list[str], config, path: Path) -> 
     scaling = fields.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none") and types <= {"default"}:
         problems.append(f"{arch}.rope.scaling.type is {scaling!r} but transformers reads no RoPE scaling")
-    if any(t.startswith("rope_factors") for t in tensors) and "longrope" not in types:
-        problems.append("its rope_factors tensors (LongRoPE) are not read by transformers")
+    if any(t.startswith(("rope_freqs", "rope_factors")) for t in tensors) and types <= {"default"}:
+        problems.append("its rope_freqs / rope_factors tensors (Llama 3's or LongRoPE's RoPE scaling) are not "
+                        "read by transformers")
     if problems:
         raise SourceError(f"{path}: transformers {transformers.__version__} would load a different model than this "
                           f"GGUF describes: {'; '.join(problems)}; point source.path at the HF checkpoint folder instead")

@@ -29,9 +29,10 @@ GGUF_TINY = {
 }
 
 
-def write_gguf(model, path: Path, arch: str, **extra) -> Path:
+def write_gguf(model, path: Path, arch: str, tensors: dict | None = None, **extra) -> Path:
     """`model`'s weights (fp32) and config as a GGUF of `arch`, with the 256-token byte-level vocabulary
-    of conftest's tokenizer; `extra`: GGUFWriter `add_<name>` calls (e.g. rope_scaling_type="linear")."""
+    of conftest's tokenizer; `tensors`: more tensors by GGUF name; `extra`: GGUFWriter `add_<name>`
+    calls (e.g. rope_scaling_type=...)."""
     from tokenizers.pre_tokenizers import ByteLevel
 
     c = model.config
@@ -74,6 +75,8 @@ def write_gguf(model, path: Path, arch: str, **extra) -> Path:
         if arch.startswith("gemma") and base.endswith("norm"):
             value = value + 1  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", value)
+    for name, value in (tensors or {}).items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -150,12 +153,18 @@ def test_an_architecture_of_no_family_is_refused(tmp_path):
 
 
 def test_fields_transformers_would_drop_are_refused_naming_them(gguf_files, tmp_path):
-    """transformers' qwen3 reader ignores `attention.key_length` (the config keeps head_dim 128) and its
-    gemma3 reader ignores RoPE scaling: a file stating either would load as another model."""
+    """transformers' qwen3 reader ignores `attention.key_length` (the config keeps head_dim 128), none
+    of its readers takes llama.cpp's frequency-factor tensors, and its gemma3 reader ignores RoPE
+    scaling: a file stating any of them would load as another model."""
     _, model = _hf("qwen3", tmp_path / "qwen3", head_dim=32, use_sliding_window=False, tie_word_embeddings=True)
     path = write_gguf(model, tmp_path / "qwen3.gguf", "qwen3")
     with pytest.raises(SourceError, match=r"qwen3.gguf: transformers [\d.]+ would load a different model than this "
                                           r"GGUF describes: qwen3.attention.key_length is 32 but transformers reads 128"):
+        inspect_source(SourceSpec(path=path))
+    _, model = _hf("qwen3", tmp_path / "qwen3_128", **GGUF_TINY["qwen3"][1])
+    path = write_gguf(model, tmp_path / "llama3_freqs.gguf", "qwen3",
+                      tensors={"rope_freqs.weight": np.ones(64, dtype=np.float32)})  # as llama.cpp writes Llama 3.1
+    with pytest.raises(SourceError, match=r"rope_freqs / rope_factors tensors .* are not read by transformers"):
         inspect_source(SourceSpec(path=path))
     _, _, gemma3 = gguf_files["gemma3"]
     path = write_gguf(gemma3, tmp_path / "gemma3.gguf", "gemma3", rope_scaling_type=gguf.RopeScalingType.LINEAR,
