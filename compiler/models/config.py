@@ -5,6 +5,7 @@ GGUF header) is read here, so source, plan, export and the KV cache agree on it.
     attention_shape(config)  (query heads, KV heads, head dim)
     rope_parameters(config)  the RoPE settings (transformers 5 keeps them in `rope_parameters`,
                              nested per layer type for Gemma 3)
+    GGUF_ARCHITECTURES       GGUF architecture names -> HF model types
     read_dims(info)          Dims: sizes and parameter counts for the plan
 """
 
@@ -44,6 +45,14 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     if layer_type is not None:
         params = params.get(layer_type) or {}
     return dict(params)
+
+
+#: GGUF `general.architecture` (llama.cpp's names) -> the HF `model_type` of the family that runs it. A
+#: name is accepted only where the installed transformers' GGUF loader reads it too (compiler/source.py);
+#: llama.cpp writes Mistral as `llama` (transformers tells them apart by the file's name)
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
+                      "gemma3": "gemma3_text", "phi3": "phi3", "gpt2": "gpt2", "granite": "granite", "olmo2": "olmo2",
+                      "smollm3": "smollm3"}
 
 
 #: RoPE types with a fixed table per position, and LongRoPE (compiler/models/rope.py)

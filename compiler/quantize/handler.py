@@ -2,7 +2,8 @@
 convert them into the graph the runtime runs. One handler object serves a family of modes; the
 package's `HANDLERS` maps each `QuantMode` to its handler.
 
-Also here: the steps the handlers share (the LM head untied, the calibration samples).
+Also here: the steps the handlers share (the LM head untied, Gemm layers as MatMul for the weight-only
+modes, the calibration samples).
 """
 
 from __future__ import annotations
@@ -83,6 +84,43 @@ def untie_lm_head(graph) -> int:
         graph.node.remove(node)
         folded += 1
     return folded
+
+
+def gemms_as_matmuls(graph) -> int:
+    """Rewrite every `Gemm(A, W, C)` with a constant W (alpha 1, A not transposed) as `MatMul(A, W)`
+    (+ `Add(C)`), W transposed first under `transB`; returns how many were rewritten.
+
+    GPT-2's Conv1D exports as Gemm, which the weight-only quantizer, the calibration and AWQ's sites
+    all skip (they take `MatMul`): without this only its LM head would be quantized."""
+    from onnx import helper, numpy_helper
+
+    initializers = {t.name: t for t in graph.initializer}
+    done, replaced = 0, set()
+    for node in list(graph.node):
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or node.input[1] not in initializers \
+                or attrs.get("alpha", 1.0) != 1.0 or attrs.get("transA", 0) or attrs.get("beta", 1.0) != 1.0:
+            continue
+        weight = node.input[1]
+        if attrs.get("transB", 0):
+            transposed = np.ascontiguousarray(numpy_helper.to_array(initializers[weight]).T)
+            replaced.add(weight)
+            weight = f"{weight}.transposed"
+            graph.initializer.append(numpy_helper.from_array(transposed, weight))
+        bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        out = node.output[0]
+        at = list(graph.node).index(node)
+        matmul = helper.make_node("MatMul", [node.input[0], weight], [f"{out}.matmul" if bias else out],
+                                  name=f"{node.name or out}_matmul")
+        graph.node.remove(node)
+        graph.node.insert(at, matmul)
+        if bias:
+            graph.node.insert(at + 1, helper.make_node("Add", [matmul.output[0], bias], [out], name=f"{matmul.name}_bias"))
+        done += 1
+    used = {name for node in graph.node for name in node.input}
+    for tensor in [t for t in graph.initializer if t.name in replaced - used]:
+        graph.initializer.remove(tensor)
+    return done
 
 
 def calibration_windows(spec: QuantizationSpec, tokenizer) -> list[np.ndarray]:

@@ -2,8 +2,11 @@
 
 - perplexity on held-out token windows (never calibration text): each window prefilled in one step,
   next-token negative log-likelihood averaged over every position;
-- greedy-token agreement on the verify prompts: the unquantized graph decodes greedily, the
-  quantized one is fed the same tokens (teacher forcing) and must pick the same next token;
+- greedy-token agreement on the verify prompts: the unquantized graph decodes greedily, then both
+  graphs are fed the prompt and those tokens in one step (teacher forcing) and the quantized one must
+  pick the unquantized one's next token. Both are judged on the same inputs: a model whose one-step
+  prefill and step-by-step decode differ (LongRoPE past `original_max_position_embeddings` switches
+  every position's table) would otherwise count that difference against quantization;
 - size on disk, and batch-1 decode tokens/s (median step time, both measured here).
 """
 
@@ -46,10 +49,12 @@ def greedy(runner: Runner, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
-def agreement(runner: Runner, prompt: list[int], reference: list[int]) -> int:
-    """How many of `reference`'s greedy tokens the runner picks when fed the same prefix."""
-    logits = runner.step(np.array([prompt + reference[:-1]]), np.zeros(1, dtype=np.int64))[0, len(prompt) - 1:]
-    return int((logits.argmax(-1) == np.array(reference)).sum())
+def agreement(runners: list[Runner], prompt: list[int], reference: list[int]) -> int:
+    """At how many of `reference`'s positions the runners (unquantized, quantized) pick the same next
+    token when fed the prompt and `reference` in one step."""
+    ids = np.array([prompt + reference[:-1]])
+    picks = [r.step(ids, np.zeros(1, dtype=np.int64))[0, len(prompt) - 1:].argmax(-1) for r in runners]
+    return int((picks[0] == picks[1]).sum())
 
 
 def decode_speed(runner: Runner, vocab_size: int) -> float:
@@ -81,7 +86,7 @@ def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list
     ppl = [perplexity(r, windows, tick) for r in runners]
     agreed = 0
     for prompt in prompts:
-        agreed += agreement(runners[1], prompt, greedy(runners[0], prompt, steps))
+        agreed += agreement(runners, prompt, greedy(runners[0], prompt, steps))
         tick()
     speed = [decode_speed(r, vocab_size) for r in runners]
     for r in runners:

@@ -34,7 +34,7 @@ class Site:
 
     tensor: str  # what the readers (linear layers) take
     readers: list  # MatMul nodes with constant weights [K, N]: row j multiplied by s_j
-    divide: list  # (node, input slot, axis): constants whose `axis` entries are divided by s
+    divide: list  # (node, input slot, axis, start): constants whose `axis` entries start.. are divided by s
 
 
 def smoothable(graph) -> list[Site]:
@@ -42,9 +42,17 @@ def smoothable(graph) -> list[Site]:
     - a normalization with constant scale (and bias) read only by linear layers (attention QKV, MLP
       gate/up, LM head): divide the norm's scale;
     - a gated MLP's `Mul(act(gate), up)` read only by the down projection, where `up` is a linear
-      layer read only by that Mul: divide the up projection's output columns. This is where
-      SmolLM2's and Llama's largest activations (thousands) live, out of a norm's reach."""
-    initializers = {t.name for t in graph.initializer}
+      layer read only by that Mul, or its own slice of one (Phi-3's `gate_up_proj`, `Split` along
+      the channels): divide the up projection's output columns. This is where SmolLM2's and
+      Llama's largest activations (thousands) live, out of a norm's reach.
+    Either may reach its linear layers through a flattening `Reshape` (read_by_linears). Nothing else
+    is a site: a norm read by a residual Add (Gemma's sandwich norms, OLMo 2's post-norms) or by
+    attention (q/k norms) keeps its scale, since dividing it would change the function."""
+    from onnx import numpy_helper
+
+    initializers = {t.name: t for t in graph.initializer}
+    constants = {**initializers, **{n.output[0]: a.t for n in graph.node if n.op_type == "Constant"
+                                    for a in n.attribute if a.name == "value"}}
     producers = {o: n for n in graph.node for o in n.output}
     readers: dict[str, list] = {}
     for node in graph.node:
@@ -58,20 +66,58 @@ def smoothable(graph) -> list[Site]:
             u.op_type == "MatMul" and u.input[0] == tensor and u.input[1] in initializers for u in users)
         return users if ok else []
 
+    def read_by_linears(tensor: str) -> tuple[str, list]:
+        """(what the linear layers read, those layers): `tensor` itself, or its flattened copy where its
+        only reader is a `Reshape` to a constant shape [.., C] (GPT-2's Conv1D views [.., C] as
+        [-1, C]: rows move, channels stay; the caller checks that C is the producer's width)."""
+        users = linear_readers(tensor)
+        only = readers.get(tensor, [])
+        if users or len(only) != 1 or only[0].op_type != "Reshape" or only[0].input[1] not in constants:
+            return tensor, users
+        shape = numpy_helper.to_array(constants[only[0].input[1]])
+        flat, width = only[0].output[0], int(shape[-1]) if shape.ndim == 1 and len(shape) else 0
+        users = linear_readers(flat)
+        return (flat, users) if width > 0 and all(initializers[u.input[1]].dims[0] == width for u in users) \
+            else (tensor, [])
+
+    def up_columns(tensor: str, channels: int) -> tuple | None:
+        """(MatMul, 1, 1, first column) where `tensor` is `channels` output columns of a linear layer
+        read only by this path: the whole layer, or one output of a `Split` of it (equal parts or
+        constant sizes) as wide as `channels`, which it can only be when the split is along them."""
+        node = producers.get(tensor)
+        if node is not None and node.op_type == "MatMul" and node.input[1] in initializers:
+            return (node, 1, 1, 0) if initializers[node.input[1]].dims[-1] == channels else None
+        if node is None or node.op_type != "Split" or len(readers.get(node.input[0], [])) != 1:
+            return None
+        matmul = producers.get(node.input[0])
+        if matmul is None or matmul.op_type != "MatMul" or matmul.input[1] not in initializers:
+            return None
+        width = initializers[matmul.input[1]].dims[-1]
+        if len(node.input) > 1 and node.input[1]:
+            if node.input[1] not in constants:
+                return None
+            sizes = [int(v) for v in numpy_helper.to_array(constants[node.input[1]])]
+        else:
+            part = -(-width // len(node.output))
+            sizes = [min(part, width - k * part) for k in range(len(node.output))]
+        k = list(node.output).index(tensor)
+        return (matmul, 1, 1, sum(sizes[:k])) if sum(sizes) == width and sizes[k] == channels else None
+
     sites = []
     for node in graph.node:
-        users = linear_readers(node.output[0])
+        tensor, users = read_by_linears(node.output[0])
         if not users:
             continue
+        channels = initializers[users[0].input[1]].dims[0]  # what s must have: the readers' input width
         slots = [i for i in NORMS.get(node.op_type, ()) if i < len(node.input) and node.input[i]]
         if slots and node.input[slots[0]] in initializers:
-            sites.append(Site(node.output[0], users, [(node, i, 0) for i in slots if node.input[i] in initializers]))
+            divide = [(node, i, 0, 0) for i in slots if node.input[i] in initializers]
+            if all(list(initializers[n.input[i]].dims) == [channels] for n, i, _, _ in divide):  # not a broadcast scalar
+                sites.append(Site(tensor, users, divide))
         elif node.op_type == "Mul":
-            up = next((producers.get(i) for i in node.input
-                       if producers.get(i) is not None and producers[i].op_type == "MatMul"
-                       and producers[i].input[1] in initializers and len(readers.get(i, [])) == 1), None)
+            up = next((u for u in (up_columns(i, channels) for i in node.input if len(readers.get(i, [])) == 1) if u), None)
             if up is not None:
-                sites.append(Site(node.output[0], users, [(up, 1, 1)]))
+                sites.append(Site(tensor, users, [up]))
     return sites
 
 
@@ -127,10 +173,19 @@ def apply_scales(model, sites: list[Site], scales: list[np.ndarray]) -> None:
         initializers[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
 
     for site, s in zip(sites, scales):
-        for node, slot, axis in site.divide:
-            update(own(node, slot), lambda v: v / (s if axis == 0 or v.ndim == 1 else s[None, :]))
+        for node, slot, axis, start in site.divide:
+            update(own(node, slot), lambda v: _divide(v, s, axis, start))
         for reader in site.readers:
             update(own(reader, 1), lambda v: v * s[:, None])
+
+
+def _divide(value: np.ndarray, s: np.ndarray, axis: int, start: int) -> np.ndarray:
+    """`value` with its entries start..start+len(s) along `axis` (0 for a vector) divided by s."""
+    out = value.astype(np.float32, copy=True)
+    index = [slice(None)] * out.ndim
+    index[axis if out.ndim > 1 else 0] = slice(start, start + len(s))
+    out[tuple(index)] /= s if axis == 0 or out.ndim == 1 else s[None, :]
+    return out
 
 
 def smooth(model, layout: KVLayout, windows: list[np.ndarray], alpha: float, *, num_threads: int = 0,

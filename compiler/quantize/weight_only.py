@@ -21,7 +21,7 @@ from llmc.compiler.graph.passes import merge_sibling_matmul_nbits
 from llmc.compiler.quantize.awq import awq
 from llmc.compiler.quantize.blockwise import BlockCodes, pack, search
 from llmc.compiler.quantize.calibrate import mean_squares
-from llmc.compiler.quantize.handler import Job, Quantized, calibration_windows, untie_lm_head
+from llmc.compiler.quantize.handler import Job, Quantized, calibration_windows, gemms_as_matmuls, untie_lm_head
 from llmc.compiler.spec import QuantizationSpec, WeightOnlyAlgorithm
 from llmc.errors import QuantizationError
 from llmc.runtime.layout import KVLayout
@@ -63,6 +63,7 @@ class WeightOnly:
         spec, bits = job.spec, self.bits
         model = onnx.load(str(job.source))
         untie_lm_head(model.graph)
+        gemms_as_matmuls(model.graph)
         if not self.calibrates(spec):
             return WeightCodes(model, None, [], f"{bits}-bit symmetric weights",
                                "round to nearest by onnxruntime's MatMulNBitsQuantizer")
