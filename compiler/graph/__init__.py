@@ -5,8 +5,8 @@
     passes.py         graph passes on the exported ONNX (fusions, deduplication, MatMulNBits merges)
     verify.py         the verify stage (VERIFY): the export on ONNX Runtime against PyTorch
 
-The modules torch.onnx traces, compiler/decoder.py (the HF model rebuilt around llmc::attention) and
-compiler/paged_decoder.py (its paged form), stay at the top of compiler/: the exported graph records
-their module and file in its nodes' metadata (namespace, class_hierarchy, stack_trace), so moving them
-would change model.onnx's bytes.
+The modules torch.onnx traces are compiler/models/ (the HF model rebuilt around llmc::attention, one
+file per family) and compiler/paged_decoder.py (its paged form): the exported graph records their
+module and file in its nodes' metadata (namespace, class_hierarchy, stack_trace), so moving them
+changes model.onnx's bytes (not its graph).
 """
