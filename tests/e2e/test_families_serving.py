@@ -1,8 +1,10 @@
-"""New model families served by a real Triton server equal their checkpoints' own PyTorch models,
-once per attention feature: Gemma 2 (windows shorter than the prompt, attention and final logit
-softcap, query_pre_attn_scalar, sandwich norms), Phi-3 (fused projections, partial rotary, a LongRoPE
-switch crossed while decoding), SmolLM3 (no-RoPE layers beside sliding ones) and Gemma 3 (q/k norms,
-a local and a global RoPE). One server holds all four models."""
+"""Every new model family served by a real Triton server equals its checkpoint's own PyTorch model, on
+prompts longer than its windows, each attention feature at least once: Gemma 2 (windows, attention and
+final logit softcap, query_pre_attn_scalar, sandwich norms), Phi-3 (fused projections, partial rotary,
+a LongRoPE switch crossed while decoding), SmolLM3 (no-RoPE layers beside sliding ones), Gemma 3 (q/k
+norms, a local and a global RoPE), Qwen3 (per-head q/k norms, a sliding layer), Gemma, Granite
+(multipliers), OLMo 2 (post-norm) and Nemotron (partial rotary in the op's tables). One server holds
+all nine models."""
 
 import shutil
 
@@ -11,7 +13,7 @@ import pytest
 from conftest import SERVING_ENV, TINY_SERVING_SPEC, byte_tokenizer, greedy_reference
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
-FAMILIES = ("gemma2", "phi3", "smollm3", "gemma3_text")
+FAMILIES = ("gemma2", "phi3", "smollm3", "gemma3_text", "qwen3", "gemma", "granite", "olmo2", "nemotron")
 PROMPTS = ("The capital of France is, as everyone knows,",  # 44 tokens: past every window (8)
            "Once upon a time, in a small village by the sea, there lived an old fisherman called")  # 85
 
