@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from llmc.runtime.decoding.detokenizer import IncrementalDetokenizer
+from llmc.runtime.decoding.grammar import GuideMatcher, next_token_bitmask
 from llmc.runtime.decoding.logprobs import LogprobRecorder, Logprobs
 from llmc.runtime.decoding.sampling import SamplingParams, sample_rows
 from llmc.runtime.engine.sequence import FinishReason, Sequence
@@ -97,7 +98,7 @@ class Engine(Protocol):
     def end_ids(self) -> tuple[int, ...]: ...
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    logprobs: int | None = None) -> Sequence: ...
+                    logprobs: int | None = None, guide: GuideMatcher | None = None) -> Sequence: ...
     def cancel(self, request_id: str) -> None: ...
     def abort_all(self) -> None: ...
     def step(self) -> list[StepOutput]: ...
@@ -117,9 +118,10 @@ class EngineCore:
         self._cancelled: list[Sequence] = []
 
     def sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 logprobs: int | None = None) -> Sequence:
+                 logprobs: int | None = None, guide: GuideMatcher | None = None) -> Sequence:
         """A new request's sequence, not queued yet; ValueError for one that cannot run. `logprobs`:
-        record the log probabilities of its tokens, with that many alternatives each (logprobs.py)."""
+        record the log probabilities of its tokens, with that many alternatives each (logprobs.py);
+        `guide`: its compiled grammar's matcher (grammar.py), which every token it samples obeys."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.capacity:
@@ -128,11 +130,14 @@ class EngineCore:
         if params.beam_width > self.max_beam_width:
             raise ValueError(f"beam_width: {params.beam_width} is above this model's limit of {self.max_beam_width} "
                              f"(serving.max_beam_width)")
+        if guide is not None and params.beam_width > 1:
+            raise ValueError(f"guided_decoding_guide: not with beam search (beam_width {params.beam_width}); "
+                             "a guided request takes beam_width 1")
         if not params.end_ids and self.end_ids:
             params = params.model_copy(update={"end_ids": self.end_ids})
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
         recorder = LogprobRecorder(logprobs) if logprobs is not None else None
-        return Sequence(request_id, list(prompt_ids), params, detokenizer=detok, logprobs=recorder)
+        return Sequence(request_id, list(prompt_ids), params, detokenizer=detok, logprobs=recorder, guide=guide)
 
     def queue(self, seq: Sequence) -> Sequence:
         """Hand `seq` to the scheduler; ValueError for an id already running, QueueFull when busy."""
@@ -175,9 +180,13 @@ class EngineCore:
         return [s for s in cancelled if s.finish_reason is FinishReason.cancelled]
 
     def sample(self, seqs: list[Sequence], logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
-        """The next token of each sequence from its row of `logits` [len(seqs), V], in one pass."""
+        """The next token of each sequence from its row of `logits` [len(seqs), V], in one pass; a
+        guided sequence's row is masked to what its grammar allows (filled for those rows only)."""
+        rows = [i for i, s in enumerate(seqs) if s.guide is not None]
+        guided = (rows, next_token_bitmask([seqs[i].guide for i in rows], [seqs[i].params.end_ids for i in rows],
+                                           self.end_ids, logits.shape[1])) if rows else None
         tokens = sample_rows(logits, [s.params for s in seqs], [s.prompt_array() for s in seqs],
-                             [s.output_ids for s in seqs], [s.rng for s in seqs]).tolist()
+                             [s.output_ids for s in seqs], [s.rng for s in seqs], guided).tolist()
         for seq, row, token in zip(seqs, logits, tokens):
             self.emit(seq, row, token, sampled)
 

@@ -137,6 +137,8 @@ class TokenScheduler(WaitingQueue):
                 break
             if chunk.seq.beam is not None:  # beams pick tokens by score over W rows: nothing to verify
                 continue
+            if chunk.seq.guide is not None:  # a guided row decodes one token a step: its mask is its grammar's now
+                continue
             if self.speculator.drafts:  # blocks for the most the draft may propose; it fills them after scheduling
                 limit = self.speculator.limit(chunk.seq, spare)
                 if limit and self.blocks.can_append(chunk.seq, limit):
