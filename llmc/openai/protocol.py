@@ -37,9 +37,11 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """What both endpoints take. Unknown fields are ignored (as OpenAI-compatible servers do)."""
+    """What both endpoints take. Unknown fields are kept aside (`model_extra`) and ignored, as
+    OpenAI-compatible servers do, except other APIs' structured-output and function-calling fields,
+    which are refused naming them (structured.py)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = None
@@ -58,6 +60,9 @@ class _Common(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    # structured output (structured.py): OpenAI's response_format, vLLM's structured_outputs extra
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
@@ -74,6 +79,7 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 def refuse_unsupported(req: _Common) -> None:
@@ -119,12 +125,16 @@ def num_top_logprobs(req: _Common) -> int | None:
 _PARAMS = {"stop_words": "stop", "num_top_logprobs": "logprobs", "return_log_probs": "logprobs"}
 
 
-def model_error(message: str, endpoint: Literal["chat", "completions"]) -> OpenAIError:
-    """The served model's refusal (it names the tensor at fault) as an OpenAI error."""
+def model_error(message: str, endpoint: Literal["chat", "completions"], guide_param: str | None = None) -> OpenAIError:
+    """The served model's refusal (it names the tensor at fault) as an OpenAI error; a refused guide
+    names `guide_param`, the field it came from (response_format, structured_outputs or tools)."""
     if message.startswith("busy, retry"):
         return OpenAIError(429, f"the model is busy; retry later ({message})", None, "rate_limit_exceeded")
     tensor = message.split(":", 1)[0] if ":" in message else None
     param = _PARAMS.get(tensor, tensor)
+    if tensor in ("guided_decoding_guide", "guided_decoding_guide_type") and guide_param:
+        return OpenAIError(400, f"{guide_param}: the engine cannot follow it: {message}", guide_param,
+                           "invalid_parameter")
     if tensor == "text_input":
         param = "messages" if endpoint == "chat" else "prompt"
     elif tensor == "num_top_logprobs" and endpoint == "chat":
