@@ -29,6 +29,7 @@ from llmc.openai.protocol import (ChatRequest, CompletionRequest, OpenAIError, m
 from llmc.openai.responses import (CompletionLogprobs, Reply, chat_choice, chat_logprobs, completion_choice)
 from llmc.openai.streaming import Choices, Job, stream_events, usage_of
 from llmc.openai.structured import Guided, guide_of, tool_calls
+from llmc.openai.tool_parsers import default_messages
 
 MAX_BODY_SIZE = 4 * 1024 * 1024  # bytes
 DISCONNECT_POLL = 0.5  # seconds between checks for a client gone before its stream started
@@ -75,12 +76,15 @@ def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: in
     @router.post("/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         refuse_unsupported(req)
-        guided = guide_of(req)
         info = pool.info(req.model)
         if info.chat_template is None:
             raise OpenAIError(400, str(NoChatTemplate(req.model)), "messages", "model_has_no_chat_template")
+        guided = guide_of(req, info.chat_template["template"])
+        messages = _messages(req.messages)
+        if guided is not None and guided.auto == "json":  # a template with no tool format: llmc's, described
+            messages = default_messages(messages, req.tools)
         try:
-            prompt = render(info.chat_template, _messages(req.messages), tools=req.tools)
+            prompt = render(info.chat_template, messages, tools=req.tools)
         except ChatTemplateError as err:
             raise OpenAIError(400, str(err), "messages") from None
         jobs = [Job(j, prompt, _inputs(req, j, guided)) for j in range(req.n)]
@@ -113,7 +117,7 @@ async def _answer(pool: Pool, req, request: Request, reply: Reply, jobs: list[Jo
     logprobs = num_top_logprobs(req) is not None
     choices = Choices(pool, req.model, jobs, req.stream, endpoint, guided.param if guided else None)
     echo = getattr(req, "echo", False)
-    calls = guided if guided is not None and (guided.tool or guided.calls) else None
+    calls = guided if guided is not None and guided.parses_calls else None
     if req.stream:
         await _started(choices, request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -130,9 +134,9 @@ async def _answer(pool: Pool, req, request: Request, reply: Reply, jobs: list[Jo
 def _whole_choice(reply: Reply, job: Job, text: str, echo: bool, logprobs: bool, calls: Guided | None) -> dict:
     entries = job.logprobs if logprobs else []
     if reply.chat:
-        done = calls is not None and job.gen.finish_reason == "stop"  # a truncated call stays text
-        return chat_choice(job.index, text, job.gen.finish_reason, chat_logprobs(entries) if logprobs else None,
-                           tool_calls(calls, text) if done else None)
+        content, found = tool_calls(calls, text) if calls is not None and job.gen.finish_reason == "stop" else (text, [])
+        return chat_choice(job.index, content, job.gen.finish_reason, chat_logprobs(entries) if logprobs else None,
+                           found)  # a call cut by max_tokens stays text
     offsets = CompletionLogprobs(len(job.prompt) if echo else 0)
     return completion_choice(job.index, job.prompt + text if echo else text, job.gen.finish_reason,
                              offsets.format(entries) if logprobs else None)

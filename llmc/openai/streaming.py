@@ -20,7 +20,7 @@ from llmc.client import Refused
 from llmc.openai.backends import ChoiceGeneration, Pool
 from llmc.openai.protocol import OpenAIError, model_error
 from llmc.openai.responses import CompletionLogprobs, Reply, chat_delta, chat_logprobs, completion_choice, usage
-from llmc.openai.structured import Guided, ToolCallStream
+from llmc.openai.structured import Guided, stream_for
 
 _RUNNING: set[asyncio.Task] = set()  # workers are referenced until they end
 
@@ -121,9 +121,9 @@ class Chunks:
 async def stream_events(choices: Choices, reply: Reply, include_usage: bool, echo: bool = False,
                         logprobs: bool = False, calls: Guided | None = None) -> AsyncIterator[bytes]:
     """The SSE body; a failure after the first chunk ends the stream with an error event. `calls`: a
-    tool choice's guide, whose output streams as delta.tool_calls (ToolCallStream)."""
+    tool choice's guide, whose output streams as delta.tool_calls (structured.stream_for)."""
     chunk = Chunks(reply, include_usage)
-    tools = {job.index: ToolCallStream(calls) for job in choices.jobs} if calls is not None else None
+    tools = {job.index: stream_for(calls) for job in choices.jobs} if calls is not None else None
     try:
         for job in choices.jobs:  # each choice opens with its role (chat) or the echoed prompt
             if reply.chat:
@@ -156,15 +156,15 @@ def _choice_chunk(reply: Reply, event: Event, logprobs: bool) -> dict:
     return completion_choice(job.index, event.text, reason, job.offsets.format(entries) if logprobs else None)
 
 
-def _tool_chunks(stream: ToolCallStream, event: Event, logprobs: bool) -> list[dict]:
-    """A tool choice's event as chat chunks: its tool-call deltas, and at the end its finish reason."""
+def _tool_chunks(stream, event: Event, logprobs: bool) -> list[dict]:
+    """A tool choice's event as chat chunks: its deltas, and at the end its finish reason."""
     job, lp = event.job, chat_logprobs(event.logprobs) if logprobs else None
     if event.kind != "end":
         delta = stream.delta(event.text)
         return [chat_delta(job.index, delta, None, lp)] if delta is not None else []
     reason = job.gen.finish_reason
-    deltas = stream.end(reason)
-    done = "tool_calls" if reason == "stop" else reason
+    deltas, called = stream.end(reason)
+    done = "tool_calls" if called else reason
     return [chat_delta(job.index, d) for d in deltas] + [chat_delta(job.index, {}, done, lp)]
 
 

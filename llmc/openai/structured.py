@@ -9,8 +9,8 @@ inputs), and the constrained output back as OpenAI's `tool_calls`.
     tools + tool_choice  "none": the tools reach the template only; "required": the output is a JSON list
                          of one or more calls [{"name", "parameters"}] of the given functions (one with
                          parallel_tool_calls false); a named function: the output is that function's
-                         arguments. "auto" (the default with tools) is refused: llmc parses no model's
-                         own tool-call format yet
+                         arguments; "auto" (the default with tools): the model's own format, chosen from
+                         its template, parsed from the output (tool_parsers.py)
 
 Every field llmc cannot honour is a 400 naming it (never ignored); a schema the engine cannot compile
 comes back from the served model and is a 400 naming the field the guide came from (protocol.py).
@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from llmc.openai import tool_parsers
 from llmc.openai.protocol import ChatRequest, CompletionRequest, OpenAIError
 
 # vLLM's older per-field guides and OpenAI's retired function calling: known fields llmc does not take
@@ -45,9 +46,17 @@ class Guided:
     param: str  # the request field a refusal names
     tool: str | None = None  # tool_choice named this function: the output is its arguments
     calls: bool = False  # tool_choice required: the output is a JSON list of {"name", "parameters"}
+    auto: str | None = None  # tool_choice auto: the tool-call format parsed from the output (tool_parsers.py)
+    names: frozenset = frozenset()  # the functions a call may name
 
     def inputs(self) -> dict:
+        if not self.kind:  # tool_choice auto in the model's own format: parsed, not constrained
+            return {}
         return {"guided_decoding_guide_type": self.kind, "guided_decoding_guide": self.text}
+
+    @property
+    def parses_calls(self) -> bool:
+        return bool(self.tool or self.calls or self.auto)
 
 
 def refuse_unknown(req: ChatRequest | CompletionRequest) -> None:
@@ -59,11 +68,12 @@ def refuse_unknown(req: ChatRequest | CompletionRequest) -> None:
             raise OpenAIError(400, f"{name} is not supported by llmc{hint}", name, "unsupported_parameter")
 
 
-def guide_of(req: ChatRequest | CompletionRequest) -> Guided | None:
-    """The request's guide, from response_format, structured_outputs or tools (at most one of them)."""
+def guide_of(req: ChatRequest | CompletionRequest, template: str = "") -> Guided | None:
+    """The request's guide, from response_format, structured_outputs or tools (at most one of them);
+    `template`: the chat template's source (tool_choice auto reads its tool-call format)."""
     refuse_unknown(req)
     found = [g for g in (_response_format(req.response_format), _structured(req.structured_outputs),
-                         _tools(req) if isinstance(req, ChatRequest) else None) if g is not None]
+                         _tools(req, template) if isinstance(req, ChatRequest) else None) if g is not None]
     if len(found) > 1:
         raise OpenAIError(400, f"{found[1].param}: only one of response_format, structured_outputs and a tool_choice "
                                f"that constrains the output may be given (also got {found[0].param})", found[1].param)
@@ -132,7 +142,7 @@ def _functions(tools: list[dict]) -> dict[str, dict]:
     return out
 
 
-def _tools(req: ChatRequest) -> Guided | None:
+def _tools(req: ChatRequest, template: str) -> Guided | None:
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -140,8 +150,11 @@ def _tools(req: ChatRequest) -> Guided | None:
         return None
     functions = _functions(req.tools)
     if choice in (None, "auto"):
-        raise OpenAIError(400, "tool_choice: auto (the default with tools) is not supported by llmc yet: send "
-                               "tool_choice none, required or a named function", "tool_choice")
+        fmt = tool_parsers.detect(template)
+        if fmt == "json":  # no format of its own: llmc's, described in a system message and switched on by a grammar
+            return Guided("lark_grammar", tool_parsers.default_grammar(functions), "tools", auto=fmt,
+                          names=frozenset(functions))
+        return Guided("", "", "tools", auto=fmt, names=frozenset(functions))
     if choice == "none":
         return None
     if choice == "required":
@@ -162,11 +175,21 @@ def _tools(req: ChatRequest) -> Guided | None:
     return Guided("json_schema", json.dumps(functions[name]), "tools", tool=name)
 
 
-def tool_calls(guided: Guided, text: str) -> list[dict[str, Any]]:
-    """The constrained output of a tool choice as OpenAI's tool_calls (the text is complete)."""
+def tool_calls(guided: Guided, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A tool choice's complete output as (content, OpenAI's tool_calls); no calls: (text, [])."""
     if guided.tool is not None:
-        return [_call(guided.tool, text)]
-    return [_call(call["name"], json.dumps(call["parameters"])) for call in json.loads(text)]
+        return None, [_call(guided.tool, text)]
+    if guided.auto is not None:
+        parsed = tool_parsers.parse(guided.auto, text, set(guided.names))
+        return parsed.content, [_call(name, arguments) for name, arguments in parsed.calls]
+    return None, [_call(call["name"], json.dumps(call["parameters"])) for call in json.loads(text)]
+
+
+def stream_for(guided: Guided):
+    """The streamed form of a tool choice's output: ToolCallStream, or AutoToolStream for auto."""
+    if guided.auto is not None:
+        return tool_parsers.AutoToolStream(guided.auto, set(guided.names), lambda: _call("", "")["id"])
+    return ToolCallStream(guided)
 
 
 def _call(name: str, arguments: str) -> dict:
@@ -195,11 +218,12 @@ class ToolCallStream:
                      "function": {"name": self.guided.tool, "arguments": text}}
         return {"tool_calls": [piece]}
 
-    def end(self, reason: str | None) -> list[dict]:
-        """The deltas still to send when the output ends: a required choice's calls (or, cut short,
-        its text as content)."""
+    def end(self, reason: str | None) -> tuple[list[dict], bool]:
+        """The deltas still to send when the output ends (a required choice's calls or, cut short, its
+        text as content), and whether the output was tool calls."""
         if self.guided.tool is not None:
-            return []
+            return [], reason == "stop"
         if reason != "stop":
-            return [{"content": self.text}] if self.text else []
-        return [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(tool_calls(self.guided, self.text))]
+            return ([{"content": self.text}] if self.text else []), False
+        calls = tool_calls(self.guided, self.text)[1]
+        return [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)], True

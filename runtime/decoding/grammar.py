@@ -87,8 +87,8 @@ def grammar_text(guide: Guide) -> str:
 class GuideMatcher:
     """One request's position in its grammar (an llguidance LLMatcher of its own)."""
 
-    def __init__(self, matcher):
-        self._m = matcher
+    def __init__(self, matcher, vocab_size: int):
+        self._m, self.vocab_size = matcher, vocab_size
 
     @property
     def llmatcher(self):
@@ -98,6 +98,15 @@ class GuideMatcher:
         """Advance over a sampled token (one the bitmask allowed)."""
         if not self._m.consume_token(token):  # the mask allowed only tokens the grammar takes
             raise RuntimeError(f"the grammar refused token {token}: {self._m.get_error()}")
+
+    def allows(self, token: int, end_ids: Sequence[int], model_end_ids: Sequence[int] = ()) -> bool:
+        """Whether the grammar takes `token` next (what the bitmask would allow), without advancing:
+        an end id only where the grammar may end, and only the request's own end ids."""
+        if token in end_ids:
+            return self._m.is_accepting()
+        if token in model_end_ids or not 0 <= token < self.vocab_size:  # past the vocabulary: an error state
+            return False
+        return self._m.validate_tokens([token]) == 1
 
     @property
     def is_stopped(self) -> bool:
@@ -145,7 +154,7 @@ class GuideCompiler:
                 self._cache[key] = template
                 while len(self._cache) > _CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return GuideMatcher(template.deep_copy())
+        return GuideMatcher(template.deep_copy(), lltokenizer.vocab_size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

