@@ -108,6 +108,25 @@ class GuideMatcher:
             return False
         return self._m.validate_tokens([token]) == 1
 
+    def valid_prefix(self, tokens: Sequence[int], end_ids: Sequence[int]) -> int:
+        """How many of `tokens` (proposals) the grammar takes in a row from here, stopping before an
+        end id or a token past the vocabulary (without advancing)."""
+        n = next((i for i, t in enumerate(tokens) if t in end_ids or not 0 <= t < self.vocab_size), len(tokens))
+        return self._m.validate_tokens(list(tokens[:n])) if n else 0
+
+    def bitmasks_along(self, tokens: Sequence[int], end_ids: Sequence[int], model_end_ids: Sequence[int],
+                       vocab_size: int) -> np.ndarray:
+        """The bitmask [len(tokens) + 1, W] of the next token after each prefix of `tokens` (tokens the
+        grammar takes: valid_prefix), the matcher rolled back to where it was."""
+        rows = []
+        for j in range(len(tokens) + 1):
+            rows.append(next_token_bitmask([self], [end_ids], model_end_ids, vocab_size))
+            if j < len(tokens):
+                self.consume(tokens[j])
+        if tokens and not self._m.rollback(len(tokens)):
+            raise RuntimeError(f"the grammar could not roll back {len(tokens)} tokens: {self._m.get_error()}")
+        return np.concatenate(rows)
+
     @property
     def is_stopped(self) -> bool:
         """Nothing more can follow: the output is complete."""

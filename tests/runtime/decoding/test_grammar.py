@@ -131,3 +131,24 @@ def test_compiled_guides_are_cached_per_guide_and_tokenizer(compiler):
     wider.compile(guide)
     assert len([k for k in GuideCompiler._cache if k[:2] == ("regex", "cache[0-9]")]) == 2
     same.close(), wider.close()
+
+
+def test_masks_along_proposals_match_step_by_step_and_roll_back(compiler):
+    """Speculation's masks (bitmasks_along): after each prefix of the proposals, as consuming them one by
+    one gives; the matcher is where it was afterwards; valid_prefix stops where the grammar refuses."""
+    tok = byte_tokenizer()
+    guide = Guide("regex", "ab[0-9]{2}c")
+    proposals = tok.encode("ab12").ids
+    matcher = compiler.compile(guide)
+    assert matcher.valid_prefix(tok.encode("ab1x2").ids, (END,)) == 3
+    assert matcher.valid_prefix(proposals + [END], (END,)) == 4  # an end id ends the proposals
+    along = matcher.bitmasks_along(proposals, (END,), [END], 256)
+    step = compiler.compile(guide)
+    for j in range(len(proposals) + 1):
+        assert (along[j] == next_token_bitmask([step], [(END,)], [END], 256)[0]).all(), j
+        if j < len(proposals):
+            step.consume(proposals[j])
+    assert matcher.valid_prefix(proposals, (END,)) == 4  # rolled back: the same proposals fit again
+    for t in proposals:
+        matcher.consume(t)
+    assert not matcher.is_stopped and matcher.allows(tok.encode("c").ids[0], (END,))

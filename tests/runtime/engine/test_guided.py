@@ -24,7 +24,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kind", 
                          "tag": {"type": "string", "maxLength": 4}}}
 rng = np.random.default_rng(5)
 PASSAGE = rng.integers(3, 256, 16).tolist()
-PROMPTS = {"copy0": PASSAGE * 3, "copy1": PASSAGE[:9] * 4, "rand": rng.integers(3, 256, 11).tolist()}
+PROMPTS = {"copy0": PASSAGE * 3, "copy1": PASSAGE[:9] * 4, "rand": rng.integers(3, 256, 11).tolist(),
+           # JSON the schema takes, repeated: prompt lookup proposes its continuations to the guided rows
+           "json": byte_tokenizer().encode('{"kind": "eel", "ok": false, "tag": "ab"}\n' * 2).ids}
 SPEC = SpeculativeConfig(method="ngram", num_tokens=4, max_batch=4, min_n=1, max_n=3)
 
 
@@ -69,8 +71,9 @@ def _text(ids):
 
 
 def test_guided_greedy_output_validates_and_ends_with_the_grammar(paged, guides):
-    tokens, reasons = _run(_engine(paged), {p: (p, SamplingParams(max_tokens=60), _schema(guides)) for p in PROMPTS})
-    for name in PROMPTS:
+    names = ("copy0", "copy1", "rand")
+    tokens, reasons = _run(_engine(paged), {p: (p, SamplingParams(max_tokens=60), _schema(guides)) for p in names})
+    for name in names:
         jsonschema.validate(json.loads(_text(tokens[name])), SCHEMA)
         assert reasons[name] is FinishReason.stop
     free, _ = _run(_engine(paged), {"rand": ("rand", SamplingParams(max_tokens=20), None)})
@@ -94,18 +97,30 @@ def test_a_guided_request_is_the_same_alone_and_among_unguided_ones(paged, guide
 
 
 def test_greedy_guided_output_is_the_same_with_and_without_speculation(paged, guides):
-    def requests():
+    """Guided rows take the prompt-lookup proposals their grammar accepts, verified under the mask at
+    each position (the matcher rolled back over the rejected ones); unguided rows speculate beside them."""
+    def requests(guided_only=False):
         regex = guides.compile(Guide("regex", "[a-f]{3,12}"))
-        return {"g0": ("copy0", SamplingParams(max_tokens=40), _schema(guides)),
-                "g1": ("copy1", SamplingParams(max_tokens=40), regex),
-                "u0": ("copy0", SamplingParams(max_tokens=30), None),
-                "u1": ("copy1", SamplingParams(max_tokens=30), None)}
+        out = {"g0": ("json", SamplingParams(max_tokens=40), _schema(guides)),
+               "g1": ("copy1", SamplingParams(max_tokens=40), regex),
+               "g2": ("json", SamplingParams(max_tokens=40, temperature=0.7, top_k=5, seed=1), _schema(guides))}
+        if not guided_only:
+            out.update({"u0": ("copy0", SamplingParams(max_tokens=30), None),
+                        "u1": ("copy1", SamplingParams(max_tokens=30), None)})
+        return out
 
     plain, _ = _run(_engine(paged), requests())
     engine = _engine(paged, SPEC)
-    speculated, _ = _run(engine, requests())
-    assert speculated == plain
-    assert engine.speculator.num_draft_tokens > 0  # the unguided rows speculated beside the guided ones
+    speculated, reasons = _run(engine, requests())
+    assert {k: v for k, v in speculated.items() if k != "g2"} == {k: v for k, v in plain.items() if k != "g2"}
+    if reasons["g2"] is FinishReason.stop:  # sampled: its own draws, valid when it finished
+        jsonschema.validate(json.loads(_text(speculated["g2"])), SCHEMA)
+    else:
+        assert len(speculated["g2"]) == 40
+    engine = _engine(paged, SPEC)
+    alone, _ = _run(engine, {k: v for k, v in requests(guided_only=True).items() if k == "g0"})
+    assert alone["g0"] == plain["g0"]
+    assert engine.speculator.num_accepted_tokens > 0  # the guided row itself took proposals
 
 
 def test_max_tokens_still_truncates_a_guided_request(paged, guides):
