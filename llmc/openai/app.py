@@ -24,8 +24,8 @@ from starlette.exceptions import HTTPException
 
 from llmc.chat_template import ChatTemplateError, NoChatTemplate, render
 from llmc.openai.backends import Pool
-from llmc.openai.protocol import (ChatRequest, CompletionRequest, OpenAIError, model_inputs, num_top_logprobs,
-                                  refuse_unsupported)
+from llmc.openai.protocol import (MAX_CHOICES, ChatRequest, CompletionRequest, OpenAIError, model_inputs,
+                                  num_top_logprobs, refuse_unsupported)
 from llmc.openai.responses import (CompletionLogprobs, Reply, chat_choice, chat_logprobs, completion_choice)
 from llmc.openai.streaming import Choices, Job, stream_events, usage_of
 from llmc.openai.structured import Guided, guide_of, tool_calls
@@ -70,6 +70,9 @@ def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: in
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if not prompts:
             raise OpenAIError(400, "prompt: give at least one prompt", "prompt")
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise OpenAIError(400, f"prompt: {len(prompts)} prompts x n {req.n} is above {MAX_CHOICES} choices a request",
+                              "prompt")
         jobs = [Job(i * req.n + j, p, _inputs(req, j, guided)) for i, p in enumerate(prompts) for j in range(req.n)]
         return await _answer(pool, req, request, Reply(req.model, chat=False), jobs, "completions", guided)
 

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 16  # choices per request: each is an independent request to the model
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs` (runtime/decoding/logprobs.py's too)
+MAX_CHOICES = 64  # prompts x n of one completions request: each is a request to the model
+_INT32 = dict(ge=-2**31, lt=2**31)  # what the model's INT32 inputs hold: past it, a 400 rather than a wrapped cast
 
 
 class OpenAIError(Exception):
@@ -44,10 +46,10 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, **_INT32)
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1 - MAX_N)  # choice i runs with seed + i (UINT64)
     stop: str | list[str] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -56,10 +58,10 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = None
+    top_k: int | None = Field(None, **_INT32)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: int | None = Field(None, **_INT32)
     # structured output (structured.py): OpenAI's response_format, vLLM's structured_outputs extra
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -74,7 +76,7 @@ class CompletionRequest(_Common):
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, **_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
