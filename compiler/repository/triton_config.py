@@ -9,7 +9,7 @@ batching is off (`max_batch_size: 0`, scalars have shape [1]).
 
 from __future__ import annotations
 
-from llmc.runtime.serving.tensors import OUTPUTS, SCALARS
+from llmc.runtime.serving.tensors import OUTPUTS, SCALARS, TEXTS
 
 _TYPES = {"BYTES": "TYPE_STRING", "INT32": "TYPE_INT32", "UINT64": "TYPE_UINT64", "FP32": "TYPE_FP32",
           "BOOL": "TYPE_BOOL"}
@@ -33,6 +33,8 @@ def model_config(name: str, *, instances: int = 1, gpu: bool = False, chat_templ
     for tensor, (datatype, _) in SCALARS.items():
         cfg.input.add(name=tensor, data_type=mc.DataType.Value(_TYPES[datatype]), dims=[1], optional=True)
     cfg.input.add(name="stop_words", data_type=mc.TYPE_STRING, dims=[-1], optional=True)
+    for tensor in TEXTS:
+        cfg.input.add(name=tensor, data_type=mc.TYPE_STRING, dims=[1], optional=True)
     for tensor, (datatype, dims) in OUTPUTS.items():
         cfg.output.add(name=tensor, data_type=mc.DataType.Value(_TYPES[datatype]), dims=dims)
     kind = mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU

@@ -4,11 +4,12 @@ responses. Imports numpy and the served tensors' table only (tritonclient is pas
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmc.runtime.serving.tensors import SCALARS
+from llmc.runtime.serving.tensors import SCALARS, TEXTS
 
 _NUMPY = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}
 _NOT_PARAMETERS = {"stream", "stop"}  # model inputs the client sets itself
@@ -97,11 +98,17 @@ def make_inputs(grpc_module, prompt: str, stream: bool, params: dict) -> list:
         if name == "stop_words":
             words = [value] if isinstance(value, str) else list(value)
             tensors.append(tensor(name, "BYTES", np.array([w.encode("utf-8") for w in words], dtype=np.object_)))
+        elif name in TEXTS:  # structured output: the guide's type and text (a schema or choices may be given as is)
+            if name == "guided_decoding_guide" and isinstance(value, (dict, list)):
+                value = json.dumps(value)
+            if not isinstance(value, str):
+                raise TypeError(f"{name}: a string; got {type(value).__name__}")
+            tensors.append(tensor(name, "BYTES", np.array([value.encode("utf-8")], dtype=np.object_)))
         elif name in SCALARS and name not in _NOT_PARAMETERS:
             datatype = SCALARS[name][0]
             tensors.append(tensor(name, datatype, np.array([value], dtype=_NUMPY[datatype])))
         else:
-            known = sorted(set(SCALARS) - _NOT_PARAMETERS | {"stop_words"})
+            known = sorted(set(SCALARS) - _NOT_PARAMETERS | {"stop_words", *TEXTS})
             raise TypeError(f"unknown generation parameter {name!r}; known: {', '.join(known)}")
     return tensors
 

@@ -24,10 +24,12 @@ from starlette.exceptions import HTTPException
 
 from llmc.chat_template import ChatTemplateError, NoChatTemplate, render
 from llmc.openai.backends import Pool
-from llmc.openai.protocol import (ChatRequest, CompletionRequest, OpenAIError, model_inputs, num_top_logprobs,
-                                  refuse_unsupported)
+from llmc.openai.protocol import (MAX_CHOICES, ChatRequest, CompletionRequest, OpenAIError, model_inputs,
+                                  num_top_logprobs, refuse_unsupported)
 from llmc.openai.responses import (CompletionLogprobs, Reply, chat_choice, chat_logprobs, completion_choice)
 from llmc.openai.streaming import Choices, Job, stream_events, usage_of
+from llmc.openai.structured import Guided, guide_of, tool_calls
+from llmc.openai.tool_parsers import default_messages
 
 MAX_BODY_SIZE = 4 * 1024 * 1024  # bytes
 DISCONNECT_POLL = 0.5  # seconds between checks for a client gone before its stream started
@@ -64,11 +66,15 @@ def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: in
     @router.post("/completions")
     async def completions(req: CompletionRequest, request: Request):
         refuse_unsupported(req)
+        guided = guide_of(req)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if not prompts:
             raise OpenAIError(400, "prompt: give at least one prompt", "prompt")
-        jobs = [Job(i * req.n + j, p, model_inputs(req, j)) for i, p in enumerate(prompts) for j in range(req.n)]
-        return await _answer(pool, req, request, Reply(req.model, chat=False), jobs, "completions")
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise OpenAIError(400, f"prompt: {len(prompts)} prompts x n {req.n} is above {MAX_CHOICES} choices a request",
+                              "prompt")
+        jobs = [Job(i * req.n + j, p, _inputs(req, j, guided)) for i, p in enumerate(prompts) for j in range(req.n)]
+        return await _answer(pool, req, request, Reply(req.model, chat=False), jobs, "completions", guided)
 
     @router.post("/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
@@ -76,12 +82,16 @@ def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: in
         info = pool.info(req.model)
         if info.chat_template is None:
             raise OpenAIError(400, str(NoChatTemplate(req.model)), "messages", "model_has_no_chat_template")
+        guided = guide_of(req, info.chat_template["template"])
+        messages = _messages(req.messages)
+        if guided is not None and guided.auto == "json":  # a template with no tool format: llmc's, described
+            messages = default_messages(messages, req.tools)
         try:
-            prompt = render(info.chat_template, _messages(req.messages), tools=req.tools)
+            prompt = render(info.chat_template, messages, tools=req.tools)
         except ChatTemplateError as err:
             raise OpenAIError(400, str(err), "messages") from None
-        jobs = [Job(j, prompt, model_inputs(req, j)) for j in range(req.n)]
-        return await _answer(pool, req, request, Reply(req.model, chat=True), jobs, "chat")
+        jobs = [Job(j, prompt, _inputs(req, j, guided)) for j in range(req.n)]
+        return await _answer(pool, req, request, Reply(req.model, chat=True), jobs, "chat", guided)
 
     app.include_router(router)
     return app
@@ -101,26 +111,35 @@ async def _started(choices: Choices, request: Request) -> None:
         first.cancel()
 
 
-async def _answer(pool: Pool, req, request: Request, reply: Reply, jobs: list[Job], endpoint: str):
+def _inputs(req, choice: int, guided: Guided | None) -> dict:
+    return {**model_inputs(req, choice), **(guided.inputs() if guided is not None else {})}
+
+
+async def _answer(pool: Pool, req, request: Request, reply: Reply, jobs: list[Job], endpoint: str,
+                  guided: Guided | None):
     logprobs = num_top_logprobs(req) is not None
-    choices = Choices(pool, req.model, jobs, req.stream, endpoint)
+    choices = Choices(pool, req.model, jobs, req.stream, endpoint, guided.param if guided else None)
     echo = getattr(req, "echo", False)
+    calls = guided if guided is not None and guided.parses_calls else None
     if req.stream:
         await _started(choices, request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream_events(choices, reply, include_usage, echo, logprobs),
+        return StreamingResponse(stream_events(choices, reply, include_usage, echo, logprobs, calls),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     texts = {job.index: "" for job in jobs}
     async for event in choices:
         texts[event.job.index] += event.text
         event.job.logprobs += event.logprobs
-    return reply.body([_whole_choice(reply, job, texts[job.index], echo, logprobs) for job in jobs], usage_of(jobs))
+    return reply.body([_whole_choice(reply, job, texts[job.index], echo, logprobs, calls) for job in jobs],
+                      usage_of(jobs))
 
 
-def _whole_choice(reply: Reply, job: Job, text: str, echo: bool, logprobs: bool) -> dict:
+def _whole_choice(reply: Reply, job: Job, text: str, echo: bool, logprobs: bool, calls: Guided | None) -> dict:
     entries = job.logprobs if logprobs else []
     if reply.chat:
-        return chat_choice(job.index, text, job.gen.finish_reason, chat_logprobs(entries) if logprobs else None)
+        content, found = tool_calls(calls, text) if calls is not None and job.gen.finish_reason == "stop" else (text, [])
+        return chat_choice(job.index, content, job.gen.finish_reason, chat_logprobs(entries) if logprobs else None,
+                           found)  # a call cut by max_tokens stays text
     offsets = CompletionLogprobs(len(job.prompt) if echo else 0)
     return completion_choice(job.index, job.prompt + text if echo else text, job.gen.finish_reason,
                              offsets.format(entries) if logprobs else None)

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 16  # choices per request: each is an independent request to the model
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs` (runtime/decoding/logprobs.py's too)
+MAX_CHOICES = 64  # prompts x n of one completions request: each is a request to the model
+_INT32 = dict(ge=-2**31, lt=2**31)  # what the model's INT32 inputs hold: past it, a 400 rather than a wrapped cast
 
 
 class OpenAIError(Exception):
@@ -37,15 +39,17 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """What both endpoints take. Unknown fields are ignored (as OpenAI-compatible servers do)."""
+    """What both endpoints take. Unknown fields are kept aside (`model_extra`) and ignored, as
+    OpenAI-compatible servers do, except other APIs' structured-output and function-calling fields,
+    which are refused naming them (structured.py)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, **_INT32)
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1 - MAX_N)  # choice i runs with seed + i (UINT64)
     stop: str | list[str] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -54,10 +58,13 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = None
+    top_k: int | None = Field(None, **_INT32)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: int | None = Field(None, **_INT32)
+    # structured output (structured.py): OpenAI's response_format, vLLM's structured_outputs extra
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
@@ -69,11 +76,12 @@ class CompletionRequest(_Common):
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, **_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 def refuse_unsupported(req: _Common) -> None:
@@ -121,12 +129,16 @@ def num_top_logprobs(req: _Common) -> int | None:
 _PARAMS = {"stop_words": "stop", "num_top_logprobs": "logprobs", "return_log_probs": "logprobs"}
 
 
-def model_error(message: str, endpoint: Literal["chat", "completions"]) -> OpenAIError:
-    """The served model's refusal (it names the tensor at fault) as an OpenAI error."""
+def model_error(message: str, endpoint: Literal["chat", "completions"], guide_param: str | None = None) -> OpenAIError:
+    """The served model's refusal (it names the tensor at fault) as an OpenAI error; a refused guide
+    names `guide_param`, the field it came from (response_format, structured_outputs or tools)."""
     if message.startswith("busy, retry"):
         return OpenAIError(429, f"the model is busy; retry later ({message})", None, "rate_limit_exceeded")
     tensor = message.split(":", 1)[0] if ":" in message else None
     param = _PARAMS.get(tensor, tensor)
+    if tensor in ("guided_decoding_guide", "guided_decoding_guide_type") and guide_param:
+        return OpenAIError(400, f"{guide_param}: the engine cannot follow it: {message}", guide_param,
+                           "invalid_parameter")
     if tensor == "text_input":
         param = "messages" if endpoint == "chat" else "prompt"
     elif tensor == "num_top_logprobs" and endpoint == "chat":

@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "tool_calls": "tool_calls"}
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -77,7 +77,13 @@ def _best_first(top: list[tuple[str, float]]) -> dict[str, float]:
     return out
 
 
-def chat_choice(index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
+def chat_choice(index: int, text: str | None, reason: str | None, logprobs: dict | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """A whole chat choice; with `tool_calls` (parsed from a complete output) the message carries them,
+    beside the text outside them (None when there is none), and finish_reason is tool_calls."""
+    if tool_calls:
+        return {"index": index, "message": {"role": "assistant", "content": text, "tool_calls": tool_calls},
+                "logprobs": logprobs, "finish_reason": "tool_calls"}
     return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason(reason)}
 

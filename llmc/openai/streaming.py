@@ -20,6 +20,7 @@ from llmc.client import Refused
 from llmc.openai.backends import ChoiceGeneration, Pool
 from llmc.openai.protocol import OpenAIError, model_error
 from llmc.openai.responses import CompletionLogprobs, Reply, chat_delta, chat_logprobs, completion_choice, usage
+from llmc.openai.structured import Guided, stream_for
 
 _RUNNING: set[asyncio.Task] = set()  # workers are referenced until they end
 
@@ -48,8 +49,9 @@ class Event:
 class Choices:
     """Start every job on a server the pool picks; iterate the merged events; `cancel` stops what runs."""
 
-    def __init__(self, pool: Pool, model: str, jobs: list[Job], stream: bool, endpoint: str):
-        self.endpoint, self.jobs = endpoint, jobs
+    def __init__(self, pool: Pool, model: str, jobs: list[Job], stream: bool, endpoint: str,
+                 guide_param: str | None = None):
+        self.endpoint, self.jobs, self.guide_param = endpoint, jobs, guide_param
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         picked = [pool.pick(model)[0] for _ in jobs]  # raises before anything starts
         self._tasks = [asyncio.create_task(self._work(pool, backend, model, job, stream))
@@ -80,7 +82,7 @@ class Choices:
     def error(self, event: Event) -> OpenAIError:
         if isinstance(event.error, OpenAIError):
             return event.error
-        return model_error(str(event.error), self.endpoint)
+        return model_error(str(event.error), self.endpoint, self.guide_param)
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         while self._open:
@@ -117,9 +119,11 @@ class Chunks:
 
 
 async def stream_events(choices: Choices, reply: Reply, include_usage: bool, echo: bool = False,
-                        logprobs: bool = False) -> AsyncIterator[bytes]:
-    """The SSE body; a failure after the first chunk ends the stream with an error event."""
+                        logprobs: bool = False, calls: Guided | None = None) -> AsyncIterator[bytes]:
+    """The SSE body; a failure after the first chunk ends the stream with an error event. `calls`: a
+    tool choice's guide, whose output streams as delta.tool_calls (structured.stream_for)."""
     chunk = Chunks(reply, include_usage)
+    tools = {job.index: stream_for(calls) for job in choices.jobs} if calls is not None else None
     try:
         for job in choices.jobs:  # each choice opens with its role (chat) or the echoed prompt
             if reply.chat:
@@ -128,6 +132,10 @@ async def stream_events(choices: Choices, reply: Reply, include_usage: bool, ech
                 job.offsets.offset = len(job.prompt)
                 yield chunk(completion_choice(job.index, job.prompt, None, None))
         async for event in choices:
+            if tools is not None:
+                for choice in _tool_chunks(tools[event.job.index], event, logprobs):
+                    yield chunk(choice)
+                continue
             yield chunk(_choice_chunk(reply, event, logprobs))
         if include_usage:
             yield sse(reply.body([], usage_of(choices.jobs), chunk=True))
@@ -146,6 +154,18 @@ def _choice_chunk(reply: Reply, event: Event, logprobs: bool) -> dict:
         delta = {} if end else {"content": event.text}
         return chat_delta(job.index, delta, reason, chat_logprobs(entries) if logprobs else None)
     return completion_choice(job.index, event.text, reason, job.offsets.format(entries) if logprobs else None)
+
+
+def _tool_chunks(stream, event: Event, logprobs: bool) -> list[dict]:
+    """A tool choice's event as chat chunks: its deltas, and at the end its finish reason."""
+    job, lp = event.job, chat_logprobs(event.logprobs) if logprobs else None
+    if event.kind != "end":
+        delta = stream.delta(event.text)
+        return [chat_delta(job.index, delta, None, lp)] if delta is not None else []
+    reason = job.gen.finish_reason
+    deltas, called = stream.end(reason)
+    done = "tool_calls" if called else reason
+    return [chat_delta(job.index, d) for d in deltas] + [chat_delta(job.index, {}, done, lp)]
 
 
 def usage_of(jobs: list[Job]) -> dict:

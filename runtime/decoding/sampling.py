@@ -24,6 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmc.runtime.decoding.draw import draw_ranked, inverse_cdf, ranked_weights, rows_where, weights
+from llmc.runtime.decoding.grammar import apply_bitmask
 
 _Ids = Union[np.ndarray, Sequence[int]]  # a row's prompt or output ids: an array or a list
 # sampled rows go through in groups this large: a [16, 49152] float32 pass stays in cache, 64 rows
@@ -129,8 +130,13 @@ def penalize(logits: np.ndarray, params: Sequence[SamplingParams], prompt_ids: S
 
 
 def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], prompt_ids: Sequence[_Ids],
-                output_ids: Sequence[_Ids], rngs: Sequence[np.random.Generator]) -> np.ndarray:
-    """The next token of each row (int64 [R]) from the rows' logits [R, V], in one pass."""
+                output_ids: Sequence[_Ids], rngs: Sequence[np.random.Generator],
+                guided: tuple[Sequence[int], np.ndarray] | None = None) -> np.ndarray:
+    """The next token of each row (int64 [R]) from the rows' logits [R, V], in one pass. `guided`:
+    (rows, their bitmask [len(rows), ceil(V / 32)], grammar.py): those rows draw only among the tokens
+    their grammar allows, masked before penalties, temperature, top-k/p and min-p."""
+    if guided is not None and len(guided[0]):
+        logits = apply_bitmask(logits, *guided)
     logits = penalize(logits, params, prompt_ids, output_ids)
     tokens = logits.argmax(axis=1)
     hot = [r for r, p in enumerate(params) if not p.is_greedy]

@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from llmc.runtime.decoding.detokenizer import IncrementalDetokenizer
+from llmc.runtime.decoding.grammar import GuideMatcher, next_token_bitmask
 from llmc.runtime.decoding.logprobs import LogprobRecorder, Logprobs
 from llmc.runtime.decoding.sampling import SamplingParams, sample_rows
 from llmc.runtime.engine.sequence import FinishReason, Sequence
@@ -97,7 +98,7 @@ class Engine(Protocol):
     def end_ids(self) -> tuple[int, ...]: ...
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    logprobs: int | None = None) -> Sequence: ...
+                    logprobs: int | None = None, guide: GuideMatcher | None = None) -> Sequence: ...
     def cancel(self, request_id: str) -> None: ...
     def abort_all(self) -> None: ...
     def step(self) -> list[StepOutput]: ...
@@ -117,9 +118,10 @@ class EngineCore:
         self._cancelled: list[Sequence] = []
 
     def sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 logprobs: int | None = None) -> Sequence:
+                 logprobs: int | None = None, guide: GuideMatcher | None = None) -> Sequence:
         """A new request's sequence, not queued yet; ValueError for one that cannot run. `logprobs`:
-        record the log probabilities of its tokens, with that many alternatives each (logprobs.py)."""
+        record the log probabilities of its tokens, with that many alternatives each (logprobs.py);
+        `guide`: its compiled grammar's matcher (grammar.py), which every token it samples obeys."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.capacity:
@@ -128,11 +130,14 @@ class EngineCore:
         if params.beam_width > self.max_beam_width:
             raise ValueError(f"beam_width: {params.beam_width} is above this model's limit of {self.max_beam_width} "
                              f"(serving.max_beam_width)")
+        if guide is not None and params.beam_width > 1:
+            raise ValueError(f"guided_decoding_guide: not with beam search (beam_width {params.beam_width}); "
+                             "a guided request takes beam_width 1")
         if not params.end_ids and self.end_ids:
             params = params.model_copy(update={"end_ids": self.end_ids})
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
         recorder = LogprobRecorder(logprobs) if logprobs is not None else None
-        return Sequence(request_id, list(prompt_ids), params, detokenizer=detok, logprobs=recorder)
+        return Sequence(request_id, list(prompt_ids), params, detokenizer=detok, logprobs=recorder, guide=guide)
 
     def queue(self, seq: Sequence) -> Sequence:
         """Hand `seq` to the scheduler; ValueError for an id already running, QueueFull when busy."""
@@ -175,11 +180,28 @@ class EngineCore:
         return [s for s in cancelled if s.finish_reason is FinishReason.cancelled]
 
     def sample(self, seqs: list[Sequence], logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
-        """The next token of each sequence from its row of `logits` [len(seqs), V], in one pass."""
-        tokens = sample_rows(logits, [s.params for s in seqs], [s.prompt_array() for s in seqs],
-                             [s.output_ids for s in seqs], [s.rng for s in seqs]).tolist()
-        for seq, row, token in zip(seqs, logits, tokens):
+        """The next token of each sequence from its row of `logits` [len(seqs), V], in one pass. A
+        guided row whose draw does not depend on which tokens are allowed (greedy, or temperature
+        without top-k/p or min-p) draws first and is masked and drawn again only when its grammar
+        refuses the token, llama.cpp's way, which gives the masked distribution exactly (a refused
+        draw is followed by a draw from p restricted to the allowed tokens); scripts/bench_structured.py
+        measured it 6x cheaper than filling every guided row's mask. Other guided rows are masked first."""
+        guided = [i for i, s in enumerate(seqs) if s.guide is not None]
+        first = [i for i in guided if _draws_first(seqs[i].params)]
+        masked = [i for i in guided if i not in first]
+        tokens = self._sample(seqs, logits, masked)
+        retry = [i for i in first if not seqs[i].guide.allows(int(tokens[i]), seqs[i].params.end_ids, self.end_ids)]
+        if retry:
+            tokens[retry] = self._sample([seqs[i] for i in retry], logits[retry], list(range(len(retry))))
+        for seq, row, token in zip(seqs, logits, tokens.tolist()):
             self.emit(seq, row, token, sampled)
+
+    def _sample(self, seqs: list[Sequence], logits: np.ndarray, masked: list[int]) -> np.ndarray:
+        """sample_rows over `seqs`, the rows `masked` masked to what their grammars allow."""
+        bitmask = (masked, next_token_bitmask([seqs[i].guide for i in masked], [seqs[i].params.end_ids for i in masked],
+                                              self.end_ids, logits.shape[1])) if masked else None
+        return sample_rows(logits, [s.params for s in seqs], [s.prompt_array() for s in seqs],
+                           [s.output_ids for s in seqs], [s.rng for s in seqs], bitmask)
 
     @staticmethod
     def emit(seq: Sequence, logits: np.ndarray, token: int, sampled: dict[str, list[int]]) -> None:
@@ -216,3 +238,9 @@ class EngineCore:
             return StepOutput(s.request_id, beams[0].token_ids if beams else [], s.take_text(), s.finish_reason, beams)
         return StepOutput(s.request_id, sampled.get(s.request_id, []), s.take_text(), s.finish_reason,
                           logprobs=logprobs)
+
+
+def _draws_first(params: SamplingParams) -> bool:
+    """The row's token follows the masked distribution when drawn unmasked and redrawn masked on a
+    refusal: its draw ranks nothing among the tokens (top-k/p and min-p would rank the allowed ones)."""
+    return params.is_greedy or (params.top_k == 0 and params.top_p == 1.0 and params.min_p == 0.0)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 
+from llmc.runtime.decoding.grammar import GuideMatcher
 from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine import beam
 from llmc.runtime.engine.block_manager import BlockManager
@@ -78,17 +79,18 @@ class PagedEngine:
         return self.core.has_work
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    logprobs: int | None = None) -> Sequence:
+                    logprobs: int | None = None, guide: GuideMatcher | None = None) -> Sequence:
         """Queue a request; raises ValueError for a request that cannot run (the core's checks, and a
         prompt the KV pool cannot hold at all: a full pool only queues it) and QueueFull when busy.
-        `logprobs`: record its tokens' log probabilities with that many alternatives (logprobs.py)."""
+        `logprobs`: record its tokens' log probabilities with that many alternatives (logprobs.py);
+        `guide`: constrain its tokens to a compiled grammar (grammar.py)."""
         # a beam request's first step: its prompt's blocks, and at most one more block per beam
         needed = self.blocks.blocks_for(len(prompt_ids) + 1) if params.beam_width == 1 else \
             self.blocks.blocks_for(len(prompt_ids)) + params.beam_width
         if needed > self.blocks.num_blocks:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; with room for one more it needs {needed} KV "
                              f"blocks and the whole pool has {self.blocks.num_blocks} (limits.kv_cache_tokens)")
-        seq = self.core.sequence(request_id, prompt_ids, params, logprobs)
+        seq = self.core.sequence(request_id, prompt_ids, params, logprobs, guide)
         if seq.params.beam_width > 1:  # its search, before it is queued
             beam.start(seq, self.core.capacity)
         return self.core.queue(seq)

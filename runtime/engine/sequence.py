@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from llmc.runtime.decoding.detokenizer import IncrementalDetokenizer, StopMatcher
+from llmc.runtime.decoding.grammar import GuideMatcher
 from llmc.runtime.decoding.logprobs import LogprobRecorder
 from llmc.runtime.decoding.sampling import SamplingParams
 
@@ -44,6 +45,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     logprobs: LogprobRecorder | None = None  # set when the request asked for log probabilities
     beam: "BeamSearch | None" = None  # beam_width > 1: its beams are rows of their own (runtime/engine/beam.py)
+    guide: GuideMatcher | None = None  # structured output: its grammar's state (decoding/grammar.py)
     text: str = ""  # everything emitted so far
     _pending: str = ""  # emitted by the last step, not yet taken by the caller
 
@@ -68,16 +70,22 @@ class Sequence:
         return self._prompt
 
     def append(self, token: int) -> None:
-        """Record a sampled token: stream its text, and finish on an end id, a stop word or max_tokens."""
+        """Record a sampled token: stream its text, and finish on an end id, a stop word, a grammar
+        that can take nothing more, or max_tokens."""
         self.output_ids.append(token)
-        if token in self.params.end_ids and len(self.output_ids) > self.params.min_tokens:
-            self.finish(FinishReason.stop)
+        if token in self.params.end_ids and (len(self.output_ids) > self.params.min_tokens or self.guide is not None):
+            self.finish(FinishReason.stop)  # a guided row's end id is allowed only where its grammar ends
             return
+        if self.guide is not None:
+            self.guide.consume(token)
         if self.detokenizer is not None:
             self._emit(self.stops.feed(self.detokenizer.push(token)))
             if self.stops.stopped:
                 self.finish(FinishReason.stop)
                 return
+        if self.guide is not None and self.guide.is_stopped:
+            self.finish(FinishReason.stop)
+            return
         if len(self.output_ids) >= self.params.max_tokens:
             self.finish(FinishReason.length)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmc.runtime.decoding.grammar import GuideMatcher
 from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine.core import CacheState, EngineCore, StepOutput
 from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
@@ -45,10 +46,11 @@ class SlotEngine:
         return self.core.has_work
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    logprobs: int | None = None) -> Sequence:
+                    logprobs: int | None = None, guide: GuideMatcher | None = None) -> Sequence:
         """Queue a request; raises ValueError for a request that cannot run and QueueFull when busy.
-        `logprobs`: record its tokens' log probabilities with that many alternatives (logprobs.py)."""
-        return self.core.queue(self.core.sequence(request_id, prompt_ids, params, logprobs))
+        `logprobs`: record its tokens' log probabilities with that many alternatives (logprobs.py);
+        `guide`: constrain its tokens to a compiled grammar (grammar.py)."""
+        return self.core.queue(self.core.sequence(request_id, prompt_ids, params, logprobs, guide))
 
     def cancel(self, request_id: str) -> None:
         """Stop a request at the next step; its slot is freed then."""

@@ -114,13 +114,16 @@ def logit_rows(proposals: list[list[int]]) -> list[np.ndarray]:
 
 
 def verify(logits: np.ndarray, seqs: list["Sequence"], proposals: list[list[int]],
-           drafts: list[np.ndarray | None] | None = None) -> list[list[int]]:
+           drafts: list[np.ndarray | None] | None = None, end_ids: tuple[int, ...] = ()) -> list[list[int]]:
     """Each sequence's tokens this step: the proposals the target accepted, then its own token.
 
     `logits` holds 1 + len(proposals[i]) rows per sequence, in order: the rows after its last token
     and after each proposal. A sequence without proposals gets the one token the plain sampler gives.
     `drafts[i]`, when given, is the draft's q [k, V] the proposals were drawn from: a sampling row
-    with one goes through `reject`; every other row through the point-mass rule."""
+    with one goes through `reject`; every other row through the point-mass rule. A guided row (prompt
+    lookup only: its proposals are what its grammar takes) draws each of its rows under the mask of
+    the grammar after the proposals before it (`end_ids`: the model's), so a greedy one keeps exactly
+    the tokens it would without speculation."""
     drafts = drafts if drafts is not None else [None] * len(seqs)
     spans = logit_rows(proposals)
     general = [i for i, (seq, props, q) in enumerate(zip(seqs, proposals, drafts))
@@ -137,7 +140,8 @@ def verify(logits: np.ndarray, seqs: list["Sequence"], proposals: list[list[int]
     plain = [i for i in range(len(seqs)) if kept[i] is None]
     if plain:
         rows = np.concatenate([spans[i] for i in plain])
-        for i, tokens in zip(plain, _point_mass(logits[rows], [seqs[i] for i in plain], [proposals[i] for i in plain])):
+        for i, tokens in zip(plain, _point_mass(logits[rows], [seqs[i] for i in plain], [proposals[i] for i in plain],
+                                                end_ids)):
             kept[i] = tokens
     return kept
 
@@ -154,15 +158,24 @@ def _row_inputs(seqs: list["Sequence"], proposals: list[list[int]]) -> tuple[lis
     return params, prompts, outputs
 
 
-def _point_mass(logits: np.ndarray, seqs: list["Sequence"], proposals: list[list[int]]) -> list[list[int]]:
+def _point_mass(logits: np.ndarray, seqs: list["Sequence"], proposals: list[list[int]],
+                end_ids: tuple[int, ...] = ()) -> list[list[int]]:
     """The rule for proposals from a point mass (prompt lookup, or any greedy row): draw each row's
-    token as the plain sampler would, keep proposals while they equal the draws."""
+    token as the plain sampler would (a guided row's under its grammar's mask there), keep proposals
+    while they equal the draws."""
     params, prompts, outputs = _row_inputs(seqs, proposals)
+    masked, masks, at = [], [], 0
+    for seq, props in zip(seqs, proposals):
+        if seq.guide is not None:
+            masked.extend(range(at, at + len(props) + 1))
+            masks.append(seq.guide.bitmasks_along(props, seq.params.end_ids, end_ids, logits.shape[1]))
+        at += len(props) + 1
     rngs, states = [], []
     for seq, props in zip(seqs, proposals):
         states.append(seq.rng.bit_generator.state if props and not seq.params.is_greedy else None)
         rngs.extend([seq.rng] * (len(props) + 1))  # sample_rows draws the rows' uniforms in row order
-    drawn = sample_rows(logits, params, prompts, outputs, rngs).tolist()
+    drawn = sample_rows(logits, params, prompts, outputs, rngs,
+                        (masked, np.concatenate(masks)) if masked else None).tolist()
     kept, at = [], 0
     for seq, props, state in zip(seqs, proposals, states):
         row = drawn[at:at + len(props) + 1]

@@ -149,13 +149,20 @@ class StepPlan:
         """A step with proposals: each sampling row keeps the tokens verify() gives it; a row's
         length (and its committed KV) advances over its accepted proposals only."""
         spans = logit_rows([c.proposals for c in chunks])
-        rows = [i for i, c in enumerate(chunks) if c.samples]
+        rows = [i for i, c in enumerate(chunks) if c.samples and (c.seq.guide is None or c.proposals)]
+        guided = [i for i, c in enumerate(chunks) if c.samples and c.seq.guide is not None and not c.proposals]
         for chunk in chunks:
-            if not chunk.samples:
+            if not chunk.samples or chunk.seq.guide is not None and not chunk.proposals:
                 self.scheduler.computed(chunk)
+        if guided:  # guided rows without proposals: one token each, as without speculation
+            for i in guided:
+                chunks[i].seq.status = Status.decoding
+            core.sample([chunks[i].seq for i in guided], logits[[spans[i][-1] for i in guided]], sampled)
+        if not rows:
+            return
         picked = np.concatenate([spans[i] for i in rows])
         kept = verify(logits[picked], [chunks[i].seq for i in rows], [chunks[i].proposals for i in rows],
-                      [chunks[i].draft for i in rows])
+                      [chunks[i].draft for i in rows], core.end_ids)
         at = 0
         for i, tokens in zip(rows, kept):
             chunk = chunks[i]

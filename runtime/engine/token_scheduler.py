@@ -137,6 +137,9 @@ class TokenScheduler(WaitingQueue):
                 break
             if chunk.seq.beam is not None:  # beams pick tokens by score over W rows: nothing to verify
                 continue
+            guide = chunk.seq.guide
+            if guide is not None and self.speculator.drafts:  # a draft's proposals know no grammar
+                continue
             if self.speculator.drafts:  # blocks for the most the draft may propose; it fills them after scheduling
                 limit = self.speculator.limit(chunk.seq, spare)
                 if limit and self.blocks.can_append(chunk.seq, limit):
@@ -145,6 +148,8 @@ class TokenScheduler(WaitingQueue):
                     spare, rows = spare - limit, rows + 1
                 continue
             proposals = self.speculator.propose(chunk.seq, spare)
+            if proposals and guide is not None:  # only what its grammar takes (verified under its masks)
+                proposals = proposals[:guide.valid_prefix(proposals, chunk.seq.params.end_ids)]
             if proposals and self.blocks.can_append(chunk.seq, len(proposals)):
                 self.blocks.append(chunk.seq, len(proposals))
                 chunks[i] = Chunk(chunk.seq, chunk.token_ids + proposals, chunk.past_len, proposals)

@@ -44,6 +44,7 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
+from llmc.runtime.decoding.grammar import GuideCompiler
 from llmc.runtime.decoding.logprobs import Logprobs
 from llmc.runtime.decoding.tokenizer import encode
 from llmc.runtime.engine.core import Engine, QueueFull, StepOutput
@@ -76,6 +77,7 @@ class _Live:
     # the request asked for log probabilities: the records of `ids`, a step's at a time, after an empty one
     # carrying the sum so far (joined once, when a response is sent)
     logprobs: list[Logprobs] | None = None
+    stopped: bool = False  # a stop request named it while its guide compiled (it never reached the engine)
 
 
 class ServingLoop:
@@ -88,6 +90,8 @@ class ServingLoop:
         self._wake, self._stopping = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmc-engine", daemon=True)
         self._last_cancel_check = 0.0
+        # guides compile on the compiler's threads; a guided request joins the engine once its grammar is ready
+        self.guides = GuideCompiler(tokenizer, engine.end_ids)
 
     @classmethod
     def from_manifest(cls, folder: Path, metrics: ServingMetrics | None = None) -> "ServingLoop":
@@ -117,6 +121,7 @@ class ServingLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._fail_all("the model is being unloaded")
+        self.guides.close()
         if not self._thread.is_alive():  # no step can be running
             self.engine.close()
 
@@ -136,25 +141,59 @@ class ServingLoop:
             with self._lock:
                 self._live[rid] = _Live(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id,
                                         logprobs=[Logprobs.empty(top)] if top is not None else None)
-                self.engine.add_request(rid, prompt_ids, request.params, logprobs=top)
+                if request.guide is None:
+                    self.engine.add_request(rid, prompt_ids, request.params, logprobs=top)
         except (RequestError, ValueError, QueueFull) as err:
-            with self._lock:
-                self._live.pop(rid, None)
-            message = str(err)
-            if isinstance(err, QueueFull):
-                message = f"busy, retry: {err}"
-            elif not isinstance(err, RequestError):
-                message = f"text_input: {err}"
-            self.metrics.failed()
-            _call(sink.error, message)
+            self._refuse(rid, sink, err)
+            return
+        if request.guide is not None:  # it waits for its grammar; the engine's steps do not
+            future = self.guides.submit(request.guide)
+            future.add_done_callback(lambda f: self._guided(rid, prompt_ids, top, f))
             return
         self.metrics.admitted(len(prompt_ids))
         self._wake.set()
+
+    def _guided(self, rid: str, prompt_ids: list[int], top: int | None, compiled) -> None:
+        """A guided request's grammar is compiled (on a compiler thread): queue it, or fail it alone
+        with the compiler's message naming the input."""
+        with self._lock:
+            entry = self._live.get(rid)
+        if entry is None:  # the loop stopped meanwhile and answered it
+            return
+        try:
+            if entry.stopped or entry.closed or compiled.cancelled():
+                with self._lock:
+                    self._live.pop(rid, None)
+                self._send(rid, entry, FinishReason.cancelled)
+                return
+            with self._lock:
+                self.engine.add_request(rid, prompt_ids, entry.request.params, logprobs=top, guide=compiled.result())
+        except (RequestError, ValueError, QueueFull) as err:
+            self._refuse(rid, entry.sink, err)
+            return
+        except Exception as err:  # the compiler failed otherwise: still this request's answer, not a hang
+            self._refuse(rid, entry.sink, RequestError(f"guided_decoding_guide: the guide did not compile: {err!r}"))
+            return
+        self.metrics.admitted(len(prompt_ids))
+        self._wake.set()
+
+    def _refuse(self, rid: str, sink: Sink, err: Exception) -> None:
+        with self._lock:
+            self._live.pop(rid, None)
+        message = str(err)
+        if isinstance(err, QueueFull):
+            message = f"busy, retry: {err}"
+        elif not isinstance(err, RequestError) and not message.startswith("guided_decoding_guide"):
+            message = f"text_input: {err}"
+        self.metrics.failed()
+        _call(sink.error, message)
 
     def _stop(self, client_id: str) -> None:
         """Cancel the live request(s) sent under `client_id`; none (it already ended): nothing to do."""
         with self._lock:
             rids = [rid for rid, entry in self._live.items() if client_id and entry.client_id == client_id]
+            for rid in rids:
+                self._live[rid].stopped = True  # one still compiling its guide ends when the compile does
         for rid in rids:
             self.engine.cancel(rid)
         self._wake.set()

@@ -13,9 +13,10 @@ from typing import Mapping
 import numpy as np
 from pydantic import ValidationError
 
+from llmc.runtime.decoding.grammar import GUIDE_TYPES, Guide
 from llmc.runtime.decoding.logprobs import MAX_TOP_LOGPROBS
 from llmc.runtime.decoding.sampling import SamplingParams
-from llmc.runtime.serving.tensors import SCALARS
+from llmc.runtime.serving.tensors import SCALARS, TEXTS
 
 
 class RequestError(ValueError):
@@ -44,6 +45,7 @@ class Request:
     return_log_probs: bool = False
     num_top_logprobs: int = 0  # with return_log_probs: the N most likely alternatives per token
     add_special_tokens: bool = True  # false for a prompt rendered from a chat template (decoding/tokenizer.py)
+    guide: Guide | None = None  # structured output: compiled off the engine thread (loop.py)
 
 
 def _text(value, name: str) -> str:
@@ -114,4 +116,29 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits) -> Request:
         raise RequestError(f"num_top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS} (got {top})")
     if top and not flags.get("return_log_probs"):
         raise RequestError("num_top_logprobs: needs return_log_probs true")
-    return Request(prompt=prompt, params=params, num_top_logprobs=top, **flags)
+    return Request(prompt=prompt, params=params, num_top_logprobs=top, guide=_guide(inputs, width), **flags)
+
+
+def _guide(inputs: Mapping[str, np.ndarray], beam_width: int) -> Guide | None:
+    """The request's guide (guided_decoding_guide_type and guided_decoding_guide), or None."""
+    texts = {}
+    for name in TEXTS:
+        if name in inputs:
+            array = np.asarray(inputs[name])
+            if array.size != 1 or array.dtype.kind not in "OSU":
+                raise RequestError(f"{name}: expected one BYTES value, got {array.dtype} of shape {list(array.shape)}")
+            texts[name] = _text(array.reshape(()).item(), name)
+    kind, guide = texts.get("guided_decoding_guide_type"), texts.get("guided_decoding_guide")
+    if kind is None:
+        if guide is not None:
+            raise RequestError("guided_decoding_guide: needs guided_decoding_guide_type (one of "
+                               f"{', '.join(GUIDE_TYPES)})")
+        return None
+    if kind not in GUIDE_TYPES:
+        raise RequestError(f"guided_decoding_guide_type: {kind!r} is not one of {', '.join(GUIDE_TYPES)}")
+    if kind != "json" and not guide:
+        raise RequestError(f"guided_decoding_guide: a {kind} guide needs its text (only json takes none)")
+    if beam_width > 1:
+        raise RequestError(f"guided_decoding_guide_type: not with beam search (beam_width {beam_width}); a guided "
+                           "request takes beam_width 1")
+    return Guide(kind, guide or "")

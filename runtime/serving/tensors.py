@@ -3,7 +3,8 @@ config.pbtxt (compiler/repository/triton_config.py), the request parser (request
 (llmc/client.py) all read. Plain data importing nothing, so the client loads it without the
 runtime's dependencies (pydantic, tokenizers, ONNX Runtime).
 
-Required input `text_input` (BYTES [1]); optional `stop_words` (BYTES [-1]) and the scalars below.
+Required input `text_input` (BYTES [1]); optional `stop_words` (BYTES [-1]), the texts and the scalars
+below.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ SCALARS: dict[str, tuple[str, str | None]] = {
     "beam_width": ("INT32", "beam_width"), "length_penalty": ("FP32", "length_penalty"),
     "early_stopping": ("BOOL", "early_stopping"),
 }
+# The served model's optional text inputs (BYTES [1]). Structured output (runtime/decoding/grammar.py), as
+# TensorRT-LLM's backend names it: the guide's type (json, json_schema, regex, ebnf_grammar, lark_grammar,
+# choice) and the guide itself (a schema, regex, grammar or JSON list of choices; none for json).
+TEXTS: tuple[str, ...] = ("guided_decoding_guide_type", "guided_decoding_guide")
 # outputs: name -> (Triton datatype, dims). A beam request (beam_width W > 1) gets TensorRT-LLM's
 # shapes in its one final response: text_output [W], output_ids [W, longest] (padded with the end id),
 # sequence_length [W], cum_log_probs [W]; output_ids is declared [-1] for the plain requests' [len]

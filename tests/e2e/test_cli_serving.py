@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -57,6 +58,11 @@ def test_serve_generate_and_sigterm_stop_clean(tiny_build, env, tmp_path):
         res = _llmc("generate", "--url", url, "hello", "--max-tokens", "6", env=env)
         assert res.returncode == 0, res.stderr
         assert "finish_reason: length, 6 tokens" in res.stderr and res.stdout.endswith("\n")
+        res = _llmc("generate", "--url", url, "hello", "--guide-type", "regex", "--guide", "[0-9]{3}-[a-z]{2}", env=env)
+        assert res.returncode == 0, res.stderr
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}\n", res.stdout) and "finish_reason: stop" in res.stderr
+        res = _llmc("generate", "--url", url, "hello", "--guide-type", "regex", "--guide", "a((", env=env)
+        assert res.returncode == 8 and "guided_decoding_guide" in res.stderr and "Traceback" not in res.stderr
         res = _llmc("generate", "--url", url, "hello", "--top-p", "3", env=env)
         assert res.returncode == 8 and "top_p" in res.stderr and "Traceback" not in res.stderr
         res = _llmc("generate", "--url", url, "hello", "--chat", env=env)  # the tiny model has no template

@@ -52,7 +52,8 @@ def test_greedy_chat_equals_hf_greedy_continuation_of_the_chat_template(client, 
 
 def test_tools_reach_the_template(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    with_tools = client.chat.completions.create(model="tiny_chat", messages=MESSAGES, tools=tools, max_tokens=4)
+    with_tools = client.chat.completions.create(model="tiny_chat", messages=MESSAGES, tools=tools, tool_choice="none",
+                                                max_tokens=4)
     without = client.chat.completions.create(model="tiny_chat", messages=MESSAGES, max_tokens=4)
     assert with_tools.usage.prompt_tokens == without.usage.prompt_tokens + len("[tools: get_weather]\n")
 

@@ -200,6 +200,28 @@ def test_bad_input_gets_an_error_naming_it(server, case, tensors, expected):
     assert expected in _raw(server, tensors)
 
 
+def test_guided_requests_through_the_client_and_raw_tritonclient(server):
+    """The guide's inputs, TensorRT-LLM's names: through llmc's client (a schema given as a dict) and as
+    hand-made tensors; a guide that does not compile is refused naming the input, others go on."""
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                        "maxItems": 2}},
+              "required": ["id", "tags"], "additionalProperties": False}
+    client = Client(server.grpc_url, "tiny")
+    gen = client.complete("give json", max_tokens=60, guided_decoding_guide_type="json_schema",
+                          guided_decoding_guide=schema)
+    value = json.loads(gen.text)
+    assert set(value) == {"id", "tags"} and 0 <= value["id"] <= 999 and gen.finish_reason == "stop"
+    streamed = "".join(client.generate("pick", guided_decoding_guide_type="choice",
+                                       guided_decoding_guide=json.dumps(["red", "green", "blue"])))
+    assert streamed in ("red", "green", "blue")
+    message = _raw(server, [TEXT, ("guided_decoding_guide_type", "BYTES", np.array([b"json_schema"], dtype=object)),
+                            ("guided_decoding_guide", "BYTES", np.array([b'{"type": "nope"}'], dtype=object))])
+    assert message.startswith("guided_decoding_guide: ") and "nope" in message
+    message = _raw(server, [TEXT, ("guided_decoding_guide_type", "BYTES", np.array([b"xml"], dtype=object))])
+    assert message.startswith("guided_decoding_guide_type: 'xml' is not one of")
+
+
 def test_bad_requests_do_not_disturb_one_in_flight(server):
     client = Client(server.grpc_url, "tiny")
     solo = client.complete("steady", max_tokens=60)

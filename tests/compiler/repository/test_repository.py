@@ -10,7 +10,7 @@ import llmc
 from llmc.compiler.repository.package import copy_runtime, requirements
 from llmc.compiler.repository.triton_config import parse
 from llmc.runtime.manifest import ManifestError, RepositoryManifest
-from llmc.runtime.serving.tensors import OUTPUTS, SCALARS
+from llmc.runtime.serving.tensors import OUTPUTS, SCALARS, TEXTS
 from conftest import SERVING_ENV
 
 
@@ -36,9 +36,10 @@ def test_config_is_a_decoupled_python_model_with_the_llm_tensor_names(tiny_build
     assert cfg.name == "tiny" and cfg.backend == "python" and cfg.max_batch_size == 0
     assert cfg.model_transaction_policy.decoupled
     inputs = {i.name: i for i in cfg.input}
-    assert set(inputs) == {"text_input", "stop_words", *SCALARS}
-    assert not inputs["text_input"].optional and all(inputs[n].optional for n in SCALARS)
+    assert set(inputs) == {"text_input", "stop_words", *SCALARS, *TEXTS}
+    assert not inputs["text_input"].optional and all(inputs[n].optional for n in (*SCALARS, *TEXTS))
     assert list(inputs["stop_words"].dims) == [-1]
+    assert all(inputs[n].data_type == inputs["text_input"].data_type and list(inputs[n].dims) == [1] for n in TEXTS)
     assert {o.name for o in cfg.output} == set(OUTPUTS)
 
 

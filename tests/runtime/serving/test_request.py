@@ -47,3 +47,33 @@ def test_bad_inputs(tensors, message):
     inputs = {k: v for k, v in _req(**tensors).items() if v is not None}
     with pytest.raises(RequestError, match=message.replace("(", r"\(")):
         parse_request(inputs, LIMITS)
+
+
+def _text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=object)
+
+
+def test_a_guide_is_parsed_from_tensorrt_llms_input_names():
+    r = parse_request(_req(guided_decoding_guide_type=_text("json_schema"),
+                           guided_decoding_guide=_text('{"type": "integer"}')), LIMITS)
+    assert (r.guide.kind, r.guide.text) == ("json_schema", '{"type": "integer"}')
+    assert parse_request(_req(guided_decoding_guide_type=_text("json")), LIMITS).guide.text == ""
+    assert parse_request(_req(), LIMITS).guide is None
+
+
+@pytest.mark.parametrize(("tensors", "message"), [
+    ({"guided_decoding_guide_type": _text("xml")}, "guided_decoding_guide_type: 'xml' is not one of json, "),
+    ({"guided_decoding_guide_type": _text("regex")}, "guided_decoding_guide: a regex guide needs its text"),
+    ({"guided_decoding_guide": _text("a+")}, "guided_decoding_guide: needs guided_decoding_guide_type"),
+    ({"guided_decoding_guide_type": np.array([b"regex", b"json"], dtype=object)},
+     "guided_decoding_guide_type: expected one BYTES value"),
+    ({"guided_decoding_guide_type": _text("regex"), "guided_decoding_guide": np.array([b"\xff"], dtype=object)},
+     "guided_decoding_guide: not valid UTF-8"),
+    ({"guided_decoding_guide_type": _text("json"), "beam_width": np.array([2], np.int32)},
+     "guided_decoding_guide_type: not with beam search (beam_width 2)"),
+])
+def test_bad_guides_name_the_input(tensors, message):
+    limits = Limits(max_seq_len=128, default_max_tokens=16, max_stop_words=2, max_beam_width=2)
+    with pytest.raises(RequestError) as err:
+        parse_request(_req(**tensors), limits)
+    assert str(err.value).startswith(message), str(err.value)

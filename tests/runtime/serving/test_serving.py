@@ -206,3 +206,53 @@ def test_the_paged_graph_reports_its_blocks_and_prefix_reuse(tiny_paged_build):
     assert values["llmc_kv_cache_blocks{state=used}"] == 0 and values["llmc_kv_cache_blocks{state=cached}"] > 0
     assert values["llmc_kv_cache_blocks{state=free}"] + values["llmc_kv_cache_blocks{state=cached}"] == 16
     assert values["llmc_kv_cache_usage_ratio"] == 0 and values.get("llmc_preemptions_total", 0) == 0
+
+
+def test_guided_requests_obey_their_guides_and_a_bad_guide_fails_alone(served):
+    """Through the loop: the guide compiles off the engine thread, the output obeys it (slot and paged
+    engines), a guide that does not compile fails its request only, naming the input."""
+    import json
+    import re
+
+    loop, recorder = served
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}, "b": {"type": "boolean"}},
+              "required": ["n", "b"], "additionalProperties": False}
+    sinks = {"schema": RecordingSink(), "regex": RecordingSink(), "bad": RecordingSink(), "free": RecordingSink()}
+    loop.submit(request_inputs(max_tokens=40, stream=True, guided_decoding_guide_type="json_schema",
+                               guided_decoding_guide=json.dumps(schema)), sinks["schema"])
+    loop.submit(request_inputs(max_tokens=40, guided_decoding_guide_type="regex", guided_decoding_guide="(ab|cd)+!"),
+                sinks["regex"])
+    loop.submit(request_inputs(max_tokens=40, guided_decoding_guide_type="regex", guided_decoding_guide="a(("),
+                sinks["bad"])
+    loop.submit(request_inputs(max_tokens=12), sinks["free"])
+    for name in ("schema", "regex", "free"):
+        assert sinks[name].wait().errors == [], (name, sinks[name].errors)
+    value = json.loads(sinks["schema"].text)
+    assert set(value) == {"n", "b"} and isinstance(value["n"], int) and value["n"] <= 99
+    assert sinks["schema"].finish_reason == "stop"
+    assert re.fullmatch(r"(ab|cd)+!", sinks["regex"].text)
+    bad = sinks["bad"].wait()
+    assert bad.responses == [] and bad.errors[0].startswith("guided_decoding_guide: ") and "a((" in bad.errors[0]
+    assert loop.num_in_flight == 0
+
+
+def test_a_stop_request_ends_a_guided_request_while_its_guide_compiles(served, monkeypatch):
+    loop, _ = served
+    held, compiling = threading.Event(), threading.Event()
+    compile_guide = loop.guides.compile
+
+    def slow_compile(guide):
+        compiling.set()
+        assert held.wait(10)
+        return compile_guide(guide)
+
+    monkeypatch.setattr(loop.guides, "compile", slow_compile)
+    sink, stop_sink = RecordingSink(), RecordingSink()
+    loop.submit(request_inputs(max_tokens=20, guided_decoding_guide_type="json"), sink, "g1")
+    assert compiling.wait(10)
+    other = RecordingSink()
+    loop.submit(request_inputs(max_tokens=8), other)  # the engine serves others while a guide compiles
+    assert other.wait().errors == [] and not sink.done.is_set()
+    loop.submit({"text_input": np.array([b""], dtype=np.object_), "stop": np.array([True])}, stop_sink, "g1")
+    held.set()
+    assert sink.wait().finish_reason == "cancelled" and sink.errors == [] and sink.ids == []
