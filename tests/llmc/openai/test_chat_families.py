@@ -22,6 +22,8 @@ TURNS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "He
 class _Engine:
     """Records the prompt ids the serving loop gives it."""
 
+    end_ids: tuple[int, ...] = ()  # what the loop's guide compiler reads (no guide is sent here)
+
     def __init__(self):
         self.prompts: list[list[int]] = []
 
