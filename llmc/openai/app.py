@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from llmc.chat_template import ChatTemplateError, NoChatTemplate, render
-from llmc.openai.backends import Pool
+from llmc.openai.backends import ModelInfo, Pool
 from llmc.openai.protocol import (MAX_CHOICES, ChatRequest, CompletionRequest, OpenAIError, model_inputs,
                                   num_top_logprobs, refuse_unsupported)
 from llmc.openai.responses import (CompletionLogprobs, Reply, chat_choice, chat_logprobs, completion_choice)
@@ -90,7 +90,7 @@ def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: in
             prompt = render(info.chat_template, messages, tools=req.tools)
         except ChatTemplateError as err:
             raise OpenAIError(400, str(err), "messages") from None
-        jobs = [Job(j, prompt, _inputs(req, j, guided)) for j in range(req.n)]
+        jobs = [Job(j, prompt, _inputs(req, j, guided, info)) for j in range(req.n)]
         return await _answer(pool, req, request, Reply(req.model, chat=True), jobs, "chat", guided)
 
     app.include_router(router)
@@ -111,8 +111,11 @@ async def _started(choices: Choices, request: Request) -> None:
         first.cancel()
 
 
-def _inputs(req, choice: int, guided: Guided | None) -> dict:
-    return {**model_inputs(req, choice), **(guided.inputs() if guided is not None else {})}
+def _inputs(req, choice: int, guided: Guided | None, info: ModelInfo | None = None) -> dict:
+    inputs = {**model_inputs(req, choice), **(guided.inputs() if guided is not None else {})}
+    if info is not None and info.inputs is not None and "add_special_tokens" not in info.inputs:
+        inputs.pop("add_special_tokens", None)  # a model built before that input: it adds them, as it always did
+    return inputs
 
 
 async def _answer(pool: Pool, req, request: Request, reply: Reply, jobs: list[Job], endpoint: str,

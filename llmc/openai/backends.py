@@ -35,6 +35,7 @@ class ModelInfo:
     name: str
     version: str
     chat_template: dict | None
+    inputs: frozenset[str] | None = None  # the input tensors the model declares (None: not known)
 
 
 class ChoiceGeneration(Generation):
@@ -127,7 +128,8 @@ class Backend:
                 if known is None or known.version != entry.version:
                     config = (await grpc.get_model_config(entry.name, client_timeout=HEALTH_TIMEOUT)).config
                     value = config.parameters[PARAMETER].string_value if PARAMETER in config.parameters else None
-                    known = ModelInfo(entry.name, entry.version, parse_parameter(value))
+                    known = ModelInfo(entry.name, entry.version, parse_parameter(value),
+                                      frozenset(i.name for i in config.input))
                 models[entry.name] = known
         except Exception:
             self.healthy = False

@@ -148,3 +148,17 @@ def test_a_conversation_gemmas_template_refuses_is_a_400_naming_messages(tmp_pat
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert error["param"] == "messages" and "roles must alternate" in error["message"]
+
+
+def test_a_model_built_before_add_special_tokens_is_not_sent_it():
+    """The frontend sends `add_special_tokens: false` with a chat prompt only to a model that declares
+    the input; an older build (which Triton would refuse it for) adds them as it always did."""
+    from llmc.openai.app import _inputs
+    from llmc.openai.backends import ModelInfo
+    from llmc.openai.protocol import ChatRequest
+
+    req = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    new = ModelInfo("m", "1", None, frozenset({"text_input", "add_special_tokens"}))
+    old = ModelInfo("m", "1", None, frozenset({"text_input"}))
+    assert _inputs(req, 0, None, new)["add_special_tokens"] is False
+    assert "add_special_tokens" not in _inputs(req, 0, None, old)
