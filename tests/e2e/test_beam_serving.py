@@ -18,7 +18,6 @@ from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.serving.loop import ServingLoop
 
 PROMPT = "the cat sat on the mat"
-END_ID = 223  # an id the tiny Llama's beams produce after this prompt (so some end on it)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +34,24 @@ def loop(beam_build):
     loop.stop()
 
 
+@pytest.fixture(scope="module")
+def end_id(beam_build) -> int:
+    """An id the tiny Llama's second beam produces four tokens in after PROMPT, searched with no end id:
+    with it as the end id, that beam ends there (the search before it is the same)."""
+    from tokenizers import Tokenizer
+
+    from llmc.runtime.decoding.sampling import SamplingParams
+
+    engine = ServingLoop.from_manifest(beam_build.repository / "tiny" / "1").engine
+    tokenizer = Tokenizer.from_file(str(beam_build.repository / "tiny" / "1" / "tokenizer.json"))
+    engine.add_request("probe", tokenizer.encode(PROMPT).ids, SamplingParams(beam_width=3, max_tokens=10,
+                                                                             end_ids=(), length_penalty=0.5))
+    final = None
+    while engine.has_work:
+        final = next((o for o in engine.step() if o.finished), final)
+    return final.beams[1].token_ids[3]
+
+
 def _submit(loop, **kw):
     sink = RecordingSink()
     loop.submit(request_inputs(PROMPT, **kw), sink)
@@ -47,10 +64,10 @@ def test_the_build_carries_max_beam_width_into_the_manifest_and_config(beam_buil
     assert parse((model / "config.pbtxt").read_text()).parameters["max_beam_width"].string_value == "4"
 
 
-def test_a_beam_request_gets_every_beam_once_in_tensorrt_llms_shapes(loop, beam_build):
+def test_a_beam_request_gets_every_beam_once_in_tensorrt_llms_shapes(loop, beam_build, end_id):
     from tokenizers import Tokenizer
 
-    sink = _submit(loop, beam_width=3, max_tokens=10, end_id=END_ID, length_penalty=0.5)
+    sink = _submit(loop, beam_width=3, max_tokens=10, end_id=end_id, length_penalty=0.5)
     assert not sink.errors and len(sink.responses) == 1
     out = sink.responses[0]
     assert out["text_output"].shape == (3,) and out["output_ids"].dtype == np.int32
@@ -63,7 +80,7 @@ def test_a_beam_request_gets_every_beam_once_in_tensorrt_llms_shapes(loop, beam_
     from llmc.runtime.decoding.sampling import SamplingParams
 
     engine.add_request("x", tokenizer.encode(PROMPT).ids, SamplingParams(beam_width=3, max_tokens=10,
-                                                                         end_ids=(END_ID,), length_penalty=0.5))
+                                                                         end_ids=(end_id,), length_penalty=0.5))
     final = None
     while engine.has_work:
         final = next((o for o in engine.step() if o.finished), final)
@@ -71,12 +88,12 @@ def test_a_beam_request_gets_every_beam_once_in_tensorrt_llms_shapes(loop, beam_
     for i, beam in enumerate(beams):
         n = int(out["sequence_length"][i])
         assert out["output_ids"][i, :n].tolist() == beam.token_ids and n == len(beam.token_ids)
-        assert (out["output_ids"][i, n:] == END_ID).all()  # padded with the end id
+        assert (out["output_ids"][i, n:] == end_id).all()  # padded with the end id
         assert out["text_output"][i].decode() == beam.text
         assert out["cum_log_probs"][i] == pytest.approx(beam.cum_log_prob)
     assert any(b.ended for b in beams) and out["finish_reason"][0].decode() == final.finish_reason.value
     # streamed: the same one response, at the end
-    streamed = _submit(loop, beam_width=3, max_tokens=10, end_id=END_ID, length_penalty=0.5, stream=True)
+    streamed = _submit(loop, beam_width=3, max_tokens=10, end_id=end_id, length_penalty=0.5, stream=True)
     assert len(streamed.responses) == 1
     assert streamed.responses[0]["output_ids"].tolist() == out["output_ids"].tolist()
     # with the prompt: every beam's text starts with it
@@ -138,25 +155,25 @@ def test_the_slot_graph_takes_no_beams(tiny_checkpoints, tiny_slot_build, tmp_pa
 
 
 @pytest.mark.triton
-def test_on_a_real_triton_server_a_beam_request_returns_every_beam_at_the_end(beam_build, loop, tmp_path):
+def test_on_a_real_triton_server_a_beam_request_returns_every_beam_at_the_end(beam_build, loop, tmp_path, end_id):
     from llmc.client import Client, Generation
     from llmc.serve import generate_to
     from llmc.triton_server import TritonServer, assemble
 
-    expected = _submit(loop, beam_width=4, max_tokens=10, end_id=END_ID).responses[0]
+    expected = _submit(loop, beam_width=4, max_tokens=10, end_id=end_id).responses[0]
     with TritonServer(beam_build.repository, server_dir=assemble(tmp_path / "server"), serving_env=serving_env(),
                       log_path=tmp_path / "server.log") as server:
         client = Client(server.grpc_url, "tiny")
-        gen = client.complete(PROMPT, beam_width=4, max_tokens=10, end_id=END_ID)
+        gen = client.complete(PROMPT, beam_width=4, max_tokens=10, end_id=end_id)
         streamed = Generation()
-        chunks = list(client.generate(PROMPT, True, streamed, beam_width=4, max_tokens=10, end_id=END_ID))
+        chunks = list(client.generate(PROMPT, True, streamed, beam_width=4, max_tokens=10, end_id=end_id))
         with pytest.raises(Exception, match="beam_width: at most 4"):
             client.complete(PROMPT, beam_width=5)
         with pytest.raises(TypeError, match="early_stopping: the served model takes true or false"):
             client.complete(PROMPT, beam_width=2, early_stopping="never")
         printed = io.StringIO()  # `llmc generate --beam-width 4`: every beam, best first
         generate_to(printed, PROMPT, url=server.grpc_url, model="tiny", stream=True, beam_width=4, max_tokens=10,
-                    end_id=END_ID)
+                    end_id=end_id)
     lengths = expected["sequence_length"].tolist()
     assert gen.beam_ids == [row[:n] for row, n in zip(expected["output_ids"].tolist(), lengths)]
     assert gen.beams == [t.decode() for t in expected["text_output"]] and gen.text == gen.beams[0]
