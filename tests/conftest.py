@@ -12,7 +12,7 @@ import yaml
 
 from llmc.compiler.models import FAMILIES
 
-# the OpenAI API's rig (tests/openai_server.py): its fixtures are used by tests/e2e/test_openai*.py
+# the OpenAI API's rig (tests/openai_server.py): its fixtures are used by tests/e2e/openai/test_openai*.py
 pytest_plugins = ["openai_server"]
 
 REPO = Path(__file__).resolve().parents[1]

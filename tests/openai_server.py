@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API's test rig, shared by tests/e2e/test_openai*.py: the tiny model with a
+"""The OpenAI-compatible API's test rig, shared by tests/e2e/openai/test_openai*.py: the tiny model with a
 chat template, both built and served on a real Triton server with the OpenAI frontend in front,
 and the PyTorch model the answers are checked against. conftest.py loads it as a plugin, so its
 fixtures reach every test module (each module that uses them gets its own server)."""
