@@ -99,6 +99,7 @@ class ChatTemplate(BaseModel):
     template: str
     special_tokens: dict[str, str] = {}
     source: str  # where it came from: the checkpoint's file, or the spec's path
+    tool_call_format: str | None = None  # serving.tool_call_format; None: the one the template teaches
 
 
 class ExecutionEnvInfo(BaseModel):

@@ -14,9 +14,10 @@ from llmc.errors import SpecError
 from llmc.runtime.manifest import ChatTemplate
 
 
-def find_chat_template(source: SourceInfo, override: Path | None, tokenizer=None) -> ChatTemplate | None:
+def find_chat_template(source: SourceInfo, override: Path | None, tokenizer=None,
+                       tool_call_format: str | None = None) -> ChatTemplate | None:
     """The template to serve (None: the model serves completions only); `tokenizer`: the source's, when
-    the caller has loaded it already."""
+    the caller has loaded it already; `tool_call_format`: the spec's `serving.tool_call_format`."""
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
     if override is not None:
         try:
@@ -27,13 +28,16 @@ def find_chat_template(source: SourceInfo, override: Path | None, tokenizer=None
     else:
         template, origin, field = _checkpoint_template(tokenizer), f"{source.path} (the checkpoint)", "the checkpoint's"
         if template is None:
+            if tool_call_format is not None:
+                raise SpecError(f"serving.tool_call_format: {tool_call_format!r} needs a chat template, and "
+                                f"{source.path} has none; give one with serving.chat_template")
             return None
     try:
         compile_template(template)
     except ChatTemplateError as err:
         raise SpecError(f"{field} chat template ({origin}): {err}") from None
     special = getattr(tokenizer, "special_tokens_map", {}) if tokenizer is not None else {}
-    return ChatTemplate(template=template, source=origin,
+    return ChatTemplate(template=template, source=origin, tool_call_format=tool_call_format,
                         special_tokens={k: v for k, v in special.items() if isinstance(v, str)})
 
 

@@ -75,7 +75,7 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
     for name in engine.files:  # the graph and its external data side by side as ORT expects, or the plan
         link_or_copy(str(engine_dir / name), str(version_dir / name))
     tokenizer = load_tokenizer(source)
-    chat = find_chat_template(source, spec.serving.chat_template, tokenizer)
+    chat = find_chat_template(source, spec.serving.chat_template, tokenizer, spec.serving.tool_call_format)
     write_tokenizer(tokenizer, version_dir / TOKENIZER_FILE, origin=str(source.path),
                     chat_template=chat.model_dump() if chat else None, check=spec.verify.enabled)
     draft_model = _copy_draft(draft, version_dir / DRAFT_DIR) if draft is not None else None

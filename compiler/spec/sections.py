@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import re
 from pathlib import Path, PurePosixPath
-from typing import Annotated
+from typing import Literal, Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -188,6 +188,10 @@ class ServingSpec(StrictModel):
     chat_template: Path | None = Field(
         None, description="A jinja2 chat template file (relative to the spec's folder) that replaces the "
                           "checkpoint's; unset: the checkpoint's own, if it has one.")
+    tool_call_format: Literal["hermes", "mistral", "llama3_json", "pythonic", "json"] | None = Field(
+        None, description="The tool-call format the OpenAI API parses under tool_choice auto (llmc/openai/"
+                          "tool_parsers.py); unset: the one the chat template teaches (json: llmc's own, for a "
+                          "template with none).")
     prefix_caching: bool = Field(True, description="Paged graph: reuse the KV blocks of prompt prefixes seen before.")
     itl_ratio: Annotated[float, Field(gt=1.0, le=100.0)] | None = Field(
         2.5, description="Paged graph: a step carries prompt tokens only while its cost, learned from the steps run, "

@@ -82,7 +82,7 @@ def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: in
         info = pool.info(req.model)
         if info.chat_template is None:
             raise OpenAIError(400, str(NoChatTemplate(req.model)), "messages", "model_has_no_chat_template")
-        guided = guide_of(req, info.chat_template["template"])
+        guided = guide_of(req, info.chat_template["template"], info.chat_template.get("tool_call_format"))
         messages = _messages(req.messages)
         if guided is not None and guided.auto == "json":  # a template with no tool format: llmc's, described
             messages = default_messages(messages, req.tools)

@@ -68,12 +68,15 @@ def refuse_unknown(req: ChatRequest | CompletionRequest) -> None:
             raise OpenAIError(400, f"{name} is not supported by llmc{hint}", name, "unsupported_parameter")
 
 
-def guide_of(req: ChatRequest | CompletionRequest, template: str = "") -> Guided | None:
+def guide_of(req: ChatRequest | CompletionRequest, template: str = "", tool_call_format: str | None = None
+             ) -> Guided | None:
     """The request's guide, from response_format, structured_outputs or tools (at most one of them);
-    `template`: the chat template's source (tool_choice auto reads its tool-call format)."""
+    `template`: the chat template's source (tool_choice auto reads its tool-call format from it, unless the
+    build set `serving.tool_call_format`)."""
     refuse_unknown(req)
     found = [g for g in (_response_format(req.response_format), _structured(req.structured_outputs),
-                         _tools(req, template) if isinstance(req, ChatRequest) else None) if g is not None]
+                         _tools(req, template, tool_call_format) if isinstance(req, ChatRequest) else None)
+             if g is not None]
     if len(found) > 1:
         raise OpenAIError(400, f"{found[1].param}: only one of response_format, structured_outputs and a tool_choice "
                                f"that constrains the output may be given (also got {found[0].param})", found[1].param)
@@ -142,7 +145,7 @@ def _functions(tools: list[dict]) -> dict[str, dict]:
     return out
 
 
-def _tools(req: ChatRequest, template: str) -> Guided | None:
+def _tools(req: ChatRequest, template: str, tool_call_format: str | None = None) -> Guided | None:
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -150,7 +153,7 @@ def _tools(req: ChatRequest, template: str) -> Guided | None:
         return None
     functions = _functions(req.tools)
     if choice in (None, "auto"):
-        fmt = tool_parsers.detect(template)
+        fmt = tool_call_format or tool_parsers.detect(template)
         if fmt == "json":  # no format of its own: llmc's, described in a system message and switched on by a grammar
             return Guided("lark_grammar", tool_parsers.default_grammar(functions), "tools", auto=fmt,
                           names=frozenset(functions))

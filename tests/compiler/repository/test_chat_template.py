@@ -64,6 +64,9 @@ def test_the_spec_overrides_the_checkpoint_and_broken_templates_fail_the_build(t
     with pytest.raises(SpecError, match="serving.chat_template: cannot read"):
         find_chat_template(source, tmp_path / "missing.jinja")
     assert find_chat_template(inspect_source(SourceSpec(path=tiny_llama)), None) is None
+    assert find_chat_template(source, None, tool_call_format="hermes").tool_call_format == "hermes"
+    with pytest.raises(SpecError, match="serving.tool_call_format: 'hermes' needs a chat template"):
+        find_chat_template(inspect_source(SourceSpec(path=tiny_llama)), None, tool_call_format="hermes")
 
 
 def test_spec_paths_resolve_against_the_spec_folder(tmp_path, tiny_llama):
@@ -73,3 +76,12 @@ def test_spec_paths_resolve_against_the_spec_folder(tmp_path, tiny_llama):
     spec = load_spec(write_spec(tmp_path, {"name": "m", "source": str(tiny_llama),
                                            "serving": {"chat_template": "chat.jinja"}}))
     assert spec.serving.chat_template == tmp_path / "chat.jinja"
+
+
+def test_an_unknown_tool_call_format_names_the_field(tiny_llama):
+    from llmc.compiler.spec import parse_spec
+
+    with pytest.raises((SpecError, ValueError), match="tool_call_format"):
+        parse_spec({"name": "t", "source": str(tiny_llama), "serving": {"tool_call_format": "xml"}})
+    spec = parse_spec({"name": "t", "source": str(tiny_llama), "serving": {"tool_call_format": "pythonic"}})
+    assert spec.serving.tool_call_format == "pythonic"

@@ -85,3 +85,13 @@ def test_a_template_without_a_format_gets_llmcs_prompt_and_a_grammar_for_text_or
         assert (taken and matcher.is_accepting) == ok, text
     compiler.close()
     assert guide_of(ChatRequest(model="m", messages=req.messages, tools=tools), "<tool_call>").kind == ""
+
+
+def test_the_builds_tool_call_format_overrides_the_templates():
+    """`serving.tool_call_format` (carried in the chat_template parameter) picks the parser for a template
+    that teaches none, or teaches another."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    req = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools)
+    assert guide_of(req, "{{ messages }}").auto == "json"
+    chosen = guide_of(req, "{{ messages }}", "hermes")
+    assert chosen.auto == "hermes" and chosen.kind == ""  # parsed from free text: no grammar
