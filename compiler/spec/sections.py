@@ -243,8 +243,9 @@ class ExecutionEnvSpec(StrictModel):
     interpreter: str | None = Field(
         None, description="The container's interpreter, an absolute path; unset: /usr/bin/pythonX.Y.")
     glibc: str = Field(
-        "2.28", description="The newest glibc whose manylinux wheels are taken: the container's or older (2.28 "
-                            "suits every Triton container from 21.xx on; Ubuntu 24.04 has 2.39).")
+        "2.35", description="The newest glibc whose manylinux wheels are taken: the container's or older (Triton's "
+                            "Python 3.12 containers are Ubuntu 24.04, glibc 2.39; 2.35 also suits an Ubuntu 22.04 "
+                            "image; llguidance has no wheel below 2.31).")
     arch: Arch = Arch.x86_64
 
     @field_validator("python")

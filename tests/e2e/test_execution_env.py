@@ -112,7 +112,7 @@ def test_the_archive_is_made_for_the_containers_python_not_the_builders(tmp_path
     other = "3.12" if PYTHON != "3.12" else "3.11"
     section = ExecutionEnvSpec(python=other)
     art = environment.pack(requirements(), section, tmp_path, inputs_hash="h")
-    assert (art.python, art.interpreter, art.platform) == (other, f"/usr/bin/python{other}", "manylinux_2_28_x86_64")
+    assert (art.python, art.interpreter, art.platform) == (other, f"/usr/bin/python{other}", "manylinux_2_35_x86_64")
     members = _members(tmp_path / environment.ARCHIVE)
     tag = f"cpython-{other.replace('.', '')}-x86_64-linux-gnu.so"
     site = f"lib/python{other}/site-packages"
@@ -130,7 +130,7 @@ def test_a_python_without_the_wheels_fails_the_build_naming_the_field(tiny_build
     output = tmp_path / "tiny"
     shutil.copytree(tiny_build.output, output)
     before = sorted(p.relative_to(output) for p in output.rglob("*"))
-    refused = (r"execution_env: no wheel of onnxruntime==\S+ for CPython 3\.10 on x86_64 with glibc 2\.28 "
+    refused = (r"execution_env: no wheel of onnxruntime==\S+ for CPython 3\.10 on x86_64 with glibc 2\.35 "
                r"\(execution_env\.python.*24\.12 and later: 3\.12")
     with pytest.raises(ExecutionEnvError, match=refused):
         build(_spec(tiny_checkpoints["llama"], python="3.10"), output=output)

@@ -17,8 +17,8 @@ from llmc.compiler.spec import QuantizationSpec, SourceSpec
 # what AWQ may scale, per family: per layer the attention input norm, the MLP input norm and the gated
 # MLP's up -> down (Phi-3's up: its half of gate_up_proj), then the final norm. Not the norms whose output
 # feeds a residual Add (Gemma 2/3's sandwich norms, OLMo 2's post-norms: OLMo 2 keeps only the MLP's
-# site) or attention (q/k norms); GPT-2's MLP is not gated
-SITES_PER_LAYER = {"olmo2": 1, "gpt2": 2}
+# site) or attention (q/k norms); GPT-2's and Nemotron's MLPs are not gated
+SITES_PER_LAYER = {"olmo2": 1, "gpt2": 2, "nemotron": 2}
 GATED_FAMILIES = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2", "smollm3", "gpt2"]
 
 
