@@ -23,7 +23,7 @@ overrides only what differs, through these hooks:
     modules_of(hf_model)         embeddings, blocks, final norm, LM head
     rotary_modules(hf_model)     the model's rotary module(s), by layer kind
     fused_qkv(layer)             the one projection computing q, k and v side by side (and out_proj)
-    project(layer, x)            q, k, v [B, S, heads, D] (q/k norms go here)
+    project(layer, x)            q, k, v [B, S, heads, D] (q/k norms go here: HeadQKNorm per head)
     layer_attention(i, layer)    the layer's LayerAttention: scale, softcap, window, which RoPE
     embed(input_ids, positions)  the input embeddings
     block(layer, hidden, attn)   one block around its attention call (norm placement, multipliers)
@@ -126,7 +126,7 @@ class Decoder(nn.Module):
         return layer.self_attn
 
     def out_proj(self, layer) -> nn.Module:
-        return layer.self_attn.o_proj
+        return self.attention_module(layer).o_proj
 
     def layer_attention(self, i: int, layer) -> LayerAttention:
         attn = self.attention_module(layer)
@@ -134,7 +134,7 @@ class Decoder(nn.Module):
         return LayerAttention(scale=float(attn.scaling), softcap=softcap, window=sliding_window(attn, self.config))
 
     def fused_qkv(self, layer) -> nn.Module:
-        attn = layer.self_attn
+        attn = self.attention_module(layer)
         return concat_linears(attn.q_proj, attn.k_proj, attn.v_proj)
 
     def project(self, i: int, layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -187,4 +187,14 @@ class Decoder(nn.Module):
             new_k.append(k_cache)
             new_v.append(v_cache)
         return hidden, new_k, new_v
+
+
+class HeadQKNorm:
+    """A decoder mixin: an RMSNorm over each query and key head before RoPE, the attention module's own
+    `q_norm`/`k_norm` (Qwen3, Gemma 3; OLMo 2 norms the whole projection instead)."""
+
+    def project(self, i: int, layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = super().project(i, layer, x)
+        attn = self.attention_module(layer)
+        return attn.q_norm(q), attn.k_norm(k), v
 

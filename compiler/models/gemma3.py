@@ -4,12 +4,12 @@ for sliding layers, the global base and scaling for full ones)."""
 
 from functools import partial
 
-from llmc.compiler.models.base import LayerAttention
+from llmc.compiler.models.base import HeadQKNorm, LayerAttention
 from llmc.compiler.models.family import Family
 from llmc.compiler.models.gemma2 import SandwichDecoder
 
 
-class Gemma3Decoder(SandwichDecoder):
+class Gemma3Decoder(HeadQKNorm, SandwichDecoder):
     def rotary_modules(self, hf_model):
         rotary = hf_model.model.rotary_emb
         return {kind: partial(rotary, layer_type=kind) for kind in set(self.config.layer_types)}
@@ -17,10 +17,6 @@ class Gemma3Decoder(SandwichDecoder):
     def layer_attention(self, i, layer):
         spec = super().layer_attention(i, layer)
         return LayerAttention(spec.scale, spec.softcap, spec.window, rope=self.config.layer_types[i])
-
-    def project(self, i, layer, x):
-        q, k, v = super().project(i, layer, x)
-        return layer.self_attn.q_norm(q), layer.self_attn.k_norm(k), v
 
 
 FAMILY = Family(

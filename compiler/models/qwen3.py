@@ -1,14 +1,12 @@
 """Qwen3: Llama plus an RMSNorm over each query and key head before RoPE, and a `head_dim` that is
 not hidden / heads. Sliding layers (`use_sliding_window`, `layer_types`) reach the op through the base."""
 
-from llmc.compiler.models.base import Decoder
+from llmc.compiler.models.base import Decoder, HeadQKNorm
 from llmc.compiler.models.family import Family
 
 
-class Qwen3Decoder(Decoder):
-    def project(self, i, layer, x):
-        q, k, v = super().project(i, layer, x)
-        return layer.self_attn.q_norm(q), layer.self_attn.k_norm(k), v
+class Qwen3Decoder(HeadQKNorm, Decoder):
+    pass
 
 
 FAMILY = Family(
