@@ -21,7 +21,7 @@ from typing import Callable
 from llmc.compiler import quantize
 from llmc.compiler.artifacts import DraftArtifact, ExportedModel
 from llmc.compiler.graph import export, verify
-from llmc.compiler.models.config import read_dims
+from llmc.compiler.models.config import read_config
 from llmc.compiler.source import SourceInfo, inspect_source, load_model, load_tokenizer
 from llmc.compiler.spec import BuildSpec, DraftSpec, QuantMode, SpeculativeMethod
 from llmc.compiler.stage import Context, Located, Stage
@@ -74,7 +74,7 @@ def check_same_vocabulary(target: SourceInfo, draft: SourceInfo) -> None:
     ends = (draft_tok.eos_token_id, target_tok.eos_token_id)
     if ends[0] != ends[1]:
         raise SourceError(f"{where}: the end-of-sequence ids differ (draft {ends[0]}, target {ends[1]})")
-    sizes = (read_dims(draft).vocab_size, read_dims(target).vocab_size)
+    sizes = (read_config(draft).vocab_size, read_config(target).vocab_size)
     if sizes[0] != sizes[1]:
         raise SourceError(f"{draft.path} (draft) and {target.path} (target): the models' vocab_size differ "
                           f"({sizes[0]} vs {sizes[1]}); the rejection rule compares their distributions id by id")

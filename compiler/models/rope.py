@@ -22,10 +22,10 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from llmc.compiler.models.config import rope_parameters
+from llmc.compiler.models.config import SUPPORTED_ROPE, rope_parameters
 from llmc.errors import SourceError
 
-FIXED = {"default", "linear", "llama3", "yarn"}
+FIXED = set(SUPPORTED_ROPE) - {"longrope"}  # one table per position
 
 
 def _table(rotary: Callable, positions: int) -> tuple[Tensor, Tensor]:
@@ -66,7 +66,7 @@ class RotaryTables(nn.Module):
                 raise SourceError(
                     f"{field}.rope_type: {rope_type!r} RoPE is not supported (its frequencies change with the "
                     f"sequence length, so no fixed table reproduces transformers); supported: "
-                    f"{', '.join(sorted(FIXED | {'longrope'}))}")
+                    f"{', '.join(SUPPORTED_ROPE)}")
             self.register_buffer(f"{kind}_cos", cos, persistent=False)
             self.register_buffer(f"{kind}_sin", sin, persistent=False)
 
