@@ -93,6 +93,14 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_both_tokenizers(tiny_
     assert not output.exists() and not list(tmp_path.glob(".out*"))  # nothing half-written
 
 
+def test_a_draft_with_the_same_tokenizer_but_another_vocab_size_is_refused(tiny_checkpoints, tmp_path):
+    from conftest import make_checkpoint
+
+    wide = make_checkpoint("llama", tmp_path / "wide", vocab_size=300, num_hidden_layers=1)  # the byte tokenizer
+    with pytest.raises(SourceError, match=r"the models' vocab_size differ \(300 vs 256\)"):
+        build(_spec(tiny_checkpoints["llama"], {"source": str(wide)}), output=tmp_path / "out")
+
+
 def test_the_spec_refuses_draft_sections_that_make_no_draft(tiny_llama, tmp_path):
     base = {"name": "t", "source": str(tiny_llama)}
     cases = [({"method": "draft"}, "method: draft needs a draft section"),
