@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import SERVING_ENV, TINY_SERVING_SPEC, add_model_variant
+from conftest import SERVING_ENV, TINY_SERVING_SPEC, add_model_variant, serving_env
 from llmc.openai.server import OpenAIServer
 from llmc.triton_server import TritonServer, assemble, free_port
 
@@ -50,8 +50,7 @@ def chat_build(chat_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def triton(tiny_build, chat_build, tmp_path_factory):
-    if not (SERVING_ENV / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    serving_env()  # skips without .venv-serving
     root = tmp_path_factory.mktemp("openai")
     repository = root / "repository"
     shutil.copytree(tiny_build.repository, repository)

@@ -15,7 +15,7 @@ import pytest
 
 from llmc.supervisor import children as children_of
 from llmc.triton_server import free_port
-from conftest import SERVING_ENV
+from conftest import SERVING_ENV, serving_env
 
 LLMC = Path(sys.executable).parent / "llmc"
 pytestmark = pytest.mark.triton
@@ -23,8 +23,7 @@ pytestmark = pytest.mark.triton
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    if not (SERVING_ENV / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    serving_env()  # skips without .venv-serving
     cache = tmp_path_factory.mktemp("cache")
     return {**os.environ, "COLUMNS": "200", "LLMC_SERVING_ENV": str(SERVING_ENV), "XDG_CACHE_HOME": str(cache)}
 

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from conftest import SERVING_ENV, TINY_SERVING_SPEC, byte_tokenizer, greedy_reference
+from conftest import TINY_SERVING_SPEC, byte_tokenizer, greedy_reference, serving_env
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 FAMILIES = ("gemma2", "phi3", "smollm3", "gemma3_text", "qwen3", "gemma", "granite", "olmo2", "nemotron")
@@ -24,8 +24,7 @@ def served(tiny_checkpoints, tmp_path_factory):
     from llmc.compiler.spec import parse_spec
     from llmc.triton_server import TritonServer, assemble
 
-    if not (SERVING_ENV / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    env = serving_env()  # skips without .venv-serving
     root = tmp_path_factory.mktemp("families")
     repository = root / "repository"
     limits = {**TINY_SERVING_SPEC["limits"], "max_seq_len": 160, "max_num_tokens": 96}
@@ -34,7 +33,7 @@ def served(tiny_checkpoints, tmp_path_factory):
         spec = parse_spec({"name": name, "source": str(tiny_checkpoints[model_type]), **TINY_SERVING_SPEC,
                            "limits": limits, "verify": {"enabled": False}})
         shutil.copytree(build(spec, output=root / name).repository / name, repository / name)
-    with TritonServer(repository, server_dir=assemble(root / "server"), serving_env=SERVING_ENV,
+    with TritonServer(repository, server_dir=assemble(root / "server"), serving_env=env,
                       log_path=root / "server.log") as server:
         yield server
 

@@ -11,7 +11,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import SERVING_ENV, add_model_variant, byte_tokenizer, greedy_reference
+from conftest import SERVING_ENV, add_model_variant, byte_tokenizer, greedy_reference, serving_env
 from llmc.client import AsyncClient, Client, Generation, GenerationError
 from llmc.client import stream as client_stream
 from llmc.soak import llmc_metrics
@@ -23,8 +23,7 @@ ONE_SLOT = "tiny_one_slot"  # one KV slot, a queue of one and long contexts: for
 
 @pytest.fixture(scope="module")
 def server(tiny_build, tmp_path_factory):
-    if not (SERVING_ENV / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    serving_env()  # skips without .venv-serving
     root = tmp_path_factory.mktemp("serve")
     repository = root / "repository"
     shutil.copytree(tiny_build.repository, repository)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from llmc.compiler import build, load_spec
-from conftest import REPO, SERVING_ENV
+from conftest import REPO, SERVING_ENV, serving_env
 
 
 
@@ -53,8 +53,7 @@ def served_example(example_build, tmp_path_factory):
     """The fused build served by one Triton server for this module's serving tests."""
     from llmc.triton_server import TritonServer, assemble
 
-    if not (SERVING_ENV / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    serving_env()  # skips without .venv-serving
     result = example_build("fused")
     root = tmp_path_factory.mktemp("served_example")
     with TritonServer(result.repository, server_dir=assemble(root / "server"), serving_env=SERVING_ENV,

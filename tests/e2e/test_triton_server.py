@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SERVING_ENV
+from conftest import SERVING_ENV, serving_env
 from llmc.triton_server import Ports, TritonError, TritonServer, assemble
 
 pytestmark = pytest.mark.triton
@@ -31,8 +31,7 @@ class TritonPythonModel:
 
 @pytest.fixture(scope="module")
 def server_dir(tmp_path_factory):
-    if not (SERVING_ENV / "bin" / "python3").exists():
-        pytest.skip(".venv-serving is missing: run scripts/setup.sh")
+    serving_env()  # skips without .venv-serving
     return assemble(tmp_path_factory.mktemp("triton") / "server")
 
 
