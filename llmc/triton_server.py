@@ -56,8 +56,12 @@ def assemble(dest: Path, python_version: str | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("python_backend_stubs", "__pycache__"))
     shutil.copy2(stub_source, tmp / "backends" / "python" / "triton_python_backend_stub")
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
+    if not (server.is_file() and stub.is_file()):  # not finished meanwhile by another process (the shared cache)
+        shutil.rmtree(dest, ignore_errors=True)
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process put a whole one there first: it may be serving from it already
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -152,6 +156,9 @@ class TritonServer:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
         env["PATH"] = os.pathsep.join([str(self.serving_env / "bin"), env.get("PATH", "")])
+        # serving reads the repository, never writes it: no __pycache__ beside model.py in a build
+        # (`llmc deploy` would upload it, and each replica's load would fetch it again)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
         return env
 
     def start(self, timeout: float = 60.0) -> "TritonServer":
