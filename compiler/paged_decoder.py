@@ -3,7 +3,8 @@ lowering exports.
 
     forward(input_ids int64 [T], position_ids int64 [T], cumulative_sequence_length int32 [B + 1],
             past_seqlens int32 [B], block_table int32 [B, max_blocks], logits_indices int64 [L],
-            past (k0, v0, k1, v1, ...: [num_blocks, block_size, KVH, D] each))
+            past (k0, v0, k1, v1, ...: [num_blocks, block_size, KVH, D] each)
+            [, sequence_lengths int64 [B]: LongRoPE only])
         -> (logits [L, vocab], k0', v0', k1', v1', ...)
 
 The T tokens of B rows come packed with no padding (row b's are `cumulative_sequence_length[b] ..
@@ -12,7 +13,7 @@ The T tokens of B rows come packed with no padding (row b's are `cumulative_sequ
 layer's attention is one `llmc::paged_attention` call over the block pools. Only the tokens
 `logits_indices` names reach the final norm and the LM head, so a prefill chunk costs one row of
 the vocabulary projection, not one per token. A decoder with LongRoPE (compiler/models/rope.py) also
-gets each token's row's last position this step, which its table switch reads.
+takes each row's whole sequence length, which picks the table its tokens are rotated with.
 """
 
 from __future__ import annotations
@@ -47,15 +48,17 @@ class PagedDecoder(nn.Module):
         self.decoder = decoder
 
     def forward(self, input_ids, position_ids, cumulative_sequence_length, past_seqlens, block_table, logits_indices,
-                past):
+                past, sequence_lengths=None):
         attend = paged_attend(cumulative_sequence_length, past_seqlens, block_table)
-        row_last = None
-        if self.decoder.rope.needs_row_last:  # each token's row's last position: row r owns tokens cu[r] .. cu[r+1]
+        seq_lens = None
+        if self.decoder.rope.switch is not None:  # each token's row's length: row r owns tokens cu[r] .. cu[r+1]
             ends = cumulative_sequence_length[1:]
             row = (torch.arange(input_ids.shape[0])[:, None] >= ends[None, :]).sum(dim=1)
-            row_last = (past_seqlens + ends - cumulative_sequence_length[:-1] - 1).to(torch.int64)[row][None]
+            if sequence_lengths is None:  # the row's last position this step + 1
+                sequence_lengths = past_seqlens + ends - cumulative_sequence_length[:-1]
+            seq_lens = sequence_lengths.to(torch.int64)[row][None]
         hidden, keys, values = self.decoder.body(input_ids[None], position_ids[None], attend, list(past[0::2]),
-                                                 list(past[1::2]), row_last)
+                                                 list(past[1::2]), seq_lens)
         # [1, L, hidden]: kept 3-D so the LM head exports as a MatMul, as in the slot graph (2-D makes it a
         # Gemm, which weight-only quantization leaves in fp32)
         logits = self.decoder.head(hidden.index_select(1, logits_indices))[0]
@@ -63,12 +66,12 @@ class PagedDecoder(nn.Module):
 
 
 def input_names(layout: KVLayout) -> list[str]:
-    return ["input_ids", layout.positions, *PAGED_INPUTS, *layout.past_names()]
+    return ["input_ids", layout.positions, *PAGED_INPUTS, *layout.past_names(), *layout.step_inputs]
 
 
 def example_inputs(vocab_size: int, layout: KVLayout) -> tuple:
-    """Two rows (a 2-token chunk after 3 cached tokens, and a 5-token first chunk): every dynamic
-    dim > 1 and distinct from the others, so torch.export specializes none of them."""
+    """Two rows (a 2-token chunk after 3 cached tokens, and a 5-token first chunk of a 9-token prompt):
+    every dynamic dim > 1 and distinct from the others, so torch.export specializes none of them."""
     gen = torch.Generator().manual_seed(0)
     lengths, past = [2, 5], [3, 0]
     input_ids = torch.randint(0, vocab_size, (sum(lengths),), generator=gen)
@@ -80,7 +83,8 @@ def example_inputs(vocab_size: int, layout: KVLayout) -> tuple:
     logits_indices = torch.tensor([1, 6, 5], dtype=torch.int64)
     pools = tuple(torch.zeros(num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
                   for _ in range(2 * layout.num_layers))
-    return input_ids, position_ids, cumulative, past_seqlens, block_table, logits_indices, pools
+    inputs = input_ids, position_ids, cumulative, past_seqlens, block_table, logits_indices, pools
+    return (*inputs, torch.tensor([5, 9])) if layout.step_inputs else inputs
 
 
 def dynamic_shapes(layout: KVLayout) -> dict:
@@ -96,4 +100,5 @@ def dynamic_shapes(layout: KVLayout) -> dict:
         "block_table": {0: batch, 1: Dim("max_blocks")},
         "logits_indices": {0: Dim("num_logits")},
         "past": tuple(pool for _ in range(2 * layout.num_layers)),
+        **({"sequence_lengths": {0: batch}} if layout.step_inputs else {}),
     }

@@ -23,11 +23,19 @@ num_kv_heads, head_dim]` (`dims`), and a step is packed tokens with no padding: 
 block), and `logits_indices` int64 `[num_logits]` (the packed tokens that get logits) -> `logits
 [num_logits, vocab]`; present aliases past (updated in place). `block_size` is the tokens per block
 the runner allocates (the graph takes any). runtime/runners/paged.py drives it.
+
+`longrope_switch` (LongRoPE models: Phi-3/3.5, Phi-4-mini; `original_max_position_embeddings`): the
+graph takes one more input after the others, `sequence_lengths` int64 `[batch]`, each row's whole
+sequence length (prompt and output so far, whatever part of it the step feeds), and rotates the
+row's tokens with the long factors when it is above the switch (compiler/models/rope.py). A
+sequence's KV therefore depend on which side of the switch its length is: runtime/engine/longrope.py.
+Absent (None) for every other model, and then left out of the manifest.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, model_validator
+import numpy as np
+from pydantic import BaseModel, ConfigDict, model_serializer, model_validator
 
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}  # bytes per cache element, by `dtype`
@@ -36,6 +44,7 @@ PAGED_DIMS = ("num_blocks", "block_size", "num_kv_heads", "head_dim")
 # the paged graph's step inputs besides input_ids and position_ids, in graph order
 PAGED_INPUTS = ("cumulative_sequence_length", "past_seqlens", "block_table", "logits_indices")
 DEFAULT_BLOCK_SIZE = 16
+SEQUENCE_LENGTHS = "sequence_lengths"  # LongRoPE graphs' last input (`longrope_switch`)
 
 
 class KVLayout(BaseModel):
@@ -55,6 +64,7 @@ class KVLayout(BaseModel):
     max_prefill_rows: int | None = None
     paged: bool = False
     block_size: int | None = None  # tokens per block, paged layouts only
+    longrope_switch: int | None = None  # LongRoPE: the graph takes `sequence_lengths` (see above)
 
     @model_validator(mode="after")
     def _block_size_iff_paged(self) -> "KVLayout":
@@ -62,7 +72,22 @@ class KVLayout(BaseModel):
             raise ValueError("kv_layout.block_size is set exactly when kv_layout.paged is true")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"kv_layout.block_size must be at least 1; got {self.block_size}")
+        if self.longrope_switch is not None and self.longrope_switch < 1:
+            raise ValueError(f"kv_layout.longrope_switch must be at least 1; got {self.longrope_switch}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_unset_switch(self, handler):
+        """No `longrope_switch` key unless set: the layouts of other models read as they always have."""
+        data = handler(self)
+        if self.longrope_switch is None:
+            data.pop("longrope_switch", None)
+        return data
+
+    @property
+    def step_inputs(self) -> tuple[str, ...]:
+        """The graph's inputs after the KV pools or buffers: `sequence_lengths` for LongRoPE."""
+        return (SEQUENCE_LENGTHS,) if self.longrope_switch is not None else ()
 
     @classmethod
     def paged_layout(cls, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -104,3 +129,18 @@ def check_step(layout: KVLayout, max_batch: int, capacity: int, shape: tuple[int
     limit = layout.max_prefill_rows
     if s > 1 and limit is not None and n > limit:
         raise ValueError(f"a step with {s} tokens per row may run at most {limit} row(s) on this graph; got {n}")
+
+
+def step_lengths(layout: KVLayout, cache_position, num_new: int, sequence_lengths=None):
+    """A slot step's `sequence_lengths` input (None for a graph without it): as given, else each row's
+    last position this step + 1 (its tokens as if they were all of its sequence)."""
+    if not layout.step_inputs:
+        return None
+    cache_position = np.asarray(cache_position)
+    if sequence_lengths is None:
+        return cache_position.astype(np.int64) + num_new
+    lengths = np.ascontiguousarray(sequence_lengths, dtype=np.int64)
+    if lengths.shape != cache_position.shape or bool((lengths <= cache_position).any()):
+        raise ValueError(f"sequence_lengths {lengths.tolist()} must give each row ({cache_position.shape[0]}) a "
+                         f"length beyond its cache_position {cache_position.tolist()}")
+    return lengths

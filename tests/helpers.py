@@ -1,5 +1,5 @@
 """Helpers shared by tests in several folders: a truncated checkpoint as a draft, a metrics recorder,
-and a built version served with and without speculation."""
+a built version served with and without speculation, and an engine run to the end on greedy prompts."""
 
 from __future__ import annotations
 
@@ -10,6 +10,20 @@ from conftest import RecordingSink, request_inputs
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.serving.loop import ServingLoop
 from llmc.runtime.serving.metrics import ServingMetrics
+
+
+def run_greedy(engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    """Every prompt queued at once as a greedy request of `max_tokens`, the engine stepped until done:
+    each request's token ids."""
+    from llmc.runtime.decoding.sampling import SamplingParams
+
+    for name, ids in prompts.items():
+        engine.add_request(name, ids, SamplingParams(max_tokens=max_tokens))
+    out = {name: [] for name in prompts}
+    while engine.has_work:
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    return out
 
 
 def truncated(checkpoint, folder, num_layers=1):

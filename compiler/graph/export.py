@@ -7,7 +7,8 @@ TensorRT plugin node), and the graph must pass `onnx.checker` with full shape in
 
 Graph I/O (optimum / onnxruntime-genai names where they exist): `input_ids [batch, sequence_length]`,
 `cache_position [batch]`, `past_key_values.{i}.key|value [batch, kv_heads, kv_capacity, head_dim]`
--> `logits`, `present.{i}.key|value` (same shape; see runtime/layout.py for the semantics).
+-> `logits`, `present.{i}.key|value` (same shape; see runtime/layout.py for the semantics). A LongRoPE
+model's graph (either form) takes `sequence_lengths [batch]` last (runtime/layout.py).
 Exported with `torch.onnx.export(dynamo=True)` at opset 23. Weights go to external data only when
 the model is too big for one protobuf (2 GB).
 """
@@ -59,15 +60,19 @@ def model_info(model, tokenizer) -> ModelInfo:
     )
 
 
-def kv_layout(info: ModelInfo, lowering: Lowering, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32) -> KVLayout:
+def kv_layout(info: ModelInfo, lowering: Lowering, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32,
+              longrope_switch: int | None = None) -> KVLayout:
+    """The graph's layout; `longrope_switch`: the decoder's (compiler/models/rope.py), None without LongRoPE."""
     from llmc.compiler.graph.kv_cache import ELEMENT
 
     if lowering is Lowering.paged:
-        return KVLayout.paged_layout(info.num_layers, info.num_kv_heads, info.head_dim, dtype=ELEMENT[kv_cache_dtype])
-    assert kv_cache_dtype is KVCacheDtype.fp32, "the spec admits other cache types for the paged lowering only"
-    fused = lowering is Lowering.fused
-    return KVLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                    in_place=fused, max_prefill_rows=1 if fused else None)
+        layout = KVLayout.paged_layout(info.num_layers, info.num_kv_heads, info.head_dim, dtype=ELEMENT[kv_cache_dtype])
+    else:
+        assert kv_cache_dtype is KVCacheDtype.fp32, "the spec admits other cache types for the paged lowering only"
+        fused = lowering is Lowering.fused
+        layout = KVLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                          in_place=fused, max_prefill_rows=1 if fused else None)
+    return layout.model_copy(update={"longrope_switch": longrope_switch}) if longrope_switch is not None else layout
 
 
 def lowering_refusal(decoder, lowering: Lowering) -> str | None:
@@ -95,8 +100,9 @@ def _flat(decoder):
             super().__init__()
             self.decoder = decoder
 
-        def forward(self, input_ids, cache_position, past):
-            logits, keys, values = self.decoder(input_ids, cache_position, list(past[0::2]), list(past[1::2]))
+        def forward(self, input_ids, cache_position, past, sequence_lengths=None):
+            logits, keys, values = self.decoder(input_ids, cache_position, list(past[0::2]), list(past[1::2]),
+                                                sequence_lengths)
             return (logits, *(t for pair in zip(keys, values) for t in pair))
 
     return FlatCacheDecoder().eval()
@@ -110,7 +116,7 @@ def _example_inputs(info: ModelInfo, layout: KVLayout):
     input_ids = torch.randint(0, info.vocab_size, (batch, seq), generator=gen)
     cache_position = torch.tensor([4, 2])
     past = tuple(torch.zeros(layout.shape(batch, capacity)) for _ in range(2 * layout.num_layers))
-    return input_ids, cache_position, past
+    return (input_ids, cache_position, past) + ((torch.tensor([9, 5]),) if layout.step_inputs else ())
 
 
 def _dynamic_shapes(layout: KVLayout):
@@ -121,6 +127,7 @@ def _dynamic_shapes(layout: KVLayout):
         "input_ids": {0: batch, 1: seq},
         "cache_position": {0: batch},
         "past": tuple({0: batch, 2: capacity} for _ in range(2 * layout.num_layers)),
+        **({"sequence_lengths": {0: batch}} if layout.step_inputs else {}),
     }
 
 
@@ -133,7 +140,7 @@ def _traced(decoder, info: ModelInfo, layout: KVLayout) -> tuple:
         return (paged_decoder.PagedDecoder(decoder).eval(), paged_decoder.example_inputs(info.vocab_size, layout),
                 paged_decoder.dynamic_shapes(layout), paged_decoder.input_names(layout))
     return (_flat(decoder), _example_inputs(info, layout), _dynamic_shapes(layout),
-            ["input_ids", layout.positions, *layout.past_names()])
+            ["input_ids", layout.positions, *layout.past_names(), *layout.step_inputs])
 
 
 def _quiet():
@@ -153,17 +160,17 @@ def _quiet():
 
 def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
                 external_threshold: int = PROTOBUF_LIMIT, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32,
-                tokenizer=None) -> bool:
+                tokenizer=None) -> tuple[bool, KVLayout]:
     """Write `out_dir/model.onnx` (+ `model.onnx.data` when over the threshold) with attention in
     `lowering`'s form and the paged pools in `kv_cache_dtype` (int8 scales calibrated with `tokenizer`'s
-    tokens, compiler/graph/kv_cache.py). Returns whether weights went to external data."""
+    tokens, compiler/graph/kv_cache.py). Returns whether weights went to external data, and the layout."""
     import onnx
     import torch
 
     from llmc.compiler.models import decoder_for
 
-    layout = kv_layout(info, lowering, kv_cache_dtype)
     decoder = decoder_for(model)
+    layout = kv_layout(info, lowering, kv_cache_dtype, decoder.rope.switch)
     refusal = lowering_refusal(decoder, lowering)
     if refusal is not None:
         raise UnsupportedError(f"export.attention: {lowering.value} cannot export {info.model_type}: {refusal}")
@@ -195,7 +202,7 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
         onnx.checker.check_model(str(path), full_check=True)
     except onnx.checker.ValidationError as err:
         raise ExportError(f"{path}: the exported graph fails onnx.checker: {err}") from err
-    return external
+    return external, layout
 
 
 def _retype_pools(proto, decoder, info: ModelInfo, layout: KVLayout, tokenizer) -> None:
@@ -250,12 +257,12 @@ def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: 
 
     info = model_info(model, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    external = export_onnx(model, info, lowering, out_dir, external_threshold, kv_cache_dtype, tokenizer)
+    external, layout = export_onnx(model, info, lowering, out_dir, external_threshold, kv_cache_dtype, tokenizer)
     graph = onnx.load(str(out_dir / ONNX_NAME), load_external_data=False).graph
     files = [ONNX_NAME] + ([EXTERNAL_DATA_NAME] if external else [])
     artifact = ExportedModel(
         inputs_hash=inputs_hash, files=hash_outputs(out_dir, files), onnx=ONNX_NAME, opset=OPSET,
-        source_hash=source_hash, model=info, lowering=lowering, kv_layout=kv_layout(info, lowering, kv_cache_dtype),
+        source_hash=source_hash, model=info, lowering=lowering, kv_layout=layout,
         inputs=tensor_infos(graph.input),
         outputs=tensor_infos(graph.output), external_data=external, versions=tool_versions(),
     )

@@ -4,8 +4,10 @@ transformers attention code.
 A decoder reuses the HF model's own submodules (embeddings, norms, projections, MLPs, rotary
 modules, LM head) and runs its own forward:
 
-    forward(input_ids [B, S], cache_position int64 [B], k_caches, v_caches)
+    forward(input_ids [B, S], cache_position int64 [B], k_caches, v_caches[, sequence_lengths int64 [B]])
         -> logits [B, S, V], new k_caches, new v_caches       (caches [B, KVH, C, D] per layer)
+
+(`sequence_lengths`: LongRoPE's, compiler/models/rope.py.)
 
 Row b's tokens sit at positions `cache_position[b] ..`; rows may be at different positions, so no
 attention mask and no left padding are needed (a shorter prompt in a batch is right-padded and its
@@ -31,7 +33,7 @@ overrides only what differs, through these hooks:
 
 RoPE comes from the model's own rotary modules (compiler/models/rope.py): tables the op applies
 (`cos_cache`/`sin_cache`, partial when the model rotates part of the head), or, for LongRoPE, a
-rotation here whose table switches per row as transformers switches it.
+rotation here whose table follows each row's sequence length as transformers' switches with it.
 """
 
 from __future__ import annotations
@@ -154,19 +156,26 @@ class Decoder(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     # the forward ------------------------------------------------------------------------------
-    def forward(self, input_ids: Tensor, cache_position: Tensor, k_caches: list[Tensor], v_caches: list[Tensor]):
+    def forward(self, input_ids: Tensor, cache_position: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
+                sequence_lengths: Tensor | None = None):
+        """`sequence_lengths` [B] (LongRoPE only, rope.py): each row's whole sequence length, which picks
+        its table; None takes each row's last position here + 1, as transformers' forward on these
+        tokens alone does."""
         positions = positions_of(input_ids, cache_position)
-        row_last = positions[:, -1:].expand_as(positions) if self.rope.needs_row_last else None
+        seq_lens = None
+        if self.rope.switch is not None:
+            ends = positions[:, -1] + 1 if sequence_lengths is None else sequence_lengths.to(torch.int64)
+            seq_lens = ends[:, None].expand_as(positions)
         hidden, new_k, new_v = self.body(input_ids, positions, slot_attend(cache_position), k_caches, v_caches,
-                                         row_last)
+                                         seq_lens)
         return self.head(hidden), new_k, new_v
 
     def body(self, input_ids: Tensor, positions: Tensor, attend: Attend, k_caches: list[Tensor],
-             v_caches: list[Tensor], row_last: Tensor | None = None) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """`row_last` [B, S]: the last position of each token's row in this step, which LongRoPE's
-        table switch reads (`rope.needs_row_last`)."""
+             v_caches: list[Tensor], seq_lens: Tensor | None = None) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """`seq_lens` [B, S]: the length of each token's sequence, which LongRoPE's table switch reads
+        (needed when `rope.switch` is set)."""
         hidden = self.embed(input_ids, positions)
-        in_model = self.rope.in_model_rotation(positions, row_last)
+        in_model = self.rope.in_model_rotation(positions, seq_lens)
         new_k, new_v = [], []
         for i, (layer, spec, k_cache, v_cache) in enumerate(zip(self.layers, self.specs, k_caches, v_caches)):
             def attention(x: Tensor) -> Tensor:

@@ -47,6 +47,15 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return dict(params)
 
 
+def longrope_switch(config) -> int | None:
+    """LongRoPE's `original_max_position_embeddings`, None for another RoPE: a sequence longer than it
+    takes the long factors (compiler/models/rope.py), and Phi-3's generate() recomputes its cache there."""
+    params = rope_parameters(config)
+    nested = params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    originals = [int(p["original_max_position_embeddings"]) for p in nested if p.get("rope_type") == "longrope"]
+    return originals[0] if originals else None
+
+
 #: GGUF `general.architecture` (llama.cpp's names) -> the HF `model_type` of the family that runs it. A
 #: name is accepted only where the installed transformers' GGUF loader reads it too (compiler/source.py);
 #: llama.cpp writes Mistral as `llama` (transformers tells them apart by the file's name)

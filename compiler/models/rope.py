@@ -3,13 +3,22 @@
     default, linear, llama3, yarn   one fixed table per position, which the attention op applies
                                     (`cos_cache`/`sin_cache` [P, R/2]; yarn's attention factor and
                                     linear/llama3's scaling are already in the values)
-    longrope                        two tables: transformers rotates a forward's tokens with the long
-                                    factors when its last position + 1 exceeds
-                                    `original_max_position_embeddings`, else the short ones. The switch
-                                    is per forward, so here it is per row and step (`row_last`): the
-                                    rotation happens in the model, before the op
+    longrope                        two tables, short and long factors: the rotation happens in the
+                                    model, before the op, per token with the long table where its row's
+                                    sequence is longer than `original_max_position_embeddings`
+                                    (`seq_lens`, see below)
     dynamic (and anything else)     refused: its frequencies change with the sequence length in a way
                                     no per-position table reproduces
+
+LongRoPE, as transformers computes it: its rotary module picks the long factors for a whole forward
+when `max(position_ids) + 1 > original_max_position_embeddings`, and Phi-3's generate() drops the KV
+cache and recomputes the whole sequence the first time it grows past that length
+(`Phi3ForCausalLM.prepare_inputs_for_generation`). So every token's logits are those of the whole
+sequence so far in one forward: all of a sequence's positions take one table, the long one once the
+sequence is longer than `original_max_position_embeddings`. The graph gets that length per row (the
+`sequence_lengths` input, runtime/layout.py), since a prompt prefilled in chunks must rotate its
+first chunks with the table its whole length picks; the runtime recomputes a sequence's KV when it
+grows past the switch (runtime/engine/longrope.py).
 
 Partial rotary (`partial_rotary_factor`: Phi-4-mini, R < D) needs nothing special: the module's cos/sin
 are R wide, and so are the tables.
@@ -61,6 +70,10 @@ class RotaryTables(nn.Module):
                 short_cos, short_sin = _table(rotary[kind], original)  # the short ones (resets the module)
                 self.register_buffer(f"{kind}_short_cos", torch.cat([short_cos, cos[original:]]), persistent=False)
                 self.register_buffer(f"{kind}_short_sin", torch.cat([short_sin, sin[original:]]), persistent=False)
+                if self.longrope and original not in self.longrope.values():
+                    raise SourceError(f"{field}.original_max_position_embeddings: {original}, where another layer "
+                                      f"kind's LongRoPE switches at {next(iter(self.longrope.values()))}; llmc "
+                                      f"switches a sequence's tables at one length")
                 self.longrope[kind] = original
             else:
                 raise SourceError(
@@ -71,8 +84,10 @@ class RotaryTables(nn.Module):
             self.register_buffer(f"{kind}_sin", sin, persistent=False)
 
     @property
-    def needs_row_last(self) -> bool:
-        return bool(self.longrope)
+    def switch(self) -> int | None:
+        """LongRoPE's `original_max_position_embeddings`: a sequence longer than this takes the long
+        factors (None without LongRoPE)."""
+        return next(iter(self.longrope.values()), None)
 
     def tables(self, kind: str) -> tuple[Tensor, Tensor]:
         """The fixed table the op applies."""
@@ -84,12 +99,13 @@ class RotaryTables(nn.Module):
         kinds = self.fixed + list(self.longrope)
         return 2 * int(getattr(self, f"{kinds[0]}_cos").shape[1]) if kinds else 0
 
-    def in_model_rotation(self, positions: Tensor, row_last: Tensor | None) -> dict[str, tuple[Tensor, Tensor]]:
+    def in_model_rotation(self, positions: Tensor, seq_lens: Tensor | None) -> dict[str, tuple[Tensor, Tensor]]:
         """kind -> (cos, sin) [B, S, R/2] per token, for the kinds rotated in the model (LongRoPE):
-        the long table for rows whose last position this step reaches `original_max_position_embeddings`."""
+        the long table for the tokens whose sequence (`seq_lens` [B, S], each token's row's length) is
+        longer than `original_max_position_embeddings`."""
         out = {}
         for kind, original in self.longrope.items():
-            long = (row_last >= original)[..., None]
+            long = (seq_lens > original)[..., None]
             out[kind] = tuple(torch.where(long, getattr(self, f"{kind}_{t}")[positions],
                                           getattr(self, f"{kind}_short_{t}")[positions]) for t in ("cos", "sin"))
         return out

@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from llmc.compiler.hashing import hash_json
-from llmc.runtime.layout import KVLayout
+from llmc.runtime.layout import SEQUENCE_LENGTHS, KVLayout, step_lengths
 from llmc.runtime.runners.paged_batch import RowStep, pack
 
 PERCENTILE, NUM_BINS, NUM_QUANTIZED_BINS = 99.99, 2048, 128
@@ -74,13 +74,14 @@ def feeds(layout: KVLayout, ids: np.ndarray) -> dict[str, np.ndarray]:
     if layout.paged:
         blocks = -(-len(ids) // layout.block_size)
         step = pack([RowStep(ids.tolist(), 0, range(blocks), num_logits=len(ids))],  # every token reaches the LM head
-                    block_size=layout.block_size, num_blocks=blocks,
-                    max_num_tokens=len(ids), vocab_size=np.iinfo(np.int64).max)
+                    block_size=layout.block_size, num_blocks=blocks, max_num_tokens=len(ids),
+                    vocab_size=np.iinfo(np.int64).max, sequence_lengths=bool(layout.step_inputs))
         empty = np.zeros(layout.block_shape(blocks), dtype=layout.dtype)
         return {**step.feeds(), **{name: empty for name in layout.past_names()}}
     empty = np.zeros(layout.shape(1, len(ids)), dtype=layout.dtype)
+    lengths = step_lengths(layout, np.zeros(1, dtype=np.int64), len(ids))  # LongRoPE: the window is the sequence
     return {"input_ids": ids[None].astype(np.int64), layout.positions: np.zeros(1, dtype=np.int64),
-            **{name: empty for name in layout.past_names()}}
+            **{name: empty for name in layout.past_names()}, **({SEQUENCE_LENGTHS: lengths} if lengths is not None else {})}
 
 
 def run_tensors(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,

@@ -27,9 +27,10 @@ class Profile:
     shapes: dict[str, Shapes]  # input (or pattern) -> (min, opt, max)
 
 
-def profiles(limits: LimitsSpec, num_kv_heads: int, head_dim: int) -> list[Profile]:
+def profiles(limits: LimitsSpec, num_kv_heads: int, head_dim: int, step_inputs: tuple[str, ...] = ()) -> list[Profile]:
     """Prefill (one row, many tokens) and decode (one token per row, up to every slot) over one
-    set of KV inputs `[batch, num_kv_heads, max_seq_len, head_dim]`."""
+    set of KV inputs `[batch, num_kv_heads, max_seq_len, head_dim]`; `step_inputs` (the layout's:
+    LongRoPE's `sequence_lengths`) are shaped as cache_position."""
     kv = (num_kv_heads, limits.max_seq_len, head_dim)
     one_row = ((1, *kv),) * 3
     tokens, rows = limits.max_num_tokens, limits.max_batch_size
@@ -38,6 +39,8 @@ def profiles(limits: LimitsSpec, num_kv_heads: int, head_dim: int) -> list[Profi
     decode = {"input_ids": ((1, 1), (rows, 1), (rows, 1)),
               "cache_position": ((1,), (rows,), (rows,)),
               "past_key_values.*": ((1, *kv), (rows, *kv), (rows, *kv))}
+    for name in step_inputs:
+        prefill[name], decode[name] = prefill["cache_position"], decode["cache_position"]
     return [Profile("prefill", prefill), Profile("decode", decode)]
 
 

@@ -106,7 +106,7 @@ def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, export
 
     precision = spec.precision.value
     prepared = prepare_for_tensorrt(source_dir / source.onnx, precision, out_dir / "prepared")
-    shapes = profiles(spec.limits, exported.model.num_kv_heads, exported.model.head_dim)
+    shapes = profiles(spec.limits, exported.model.num_kv_heads, exported.model.head_dim, source.kv_layout.step_inputs)
     info = build_engine(prepared, shapes, spec.tensorrt, precision, out_dir, timing_cache, progress=progress)
     shutil.rmtree(out_dir / "prepared")  # the engine holds the weights
     layout = source.kv_layout.model_copy(update={"dtype": LAYOUT_DTYPES[precision], "max_prefill_rows": 1,

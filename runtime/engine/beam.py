@@ -59,6 +59,7 @@ class BeamRow:
     block_ids: list[int]
     num_cached: int
     score: np.float32
+    long_rope: bool = False  # its KV were computed with LongRoPE's long factors (its request's, longrope.py)
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +130,7 @@ class BeamSearch:
         self.done = self._is_done(running[keep[0]], length) or bool(ends.all())
         rows = [] if self.done else [
             BeamRow(parents[parent[i]].token_ids + [int(token[i])], blocks.fork(parents[parent[i]].block_ids),
-                    parents[parent[i]].num_tokens, running[i]) for i in keep]
+                    parents[parent[i]].num_tokens, running[i], parents[parent[i]].long_rope) for i in keep]
         for row in {id(p): p for p in parents}.values():  # forks first: a shared block never drops to 0
             blocks.free(row)
         self.rows = rows
@@ -194,7 +195,7 @@ def advance(seq: "Sequence", logits: np.ndarray, blocks: "BlockManager") -> None
     search = seq.beam
     parents = search.rows
     if not parents:  # the prompt's blocks pass to the first beams
-        parents = [BeamRow(list(seq.prompt_ids), seq.block_ids, seq.num_cached, np.float32(0.0))]
+        parents = [BeamRow(list(seq.prompt_ids), seq.block_ids, seq.num_cached, np.float32(0.0), seq.long_rope)]
         seq.block_ids = []
     search.step(logits, parents, blocks)
     if search.done:

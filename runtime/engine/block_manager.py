@@ -14,7 +14,9 @@ keyed block it was computed after are the sequence's (`_holds`), so two prefixes
 never share KV (one request's prompt would otherwise reach another's output, vLLM's
 GHSA-rm76-4mrf-v9r8); by induction from the first block, the hit blocks hold the sequence's prefix.
 The last prompt token is always computed (its logits are the first sample), so a shared block is
-never written. A block no sequence holds keeps its key and stays reusable until the pool needs it:
+never written. A LongRoPE model's KV depend on which side of its switch the sequence's length is
+(runtime/engine/longrope.py): a sequence's blocks are keyed in a chain of their own for the long
+factors (`long_rope`, set when it is given blocks), so short-factor blocks never serve a long prompt. A block no sequence holds keeps its key and stays reusable until the pool needs it:
 free blocks are handed out first, then cached ones, least recently released first (LRU).
 
 Beam search (runtime/engine/beam.py) shares blocks between beams: a beam forked from another holds its
@@ -36,6 +38,8 @@ from array import array
 from collections import OrderedDict
 from typing import Iterator, NamedTuple, Protocol, Sequence
 
+from llmc.runtime.engine import longrope
+
 
 class Blocked(Protocol):
     """What the block manager reads and writes on a sequence."""
@@ -43,6 +47,7 @@ class Blocked(Protocol):
     block_ids: list[int]
     num_cached: int  # tokens whose KV is in the sequence's blocks
     num_tokens: int  # prompt and output
+    long_rope: bool  # its KV were computed with LongRoPE's long factors
 
     def all_token_ids(self) -> Sequence[int]: ...
 
@@ -66,12 +71,16 @@ class Keyed(NamedTuple):
 
 
 ROOT = 0  # the serial of the empty prefix
+LONG_ROOT = -1  # ... of the empty prefix under LongRoPE's long factors
+LONG_SEED = hashlib.sha256(b"llmc: LongRoPE long factors").digest()  # the key chain's start under them
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
+                 longrope_switch: int | None = None):
         assert num_blocks >= 1 and block_size >= 1
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.longrope_switch = longrope_switch  # kv_layout's: None for every model but LongRoPE ones
         self.ref_counts = [0] * num_blocks
         self.keys: list[bytes | None] = [None] * num_blocks  # a full block's prefix hash
         self._keyed: list[Keyed | None] = [None] * num_blocks  # set with its key
@@ -79,7 +88,7 @@ class BlockManager:
         self._free = list(range(num_blocks - 1, -1, -1))  # never used, or released without a key; pop() = lowest
         self._cached: OrderedDict[int, None] = OrderedDict()  # released with a key, oldest first
         self._by_key: dict[bytes, int] = {}  # prefix hash -> block id
-        self._memo: tuple[list[int], list[bytes]] = ([], [])  # _prefix_keys': the last tokens looked up
+        self._memo: tuple[list[int], bool, list[bytes]] = ([], False, [])  # _prefix_keys': the last lookup
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found, since start
 
     # the pool's state (metrics)
@@ -110,25 +119,29 @@ class BlockManager:
         keyed = self._keyed[block]
         return keyed is not None and keyed.parent == parent and keyed.tokens == tokens
 
-    def _prefix_keys(self, tokens: Sequence[int]) -> Iterator[bytes]:
-        """The keys of the full blocks of `tokens` before the last token, in order, computed as they
-        are asked for and remembered for the same tokens asked again (can_allocate, then allocate;
-        the request at the head of the queue, every step it waits)."""
-        memo_tokens, keys = self._memo
-        if memo_tokens != tokens:
+    def _prefix_keys(self, tokens: Sequence[int], long: bool) -> Iterator[bytes]:
+        """The keys of the full blocks of `tokens` before the last token, in order (`long`: under
+        LongRoPE's long factors), computed as they are asked for and remembered for the same tokens
+        asked again (can_allocate, then allocate; the request at the head of the queue, every step it waits)."""
+        memo_tokens, memo_long, keys = self._memo
+        if memo_tokens != tokens or memo_long != long:
             keys = []
-            self._memo = (list(tokens), keys)
+            self._memo = (list(tokens), long, keys)
         for index in range((len(tokens) - 1) // self.block_size):
             if index == len(keys):
-                keys.append(block_hash(keys[-1] if keys else None, self._block_tokens(tokens, index)))
+                keys.append(block_hash(keys[-1] if keys else _seed(long), self._block_tokens(tokens, index)))
             yield keys[index]
 
-    def _cached_prefix(self, tokens: Sequence[int]) -> list[int]:
+    def is_long(self, seq: Blocked) -> bool:
+        """Whether `seq`'s tokens, computed now, take LongRoPE's long factors (runtime/engine/longrope.py)."""
+        return longrope.is_long(self.longrope_switch, seq.num_tokens)
+
+    def _cached_prefix(self, tokens: Sequence[int], long: bool) -> list[int]:
         """The cached blocks of the longest cached prefix, never reaching the last token."""
         if not self.prefix_caching:
             return []
-        found, parent = [], ROOT
-        for index, key in enumerate(self._prefix_keys(tokens)):
+        found, parent = [], _root(long)
+        for index, key in enumerate(self._prefix_keys(tokens, long)):
             block = self._by_key.get(key)
             if block is None or not self._holds(block, parent, self._block_tokens(tokens, index)):
                 break  # not cached, or a collision: another prefix's block under this key
@@ -138,15 +151,17 @@ class BlockManager:
 
     def can_allocate(self, seq: Blocked) -> bool:
         tokens = seq.all_token_ids()
-        hits = self._cached_prefix(tokens)
+        hits = self._cached_prefix(tokens, self.is_long(seq))
         reusable = sum(1 for b in hits if self.ref_counts[b] == 0)  # hits now counted as available
         return self.blocks_for(len(tokens)) - len(hits) <= self.num_available - reusable
 
     def allocate(self, seq: Blocked) -> None:
-        """Give `seq` blocks for all its tokens, sharing its cached prefix (its num_cached skips it)."""
+        """Give `seq` blocks for all its tokens, sharing its cached prefix (its num_cached skips it);
+        its KV will be computed with the RoPE factors its length picks now (`long_rope`)."""
         assert not seq.block_ids, "allocate() is for a sequence that holds no blocks"
         tokens = seq.all_token_ids()
-        hits = self._cached_prefix(tokens)
+        seq.long_rope = self.is_long(seq)
+        hits = self._cached_prefix(tokens, seq.long_rope)
         if self.prefix_caching:
             self.prefix_queries += len(tokens)
             self.prefix_hits += len(hits) * self.block_size
@@ -187,7 +202,7 @@ class BlockManager:
         start = full
         while start > 0 and self.keys[seq.block_ids[start - 1]] is None:
             start -= 1
-        key, parent = None, ROOT
+        key, parent = _seed(seq.long_rope), _root(seq.long_rope)
         if start:
             last = seq.block_ids[start - 1]
             key, parent = self.keys[last], self._keyed[last].serial
@@ -280,3 +295,12 @@ class BlockManager:
         assert self.ref_counts[block] == 0
         self.ref_counts[block] = 1
         return block
+
+
+def _seed(long: bool) -> bytes | None:
+    """What the first block's key is chained to: nothing, or the long factors' seed."""
+    return LONG_SEED if long else None
+
+
+def _root(long: bool) -> int:
+    return LONG_ROOT if long else ROOT

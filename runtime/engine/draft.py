@@ -22,6 +22,10 @@ and overwritten later. A prefix found in the prefix cache saves the target's pre
 draft's: a new sequence starts at draft_cached 0 (whether an earlier sequence's draft wrote the
 shared blocks in full is not tracked), and its draft rewrites the same values into them.
 
+A LongRoPE draft (runtime/engine/longrope.py) is given each sequence's length as the target is; a
+short sequence's proposals stop at the switch, and when the sequence recomputes its KV past it, so
+does the draft (draft_cached 0).
+
 The proposals are drawn from the draft's distributions after the request's processing
 (sampling.py's `distributions`: penalties, temperature, top-k/top-p/min-p, earlier proposals
 counted as output), with the request's own generator, so a seeded request repeats itself; a greedy
@@ -74,7 +78,8 @@ class DraftProposer:
             going = [r for r in range(len(live)) if limits[r] > step]
             if step:  # feed each going row its last proposal, at the position after its last token + step - 1
                 logits = self.runner.step([RowStep([proposals[r][-1]], seqs[r].num_tokens + step - 1,
-                                                   seqs[r].block_ids) for r in going])
+                                                   seqs[r].block_ids, seq_len=seqs[r].num_tokens + step)
+                                           for r in going])
             else:
                 logits = logits[going]
             greedy = [at for at, r in enumerate(going) if seqs[r].params.is_greedy]  # rows of `logits`
@@ -103,7 +108,7 @@ class DraftProposer:
             take = pending[:budget]
             ready.append(bool(take) and len(take) == len(pending))
             if take:
-                steps.append(RowStep(take, seq.draft_cached, seq.block_ids))
+                steps.append(RowStep(take, seq.draft_cached, seq.block_ids, seq_len=seq.num_tokens))
                 fed_ready.append(ready[-1])
                 seq.draft_cached += len(take)
                 budget -= len(take)

@@ -34,7 +34,7 @@ import time
 
 from llmc.runtime.decoding.grammar import GuideMatcher
 from llmc.runtime.decoding.sampling import SamplingParams
-from llmc.runtime.engine import beam
+from llmc.runtime.engine import beam, longrope
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.core import CacheState, EngineCore, StepOutput
 from llmc.runtime.engine.draft import DraftProposer
@@ -60,10 +60,11 @@ class PagedEngine:
             raise ValueError(f"the draft's pools ({draft.num_blocks} blocks of {draft.block_size}) must match the "
                              f"target's ({runner.num_blocks} of {runner.block_size}): they share its block tables")
         self.runner = runner
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching)
+        switch = runner.layout.longrope_switch  # LongRoPE models only (longrope.py)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching, switch)
         # itl_ratio: cap a step's prompt tokens so it stays within that many decode steps (step_cost.py)
         self.cost = StepCost(itl_ratio) if itl_ratio else None
-        self.speculator = Speculator.from_config(speculative, max_seq_len) if speculative else None
+        self.speculator = Speculator.from_config(speculative, max_seq_len, switch) if speculative else None
         self.drafter = DraftProposer(draft, runner.vocab_size) if draft is not None else None
         self.scheduler = TokenScheduler(self.blocks, max_rows=max_rows, max_num_tokens=max_num_tokens,
                                         max_queue_size=max_queue_size, speculator=self.speculator)
@@ -93,6 +94,7 @@ class PagedEngine:
         seq = self.core.sequence(request_id, prompt_ids, params, logprobs, guide)
         if seq.params.beam_width > 1:  # its search, before it is queued
             beam.start(seq, self.core.capacity)
+            longrope.check_beams(self.blocks.longrope_switch, len(prompt_ids), seq.beam.max_new_tokens)
         return self.core.queue(seq)
 
     def cancel(self, request_id: str) -> None:

@@ -12,7 +12,9 @@ has several tokens and a past; the layout records it) in chunks of at most `max_
 long prompt cannot stall the running batch for long. Decode runs the contiguous slot range that
 holds the decoding sequences; free or still-prefilling slots inside it ride along as dummy rows
 that write only where nothing will be read (position 0 of a free slot, or the position a
-prefilling sequence will overwrite next). The model is a `Runner` (runtime/runners/protocol.py): its `rows`
+prefilling sequence will overwrite next). A LongRoPE model's rows carry their sequences' lengths, and
+a sequence that grows past the switch prefills prompt and output again in its slot
+(runtime/engine/longrope.py). The model is a `Runner` (runtime/runners/protocol.py): its `rows`
 are the slots, its `capacity` the longest sequence. The requests are the `EngineCore`'s (core.py):
 `add_request` and `cancel` may be called from other threads; `step` belongs to one loop thread.
 """
@@ -23,6 +25,7 @@ import numpy as np
 
 from llmc.runtime.decoding.grammar import GuideMatcher
 from llmc.runtime.decoding.sampling import SamplingParams
+from llmc.runtime.engine import longrope
 from llmc.runtime.engine.core import CacheState, EngineCore, StepOutput
 from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
 from llmc.runtime.engine.slot_scheduler import Scheduler
@@ -33,6 +36,7 @@ class SlotEngine:
     def __init__(self, runner: Runner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_queue_size: int = 256,
                  max_num_tokens: int = 8192):
         self.runner, self.max_num_tokens = runner, max_num_tokens
+        self.longrope_switch = runner.layout.longrope_switch  # LongRoPE models only (longrope.py)
         self.scheduler = Scheduler(runner.rows, max_queue_size)
         # the slot graph runs no beams: beam_width above 1 is refused
         self.core = EngineCore(self.scheduler, tokenizer, end_ids=end_ids, capacity=runner.capacity)
@@ -80,10 +84,15 @@ class SlotEngine:
         return self.core.outputs(list(self.scheduler.running.values()), finished, sampled)
 
     def _prefill(self, seq: Sequence, sampled: dict[str, list[int]]) -> None:
-        chunk = seq.prompt_ids[seq.num_cached:seq.num_cached + self.max_num_tokens]
-        logits = self.runner.step(np.array([chunk]), np.array([seq.num_cached]), first_row=seq.slot)
+        """A chunk of the tokens `seq` has not cached: its prompt, or all of it again (longrope.py)."""
+        if seq.num_cached == 0:
+            seq.long_rope = longrope.is_long(self.longrope_switch, seq.num_tokens)
+        chunk = seq.all_token_ids()[seq.num_cached:seq.num_cached + self.max_num_tokens]
+        lengths = None if self.longrope_switch is None else np.array([seq.num_tokens])
+        logits = self.runner.step(np.array([chunk]), np.array([seq.num_cached]), first_row=seq.slot,
+                                  sequence_lengths=lengths)
         seq.num_cached += len(chunk)
-        if seq.num_cached == len(seq.prompt_ids):
+        if seq.num_cached == seq.num_tokens:
             seq.status = Status.decoding
             self.core.sample([seq], logits[0, -1:], sampled)
 
@@ -91,7 +100,9 @@ class SlotEngine:
         for seq in seqs:
             if not seq.is_finished and seq.num_cached >= self.core.capacity:
                 seq.finish(FinishReason.length)  # the KV slot is full
-        seqs = [s for s in seqs if not s.is_finished]
+            elif longrope.must_recompute(self.longrope_switch, seq.long_rope, seq.num_tokens):
+                seq.num_cached, seq.status = 0, Status.prefilling  # grown past the switch: prefills again
+        seqs = [s for s in seqs if not s.is_finished and s.status is Status.decoding]
         if not seqs:
             return
         first, last = seqs[0].slot, seqs[-1].slot
@@ -103,7 +114,12 @@ class SlotEngine:
                 positions[slot - first] = other.num_cached
         for seq in seqs:
             ids[seq.slot - first, 0], positions[seq.slot - first] = seq.output_ids[-1], seq.num_cached
-        logits = self.runner.step(ids, positions, first_row=first)
+        lengths = None
+        if self.longrope_switch is not None:  # a dummy row's any length past its position
+            lengths = positions + 1
+            for seq in seqs:
+                lengths[seq.slot - first] = seq.num_tokens
+        logits = self.runner.step(ids, positions, first_row=first, sequence_lengths=lengths)
         for seq in seqs:
             seq.num_cached += 1
         self.core.sample(seqs, logits[[s.slot - first for s in seqs], -1], sampled)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llmc.runtime.engine import longrope
 from llmc.runtime.engine.ngram import NgramProposer
 from llmc.runtime.decoding.sampling import distributions, draw_from, sample_rows
 
@@ -57,16 +58,18 @@ class Speculator:
     capacity: int  # max_seq_len: no proposal is written past it
     num_tokens: int  # k
     disable_batch_size: int = 1 << 30  # with more requests than this running or waiting, no row speculates
+    longrope_switch: int | None = None  # a short sequence's proposals stay within it (longrope.py)
     num_draft_tokens: int = 0  # proposals verified, since start
     num_accepted_tokens: int = 0  # proposals the target accepted, since start
 
     @classmethod
-    def from_config(cls, config: "SpeculativeConfig", capacity: int) -> "Speculator":
+    def from_config(cls, config: "SpeculativeConfig", capacity: int,
+                    longrope_switch: int | None = None) -> "Speculator":
         proposer = NgramProposer(config.num_tokens, config.min_n, config.max_n) if config.method == "ngram" else None
         # unset: a draft's k calls a step cost the same however few of the batch's rows speculate, so it
         # speculates only while every request may; prompt lookup's proposals cost only their tokens
         disable = config.disable_batch_size or (config.max_batch if proposer is None else 1 << 30)
-        return cls(proposer, config.max_batch, capacity, config.num_tokens, disable)
+        return cls(proposer, config.max_batch, capacity, config.num_tokens, disable, longrope_switch=longrope_switch)
 
     @property
     def drafts(self) -> bool:
@@ -75,9 +78,11 @@ class Speculator:
 
     def limit(self, seq: "Sequence", spare: int) -> int:
         """How many proposals may follow `seq`'s last token: positions num_tokens-1 .. num_tokens-1+k
-        are written, so stay below capacity; the k+1 tokens kept at most stay within max_tokens."""
+        are written, so stay below capacity; the k+1 tokens kept at most stay within max_tokens; a
+        LongRoPE sequence short of the switch verifies no position past it."""
+        room = longrope.proposal_room(self.longrope_switch, seq.num_tokens)
         return max(0, min(self.num_tokens, spare, self.capacity - seq.num_tokens,
-                          seq.params.max_tokens - len(seq.output_ids) - 1))
+                          seq.params.max_tokens - len(seq.output_ids) - 1, spare if room is None else room))
 
     def propose(self, seq: "Sequence", spare: int) -> list[int]:
         """Prompt-lookup proposals to follow `seq`'s last token, at most `spare`; [] to decode it normally."""

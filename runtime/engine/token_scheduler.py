@@ -20,6 +20,8 @@ to the front of the queue with its output so far, which becomes part of what it 
 returns; its full blocks keep their prefix keys, so it usually finds them still cached. A running
 sequence is never corrupted: it either has blocks for every token it writes or it is not run.
 Rejected proposals roll back by the sequence's length not advancing past them (`computed`).
+A LongRoPE sequence that grows past the switch recomputes its KV the same way, not counted as a
+preemption (runtime/engine/longrope.py).
 
 A beam request (runtime/engine/beam.py) is one sequence here that counts `beam_width` rows from its
 admission on: it prefills its prompt as one row, then its beams decode as rows of their own, all
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from llmc.runtime.engine import beam
+from llmc.runtime.engine import beam, longrope
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.core import WaitingQueue
 from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
@@ -98,6 +100,9 @@ class TokenScheduler(WaitingQueue):
                 self._beam_rows(seq, chunks, copies)
                 continue
             if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
+                continue
+            if longrope.must_recompute(self.blocks.longrope_switch, seq.long_rope, seq.num_tokens):
+                self._restart(seq)  # its KV again with the long factors: it prefills when it is admitted
                 continue
             while not self.blocks.can_append(seq) and seq in self.running:
                 if len(self.running) == 1:  # only seq itself is left to give blocks back
@@ -166,11 +171,15 @@ class TokenScheduler(WaitingQueue):
         if seq.beam is not None:
             beam.free(seq, self.blocks)
             seq.beam.restart()
+        self._restart(seq)
+        self.num_preemptions += 1
+
+    def _restart(self, seq: Sequence) -> None:
+        """`seq` gives its blocks back and goes to the front of the queue, to prefill all its tokens again."""
         self.blocks.free(seq)
         self.running.remove(seq)
         seq.status, seq.draft_cached = Status.waiting, 0
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def computed(self, chunk: Chunk, accepted: int = 0) -> None:
         """The graph wrote `chunk`: its tokens are cached, and its full blocks can serve as prefixes.

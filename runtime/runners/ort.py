@@ -3,7 +3,8 @@
 `KVCache` holds one key and one value buffer per layer, `[max_batch, kv_heads, capacity, head_dim]`;
 row r of every buffer is slot r. `OrtRunner` is a `Runner` (runtime/runners/protocol.py):
 `step(input_ids, cache_position, first_row)` runs the rows `first_row .. first_row + n` (a
-contiguous range, so each buffer's rows are one contiguous block of memory) and returns their logits.
+contiguous range, so each buffer's rows are one contiguous block of memory) and returns their logits;
+a LongRoPE graph also takes each row's sequence length (`sequence_lengths`, runtime/layout.py).
 
 In-place graphs (`layout.in_place`, the fused lowering) get each slot range bound through IO
 binding as both `past_key_values.*` input and `present.*` output: a step writes only the new
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.runtime.layout import KVLayout, check_step
+from llmc.runtime.layout import SEQUENCE_LENGTHS, KVLayout, check_step, step_lengths
 from llmc.runtime.runners.protocol import RunnerClosed
 
 
@@ -88,6 +89,7 @@ class OrtRunner:
         if layout.in_place:  # decode inputs and output; a step's n rows are the first n of each
             self._ids = np.zeros((max_batch, 1), dtype=np.int64)
             self._positions = np.zeros(max_batch, dtype=np.int64)
+            self._seq_lens = np.zeros(max_batch, dtype=np.int64)
             self._logits = np.zeros((max_batch, 1, self.vocab_size), dtype=np.float32)
 
     def close(self) -> None:
@@ -96,26 +98,30 @@ class OrtRunner:
         self._bindings.clear()
         self._decode_bindings.clear()
 
-    def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0) -> np.ndarray:
+    def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0,
+             sequence_lengths: np.ndarray | None = None) -> np.ndarray:
         if self.session is None:
             raise RunnerClosed("step on a closed OrtRunner")
         input_ids, cache_position = np.asarray(input_ids), np.asarray(cache_position)
+        seq_lens = step_lengths(self.layout, cache_position, input_ids.shape[-1], sequence_lengths)
         if self.layout.in_place and input_ids.shape[1:] == (1,):
-            return self._decode(input_ids, cache_position, first_row)
+            return self._decode(input_ids, cache_position, first_row, seq_lens)
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         cache_position = np.ascontiguousarray(cache_position, dtype=np.int64)
         n, s = input_ids.shape
         check_step(self.layout, self.rows, self.capacity, (n, s), cache_position, first_row)
+        extra = {} if seq_lens is None else {SEQUENCE_LENGTHS: seq_lens}
         if self.layout.in_place:
-            return self._step_in_place(input_ids, cache_position, first_row)
+            return self._step_in_place(input_ids, cache_position, first_row, extra)
         names = self.layout.past_names()
         feeds = {"input_ids": input_ids, self.layout.positions: cache_position,
-                 **dict(zip(names, self.cache.rows(first_row, n)))}
+                 **dict(zip(names, self.cache.rows(first_row, n))), **extra}
         logits, *present = self.session.run(["logits", *self.layout.present_names()], feeds)
         self.cache.store(first_row, n, present)
         return logits
 
-    def _step_in_place(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int) -> np.ndarray:
+    def _step_in_place(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int,
+                       extra: dict[str, np.ndarray]) -> np.ndarray:
         n, s = input_ids.shape
         binding = self._bindings.get((first_row, n))
         if binding is None:
@@ -123,11 +129,14 @@ class OrtRunner:
         logits = np.empty((n, s, self.vocab_size), dtype=np.float32)
         binding.bind_cpu_input("input_ids", input_ids)
         binding.bind_cpu_input(self.layout.positions, cache_position)
+        for name, value in extra.items():
+            binding.bind_cpu_input(name, value)
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self.session.run_with_iobinding(binding)
         return logits
 
-    def _decode(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int) -> np.ndarray:
+    def _decode(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int,
+                seq_lens: np.ndarray | None) -> np.ndarray:
         n = len(input_ids)
         check_step(self.layout, self.rows, self.capacity, (n, 1), cache_position, first_row)
         binding = self._decode_bindings.get((first_row, n))
@@ -135,14 +144,18 @@ class OrtRunner:
             binding = self._decode_bindings[(first_row, n)] = self._bind_decode(first_row, n)
         self._ids[:n] = input_ids  # converts to int64 as it copies
         self._positions[:n] = cache_position
+        if seq_lens is not None:
+            self._seq_lens[:n] = seq_lens
         self.session.run_with_iobinding(binding)
         return self._logits[:n].copy()  # the caller's to keep (2 us a row of SmolLM2's vocabulary)
 
     def _bind_decode(self, first_row: int, n: int):
         """`_bind_cache`'s binding plus the first n rows of the decode buffers as input ids,
-        positions and logits."""
+        positions (and LongRoPE's sequence lengths) and logits."""
         binding = self._bind_cache(first_row, n)
-        for name, buf in (("input_ids", self._ids[:n]), (self.layout.positions, self._positions[:n])):
+        inputs = [("input_ids", self._ids[:n]), (self.layout.positions, self._positions[:n])]
+        inputs += [(SEQUENCE_LENGTHS, self._seq_lens[:n])] if self.layout.step_inputs else []
+        for name, buf in inputs:
             binding.bind_input(name, "cpu", 0, np.int64, list(buf.shape), buf.ctypes.data)
         logits = self._logits[:n]
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)

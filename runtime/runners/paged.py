@@ -8,7 +8,8 @@ several tokens to verify) and returns the logits of each row's last `num_logits`
 order. Which blocks a row owns is the caller's business (the block manager); `copy_blocks` copies
 whole blocks across every pool (copy-on-write of a shared block).
 
-One IO binding serves every step: the pools are bound once, a step binds its six small inputs and
+One IO binding serves every step: the pools are bound once, a step binds its six small inputs (seven
+with LongRoPE's `sequence_lengths`, taken from each row's `seq_len`) and
 a fresh logits array. (Persistent bindings for decode-only steps, as OrtRunner keeps, were measured
 and dropped: with the logits copied out they cost more Python time than rebinding, 94 vs 41 us a
 16-row step of SmolLM2; with a fresh logits array 38 vs 41 us; whole steps showed no difference
@@ -41,10 +42,14 @@ class PagedRunner:
             raise ValueError(f"num_blocks ({num_blocks}) and max_num_tokens ({max_num_tokens}) must be at least 1")
         self.layout, self.num_blocks, self.max_num_tokens = layout, num_blocks, max_num_tokens
         self.session = make_session(onnx_path, num_threads, spin_after_run=spin_after_run)  # ort_runner.make_session
-        expected = ["input_ids", layout.positions, *PAGED_INPUTS, *layout.past_names()]
+        expected = ["input_ids", layout.positions, *PAGED_INPUTS, *layout.past_names(), *layout.step_inputs]
         got = [i.name for i in self.session.get_inputs()]
         if got != expected:
-            raise ValueError(f"{onnx_path} is not a paged graph: inputs {got[:8]}..., expected {expected[:8]}...")
+            at = next(i for i, (g, e) in enumerate(zip([*got, None], [*expected, None])) if g != e)
+            raise ValueError(f"{onnx_path} is not the paged graph kv_layout describes: its input {at} is "
+                             f"{got[at] if at < len(got) else 'missing'!r}, expected "
+                             f"{expected[at] if at < len(expected) else 'none'!r} (kv_layout.longrope_switch "
+                             f"{layout.longrope_switch}: the LongRoPE input {'expected' if layout.step_inputs else 'none'})")
         self.vocab_size = int(self.session.get_outputs()[0].shape[-1])
         shape = layout.block_shape(num_blocks)
         self.pools = [np.zeros(shape, dtype=layout.dtype) for _ in range(2 * layout.num_layers)]
@@ -67,7 +72,7 @@ class PagedRunner:
         if self.session is None:
             raise RunnerClosed("step on a closed PagedRunner")
         packed = pack(rows, block_size=self.block_size, num_blocks=self.num_blocks, max_num_tokens=self.max_num_tokens,
-                      vocab_size=self.vocab_size)
+                      vocab_size=self.vocab_size, sequence_lengths=bool(self.layout.step_inputs))
         logits = np.empty((len(packed.logits_indices), self.vocab_size), dtype=np.float32)
         for name, value in packed.feeds().items():
             self._binding.bind_cpu_input(name, value)

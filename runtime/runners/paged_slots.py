@@ -24,12 +24,13 @@ class PagedSlots:
 
     def __init__(self, onnx_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, num_threads: int = 0):
         per_slot = -(-capacity // layout.block_size)
-        self.rows, self.capacity = max_batch, capacity
+        self.layout, self.rows, self.capacity = layout, max_batch, capacity
         self.runner = PagedRunner(onnx_path, layout, num_blocks=max_batch * per_slot,
                                   max_num_tokens=max_batch * capacity, num_threads=num_threads)
         self.blocks = [list(range(r * per_slot, (r + 1) * per_slot)) for r in range(max_batch)]
 
-    def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0) -> np.ndarray:
+    def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0,
+             sequence_lengths: np.ndarray | None = None) -> np.ndarray:
         input_ids, cache_position = np.asarray(input_ids), np.asarray(cache_position)
         n, s = input_ids.shape
         if cache_position.shape != (n,):
@@ -39,8 +40,9 @@ class PagedSlots:
         if n and int(cache_position.max()) + s > self.capacity:
             raise ValueError(f"KV cache overflow: a row would reach {int(cache_position.max()) + s} tokens; "
                              f"capacity is {self.capacity}")
-        rows = [RowStep(ids.tolist(), int(p), self.blocks[first_row + i], num_logits=s)
-                for i, (ids, p) in enumerate(zip(input_ids, cache_position))]
+        lengths = [None] * n if sequence_lengths is None else [int(x) for x in np.asarray(sequence_lengths)]
+        rows = [RowStep(ids.tolist(), int(p), self.blocks[first_row + i], num_logits=s, seq_len=length)
+                for i, (ids, p, length) in enumerate(zip(input_ids, cache_position, lengths))]
         return self.runner.step(rows).reshape(n, s, -1)
 
     def close(self) -> None:

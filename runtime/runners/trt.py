@@ -1,6 +1,6 @@
 """Run a TensorRT engine as a `Runner` (runtime/runners/protocol.py), like `OrtRunner`, the KV cache on the GPU.
 
-    step(input_ids [n, S], cache_position [n], first_row) -> logits [n, S, vocab] (host, float32)
+    step(input_ids [n, S], cache_position [n], first_row[, sequence_lengths]) -> logits [n, S, vocab] (host, float32)
 
 Same KV layout as the ONNX graph it was built from: one key and one value buffer per layer,
 `[max_batch, kv_heads, capacity, head_dim]`, allocated once on the GPU; rows `first_row ..+n` of
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.runtime.layout import ITEMSIZE, KVLayout, check_step
+from llmc.runtime.layout import ITEMSIZE, SEQUENCE_LENGTHS, KVLayout, check_step, step_lengths
 from llmc.runtime.manifest import TensorRTInfo
 from llmc.runtime.runners.protocol import RunnerClosed
 
@@ -152,6 +152,9 @@ class TrtRunner:
         self._positions = _ok(cudart.cudaMalloc(max_batch * 8))
         self._logits = _ok(cudart.cudaMalloc(tokens * self.vocab_size * np.dtype(self._logits_type).itemsize))
         self._io = (self._ids, self._positions, self._logits)  # what close() frees besides the caches
+        if layout.step_inputs:  # LongRoPE's sequence_lengths
+            self._seq_lens = _ok(cudart.cudaMalloc(max_batch * 8))
+            self._io += (self._seq_lens,)
 
     def close(self) -> None:
         """Wait for the stream, then free the KV cache and the step buffers, destroy the execution
@@ -172,7 +175,8 @@ class TrtRunner:
         stream, self.stream = self.stream, None
         _ok(cudart.cudaStreamDestroy(stream))
 
-    def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0) -> np.ndarray:
+    def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0,
+             sequence_lengths: np.ndarray | None = None) -> np.ndarray:
         if self.stream is None:
             raise RunnerClosed("step on a closed TrtRunner")
         cudart = _cuda()
@@ -190,6 +194,11 @@ class TrtRunner:
         context.set_tensor_address("input_ids", self._ids)
         context.set_input_shape(self.layout.positions, (n,))
         context.set_tensor_address(self.layout.positions, self._positions)
+        seq_lens = step_lengths(self.layout, cache_position, s, sequence_lengths)
+        if seq_lens is not None:
+            _ok(cudart.cudaMemcpyAsync(self._seq_lens, seq_lens.ctypes.data, seq_lens.nbytes, h2d, self.stream))
+            context.set_input_shape(SEQUENCE_LENGTHS, (n,))
+            context.set_tensor_address(SEQUENCE_LENGTHS, self._seq_lens)
         kv_shape = self.layout.shape(n, self.capacity)
         present_rows = (self.scratch or self.cache).rows(first_row)
         for past, present, rows, out in zip(self.layout.past_names(), self.layout.present_names(),

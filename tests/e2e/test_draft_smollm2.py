@@ -5,12 +5,12 @@ load."""
 
 import pytest
 
+from helpers import run_greedy
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.engine.paged_engine import PagedEngine
 from llmc.runtime.runners.paged import PagedRunner
-from llmc.runtime.decoding.sampling import SamplingParams
 
 PROMPTS = ["<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n",
            "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
@@ -55,13 +55,7 @@ def _engine(version, draft: str | None, tokenizer=None):
 
 
 def _run(engine, prompts: dict[str, list[int]]):
-    for name, ids in prompts.items():
-        engine.add_request(name, ids, SamplingParams(max_tokens=TOKENS))
-    out = {name: [] for name in prompts}
-    while engine.has_work:
-        for o in engine.step():
-            out[o.request_id] += o.token_ids
-    return out
+    return run_greedy(engine, prompts, TOKENS)
 
 
 @pytest.mark.slow

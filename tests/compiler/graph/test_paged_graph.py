@@ -195,6 +195,33 @@ def test_pack_lays_rows_out_as_the_graph_takes_them():
     assert p.logits_indices.tolist() == [2, 3, 4, 5]
 
 
+def test_pack_gives_a_longrope_graph_each_rows_sequence_length(paged_builds):
+    """`sequence_lengths` (LongRoPE graphs, runtime/layout.py): each row's seq_len, or its last position
+    + 1 unset; a length that does not reach past the row's cached tokens is refused by name, and a
+    graph without the input is refused for a LongRoPE layout, naming it."""
+    rows = [RowStep([1, 2, 3], 16, [4, 7], seq_len=40), RowStep([9], 0, [2, 5, 6])]
+    assert pack(rows, block_size=16, num_blocks=8, max_num_tokens=8, vocab_size=10).sequence_lengths is None
+    p = pack(rows, block_size=16, num_blocks=8, max_num_tokens=8, vocab_size=10, sequence_lengths=True)
+    assert p.sequence_lengths.tolist() == [40, 1] and p.feeds()["sequence_lengths"] is p.sequence_lengths
+    with pytest.raises(ValueError, match="row 1: seq_len is 5; its tokens start at position 5"):
+        pack([rows[0], RowStep([9], 5, [2], seq_len=5)], block_size=16, num_blocks=8, max_num_tokens=8,
+             vocab_size=10, sequence_lengths=True)
+    folder, result = paged_builds["llama"]
+    layout = result.exported.kv_layout.model_copy(update={"longrope_switch": 16})
+    with pytest.raises(ValueError, match="its input 10 is 'missing', expected 'sequence_lengths'"):
+        PagedRunner(folder / "export" / "model.onnx", layout, num_blocks=4, max_num_tokens=8)
+
+
+def test_a_layout_names_its_longrope_switch_only_when_it_has_one():
+    """Every other model's layout (and so its manifest) reads as before the field existed."""
+    layout = KVLayout.paged_layout(2, 2, 16)
+    assert "longrope_switch" not in layout.model_dump_json() and layout.step_inputs == ()
+    long = layout.model_copy(update={"longrope_switch": 4096})
+    assert KVLayout.model_validate_json(long.model_dump_json()) == long and long.step_inputs == ("sequence_lengths",)
+    with pytest.raises(ValueError, match="kv_layout.longrope_switch must be at least 1"):
+        KVLayout.model_validate({**layout.model_dump(), "longrope_switch": 0})
+
+
 def test_inspect_shows_the_paged_layout(paged_builds):
     from llmc.compiler.inspect import inspect_path
 

@@ -1,6 +1,6 @@
 """Each family's decoder (compiler/models/) reproduces its checkpoint's own PyTorch model, with rows at
 different positions, on tiny configs that can fail: norms moved off their initial values, windows
-shorter than the prompts, a LongRoPE switch crossed while decoding."""
+shorter than the prompts, a LongRoPE switch crossed while decoding and a prompt past it in chunks."""
 
 import pytest
 import torch
@@ -67,20 +67,48 @@ def test_the_tiny_configs_exercise_every_feature(tiny_checkpoints):
     assert phi3.rope.longrope == {"default": 88} and phi3.rope.rotary_dim == 12 < phi3.head_dim
 
 
-def test_longrope_switches_mid_generation_and_for_a_long_prefill(tiny_checkpoints):
-    """A row crossing original_max_position_embeddings (88) while decoding, and one prefilled past it,
-    against transformers' own generation with its cache (it rotates a forward's tokens with the long
-    factors when that forward reaches past 88: the whole long prompt, then each later token). Rows go
-    one at a time, as the slot graph prefills them."""
+def test_longrope_chunked_prefill_takes_the_whole_prompts_table(tiny_checkpoints):
+    """A 90-token prompt (past the switch at 88) prefilled in chunks of 30, each told the whole length
+    (`sequence_lengths`), equals transformers' forward on the whole prompt at every position; told
+    nothing, the first chunks take the short table and do not."""
+    hf = _load(tiny_checkpoints["phi3"])
+    dec = decoder_for(hf)
+    prompt = PROMPTS[0] * 3
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+        for lengths in (torch.tensor([len(prompt)]), None):
+            shape = (1, dec.num_kv_heads, 96, dec.head_dim)
+            kc, vc = [torch.zeros(shape) for _ in dec.layers], [torch.zeros(shape) for _ in dec.layers]
+            chunks = []
+            for at in range(0, len(prompt), 30):
+                logits, kc, vc = dec(torch.tensor([prompt[at:at + 30]]), torch.tensor([at]), kc, vc, lengths)
+                chunks.append(logits[0])
+            ours = torch.cat(chunks)
+            if lengths is not None:
+                torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+            else:
+                assert float((ours[:60] - ref[:60]).abs().max()) > 1e-2
+
+
+def test_the_longrope_reference_is_transformers_generate(tiny_checkpoints):
+    """verify's reference (torch_greedy) decodes as generate() does: a 77-token prompt crosses the switch
+    (88) at step 12, where generate() drops its cache and recomputes the whole sequence with the long
+    factors; a decode on the cache alone would part from it there."""
     from llmc.compiler.graph.verify import torch_greedy
 
     hf = _load(tiny_checkpoints["phi3"])
-    dec = decoder_for(hf)
-    for prompt in (PROMPTS[0] * 3, PROMPTS[1] * 7):  # 90 tokens (past the switch at prefill), 77 (crosses at step 11)
-        _, last = torch_greedy(hf, prompt, 16, lambda: None)  # the prompt's last logits, then 15 steps'
-        ours = _decode(dec, [prompt], 15, capacity=128)
-        ref = torch.stack([torch.as_tensor(x) for x in last])
-        torch.testing.assert_close(torch.stack([o[0] for o in ours]), ref, rtol=1e-4, atol=1e-4)
+    prompt = PROMPTS[1] * 7
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+    ref = torch.stack(out.logits)[:, 0]
+    ours = torch.stack([torch.as_tensor(x) for x in torch_greedy(hf, prompt, 16, lambda: None)[1]])
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    with torch.no_grad():  # the cache kept across the switch
+        first = hf(torch.tensor([prompt + tokens[:11]]), use_cache=True)
+        kept = hf(torch.tensor([tokens[11:12]]), past_key_values=first.past_key_values).logits[0, -1]
+    assert float((kept - ref[12]).abs().max()) > 1e-2
 
 
 def test_a_window_or_norm_off_by_one_would_show(tiny_checkpoints):

@@ -243,3 +243,50 @@ def test_random_load_keeps_the_invariants(requests, num_blocks, block_size, cach
                     sched.release(c.seq)
     assert not sched.running and not sched.waiting
     assert all(len(s.output_ids) == s.params.max_tokens for s in seqs) and bm.num_used == 0
+
+
+def test_longrope_blocks_are_keyed_by_the_table_their_kv_took():
+    """A LongRoPE model (switch at 8 tokens): a short prompt's blocks never serve a long prompt with the
+    same start (its KV took the short factors), a long prompt's serve a later long one; another
+    model's keys are as they were."""
+    bm = BlockManager(num_blocks=16, block_size=4, longrope_switch=8)
+    short, long, again = seq(range(8), "s"), seq(range(12), "l"), seq(range(12), "a")
+    bm.allocate(short)
+    assert not short.long_rope
+    computed(short)
+    bm.commit(short)
+    bm.free(short)
+    assert bm.num_cached == 2  # its two full blocks, keyed
+    assert bm.can_allocate(long)
+    bm.allocate(long)
+    assert long.long_rope and long.num_cached == 0  # a different chain: no hit
+    computed(long)
+    bm.commit(long)
+    bm.allocate(again)
+    assert again.long_rope and again.num_cached == 8 and again.block_ids[:2] == long.block_ids[:2]
+    plain = BlockManager(num_blocks=4, block_size=4)
+    first = seq(range(8))
+    plain.allocate(first)
+    computed(first)
+    plain.commit(first)
+    assert plain.keys[first.block_ids[0]] == block_manager.block_hash(None, [0, 1, 2, 3])
+
+
+def test_a_longrope_sequence_growing_past_the_switch_recomputes_unpreempted():
+    """It gives its blocks back and prefills prompt and output again, with the long factors, in the
+    same step (runtime/engine/longrope.py)."""
+    bm = BlockManager(num_blocks=16, block_size=4, longrope_switch=8)
+    scheduler = TokenScheduler(bm, max_rows=2, max_num_tokens=16, max_queue_size=4)
+    s = seq(range(6))
+    scheduler.add(s)
+    plan = scheduler.schedule()
+    assert [c.token_ids for c in plan] == [list(range(6))] and not s.long_rope
+    for i, token in enumerate((6, 7, 8)):  # the graph wrote what was fed; then a token is sampled
+        scheduler.computed(plan[0])
+        s.status = Status.decoding
+        s.output_ids.append(token)
+        plan = scheduler.schedule()
+        if i < 2:  # 7, then 8 tokens: it decodes on its short-factor KV
+            assert [(c.token_ids, c.past_len) for c in plan] == [([token], 6 + i)]
+    assert [(c.token_ids, c.past_len) for c in plan] == [(list(range(9)), 0)]  # 9 tokens: all again, long
+    assert s.long_rope and s.status is Status.prefilling and scheduler.num_preemptions == 0

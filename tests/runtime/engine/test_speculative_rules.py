@@ -171,3 +171,12 @@ def test_a_step_plan_takes_a_drafts_proposals_into_its_reservations_and_gives_un
     assert plan.reserved == [] and blocks.num_free == 3 and len(plan[1].seq.block_ids) == 2
     assert [(c.token_ids, c.proposals) for c in plan] == [([1, 5, 6], [5, 6]), ([7], [])]
     assert [r.num_logits for r in plan.row_steps()] == [3, 1]
+
+
+def test_a_short_longrope_sequence_verifies_no_position_past_the_switch():
+    """runtime/engine/longrope.py: 13 tokens with the switch at 16 may verify 3 proposals (positions 13-15
+    give the logits of sequences of 14-16 tokens); at 16 tokens none; past the switch k again."""
+    spec = Speculator.from_config(SPEC, capacity=64, longrope_switch=16)
+    for num_tokens, room in ((13, 3), (16, 0), (17, 4), (40, 4)):
+        assert spec.limit(Sequence("s", list(range(num_tokens)), SamplingParams(max_tokens=9)), 8) == room, num_tokens
+    assert Speculator.from_config(SPEC, capacity=64).limit(Sequence("s", list(range(13)), SamplingParams()), 8) == 4
