@@ -57,7 +57,7 @@ class _Noisy:
     """A Runner whose logits are off by noise of amplitude `amp` (what a broken engine looks like)."""
 
     def __init__(self, runner, amp):
-        self.runner, self.amp, self.rows, self.capacity = runner, amp, runner.rows, runner.capacity
+        self.runner, self.amp, self.rows, self.capacity, self.layout = runner, amp, runner.rows, runner.capacity, runner.layout
 
     def step(self, *args, **kwargs):
         logits = self.runner.step(*args, **kwargs)
