@@ -110,6 +110,29 @@ def smollm2() -> Path:
     return SMOLLM2
 
 
+# The files that took longest (pytest --durations, on 2 cores), slowest first: scheduling only, no effect on results
+HEAVIEST = ["e2e/test_scaleout.py", "e2e/test_smollm2.py", "e2e/test_draft_smollm2.py", "gpu/test_kernels.py",
+            "compiler/models/test_family_builds.py", "runtime/engine/test_beam.py", "e2e/test_execution_env.py",
+            "llmc/test_cli.py", "e2e/test_families_serving.py", "compiler/quantize/test_families.py"]
+
+
+def pytest_collection_modifyitems(items):
+    """Heaviest files first: HEAVIEST, then files with `slow` tests, then files starting Triton, then the rest;
+    each file's own order kept. scripts/test.sh hands whole files to two workers in this order, so the long ones
+    start early instead of running alone at the end."""
+    def weight(item) -> int:
+        path = item.path.relative_to(Path(__file__).parent).as_posix()
+        if path in HEAVIEST:
+            return HEAVIEST.index(path)
+        marks = {m.name for m in item.iter_markers()}
+        return len(HEAVIEST) + (0 if "slow" in marks else 1 if "triton" in marks else 2)
+
+    rank: dict[Path, int] = {}
+    for item in items:
+        rank[item.path] = min(rank.get(item.path, 99), weight(item))
+    items.sort(key=lambda item: rank[item.path])
+
+
 @pytest.fixture(autouse=True)
 def _quiet_threads(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "2"))
@@ -191,13 +214,15 @@ def complete_on_triton(repository: Path, tmp_path: Path, prompts: list[str], max
 class BackgroundLoad:
     """Threads streaming greedy requests of exactly `max_tokens` tokens until stopped: the times of
     the requests that completed whole, and the errors of the others. Leaving the block stops them
-    and checks that every thread returned (nothing hangs)."""
+    and checks that every thread returned (nothing hangs). `pause`: seconds a thread waits between
+    its requests, so a load meant to be in flight during something else (a deploy, a model load on
+    the same 2 cores) does not starve it."""
 
     def __init__(self, url: str, model: str = "tiny", *, workers: int = 3, max_tokens: int = 24,
-                 timeout: float | None = None):
+                 timeout: float | None = None, pause: float = 0.0):
         import threading
 
-        self.url, self.model, self.max_tokens, self.timeout = url, model, max_tokens, timeout
+        self.url, self.model, self.max_tokens, self.timeout, self.pause = url, model, max_tokens, timeout, pause
         self.ok: list[float] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -218,6 +243,7 @@ class BackgroundLoad:
                 if len(gen.output_ids) != self.max_tokens:
                     raise GenerationError(f"{len(gen.output_ids)} tokens, not {self.max_tokens}")
                 self.ok.append(time.monotonic())
+                self._stop.wait(self.pause)
             except GenerationError as err:
                 self.errors.append(str(err))
                 time.sleep(0.05)

@@ -32,13 +32,27 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def _shm_of(pid: int) -> set[str]:
+    """The shared-memory regions of the Python-backend stubs below `pid` (each stub is handed its region's name
+    on its command line): this server's only, not those of servers other tests run at the same time."""
+    names, parents = set(), [pid]
+    while parents:
+        for child in children_of(parents.pop()):
+            parents.append(child)
+            try:
+                args = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            names |= {a.decode() for a in args if a.startswith(b"triton_python_backend_shm_region")}
+    return names
+
+
 def _llmc(*args, env):
     return subprocess.run([str(LLMC), *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_serve_generate_and_sigterm_stop_clean(tiny_build, env, tmp_path):
     ports = [free_port() for _ in range(4)]
-    before = _shm()
     log = open(tmp_path / "serve.err", "w+")
     serve = subprocess.Popen([str(LLMC), "serve", tiny_build.output, "--http-port", str(ports[0]), "--grpc-port",
                               str(ports[1]), "--metrics-port", str(ports[2]), "--openai-port", str(ports[3])],
@@ -52,6 +66,8 @@ def test_serve_generate_and_sigterm_stop_clean(tiny_build, env, tmp_path):
         assert f"127.0.0.1:{ports[1]}" in banner and "/v2/models/tiny/generate" in banner
         children = set(children_of(serve.pid))
         assert children  # tritonserver
+        regions = _shm_of(serve.pid)
+        assert regions and regions <= _shm()  # the stubs' regions, as /dev/shm names them
 
         url = f"127.0.0.1:{ports[1]}"
         res = _llmc("generate", "--url", url, "hello", "--max-tokens", "6", env=env)
@@ -79,7 +95,7 @@ def test_serve_generate_and_sigterm_stop_clean(tiny_build, env, tmp_path):
     assert "stopped" in (tmp_path / "serve.err").read_text()
     time.sleep(0.5)
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # no stray server or stub
-    assert _shm() - before == set()
+    assert regions & _shm() == set()  # removed with the stubs
 
 
 def test_serve_refuses_a_busy_port_and_a_folder_without_a_repository(tiny_build, env, tmp_path):
