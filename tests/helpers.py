@@ -1,15 +1,27 @@
 """Helpers shared by tests in several folders: a truncated checkpoint as a draft, a metrics recorder,
-a built version served with and without speculation, and an engine run to the end on greedy prompts."""
+a built version served with and without speculation, an engine run to the end on greedy prompts, and
+pairwise parametrization."""
 
 from __future__ import annotations
 
 import shutil
 import time
 
+import pytest
+
 from conftest import RecordingSink, request_inputs
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.serving.loop import ServingLoop
 from llmc.runtime.serving.metrics import ServingMetrics
+
+
+def all_pairs(**levels):
+    """`pytest.mark.parametrize` over cases holding every pair of values of any two parameters (allpairspy),
+    not the whole product: each two-way interaction is covered in a fraction of the cases (9 for 3x3x2x2,
+    not 36). For sweeps whose cases cost seconds each, such as the GPU kernels run by Triton's interpreter."""
+    from allpairspy import AllPairs
+
+    return pytest.mark.parametrize(", ".join(levels), [tuple(case) for case in AllPairs(list(levels.values()))])
 
 
 def run_greedy(engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:

@@ -13,6 +13,7 @@ pytest.importorskip("triton", reason="the kernels need OpenAI Triton (installed 
 
 import torch  # noqa: E402
 
+from helpers import all_pairs  # noqa: E402
 from llmc.plugins.op.attention import reference_attention  # noqa: E402
 from llmc.plugins.gpu.kernels import decode_splits, fused_attention  # noqa: E402
 from llmc.plugins.gpu.kernels_aot import PluginKernel, entry_params, one_launch_attention, trim_params  # noqa: E402
@@ -37,6 +38,9 @@ def _case(batch, new, heads, kv_heads, head_dim, capacity, positions, dtype, rot
 
 
 KERNELS = {"three launches": fused_attention, "one launch": one_launch_attention}
+# each interpreted case costs seconds: the sweeps over these take every pair of values (all_pairs), not the product
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+GQA = [(4, 4), (6, 2), (8, 1)]  # (heads, kv_heads): GQA ratios 1, 3, 8
 
 
 def _compiled(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -60,21 +64,16 @@ def _check(case, scale, kernel=fused_attention, features=(), **kwargs):
     torch.testing.assert_close(vc2.float(), ref_v.float(), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])  # GQA ratios 1, 3, 8
-@pytest.mark.parametrize("rotary", [False, True])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_prefill_matches_the_reference(dtype, heads, kv_heads, rotary, kernel):
+@all_pairs(dtype=DTYPES, gqa=GQA, rotary=[False, True], kernel=list(KERNELS))
+def test_prefill_matches_the_reference(dtype, gqa, rotary, kernel):
     # odd prompt length, rows at different positions (one continuing a prefix), capacity not a block multiple
-    case = _case(2, 19, heads, kv_heads, 24, 53, [0, 21], dtype, rotary)
+    case = _case(2, 19, *gqa, 24, 53, [0, 21], dtype, rotary)
     _check(case, 24 ** -0.5, KERNELS[kernel])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_decode_matches_the_reference_for_rows_of_mixed_lengths(dtype, heads, kv_heads, kernel):
-    case = _case(3, 1, heads, kv_heads, 32, 150, [0, 37, 149], dtype, rotary=True, seed=1)
+@all_pairs(dtype=DTYPES, gqa=GQA, kernel=list(KERNELS))
+def test_decode_matches_the_reference_for_rows_of_mixed_lengths(dtype, gqa, kernel):
+    case = _case(3, 1, *gqa, 32, 150, [0, 37, 149], dtype, rotary=True, seed=1)
     _check(case, 32 ** -0.5, KERNELS[kernel])
 
 

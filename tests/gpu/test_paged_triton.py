@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="the kernels need OpenAI Triton (installed 
 
 import torch  # noqa: E402
 
+from helpers import all_pairs  # noqa: E402
 from llmc.plugins.op.attention import reference_paged_attention  # noqa: E402
 from llmc.plugins.gpu.paged_kernels import BLOCK_M, attention_grid, paged_attention  # noqa: E402
 from llmc.plugins.gpu.paged_kernels_aot import paged_attention_one_launch  # noqa: E402
@@ -70,13 +71,12 @@ def check(case, kernel, tol=None, **options):
     torch.testing.assert_close(value_cache.float().cpu(), ref[2].float(), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])  # GQA ratios 1, 3, 8
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_mixed_rows_match_the_reference(dtype, heads, kv_heads, kernel):
+# each interpreted case costs seconds: every pair of values (all_pairs), not the product; GQA ratios 1, 3, 8
+@all_pairs(dtype=[torch.float32, torch.float16, torch.bfloat16], gqa=[(4, 4), (6, 2), (8, 1)], kernel=list(KERNELS))
+def test_mixed_rows_match_the_reference(dtype, gqa, kernel):
     # a decode row straddling a block boundary, an empty row, a chunk with a past across blocks, a prompt
     # of many tokens after a past (chunked prefill / verification), rotary in the op
-    case = make_case([1, 0, 5, 21], [12, 3, 6, 9], heads, kv_heads, 16, 4, dtype, rotary_dim=16)
+    case = make_case([1, 0, 5, 21], [12, 3, 6, 9], *gqa, 16, 4, dtype, rotary_dim=16)
     check(case, KERNELS[kernel])
 
 
