@@ -35,8 +35,8 @@ def example_build(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["fused", "reference"])
-def test_example_build_passes_verification(example_build, attention):
+@pytest.mark.parametrize("attention", ["paged", "fused"])  # the default and the slot graph; `reference` (plain
+def test_example_build_passes_verification(example_build, attention):  # ONNX ops) is verified on every tiny family
     result = example_build(attention)
     assert result.exported.lowering.value == attention
     m = result.exported.model
@@ -50,11 +50,11 @@ def test_example_build_passes_verification(example_build, attention):
 
 @pytest.fixture(scope="module")
 def served_example(example_build, tmp_path_factory):
-    """The fused build served by one Triton server for this module's serving tests."""
+    """The example as built by default (the paged graph) served by one Triton server for this module's serving tests."""
     from llmc.triton_server import TritonServer, assemble
 
     serving_env()  # skips without .venv-serving
-    result = example_build("fused")
+    result = example_build("paged")
     root = tmp_path_factory.mktemp("served_example")
     with TritonServer(result.repository, server_dir=assemble(root / "server"), serving_env=SERVING_ENV,
                       log_path=root / "server.log") as server:
