@@ -134,9 +134,13 @@ class GuideMatcher:
             rows.append(next_token_bitmask([self], [end_ids], model_end_ids, vocab_size))
             if j < len(tokens):
                 self.consume(tokens[j])
-        if tokens and not self._m.rollback(len(tokens)):
-            raise RuntimeError(f"the grammar could not roll back {len(tokens)} tokens: {self._m.get_error()}")
+        self.rollback(len(tokens))
         return np.concatenate(rows)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` consumed (proposals tried, not kept)."""
+        if num_tokens and not self._m.rollback(num_tokens):
+            raise RuntimeError(f"the grammar could not roll back {num_tokens} tokens: {self._m.get_error()}")
 
     @property
     def is_stopped(self) -> bool:

@@ -66,7 +66,7 @@ class PagedEngine:
         # itl_ratio: cap a step's prompt tokens so it stays within that many decode steps (step_cost.py)
         self.cost = StepCost(itl_ratio) if itl_ratio else None
         self.speculator = Speculator.from_config(speculative, max_seq_len) if speculative else None
-        self.drafter = DraftProposer(draft, runner.vocab_size) if draft is not None else None
+        self.drafter = DraftProposer(draft, runner.vocab_size, end_ids) if draft is not None else None
         self.scheduler = TokenScheduler(self.blocks, max_rows=max_rows, max_num_tokens=max_num_tokens,
                                         max_queue_size=max_queue_size, capacity=max_seq_len,
                                         speculator=self.speculator, fast_forward=fast_forward)

@@ -169,9 +169,8 @@ class TokenScheduler(WaitingQueue):
             if chunk.seq.beam is not None or chunk.forced:  # beams pick by score over W rows; forced tokens are in
                 continue
             guide = chunk.seq.guide
-            if guide is not None and self.speculator.drafts:  # a draft's proposals know no grammar
-                continue
             if self.speculator.drafts:  # blocks for the most the draft may propose; it fills them after scheduling
+                # (a guided row's draft proposes under its grammar's mask, draft.py)
                 limit = self.speculator.limit(chunk.seq, spare)
                 if limit and self.blocks.can_append(chunk.seq, limit):
                     self.blocks.append(chunk.seq, limit)
