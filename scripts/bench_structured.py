@@ -215,8 +215,10 @@ def fast_forward(engine, compiler, prompt_ids, passes: int, tokens: int) -> None
                 forced += engine.scheduler.num_forced_tokens - before
         engine.scheduler.fast_forward = True
         off, on = statistics.median(rates[False]), statistics.median(rates[True])
+        paired = statistics.median(b / a for a, b in zip(rates[False], rates[True]))  # each pass against its neighbour
         print(f"4. fast-forward, {rows} constrained stream(s) x {tokens} tokens (temperature {temperature}), medians of "
-              f"{passes} alternating passes: off {off:.1f}, on {on:.1f} tokens/s, ratio {on / off:.2f}; "
+              f"{passes} alternating passes: off {off:.1f}, on {on:.1f} tokens/s, ratio {on / off:.2f} "
+              f"(median of the passes' ratios {paired:.2f}); "
               f"{forced / (passes * rows * tokens):.0%} of tokens fast-forwarded; steps a pass "
               f"{statistics.median(steps[False])} off, {statistics.median(steps[True])} on "
               f"(passes off: {', '.join(f'{r:.1f}' for r in rates[False])}; on: {', '.join(f'{r:.1f}' for r in rates[True])})")

@@ -27,6 +27,12 @@ The proposals are drawn from the draft's distributions after the request's proce
 counted as output), with the request's own generator, so a seeded request repeats itself; a greedy
 row proposes the draft's argmax. A sampling row's distributions travel with its chunk to the
 rejection rule; a greedy row's are point masses and need none.
+
+A guided row (structured output) proposes under its grammar's mask: the draft's logits are masked
+by the grammar after the proposals so far (the matcher consumes each proposal as it is drawn and is
+rolled back once the row's proposals are made), the row stops before an end id and after a proposal
+that completes the grammar, and the target verifies each position under the same masks
+(speculative.py), so a greedy guided row's output is the same with a draft as without.
 """
 
 from __future__ import annotations

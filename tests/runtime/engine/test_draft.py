@@ -1,6 +1,6 @@
 """Draft-model speculative decoding in the paged engine (runtime/engine/draft.py, speculative.py's `reject`):
-greedy outputs with a draft equal those without, token for token, at batch 1, under concurrent load
-and with preemption; the general rejection rule keeps the target's distribution (synthetic p and q,
+greedy outputs with a draft equal those without, token for token, at batch 1, under concurrent load,
+with preemption and for guided rows (proposed under their grammar); the general rejection rule keeps the target's distribution (synthetic p and q,
 many draws); `distributions` is what sample_rows draws from; and end to end on a tiny model the first
 speculated position follows the target's distribution while the draft's is far from it."""
 

@@ -1,8 +1,9 @@
 """Guided requests in the paged engine on a real (tiny, random) paged graph: the output always obeys
 the guide and ends where the grammar ends; a guided request's greedy output is the same alone and
-among unguided requests, and with prompt-lookup speculation on or off (guided rows take no
-proposals; the others still speculate in the same steps); max_tokens still truncates; beam search
-with a guide is refused naming the input."""
+among unguided requests, with prompt-lookup speculation on or off (guided rows take the proposals
+their grammar accepts; the others speculate in the same steps), and with the fast-forward of forced
+tokens on or off (log probabilities included); max_tokens still truncates; beam search with a guide
+is refused naming the input."""
 
 import json
 
