@@ -9,13 +9,17 @@
 2. throughput: 16 streams at once (temperature 0.8), all constrained by one JSON schema against the
    same 16 unconstrained, each generating exactly --tokens tokens, passes taking turns; aggregate generated tokens/s, medians of --passes passes
    (the issue's target: constrained at least 0.9x unconstrained).
-3. the mask's alternatives, replayed on the states of the constrained run (SmolLM2's own logits and
-   each row's matcher, captured step by step): always masking (fill the 16 rows' bitmask, apply,
-   sample) against llama.cpp's way (sample first, check the token, mask and sample again only on a
-   rejection: what the engine does for rows whose draw ranks nothing, core.py); and how many steps
-   have exactly one allowed token (what fast-forwarding would skip).
+3. the mask's alternatives, replayed on the states of the constrained runs without fast-forward
+   (SmolLM2's own logits and each row's matcher, captured step by step): always masking (fill the 16
+   rows' bitmask, apply, sample) against llama.cpp's way (sample first, check the token, mask and
+   sample again only on a rejection: what the engine does for rows whose draw ranks nothing,
+   core.py); and how many steps have exactly one allowed token (what fast-forwarding skips).
+4. fast-forward: the constrained load with the engine's fast-forward of forced tokens off and on
+   (token_scheduler.py), passes alternating, at 16 streams and at one greedy stream: tokens/s
+   medians and their ratio, the share of tokens fast-forwarded, the steps each run took.
 
     PYTHONPATH=.view .venv/bin/python -P scripts/bench_structured.py --build BUILD --schemas JSONSCHEMABENCH
+        [--parts compile,throughput,fastforward] [--passes N]
         BUILD: a SmolLM2 build with a paged graph (default: build/bench/paged/structured-fp32, built on first use)
         JSONSCHEMABENCH: a checkout of https://github.com/guidance-ai/jsonschemabench (default: cloned into
         build/bench/jsonschemabench)
@@ -127,25 +131,27 @@ def load(build: Path):
     return engine, Tokenizer.from_file(str(version / m.tokenizer)), list(m.end_ids), runner.vocab_size
 
 
-def run_batch(engine, prompt_ids, params, guides) -> tuple[float, int]:
-    start = time.perf_counter()
-    for i in range(ROWS):
-        engine.add_request(f"r{i}", prompt_ids, params[i], guide=guides[i] if guides else None)
-    tokens = 0
+def run_batch(engine, prompt_ids, params, guides) -> tuple[float, int, int]:
+    """One request per entry of `params` at once, until all finish: seconds, tokens generated, steps."""
+    start, steps, tokens = time.perf_counter(), 0, 0
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", prompt_ids, p, guide=guides[i] if guides else None)
     while engine.has_work:
         tokens += sum(len(out.token_ids) for out in engine.step())
-    return time.perf_counter() - start, tokens
+        steps += 1
+    return time.perf_counter() - start, tokens, steps
 
 
 def capture(engine):
-    """Record each guided sampling pass: the rows' logits and a copy of each matcher before the token."""
+    """Record each guided sampling pass (of steps without fast-forward): the rows' logits and a copy
+    of each matcher before the token."""
     from llmc.runtime.decoding.grammar import GuideMatcher
 
     seen, sample = [], engine.core.sample
 
     def recording(seqs, logits, sampled):
         guided = [(i, s) for i, s in enumerate(seqs) if s.guide is not None]
-        if guided:
+        if guided and not engine.scheduler.fast_forward:
             seen.append((logits[[i for i, _ in guided]].copy(),
                          [GuideMatcher(s.guide.llmatcher.deep_copy(), s.guide.vocab_size) for _, s in guided]))
         sample(seqs, logits, sampled)
@@ -184,6 +190,40 @@ def strategies(seen, end_ids, vocab: int) -> None:
           f"{forced}/{rows} rows had exactly one allowed token (fast-forward candidates)")
 
 
+def fast_forward(engine, compiler, prompt_ids, passes: int, tokens: int) -> None:
+    """The constrained load with fast-forward off and on, passes alternating, at 16 streams
+    (temperature 0.8) and at one greedy stream: tokens/s medians, their ratio, the share of tokens
+    fast-forwarded (fed as proposals, no step of their own) and the steps each run took."""
+    from llmc.runtime.decoding.grammar import Guide
+    from llmc.runtime.decoding.sampling import SamplingParams
+
+    for rows, temperature in ((ROWS, 0.8), (1, 0.0)):
+        params = [SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=temperature, seed=i)
+                  for i in range(rows)]
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        steps: dict[bool, list[int]] = {False: [], True: []}
+        forced = 0
+        for _ in range(passes):
+            for on in (False, True):
+                engine.scheduler.fast_forward = on
+                guides = [compiler.compile(Guide("json_schema", json.dumps(SCHEMA))) for _ in range(rows)]
+                before = engine.scheduler.num_forced_tokens
+                seconds, generated, n = run_batch(engine, prompt_ids, params, guides)
+                assert generated == rows * tokens, (rows, on, generated)
+                rates[on].append(generated / seconds)
+                steps[on].append(n)
+                forced += engine.scheduler.num_forced_tokens - before
+        engine.scheduler.fast_forward = True
+        off, on = statistics.median(rates[False]), statistics.median(rates[True])
+        paired = statistics.median(b / a for a, b in zip(rates[False], rates[True]))  # each pass against its neighbour
+        print(f"4. fast-forward, {rows} constrained stream(s) x {tokens} tokens (temperature {temperature}), medians of "
+              f"{passes} alternating passes: off {off:.1f}, on {on:.1f} tokens/s, ratio {on / off:.2f} "
+              f"(median of the passes' ratios {paired:.2f}); "
+              f"{forced / (passes * rows * tokens):.0%} of tokens fast-forwarded; steps a pass "
+              f"{statistics.median(steps[False])} off, {statistics.median(steps[True])} on "
+              f"(passes off: {', '.join(f'{r:.1f}' for r in rates[False])}; on: {', '.join(f'{r:.1f}' for r in rates[True])})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", type=Path)
@@ -192,15 +232,14 @@ def main() -> None:
     parser.add_argument("--validate", type=int, default=60)
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--parts", default="compile,throughput,fastforward",
+                        help="which to run: compile (1), throughput (2), fastforward (4 and, from its passes, 3)")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     from llmc.runtime.decoding.grammar import Guide, GuideCompiler
     from llmc.runtime.decoding.sampling import SamplingParams
 
-    root = args.schemas or REPO / "build" / "bench" / "jsonschemabench"
-    if not (root / "data").is_dir():
-        subprocess.run(["git", "clone", "--depth", "1", "https://github.com/guidance-ai/jsonschemabench", str(root)],
-                       check=True)
     build = args.build or build_variant("structured-fp32", "paged")
     engine, tokenizer, end_ids, vocab = load(build)
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
@@ -208,7 +247,38 @@ def main() -> None:
     start = time.perf_counter()
     compiler.compile(Guide("regex", "x"))
     print(f"llguidance's tokenizer for SmolLM2 (once per model): {time.perf_counter() - start:.2f} s")
+    if "compile" in parts:
+        compile_part(compiler, tokenizer, end_ids, vocab, args)
 
+    prompt_ids = tokenizer.encode(PROMPT).ids
+    params = [SamplingParams(max_tokens=args.tokens, min_tokens=args.tokens, temperature=0.8, seed=i) for i in range(ROWS)]
+    run_batch(engine, prompt_ids, params, None)  # warm-up
+    if "throughput" in parts:
+        rates: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
+        for i in range(args.passes):
+            for name in rates:
+                guides = [compiler.compile(Guide("json_schema", json.dumps(SCHEMA))) for _ in range(ROWS)] \
+                    if name == "constrained" else None
+                seconds, tokens, _ = run_batch(engine, prompt_ids, params, guides)
+                assert tokens == ROWS * args.tokens, (name, tokens)
+                rates[name].append(tokens / seconds)
+            print(f"   pass {i + 1}: " + ", ".join(f"{n} {r[-1]:.1f} tokens/s" for n, r in rates.items()))
+        medians = {n: statistics.median(r) for n, r in rates.items()}
+        print(f"2. {ROWS} streams, up to {args.tokens} tokens each, medians of {args.passes} passes: "
+              + ", ".join(f"{n} {v:.1f} tokens/s" for n, v in medians.items())
+              + f"; ratio {medians['constrained'] / medians['unconstrained']:.2f} (target >= 0.9)")
+    if "fastforward" in parts:
+        seen = capture(engine)
+        fast_forward(engine, compiler, prompt_ids, args.passes, args.tokens)
+        strategies(seen, end_ids, vocab)
+    print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+
+
+def compile_part(compiler, tokenizer, end_ids, vocab: int, args) -> None:
+    root = args.schemas or REPO / "build" / "bench" / "jsonschemabench"
+    if not (root / "data").is_dir():
+        subprocess.run(["git", "clone", "--depth", "1", "https://github.com/guidance-ai/jsonschemabench", str(root)],
+                       check=True)
     sample = schemas(root, args.per_folder)
     times, refused, compiled = compile_times(compiler, sample)
     ms = np.array(times) * 1e3
@@ -218,26 +288,6 @@ def main() -> None:
         print(f"   {count:4d}  {why}")
     print(f"   outputs of {min(args.validate, len(compiled))} compiled schemas from random logits: "
           f"{dict(validate_outputs(compiled, tokenizer, end_ids, vocab, args.validate))}")
-
-    prompt_ids = tokenizer.encode(PROMPT).ids
-    params = [SamplingParams(max_tokens=args.tokens, min_tokens=args.tokens, temperature=0.8, seed=i) for i in range(ROWS)]
-    run_batch(engine, prompt_ids, params, None)  # warm-up
-    seen = capture(engine)
-    rates: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
-    for i in range(args.passes):
-        for name in rates:
-            guides = [compiler.compile(Guide("json_schema", json.dumps(SCHEMA))) for _ in range(ROWS)] \
-                if name == "constrained" else None
-            seconds, tokens = run_batch(engine, prompt_ids, params, guides)
-            assert tokens == ROWS * args.tokens, (name, tokens)
-            rates[name].append(tokens / seconds)
-        print(f"   pass {i + 1}: " + ", ".join(f"{n} {r[-1]:.1f} tokens/s" for n, r in rates.items()))
-    medians = {n: statistics.median(r) for n, r in rates.items()}
-    print(f"2. {ROWS} streams, up to {args.tokens} tokens each, medians of {args.passes} passes: "
-          + ", ".join(f"{n} {v:.1f} tokens/s" for n, v in medians.items())
-          + f"; ratio {medians['constrained'] / medians['unconstrained']:.2f} (target >= 0.9)")
-    strategies(seen, end_ids, vocab)
-    print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
 
 
 if __name__ == "__main__":

@@ -90,3 +90,26 @@ def torch_logprobs(model, prompt_ids, output_ids):
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + output_ids])).logits[0, len(prompt_ids) - 1:-1].double()
     return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def calls_of(message) -> list[tuple[str, dict]]:
+    """A whole reply's tool calls: (name, arguments)."""
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
+def streamed_calls(client, **kwargs) -> list[tuple[str, dict]]:
+    """The same request streamed: its tool calls gathered from `delta.tool_calls` by index (checking the
+    id and name come once, no content, and finish_reason tool_calls at the end)."""
+    calls, reasons = {}, []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        choice = chunk.choices[0]
+        reasons.append(choice.finish_reason)
+        assert not choice.delta.content
+        for piece in choice.delta.tool_calls or []:
+            call = calls.setdefault(piece.index, {"id": None, "name": None, "arguments": ""})
+            if piece.id:
+                assert call["id"] is None  # the id and name once
+                call["id"], call["name"] = piece.id, piece.function.name
+            call["arguments"] += piece.function.arguments or ""
+    assert reasons[-1] == "tool_calls"
+    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]

@@ -12,6 +12,18 @@ _BLOCK = 256  # the draw sums weights in blocks of this many tokens, then walks 
 _TINY_TEMPERATURE = 1e-30  # float32 division by a smaller temperature would make the winner 0 / 0
 
 
+class Uniforms:
+    """Uniform numbers drawn ahead, handed out in order by `random()` as a generator's would be: the
+    draws of a row whose uniforms were taken from its generator before it knew which draws it needs
+    (a guided row's unmasked draw and masked redraw, core.py and speculative.py)."""
+
+    def __init__(self, values: np.ndarray):
+        self._values = iter(np.asarray(values, dtype=np.float64).tolist())
+
+    def random(self) -> float:
+        return next(self._values)
+
+
 def weights(logits: np.ndarray, top: np.ndarray, temperature: np.ndarray) -> np.ndarray:
     """exp((logits - top) / temperature) in float32, `top` being each row's largest logit:
     unnormalized probabilities, the most likely token's exactly 1. Shifting before scaling sends a

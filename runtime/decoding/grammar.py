@@ -114,6 +114,17 @@ class GuideMatcher:
         n = next((i for i, t in enumerate(tokens) if t in end_ids or not 0 <= t < self.vocab_size), len(tokens))
         return self._m.validate_tokens(list(tokens[:n])) if n else 0
 
+    def forced_tokens(self, limit: int, end_ids: Sequence[int]) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here (llguidance's fast-forward tokens: its
+        forced bytes, tokenized), stopping before an end id or a token past the vocabulary; without
+        advancing. Not a promise that each is the only token the mask allows: the engine feeds them as
+        proposals, verified under the mask like any other (token_scheduler.py)."""
+        if limit < 1 or self._m.is_stopped():
+            return []
+        tokens = self._m.compute_ff_tokens()[:limit]
+        return tokens[:next((i for i, t in enumerate(tokens) if t in end_ids or not 0 <= t < self.vocab_size),
+                            len(tokens))]
+
     def bitmasks_along(self, tokens: Sequence[int], end_ids: Sequence[int], model_end_ids: Sequence[int],
                        vocab_size: int) -> np.ndarray:
         """The bitmask [len(tokens) + 1, W] of the next token after each prefix of `tokens` (tokens the
@@ -123,9 +134,13 @@ class GuideMatcher:
             rows.append(next_token_bitmask([self], [end_ids], model_end_ids, vocab_size))
             if j < len(tokens):
                 self.consume(tokens[j])
-        if tokens and not self._m.rollback(len(tokens)):
-            raise RuntimeError(f"the grammar could not roll back {len(tokens)} tokens: {self._m.get_error()}")
+        self.rollback(len(tokens))
         return np.concatenate(rows)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` consumed (proposals tried, not kept)."""
+        if num_tokens and not self._m.rollback(num_tokens):
+            raise RuntimeError(f"the grammar could not roll back {num_tokens} tokens: {self._m.get_error()}")
 
     @property
     def is_stopped(self) -> bool:
@@ -231,6 +246,12 @@ def set_end_ids(bitmask: np.ndarray, matchers: Sequence[GuideMatcher], end_ids: 
                     words[r, word] |= np.uint32(1 << bit)
                 else:
                     words[r, word] &= ~np.uint32(1 << bit)
+
+
+def allowed(bitmask_row: np.ndarray, token: int) -> bool:
+    """Whether one row of a bitmask [W] allows `token`."""
+    word, bit = divmod(token, 32)
+    return word < bitmask_row.shape[0] and bool((int(bitmask_row.view(np.uint32)[word]) >> bit) & 1)
 
 
 def apply_bitmask(logits: np.ndarray, rows: Sequence[int], bitmask: np.ndarray) -> np.ndarray:

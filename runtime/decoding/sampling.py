@@ -93,6 +93,13 @@ class SamplingParams(BaseModel):
     def make_rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
 
+    @property
+    def draws_first(self) -> bool:
+        """A guided row's token follows the masked distribution when drawn unmasked and redrawn masked
+        on a refusal: its draw ranks nothing among the tokens (top-k/p and min-p would rank the
+        allowed ones), so the engine masks it only when the grammar refuses its draw (core.py)."""
+        return self.is_greedy or (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0)
+
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: np.ndarray,
                     output_ids: np.ndarray) -> np.ndarray:

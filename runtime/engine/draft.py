@@ -31,12 +31,19 @@ The proposals are drawn from the draft's distributions after the request's proce
 counted as output), with the request's own generator, so a seeded request repeats itself; a greedy
 row proposes the draft's argmax. A sampling row's distributions travel with its chunk to the
 rejection rule; a greedy row's are point masses and need none.
+
+A guided row (structured output) proposes under its grammar's mask: the draft's logits are masked
+by the grammar after the proposals so far (the matcher consumes each proposal as it is drawn and is
+rolled back once the row's proposals are made), the row stops before an end id and after a proposal
+that completes the grammar, and the target verifies each position under the same masks
+(speculative.py), so a greedy guided row's output is the same with a draft as without.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from llmc.runtime.decoding.grammar import apply_bitmask, next_token_bitmask
 from llmc.runtime.decoding.sampling import distributions, draw_from, penalize
 from llmc.runtime.engine.step_plan import Chunk, StepPlan
 from llmc.runtime.runners.paged import PagedRunner
@@ -44,11 +51,11 @@ from llmc.runtime.runners.paged_batch import RowStep
 
 
 class DraftProposer:
-    def __init__(self, runner: PagedRunner, vocab_size: int):
+    def __init__(self, runner: PagedRunner, vocab_size: int, end_ids: tuple[int, ...] = ()):
         if runner.vocab_size != vocab_size:
             raise ValueError(f"the draft graph's vocabulary has {runner.vocab_size} ids and the target's {vocab_size}; "
                              "a draft must share the target's tokenizer and vocabulary")
-        self.runner = runner
+        self.runner, self.end_ids = runner, tuple(end_ids)  # end_ids: the model's (a guided row's mask)
 
     @property
     def nbytes(self) -> int:
@@ -76,12 +83,15 @@ class DraftProposer:
         dists: list[list[np.ndarray]] = [[] for _ in live]
         for step in range(max(limits)):
             going = [r for r in range(len(live)) if limits[r] > step]
+            if not going:  # every guided row stopped early
+                break
             if step:  # feed each going row its last proposal, at the position after its last token + step - 1
                 logits = self.runner.step([RowStep([proposals[r][-1]], seqs[r].num_tokens + step - 1,
                                                    seqs[r].block_ids, seq_len=seqs[r].num_tokens + step)
                                            for r in going])
             else:
                 logits = logits[going]
+            logits = self._masked(logits, [seqs[r] for r in going])
             greedy = [at for at, r in enumerate(going) if seqs[r].params.is_greedy]  # rows of `logits`
             hot = [at for at, r in enumerate(going) if not seqs[r].params.is_greedy]
             if greedy:  # a greedy row's q is a point mass on the penalized argmax: no array
@@ -94,9 +104,41 @@ class DraftProposer:
                 for r, dist in zip(rows, distributions(logits[hot], *_inputs(seqs, proposals, rows))):
                     proposals[r].append(draw_from(dist, seqs[r].rng))
                     dists[r].append(dist.astype(np.float32))
+            for r in going:
+                if seqs[r].guide is not None:
+                    limits[r] = self._advance(seqs[r], proposals[r], dists[r], limits[r])
         for i, seq, props, d in zip(live, seqs, proposals, dists):
             seq.draft_cached = seq.num_tokens + len(props) - 1  # the last token and proposals 1..k-1
-            plan.propose(i, props, np.stack(d) if d else None)
+            if seq.guide is not None:
+                seq.guide.rollback(len(props))  # advanced over its proposals while they were drawn
+            if props:
+                plan.propose(i, props, np.stack(d) if d else None)
+            else:  # a guided row whose grammar could only end: it decodes without
+                plan.withdraw(i)
+
+    def _masked(self, logits: np.ndarray, seqs: list) -> np.ndarray:
+        """`logits` with each guided row's masked by its grammar (advanced over its proposals so far), so
+        a guided row proposes only what its grammar takes: its greedy draft's argmax, or a draw from q
+        under the mask, which the target's verification compares with p under the same mask."""
+        guided = [r for r, seq in enumerate(seqs) if seq.guide is not None]
+        if not guided:
+            return logits
+        bitmask = next_token_bitmask([seqs[r].guide for r in guided], [seqs[r].params.end_ids for r in guided],
+                                     self.end_ids, logits.shape[1])
+        return apply_bitmask(logits, guided, bitmask)
+
+    @staticmethod
+    def _advance(seq, proposals: list[int], dists: list, limit: int) -> int:
+        """A guided row's grammar over its newest proposal; the row's new limit: it stops before an end
+        id (the target's own token decides the end) and after a proposal that completes the grammar."""
+        token = proposals[-1]
+        if token in seq.params.end_ids:
+            proposals.pop()
+            if dists:
+                dists.pop()
+            return len(proposals)
+        seq.guide.consume(token)
+        return len(proposals) if seq.guide.is_stopped else limit
 
     def _catch_up(self, chunks: list[Chunk]) -> tuple[list[bool], np.ndarray]:
         """One draft call feeding each row the tokens its draft KV lacks, up to its last, within the

@@ -17,6 +17,8 @@ fill the plan after scheduling, before the target's); the same call verifies the
 keep what the target accepts plus one token of its own (speculative.py), so such a row may gain
 several tokens a step. Greedy outputs are the tokens the rows would get without speculation; sampled ones
 follow the same distribution (and with prompt lookup are the same tokens for a seeded request).
+A guided row whose grammar forces its next tokens feeds them the same way, verified as proposals
+(`fast_forward`, token_scheduler.py), with or without `speculative`.
 
 A request with `beam_width` W > 1 (up to `max_beam_width`, serving.max_beam_width) runs beam
 search (runtime/engine/beam.py): its prompt prefills as one row, then its W beams decode as W rows of
@@ -50,7 +52,7 @@ class PagedEngine:
     def __init__(self, runner: PagedRunner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_rows: int,
                  max_seq_len: int, max_num_tokens: int, max_queue_size: int = 256, prefix_caching: bool = True,
                  itl_ratio: float | None = None, speculative: SpeculativeConfig | None = None,
-                 draft: PagedRunner | None = None, max_beam_width: int = 1):
+                 draft: PagedRunner | None = None, max_beam_width: int = 1, fast_forward: bool = True):
         if not 1 <= max_beam_width <= max_rows:
             raise ValueError(f"max_beam_width ({max_beam_width}) must be between 1 and max_rows ({max_rows}): a beam "
                              f"request's beams are rows of one step")
@@ -65,9 +67,10 @@ class PagedEngine:
         # itl_ratio: cap a step's prompt tokens so it stays within that many decode steps (step_cost.py)
         self.cost = StepCost(itl_ratio) if itl_ratio else None
         self.speculator = Speculator.from_config(speculative, max_seq_len, switch) if speculative else None
-        self.drafter = DraftProposer(draft, runner.vocab_size) if draft is not None else None
+        self.drafter = DraftProposer(draft, runner.vocab_size, end_ids) if draft is not None else None
         self.scheduler = TokenScheduler(self.blocks, max_rows=max_rows, max_num_tokens=max_num_tokens,
-                                        max_queue_size=max_queue_size, speculator=self.speculator)
+                                        max_queue_size=max_queue_size, capacity=max_seq_len,
+                                        speculator=self.speculator, fast_forward=fast_forward)
         self.core = EngineCore(self.scheduler, tokenizer, end_ids=end_ids, capacity=max_seq_len,
                                max_beam_width=max_beam_width)
 

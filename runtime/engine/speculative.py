@@ -39,6 +39,8 @@ import numpy as np
 
 from llmc.runtime.engine import longrope
 from llmc.runtime.engine.ngram import NgramProposer
+from llmc.runtime.decoding.draw import Uniforms
+from llmc.runtime.decoding.grammar import allowed, apply_bitmask
 from llmc.runtime.decoding.sampling import distributions, draw_from, sample_rows
 
 if TYPE_CHECKING:
@@ -77,12 +79,8 @@ class Speculator:
         return self.proposer is None
 
     def limit(self, seq: "Sequence", spare: int) -> int:
-        """How many proposals may follow `seq`'s last token: positions num_tokens-1 .. num_tokens-1+k
-        are written, so stay below capacity; the k+1 tokens kept at most stay within max_tokens; a
-        LongRoPE sequence short of the switch verifies no position past it."""
-        room = longrope.proposal_room(self.longrope_switch, seq.num_tokens)
-        return max(0, min(self.num_tokens, spare, self.capacity - seq.num_tokens,
-                          seq.params.max_tokens - len(seq.output_ids) - 1, spare if room is None else room))
+        """How many proposals may follow `seq`'s last token (room(), at most k)."""
+        return room(seq, min(self.num_tokens, spare), self.capacity, self.longrope_switch)
 
     def propose(self, seq: "Sequence", spare: int) -> list[int]:
         """Prompt-lookup proposals to follow `seq`'s last token, at most `spare`; [] to decode it normally."""
@@ -95,6 +93,16 @@ class Speculator:
     def count(self, proposed: int, accepted: int) -> None:
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+
+
+def room(seq: "Sequence", most: int, capacity: int, longrope_switch: int | None = None) -> int:
+    """How many tokens to verify (proposals, or forced tokens) may follow `seq`'s last token in one
+    step, at most `most`: positions num_tokens-1 .. num_tokens-1+n are written, so stay below
+    `capacity`; the n+1 tokens kept at most stay within max_tokens; a LongRoPE sequence short of the
+    switch verifies no position past it (longrope.py)."""
+    below_switch = longrope.proposal_room(longrope_switch, seq.num_tokens)
+    return max(0, min(most, capacity - seq.num_tokens, seq.params.max_tokens - len(seq.output_ids) - 1,
+                      most if below_switch is None else below_switch))
 
 
 def reject(p: np.ndarray, q: np.ndarray, proposals: list[int], rng: np.random.Generator) -> list[int]:
@@ -125,18 +133,26 @@ def verify(logits: np.ndarray, seqs: list["Sequence"], proposals: list[list[int]
     `logits` holds 1 + len(proposals[i]) rows per sequence, in order: the rows after its last token
     and after each proposal. A sequence without proposals gets the one token the plain sampler gives.
     `drafts[i]`, when given, is the draft's q [k, V] the proposals were drawn from: a sampling row
-    with one goes through `reject`; every other row through the point-mass rule. A guided row (prompt
-    lookup only: its proposals are what its grammar takes) draws each of its rows under the mask of
-    the grammar after the proposals before it (`end_ids`: the model's), so a greedy one keeps exactly
-    the tokens it would without speculation."""
+    with one goes through `reject`; every other row through the point-mass rule. A guided row's
+    proposals are tokens its grammar takes (prompt lookup's valid prefix, forced tokens, a draft's
+    draws under the mask), and each of its rows is drawn under the mask of the grammar after the
+    proposals before it (`end_ids`: the model's): a greedy one keeps exactly the tokens it would
+    without speculation, and a draft's sampling row compares p and q both under the mask."""
     drafts = drafts if drafts is not None else [None] * len(seqs)
     spans = logit_rows(proposals)
+    masks = {i: seq.guide.bitmasks_along(props, seq.params.end_ids, end_ids, logits.shape[1])
+             for i, (seq, props) in enumerate(zip(seqs, proposals)) if seq.guide is not None}
     general = [i for i, (seq, props, q) in enumerate(zip(seqs, proposals, drafts))
                if q is not None and props and not seq.params.is_greedy]
     kept: list[list[int] | None] = [None] * len(seqs)
     if general:
-        rows = np.concatenate([spans[i] for i in general])
-        p = distributions(logits[rows], *_row_inputs([seqs[i] for i in general], [proposals[i] for i in general]))
+        rows, at, masked = np.concatenate([spans[i] for i in general]), 0, []
+        for i in general:
+            masked += [at + j for j in range(len(spans[i]))] if i in masks else []
+            at += len(spans[i])
+        view = apply_bitmask(logits[rows], masked, np.concatenate([masks[i] for i in general if i in masks])) \
+            if masked else logits[rows]
+        p = distributions(view, *_row_inputs([seqs[i] for i in general], [proposals[i] for i in general]))
         at = 0
         for i in general:
             n = len(proposals[i]) + 1
@@ -146,7 +162,7 @@ def verify(logits: np.ndarray, seqs: list["Sequence"], proposals: list[list[int]
     if plain:
         rows = np.concatenate([spans[i] for i in plain])
         for i, tokens in zip(plain, _point_mass(logits[rows], [seqs[i] for i in plain], [proposals[i] for i in plain],
-                                                end_ids)):
+                                                [masks.get(i) for i in plain])):
             kept[i] = tokens
     return kept
 
@@ -164,30 +180,43 @@ def _row_inputs(seqs: list["Sequence"], proposals: list[list[int]]) -> tuple[lis
 
 
 def _point_mass(logits: np.ndarray, seqs: list["Sequence"], proposals: list[list[int]],
-                end_ids: tuple[int, ...] = ()) -> list[list[int]]:
-    """The rule for proposals from a point mass (prompt lookup, or any greedy row): draw each row's
-    token as the plain sampler would (a guided row's under its grammar's mask there), keep proposals
-    while they equal the draws."""
+                masks: list[np.ndarray | None]) -> list[list[int]]:
+    """The rule for proposals from a point mass (prompt lookup, forced tokens, or any greedy row):
+    draw each row's token as the plain sampler would (core.py), keep proposals while they equal the
+    draws. A guided row's `masks` [k + 1, W] are its grammar's after each proposal: a row drawn first
+    there draws unmasked and, where the grammar refuses that token, again under the mask, from two
+    uniforms a token as there; the other guided rows draw under the mask."""
     params, prompts, outputs = _row_inputs(seqs, proposals)
-    masked, masks, at = [], [], 0
-    for seq, props in zip(seqs, proposals):
-        if seq.guide is not None:
-            masked.extend(range(at, at + len(props) + 1))
-            masks.append(seq.guide.bitmasks_along(props, seq.params.end_ids, end_ids, logits.shape[1]))
-        at += len(props) + 1
-    rngs, states = [], []
-    for seq, props in zip(seqs, proposals):
-        states.append(seq.rng.bit_generator.state if props and not seq.params.is_greedy else None)
-        rngs.extend([seq.rng] * (len(props) + 1))  # sample_rows draws the rows' uniforms in row order
-    drawn = sample_rows(logits, params, prompts, outputs, rngs,
-                        (masked, np.concatenate(masks)) if masked else None).tolist()
-    kept, at = [], 0
-    for seq, props, state in zip(seqs, proposals, states):
-        row = drawn[at:at + len(props) + 1]
-        at += len(props) + 1
+    spans = logit_rows(proposals)
+    rngs, rewinds, redraws = [], [], {}
+    for i, (seq, props) in enumerate(zip(seqs, proposals)):
+        n, hot = len(props) + 1, not seq.params.is_greedy
+        twice = hot and masks[i] is not None and seq.params.draws_first
+        rewinds.append(seq.rng.bit_generator.state if hot and (props or twice) else None)
+        if twice:  # an unmasked draw and a redraw's uniform for each row, as core.py takes them
+            u = seq.rng.random(2 * n)
+            rngs.extend([Uniforms(u[0::2])] * n)
+            redraws[i] = u[1::2]
+        else:
+            rngs.extend([seq.rng] * n)  # sample_rows draws the rows' uniforms in row order
+    first = [i for i, m in enumerate(masks) if m is not None and seqs[i].params.draws_first]
+    upfront = [i for i, m in enumerate(masks) if m is not None and i not in first]
+    guided = (np.concatenate([spans[i] for i in upfront]), np.concatenate([masks[i] for i in upfront])) \
+        if upfront else None
+    drawn = sample_rows(logits, params, prompts, outputs, rngs, guided)
+    refused = [(i, j) for i in first for j, r in enumerate(spans[i]) if not allowed(masks[i][j], int(drawn[r]))]
+    if refused:
+        rows = [int(spans[i][j]) for i, j in refused]
+        drawn[rows] = sample_rows(logits[rows], [params[r] for r in rows], [prompts[r] for r in rows],
+                                  [outputs[r] for r in rows],
+                                  [Uniforms([redraws[i][j]]) if i in redraws else seqs[i].rng for i, j in refused],
+                                  (list(range(len(rows))), np.stack([masks[i][j] for i, j in refused])))
+    kept = []
+    for i, (seq, props, state) in enumerate(zip(seqs, proposals, rewinds)):
+        row = drawn[spans[i]].tolist()
         accepted = next((j for j, (x, t) in enumerate(zip(props, row)) if x != t), len(props))
         kept.append(row[:accepted + 1])
         if state is not None:  # consume only the kept tokens' uniforms, as the plain sampler would
             seq.rng.bit_generator.state = state
-            seq.rng.random(accepted + 1)
+            seq.rng.random((2 if i in redraws else 1) * (accepted + 1))
     return kept

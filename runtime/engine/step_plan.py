@@ -41,6 +41,7 @@ class Chunk:
     proposals: list[int] = field(default_factory=list)
     reserved: int = 0  # draft model: positions past the last token given blocks for the draft to fill (draft.py)
     draft: Any = None  # draft model, sampling row: the draft's distributions [k, V] the proposals came from
+    forced: bool = False  # the proposals are tokens the row's grammar forces (fast-forward), not guesses
     row: BeamRow | None = None  # one beam of a beam request (beam.py)
 
     @property
@@ -171,6 +172,9 @@ class StepPlan:
             chunk.seq.status = Status.decoding
             emitted = core.emit_all(chunk.seq, logits[picked[at:at + len(tokens)]], tokens, sampled)
             at += 1 + len(chunk.proposals)
-            self.scheduler.computed(chunk, accepted=min(len(tokens) - 1, emitted))
-            if chunk.proposals:
+            accepted = min(len(tokens) - 1, emitted)
+            self.scheduler.computed(chunk, accepted=accepted)
+            if chunk.forced:
+                self.scheduler.num_forced_tokens += accepted
+            elif chunk.proposals:
                 self.scheduler.speculator.count(len(chunk.proposals), len(tokens) - 1)

@@ -6,7 +6,8 @@ decode rows and prefill chunks.
                  and with speculation up to `max_batch` of them the proposals after it
                  (speculative.py; with a draft model, blocks reserved for the proposals
                  draft.py fills in after scheduling) when the spare tokens and free blocks allow
-                 and no more requests are in than `disable_batch_size`
+                 and no more requests are in than `disable_batch_size`; a guided row whose grammar
+                 forces its next tokens carries those instead (fast-forward, below)
                + partly prefilled sequences continue, oldest first
                + waiting sequences are admitted (their cached prefix reused) while rows, tokens
                  and blocks last
@@ -22,6 +23,15 @@ sequence is never corrupted: it either has blocks for every token it writes or i
 Rejected proposals roll back by the sequence's length not advancing past them (`computed`).
 A LongRoPE sequence that grows past the switch recomputes its KV the same way, not counted as a
 preemption (runtime/engine/longrope.py).
+
+Fast-forward (`fast_forward`, on by default): where a guided row's grammar forces the next tokens
+(a JSON schema's keys and punctuation: llguidance's fast-forward tokens, grammar.py), the row feeds
+them after its last token as proposals and the step verifies them under the grammar's mask at each
+position like prompt lookup's (speculative.py), so the row gains them and its own next token in
+one graph call instead of one call each. The verification makes them exact: a greedy row's tokens
+are those it samples without fast-forward, and every token, forced ones included, gets the log
+probabilities of its own logits row. scripts/bench_structured.py measured 1.1x the tokens/s at 16
+constrained streams and 1.4x at one (SmolLM2, a third of the tokens forced).
 
 A beam request (runtime/engine/beam.py) is one sequence here that counts `beam_width` rows from its
 admission on: it prefills its prompt as one row, then its beams decode as rows of their own, all
@@ -39,18 +49,19 @@ from llmc.runtime.engine import beam, longrope
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.core import WaitingQueue
 from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
-from llmc.runtime.engine.speculative import Speculator
+from llmc.runtime.engine.speculative import Speculator, room
 from llmc.runtime.engine.step_plan import Chunk, StepPlan
 
 
 class TokenScheduler(WaitingQueue):
     def __init__(self, blocks: BlockManager, *, max_rows: int, max_num_tokens: int, max_queue_size: int,
-                 speculator: Speculator | None = None):
+                 capacity: int, speculator: Speculator | None = None, fast_forward: bool = True):
         super().__init__(max_queue_size)
         self.blocks, self.max_rows, self.max_num_tokens = blocks, max_rows, max_num_tokens
-        self.speculator = speculator
+        self.capacity, self.speculator, self.fast_forward = capacity, speculator, fast_forward
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
+        self.num_forced_tokens = 0  # fast-forwarded tokens the step verified and kept, since start
 
     def schedule(self, prompt_cap: Callable[[int], int | None] | None = None) -> StepPlan:
         """The step's plan (step_plan.py); `prompt_cap(decode rows)` may cap its prompt tokens further
@@ -112,6 +123,8 @@ class TokenScheduler(WaitingQueue):
             if seq in self.running and not seq.is_finished:
                 self.blocks.append(seq)
                 chunks.append(Chunk(seq, [seq.all_token_ids()[-1]], seq.num_cached))
+        if self.fast_forward:
+            self._fast_forward(chunks)
         if self.speculator is not None:
             self._speculate(chunks)
         return len(chunks)
@@ -130,22 +143,40 @@ class TokenScheduler(WaitingQueue):
             copies.extend(self.blocks.make_writable(rows))
             chunks.extend(Chunk(seq, [row.token_ids[-1]], row.num_cached, row=row) for row in rows)
 
+    def _fast_forward(self, chunks: list[Chunk]) -> None:
+        """The tokens each guided decode row's grammar forces next (grammar.py's forced_tokens) after
+        its last token, within the step's spare tokens and the free blocks: fed as proposals and
+        verified under the grammar's masks like prompt lookup's (speculative.py), so the row takes
+        them and its own next token in one step, each with the log probabilities of its logits row."""
+        spare = self.max_num_tokens - len(chunks)
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            if spare < 1:
+                break
+            if seq.guide is None:
+                continue
+            forced = seq.guide.forced_tokens(room(seq, spare, self.capacity, self.blocks.longrope_switch),
+                                               seq.params.end_ids)
+            if forced and self.blocks.can_append(seq, len(forced)):
+                self.blocks.append(seq, len(forced))
+                chunks[i] = Chunk(seq, chunk.token_ids + forced, chunk.past_len, forced, forced=True)
+                spare -= len(forced)
+
     def _speculate(self, chunks: list[Chunk]) -> None:
         """Proposals after the last token of at most `max_batch` decode rows (the oldest that have
         any), within the step's spare tokens and the free blocks. Run once every decode row has its
         blocks, so speculation never takes a block a row needs for its own token, nor preempts anyone."""
         if len(self.running) + len(self.waiting) > self.speculator.disable_batch_size:
             return  # a full batch is compute-bound already; a draft would also catch up rows only to stop again
-        spare, rows = self.max_num_tokens - len(chunks), 0
+        spare, rows = self.max_num_tokens - sum(len(c.token_ids) for c in chunks), 0
         for i, chunk in enumerate(chunks):
             if spare < 1 or rows == self.speculator.max_batch:
                 break
-            if chunk.seq.beam is not None:  # beams pick tokens by score over W rows: nothing to verify
+            if chunk.seq.beam is not None or chunk.forced:  # beams pick by score over W rows; forced tokens are in
                 continue
             guide = chunk.seq.guide
-            if guide is not None and self.speculator.drafts:  # a draft's proposals know no grammar
-                continue
             if self.speculator.drafts:  # blocks for the most the draft may propose; it fills them after scheduling
+                # (a guided row's draft proposes under its grammar's mask, draft.py)
                 limit = self.speculator.limit(chunk.seq, spare)
                 if limit and self.blocks.can_append(chunk.seq, limit):
                     self.blocks.append(chunk.seq, limit)

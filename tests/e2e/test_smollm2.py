@@ -86,19 +86,29 @@ def test_example_served_through_triton_equals_pytorch_greedy(served_example, smo
     assert gen.text == tokenizer.decode(expected, skip_special_tokens=True)
 
 
-@pytest.mark.slow
-@pytest.mark.triton
-def test_example_chat_through_the_openai_api_equals_hf_greedy_continuation(served_example, smollm2_torch, smollm2):
-    """SmolLM2-Instruct's own chat template through /v1/chat/completions (whole and streamed) gives
-    HF's greedy continuation of apply_chat_template(messages, add_generation_prompt=True)."""
+@pytest.fixture(scope="module")
+def example_client(served_example):
+    """The official openai client on an OpenAI frontend in front of served_example's server."""
     import openai
-    from transformers import AutoTokenizer
 
-    from conftest import greedy_reference
     from llmc.openai.server import OpenAIServer
     from llmc.triton_server import free_port
 
-    result, server = served_example
+    with OpenAIServer([served_example[1].grpc_url], port=free_port()) as api:
+        yield openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+def test_example_chat_through_the_openai_api_equals_hf_greedy_continuation(served_example, example_client,
+                                                                            smollm2_torch, smollm2):
+    """SmolLM2-Instruct's own chat template through /v1/chat/completions (whole and streamed) gives
+    HF's greedy continuation of apply_chat_template(messages, add_generation_prompt=True)."""
+    from transformers import AutoTokenizer
+
+    from conftest import greedy_reference
+
+    result, _ = served_example
     model, _ = smollm2_torch
     messages = [{"role": "system", "content": "You are a concise assistant."},
                 {"role": "user", "content": "What is the capital of France?"}]
@@ -106,15 +116,46 @@ def test_example_chat_through_the_openai_api_equals_hf_greedy_continuation(serve
     ids = list(hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
     expected = greedy_reference(model, ids, 16, end_ids=result.manifest.end_ids)
     text = hf.decode(expected, skip_special_tokens=True)
-    with OpenAIServer([server.grpc_url], port=free_port()) as api:
-        client = openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0)
-        chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16,
-                                                     temperature=0, stream=True))
+    client = example_client
+    reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16,
+                                                 temperature=0, stream=True))
     assert reply.choices[0].message.content == text
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == len(expected)
     assert reply.choices[0].finish_reason == ("stop" if expected[-1] in result.manifest.end_ids else "length")
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# one earlier turn in llmc's default call format (SmolLM2's template renders an assistant turn's content)
+SHOWN = [{"role": "user", "content": "What is the weather in Oslo?"},
+         {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": "Oslo"}}'}]
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+def test_example_calls_a_tool_under_tool_choice_auto_whole_and_streamed(example_client):
+    """tool_choice auto on a real model: SmolLM2's template has no tool format, so it gets llmc's (a
+    system message listing the tools, a grammar that switches on at a call's first character). Shown
+    the format in one earlier turn, the model itself chooses: it calls get_weather for a weather
+    question (message.tool_calls, finish_reason tool_calls; streamed as delta.tool_calls, the id and
+    name once) and answers a greeting in text."""
+    from openai_server import calls_of, streamed_calls
+
+    kwargs = dict(model="smollm2", tools=[WEATHER_TOOL], max_tokens=40, temperature=0)
+    ask = SHOWN + [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = example_client.chat.completions.create(messages=ask, **kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert calls_of(choice.message) == [("get_weather", {"city": "Paris"})]
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert streamed_calls(example_client, messages=ask, **kwargs) == [("get_weather", {"city": "Paris"})]
+    greet = SHOWN + [{"role": "user", "content": "Hello! How are you?"}]
+    choice = example_client.chat.completions.create(messages=greet, **kwargs).choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+    assert choice.message.content and not choice.message.content.startswith("{")
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from openai_server import BUSY, MESSAGES
+from openai_server import BUSY, MESSAGES, calls_of, streamed_calls
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 LONG = BUSY  # tiny_chat with room for long outputs (max_seq_len 2048; one request at a time)
@@ -77,26 +77,6 @@ def test_json_object_and_structured_outputs(client):
         assert reply.choices[0].finish_reason == "stop" and ok(reply.choices[0].text), (name, reply.choices[0].text)
 
 
-def _calls(message):
-    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
-
-
-def _streamed_calls(client, **kwargs):
-    calls, reasons = {}, []
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        choice = chunk.choices[0]
-        reasons.append(choice.finish_reason)
-        assert not choice.delta.content
-        for piece in choice.delta.tool_calls or []:
-            call = calls.setdefault(piece.index, {"id": None, "name": None, "arguments": ""})
-            if piece.id:
-                assert call["id"] is None  # the id and name once
-                call["id"], call["name"] = piece.id, piece.function.name
-            call["arguments"] += piece.function.arguments or ""
-    assert reasons[-1] == "tool_calls"
-    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
-
-
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 def test_tool_choice_constrains_to_the_functions_and_streams_equal_whole(client, tool_choice):
@@ -104,14 +84,14 @@ def test_tool_choice_constrains_to_the_functions_and_streams_equal_whole(client,
     reply = client.chat.completions.create(**kwargs)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    calls = _calls(choice.message)
+    calls = calls_of(choice.message)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for name, arguments in calls:
         jsonschema.validate(arguments, schemas[name])
     if tool_choice != "required":
         assert [name for name, _ in calls] == ["get_weather"]
     assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls)
-    assert _streamed_calls(client, **kwargs) == calls  # greedy: the same calls, streamed by index
+    assert streamed_calls(client, **kwargs) == calls  # greedy: the same calls, streamed by index
     one = client.chat.completions.create(**{**kwargs, "parallel_tool_calls": False})
     assert len(one.choices[0].message.tool_calls) == 1
 
@@ -145,9 +125,9 @@ def test_tool_choice_auto_on_a_template_without_a_format_answers_text_or_a_valid
         choice = client.chat.completions.create(**kwargs).choices[0]
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls" and choice.message.content is None
-            (name, arguments), = _calls(choice.message)
+            (name, arguments), = calls_of(choice.message)
             jsonschema.validate(arguments, schemas[name])
-            assert _streamed_calls(client, **kwargs) == [(name, arguments)]
+            assert streamed_calls(client, **kwargs) == [(name, arguments)]
         else:
             assert not choice.message.content.lstrip().startswith("{")
             streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(

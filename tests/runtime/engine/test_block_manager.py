@@ -163,7 +163,7 @@ def test_prefix_caching_off_shares_nothing():
 
 
 def test_steps_mix_decode_rows_with_prompt_chunks_within_the_token_budget():
-    sched = TokenScheduler(BlockManager(64, 4), max_rows=8, max_num_tokens=16, max_queue_size=8)
+    sched = TokenScheduler(BlockManager(64, 4), max_rows=8, max_num_tokens=16, max_queue_size=8, capacity=1024)
     decoders = [seq(range(5), f"d{i}") for i in range(3)]
     for d in decoders:
         sched.add(d)
@@ -186,7 +186,7 @@ def test_steps_mix_decode_rows_with_prompt_chunks_within_the_token_budget():
 
 
 def test_rows_and_queue_are_bounded():
-    sched = TokenScheduler(BlockManager(64, 4), max_rows=2, max_num_tokens=64, max_queue_size=3)
+    sched = TokenScheduler(BlockManager(64, 4), max_rows=2, max_num_tokens=64, max_queue_size=3, capacity=1024)
     for i in range(3):
         sched.add(seq([1, 2, 3], f"r{i}"))
     with pytest.raises(QueueFull):
@@ -195,7 +195,7 @@ def test_rows_and_queue_are_bounded():
 
 
 def test_a_full_pool_queues_and_preempts_the_newest_which_recomputes():
-    sched = TokenScheduler(BlockManager(4, 4), max_rows=4, max_num_tokens=64, max_queue_size=8)
+    sched = TokenScheduler(BlockManager(4, 4), max_rows=4, max_num_tokens=64, max_queue_size=8, capacity=1024)
     old, new = seq(range(8), "old"), seq(range(50, 57), "new")
     sched.add(old)
     sched.add(new)
@@ -215,7 +215,7 @@ def test_a_full_pool_queues_and_preempts_the_newest_which_recomputes():
        st.integers(4, 24), st.sampled_from([1, 4, 8]), st.booleans())
 def test_random_load_keeps_the_invariants(requests, num_blocks, block_size, caching):
     bm = BlockManager(num_blocks, block_size, caching)
-    sched = TokenScheduler(bm, max_rows=4, max_num_tokens=32, max_queue_size=64)
+    sched = TokenScheduler(bm, max_rows=4, max_num_tokens=32, max_queue_size=64, capacity=1024)
     seqs = []
     for i, (length, max_tokens, family) in enumerate(requests):
         if bm.blocks_for(length + max_tokens) > num_blocks:
@@ -276,7 +276,7 @@ def test_a_longrope_sequence_growing_past_the_switch_recomputes_unpreempted():
     """It gives its blocks back and prefills prompt and output again, with the long factors, in the
     same step (runtime/engine/longrope.py)."""
     bm = BlockManager(num_blocks=16, block_size=4, longrope_switch=8)
-    scheduler = TokenScheduler(bm, max_rows=2, max_num_tokens=16, max_queue_size=4)
+    scheduler = TokenScheduler(bm, max_rows=2, max_num_tokens=16, max_queue_size=4, capacity=1024)
     s = seq(range(6))
     scheduler.add(s)
     plan = scheduler.schedule()

@@ -1,6 +1,6 @@
 """Draft-model speculative decoding in the paged engine (runtime/engine/draft.py, speculative.py's `reject`):
-greedy outputs with a draft equal those without, token for token, at batch 1, under concurrent load
-and with preemption; the general rejection rule keeps the target's distribution (synthetic p and q,
+greedy outputs with a draft equal those without, token for token, at batch 1, under concurrent load,
+with preemption and for guided rows (proposed under their grammar); the general rejection rule keeps the target's distribution (synthetic p and q,
 many draws); `distributions` is what sample_rows draws from; and end to end on a tiny model the first
 speculated position follows the target's distribution while the draft's is far from it."""
 
@@ -54,10 +54,10 @@ def _runner(model, num_blocks, max_num_tokens):
 
 
 def _engine(models, draft: str | None, *, k=4, max_batch=4, num_blocks=64, max_rows=8, max_num_tokens=48,
-            prefix_caching=True, max_queue_size=256, max_beam_width=1, disable_batch_size=None):
+            prefix_caching=True, max_queue_size=256, max_beam_width=1, disable_batch_size=None, **kw):
     target = _runner(models["target"], num_blocks, max_num_tokens)
     common = dict(max_rows=max_rows, max_seq_len=128, max_num_tokens=max_num_tokens, prefix_caching=prefix_caching,
-                  max_queue_size=max_queue_size, max_beam_width=max_beam_width)
+                  max_queue_size=max_queue_size, max_beam_width=max_beam_width, **kw)
     if draft is None:
         return PagedEngine(target, **common)
     return PagedEngine(target, **common, speculative=_config(models[draft][1].kv_layout, k, max_batch,
@@ -65,10 +65,11 @@ def _engine(models, draft: str | None, *, k=4, max_batch=4, num_blocks=64, max_r
                        draft=_runner(models[draft], num_blocks, max_num_tokens))
 
 
-def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]], beams: dict | None = None):
-    """Each request's tokens; a finished beam request's beams (their ids) go into `beams`."""
-    for name, (prompt, params) in requests.items():
-        engine.add_request(name, prompt, params)
+def _run(engine, requests: dict[str, tuple], beams: dict | None = None):
+    """requests: name -> (prompt, params[, guide]); each request's tokens; a finished beam request's
+    beams (their ids) go into `beams`."""
+    for name, (prompt, params, *guide) in requests.items():
+        engine.add_request(name, prompt, params, guide=guide[0] if guide else None)
     tokens = {name: [] for name in requests}
     while engine.has_work:
         for out in engine.step():
@@ -125,6 +126,34 @@ def test_beam_requests_beside_drafted_rows_get_their_solo_results(models, plain)
     assert finals == solo and len(solo["beam"]) == 3
     assert tokens["copy0"] == plain["copy0"] and tokens["long"] == plain["long"]
     assert engine.speculator.num_accepted_tokens > 0 and engine.blocks.num_used == 0
+
+
+def test_guided_rows_take_a_drafts_proposals_under_their_grammar_and_keep_their_greedy_output(models):
+    """A guided row's draft proposes under its grammar's mask (advanced over the proposals, then rolled
+    back) and the target verifies each under the mask: greedy guided rows give the same tokens with a
+    draft as without, beside unguided rows, with fast-forward on or off; a sampled guided row still
+    obeys its grammar; guided rows alone do take the draft's proposals."""
+    import re
+
+    from conftest import byte_tokenizer
+    from llmc.runtime.decoding.grammar import Guide, GuideCompiler
+
+    compiler, end = GuideCompiler(byte_tokenizer(), [2], 256), (2,)
+    regex = "[a-f]{4,20}( [0-9]{1,3})?"
+    guide = lambda: compiler.compile(Guide("regex", regex))  # noqa: E731
+    requests = lambda: {"g0": (PROMPTS["rand0"], GREEDY, guide()),  # noqa: E731
+                        "g1": (PROMPTS["copy0"], SamplingParams(max_tokens=TOKENS, top_k=4, temperature=1.0, seed=3),
+                               guide()),
+                        "u0": (PROMPTS["copy1"], GREEDY), "u1": (PROMPTS["long"], GREEDY)}
+    plain = _run(_engine(models, None, end_ids=end), requests())
+    for fast_forward in (False, True):
+        engine = _engine(models, "small", end_ids=end, fast_forward=fast_forward)
+        drafted = _run(engine, requests())
+        assert {k: drafted[k] for k in ("g0", "u0", "u1")} == {k: plain[k] for k in ("g0", "u0", "u1")}
+        assert re.fullmatch(regex, byte_tokenizer().decode([t for t in drafted["g1"] if t != 2]))
+    engine = _engine(models, "small", end_ids=end)
+    assert _run(engine, {"g0": requests()["g0"]})["g0"] == plain["g0"]
+    assert engine.speculator.num_draft_tokens > 0 and engine.blocks.num_used == 0
 
 
 def test_a_draft_stops_speculating_with_more_requests_than_max_batch_unless_told(models):

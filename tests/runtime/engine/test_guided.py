@@ -1,8 +1,9 @@
 """Guided requests in the paged engine on a real (tiny, random) paged graph: the output always obeys
 the guide and ends where the grammar ends; a guided request's greedy output is the same alone and
-among unguided requests, and with prompt-lookup speculation on or off (guided rows take no
-proposals; the others still speculate in the same steps); max_tokens still truncates; beam search
-with a guide is refused naming the input."""
+among unguided requests, with prompt-lookup speculation on or off (guided rows take the proposals
+their grammar accepts; the others speculate in the same steps), and with the fast-forward of forced
+tokens on or off (log probabilities included); max_tokens still truncates; beam search with a guide
+is refused naming the input."""
 
 import json
 
@@ -12,6 +13,7 @@ import pytest
 
 from conftest import byte_tokenizer
 from llmc.runtime.decoding.grammar import Guide, GuideCompiler
+from llmc.runtime.decoding.logprobs import Logprobs
 from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine.paged_engine import PagedEngine
 from llmc.runtime.engine.sequence import FinishReason
@@ -42,24 +44,35 @@ def guides():
     compiler.close()
 
 
-def _engine(paged, speculative=None, max_beam_width=1):
+def _engine(paged, speculative=None, max_beam_width=1, fast_forward=True):
     folder, exported = paged
     runner = PagedRunner(folder / exported.onnx, exported.kv_layout, num_blocks=64, max_num_tokens=48, num_threads=1)
     return PagedEngine(runner, end_ids=(END,), max_rows=8, max_seq_len=128, max_num_tokens=48,
-                       speculative=speculative, max_beam_width=max_beam_width)
+                       speculative=speculative, max_beam_width=max_beam_width, fast_forward=fast_forward)
 
 
 def _run(engine, requests):
     """requests: name -> (prompt name, params, guide or None); each request's tokens and finish reason."""
-    for name, (prompt, params, guide) in requests.items():
-        engine.add_request(name, PROMPTS[prompt], params, guide=guide)
-    tokens, reasons = {name: [] for name in requests}, {}
+    tokens, reasons, _, _ = _collect(engine, {name: (*r, None) for name, r in requests.items()})
+    return tokens, reasons
+
+
+def _collect(engine, requests):
+    """requests: name -> (prompt name, params, guide or None, top log probabilities or None); each
+    request's tokens, finish reason and log probabilities (values, top ids), and the steps run."""
+    for name, (prompt, params, guide, logprobs) in requests.items():
+        engine.add_request(name, PROMPTS[prompt], params, logprobs=logprobs, guide=guide)
+    tokens, reasons, logprobs, steps = {name: [] for name in requests}, {}, {name: [] for name in requests}, 0
     while engine.has_work:
+        steps += 1
         for out in engine.step():
             tokens[out.request_id] += out.token_ids
+            if out.logprobs is not None:
+                logprobs[out.request_id].append(out.logprobs)
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
-    return tokens, reasons
+    joined = {name: Logprobs.concat(parts) for name, parts in logprobs.items() if parts}
+    return tokens, reasons, joined, steps
 
 
 def _schema(guides):
@@ -112,15 +125,42 @@ def test_greedy_guided_output_is_the_same_with_and_without_speculation(paged, gu
     plain, _ = _run(_engine(paged), requests())
     engine = _engine(paged, SPEC)
     speculated, reasons = _run(engine, requests())
+    assert speculated == _run(_engine(paged, SPEC, fast_forward=False), requests())[0]  # seeded g2 too
     assert {k: v for k, v in speculated.items() if k != "g2"} == {k: v for k, v in plain.items() if k != "g2"}
     if reasons["g2"] is FinishReason.stop:  # sampled: its own draws, valid when it finished
         jsonschema.validate(json.loads(_text(speculated["g2"])), SCHEMA)
     else:
         assert len(speculated["g2"]) == 40
-    engine = _engine(paged, SPEC)
+    engine = _engine(paged, SPEC, fast_forward=False)  # a row with forced tokens takes no n-gram proposals
     alone, _ = _run(engine, {k: v for k, v in requests(guided_only=True).items() if k == "g0"})
     assert alone["g0"] == plain["g0"]
     assert engine.speculator.num_accepted_tokens > 0  # the guided row itself took proposals
+
+
+def test_fast_forwarded_forced_tokens_change_no_output_nor_log_probabilities(paged, guides):
+    """A guided row's forced tokens (the schema's keys and punctuation, a choice's common prefix) ride
+    in its next step as proposals verified under the mask: greedy tokens, finish reasons (max_tokens
+    inside a forced run included) and each token's log probabilities, forced ones too, are those of a
+    run that samples every token, in fewer steps."""
+    def requests():
+        choice = guides.compile(Guide("choice", json.dumps(["alpha beta", "alpha gamma"])))
+        return {"g0": ("rand", SamplingParams(max_tokens=60), _schema(guides), 3),
+                "g1": ("copy1", SamplingParams(max_tokens=9), _schema(guides), None),  # cut 7 tokens into `"kind": "`
+                "g2": ("json", SamplingParams(max_tokens=30), choice, 2),
+                "g3": ("copy0", SamplingParams(max_tokens=40, temperature=0.9, seed=4), _schema(guides), None),
+                "u": ("copy0", SamplingParams(max_tokens=20), None, 1)}
+
+    off = _collect(_engine(paged, fast_forward=False), requests())
+    engine = _engine(paged)
+    on = _collect(engine, requests())
+    assert on[0] == off[0] and on[1] == off[1]  # g3 too: a seeded row draws from the same uniforms either way
+    assert on[1]["g1"] is FinishReason.length and len(on[0]["g1"]) == 9
+    for name in ("g0", "g2", "u"):
+        assert len(on[2][name]) == len(on[0][name])
+        np.testing.assert_allclose(on[2][name].values, off[2][name].values, atol=1e-4)
+        np.testing.assert_array_equal(on[2][name].top_ids, off[2][name].top_ids)
+    assert _text(on[0]["g3"]).startswith('{"kind": "') and len(set(on[0]["g3"])) > 8
+    assert engine.scheduler.num_forced_tokens >= 20 and on[3] < off[3]
 
 
 def test_max_tokens_still_truncates_a_guided_request(paged, guides):

@@ -94,7 +94,7 @@ def test_ngram_lookup_equals_a_brute_force_search_over_every_window():
 
 def test_rejected_proposals_give_their_blocks_back_and_are_never_committed():
     blocks = BlockManager(num_blocks=8, block_size=4)
-    scheduler = TokenScheduler(blocks, max_rows=2, max_num_tokens=16, max_queue_size=4)
+    scheduler = TokenScheduler(blocks, max_rows=2, max_num_tokens=16, max_queue_size=4, capacity=1024)
     seq = Sequence("s", [10, 11, 12, 13, 14, 15], SamplingParams(max_tokens=9))
     blocks.allocate(seq)
     seq.num_cached, seq.output_ids = 6, [16]  # decoding: token 16 at position 6 is pending
@@ -114,7 +114,7 @@ def test_rejected_proposals_give_their_blocks_back_and_are_never_committed():
 def test_speculation_takes_no_block_a_decode_row_needs_and_preempts_no_one():
     blocks = BlockManager(num_blocks=5, block_size=4)
     spec = SpeculativeConfig(method="ngram", num_tokens=3, max_batch=2, min_n=2, max_n=2)
-    scheduler = TokenScheduler(blocks, max_rows=2, max_num_tokens=16, max_queue_size=4,
+    scheduler = TokenScheduler(blocks, max_rows=2, max_num_tokens=16, max_queue_size=4, capacity=64,
                                speculator=Speculator.from_config(spec, capacity=64))
     a = Sequence("a", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=9))  # "1 2" repeats: proposals [3, 1, 2]
     b = Sequence("b", [7, 8, 9, 10, 11, 12, 13, 14], SamplingParams(max_tokens=9))
@@ -139,7 +139,7 @@ def test_speculation_takes_no_block_a_decode_row_needs_and_preempts_no_one():
 def test_at_most_max_batch_rows_speculate_the_oldest_that_have_proposals():
     blocks = BlockManager(num_blocks=16, block_size=4)
     spec = SpeculativeConfig(method="ngram", num_tokens=2, max_batch=1, min_n=2, max_n=2)
-    scheduler = TokenScheduler(blocks, max_rows=3, max_num_tokens=16, max_queue_size=4,
+    scheduler = TokenScheduler(blocks, max_rows=3, max_num_tokens=16, max_queue_size=4, capacity=64,
                                speculator=Speculator.from_config(spec, capacity=64))
     prompts = {"none": [1, 2, 3, 4, 5], "first": [5, 6, 7, 5, 6], "second": [8, 9, 8, 9, 8]}  # "none" repeats nothing
     for name, prompt in prompts.items():
@@ -156,7 +156,7 @@ def test_a_step_plan_takes_a_drafts_proposals_into_its_reservations_and_gives_un
     """With a draft model the scheduler reserves blocks; the draft fills the plan through its own
     methods: proposals into a reservation, or the reservation withdrawn and its blocks given back."""
     blocks = BlockManager(num_blocks=8, block_size=4)
-    scheduler = TokenScheduler(blocks, max_rows=2, max_num_tokens=16, max_queue_size=4,
+    scheduler = TokenScheduler(blocks, max_rows=2, max_num_tokens=16, max_queue_size=4, capacity=64,
                                speculator=Speculator(None, max_batch=2, capacity=64, num_tokens=3))
     for name, prompt in (("a", [1, 2, 3, 4, 5, 6]), ("b", [7, 8, 9, 10, 11, 12])):
         seq = Sequence(name, prompt, SamplingParams(max_tokens=9))
