@@ -35,20 +35,22 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "build" / "bench"
+SMOLLM2 = REPO / "models" / "smollm2"
 CONTEXT, STEPS, GENAI_PROMPT, GENAI_NEW = 512, 48, 128, 64
 
 
-def llmc_build(attention: str, threads: int):
-    """Export SmolLM2 with the given lowering (reused while the source and llmc are unchanged)."""
+def llmc_build(attention: str, threads: int, source: Path = SMOLLM2, out: Path = BENCH):
+    """Export SmolLM2 (or `source`, with the example's settings) with the given lowering into `out`
+    (reused while the source and llmc are unchanged)."""
     from llmc.compiler import build, load_spec
     from llmc.compiler.spec import parse_spec
 
     spec = load_spec(REPO / "examples" / "smollm2.yaml")
     data = {**spec.model_dump(mode="json", exclude={"output"}), "name": f"smollm2-{attention}",
-            "export": {"attention": attention}}
+            "source": str(source), "export": {"attention": attention}}
     data["serving"]["num_threads"] = threads
-    result = build(parse_spec(data), output=BENCH / f"smollm2-{attention}", until="export")
-    return BENCH / f"smollm2-{attention}" / "export" / result.exported.onnx, result.exported.kv_layout
+    result = build(parse_spec(data), output=out / f"smollm2-{attention}", until="export")
+    return out / f"smollm2-{attention}" / "export" / result.exported.onnx, result.exported.kv_layout
 
 
 def hf_opset23_build() -> Path:
@@ -115,12 +117,13 @@ def hf_opset23_step_time(path: Path, batch: int, context: int, threads: int, ste
     return statistics.median(times[2:])
 
 
-def genai_build(threads: int, precision: str = "fp32") -> Path:
-    """onnxruntime-genai's own CPU build of SmolLM2 (`precision`: fp32, int8 or int4), made once."""
-    out = BENCH / f"genai-{precision}"
+def genai_build(threads: int, precision: str = "fp32", source: Path = SMOLLM2, root: Path = BENCH) -> Path:
+    """onnxruntime-genai's own CPU build of SmolLM2 or `source` (`precision`: fp32, int8 or int4)
+    under `root`, made once."""
+    out = root / f"genai-{precision}"
     if not (out / "genai_config.json").is_file():
         print(f"building the onnxruntime-genai {precision} model ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(REPO / "models" / "smollm2"),
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source),
                         "-o", str(out), "-p", precision, "-e", "cpu"], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     config = json.loads((out / "genai_config.json").read_text())
@@ -131,13 +134,15 @@ def genai_build(threads: int, precision: str = "fp32") -> Path:
 
 
 def runner(model, batch: int, capacity: int, threads: int):
-    from llmc.runtime.runners.ort import OrtRunner
+    """A slot-shaped runner: OrtRunner for a slot graph, PagedSlots (a run of blocks per row, as the
+    quantize stage's quality check drives it) for a paged one."""
+    from llmc.runtime.runners.paged_slots import slot_runner
 
     path, layout = model
-    r = OrtRunner(path, layout, max_batch=batch, capacity=capacity, num_threads=threads)
+    r = slot_runner(path, layout, max_batch=batch, capacity=capacity, num_threads=threads)
     rng = np.random.default_rng(0)
-    for buf in r.cache.buffers:  # a realistic cache: values do not matter, but zero pages might
-        buf[...] = rng.standard_normal(buf.shape, dtype=np.float32) * 0.1
+    for buf in r.runner.pools if layout.paged else r.cache.buffers:  # a realistic cache: values do not
+        buf[...] = rng.standard_normal(buf.shape).astype(buf.dtype) * 0.1  # matter, but zero pages might
     return r
 
 

@@ -1,9 +1,12 @@
 """Quantization benchmark, every ratio measured within one run:
 
     .venv/bin/python scripts/bench_quantization.py [--threads 2] [--passes 3] [--static]
+        [--model models/smollm2] [--out build/bench] [--prompt-tokens 128] [--new-tokens 64]
 
 Batch-1 decode tokens/s of SmolLM2 through llmc's runner (same prompt of 128 tokens, 64 new
-tokens, greedy) for llmc's fp32, int8-weight-only and int4-weight-only builds, and through
+tokens, greedy) for llmc's fp32, int8-weight-only and int4-weight-only builds of the example's
+default graph (paged: driven through PagedSlots, as the quantize stage's quality check drives it;
+a slot graph through OrtRunner), and through
 onnxruntime-genai's `generate()` on its own int8 and int4 CPU builds of the same checkpoint. Each
 pass measures everything once (llmc/genai order alternating); ratios are medians of per-pass
 ratios. Perplexity increases come from each llmc build's quality report, and for onnxruntime-genai's
@@ -26,6 +29,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "build" / "bench"
 PROMPT, NEW = 128, 64
+SMOLLM2 = REPO / "models" / "smollm2"
 TARGETS = {"int8": (2.0, 1.0, 0.03), "int4": (3.0, 1.0, 0.15)}  # x fp32, x genai, max perplexity increase
 STATIC = {"int8": {"smoothquant": True}, "fp8": {}}  # --static: the TensorRT Q/DQ modes
 
@@ -37,20 +41,26 @@ def _attention_bench():
     return module
 
 
-def llmc_quantized(mode: str, threads: int, **quantization):
+def llmc_quantized(mode: str, threads: int, source: Path = SMOLLM2, out: Path = BENCH, **quantization):
+    """The example's spec (its default graph) built from `source` into `out`: mode "none" is the fp32
+    export (report None), any other mode its quantized graph and quality report."""
     from llmc.compiler import build, load_spec
     from llmc.compiler.spec import parse_spec
 
     data = load_spec(REPO / "examples" / "smollm2.yaml").model_dump(mode="json", exclude={"output"})
-    data.update(name=f"smollm2-{mode}", quantization={"mode": mode, "max_perplexity_increase": 10.0, **quantization})
+    data.update(name=f"smollm2-{mode}", source=str(source),
+                quantization={"mode": mode, "max_perplexity_increase": 10.0, **quantization})
     data["serving"]["num_threads"] = threads
     data["verify"]["enabled"] = False  # the fp32 export is verified by the example build
-    result = build(parse_spec(data), output=BENCH / f"smollm2-{mode}", until="quantize")
-    q = result.quantized
-    return (BENCH / f"smollm2-{mode}" / "quantize" / q.onnx, q.kv_layout), q.report
+    folder = out / f"smollm2-{mode}"
+    if mode == "none":
+        e = build(parse_spec(data), output=folder, until="export").exported
+        return (folder / "export" / e.onnx, e.kv_layout), None
+    q = build(parse_spec(data), output=folder, until="quantize").quantized
+    return (folder / "quantize" / q.onnx, q.kv_layout), q.report
 
 
-def genai_perplexity(model_dir: Path) -> float:
+def genai_perplexity(model_dir: Path, source: Path = SMOLLM2) -> float:
     """Perplexity of an onnxruntime-genai build on the held-out windows llmc's quality report uses."""
     import math
 
@@ -60,7 +70,7 @@ def genai_perplexity(model_dir: Path) -> float:
     from llmc.compiler.quantize import EVAL_SEQ_LEN, EVAL_WINDOWS
     from llmc.compiler.textdata import builtin_documents, token_windows
 
-    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(source)
     windows = token_windows(tokenizer, builtin_documents("heldout"), EVAL_SEQ_LEN, EVAL_WINDOWS, "eval", "held-out")
     model, nll, count = og.Model(str(model_dir)), 0.0, 0
     for ids in windows:
@@ -76,22 +86,28 @@ def genai_perplexity(model_dir: Path) -> float:
     return math.exp(nll / count)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default 2)")
     parser.add_argument("--passes", type=int, default=3, help="passes over all measurements (default 3)")
-    parser.add_argument("--json", type=Path, default=BENCH / "quantization.json", help="where to write the results")
+    parser.add_argument("--json", type=Path, help="where to write the results (default OUT/quantization.json)")
+    parser.add_argument("--model", type=Path, default=SMOLLM2, help="the checkpoint (default models/smollm2)")
+    parser.add_argument("--out", type=Path, default=BENCH, help="where the builds go (default build/bench)")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT, help=f"prompt length (default {PROMPT})")
+    parser.add_argument("--new-tokens", type=int, default=NEW, help=f"tokens generated a pass (default {NEW})")
+    parser.add_argument("--no-genai", action="store_true", help="llmc's builds only (no onnxruntime-genai peer)")
     parser.add_argument("--static", action="store_true",
                         help="also build the TensorRT Q/DQ modes (int8 with SmoothQuant, fp8) and print their quality "
                              "reports (ONNX Runtime runs them only as a reference path, so no speed targets)")
-    args = parser.parse_args()
-    t, ab = args.threads, _attention_bench()
-    models = {"fp32": ab.llmc_build("fused", t)}
+    args = parser.parse_args(argv)
+    t, ab, src, out, new = args.threads, _attention_bench(), args.model, args.out, args.new_tokens
+    models = {"fp32": llmc_quantized("none", t, src, out)[0]}
     reports = {}
     for bits in ("int8", "int4"):
-        models[bits], reports[bits] = llmc_quantized(f"{bits}-weight-only", t)
-    genai = {bits: ab.genai_build(t, bits) for bits in ("int8", "int4")}
-    prompt = np.random.default_rng(1).integers(100, 40000, PROMPT).tolist()
+        models[bits], reports[bits] = llmc_quantized(f"{bits}-weight-only", t, src, out)
+    genai = {} if args.no_genai else {bits: ab.genai_build(t, bits, src, out) for bits in ("int8", "int4")}
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    prompt = np.random.default_rng(1).integers(min(100, vocab // 2), min(40000, vocab), args.prompt_tokens).tolist()
     runs: dict[str, list[float]] = {}
 
     def record(name: str, value: float) -> None:
@@ -100,10 +116,10 @@ def main() -> None:
 
     for p in range(args.passes):
         print(f"pass {p + 1}/{args.passes}", file=sys.stderr)
-        record("llmc fp32 tok/s", ab.llmc_generate(models["fp32"], prompt, 1, NEW, t))
+        record("llmc fp32 tok/s", ab.llmc_generate(models["fp32"], prompt, 1, new, t))
         for bits in ("int8", "int4"):
-            pair = [(f"llmc {bits} tok/s", lambda: ab.llmc_generate(models[bits], prompt, 1, NEW, t)),
-                    (f"genai {bits} tok/s", lambda: ab.genai_generate(genai[bits], prompt, 1, NEW))]
+            pair = [(f"llmc {bits} tok/s", lambda: ab.llmc_generate(models[bits], prompt, 1, new, t)),
+                    (f"genai {bits} tok/s", lambda: ab.genai_generate(genai[bits], prompt, 1, new))][:1 + bool(genai)]
             for name, measure in (reversed(pair) if p % 2 else pair):
                 record(name, measure())
 
@@ -111,7 +127,8 @@ def main() -> None:
         return statistics.median(x / y for x, y in zip(runs[a], runs[b]))
 
     medians = {k: statistics.median(v) for k, v in runs.items()}
-    print(f"\nSmolLM2 batch-1 decode, {t} threads, {args.passes} passes: medians")
+    graph = "paged" if models["fp32"][1].paged else "slot"
+    print(f"\n{src.name} ({graph} graph) batch-1 decode, {t} threads, {args.passes} passes: medians")
     for name, value in medians.items():
         print(f"  {name:<22} {value:8.1f}")
     weights = sum(f.stat().st_size for f in models["fp32"][0].parent.iterdir() if f.suffix != ".json")
@@ -120,25 +137,31 @@ def main() -> None:
     rows = {}
     for bits, (x_fp32, x_genai, max_ppl) in TARGETS.items():
         r = reports[bits]
-        peer = genai_perplexity(genai[bits]) / r.perplexity_reference - 1.0  # same windows, llmc's fp32 as reference
         rows[bits] = {"vs fp32": paired(f"llmc {bits} tok/s", "llmc fp32 tok/s"),
-                      "vs genai": paired(f"llmc {bits} tok/s", f"genai {bits} tok/s"),
-                      "perplexity increase": r.perplexity_increase, "genai perplexity increase": peer}
-        checks = [(rows[bits]["vs fp32"] >= x_fp32, f"{rows[bits]['vs fp32']:.2f}x fp32 (target {x_fp32}x)"),
-                  (rows[bits]["vs genai"] >= x_genai, f"{rows[bits]['vs genai']:.2f}x genai {bits} (target {x_genai}x)"),
-                  (r.perplexity_increase <= max_ppl, f"perplexity {r.perplexity_increase:+.1%} (target <= {max_ppl:.0%})")]
+                      "perplexity increase": r.perplexity_increase}
+        checks = [(rows[bits]["vs fp32"] >= x_fp32, f"{rows[bits]['vs fp32']:.2f}x fp32 (target {x_fp32}x)")]
+        if genai:
+            peer = genai_perplexity(genai[bits], src) / r.perplexity_reference - 1.0  # same windows, llmc's fp32 as reference
+            rows[bits].update({"vs genai": paired(f"llmc {bits} tok/s", f"genai {bits} tok/s"),
+                               "genai perplexity increase": peer})
+            checks.append((rows[bits]["vs genai"] >= x_genai,
+                           f"{rows[bits]['vs genai']:.2f}x genai {bits} (target {x_genai}x)"))
+        checks.append((r.perplexity_increase <= max_ppl,
+                       f"perplexity {r.perplexity_increase:+.1%} (target <= {max_ppl:.0%})"))
         print(f"  {bits}-weight-only: " + ", ".join(f"{text} {'ok' if ok else 'MISSED'}" for ok, text in checks))
-        print(f"    (onnxruntime-genai's {bits} build on the same held-out text: perplexity {peer:+.1%})")
+        if genai:
+            print(f"    (onnxruntime-genai's {bits} build on the same held-out text: perplexity {peer:+.1%})")
     if args.static:
         for mode, extra in STATIC.items():
-            r = llmc_quantized(mode, t, **extra)[1]
+            r = llmc_quantized(mode, t, src, out, **extra)[1]
             rows[mode] = {"perplexity increase": r.perplexity_increase, "greedy agreement": r.token_agreement,
                           "size MiB": r.size_quantized_mib}
             print(f"  {mode} ({', '.join(f'{k} {v}' for k, v in extra.items()) or 'max calibration'}): perplexity "
                   f"{r.perplexity_reference:.2f} -> {r.perplexity_quantized:.2f} ({r.perplexity_increase:+.1%}), greedy "
                   f"agreement {r.token_agreement:.0%}, {r.size_reference_mib:.0f} -> {r.size_quantized_mib:.0f} MiB")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"threads": t, "passes": runs, "medians": medians, "ratios": rows}, indent=2) + "\n")
+    path = args.json or out / "quantization.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"graph": graph, "threads": t, "passes": runs, "medians": medians, "ratios": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ repetition and frequency penalties over 300 prompt and 64 output tokens). Each p
 ways in turns (the order alternating), REPEAT calls each; the medians of PASSES passes are
 printed with their ratio (loop / batched: above 1 the batched pass is faster).
 
-    .venv/bin/python scripts/bench_sampling.py [--passes 7]
+    .venv/bin/python scripts/bench_sampling.py [--passes 7] [--rows 1,4,16,64]
 """
 
 from __future__ import annotations
@@ -50,11 +50,12 @@ def _time(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=7)
+    parser.add_argument("--rows", default="1,4,16,64", help="row counts to time, comma-separated (default 1,4,16,64)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"{'mix':8} {'rows':>4} {'loop ms':>9} {'batched ms':>11} {'ratio':>6}")
     for mix in MIXES:
-        for n in (1, 4, 16, 64):
+        for n in (int(r) for r in args.rows.split(",")):
             logits, params, prompts, outputs = _rows(n, mix, rng)
             rngs = [p.make_rng() for p in params]
             out_arrays = [np.asarray(o, np.int64) for o in outputs]

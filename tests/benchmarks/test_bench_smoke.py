@@ -1,0 +1,111 @@
+"""Every scripts/bench_*.py (and compare_peers.py) run tiny: a smoke run, not a timing, so a changed default
+(the paged graph, a runner's protocol, a spec field) breaks a test rather than the next benchmark run.
+
+Scripts run in process (runpy, as `__main__`, argv patched): no interpreter or torch import per script.
+Fully run on the tiny Llama: bench_sampling, bench_cpu_kernels, bench_paged_attention, bench_quantization
+(llmc's fp32/int8/int4 builds of the default graph; the onnxruntime-genai peer left out: its builder costs
+~25 s a precision here) and compare_peers (the shared tiny build served by Triton; genai left out likewise).
+bench_kernels needs CUDA: run tiny on a GPU, else checked to stop with its message. The rest build and
+measure SmolLM2 variants of their own (minutes even tiny, as each builds several graphs or servers):
+their argument parsing and imports are checked (`--help`)."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "scripts"
+LIBRARIES = {"bench_paged_builds.py", "bench_paged_decode.py"}  # imported by the others; no command line
+RUN = {"bench_sampling.py", "bench_cpu_kernels.py", "bench_paged_attention.py", "bench_quantization.py",
+       "bench_kernels.py", "compare_peers.py"}
+HELP_ONLY = {"bench_attention.py", "bench_beam.py", "bench_draft.py", "bench_kv_cache_dtype.py", "bench_openai.py",
+             "bench_paged.py", "bench_paged_graph.py", "bench_serving.py", "bench_speculative.py",
+             "bench_structured.py"}
+
+
+def run_script(monkeypatch, name: str, *args: str) -> None:
+    """scripts/<name> as `python scripts/<name> args...`, in this process (sys.path restored after)."""
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / name), *args])
+    monkeypatch.setattr(sys, "path", [str(SCRIPTS), *sys.path])  # as python puts a script's folder first
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    runpy.run_path(str(SCRIPTS / name), run_name="__main__")
+
+
+def test_every_bench_script_is_smoked():
+    scripts = {p.name for p in SCRIPTS.glob("bench_*.py")} | {"compare_peers.py"}
+    assert scripts - LIBRARIES == RUN | HELP_ONLY, "a benchmark script without a smoke test (add it above)"
+
+
+@pytest.mark.parametrize("name", sorted(HELP_ONLY | RUN))
+def test_arguments_parse(monkeypatch, capsys, name):
+    with pytest.raises(SystemExit) as exit_:
+        run_script(monkeypatch, name, "--help")
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage:")
+
+
+def test_bench_sampling(monkeypatch, capsys):
+    run_script(monkeypatch, "bench_sampling.py", "--passes", "1", "--rows", "1,4")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines[1:]] == [[mix, rows] for mix in ("greedy", "sampled", "mixed")
+                                                        for rows in ("1", "4")]
+
+
+def test_bench_cpu_kernels(monkeypatch, capsys):
+    run_script(monkeypatch, "bench_cpu_kernels.py", "--threads", "1", "--rows", "1", "--repeats", "1")
+    out = capsys.readouterr().out
+    assert "onnxruntime" in out and any(line.split()[:1] == ["1"] for line in out.splitlines())
+
+
+def test_bench_paged_attention(monkeypatch, capsys):
+    run_script(monkeypatch, "bench_paged_attention.py", "--threads", "1", "--layers", "1", "--repeats", "1",
+               "--iterations", "1")
+    out = capsys.readouterr().out
+    assert out.count("llmc PagedAttention") >= 2  # the decode and the prefill ratio
+
+
+def test_bench_kernels(monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        run_script(monkeypatch, "bench_kernels.py", "--batch", "2", "--context", "128", "--heads", "4",
+                   "--kv-heads", "2", "--head-dim", "64", "--passes", "1")
+        return
+    with pytest.raises(SystemExit) as exit_:
+        run_script(monkeypatch, "bench_kernels.py", "--passes", "1")
+    assert exit_.value.code == 2 and "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_bench_quantization_on_the_paged_default(monkeypatch, tiny_checkpoints, tmp_path):
+    """The example's default graph (paged) quantized and decoded through the paged runner (it crashed
+    on OrtRunner's slot protocol)."""
+    run_script(monkeypatch, "bench_quantization.py", "--threads", "1", "--passes", "1", "--model",
+               str(tiny_checkpoints["llama"]), "--out", str(tmp_path), "--prompt-tokens", "8", "--new-tokens", "4",
+               "--no-genai")
+    result = json.loads((tmp_path / "quantization.json").read_text())
+    assert result["graph"] == "paged"
+    assert set(result["medians"]) == {"llmc fp32 tok/s", "llmc int8 tok/s", "llmc int4 tok/s"}
+    assert all(v > 0 for v in result["medians"].values())
+    assert set(result["ratios"]) == {"int8", "int4"}
+
+
+@pytest.mark.triton
+def test_compare_peers(monkeypatch, tiny_checkpoints, tiny_build, tmp_path):
+    """Every pass its own prompt; llmc's TTFT both for the new prompt and for it sent again (a cache hit)."""
+    from conftest import serving_env
+
+    serving_env()
+    run_script(monkeypatch, "compare_peers.py", "--threads", "1", "--passes", "2", "--prompt-tokens", "16",
+               "--new-tokens", "4", "--model", str(tiny_checkpoints["llama"]), "--build", str(tiny_build.output),
+               "--out", str(tmp_path), "--skip", "genai")
+    result = json.loads((tmp_path / "peers.json").read_text())
+    assert list(result["table"]) == ["HF transformers generate()", "llmc in process", "llmc through Triton"]
+    assert len(result["prompt_tokens"]) == 2 and min(result["prompt_tokens"]) >= 16
+    for name in ("llmc in process", "llmc through Triton"):
+        assert result["table"][name]["ttft_cached_ms"] is not None
+        assert all(len(p) == 4 for p in result["passes"][name])
+    assert result["table"]["HF transformers generate()"]["ttft_cached_ms"] is None
