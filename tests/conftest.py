@@ -190,6 +190,28 @@ def greedy_reference(model, prompt_ids: list[int], max_tokens: int, end_ids=()) 
 SERVING_ENV = REPO / ".venv-serving"
 
 
+def stub_shm_regions(pid: int) -> set[str]:
+    """The /dev/shm regions of the Python-backend stubs below process `pid` (a Triton server, or what started
+    one): each stub is handed its region's name on its command line. A server's own regions, not those of
+    servers other tests run at the same time (scripts/test.sh runs two workers)."""
+    from llmc.supervisor import children
+
+    names, parents = set(), [pid]
+    while parents:
+        for child in children(parents.pop()):
+            parents.append(child)
+            try:
+                args = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            names |= {a.decode() for a in args if a.startswith(b"triton_python_backend_shm_region")}
+    return names
+
+
+def shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
 def serving_env() -> Path:
     """The numpy<2 venv the Python backend runs in (scripts/setup.sh makes it); skips without it."""
     if not (SERVING_ENV / "bin" / "python3").exists():

@@ -15,7 +15,7 @@ import pytest
 
 from llmc.supervisor import children as children_of
 from llmc.triton_server import free_port
-from conftest import SERVING_ENV, serving_env
+from conftest import SERVING_ENV, serving_env, shm, stub_shm_regions
 
 LLMC = Path(sys.executable).parent / "llmc"
 pytestmark = pytest.mark.triton
@@ -26,25 +26,6 @@ def env(tmp_path_factory):
     serving_env()  # skips without .venv-serving
     cache = tmp_path_factory.mktemp("cache")
     return {**os.environ, "COLUMNS": "200", "LLMC_SERVING_ENV": str(SERVING_ENV), "XDG_CACHE_HOME": str(cache)}
-
-
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def _shm_of(pid: int) -> set[str]:
-    """The shared-memory regions of the Python-backend stubs below `pid` (each stub is handed its region's name
-    on its command line): this server's only, not those of servers other tests run at the same time."""
-    names, parents = set(), [pid]
-    while parents:
-        for child in children_of(parents.pop()):
-            parents.append(child)
-            try:
-                args = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            names |= {a.decode() for a in args if a.startswith(b"triton_python_backend_shm_region")}
-    return names
 
 
 def _llmc(*args, env):
@@ -66,8 +47,8 @@ def test_serve_generate_and_sigterm_stop_clean(tiny_build, env, tmp_path):
         assert f"127.0.0.1:{ports[1]}" in banner and "/v2/models/tiny/generate" in banner
         children = set(children_of(serve.pid))
         assert children  # tritonserver
-        regions = _shm_of(serve.pid)
-        assert regions and regions <= _shm()  # the stubs' regions, as /dev/shm names them
+        regions = stub_shm_regions(serve.pid)
+        assert regions and regions <= shm()  # the stubs' regions, as /dev/shm names them
 
         url = f"127.0.0.1:{ports[1]}"
         res = _llmc("generate", "--url", url, "hello", "--max-tokens", "6", env=env)
@@ -95,7 +76,7 @@ def test_serve_generate_and_sigterm_stop_clean(tiny_build, env, tmp_path):
     assert "stopped" in (tmp_path / "serve.err").read_text()
     time.sleep(0.5)
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # no stray server or stub
-    assert regions & _shm() == set()  # removed with the stubs
+    assert regions & shm() == set()  # removed with the stubs
 
 
 def test_serve_refuses_a_busy_port_and_a_folder_without_a_repository(tiny_build, env, tmp_path):

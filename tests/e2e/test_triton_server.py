@@ -1,12 +1,11 @@
 """A real Triton server from the nvidia-pytriton wheel: assembled, started on free ports, stopped clean."""
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import SERVING_ENV, serving_env
+from conftest import SERVING_ENV, serving_env, shm, stub_shm_regions
 from llmc.triton_server import Ports, TritonError, TritonServer, assemble
 
 pytestmark = pytest.mark.triton
@@ -42,19 +41,16 @@ def _echo_repository(root: Path) -> Path:
     return root
 
 
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
 def test_python_backend_model_serves_and_the_server_stops_clean(server_dir, tmp_path):
     import tritonclient.http as http
 
-    before = _shm()
     server = TritonServer(_echo_repository(tmp_path / "repo"), server_dir=server_dir, serving_env=SERVING_ENV,
                           log_path=tmp_path / "server.log")
     with server:
         client = http.InferenceServerClient(server.http_url)
         assert client.is_server_ready() and client.is_model_ready("echo")
+        regions = stub_shm_regions(server.process.pid)
+        assert regions and regions <= shm()  # the stub's, as /dev/shm names them
         inp = http.InferInput("IN", [3], "FP32")
         inp.set_data_from_numpy(np.array([1, 2, 3], dtype=np.float32))
         out = client.infer("echo", [inp]).as_numpy("OUT")
@@ -62,7 +58,7 @@ def test_python_backend_model_serves_and_the_server_stops_clean(server_dir, tmp_
         client.close()
         pid = server.process.pid
     assert server.process.returncode is not None and not Path(f"/proc/{pid}").exists()
-    assert _shm() - before == set()  # the Python backend's shared-memory regions are gone
+    assert regions & shm() == set()  # the Python backend's shared-memory regions are gone
 
 
 def test_a_broken_repository_fails_start_with_the_log_named(server_dir, tmp_path):
