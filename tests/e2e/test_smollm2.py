@@ -35,10 +35,11 @@ def example_build(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["paged", "fused"])  # the default and the slot graph; `reference` (plain
-def test_example_build_passes_verification(example_build, attention):  # ONNX ops) is verified on every tiny family
-    result = example_build(attention)
-    assert result.exported.lowering.value == attention
+def test_example_build_passes_verification(example_build):
+    """The default build (the paged graph) of the real model; the `fused` and `reference` lowerings are verified
+    on every tiny family (tests/compiler/models/test_family_builds.py), at ~2 min a SmolLM2 build each."""
+    result = example_build("paged")
+    assert result.exported.lowering.value == "paged"
     m = result.exported.model
     assert (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size) == (30, 9, 3, 64, 49152)
     assert m.has_tokenizer
