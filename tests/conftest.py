@@ -129,7 +129,8 @@ def pytest_collection_modifyitems(items):
 
     rank: dict[Path, int] = {}
     for item in items:
-        rank[item.path] = min(rank.get(item.path, 99), weight(item))
+        w = weight(item)
+        rank[item.path] = min(rank.get(item.path, w), w)
     items.sort(key=lambda item: rank[item.path])
 
 

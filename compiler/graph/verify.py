@@ -79,7 +79,7 @@ def torch_greedy(model, prompt: list[int], steps: int, tick: Callable[[], None])
         last, tokens = [prefill[-1]], list(prompt)
         for _ in range(steps - 1):
             tokens.append(int(last[-1].argmax()))
-            if longrope.must_recompute(switch, longrope.is_long(switch, len(tokens) - 1), len(tokens)):
+            if longrope.crossed(switch, len(tokens)):
                 out = model(input_ids=torch.tensor([tokens]), use_cache=True)
             else:
                 out = model(input_ids=torch.tensor([tokens[-1:]]), use_cache=True, **{cache_name: cache})
@@ -107,7 +107,7 @@ def runner_greedy(runner: Runner, prompts: list[list[int]], steps: int, tick: Ca
         positions += 1
         for row, last in enumerate(lasts):
             seqs[row].append(int(tokens[row, 0]))
-            if longrope.must_recompute(switch, longrope.is_long(switch, len(seqs[row]) - 1), len(seqs[row])):
+            if longrope.crossed(switch, len(seqs[row])):
                 logits[row] = _prefill_slot(runner, row, seqs[row])[0, -1:]
             last.append(logits[row, -1])
         tick()
@@ -195,7 +195,8 @@ def _driver(onnx_path: Path, layout, prompts: list[list[int]], steps: int, num_t
     if layout.paged:
         # a step's tokens: every prompt, and every row's whole sequence when LongRoPE recomputes it
         runner = PagedRunner(onnx_path, layout, num_threads=num_threads,
-                             max_num_tokens=sum(len(p) + steps for p in prompts), num_blocks=sum(map(len, paged_blocks(prompts, steps, layout.block_size))))
+                             max_num_tokens=sum(len(p) + steps for p in prompts),
+                             num_blocks=sum(map(len, paged_blocks(prompts, steps, layout.block_size))))
         chunks = {1: None}  # batch 1 prefills whole; the batch case in chunks, rows joining a step apart
         return lambda batch, tick: paged_greedy(runner, batch, steps, tick, chunks.get(len(batch), PAGED_CHUNK)), runner
     runner = OrtRunner(onnx_path, layout, max_batch=len(prompts), capacity=max(map(len, prompts)) + steps,

@@ -16,8 +16,9 @@ GHSA-rm76-4mrf-v9r8); by induction from the first block, the hit blocks hold the
 The last prompt token is always computed (its logits are the first sample), so a shared block is
 never written. A LongRoPE model's KV depend on which side of its switch the sequence's length is
 (runtime/engine/longrope.py): a sequence's blocks are keyed in a chain of their own for the long
-factors (`long_rope`, set when it is given blocks), so short-factor blocks never serve a long prompt. A block no sequence holds keeps its key and stays reusable until the pool needs it:
-free blocks are handed out first, then cached ones, least recently released first (LRU).
+factors (`long_rope`, set when it is given blocks), so short-factor blocks never serve a long prompt.
+A block no sequence holds keeps its key and stays reusable until the pool needs it: free blocks are
+handed out first, then cached ones, least recently released first (LRU).
 
 Beam search (runtime/engine/beam.py) shares blocks between beams: a beam forked from another holds its
 parent's blocks (`fork`, reference counts up), and before a step writes a beam's next position the

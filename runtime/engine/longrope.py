@@ -36,6 +36,12 @@ def must_recompute(switch: int | None, kv_long: bool, length: int) -> bool:
     return kv_long != is_long(switch, length)
 
 
+def crossed(switch: int | None, length: int) -> bool:
+    """Whether a sequence whose KV were computed as it stood one token ago (`length` - 1 tokens) must
+    recompute them now that it has `length`: the token that took it past the switch."""
+    return must_recompute(switch, is_long(switch, length - 1), length)
+
+
 def proposal_room(switch: int | None, num_tokens: int) -> int | None:
     """How many proposals a sequence of `num_tokens` may verify after its last token in one step
     (None: as many as it likes): a short one's last verified position is the switch's last short one."""
