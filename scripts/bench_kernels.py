@@ -1,4 +1,4 @@
-"""GPU decode-attention benchmark: llmc's Triton kernels against torch SDPA, ratios from one run.
+"""GPU decode-attention benchmark: llmc's slot and paged Triton kernels against torch SDPA, ratios from one run.
 
     .venv/bin/python scripts/bench_kernels.py [--batch 32] [--context 4096] [--heads 32] [--kv-heads 8]
                                              [--head-dim 128] [--dtype fp16] [--passes 5]
@@ -6,6 +6,9 @@
 One decode step (one new token per row, every row at `context - 1` cached tokens) of:
   - llmc three launches (plugins/gpu/kernels.py: rope/cache write + split-KV decode + merge),
   - llmc one launch (plugins/gpu/kernels_aot.py: the TensorRT plugin's kernel),
+  - llmc paged, two launches (plugins/gpu/paged_kernels.py: block write + attention) and one launch
+    (plugins/gpu/paged_kernels_aot.py), over the same cache laid out as blocks of `--block-size`
+    in shuffled order through each row's block table,
   - torch SDPA over the same cache (`enable_gqa`; the new token already written, so SDPA does
     less work than the kernels, which also write the cache).
 Each is timed with CUDA events (median of `--passes` x 50 steps after warm-up); the achieved memory
@@ -43,6 +46,7 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--passes", type=int, default=5)
     args = p.parse_args()
     import torch
@@ -53,6 +57,8 @@ def main() -> int:
     from llmc.plugins.op.attention import reference_attention
     from llmc.plugins.gpu.kernels import fused_attention
     from llmc.plugins.gpu.kernels_aot import one_launch_attention
+    from llmc.plugins.gpu.paged_kernels import paged_attention
+    from llmc.plugins.gpu.paged_kernels_aot import paged_attention_one_launch
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     b, c, h, kvh, d = args.batch, args.context, args.heads, args.kv_heads, args.head_dim
@@ -63,9 +69,32 @@ def main() -> int:
     pos = torch.full((b,), c - 1, device="cuda", dtype=torch.int64)
     scale = d ** -0.5
     ref = reference_attention(q, k, v, kc.clone(), vc.clone(), pos, scale)[0].float()
-    kernels = {"llmc three launches": fused_attention, "llmc one launch": one_launch_attention}
-    for name, kernel in kernels.items():
-        err = (kernel(q, k, v, kc, vc, pos, scale).float() - ref).abs().max().item()
+    slot = {"llmc three launches": fused_attention, "llmc one launch": one_launch_attention}
+    kernels = {name: (lambda kernel=kernel: kernel(q, k, v, kc, vc, pos, scale)) for name, kernel in slot.items()}
+    # the same cache as block pools: row r's position t lives in block table[r, t // bs] at offset t % bs
+    bs = args.block_size
+    if c % bs:
+        p.error(f"--context {c} must be a multiple of --block-size {bs}")
+    per_row = c // bs
+    table = torch.randperm(b * per_row, device="cuda", generator=g).view(b, per_row).to(torch.int32)
+
+    def pool(cache):  # [B, KVH, C, D] -> [blocks, bs, KVH, D] in the table's (shuffled) order
+        blocks = torch.empty(b * per_row, bs, kvh, d, device="cuda", dtype=dtype)
+        blocks[table.flatten().long()] = cache.permute(0, 2, 1, 3).reshape(b * per_row, bs, kvh, d)
+        return blocks
+
+    kp, vp = pool(kc), pool(vc)
+    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+    past = pos.to(torch.int32)
+    flat = {"query": q.reshape(b, h * d), "key": k.reshape(b, kvh * d), "value": v.reshape(b, kvh * d)}
+    for name, kernel in {"llmc paged two launches": paged_attention,
+                         "llmc paged one launch": paged_attention_one_launch}.items():
+        kernels[name] = (lambda kernel=kernel: kernel(**flat, key_cache=kp, value_cache=vp,
+                                                      cumulative_sequence_length=cu, past_seqlens=past,
+                                                      block_table=table, num_heads=h, kv_num_heads=kvh,
+                                                      scale=scale)[0].view(b, 1, h, d))
+    for name, run in kernels.items():
+        err = (run().float() - ref).abs().max().item()
         print(f"{name}: max |error| vs reference {err:.2e}")
     qs = q.transpose(1, 2)  # [B, H, 1, D]; SDPA over the full cache, GQA read once per KV head
 
@@ -73,14 +102,14 @@ def main() -> int:
         return torch.nn.functional.scaled_dot_product_attention(qs, kc, vc, scale=scale, enable_gqa=True)
 
     timings = {"torch SDPA": _time(sdpa, torch, args.passes)}
-    for name, kernel in kernels.items():
-        timings[name] = _time(lambda kernel=kernel: kernel(q, k, v, kc, vc, pos, scale), torch, args.passes)
+    for name, run in kernels.items():
+        timings[name] = _time(run, torch, args.passes)
     kv_bytes = 2 * b * kvh * c * d * q.element_size()
     print(f"\ndecode step, batch {b}, context {c}, heads {h}/{kvh}, head_dim {d}, {args.dtype} "
           f"on {torch.cuda.get_device_name()}")
-    print(f"{'kernel':22} {'ms/step':>8} {'GB/s (KV read)':>15} {'vs SDPA':>8}")
+    print(f"{'kernel':24} {'ms/step':>8} {'GB/s (KV read)':>15} {'vs SDPA':>8}")
     for name, ms in timings.items():
-        print(f"{name:22} {ms:8.3f} {kv_bytes / ms / 1e6:15.0f} {timings['torch SDPA'] / ms:7.2f}x")
+        print(f"{name:24} {ms:8.3f} {kv_bytes / ms / 1e6:15.0f} {timings['torch SDPA'] / ms:7.2f}x")
     return 0
 
 

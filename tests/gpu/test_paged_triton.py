@@ -225,5 +225,6 @@ def test_paged_kernels_on_the_gpu_match_the_reference():
         "        check(case, kernel, tol=2e-2)\n"
         "print('ok')\n"
     )
-    env_code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n" + code
+    here = os.path.dirname(os.path.abspath(__file__))  # test_paged_triton, and the helpers module above it
+    env_code = f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]\n" + code
     assert "ok" in _compiled(env_code, timeout=600).stdout

@@ -68,3 +68,19 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path, module, line, contract
     assert f"{contract} BROKEN" in result.stdout and f"Contracts: {CONTRACTS - 1} kept, 1 broken" in result.stdout
     assert chain in result.stdout, result.stdout
     assert "_forbidden" not in (ROOT / module).read_text()
+
+
+def test_every_package_folder_is_installed():
+    """pyproject lists packages by hand (package-dir maps the folders into llmc.*): a folder left off the list
+    works in the editable checkout and is missing from a wheel (llmc.compiler.models was, until a
+    non-editable install on the GPU machine failed to import it)."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folder_of = {package: folder for package, folder in tool["package-dir"].items()}
+    listed = set(tool["packages"])
+    found = set()
+    for package, folder in folder_of.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *rel)))
+    assert found - listed == set(), "package folders missing from pyproject's [tool.setuptools] packages"
+    assert listed - found == set(), "listed packages with no folder"
