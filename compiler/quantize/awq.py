@@ -15,12 +15,14 @@ Intel Neural Compressor) and ModelOpt's ONNX AWQ needs CuPy and a GPU (its NumPy
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from llmc.compiler.quantize.blockwise import fake_quantize
-from llmc.compiler.quantize.smoothquant import apply_scales, site_activations, smoothable
+from llmc.compiler.quantize.calibrate import activation_statistics
+from llmc.compiler.quantize.smoothquant import apply_scales, smoothable
 from llmc.runtime.layout import KVLayout
 
 ALPHAS = np.linspace(0.0, 1.0, 11)
@@ -29,31 +31,38 @@ TOKENS = 256  # calibration tokens per site used to score a scale
 
 def search_scale(x: np.ndarray, weights: list[np.ndarray], bits: int, block: int,
                  symmetric: bool = False) -> tuple[np.ndarray, float]:
-    """The per-channel scale s (and its alpha) minimizing sum ||x W - (x / s) Q(W * s)||^2 over the weights."""
+    """The per-channel scale s (and its alpha) minimizing sum ||x W - (x / s) Q(W * s)||^2 over the weights
+    (computed as x @ (Q(W * s) / s): the same product, one pass of fake_quantize)."""
     mean = np.abs(x).mean(0) + 1e-8
     reference = [x @ w for w in weights]
     best = (np.inf, np.ones_like(mean), 0.0)
     for alpha in ALPHAS:
         s = mean ** alpha
         s = s / np.sqrt(s.max() * s.min())
-        err = sum(float(np.square(ref - (x / s) @ fake_quantize(w * s[:, None], bits, block, symmetric)).sum())
+        err = sum(float(np.square(ref - x @ fake_quantize(w, bits, block, symmetric, row_scale=s)).sum())
                   for ref, w in zip(reference, weights))
         if err < best[0]:
             best = (err, s, float(alpha))
     return best[1].astype(np.float32), best[2]
 
 
+@dataclass
+class Awq:
+    alphas: list[float]  # the alpha chosen per site
+    importance: dict[str, np.ndarray]  # E[x_k^2] of every linear layer's input, as the scaled model sees it
+
+
 def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, symmetric: bool = False,
-        num_threads: int = 0, progress: Callable[[int, int], None] | None = None) -> list[float]:
+        num_threads: int = 0, progress: Callable[[int, int], None] | None = None) -> Awq:
     """Scale `model`'s weights in place for `bits`-bit block-wise quantization (`symmetric` codes or
-    not); returns the alpha chosen per site. (AWQ's second step, a per-block clipping search, is
-    blockwise.search's job.)"""
+    not). Returns the alphas and the importance blockwise.search weighs by, from the same calibration
+    pass: scaling leaves the function unchanged, so only a site's own tensor changes (to x / s, its mean
+    squares to E[x^2] / s^2). (AWQ's second step, a per-block clipping search, is blockwise.search's job.)"""
     from onnx import numpy_helper
 
     sites = smoothable(model.graph)
-    if not sites:
-        return []
-    acts = site_activations(model, layout, windows, [s.tensor for s in sites], TOKENS, num_threads)
+    acts, importance = activation_statistics(model, layout, windows, [s.tensor for s in sites], TOKENS,
+                                             num_threads=num_threads)
     initializers = {t.name: t for t in model.graph.initializer}
     scales, alphas = [], []
     for done, site in enumerate(sites, 1):
@@ -64,4 +73,6 @@ def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: in
         if progress:
             progress(done, len(sites))
     apply_scales(model, sites, scales)
-    return alphas
+    for site, s in zip(sites, scales):
+        importance[site.tensor] = importance[site.tensor] / np.square(s.astype(np.float64))
+    return Awq(alphas, importance)

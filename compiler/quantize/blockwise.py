@@ -17,11 +17,27 @@ input channel matters. What is written here, because its quantizer lacks it:
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-FACTORS = np.linspace(0.7, 1.3, 41)  # scale = (max - min) / (2^bits - 1) * factor
+SEARCH_SOURCE = Path(__file__).with_name("blockwise_search.c")
+# -march=native: the library is compiled on the host that runs it, for this build only;
+# -ffp-contract=off: no fused multiply-adds, so its float32 arithmetic is NumPy's
+SEARCH_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
+log = logging.getLogger(__name__)
+
+FACTORS = np.linspace(0.7, 1.3, 41).astype(np.float32)  # scale = (max - min) / (2^bits - 1) * factor
 ZERO_POINT_STEPS = (-1, 0, 1)
 
 
@@ -47,10 +63,9 @@ def blocks(w: np.ndarray, block: int) -> np.ndarray:
     return np.pad(w, ((0, (-k) % block), (0, 0))).reshape(-1, block, n)
 
 
-def _round(b: np.ndarray, scale: np.ndarray, zero: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """Codes of blocks `b` for `scale` and `zero` (integers), and the values they stand for."""
-    codes = np.clip(np.round(b / scale) + zero, 0, qmax)
-    return codes, (codes - zero) * scale
+def _codes(b: np.ndarray, scale: np.ndarray, zero: np.ndarray, qmax: int) -> np.ndarray:
+    """Codes of blocks `b` for `scale` and `zero` (integers)."""
+    return np.clip(np.round(b / scale) + zero, 0, qmax)
 
 
 def _range(b: np.ndarray, qmax: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -63,56 +78,150 @@ def _range(b: np.ndarray, qmax: int, symmetric: bool) -> tuple[np.ndarray, np.nd
     return lo, np.where(hi > lo, (hi - lo) / qmax, 1.0).astype(b.dtype)
 
 
-def _candidates(lo: np.ndarray, base: np.ndarray, qmax: int, symmetric: bool):
-    """(scale, zero point) pairs per block: the range's own first, then the search grid."""
+def _candidates(lo: np.ndarray, base: np.ndarray, qmax: int, symmetric: bool, factors=FACTORS):
+    """(scale, zero points) per block: the range's own first, then for each factor of the grid its scale
+    with the zero points to try (each rounds the same w / scale)."""
     if symmetric:
         zero = np.full_like(lo, (qmax + 1) // 2)
-        yield base, zero
-        for factor in FACTORS:
-            yield base * factor, zero
+        yield base, [zero]
+        for factor in factors:
+            yield base * factor, [zero]
         return
-    yield base, np.clip(np.round(-lo / base), 0, qmax)
-    for factor in FACTORS:
+    yield base, [np.clip(np.round(-lo / base), 0, qmax)]
+    for factor in factors:
         scale = base * factor
         rounded = np.round(-lo / scale)
-        for step in ZERO_POINT_STEPS:
-            yield scale, np.clip(rounded + step, 0, qmax)
+        yield scale, [np.clip(rounded + step, 0, qmax) for step in ZERO_POINT_STEPS]
 
 
 def minmax(w: np.ndarray, bits: int, block: int, symmetric: bool = False) -> BlockCodes:
     """Round to nearest: each block's min and max (or its largest magnitude, `symmetric`) span the codes."""
-    qmax = 2**bits - 1
-    b = blocks(w.astype(np.float32), block)
-    scale, zero = next(_candidates(*_range(b, qmax, symmetric), qmax, symmetric))
-    codes, _ = _round(b, scale, zero, qmax)
-    return BlockCodes(codes.astype(np.uint8), scale, zero.astype(np.uint8), w.shape[0], bits, symmetric)
+    return _block_codes(w, None, bits, block, symmetric)
 
 
-def fake_quantize(w: np.ndarray, bits: int, block: int, symmetric: bool = False) -> np.ndarray:
-    """`w` as `minmax` codes would give it back."""
-    return minmax(w, bits, block, symmetric).dequantize()
+def fake_quantize(w: np.ndarray, bits: int, block: int, symmetric: bool = False,
+                  row_scale: np.ndarray | None = None) -> np.ndarray:
+    """`w` as `minmax` codes would give it back; with `row_scale` [K] (AWQ's s), Q(w * s) / s: the rows
+    scaled before rounding and scaled back after (in C in one pass where this host compiles it)."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    library = _search_library()
+    if library is None:
+        scaled = w if row_scale is None else w * row_scale[:, None]
+        out = minmax(scaled, bits, block, symmetric).dequantize()
+        return out if row_scale is None else out / row_scale[:, None]
+    out = np.empty_like(w)
+    rs = None if row_scale is None else np.ascontiguousarray(row_scale, dtype=np.float32)
+    k, n = w.shape
+    _over_columns(n, lambda n0, n1: library.fake_quantize(_ptr(w), _ptr(rs), k, n, n0, n1, bits, block,
+                                                          int(symmetric), _ptr(out)), f"bits={bits}, block={block}")
+    return out
 
 
 def search(w: np.ndarray, importance: np.ndarray, bits: int, block: int, symmetric: bool = False) -> BlockCodes:
     """Per block and column, the scale and zero point (`symmetric`: the scale alone) minimizing
     sum_k importance_k (w_k - w'_k)^2. `importance` [K] is E[x_k^2] of the layer's input; `minmax`'s
     codes are the first candidate, so the weighted error is never worse than theirs."""
+    return _block_codes(w, importance, bits, block, symmetric)
+
+
+def _block_codes(w: np.ndarray, importance: np.ndarray | None, bits: int, block: int, symmetric: bool) -> BlockCodes:
+    """`search` (importance given) or `minmax` (None): in C where this host compiles blockwise_search.c,
+    else in NumPy; both pick the same codes."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if importance is not None:
+        importance = np.ascontiguousarray(importance, dtype=np.float32)
+    found = blockwise_search_c(w, importance, bits, block, symmetric)
+    if found is None:
+        found = search_numpy(w, importance, bits, block, symmetric)
+    codes, scales, zeros = found
+    return BlockCodes(codes, scales, zeros, w.shape[0], bits, symmetric)
+
+
+def search_numpy(w: np.ndarray, importance: np.ndarray | None, bits: int, block: int,
+                 symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The search in NumPy, float32 throughout (blockwise_search.c computes the same): codes
+    [blocks, block, N], scales and zero points [blocks, 1, N]."""
     qmax = 2**bits - 1
-    b = blocks(w.astype(np.float32), block)
-    h = blocks(importance.astype(np.float32)[:, None], block)  # [blocks, block, 1]; padding weighs 0
+    b = blocks(w, block)
     lo, base = _range(b, qmax, symmetric)
-    best_err = np.full(lo.shape, np.inf, dtype=np.float32)
-    best_codes, best_scale, best_zero = np.zeros_like(b), base, np.zeros_like(lo)
-    for scale, zero in _candidates(lo, base, qmax, symmetric):
-        codes, values = _round(b, scale, zero, qmax)
-        err = (h * np.square(values - b)).sum(1, keepdims=True)
-        better = err < best_err
-        best_err = np.where(better, err, best_err)
-        best_codes = np.where(better, codes, best_codes)
-        best_scale = np.where(better, scale, best_scale)
-        best_zero = np.where(better, zero, best_zero)
-    return BlockCodes(best_codes.astype(np.uint8), best_scale.astype(np.float32), best_zero.astype(np.uint8),
-                      w.shape[0], bits, symmetric)
+    candidates = _candidates(lo, base, qmax, symmetric, FACTORS if importance is not None else ())
+    best_scale, (best_zero,) = next(candidates)
+    if importance is not None:
+        h = blocks(importance[:, None], block)  # [blocks, block, 1]; padding weighs 0
+        best_err = np.full(lo.shape, np.inf, dtype=np.float32)
+        for scale, zeros in _candidates(lo, base, qmax, symmetric):
+            rounded = np.round(b / scale)
+            for zero in zeros:
+                err = (h * np.square((np.clip(rounded + zero, 0, qmax) - zero) * scale - b)).sum(1, keepdims=True)
+                better = err < best_err
+                best_err = np.where(better, err, best_err)
+                best_scale = np.where(better, scale, best_scale)
+                best_zero = np.where(better, zero, best_zero)
+    return (_codes(b, best_scale, best_zero, qmax).astype(np.uint8), best_scale.astype(np.float32),
+            best_zero.astype(np.uint8))
+
+
+def blockwise_search_c(w: np.ndarray, importance: np.ndarray | None, bits: int, block: int,
+                       symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The search by blockwise_search.c, or None where it cannot be compiled here."""
+    library = _search_library()
+    if library is None:
+        return None
+    k, n = w.shape
+    nblocks = -(-k // block)
+    codes = np.empty((nblocks, block, n), np.uint8)
+    scales = np.empty((nblocks, 1, n), np.float32)
+    zeros = np.empty((nblocks, 1, n), np.uint8)
+    factors = FACTORS if importance is not None else np.zeros(0, np.float32)
+    _over_columns(n, lambda n0, n1: library.codes(_ptr(w), k, n, n0, n1, _ptr(importance), bits, block, int(symmetric),
+                                                  _ptr(factors), len(factors), _ptr(codes), _ptr(scales), _ptr(zeros)),
+                  f"bits={bits}, block={block}")
+    return codes, scales, zeros
+
+
+def _ptr(a: np.ndarray | None):
+    return None if a is None else ctypes.c_void_p(a.ctypes.data)
+
+
+def _over_columns(n: int, call, what: str) -> None:
+    """`call(n0, n1)` over column ranges (multiples of 64 wide) split across the cores, in threads: ctypes
+    lets go of the GIL for the call. A non-zero return is a refusal."""
+    threads = max(1, min(os.cpu_count() or 1, n // 64))
+    cuts = [n * i // threads // 64 * 64 for i in range(threads)] + [n]
+    with ThreadPoolExecutor(threads) as pool:
+        if any(pool.map(lambda i: call(cuts[i], cuts[i + 1]), range(threads))):
+            raise ValueError(f"blockwise_search.c refused {what}")
+
+
+class _Search(NamedTuple):
+    codes: object  # llmc_block_codes
+    fake_quantize: object  # llmc_block_fake_quantize
+
+
+@functools.cache
+def _search_library() -> _Search | None:
+    """blockwise_search.c compiled for this host (into a temporary folder, loaded, then removed: a
+    compile takes a fraction of a second and a build runs once), or None without a C compiler."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        log.warning("no C compiler (%s): the block-code search runs in NumPy, many times slower", compiler)
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "blockwise_search.so"
+        result = subprocess.run([compiler, *SEARCH_FLAGS, "-o", str(path), str(SEARCH_SOURCE), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode:
+            log.warning("%s could not compile %s; the search runs in NumPy: %s", compiler, SEARCH_SOURCE.name,
+                        result.stderr.strip()[-500:])
+            return None
+        library = ctypes.CDLL(str(path))
+    i64, c_int, pointer = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    codes, fake = library.llmc_block_codes, library.llmc_block_fake_quantize
+    codes.argtypes = [pointer, i64, i64, i64, i64, pointer, c_int, c_int, c_int, pointer, c_int, pointer, pointer,
+                      pointer]
+    fake.argtypes = [pointer, pointer, i64, i64, i64, i64, c_int, c_int, c_int, pointer]
+    codes.restype = fake.restype = c_int
+    return _Search(codes, fake)
 
 
 def pack(q: BlockCodes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

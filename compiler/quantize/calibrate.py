@@ -7,8 +7,8 @@ Methods (spec `quantization.calibration.method`):
 - `percentile`: the 99.99th percentile of |x|, so a few outliers do not stretch the range.
 `entropy` and `percentile` use ONNX Runtime's own `HistogramCollector` (the collector behind its
 static quantizer); what is written here is `run_tensors` (also used by SmoothQuant and AWQ), which
-exposes only the tensors needed, and the sample loop with its progress ticks. `mean_squares` gives the
-weight-only modes their per-channel importance (blockwise.py).
+exposes only the tensors needed, and the sample loop with its progress ticks. `activation_statistics`
+gives the weight-only modes, in one pass, AWQ's activation rows and the per-channel importance (blockwise.py).
 
 The result is kept as `calibration.json` next to the quantized graph, keyed by the graph (after
 SmoothQuant, when it applies), the samples and the method, and reused while those are unchanged
@@ -134,14 +134,25 @@ def calibrate(model, layout: KVLayout, windows: list[np.ndarray], method: str, *
     return Calibration(key=key, method=method, samples=len(windows), seq_len=len(windows[0]), amax=amax)
 
 
-def mean_squares(model, layout: KVLayout, windows: list[np.ndarray], *, num_threads: int = 0) -> dict[str, np.ndarray]:
-    """E[x_k^2] per input channel of every linear-layer input of `model` over `windows` (the
-    importance blockwise.search weighs rounding errors by)."""
-    tensors = weight_matmul_inputs(model.graph)
+def activation_statistics(model, layout: KVLayout, windows: list[np.ndarray], rows_of: list[str], tokens: int, *,
+                          num_threads: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """One calibration pass of `model` over `windows`, giving both what AWQ and the block search need:
+    up to `tokens` rows [tokens, channels] of each tensor in `rows_of`, spread evenly over the windows
+    (the activations AWQ scores its scales on), and E[x_k^2] per input channel of every linear layer's
+    input (the importance blockwise.search weighs rounding errors by). A session over a big graph costs
+    more than the windows it runs (tens of seconds at 0.5B), so there is one pass, not one per use."""
+    linear = weight_matmul_inputs(model.graph)
+    per_window = max(1, tokens // len(windows))
+    rows: dict[str, list[np.ndarray]] = {t: [] for t in rows_of}
     sums: dict[str, np.ndarray] = {}
     count = 0
-    for values in run_tensors(model, layout, windows, tensors, num_threads, None):
-        for name, value in values.items():
-            sums[name] = sums.get(name, 0.0) + np.square(value.astype(np.float64)).sum(0)
+    for values in run_tensors(model, layout, windows, list(dict.fromkeys([*linear, *rows_of])), num_threads, None):
+        for name in linear:
+            sums[name] = sums.get(name, 0.0) + np.square(values[name].astype(np.float64)).sum(0)
         count += len(next(iter(values.values())))
-    return {name: sums[name] / count for name in tensors}
+        for name in rows_of:
+            value = values[name]
+            pick = np.linspace(0, len(value) - 1, min(per_window, len(value))).astype(int)
+            rows[name].append(value[pick].astype(np.float32))
+    return ({name: np.concatenate(chunks)[:tokens] for name, chunks in rows.items()},
+            {name: sums[name] / count for name in linear})

@@ -132,18 +132,6 @@ def channel_amax(model, layout: KVLayout, windows: list[np.ndarray], tensors: li
     return amax
 
 
-def site_activations(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], tokens: int,
-                     num_threads: int) -> dict[str, np.ndarray]:
-    """Up to `tokens` rows [tokens, channels] of each tensor, spread evenly over the windows."""
-    per_window = max(1, tokens // len(windows))
-    rows: dict[str, list[np.ndarray]] = {t: [] for t in tensors}
-    for values in run_tensors(model, layout, windows, tensors, num_threads, None):
-        for name, value in values.items():
-            pick = np.linspace(0, len(value) - 1, min(per_window, len(value))).astype(int)
-            rows[name].append(value[pick].astype(np.float32))
-    return {name: np.concatenate(chunks)[:tokens] for name, chunks in rows.items()}
-
-
 def apply_scales(model, sites: list[Site], scales: list[np.ndarray]) -> None:
     """Multiply each site's readers' weight rows by s and divide its producer constants by s (in place).
     A constant read by other nodes too (the export deduplicates equal tensors, e.g. norm weights

@@ -20,11 +20,9 @@ import numpy as np
 from llmc.compiler.graph.passes import merge_sibling_matmul_nbits
 from llmc.compiler.quantize.awq import awq
 from llmc.compiler.quantize.blockwise import BlockCodes, pack, search
-from llmc.compiler.quantize.calibrate import mean_squares
 from llmc.compiler.quantize.handler import Job, Quantized, calibration_windows, gemms_as_matmuls, untie_lm_head
 from llmc.compiler.spec import QuantizationSpec, WeightOnlyAlgorithm
 from llmc.errors import QuantizationError
-from llmc.runtime.layout import KVLayout
 
 ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations: the fast CPU kernels
 # Zero points, by bits (SmolLM2, measured): MatMulNBits' 8-bit kernel decodes ~4% slower with them and
@@ -70,10 +68,10 @@ class WeightOnly:
         symmetric = SYMMETRIC[bits]
         windows = calibration_windows(spec, job.tokenizer)
         layout = job.exported.kv_layout
-        alphas = awq(model, layout, windows, bits, spec.block, symmetric=symmetric,
-                     num_threads=job.num_threads, progress=job.progress)
-        codes = searched_codes(model, layout, windows, bits, spec.block, symmetric=symmetric,
-                               num_threads=job.num_threads, progress=job.progress)
+        scaled = awq(model, layout, windows, bits, spec.block, symmetric=symmetric, num_threads=job.num_threads,
+                     progress=job.progress)
+        alphas = scaled.alphas
+        codes = searched_codes(model, scaled.importance, bits, spec.block, symmetric=symmetric, progress=job.progress)
         kernel = f"{bits}-bit " + ("symmetric weights" if symmetric else "asymmetric weights (uint8 zero points)")
         how = (f"AWQ scaling on {len(alphas)} layer inputs (alpha median {np.median(alphas):.1f}), then per-block "
                + ("scales" if symmetric else "scales and zero points")
@@ -133,12 +131,12 @@ def _preset_quantizer(config, codes: dict[str, BlockCodes]):
     return PresetCodes(config)
 
 
-def searched_codes(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, symmetric: bool,
-                   num_threads: int, progress) -> dict[str, BlockCodes]:
-    """blockwise.search's codes for every linear layer of `model`, weighted by its input's E[x^2] on `windows`."""
+def searched_codes(model, importance: dict[str, np.ndarray], bits: int, block: int, *, symmetric: bool,
+                   progress) -> dict[str, BlockCodes]:
+    """blockwise.search's codes for every linear layer of `model`, weighted by its input's E[x^2]
+    (`importance`, by input tensor: awq's)."""
     from onnx import numpy_helper
 
-    importance = mean_squares(model, layout, windows, num_threads=num_threads)
     initializers = {t.name: t for t in model.graph.initializer}
     layers = [(n.input[1], n.input[0]) for n in model.graph.node
               if n.op_type == "MatMul" and n.input[1] in initializers and n.input[0] in importance]

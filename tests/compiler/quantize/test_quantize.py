@@ -206,15 +206,22 @@ def test_awq_keeps_the_fp32_function(int4_build):
     import onnxruntime as ort
 
     from llmc.compiler.quantize.awq import awq
-    from llmc.compiler.quantize.calibrate import feeds
+    from llmc.compiler.quantize.calibrate import activation_statistics, feeds
 
     layout = int4_build.exported.kv_layout
     model = onnx.load(str(int4_build.output / "export" / "model.onnx"))
     untie_lm_head(model.graph)
     original = model.SerializeToString()
     windows = [np.random.default_rng(2).integers(0, 250, 24) for _ in range(3)]
-    alphas = awq(model, layout, windows, bits=4, block=32)
-    assert len(alphas) == 2 * 3 + 1  # fused lowering: skip-norms, the MLP up -> down, the final norm
+    scaled = awq(model, layout, windows, bits=4, block=32)
+    assert len(scaled.alphas) == 2 * 3 + 1  # fused lowering: skip-norms, the MLP up -> down, the final norm
+    # the importance it derived for the scaled graph (E[x^2] / s^2 at the sites) is what the scaled graph measures
+    _, measured = activation_statistics(model, layout, windows, [], 0)
+    assert set(measured) == set(scaled.importance)
+    for name, value in measured.items():
+        np.testing.assert_allclose(scaled.importance[name], value, rtol=1e-3, atol=1e-9)
+    assert any(not np.allclose(scaled.importance[n], v) for n, v in
+               activation_statistics(onnx.load_from_string(original), layout, windows, [], 0)[1].items())
     logits = [ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(["logits"], feeds(layout, windows[0]))[0]
               for m in (original, model.SerializeToString())]  # fresh KV buffers per run: the graph updates them
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)

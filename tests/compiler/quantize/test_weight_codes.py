@@ -71,6 +71,48 @@ def test_sibling_matmul_nbits_are_merged_into_one_with_the_same_outputs():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("k,n,bits,block,symmetric", [(100, 70, 4, 32, False), (96, 130, 8, 128, True),
+                                                     (64, 64, 4, 32, True), (33, 5, 8, 16, False),
+                                                     (256, 200, 4, 64, False)])
+def test_the_c_search_picks_exactly_the_numpy_codes(k, n, bits, block, symmetric):
+    """blockwise_search.c against the NumPy loop it replaces (50x slower): the same codes, scales and zero
+    points bit for bit, with the importance (search) and without (minmax), and the same fake-quantized
+    weights with AWQ's row scale; K past the last full block,
+    columns past the last group of 64, rows of very different ranges."""
+    from llmc.compiler.quantize import blockwise
+
+    rng = np.random.default_rng(k + n)
+    w = (rng.standard_normal((k, n)) * rng.random((k, 1)) * 3).astype(np.float32)
+    w[:, 1] = 0.0  # a constant column: every block's range is empty
+    importance = (rng.random(k) ** 3).astype(np.float32)
+    for h in (importance, None):
+        c = blockwise.blockwise_search_c(w, h, bits, block, symmetric)
+        assert c is not None, "no C compiler here: the build host of the tests has one (cc)"
+        for got, want in zip(c, blockwise.search_numpy(w, h, bits, block, symmetric)):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+    s = (rng.random(k) + 0.5).astype(np.float32)  # AWQ's row scale: Q(w * s) / s in one pass
+    want = blockwise.minmax(w * s[:, None], bits, block, symmetric).dequantize() / s[:, None]
+    np.testing.assert_array_equal(blockwise.fake_quantize(w, bits, block, symmetric, row_scale=s), want)
+
+
+def test_without_a_c_compiler_the_search_runs_in_numpy(monkeypatch):
+    from llmc.compiler.quantize import blockwise
+
+    rng = np.random.default_rng(5)
+    w, h = rng.standard_normal((64, 8)).astype(np.float32), rng.random(64).astype(np.float32)
+    fast = blockwise.search(w, h, 4, 32)
+    monkeypatch.setenv("CC", "no-such-compiler")
+    blockwise._search_library.cache_clear()
+    try:
+        assert blockwise._search_library() is None
+        slow = blockwise.search(w, h, 4, 32)
+    finally:
+        blockwise._search_library.cache_clear()
+    for a, b in ((fast.codes, slow.codes), (fast.scales, slow.scales), (fast.zero_points, slow.zero_points)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_weighted_search_puts_the_accuracy_where_the_activations_are():
     from llmc.compiler.quantize.blockwise import minmax, search
 
