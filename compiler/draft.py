@@ -95,7 +95,7 @@ def cache_key_parts(spec: BuildSpec, export_key: dict, verify_key: dict) -> dict
 
 
 def make_draft(target: ExportedModel, target_dir: Path, target_source: SourceInfo, spec: BuildSpec, out: Path, *,
-               inputs_hash: str, num_threads: int = 0, external_threshold: int = export.PROTOBUF_LIMIT,
+               inputs_hash: str, num_threads: int = 0, external_threshold: int = export.EXTERNAL_THRESHOLD,
                progress: Callable[[int, int], None] | None = None) -> DraftArtifact:
     """Make the draft graph in `out` (the stage's folder) and describe it."""
     section: DraftSpec = spec.speculative.draft

@@ -91,6 +91,7 @@ class Stage:
     folder: str = ""  # its folder in the output (default: its name)
     for_package: bool = False  # only builds that run the package stage run it
     opens: bool = False
+    loads_model: bool = False  # runs the PyTorch model (ctx.model): the build frees it after the last such stage
 
     def __post_init__(self) -> None:
         if not self.folder:

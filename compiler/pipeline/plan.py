@@ -6,7 +6,8 @@ For `target: tensorrt` it lists the optimization profiles the engine gets from `
 precision plan (fp16/bf16 through ModelOpt AutoCast, int8/fp8 Q/DQ from the quantize stage), the
 attention nodes, and a memory estimate: weights at their stored precision, the KV cache at the
 serving limits, and the largest activations of a prefill chunk (the logits of every prefilled
-token dominate).
+token dominate). For every target, the build's own peak memory (BUILD_PEAK: by stage, measured at
+0.5B and 1B), so that a 3B-8B build says up front what machine it needs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from llmc.compiler.tensorrt.profiles import Profile, profiles
 from llmc.runtime.layout import ITEMSIZE
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+# A build's peak resident memory, per stage, in multiples of the checkpoint's weights at fp32 (W, as the
+# export loads them) and of the LM head a quantized build unties (U): measured by scripts/bench_sizes.py on
+# Qwen2.5-0.5B's shape (W 1.98 GB) and Llama-3.2-1B's (W 4.94 GB). Export: the PyTorch model and the traced
+# graph's weights; verify: the model and an ONNX Runtime session; weight-only quantize: the graph, a
+# calibration or measuring session, and the codes.
+BUILD_PEAK = {"export": (2.1, 0.0), "verify": (2.1, 0.0), "quantize": (3.2, 1.0)}
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
                 QuantMode.int4_weight_only: 0.5}
 
@@ -39,6 +46,7 @@ class BuildPlan:
     weights_bytes: int = 0
     kv_cache_bytes: int = 0
     activation_bytes: int = 0
+    build_peak_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
     def rows(self) -> list[tuple[str, str]]:
@@ -52,7 +60,8 @@ class BuildPlan:
                 f"{name} min {list(lo)} opt {list(opt)} max {list(hi)}" for name, (lo, opt, hi) in p.shapes.items())))
         rows += [("memory: weights", gib(self.weights_bytes)), ("memory: KV cache", gib(self.kv_cache_bytes)),
                  ("memory: activations (peak prefill, estimate)", gib(self.activation_bytes)),
-                 ("memory: total (estimate)", gib(self.weights_bytes + self.kv_cache_bytes + self.activation_bytes))]
+                 ("memory: total (estimate)", gib(self.weights_bytes + self.kv_cache_bytes + self.activation_bytes)),
+                 ("build: peak memory (estimate)", gib(self.build_peak_bytes))]
         rows += [("note", n) for n in self.notes]
         return rows
 
@@ -78,6 +87,9 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     tokens = spec.limits.max_num_tokens
     activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)
     stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run
+    fp32 = 4 * (dims.linear_params + dims.other_params)
+    untied = 4 * dims.vocab_size * dims.hidden_size if q.mode is not QuantMode.none and dims.tied_embeddings else 0
+    build_peak = max(int(w * fp32 + u * untied) for stage, (w, u) in BUILD_PEAK.items() if stage in stages)
     draft = spec.speculative.draft if spec.speculative is not None else None
     if draft is not None:  # its pools: the target's blocks again, at the draft's layers and heads
         d = read_dims(inspect_draft(draft)) if draft.source is not None else dims
@@ -107,7 +119,8 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
                                 "plugin": "LlmcFusedAttention plugin", "paged": "llmc.PagedAttention"}[lowering],
                      attention_nodes=dims.num_layers, quantization=quant,
                      profiles=profiles(spec.limits, dims.num_kv_heads, dims.head_dim) if tensorrt else [],
-                     weights_bytes=weights, kv_cache_bytes=kv_bytes, activation_bytes=activations, notes=notes)
+                     weights_bytes=weights, kv_cache_bytes=kv_bytes, activation_bytes=activations,
+                     build_peak_bytes=build_peak, notes=notes)
 
 
 def plan_build(spec: BuildSpec) -> BuildPlan:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from llmc.compiler import output as out
 from llmc.compiler.artifacts import Artifact
-from llmc.compiler.graph.export import PROTOBUF_LIMIT
+from llmc.compiler.graph.export import EXTERNAL_THRESHOLD
 from llmc.compiler.hashing import code_hash, hash_json
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.repository.package import REPOSITORY_DIR
@@ -85,6 +85,9 @@ class _Model:
             self._loaded = load_model(self.info)
         return self._loaded
 
+    def release(self) -> None:
+        self._loaded = None
+
 
 def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package", force: set[str] | None = None,
           reporter: Reporter | None = None, external_threshold: int | None = None) -> BuildResult:
@@ -94,10 +97,12 @@ def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package"
     output = Path(output or spec.output_dir).absolute()
     stages = [s for s in STAGES[:STAGE_NAMES.index(until) + 1]
               if s.applies(spec) and (until == STAGE_NAMES[-1] or not s.for_package)]
-    run = _Run(spec, output, reporter or NullReporter(), set(force or ()), external_threshold or PROTOBUF_LIMIT)
+    run = _Run(spec, output, reporter or NullReporter(), set(force or ()), external_threshold or EXTERNAL_THRESHOLD)
     try:
         for i, stage in enumerate(stages):
             run.stage(stage)
+            if not any(later.loads_model for later in stages[i + 1:]):
+                run.model.release()  # the PyTorch weights (as large as the graph's) leave before quantize
             if stage.opens:  # the checkpoint is known: the limits it decides, then every later check
                 run.source_found(run.result.artifacts[stage.name].artifact, stages[i + 1:])
         run.write_record()

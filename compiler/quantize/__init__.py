@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from llmc.compiler.artifacts import ExportedModel, QualityReport, QuantizedModel, hash_outputs
-from llmc.compiler.graph.export import EXTERNAL_DATA_NAME, ONNX_NAME, PROTOBUF_LIMIT, save_model, tool_versions
+from llmc.compiler.graph.export import EXTERNAL_DATA_NAME, ONNX_NAME, EXTERNAL_THRESHOLD, save_model, tool_versions
 from llmc.compiler.graph.verify import PROMPTS
 from llmc.compiler.quantize.handler import Job, QuantHandler, calibration_windows
 from llmc.compiler.quantize.qdq_static import StaticQDQ
@@ -69,7 +69,7 @@ def cache_key_parts(spec: QuantizationSpec) -> dict:
 
 
 def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: QuantizationSpec, tokenizer, *,
-             inputs_hash: str, num_threads: int = 0, external_threshold: int = PROTOBUF_LIMIT,
+             inputs_hash: str, num_threads: int = 0, external_threshold: int = EXTERNAL_THRESHOLD,
              previous: Path | None = None, progress: Callable[[int, int], None] | None = None) -> QuantizedModel:
     """Quantize the export in `export_dir` into `out_dir`; `previous` is the last build's quantize
     folder, whose calibration is reused when the graph, the samples and the method are the same."""

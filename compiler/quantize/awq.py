@@ -16,6 +16,7 @@ Intel Neural Compressor) and ModelOpt's ONNX AWQ needs CuPy and a GPU (its NumPy
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -53,16 +54,18 @@ class Awq:
 
 
 def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, symmetric: bool = False,
-        num_threads: int = 0, progress: Callable[[int, int], None] | None = None) -> Awq:
+        num_threads: int = 0, progress: Callable[[int, int], None] | None = None,
+        graph_file: Path | None = None) -> Awq:
     """Scale `model`'s weights in place for `bits`-bit block-wise quantization (`symmetric` codes or
     not). Returns the alphas and the importance blockwise.search weighs by, from the same calibration
     pass: scaling leaves the function unchanged, so only a site's own tensor changes (to x / s, its mean
-    squares to E[x^2] / s^2). (AWQ's second step, a per-block clipping search, is blockwise.search's job.)"""
+    squares to E[x^2] / s^2). `graph_file`: the export `model` was loaded from (calibrate.run_tensors).
+    (AWQ's second step, a per-block clipping search, is blockwise.search's job.)"""
     from onnx import numpy_helper
 
     sites = smoothable(model.graph)
     acts, importance = activation_statistics(model, layout, windows, [s.tensor for s in sites], TOKENS,
-                                             num_threads=num_threads)
+                                             num_threads=num_threads, graph_file=graph_file)
     initializers = {t.name: t for t in model.graph.initializer}
     scales, alphas = [], []
     for done, site in enumerate(sites, 1):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import shutil
 import json
 import tempfile
 from pathlib import Path
@@ -85,24 +87,37 @@ def feeds(layout: KVLayout, ids: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def run_tensors(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,
-               progress: Callable[[int, int], None] | None):
+                progress: Callable[[int, int], None] | None, *, graph_file: Path | None = None):
     """Yield, per window, {tensor: value [tokens, channels]} for the named tensors of `model` (an
     onnx ModelProto, weights loaded), run on ONNX Runtime CPU from an empty cache. ONNX Runtime's own
     calibrators would also record every MatMul output (the logits included); this exposes only
-    what is asked for."""
+    what is asked for. `graph_file`: an ONNX file with external weights computing what `model` computes
+    (the export `model` was loaded from, before its LM head was untied): its graph alone is rewritten and
+    its weights file hard-linked, where serializing `model` would copy every weight on disk and in memory. The
+    session does not prepack weights (it reads them from the mapped file): a pass over a few windows."""
     import onnx
 
-    from llmc.compiler.graph.export import save_model
+    from llmc.compiler.graph.export import EXTERNAL_DATA_NAME, save_model
     from llmc.runtime.runners.ort import make_session
 
-    augmented = onnx.ModelProto()
-    augmented.CopyFrom(model)
+    linked = graph_file is not None and (graph_file.parent / EXTERNAL_DATA_NAME).is_file()
+    augmented = onnx.load(str(graph_file), load_external_data=False) if linked else onnx.ModelProto()
+    if not linked:
+        augmented.CopyFrom(model)
     del augmented.graph.output[:]
     augmented.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in tensors)
     with tempfile.TemporaryDirectory(prefix="llmc-calibrate-") as tmp:
-        save_model(augmented, Path(tmp))
+        if linked:  # the tensors keep their location, model.onnx.data: the export's, hard-linked (ONNX Runtime
+            # refuses a symbolic link out of the model's folder), or copied across file systems
+            onnx.save(augmented, str(Path(tmp) / "model.onnx"))
+            try:
+                os.link(graph_file.parent / EXTERNAL_DATA_NAME, Path(tmp) / EXTERNAL_DATA_NAME)
+            except OSError:
+                shutil.copyfile(graph_file.parent / EXTERNAL_DATA_NAME, Path(tmp) / EXTERNAL_DATA_NAME)
+        else:
+            save_model(augmented, Path(tmp))
         del augmented
-        session = make_session(Path(tmp) / "model.onnx", num_threads)
+        session = make_session(Path(tmp) / "model.onnx", num_threads, prepack=False)
         for done, ids in enumerate(windows, 1):
             values = session.run(tensors, feeds(layout, ids))
             yield {name: v.reshape(-1, v.shape[-1]) for name, v in zip(tensors, values)}
@@ -135,18 +150,21 @@ def calibrate(model, layout: KVLayout, windows: list[np.ndarray], method: str, *
 
 
 def activation_statistics(model, layout: KVLayout, windows: list[np.ndarray], rows_of: list[str], tokens: int, *,
-                          num_threads: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+                          num_threads: int = 0, graph_file: Path | None = None
+                          ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """One calibration pass of `model` over `windows`, giving both what AWQ and the block search need:
     up to `tokens` rows [tokens, channels] of each tensor in `rows_of`, spread evenly over the windows
     (the activations AWQ scores its scales on), and E[x_k^2] per input channel of every linear layer's
     input (the importance blockwise.search weighs rounding errors by). A session over a big graph costs
-    more than the windows it runs (tens of seconds at 0.5B), so there is one pass, not one per use."""
+    more than the windows it runs (tens of seconds at 0.5B), so there is one pass, not one per use.
+    `graph_file`: see run_tensors."""
     linear = weight_matmul_inputs(model.graph)
     per_window = max(1, tokens // len(windows))
     rows: dict[str, list[np.ndarray]] = {t: [] for t in rows_of}
     sums: dict[str, np.ndarray] = {}
     count = 0
-    for values in run_tensors(model, layout, windows, list(dict.fromkeys([*linear, *rows_of])), num_threads, None):
+    for values in run_tensors(model, layout, windows, list(dict.fromkeys([*linear, *rows_of])), num_threads, None,
+                              graph_file=graph_file):
         for name in linear:
             sums[name] = sums.get(name, 0.0) + np.square(values[name].astype(np.float64)).sum(0)
         count += len(next(iter(values.values())))

@@ -69,7 +69,7 @@ class WeightOnly:
         windows = calibration_windows(spec, job.tokenizer)
         layout = job.exported.kv_layout
         scaled = awq(model, layout, windows, bits, spec.block, symmetric=symmetric, num_threads=job.num_threads,
-                     progress=job.progress)
+                     progress=job.progress, graph_file=job.source)
         alphas = scaled.alphas
         codes = searched_codes(model, scaled.importance, bits, spec.block, symmetric=symmetric, progress=job.progress)
         kernel = f"{bits}-bit " + ("symmetric weights" if symmetric else "asymmetric weights (uint8 zero points)")

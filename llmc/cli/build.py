@@ -26,7 +26,8 @@ def build(
     spec: SpecArg,
     output: OutputOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Run every stage, even unchanged ones.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the build plan (stages, precision, attention, TensorRT profiles, memory estimate) from the spec and the checkpoint's config, and exit; needs no GPU.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the build plan (stages, precision, attention, TensorRT profiles, serving memory, the build's own peak memory) from the spec and the checkpoint's config, and exit; needs no GPU.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: print the plan as JSON (byte counts).")] = False,
 ) -> None:
     """Build a spec: load the checkpoint, export to ONNX, verify against PyTorch, quantize (quantization.mode), build the TensorRT engine (target: tensorrt), package a Triton model repository.
 
@@ -43,9 +44,18 @@ A TensorRT build needs TensorRT and an NVIDIA GPU: the engine gets a prefill and
         from llmc.compiler.inspect import Section
         from llmc.console import out, sections_table
 
-        for table in sections_table([Section(f"build plan: {spec}", plan_build(load_spec(spec)).rows())]):
+        plan = plan_build(load_spec(spec))
+        if as_json:
+            import dataclasses
+            import json
+
+            print(json.dumps(dataclasses.asdict(plan), indent=2))
+            return
+        for table in sections_table([Section(f"build plan: {spec}", plan.rows())]):
             out.print(table)
         return
+    if as_json:
+        raise typer.BadParameter("--json prints the plan: use it with --dry-run", param_hint="--json")
     _run_build(spec, output, "package", {"export", "verify", "quantize", "draft", "engine", "environment"} if force else set())
 
 

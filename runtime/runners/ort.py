@@ -27,7 +27,8 @@ from llmc.runtime.layout import SEQUENCE_LENGTHS, KVLayout, check_step, step_len
 from llmc.runtime.runners.protocol import RunnerClosed
 
 
-def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, spin_after_run: bool = True):
+def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, spin_after_run: bool = True,
+                 prepack: bool = True):
     """A CPU session; `optimize=False` turns ONNX Runtime's graph optimizations off (the fp8 reference
     path, which also keeps ONNX Runtime's own kernels). 4-bit MatMulNBits nodes run on llmc's kernel
     where this host has it (runtime/kernels/cpu_kernels.py): the graph is loaded, the op swapped in memory.
@@ -35,7 +36,10 @@ def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, s
     between the ops of a run): for two sessions taking turns on the same cores (a draft model and
     its target), where one's pool spinning after its run takes the cores from the other's. SmolLM2 on
     2 cores, a 5-token verify after four int4 draft calls: 66 ms spinning on, 40 ms with spinning off
-    altogether, 30 ms stopped after each run (a lone decode call 13 ms, as with spinning on)."""
+    altogether, 30 ms stopped after each run (a lone decode call 13 ms, as with spinning on).
+    `prepack=False` keeps ONNX Runtime from copying the weights into its packed layouts: the session then
+    reads an external-data graph's weights from the mapped file (0.25 GB resident for a 1.6 GB graph
+    instead of 1.7), at some speed: for a build's calibration passes over a few windows."""
     import onnxruntime as ort
 
     from llmc.runtime.kernels import cpu_kernels
@@ -48,6 +52,8 @@ def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, s
     options.log_severity_level = 3
     if not spin_after_run:
         options.add_session_config_entry("session.force_spinning_stop", "1")
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     model = cpu_kernels.prepare(onnx_path, options) if optimize else str(onnx_path)
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 

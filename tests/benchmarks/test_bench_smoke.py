@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 LIBRARIES = {"bench_paged_builds.py", "bench_paged_decode.py"}  # imported by the others; no command line
 RUN = {"bench_sampling.py", "bench_cpu_kernels.py", "bench_paged_attention.py", "bench_quantization.py",
-       "bench_kernels.py", "compare_peers.py"}
+       "bench_kernels.py", "compare_peers.py", "bench_sizes.py"}
 HELP_ONLY = {"bench_attention.py", "bench_beam.py", "bench_draft.py", "bench_kv_cache_dtype.py", "bench_openai.py",
              "bench_paged.py", "bench_paged_graph.py", "bench_serving.py", "bench_speculative.py",
              "bench_structured.py"}
@@ -109,3 +109,40 @@ def test_compare_peers(monkeypatch, tiny_checkpoints, tiny_build, tmp_path):
         assert result["table"][name]["ttft_cached_ms"] is not None
         assert all(len(p) == 4 for p in result["passes"][name])
     assert result["table"]["HF transformers generate()"]["ttft_cached_ms"] is None
+
+
+def test_bench_sizes_on_a_tiny_checkpoint(monkeypatch, capsys, tiny_checkpoints, tmp_path):
+    """The real-size benchmark's whole path on the tiny Llama (--checkpoint instead of a shape; no peers):
+    the build timed with its peak memory beside the dry run's estimate, decode and prefill measured, the
+    roofline share from the graph's bytes."""
+    run_script(monkeypatch, "bench_sizes.py", "--checkpoint", str(tiny_checkpoints["llama"]), "--modes", "fp32",
+               "--peers", "none", "--passes", "1", "--threads", "1", "--prompt-tokens", "8", "--new-tokens", "4",
+               "--prefill-tokens", "16", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "sizes.json").read_text())
+    row = result["shapes"][tiny_checkpoints["llama"].name]["llmc fp32"]
+    assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and 0 < row["roofline_share"]
+    assert row["peak_build_bytes"] >= row["peak_build_anonymous_bytes"] > 0 and row["estimate_bytes"] > 0
+    assert row["build_s"] > 0
+    assert row["step_bytes"] > 0
+    assert "| fp32 | llmc |" in capsys.readouterr().out
+
+
+def test_sized_checkpoints_have_the_published_parameter_counts():
+    """The shapes are the models' own configs: counted on the meta device, each matches its published size;
+    the tokenizer grows to the vocabulary, so every id a random model emits decodes."""
+    import importlib.util
+
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    spec = importlib.util.spec_from_file_location("sized_checkpoints", SCRIPTS / "sized_checkpoints.py")
+    sized = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sized)
+    for shape, count in sized.PARAMETERS.items():
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(sized.config(shape))
+        assert sum(p.numel() for p in model.parameters()) == count, shape
+    tokenizer = Tokenizer.from_str(json.dumps(sized.grown_tokenizer(151936)))
+    assert tokenizer.get_vocab_size() == 151936
+    assert tokenizer.decode([151935], skip_special_tokens=False) == "<|filler_151935|>"

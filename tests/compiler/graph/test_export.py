@@ -71,6 +71,9 @@ def test_external_data_above_threshold(tiny_llama, tmp_path):
     assert (export_dir / "model.onnx").stat().st_size < (export_dir / "model.onnx.data").stat().st_size
     assert result.verify.passed  # ONNX Runtime finds the data file next to the graph
     assert ExportedModel.load(export_dir).external_data
+    # as readable as the graph (onnx writes it owner-only): a server running as another user reads both
+    graph, data = ((export_dir / name).stat().st_mode & 0o777 for name in ("model.onnx", "model.onnx.data"))
+    assert data == graph
 
 
 def test_export_logs_nothing_when_the_root_logger_is_at_info(tiny_llama, tmp_path, caplog):

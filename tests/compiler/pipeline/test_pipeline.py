@@ -238,3 +238,35 @@ def test_a_stage_sees_only_the_earlier_results_it_declared(tiny_llama, tmp_path,
     run.build(parse_spec({"name": "t", "source": str(tiny_llama)}), output=tmp_path / "out", until="c")
     assert seen == {"a": (None, [], tiny_llama), "b": ("a", ["a"], tiny_llama),
                     "c": ("b", ["b", "checkpoint"], tiny_llama)}
+
+
+def test_the_pytorch_model_is_freed_after_the_last_stage_that_runs_it(tiny_llama, tmp_path, monkeypatch):
+    """A stage declares `loads_model`; later stages (quantize holds the graph's weights several times) run
+    without the PyTorch copy. Every stage that calls ctx.model declares it."""
+    import inspect
+
+    from llmc.compiler.pipeline import run
+    from llmc.compiler.pipeline.stages import STAGES
+    from llmc.compiler.source import SOURCE
+    from llmc.compiler.stage import Stage
+
+    for stage in STAGES:
+        assert ("ctx.model" in inspect.getsource(inspect.getmodule(stage.run))) == stage.loads_model, stage.name
+    held = {}
+
+    def using(name):
+        def go(taken, section, ctx):
+            held[name] = ctx.model._loaded is not None
+            if name == "a":
+                ctx.model()
+            return name
+        return go
+
+    monkeypatch.setattr(run, "load_model", lambda info: ("model", "tokenizer"))
+    table = (SOURCE, Stage("a", describe=str, run=using("a"), summary=str, loads_model=True),
+             Stage("b", describe=str, run=using("b"), summary=str, loads_model=True),
+             Stage("c", describe=str, run=using("c"), summary=str))
+    monkeypatch.setattr(run, "STAGES", table)
+    monkeypatch.setattr(run, "STAGE_NAMES", tuple(s.name for s in table))
+    run.build(parse_spec({"name": "t", "source": str(tiny_llama)}), output=tmp_path / "out", until="c")
+    assert held == {"a": False, "b": True, "c": False}

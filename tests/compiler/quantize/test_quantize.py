@@ -228,6 +228,31 @@ def test_awq_keeps_the_fp32_function(int4_build):
     assert "AWQ scaling on 7 layer inputs" in int4_build.quantized.method
 
 
+def test_calibration_over_the_linked_export_measures_what_the_untied_copy_does(int4_build, tmp_path):
+    """A graph with external weights is calibrated through its own file (graph rewritten, weights linked,
+    no prepacked copy), not by serializing the untied model: the same rows and mean squares."""
+    from llmc.compiler.quantize.calibrate import activation_statistics
+    from llmc.compiler.quantize.smoothquant import smoothable
+
+    layout = int4_build.exported.kv_layout
+    source = int4_build.output / "export" / "model.onnx"
+    external = tmp_path / "external"
+    external.mkdir()
+    onnx.save_model(onnx.load(str(source)), str(external / "model.onnx"), save_as_external_data=True,
+                    location="model.onnx.data", size_threshold=0)
+    model = onnx.load(str(source))
+    untie_lm_head(model.graph)
+    windows = [np.random.default_rng(3).integers(0, 250, 20) for _ in range(2)]
+    sites = [s.tensor for s in smoothable(model.graph)]
+    copied = activation_statistics(model, layout, windows, sites, 16)
+    linked = activation_statistics(model, layout, windows, sites, 16, graph_file=external / "model.onnx")
+    for a, b in zip(copied, linked):
+        assert set(a) == set(b) and a
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert (external / "model.onnx.data").stat().st_nlink == 1  # the link went with the calibration's folder
+
+
 def test_a_4bit_repository_carries_the_cpu_kernel_for_hosts_without_a_compiler(int4_build, tmp_path):
     """The packaged runtime finds the library built here next to its own copy of the source: the
     serving Python (no compiler on PATH, an empty cache) swaps the kernel into the served graph."""
