@@ -1,5 +1,6 @@
 """The `llmc` command: readable one-line errors with exit codes, build/export/verify/inspect, --help."""
 
+import json
 import os
 import subprocess
 import sys
@@ -86,9 +87,15 @@ def test_dry_run_prints_the_plan_and_builds_nothing(tiny_llama, tmp_path):
     spec = write_spec(tmp_path, {"name": "m", "source": str(tiny_llama), "target": "tensorrt", "precision": "bf16"})
     res = run("build", spec, "--dry-run", "-o", tmp_path / "out")
     assert res.returncode == 0, res.stderr
-    for row in ("profile prefill", "profile decode", "memory: KV cache", "bf16 through ModelOpt AutoCast"):
+    for row in ("profile prefill", "profile decode", "memory: KV cache", "bf16 through ModelOpt AutoCast",
+                "build: peak memory"):
         assert row in res.stdout
     assert not (tmp_path / "out").exists()
+    res = run("build", spec, "--dry-run", "--json")  # the same plan as data, for scripts (bench_sizes.py)
+    plan = json.loads(res.stdout)
+    assert plan["target"] == "tensorrt" and plan["build_peak_bytes"] > 0 and len(plan["profiles"]) == 2
+    res = run("build", spec, "--json")
+    assert res.returncode != 0 and "--dry-run" in res.stderr
 
 
 def test_minimal_spec_takes_its_limits_from_the_checkpoint_and_prints_only_llmc(tmp_path):

@@ -45,6 +45,22 @@ def test_kv_cache_and_activation_estimates_follow_the_limits(tiny_llama):
     assert planned.profiles == [] and planned.stages == ["source", "export", "verify", "package"]
 
 
+def test_the_build_peak_is_the_largest_stage_of_the_build(tiny_llama):
+    """--dry-run's build memory: the weights at fp32 times the largest factor among the stages the build
+    runs (BUILD_PEAK), the untied LM head counted when a quantized build makes one."""
+    from llmc.compiler.pipeline.plan import BUILD_PEAK
+
+    dims = read_dims(inspect_source(_spec(tiny_llama).source))
+    fp32 = 4 * (dims.linear_params + dims.other_params)
+    plain = plan_build(_spec(tiny_llama))
+    assert plain.build_peak_bytes == int(max(BUILD_PEAK["export"][0], BUILD_PEAK["verify"][0]) * fp32)
+    int4 = plan_build(_spec(tiny_llama, quantization={"mode": "int4-weight-only"}))
+    w, u = BUILD_PEAK["quantize"]
+    untied = 4 * dims.vocab_size * dims.hidden_size if dims.tied_embeddings else 0
+    assert int4.build_peak_bytes == int(w * fp32 + u * untied) > plain.build_peak_bytes
+    assert ("build: peak memory (estimate)", f"{int4.build_peak_bytes / 2**30:.2f} GiB") in int4.rows()
+
+
 def test_tensorrt_plan_has_prefill_and_decode_profiles_and_halves_for_fp16(tiny_llama):
     fp32 = plan_build(_spec(tiny_llama))
     planned = plan_build(_spec(tiny_llama, target="tensorrt", precision="fp16"))
