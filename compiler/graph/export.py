@@ -40,7 +40,7 @@ EXTERNAL_DATA_NAME = "model.onnx.data"
 # Weights above this many bytes go to model.onnx.data (protobuf caps a file at 2 GiB in any case). A session
 # then reads them from that file, and an edit of the graph before a session (cpu_kernels.prepare's op swap
 # and paged threads, calibration's extra outputs) loads and re-serializes the graph alone: inline, SmolLM2's
-# 540 MB cost 4.8 s per session (0.4 s of it ONNX Runtime's), and a 0.5B graph three copies in memory.
+# 540 MB made a session take 5.2 s (1.1 s now), and a 0.5B graph three copies in memory.
 EXTERNAL_THRESHOLD = 64 * 2**20
 
 
