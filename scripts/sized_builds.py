@@ -79,10 +79,10 @@ def llmc_build(checkpoint: Path, mode: str, root: Path) -> dict:
     spec.write_text("\n".join(lines) + "\n")
     record = root / f"llmc-{mode}.json"
     if not record.is_file():
+        from llmc.compiler import load_spec, plan_build
+
         llmc = [sys.executable, "-m", "llmc.cli"]
-        plan = subprocess.run([*llmc, "build", str(spec), "--dry-run", "--json"], check=True, capture_output=True,
-                              text=True, env={**os.environ, "COLUMNS": "200"})
-        estimate = json.loads(plan.stdout)["build_peak_bytes"]
+        estimate = plan_build(load_spec(spec)).build_peak_bytes  # what `llmc build --dry-run` says
         wall, peak, anonymous = timed_build([*llmc, "build", str(spec), "-o", str(out)], root / f"llmc-{mode}.log")
         record.write_text(json.dumps({"build_s": wall, "peak_bytes": peak, "peak_anonymous_bytes": anonymous,
                                       "estimate_bytes": estimate}))

@@ -258,7 +258,8 @@ def tool_versions() -> dict[str, str]:
 
 
 def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: str, inputs_hash: str,
-           external_threshold: int = EXTERNAL_THRESHOLD, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32) -> ExportedModel:
+           external_threshold: int = EXTERNAL_THRESHOLD,
+           kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32) -> ExportedModel:
     """Export `model` into `out_dir` with attention lowered as `lowering`, and describe the result."""
     import onnx
 
@@ -305,6 +306,6 @@ def _summary(done: Located[ExportedModel]) -> str:
 # checkpoint's loader, the calibration text of int8 KV caches, the attention op and its lowerings, the KV layout
 EXPORT_CODE = ("llmc.compiler.graph", "llmc.compiler.models", "llmc.compiler.paged_decoder", "llmc.compiler.source",
                "llmc.compiler.textdata", "llmc.plugins.op", "llmc.runtime.layout")
-EXPORT = Stage("export", loads_model=True, describe=lambda spec: "exporting to ONNX", takes=("source",), artifact=ExportedModel,
+EXPORT = Stage("export", describe=lambda spec: "exporting to ONNX", takes=("source",), artifact=ExportedModel,
                section=lambda spec: (Lowering(spec.attention_lowering), spec.export.kv_cache_dtype),
-               code=EXPORT_CODE, key=export_key, run=_run, summary=_summary)
+               code=EXPORT_CODE, key=export_key, run=_run, summary=_summary, loads_model=True)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
-import json
 import tempfile
 from pathlib import Path
 from typing import Callable

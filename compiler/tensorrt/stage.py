@@ -144,7 +144,7 @@ def _run(source: Located, spec: BuildSpec, ctx: Context) -> EngineModel:
                        timing_cache=carry_timing_cache(spec, ctx.previous, ctx.out), progress=ctx.progress)
 
 
-ENGINE = Stage("engine", loads_model=True, describe=lambda spec: f"building the TensorRT engine ({spec.precision.value})",
+ENGINE = Stage("engine", describe=lambda spec: f"building the TensorRT engine ({spec.precision.value})",
                takes=("quantize", "export"), artifact=EngineModel, applies=lambda spec: spec.target is Target.tensorrt,
                code=ENGINE_CODE, key=lambda spec, ctx: cache_key_parts(spec), check=lambda spec, source: check(spec),
-               run=_run, summary=lambda done: summary(done.artifact))
+               run=_run, summary=lambda done: summary(done.artifact), loads_model=True)

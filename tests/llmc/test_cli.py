@@ -91,11 +91,9 @@ def test_dry_run_prints_the_plan_and_builds_nothing(tiny_llama, tmp_path):
                 "build: peak memory"):
         assert row in res.stdout
     assert not (tmp_path / "out").exists()
-    res = run("build", spec, "--dry-run", "--json")  # the same plan as data, for scripts (bench_sizes.py)
+    res = run("build", spec, "--dry-run", "--json")  # the same plan as data, for scripts
     plan = json.loads(res.stdout)
     assert plan["target"] == "tensorrt" and plan["build_peak_bytes"] > 0 and len(plan["profiles"]) == 2
-    res = run("build", spec, "--json")
-    assert res.returncode != 0 and "--dry-run" in res.stderr
 
 
 def test_minimal_spec_takes_its_limits_from_the_checkpoint_and_prints_only_llmc(tmp_path):
