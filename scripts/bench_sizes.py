@@ -8,13 +8,13 @@ checkpoints with the exact shapes of real models, every ratio measured within on
 Random weights read and multiply as fast as trained ones, and need no download: the checkpoint is the
 model's config (sized_checkpoints.py's SHAPES: hidden size, layers, heads, vocabulary, tied embeddings, RoPE)
 with seeded random weights and SmolLM2's tokenizer grown to the model's vocabulary (filler tokens
-past its own 49,152), written once under OUT/checkpoints/.
+past its own 49,152), written once under OUT/checkpoints/. `--checkpoint DIR` measures any checkpoint instead.
 
-For each shape and mode (fp32, int8 and int4 weight-only) it builds:
+For each shape and mode (fp32, int8 and int4 weight-only) it builds (sized_builds.py):
   - llmc: `llmc build` of a spec with the mode (AWQ, searched codes and the quality report included);
   - onnxruntime-genai: its model builder at the same precision (round to nearest, blocks of 32);
   - llama.cpp (F32, Q8_0, Q4_0): only where `llama_cpp` (llama-cpp-python) and its converter are
-    installed; the row says so where they are not.
+    installed; where they are not, the run says why (on stderr and in sizes.json).
 and records each build's wall time and peak memory (the resident set of the build's process tree,
 sampled every 50 ms, and its anonymous part: less the mapped weight files the kernel can drop), beside
 llmc's own `--dry-run` estimate of it.
@@ -24,7 +24,8 @@ Then, in passes with the contenders' order rotating and a new prompt a pass:
   - prefill tokens/s of a `--prefill-tokens` prompt (its time to the first token, prefix cache cold).
 Each figure is also a share of the memory-bandwidth roofline: the bytes a decode step must read
 (every weight a node reads whole: the embedding table, which a step gathers one row of, is left out)
-over the bandwidth this machine reads at with `--threads` threads, measured in the same run.
+over the bandwidth this machine reads at with `--threads` threads, measured in the same run (the best
+of its passes before and after the timed ones).
 Ratios are medians of per-pass ratios. Writes OUT/sizes.json.
 """
 
