@@ -234,6 +234,31 @@ def save_model(proto, out_dir: Path, external_threshold: int = EXTERNAL_THRESHOL
     return external
 
 
+def load_graph(path: Path):
+    """`path`'s ONNX model with its weights, its data file read here rather than by onnx: onnx's loader
+    refuses a data file with more than one hard link (its guard against a graph naming a linked system
+    file), and llmc hard-links its own outputs (a cached stage into the next build, a graph into the
+    repository), so a rebuild that re-quantized a cached export could not load it."""
+    import onnx
+
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        return model
+    with open(path.parent / EXTERNAL_DATA_NAME, "rb") as data:
+        for tensor in external:
+            where = {e.key: e.value for e in tensor.external_data}
+            if where.get("location") != EXTERNAL_DATA_NAME:
+                raise ExportError(f"{path}: {tensor.name} is stored in {where.get('location')!r}, not in llmc's "
+                                  f"{EXTERNAL_DATA_NAME}")
+            data.seek(int(where.get("offset", 0)))
+            tensor.raw_data = data.read(int(where["length"]))
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+    return model
+
+
 def tensor_infos(values) -> list[TensorInfo]:
     from onnx import helper
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.compiler.graph.export import ONNX_NAME, save_model
+from llmc.compiler.graph.export import ONNX_NAME, load_graph, save_model
 from llmc.compiler.graph.passes import deduplicate_initializers
 from llmc.compiler.hashing import hash_json
 from llmc.compiler.quantize.calibrate import Calibration, calibrate, calibration_key
@@ -57,11 +57,9 @@ class StaticQDQ:
         return {"modelopt": importlib.metadata.version("nvidia-modelopt")}
 
     def make_quantized(self, job: Job) -> Calibrated:
-        import onnx
-
         spec, exported = job.spec, job.exported
         windows = calibration_windows(spec, job.tokenizer)
-        model = onnx.load(str(job.source))
+        model = load_graph(job.source)
         untie_lm_head(model.graph)
         if spec.smoothed:
             smooth(model, exported.kv_layout, windows, spec.smoothquant_alpha, num_threads=job.num_threads,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmc.compiler.graph.export import load_graph
 from llmc.compiler.graph.passes import merge_sibling_matmul_nbits
 from llmc.compiler.quantize.awq import awq
 from llmc.compiler.quantize.blockwise import BlockCodes, pack, search
@@ -56,10 +57,8 @@ class WeightOnly:
         return {"cpu_kernel": cpu_kernel()}
 
     def make_quantized(self, job: Job) -> WeightCodes:
-        import onnx
-
         spec, bits = job.spec, self.bits
-        model = onnx.load(str(job.source))
+        model = load_graph(job.source)
         untie_lm_head(model.graph)
         gemms_as_matmuls(model.graph)
         if not self.calibrates(spec):

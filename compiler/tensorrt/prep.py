@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.compiler.graph.export import ONNX_NAME, save_model
+from llmc.compiler.graph.export import ONNX_NAME, load_graph, save_model
 from llmc.compiler.graph.passes import deduplicate_initializers
 from llmc.plugins.op.lowering import register_schemas
 
@@ -22,10 +22,8 @@ FP32_OPS = ["RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalizat
 
 def prepare_for_tensorrt(source: Path, precision: str, out_dir: Path) -> Path:
     """Write `out_dir/model.onnx`: `source` in `precision` (fp32, fp16 or bf16)."""
-    import onnx
-
     register_schemas()  # the plugin node's types and shapes, for AutoCast's type inference
-    model = onnx.load(str(source))
+    model = load_graph(source)
     if precision != "fp32":
         import contextlib
         import io

@@ -1,12 +1,17 @@
 """Export: graph I/O names and dynamic dims, every family and lowering, reproducible bytes, external data."""
 
 import logging
+import os
+import shutil
 
+import numpy as np
 import onnx
 import pytest
+from onnx import numpy_helper
 
 from llmc.compiler import build
 from llmc.compiler.artifacts import ExportedModel
+from llmc.compiler.graph.export import load_graph
 from llmc.compiler.hashing import sha256_file
 from llmc.compiler.spec import parse_spec
 
@@ -74,6 +79,19 @@ def test_external_data_above_threshold(tiny_llama, tmp_path):
     # as readable as the graph (onnx writes it owner-only): a server running as another user reads both
     graph, data = ((export_dir / name).stat().st_mode & 0o777 for name in ("model.onnx", "model.onnx.data"))
     assert data == graph
+    # a rebuild that quantizes the cached export: the stage cache hard-links it, which onnx's loader refuses
+    # (its guard against linked files); llmc reads its own data file
+    quantized = build(_spec(tiny_llama, quantization={"mode": "int8-weight-only", "algorithm": "rtn"}),
+                      output=tmp_path / "out", external_threshold=1024)
+    assert {s.name: s.status for s in quantized.stages}["export"] == "cached"
+    assert quantized.quantized.report.perplexity_quantized > 0
+    os.link(export_dir / "model.onnx.data", tmp_path / "another-link")
+    with pytest.raises(onnx.checker.ValidationError, match="hard link"):
+        onnx.load(str(export_dir / "model.onnx"))
+    shutil.copytree(export_dir, tmp_path / "copied")  # a copy has one link: what onnx reads, load_graph reads
+    want = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "copied" / "model.onnx")).graph.initializer}
+    got = {t.name: numpy_helper.to_array(t) for t in load_graph(export_dir / "model.onnx").graph.initializer}
+    assert want.keys() == got.keys() and all(np.array_equal(want[n], got[n]) for n in want)
 
 
 def test_export_logs_nothing_when_the_root_logger_is_at_info(tiny_llama, tmp_path, caplog):
