@@ -75,9 +75,9 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     tensorrt = spec.target is Target.tensorrt
     dtype_bytes = BYTES[spec.precision.value]
     linear_bytes = LINEAR_BYTES.get(q.mode, dtype_bytes)
-    weights = int(dims.linear_params * linear_bytes + dims.other_params * dtype_bytes)
-    if q.mode is not QuantMode.none and dims.tied_embeddings:  # untie_lm_head: the LM head gets its own copy
-        weights += int(dims.vocab_size * dims.hidden_size * linear_bytes)
+    # untie_lm_head: a quantized build gives a tied LM head its own copy
+    untied = dims.vocab_size * dims.hidden_size if q.mode is not QuantMode.none and dims.tied_embeddings else 0
+    weights = int(dims.linear_params * linear_bytes + dims.other_params * dtype_bytes + untied * linear_bytes)
     kv_tokens, kv_element = spec.limits.max_seq_len * spec.limits.max_batch_size, dtype_bytes
     if spec.attention_lowering == "paged":  # the block pool, in export.kv_cache_dtype
         kv_tokens = spec.limits.kv_cache_tokens or kv_tokens
@@ -91,8 +91,7 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)
     stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run
     fp32 = 4 * (dims.linear_params + dims.other_params)
-    untied = 4 * dims.vocab_size * dims.hidden_size if q.mode is not QuantMode.none and dims.tied_embeddings else 0
-    build_peak = max(int(w * fp32 + u * untied) for stage, (w, u) in BUILD_PEAK.items() if stage in stages)
+    build_peak = max(int(w * fp32 + u * 4 * untied) for stage, (w, u) in BUILD_PEAK.items() if stage in stages)
     draft = spec.speculative.draft if spec.speculative is not None else None
     if draft is not None:  # its pools: the target's blocks again, at the draft's layers and heads
         d = read_dims(inspect_draft(draft)) if draft.source is not None else dims

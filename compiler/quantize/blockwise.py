@@ -21,8 +21,6 @@ import ctypes
 import functools
 import logging
 import os
-import shutil
-import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +28,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+
+from llmc.runtime.kernels.cpu_kernels import compile_library
 
 SEARCH_SOURCE = Path(__file__).with_name("blockwise_search.c")
 # -march=native: the library is compiled on the host that runs it, for this build only;
@@ -78,17 +78,17 @@ def _range(b: np.ndarray, qmax: int, symmetric: bool) -> tuple[np.ndarray, np.nd
     return lo, np.where(hi > lo, (hi - lo) / qmax, 1.0).astype(b.dtype)
 
 
-def _candidates(lo: np.ndarray, base: np.ndarray, qmax: int, symmetric: bool, factors=FACTORS):
+def _candidates(lo: np.ndarray, base: np.ndarray, qmax: int, symmetric: bool):
     """(scale, zero points) per block: the range's own first, then for each factor of the grid its scale
     with the zero points to try (each rounds the same w / scale)."""
     if symmetric:
         zero = np.full_like(lo, (qmax + 1) // 2)
         yield base, [zero]
-        for factor in factors:
+        for factor in FACTORS:
             yield base * factor, [zero]
         return
     yield base, [np.clip(np.round(-lo / base), 0, qmax)]
-    for factor in factors:
+    for factor in FACTORS:
         scale = base * factor
         rounded = np.round(-lo / scale)
         yield scale, [np.clip(rounded + step, 0, qmax) for step in ZERO_POINT_STEPS]
@@ -144,8 +144,7 @@ def search_numpy(w: np.ndarray, importance: np.ndarray | None, bits: int, block:
     qmax = 2**bits - 1
     b = blocks(w, block)
     lo, base = _range(b, qmax, symmetric)
-    candidates = _candidates(lo, base, qmax, symmetric, FACTORS if importance is not None else ())
-    best_scale, (best_zero,) = next(candidates)
+    best_scale, (best_zero,) = next(_candidates(lo, base, qmax, symmetric))  # minmax's: the range's own
     if importance is not None:
         h = blocks(importance[:, None], block)  # [blocks, block, 1]; padding weighs 0
         best_err = np.full(lo.shape, np.inf, dtype=np.float32)
@@ -202,19 +201,13 @@ class _Search(NamedTuple):
 def _search_library() -> _Search | None:
     """blockwise_search.c compiled for this host (into a temporary folder, loaded, then removed: a
     compile takes a fraction of a second and a build runs once), or None without a C compiler."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        log.warning("no C compiler (%s): the block-code search runs in NumPy, many times slower", compiler)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = compile_library([SEARCH_SOURCE], Path(tmp) / "blockwise_search.so", SEARCH_FLAGS, libs=["-lm"])
+            library = ctypes.CDLL(str(path))
+    except RuntimeError as err:
+        log.warning("the block-code search runs in NumPy, many times slower: %s", str(err)[-500:])
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "blockwise_search.so"
-        result = subprocess.run([compiler, *SEARCH_FLAGS, "-o", str(path), str(SEARCH_SOURCE), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode:
-            log.warning("%s could not compile %s; the search runs in NumPy: %s", compiler, SEARCH_SOURCE.name,
-                        result.stderr.strip()[-500:])
-            return None
-        library = ctypes.CDLL(str(path))
     i64, c_int, pointer = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     codes, fake = library.llmc_block_codes, library.llmc_block_fake_quantize
     codes.argtypes = [pointer, i64, i64, i64, i64, pointer, c_int, c_int, c_int, pointer, c_int, pointer, pointer,

@@ -73,18 +73,25 @@ def cache_dir() -> Path:
 
 def build(dest_dir: Path) -> Path:
     """Compile the library into `dest_dir` (written under a temporary name, then renamed into place)."""
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    dest = dest_dir / library_name()
+    return compile_library([p for p in SOURCES if p.suffix == ".c"], dest_dir / library_name(), FLAGS,
+                           INCLUDE_DIRS, LIBS)
+
+
+def compile_library(sources, dest: Path, flags, includes=(), libs=()) -> Path:
+    """Compile C `sources` into the shared library `dest` with `$CC` (default `cc`), written under a
+    temporary name beside it and renamed into place; a RuntimeError names a missing compiler or what
+    it printed when it failed. (Also the build's: compiler/quantize/blockwise.py.)"""
+    dest.parent.mkdir(parents=True, exist_ok=True)
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC)")
-    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         out = Path(tmp) / dest.name
-        sources = [str(p) for p in SOURCES if p.suffix == ".c"]
-        includes = [f"-I{d}" for d in INCLUDE_DIRS]
-        result = subprocess.run([compiler, *FLAGS, *includes, "-o", str(out), *sources, *LIBS], capture_output=True, text=True)
+        command = [compiler, *flags, *(f"-I{d}" for d in includes), "-o", str(out), *map(str, sources), *libs]
+        result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"{compiler} failed on {', '.join(p.name for p in SOURCES)}:\n{result.stderr.strip()}")
+            raise RuntimeError(f"{compiler} failed on {', '.join(Path(p).name for p in sources)}:\n"
+                               f"{result.stderr.strip()}")
         os.replace(out, dest)
     return dest
 
