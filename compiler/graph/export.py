@@ -24,10 +24,10 @@ from pathlib import Path
 
 from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
 from llmc.compiler.graph.passes import fuse_skip_rms_norm, simplify
-from llmc.compiler.models import SUPPORTED_MODEL_TYPES
+from llmc.compiler.models import MIXTURE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, moe
 from llmc.compiler.models.config import attention_shape
 from llmc.compiler.source import FoundSource
-from llmc.compiler.spec import BuildSpec
+from llmc.compiler.spec import BuildSpec, Target
 from llmc.compiler.spec.sections import KVCacheDtype
 from llmc.compiler.stage import Context, Located, Stage
 from llmc.errors import ExportError, UnsupportedError
@@ -84,6 +84,8 @@ def lowering_refusal(decoder, lowering: Lowering) -> str | None:
     """Why `lowering` cannot express this decoder's attention (None when it can): the build then says
     which feature forces another `export.attention`."""
     sinks = decoder.sinks is not None
+    if getattr(decoder, "experts", None) and moe.refusal(lowering.value):
+        return f"a mixture of experts: {moe.refusal(lowering.value)}"
     if lowering is Lowering.reference and sinks:
         return "attention sinks: opset 23's Attention has no sink input; use `paged` (the default) or `fused`"
     if lowering is Lowering.fused and decoder.head_dim % 16:
@@ -331,6 +333,14 @@ def _summary(done: Located[ExportedModel]) -> str:
 # checkpoint's loader, the calibration text of int8 KV caches, the attention op and its lowerings, the KV layout
 EXPORT_CODE = ("llmc.compiler.graph", "llmc.compiler.models", "llmc.compiler.paged_decoder", "llmc.compiler.source",
                "llmc.compiler.textdata", "llmc.plugins.op", "llmc.runtime.layout")
+def _check(spec: BuildSpec, source) -> None:
+    """A mixture of experts on a lowering without an expert op is refused before anything loads."""
+    reason = moe.refusal(spec.attention_lowering) if source.model_type in MIXTURE_MODEL_TYPES else None
+    if reason is not None:
+        field = "target: tensorrt" if spec.target is Target.tensorrt else f"export.attention: {spec.attention_lowering}"
+        raise UnsupportedError(f"{field} cannot build {source.model_type}, a mixture of experts: {reason}")
+
+
 EXPORT = Stage("export", describe=lambda spec: "exporting to ONNX", takes=("source",), artifact=ExportedModel,
                section=lambda spec: (Lowering(spec.attention_lowering), spec.export.kv_cache_dtype),
-               code=EXPORT_CODE, key=export_key, run=_run, summary=_summary, loads_model=True)
+               code=EXPORT_CODE, key=export_key, check=_check, run=_run, summary=_summary, loads_model=True)

@@ -98,35 +98,51 @@ class Dims:
     max_position_embeddings: int
     linear_params: int  # weights of matrices (what quantization shrinks), the LM head included when untied
     other_params: int  # embeddings, norms, biases
+    expert_params: int = 0  # of those, a mixture's experts (weights and biases)
+    experts_per_token: float = 1.0  # the share of the experts a token routes to (top-k / experts)
+
+    @property
+    def total_params(self) -> int:
+        return self.linear_params + self.other_params
+
+    @property
+    def active_params(self) -> int:
+        """What one token's step reads: everything but the experts it does not route to."""
+        return self.total_params - round(self.expert_params * (1 - self.experts_per_token))
 
 
-def parameter_counts(config) -> tuple[int, int]:
-    """(matrix weights, everything else) of the model `config` describes, counted on the meta device:
-    the family's own modules decide, so no family needs a formula. A matrix is any parameter of two
-    or more dims outside an embedding (linear and Conv1D weights, fused experts); a tied LM head is
-    the embedding."""
+def parameter_counts(config) -> tuple[int, int, int]:
+    """(matrix weights, everything else, experts) of the model `config` describes, counted on the meta
+    device: the family's own modules decide, so no family needs a formula. A matrix is any parameter of
+    two or more dims outside an embedding (linear and Conv1D weights, fused experts); a tied LM head is
+    the embedding. Experts: the parameters of a mixture's `experts` modules (transformers 5's fused
+    3-D experts), of either kind."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    experts = sum(p.numel() for name, m in model.named_modules() if name.endswith(".experts") for p in m.parameters())
     linear = other = 0
     for p in model.parameters():  # tied parameters once
         if p.dim() >= 2 and id(p) not in embeddings:
             linear += p.numel()
         else:
             other += p.numel()
-    return linear, other
+    return linear, other, experts
 
 
 def read_dims(info) -> Dims:
     c = read_config(info)
     heads, kv_heads, head_dim = attention_shape(c)
-    linear, other = parameter_counts(c)
+    linear, other, experts = parameter_counts(c)
+    num_experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
     return Dims(model_type=c.model_type, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
                 intermediate_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
                 or 4 * c.hidden_size,
                 num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=c.vocab_size,
                 tied_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
-                max_position_embeddings=c.max_position_embeddings, linear_params=linear, other_params=other)
+                max_position_embeddings=c.max_position_embeddings, linear_params=linear, other_params=other,
+                expert_params=experts,
+                experts_per_token=c.num_experts_per_tok / num_experts if experts and num_experts else 1.0)

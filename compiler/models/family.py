@@ -14,6 +14,7 @@ class Family:
     name: str
     decoder: type  # a compiler.models.base.Decoder
     tiny: dict[str, dict[str, Any]]  # model_type -> tiny config fields (its keys are the model types claimed)
+    experts: bool = False  # a mixture of experts (compiler/models/moe.py): ONNX Runtime lowerings only
 
     @property
     def model_types(self) -> tuple[str, ...]:

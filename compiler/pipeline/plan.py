@@ -50,6 +50,9 @@ class BuildPlan:
     kv_cache_bytes: int = 0
     activation_bytes: int = 0
     build_peak_bytes: int = 0
+    total_params: int = 0
+    active_params: int = 0  # what one token reads: a mixture's routed experts only
+    expert_bytes: int = 0  # a mixture's experts, of weights_bytes
     notes: list[str] = field(default_factory=list)
 
     def rows(self) -> list[tuple[str, str]]:
@@ -61,7 +64,12 @@ class BuildPlan:
         for p in self.profiles:
             rows.append((f"profile {p.name}", "; ".join(
                 f"{name} min {list(lo)} opt {list(opt)} max {list(hi)}" for name, (lo, opt, hi) in p.shapes.items())))
-        rows += [("memory: weights", gib(self.weights_bytes)), ("memory: KV cache", gib(self.kv_cache_bytes)),
+        rows.append(("parameters", f"{self.total_params:,}" + (
+            f" total, {self.active_params:,} active per token" if self.active_params != self.total_params else "")))
+        rows.append(("memory: weights", gib(self.weights_bytes) + (
+            f" (experts {gib(self.expert_bytes)}, the rest {gib(self.weights_bytes - self.expert_bytes)})"
+            if self.expert_bytes else "")))
+        rows += [("memory: KV cache", gib(self.kv_cache_bytes)),
                  ("memory: activations (peak prefill, estimate)", gib(self.activation_bytes)),
                  ("memory: total (estimate)", gib(self.weights_bytes + self.kv_cache_bytes + self.activation_bytes)),
                  ("build: peak memory (estimate)", gib(self.build_peak_bytes))]
@@ -122,7 +130,8 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
                      attention_nodes=dims.num_layers, quantization=quant,
                      profiles=profiles(spec.limits, dims.num_kv_heads, dims.head_dim) if tensorrt else [],
                      weights_bytes=weights, kv_cache_bytes=kv_bytes, activation_bytes=activations,
-                     build_peak_bytes=build_peak, notes=notes)
+                     build_peak_bytes=build_peak, total_params=dims.total_params, active_params=dims.active_params,
+                     expert_bytes=int(dims.expert_params * linear_bytes), notes=notes)
 
 
 def plan_build(spec: BuildSpec) -> BuildPlan:

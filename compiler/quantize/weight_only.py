@@ -21,6 +21,8 @@ from llmc.compiler.graph.export import load_graph
 from llmc.compiler.graph.passes import merge_sibling_matmul_nbits
 from llmc.compiler.quantize.awq import awq
 from llmc.compiler.quantize.blockwise import BlockCodes, pack, search
+from llmc.compiler.quantize.experts import (ExpertStatistics, expert_block, expert_statistics, moe_nodes,
+                                           quantize_experts, routers)
 from llmc.compiler.quantize.handler import Job, Quantized, calibration_windows, gemms_as_matmuls, untie_lm_head
 from llmc.compiler.spec import QuantizationSpec, WeightOnlyAlgorithm
 from llmc.errors import QuantizationError
@@ -41,6 +43,7 @@ class WeightCodes:
     windows: list[np.ndarray]
     kernel: str
     how: str
+    experts: ExpertStatistics | None = None  # a mixture's, from the calibration tokens routed to each expert
 
 
 @dataclass(frozen=True)
@@ -75,25 +78,40 @@ class WeightOnly:
         how = (f"AWQ scaling on {len(alphas)} layer inputs (alpha median {np.median(alphas):.1f}), then per-block "
                + ("scales" if symmetric else "scales and zero points")
                + " searched against activation-weighted error (llmc), packed into onnxruntime's MatMulNBitsQuantizer")
-        return WeightCodes(model, codes, windows, kernel, how)
+        experts = None
+        if moe_nodes(model.graph):
+            experts = expert_statistics(model, layout, windows, num_threads=job.num_threads, graph_file=job.source)
+            how += (f"; experts' codes searched against the calibration tokens routed to each (no AWQ scaling: "
+                    f"their input is the router's too), {experts.unreached} of {experts.experts} expert(s) "
+                    f"reached by no token rounded to nearest")
+        return WeightCodes(model, codes, windows, kernel, how, experts)
 
     def convert_for_runtime(self, made: WeightCodes, job: Job) -> Quantized:
         spec = job.spec
-        model = weight_only(made.model, self.bits, spec.block, made.codes)
+        kept = routers(made.model.graph)  # a mixture's routers stay in full precision
+        model = weight_only(made.model, self.bits, spec.block, made.codes, exclude=kept)
         merged = merge_sibling_matmul_nbits(model.graph)
+        mixture = ""
+        if moe_nodes(model.graph):
+            block = expert_block(model.graph, spec.block)
+            symmetric = made.codes is None or SYMMETRIC[self.bits]
+            done = quantize_experts(model, self.bits, block, symmetric, made.experts)
+            mixture = (f"; {done} mixture-of-experts layer(s) as onnxruntime QMoE ({self.bits}-bit, blocks of {block}, "
+                       f"accuracy_level 4), {len(kept)} router(s) in fp32")
         kernel = (f"onnxruntime MatMulNBits: {made.kernel}, blocks of {spec.block}, accuracy_level "
                   f"{ACCURACY_LEVEL} (int8 activations), LM head untied and quantized"
                   + (f"; layers sharing an input (gate/up) merged into one node in {merged} place(s)" if merged else "")
-                  + _runs_on(model))
+                  + mixture + _runs_on(model))
         windows = made.windows
         note = (f"{spec.algorithm.value} over {len(windows)} sample(s) of {len(windows[0])} tokens from "
                 f"{spec.calibration.data}" if windows else "none (round to nearest needs no calibration data)")
         return Quantized(model, f"{kernel}; {made.how}", note)
 
 
-def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] | None = None):
-    """`model` (untied) with every constant-weight MatMul replaced by ORT's MatMulNBits: rounded by
-    ORT (symmetric) when `codes` is None, else with `codes` [weight name -> codes]."""
+def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] | None = None,
+                exclude: list[str] | None = None):
+    """`model` (untied) with every constant-weight MatMul but those named in `exclude` replaced by ORT's
+    MatMulNBits: rounded by ORT (symmetric) when `codes` is None, else with `codes` [weight name -> codes]."""
     from onnxruntime.quantization import QuantFormat
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
@@ -103,7 +121,7 @@ def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] 
         raise ValueError("codes mix symmetric and asymmetric weights; MatMulNBitsQuantizer takes one kind")
     quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=kinds.pop(),
                                      accuracy_level=ACCURACY_LEVEL, quant_format=QuantFormat.QOperator,
-                                     op_types_to_quantize=("MatMul",))
+                                     op_types_to_quantize=("MatMul",), nodes_to_exclude=exclude or [])
     if codes is not None:
         quantizer.node_quantizer = _preset_quantizer(quantizer.algo_config, codes)
     quantizer.process()

@@ -138,6 +138,9 @@ def register_schemas() -> None:
         if not onnx.defs.has(name, domain):
             onnx.defs.register_schema(make())
     paged_schema.register()  # llmc.PagedAttention and com.microsoft.PagedAttention
+    from llmc.plugins.op import moe  # (imports torch: the op registers with it)
+
+    moe.register_schemas()  # com.microsoft.MoE and QMoE
     paged_node.register_schema()  # LlmcPagedAttention, the TensorRT plugin node
 
 
@@ -251,16 +254,21 @@ def trim_unused_outputs(graph: onnx.GraphProto) -> None:
 
 
 def translation_table(lowering: Lowering, heads: Heads) -> dict:
-    """`custom_translation_table` for torch.onnx.export: llmc::attention -> the lowering's ONNX."""
+    """`custom_translation_table` for torch.onnx.export: llmc::attention -> the lowering's ONNX, and
+    llmc::moe -> com.microsoft.MoE where the graph runs on ONNX Runtime (the others refuse a mixture
+    before export: compiler/graph/export.py's `lowering_refusal`)."""
     import onnxscript  # noqa: F401  (first: it imports onnx.reference, which fails on one op name in two domains)
     import torch
 
     import llmc.plugins.op.attention  # noqa: F401  (registers torch.ops.llmc.attention)
 
+    from llmc.plugins.op import moe
+
     register_schemas()
+    experts = {torch.ops.llmc.moe.default: moe.lowering()} if lowering.runs_on_onnxruntime else {}
     if lowering is Lowering.paged:
         from llmc.plugins.op import paged_op
 
-        return {torch.ops.llmc.paged_attention.default: paged_op.lowering()}
+        return {torch.ops.llmc.paged_attention.default: paged_op.lowering(), **experts}
     make = {Lowering.fused: _fused, Lowering.reference: _reference, Lowering.plugin: _plugin}[lowering]
-    return {torch.ops.llmc.attention.default: make(heads)}
+    return {torch.ops.llmc.attention.default: make(heads), **experts}

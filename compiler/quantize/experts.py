@@ -1,0 +1,199 @@
+"""Weight-only quantization of a mixture's experts: `com.microsoft.MoE` -> `com.microsoft.QMoE`.
+
+Each expert's fc1 [2I, H] and fc2 [H, I] become block-wise codes in `MatMulNBits`' format (blockwise.py),
+which is QMoE's too (weights [E, N, K * bits / 8], scales [E, N, K / block], zero points
+[E, N, ceil(K / block * bits / 8)]). The router stays in full precision: its MatMul is kept out of the
+linear layers' quantizer (`routers`).
+
+The codes of an expert are searched against the activations of the calibration tokens routed to it
+(`expert_statistics`: E[x^2] of its input for fc1 and of its SwiGLU output for fc2, per channel), the
+statistics AWQ's importance gives a dense layer. AWQ's channel scaling itself is not applied to experts:
+their input is also the router's, and a scale folded into the norm would move the routing. An expert that
+no calibration token reached is rounded to nearest, and the report says how many were.
+
+Written here because ONNX Runtime's quantization tools have no QMoE quantizer (its tests pack weights by
+hand).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from llmc.compiler.quantize.blockwise import BlockCodes, minmax, pack, search
+from llmc.errors import QuantizationError
+
+MICROSOFT_DOMAIN = "com.microsoft"
+QMOE_ACCURACY_LEVEL = 4  # int8 activations in QMoE's CPU kernel: ~6x its fp32-activation path at batch 1
+
+
+@dataclass
+class ExpertStatistics:
+    """Per MoE node (by its fc1 initializer): per expert, E[x^2] of fc1's and fc2's inputs over the
+    calibration tokens routed to it (None where no token was), and how many tokens that was."""
+
+    fc1: dict[str, list[np.ndarray | None]] = field(default_factory=dict)
+    fc2: dict[str, list[np.ndarray | None]] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def unreached(self) -> int:
+        return sum(n == 0 for counts in self.tokens.values() for n in counts)
+
+    @property
+    def experts(self) -> int:
+        return sum(len(counts) for counts in self.tokens.values())
+
+
+def moe_nodes(graph) -> list:
+    return [n for n in graph.node if n.op_type == "MoE" and n.domain == MICROSOFT_DOMAIN]
+
+
+def routers(graph) -> list[str]:
+    """The names of the MatMul nodes computing a MoE node's router logits (through a bias Add or a Reshape):
+    kept in full precision."""
+    producers = {o: n for n in graph.node for o in n.output}
+    names = []
+    for node in moe_nodes(graph):
+        tensor = node.input[1]
+        while tensor in producers and producers[tensor].op_type in ("Add", "Reshape", "Cast"):
+            tensor = producers[tensor].input[0]
+        producer = producers.get(tensor)
+        if producer is not None and producer.op_type in ("MatMul", "Gemm"):
+            names.append(producer.name)
+    return names
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """plugins/op/moe.py's routing in NumPy: (weights [T, k], experts [T, k])."""
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, experts, -1)
+    return (weights / weights.sum(-1, keepdims=True) if normalize else weights), experts
+
+
+def _swiglu(a: np.ndarray, alpha: float, beta: float, limit: float) -> np.ndarray:
+    gate, up = a[:, 0::2], a[:, 1::2]
+    if limit > 0:
+        gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+    return gate / (1 + np.exp(-alpha * gate)) * (up + beta)
+
+
+def expert_statistics(model, layout, windows: list[np.ndarray], *, num_threads: int = 0,
+                      graph_file: Path | None = None) -> ExpertStatistics:
+    """One calibration pass recording each MoE node's input and router logits; the routing is replayed
+    here, so each expert's statistics come from the tokens routed to it."""
+    from onnx import numpy_helper
+
+    from llmc.compiler.quantize.calibrate import run_tensors
+
+    nodes = moe_nodes(model.graph)
+    initializers = {t.name: t for t in model.graph.initializer}
+    tensors = list(dict.fromkeys(t for n in nodes for t in n.input[:2]))
+    sums1: dict[str, np.ndarray] = {}
+    sums2: dict[str, np.ndarray] = {}
+    counts: dict[str, np.ndarray] = {}
+    weights = {n.input[2]: numpy_helper.to_array(initializers[n.input[2]]) for n in nodes}
+    biases = {n.input[2]: numpy_helper.to_array(initializers[n.input[3]]) if len(n.input) > 3 and n.input[3] else None
+              for n in nodes}
+    for values in run_tensors(model, layout, windows, tensors, num_threads, None, graph_file=graph_file):
+        for node in nodes:
+            a, fc1 = _attrs(node), node.input[2]
+            x = values[node.input[0]].astype(np.float32)
+            _, experts = _route(values[node.input[1]], int(a["k"]), bool(a.get("normalize_routing_weights", 0)))
+            w = weights[fc1]
+            sums1.setdefault(fc1, np.zeros((w.shape[0], w.shape[2])))
+            sums2.setdefault(fc1, np.zeros((w.shape[0], w.shape[1] // 2)))
+            counts.setdefault(fc1, np.zeros(w.shape[0], dtype=np.int64))
+            for e in np.unique(experts):
+                rows = x[np.any(experts == e, axis=-1)]
+                gate_up = rows @ w[e].T + (0 if biases[fc1] is None else biases[fc1][e])
+                act = _swiglu(gate_up, a.get("activation_alpha", 1.0), a.get("activation_beta", 0.0),
+                              a.get("swiglu_limit", 0.0))
+                sums1[fc1][e] += np.square(rows.astype(np.float64)).sum(0)
+                sums2[fc1][e] += np.square(act.astype(np.float64)).sum(0)
+                counts[fc1][e] += len(rows)
+    stats = ExpertStatistics()
+    for fc1, n in counts.items():
+        stats.tokens[fc1] = n.tolist()
+        stats.fc1[fc1] = [s / c if c else None for s, c in zip(sums1[fc1], n)]
+        stats.fc2[fc1] = [s / c if c else None for s, c in zip(sums2[fc1], n)]
+    return stats
+
+
+def _expert_codes(w: np.ndarray, importance: list | None, bits: int, block: int, symmetric: bool) -> list[BlockCodes]:
+    """Codes for each expert of w [E, N, K] (as [K, N] weights): searched where it has statistics, else
+    rounded to nearest."""
+    out = []
+    for e in range(w.shape[0]):
+        h = importance[e] if importance is not None else None
+        weight = np.ascontiguousarray(w[e].T)
+        out.append(minmax(weight, bits, block, symmetric) if h is None else
+                   search(weight, h.astype(np.float32), bits, block, symmetric))
+    return out
+
+
+def _packed(codes: list[BlockCodes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """QMoE's (weights [E, N, K * bits / 8], scales [E, N, blocks], zero points [E, N, packed blocks])."""
+    parts = [pack(c) for c in codes]
+    weights = np.stack([p[0].reshape(p[0].shape[0], -1) for p in parts])
+    return weights, np.stack([p[1] for p in parts]), np.stack([p[2] for p in parts])
+
+
+def expert_block(graph, block: int) -> int:
+    """The block size for the experts: `block` (quantization.block_size), or the largest power of two
+    below it that divides every expert's input width, as QMoE needs (at least 16)."""
+    initializers = {t.name: t for t in graph.initializer}
+    widths = {initializers[n.input[i]].dims[2] for n in moe_nodes(graph) for i in (2, 4)}
+    size = block
+    while size >= 16 and any(w % size for w in widths):
+        size //= 2
+    if size < 16:
+        raise QuantizationError(f"quantization.block_size: the experts' input widths {sorted(widths)} have no "
+                                f"common power-of-two block of 16 or more (QMoE's smallest)")
+    return size
+
+
+def quantize_experts(model, bits: int, block: int, symmetric: bool, stats: ExpertStatistics | None) -> int:
+    """Replace every MoE node of `model` by a QMoE node over `bits`-bit codes in blocks of `block`;
+    returns how many. The fp32 expert weights leave the graph."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    nodes = moe_nodes(graph)
+    for node in nodes:
+        fc1_name, fc2_name = node.input[2], node.input[4]
+        fc1, fc2 = (numpy_helper.to_array(initializers[n]) for n in (fc1_name, fc2_name))
+        for name, w in ((fc1_name, fc1), (fc2_name, fc2)):
+            if w.shape[2] % block:
+                raise QuantizationError(f"{name}: QMoE needs each expert's input width ({w.shape[2]}) to be a "
+                                        f"multiple of quantization.block_size ({block})")
+        inputs = {}
+        for tag, name, w, importance in (("fc1", fc1_name, fc1, stats.fc1.get(fc1_name) if stats else None),
+                                         ("fc2", fc2_name, fc2, stats.fc2.get(fc1_name) if stats else None)):
+            q, scales, zeros = _packed(_expert_codes(w, importance, bits, block, symmetric))
+            inputs[tag] = [f"{name}.q{bits}", f"{name}.scales"] + ([] if symmetric else [f"{name}.zero_points"])
+            graph.initializer.extend([numpy_helper.from_array(q, inputs[tag][0]),
+                                      numpy_helper.from_array(scales, inputs[tag][1])]
+                                     + ([] if symmetric else [numpy_helper.from_array(zeros, inputs[tag][2])]))
+            graph.initializer.remove(initializers[name])
+        bias = lambda i: node.input[i] if len(node.input) > i else ""  # noqa: E731
+        zero_points = [] if symmetric else ["", "", "", inputs["fc1"][2], inputs["fc2"][2]]
+        qmoe = helper.make_node(
+            "QMoE", [node.input[0], node.input[1], *inputs["fc1"][:2], bias(3), *inputs["fc2"][:2], bias(5),
+                     *zero_points], list(node.output), name=node.name or f"{fc1_name}.qmoe", domain=MICROSOFT_DOMAIN,
+            **_attrs(node), expert_weight_bits=bits, block_size=block, accuracy_level=QMOE_ACCURACY_LEVEL)
+        index = list(graph.node).index(node)
+        graph.node.remove(node)
+        graph.node.insert(index, qmoe)
+    return len(nodes)
