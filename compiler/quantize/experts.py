@@ -130,7 +130,7 @@ def expert_statistics(model, layout, windows: list[np.ndarray], *, num_threads: 
     return stats
 
 
-def _expert_codes(w: np.ndarray, importance: list | None, bits: int, block: int, symmetric: bool) -> list[BlockCodes]:
+def expert_codes(w: np.ndarray, importance: list | None, bits: int, block: int, symmetric: bool) -> list[BlockCodes]:
     """Codes for each expert of w [E, N, K] (as [K, N] weights): searched where it has statistics, else
     rounded to nearest."""
     out = []
@@ -181,7 +181,7 @@ def quantize_experts(model, bits: int, block: int, symmetric: bool, stats: Exper
         inputs = {}
         for tag, name, w, importance in (("fc1", fc1_name, fc1, stats.fc1.get(fc1_name) if stats else None),
                                          ("fc2", fc2_name, fc2, stats.fc2.get(fc1_name) if stats else None)):
-            q, scales, zeros = _packed(_expert_codes(w, importance, bits, block, symmetric))
+            q, scales, zeros = _packed(expert_codes(w, importance, bits, block, symmetric))
             inputs[tag] = [f"{name}.q{bits}", f"{name}.scales"] + ([] if symmetric else [f"{name}.zero_points"])
             graph.initializer.extend([numpy_helper.from_array(q, inputs[tag][0]),
                                       numpy_helper.from_array(scales, inputs[tag][1])]

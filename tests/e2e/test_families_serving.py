@@ -3,8 +3,9 @@ prompts longer than its windows, each attention feature at least once: Gemma 2 (
 final logit softcap, query_pre_attn_scalar, sandwich norms), Phi-3 (fused projections, partial rotary,
 a LongRoPE switch crossed while decoding), SmolLM3 (no-RoPE layers beside sliding ones), Gemma 3 (q/k
 norms, a local and a global RoPE), Qwen3 (per-head q/k norms, a sliding layer), Gemma, Granite
-(multipliers), OLMo 2 (post-norm) and Nemotron (partial rotary in the op's tables). One server holds
-all nine models."""
+(multipliers), OLMo 2 (post-norm) and Nemotron (partial rotary in the op's tables), and the mixtures of
+experts: Mixtral, Qwen3-MoE (a dense layer between sparse ones) and gpt-oss (attention sinks, YaRN, biased
+and clamped experts). One server holds all twelve models."""
 
 import shutil
 
@@ -13,7 +14,8 @@ import pytest
 from conftest import TINY_SERVING_SPEC, byte_tokenizer, greedy_reference, serving_env
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
-FAMILIES = ("gemma2", "phi3", "smollm3", "gemma3_text", "qwen3", "gemma", "granite", "olmo2", "nemotron")
+FAMILIES = ("gemma2", "phi3", "smollm3", "gemma3_text", "qwen3", "gemma", "granite", "olmo2", "nemotron", "mixtral",
+            "qwen3_moe", "gpt_oss")
 PROMPTS = ("The capital of France is, as everyone knows,",  # 44 tokens: past every window (8)
            "Once upon a time, in a small village by the sea, there lived an old fisherman called")  # 85
 

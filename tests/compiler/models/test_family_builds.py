@@ -10,7 +10,8 @@ from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.errors import UnsupportedError
 
-NEW = ("qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2", "smollm3", "nemotron")
+NEW = ("qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2", "smollm3", "nemotron", "mixtral", "qwen3_moe",
+       "gpt_oss")
 
 
 def _verified(checkpoint, folder, **spec):
@@ -63,3 +64,28 @@ def test_a_multimodal_gemma3_checkpoint_builds_its_text_model(tiny_checkpoints, 
     PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer()).save_pretrained(tmp_path / "ckpt")
     report = _verified(tmp_path / "ckpt", tmp_path / "out")
     assert "gemma3_text" in report.reference
+
+
+@pytest.mark.parametrize("spec, field", [({"target": "tensorrt", "precision": "fp16"}, "target: tensorrt"),
+                                         ({"export": {"attention": "reference"}}, "export.attention: reference")])
+def test_a_mixture_on_a_lowering_without_an_expert_op_is_refused_before_export(tiny_checkpoints, tmp_path, spec, field):
+    built = parse_spec({"name": "t", "source": str(tiny_checkpoints["mixtral"]), **spec})
+    with pytest.raises(UnsupportedError, match=rf"{field} cannot build mixtral, a mixture of experts: .*MoE"):
+        build(built, output=tmp_path / "out", until="export")
+    assert not (tmp_path / "out" / "export").exists()
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_int4_experts_pass_the_quality_gate_as_qmoe_with_the_router_in_fp32(tiny_checkpoints, tmp_path, model_type):
+    import onnx
+
+    result = build(parse_spec({"name": "t", "source": str(tiny_checkpoints[model_type]),
+                               "quantization": {"mode": "int4-weight-only"}}), output=tmp_path / "out", until="quantize")
+    graph = onnx.load(str(tmp_path / "out" / "quantize" / "model.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    sparse = 1 if model_type == "qwen3_moe" else 0  # its middle layer is dense
+    assert ops.count("QMoE") == result.exported.model.num_layers - sparse and "MoE" not in ops
+    routers = [n for n in graph.node if n.op_type == "MatMul" and "router" in n.input[1]]
+    assert len(routers) == ops.count("QMoE")
+    assert "expert(s) reached by no token rounded to nearest" in result.quantized.method
+    assert result.quantized.report.perplexity_increase < 0.1

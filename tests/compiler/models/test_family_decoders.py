@@ -2,6 +2,8 @@
 different positions, on tiny configs that can fail: norms moved off their initial values, windows
 shorter than the prompts, a LongRoPE switch crossed while decoding and a prompt past it in chunks."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,6 +67,16 @@ def test_the_tiny_configs_exercise_every_feature(tiny_checkpoints):
     assert [s.window for s in specs["qwen3"]] == [-1, 8]
     phi3 = decoder_for(_load(tiny_checkpoints["phi3"]))
     assert phi3.rope.longrope == {"default": 88} and phi3.rope.rotary_dim == 12 < phi3.head_dim
+    mixtures = {t: decoder_for(_load(tiny_checkpoints[t])) for t in ("mixtral", "qwen3_moe", "gpt_oss")}
+    assert sorted(mixtures["qwen3_moe"].experts) == ["0", "2"]  # a dense layer between sparse ones
+    assert [m.routing.normalize for m in mixtures["qwen3_moe"].experts.values()] == [False, False]
+    assert all(m.num_experts > 3 * m.routing.k for m in mixtures["mixtral"].experts.values())  # more than batch 3 picks
+    gpt_oss = mixtures["gpt_oss"]
+    assert [s.window for s in gpt_oss.specs] == [8, -1] and gpt_oss.sinks is not None
+    clamped = _decode(gpt_oss, PROMPTS[:1], 0, capacity=64)[0]  # the SwiGLU clamp (swiglu_limit) is reached:
+    for layer in gpt_oss.experts.values():  # without it the logits move
+        layer.routing = dataclasses.replace(layer.routing, limit=0.0)
+    assert not torch.allclose(_decode(gpt_oss, PROMPTS[:1], 0, capacity=64)[0], clamped, atol=1e-3)
 
 
 def test_longrope_chunked_prefill_takes_the_whole_prompts_table(tiny_checkpoints):

@@ -90,3 +90,24 @@ def test_a_real_tensorrt_build_stops_at_once_naming_what_is_missing_and_the_targ
     with pytest.raises(UnsupportedError, match="target: tensorrt needs .*(TensorRT|GPU).* target: onnxruntime"):
         build(_spec(tiny_llama, target="tensorrt"), output=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_a_mixture_reports_total_and_active_parameters_and_its_experts_memory(tiny_checkpoints, model_type):
+    """Active: the checkpoint's parameters less the share of each sparse layer's experts a token does not
+    route to (counted here from the PyTorch model itself)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[model_type], dtype=torch.float32)
+    total = sum(p.numel() for p in model.parameters())
+    config = model.config
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    unrouted = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name) \
+        * (1 - config.num_experts_per_tok / experts)
+    planned = plan_build(_spec(tiny_checkpoints[model_type]))
+    assert planned.total_params == total and planned.active_params == round(total - unrouted)
+    assert 0 < planned.expert_bytes < planned.weights_bytes
+    rows = dict(planned.rows())
+    assert rows["parameters"] == f"{total:,} total, {planned.active_params:,} active per token"
+    assert rows["memory: weights"].startswith(f"{planned.weights_bytes / 2**30:.2f} GiB (experts ")
