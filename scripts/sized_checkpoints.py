@@ -41,11 +41,11 @@ SHAPES = {
 PARAMETERS = {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920, "llama-3.2-1b": 1_235_814_400}
 
 
-def config(shape: str):
-    """The transformers config of `shape`."""
+def config(shape: str, fields: dict | None = None):
+    """The transformers config of `shape` (or of `fields`, a config of the same form)."""
     import transformers
 
-    fields = dict(SHAPES[shape])
+    fields = dict(fields or SHAPES[shape])
     return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
@@ -58,15 +58,16 @@ def grown_tokenizer(vocab_size: int) -> dict:
     return tok
 
 
-def checkpoint(shape: str, root: Path = OUT) -> Path:
-    """The checkpoint folder of `shape` under `root`, written once (seed 0)."""
+def checkpoint(shape: str, root: Path = OUT, fields: dict | None = None) -> Path:
+    """The checkpoint folder of `shape` under `root`, written once (seed 0); `fields`: its config fields
+    when `shape` is not one of SHAPES (a benchmark's own shape)."""
     out = root / shape
     if (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file():
         return out
     import torch
     import transformers
 
-    cfg = config(shape)
+    cfg = config(shape, fields)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # norms away from 1, so a graph that dropped one would not match the checkpoint

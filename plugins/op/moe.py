@@ -89,7 +89,7 @@ def _moe_fake(hidden, router_logits, fc1, fc1_bias, fc2, fc2_bias, k, normalize,
     return torch.empty_like(hidden)
 
 
-def _attributes(k: int, normalize: bool, alpha: float, beta: float, limit: float) -> dict:
+def attributes(k: int, normalize: bool, alpha: float, beta: float, limit: float) -> dict:
     return dict(k=k, normalize_routing_weights=int(normalize), activation_type="swiglu", swiglu_fusion=1,
                 activation_alpha=alpha, activation_beta=beta, **({"swiglu_limit": limit} if limit > 0 else {}))
 
@@ -103,7 +103,7 @@ def lowering():
     def mixture(hidden, router_logits, fc1, fc1_bias, fc2, fc2_bias, k: int, normalize: bool, alpha: float = 1.0,
                 beta: float = 0.0, limit: float = 0.0):
         return msft.MoE(hidden, router_logits, fc1, fc1_bias, fc2, fc2_bias,
-                        **_attributes(k, normalize, alpha, beta, limit))
+                        **attributes(k, normalize, alpha, beta, limit))
 
     return mixture
 
