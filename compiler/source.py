@@ -123,7 +123,8 @@ def load_model(info: SourceInfo):
         elif info.uses_pickle:
             model = _load_pickle_checkpoint(info)
         else:
-            model = AutoModelForCausalLM.from_pretrained(str(info.path), use_safetensors=True, **common)
+            model = AutoModelForCausalLM.from_pretrained(str(info.path), use_safetensors=True, **common,
+                                                         **_dequantized(info))
         if info.model_type in TEXT_PARTS:
             model = text_part(model)
     except SourceError:
@@ -131,6 +132,22 @@ def load_model(info: SourceInfo):
     except Exception as err:
         raise SourceError(f"{info.path}: could not load the checkpoint: {err}") from err
     return model.eval(), load_tokenizer(info)
+
+
+def _dequantized(info: SourceInfo) -> dict[str, Any]:
+    """gpt-oss checkpoints ship their experts in MXFP4 (`quantization_config.quant_method: mxfp4`): read them
+    dequantized at load, always (transformers otherwise keeps packed MXFP4 modules wherever its Triton kernels
+    are installed). Dequantized, because no ONNX Runtime CPU kernel takes the checkpoint's codes: 1.32's CPU QMoE
+    fails at initialization on `quant_type=fp4` with E8M0 scales (probed), and its integer codes cannot hold E2M1's
+    uneven steps. The experts are exported in fp32, and `int4-weight-only` re-quantizes them into QMoE's codes."""
+    import json
+
+    config = json.loads((info.path / "config.json").read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def text_part(model):

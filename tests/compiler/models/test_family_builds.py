@@ -89,3 +89,48 @@ def test_int4_experts_pass_the_quality_gate_as_qmoe_with_the_router_in_fp32(tiny
     assert len(routers) == ops.count("QMoE")
     assert "expert(s) reached by no token rounded to nearest" in result.quantized.method
     assert result.quantized.report.perplexity_increase < 0.1
+
+
+def _mxfp4(w):
+    """gpt-oss's MXFP4 layout of w [E, N, K]: E2M1 codes two a byte (low nibble first) in blocks of 32 along K,
+    [E, N, K / 32, 16], and a power-of-two scale per block as a biased exponent, [E, N, K / 32]; and the
+    values those codes hold."""
+    import torch
+
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    groups = w.reshape(*w.shape[:2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
+    scale = torch.exp2(exponent)[..., None]
+    codes = (groups[..., None] / scale[..., None] - values).abs().argmin(-1).to(torch.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8),
+            (values[codes.long()] * scale).reshape(w.shape))
+
+
+def test_a_gpt_oss_checkpoint_with_mxfp4_experts_is_read_dequantized_and_verifies(tiny_checkpoints, tmp_path):
+    """Real gpt-oss checkpoints ship MXFP4 experts: they are read dequantized at load (the exact values their
+    codes hold), exported in fp32 and verified against the checkpoint's own PyTorch model."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from llmc.compiler.source import inspect_source, load_model
+    from llmc.compiler.spec import SourceSpec
+
+    folder = tmp_path / "mxfp4"
+    shutil.copytree(tiny_checkpoints["gpt_oss"], folder)
+    state, held = load_file(folder / "model.safetensors"), {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales, held[name] = _mxfp4(state.pop(name).transpose(1, 2).contiguous())
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    model = load_model(inspect_source(SourceSpec(path=folder)))[0]
+    loaded = dict(model.named_parameters())
+    assert len(held) == 2 * config["num_hidden_layers"]
+    for name, values in held.items():
+        assert loaded[name].dtype == values.dtype and bool((loaded[name].transpose(1, 2) == values).all()), name
+    _verified(folder, tmp_path / "out")
