@@ -20,7 +20,7 @@ from typing import Callable
 
 from llmc.compiler import quantize
 from llmc.compiler.artifacts import DraftArtifact, ExportedModel
-from llmc.compiler.graph import export, verify
+from llmc.compiler.graph import export, files, verify
 from llmc.compiler.models.config import read_config
 from llmc.compiler.source import SourceInfo, inspect_source, load_model, load_tokenizer
 from llmc.compiler.spec import BuildSpec, DraftSpec, QuantMode, SpeculativeMethod
@@ -95,7 +95,7 @@ def cache_key_parts(spec: BuildSpec, export_key: dict, verify_key: dict) -> dict
 
 
 def make_draft(target: ExportedModel, target_dir: Path, target_source: SourceInfo, spec: BuildSpec, out: Path, *,
-               inputs_hash: str, num_threads: int = 0, external_threshold: int = export.EXTERNAL_THRESHOLD,
+               inputs_hash: str, num_threads: int = 0, external_threshold: int = files.EXTERNAL_THRESHOLD,
                progress: Callable[[int, int], None] | None = None) -> DraftArtifact:
     """Make the draft graph in `out` (the stage's folder) and describe it."""
     section: DraftSpec = spec.speculative.draft

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from llmc.compiler import output as out
 from llmc.compiler.artifacts import Artifact
-from llmc.compiler.graph.export import EXTERNAL_THRESHOLD
+from llmc.compiler.graph.files import EXTERNAL_THRESHOLD
 from llmc.compiler.hashing import code_hash, hash_json
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.repository.package import REPOSITORY_DIR

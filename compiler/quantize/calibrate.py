@@ -97,7 +97,7 @@ def run_tensors(model, layout: KVLayout, windows: list[np.ndarray], tensors: lis
     session does not prepack weights (it reads them from the mapped file): a pass over a few windows."""
     import onnx
 
-    from llmc.compiler.graph.export import EXTERNAL_DATA_NAME, save_model
+    from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, save_model
     from llmc.runtime.runners.ort import make_session
 
     linked = graph_file is not None and (graph_file.parent / EXTERNAL_DATA_NAME).is_file()

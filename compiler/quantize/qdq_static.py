@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.compiler.graph.export import ONNX_NAME, load_graph, save_model
+from llmc.compiler.graph.files import ONNX_NAME, load_graph, save_model
 from llmc.compiler.graph.passes import deduplicate_initializers
 from llmc.compiler.hashing import hash_json
 from llmc.compiler.quantize.calibrate import Calibration, calibrate, calibration_key

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmc.compiler.graph.export import load_graph
+from llmc.compiler.graph.files import load_graph
 from llmc.compiler.graph.passes import merge_sibling_matmul_nbits
 from llmc.compiler.quantize.awq import awq
 from llmc.compiler.quantize.blockwise import BlockCodes, pack, search

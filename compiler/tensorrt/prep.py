@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.compiler.graph.export import ONNX_NAME, load_graph, save_model
+from llmc.compiler.graph.files import ONNX_NAME, load_graph, save_model
 from llmc.compiler.graph.passes import deduplicate_initializers
 from llmc.plugins.op.lowering import register_schemas
 

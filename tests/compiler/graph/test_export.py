@@ -11,7 +11,7 @@ from onnx import numpy_helper
 
 from llmc.compiler import build
 from llmc.compiler.artifacts import ExportedModel
-from llmc.compiler.graph.export import load_graph
+from llmc.compiler.graph.files import load_graph
 from llmc.compiler.hashing import sha256_file
 from llmc.compiler.spec import parse_spec
 
