@@ -1,7 +1,7 @@
 """Mixture-of-experts speed on CPU, every ratio measured within one run:
 
     .venv/bin/python scripts/bench_moe.py [--modes fp32,int4] [--passes 3] [--threads 2] [--new-tokens 32]
-        [--peers llama.cpp] [--out build/bench/moe]
+        [--peers llama.cpp] [--out build/bench/moe] [--hidden 1024] [--layers 6] [--skip-models]
 
 Two random-weight checkpoints, written once under OUT/checkpoints/ (sized_checkpoints.py's writer):
   - `moe-16x2`: a Mixtral with 16 experts, top-2, hidden 1024, experts 1024 wide, 6 layers: 0.37B
@@ -60,9 +60,9 @@ def _median_ms(run, passes: int = 15) -> float:
     return statistics.median(times) * 1e3
 
 
-def op_curve(threads: int, bits: int | None) -> dict:
-    """The expert op alone (the mixture's layer shape) at 16 rows over n distinct experts, and at 1-16 rows
-    over the same 2: {label: ms}."""
+def op_curve(threads: int, bits: int | None, hidden: int) -> dict:
+    """The expert op alone (the mixture's layer shape: 16 experts `hidden` wide, top-2) at 16 rows over n
+    distinct experts, and at 1-16 rows over the same 2: {label: ms}."""
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -70,7 +70,7 @@ def op_curve(threads: int, bits: int | None) -> dict:
     from llmc.compiler.quantize.experts import quantize_experts
     from llmc.plugins.op.moe import attributes
 
-    E, H, I, K = 16, 1024, 1024, 2
+    E, H, I, K = 16, hidden, hidden, 2
     rng = np.random.default_rng(0)
     fc1 = (rng.standard_normal((E, 2 * I, H)) * 0.02).astype(np.float32)
     fc2 = (rng.standard_normal((E, H, I)) * 0.02).astype(np.float32)
@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size and expert width (default 1024)")
+    p.add_argument("--layers", type=int, default=6)
     p.add_argument("--skip-models", action="store_true", help="the op curve only (no checkpoints or builds)")
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict = {"threads": args.threads, "op": {}}
     for bits in (None, 4):
         label = "fp32" if bits is None else f"int{bits}"
-        results["op"][label] = op_curve(args.threads, bits)
+        results["op"][label] = op_curve(args.threads, bits, args.hidden)
         for name, ms in results["op"][label].items():
             print(f"op {label:5} {name:22} {ms:7.2f} ms", file=sys.stderr)
     if not args.skip_models:
@@ -144,7 +146,11 @@ def decode_passes(args, modes, sized, made, compare, Tokenizer) -> dict:
     no_llama_cpp = made.llama_cpp_missing() if "llama.cpp" in args.peers else "not asked for (--peers)"
     if no_llama_cpp:
         print(f"llama.cpp: not measured: {no_llama_cpp}", file=sys.stderr)
-    checkpoints = {name: sized.checkpoint(name, args.out / "checkpoints", fields) for name, fields in SHAPES.items()}
+    sizes = {"hidden_size": args.hidden, "num_hidden_layers": args.layers}
+    widths = {"moe-16x2": args.hidden, "dense-active": 2 * args.hidden}
+    checkpoints = {name: sized.checkpoint(f"{name}-h{args.hidden}-l{args.layers}", args.out / "checkpoints",
+                                          {**fields, **sizes, "intermediate_size": widths[name]})
+                   for name, fields in SHAPES.items()}
     tokenizer = Tokenizer.from_file(str(checkpoints["moe-16x2"] / "tokenizer.json"))
     out = {}
     for mode in modes:

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 LIBRARIES = {"bench_paged_builds.py", "bench_paged_decode.py"}  # imported by the others; no command line
 RUN = {"bench_sampling.py", "bench_cpu_kernels.py", "bench_paged_attention.py", "bench_quantization.py",
-       "bench_kernels.py", "compare_peers.py", "bench_sizes.py"}
+       "bench_kernels.py", "compare_peers.py", "bench_sizes.py", "bench_moe.py"}
 HELP_ONLY = {"bench_attention.py", "bench_beam.py", "bench_draft.py", "bench_kv_cache_dtype.py", "bench_openai.py",
              "bench_paged.py", "bench_paged_graph.py", "bench_serving.py", "bench_speculative.py",
              "bench_structured.py"}
@@ -125,6 +125,16 @@ def test_bench_sizes_on_a_tiny_checkpoint(monkeypatch, capsys, tiny_checkpoints,
     assert row["build_s"] > 0
     assert row["step_bytes"] > 0
     assert "| fp32 | llmc |" in capsys.readouterr().out
+
+
+def test_bench_moe_op_curve_tiny(monkeypatch, tmp_path):
+    """The expert op's curve at a tiny width (fp32 MoE and llmc's int4 QMoE); its decode passes build through
+    sized_builds and time through compare_peers as bench_sizes does (smoked above)."""
+    run_script(monkeypatch, "bench_moe.py", "--skip-models", "--hidden", "64", "--threads", "1", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "moe.json").read_text())
+    assert set(result["op"]) == {"fp32", "int4"}
+    assert all(ms > 0 for curve in result["op"].values() for ms in curve.values())
+    assert "16 rows, 16 experts" in result["op"]["int4"] and "1 rows, 2 experts" in result["op"]["fp32"]
 
 
 def test_sized_checkpoints_have_the_published_parameter_counts():
