@@ -17,8 +17,10 @@ from llmc.compiler.spec import QuantizationSpec, SourceSpec
 # what AWQ may scale, per family: per layer the attention input norm, the MLP input norm and the gated
 # MLP's up -> down (Phi-3's up: its half of gate_up_proj), then the final norm. Not the norms whose output
 # feeds a residual Add (Gemma 2/3's sandwich norms, OLMo 2's post-norms: OLMo 2 keeps only the MLP's
-# site) or attention (q/k norms); GPT-2's and Nemotron's MLPs are not gated
-SITES_PER_LAYER = {"olmo2": 1, "gpt2": 2, "nemotron": 2}
+# site) or attention (q/k norms); GPT-2's and Nemotron's MLPs are not gated. A mixture's sparse layer keeps only
+# the attention input norm: its MLP input norm also feeds the router and the expert op, and its experts' up ->
+# down lives inside the op (Qwen3-MoE's tiny middle layer is dense: 1 + 3 + 1 sites)
+SITES_PER_LAYER = {"olmo2": 1, "gpt2": 2, "nemotron": 2, "mixtral": 1, "gpt_oss": 1, "qwen3_moe": 5 / 3}
 GATED_FAMILIES = ["qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2", "smollm3", "gpt2"]
 
 
@@ -43,7 +45,7 @@ def test_awq_scaling_leaves_each_family_function_unchanged(paged_export, model_t
     untie_lm_head(model.graph)
     gemms_as_matmuls(model.graph)
     sites = smoothable(model.graph)
-    assert len(sites) == SITES_PER_LAYER.get(model_type, 3) * _layers(model_type) + 1
+    assert len(sites) == round(SITES_PER_LAYER.get(model_type, 3) * _layers(model_type)) + 1
     rng = np.random.default_rng(0)
     weights = {t.name: t for t in model.graph.initializer}
     scales = [np.exp(rng.uniform(-1.5, 1.5, weights[s.readers[0].input[1]].dims[0])).astype(np.float32) for s in sites]
@@ -101,6 +103,27 @@ def test_weight_only_quantizes_every_linear_layer_through_the_quality_gate(paged
     check_quality_gate(art.report, spec.max_perplexity_increase)  # perplexity +5% at most
     # a floor, not a measure: a random tiny model's next tokens are near ties (perplexity ~300 of 256 ids)
     assert art.report.token_agreement >= (0.8 if art.bits == 8 else 0.4)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_int4_experts_pass_the_quality_gate_as_qmoe_with_the_router_in_fp32(paged_export, tiny_checkpoints,
+                                                                           tmp_path, model_type):
+    """A mixture's sparse layers become QMoE nodes (experts' codes searched on the tokens routed to each), every
+    other linear layer a MatMulNBits, the routers stay fp32 MatMuls, and the build passes the gate."""
+    folder, exported = paged_export(model_type)
+    spec = QuantizationSpec(mode="int4-weight-only")
+    tokenizer = load_tokenizer(inspect_source(SourceSpec(path=tiny_checkpoints[model_type])))
+    art = quantize(exported, folder, tmp_path / "quantize", spec, tokenizer, inputs_hash="test", num_threads=1)
+    graph = onnx.load(str(tmp_path / "quantize" / art.onnx), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    sparse = _layers(model_type) - (1 if model_type == "qwen3_moe" else 0)  # its middle layer is dense
+    assert ops.count("QMoE") == sparse and "MoE" not in ops
+    weights = {t.name for t in graph.initializer}
+    unquantized = [n.input[1] for n in graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
+    assert len(unquantized) == sparse and all("router" in w for w in unquantized)
+    assert "expert(s) reached by no token rounded to nearest" in art.method
+    check_quality_gate(art.report, spec.max_perplexity_increase)
+    assert art.report.token_agreement >= 0.4
 
 
 def test_greedy_agreement_judges_both_graphs_on_the_same_inputs(paged_export, tiny_checkpoints):
