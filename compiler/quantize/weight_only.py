@@ -7,7 +7,8 @@ Converted: ONNX Runtime's own `MatMulNBitsQuantizer` turns every MatMul with con
 `com.microsoft.MatMulNBits` (block-wise, `accuracy_level` 4 = int8 activations in the kernel, the
 fast CPU path), packing the searched codes when there are some. Blocks are 128 weights at 8 bits and
 32 at 4 unless the spec says (spec.block). Sibling layers (the MLP's gate and up) are then merged into
-one MatMulNBits (compiler/graph/passes.py).
+one MatMulNBits (compiler/graph/passes.py). A mixture's expert layers become `QMoE` nodes, their codes
+searched per expert on the calibration tokens routed to it, and its routers stay fp32 (experts.py).
 """
 
 from __future__ import annotations
