@@ -115,6 +115,20 @@ def llama_cpp_missing() -> str | None:
     return None
 
 
+# llama.cpp's converter, its tokenizer's pre-tokenizer pinned to SmolLM2's. The converter knows a tokenizer by a
+# hash of its output on a probe text; sized_checkpoints.py grows SmolLM2's tokenizer with filler tokens and
+# transformers then loads it as the model type's class (Qwen2Tokenizer for qwen2), which changes that output,
+# so the converter refuses it. The benchmark feeds token ids, so the pre-tokenizer llama.cpp records is moot.
+PINNED_CONVERTER = (
+    "import runpy, sys\n"
+    "converter = sys.argv[1]\n"
+    "sys.path.insert(0, converter.rsplit('/', 1)[0])\n"
+    "from conversion import base\n"
+    "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'smollm'\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(converter, run_name='__main__')\n")
+
+
 def llama_cpp_build(checkpoint: Path, mode: str, root: Path) -> dict:
     """llama.cpp's converter at `mode` (F32 / Q8_0 as it writes them; Q4_0 requantized from F32 by
     llama_cpp's `llama_model_quantize`), made once."""
@@ -125,9 +139,10 @@ def llama_cpp_build(checkpoint: Path, mode: str, root: Path) -> dict:
         target = out if direct else root / "llama-cpp-fp32.gguf"
         wall, peak, anonymous = 0.0, 0, 0
         if not target.is_file():
-            wall, peak, anonymous = timed_build([sys.executable, os.environ["LLAMA_CPP_CONVERT"], str(checkpoint), "--outfile",
-                                      str(target), "--outtype", LLAMA_CPP_TYPE[mode if direct else "fp32"]],
-                                     root / f"llama-cpp-{mode}.log")
+            wall, peak, anonymous = timed_build([sys.executable, "-c", PINNED_CONVERTER, os.environ["LLAMA_CPP_CONVERT"],
+                                                 str(checkpoint), "--outfile", str(target),
+                                                 "--outtype", LLAMA_CPP_TYPE[mode if direct else "fp32"]],
+                                                root / f"llama-cpp-{mode}.log")
         if not direct:
             import llama_cpp
 
