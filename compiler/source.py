@@ -38,6 +38,7 @@ class SourceInfo:
     hashed_files: tuple[Path, ...]
     uses_pickle: bool
     max_position_embeddings: int | None  # the longest context the model was made for, from its config
+    quant_method: str | None = None  # the config's `quantization_config.quant_method` (mxfp4: gpt-oss's experts)
 
     @property
     def root(self) -> Path:
@@ -94,7 +95,8 @@ def _hf_info(path: Path, allow_pickle: bool) -> SourceInfo:
     extras = [path / n for n in ("config.json", "generation_config.json", *_TOKENIZER_FILES)]
     hashed = tuple(weights) + tuple(p for p in extras if p.is_file())
     positions = text.get("max_position_embeddings") or text.get("n_positions")  # GPT-2 names it n_positions
-    return SourceInfo(path, "hf", model_type, weights, hashed, uses_pickle, positions)
+    quant_method = (config.get("quantization_config") or {}).get("quant_method")
+    return SourceInfo(path, "hf", model_type, weights, hashed, uses_pickle, positions, quant_method)
 
 
 def inspect_source(source: SourceSpec) -> SourceInfo:
@@ -140,10 +142,7 @@ def _dequantized(info: SourceInfo) -> dict[str, Any]:
     are installed). Dequantized, because no ONNX Runtime CPU kernel takes the checkpoint's codes: 1.32's CPU QMoE
     fails at initialization on `quant_type=fp4` with E8M0 scales (probed), and its integer codes cannot hold E2M1's
     uneven steps. The experts are exported in fp32, and `int4-weight-only` re-quantizes them into QMoE's codes."""
-    import json
-
-    config = json.loads((info.path / "config.json").read_text())
-    if (config.get("quantization_config") or {}).get("quant_method") != "mxfp4":
+    if info.quant_method != "mxfp4":
         return {}
     from transformers import Mxfp4Config
 

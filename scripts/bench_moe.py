@@ -28,7 +28,6 @@ import importlib.util
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,6 +35,7 @@ OUT = REPO / "build" / "bench" / "moe"
 COMMON = {"hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 16, "num_key_value_heads": 4,
           "vocab_size": 49152, "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
           "tie_word_embeddings": True, "hidden_act": "silu"}
+PASSES = 15  # session runs per point of the op's curve
 SHAPES = {
     "moe-16x2": {"model_type": "mixtral", **COMMON, "intermediate_size": 1024, "num_local_experts": 16,
                  "num_experts_per_tok": 2},
@@ -50,16 +50,6 @@ def _script(name: str):
     return module
 
 
-def _median_ms(run, passes: int = 15) -> float:
-    run()
-    times = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def op_curve(threads: int, bits: int | None, hidden: int) -> dict:
     """The expert op alone (the mixture's layer shape: 16 experts `hidden` wide, top-2) at 16 rows over n
     distinct experts, and at 1-16 rows over the same 2: {label: ms}."""
@@ -70,6 +60,7 @@ def op_curve(threads: int, bits: int | None, hidden: int) -> dict:
     from llmc.compiler.quantize.experts import quantize_experts
     from llmc.plugins.op.moe import attributes
 
+    timed = _script("bench_cpu_kernels").timed  # median ms of session runs after a warm-up
     E, H, I, K = 16, hidden, hidden, 2
     rng = np.random.default_rng(0)
     fc1 = (rng.standard_normal((E, 2 * I, H)) * 0.02).astype(np.float32)
@@ -99,10 +90,10 @@ def op_curve(threads: int, bits: int | None, hidden: int) -> dict:
     curve = {}
     for distinct in (2, 4, 8, 16):
         logits = routed(16, distinct)
-        curve[f"16 rows, {distinct} experts"] = _median_ms(lambda: session.run(None, {"x": x, "logits": logits}))
+        curve[f"16 rows, {distinct} experts"] = timed(session, {"x": x, "logits": logits}, PASSES)
     for rows in (1, 4, 16):
         logits = routed(rows, 2)
-        curve[f"{rows} rows, 2 experts"] = _median_ms(lambda: session.run(None, {"x": x[:rows], "logits": logits}))
+        curve[f"{rows} rows, 2 experts"] = timed(session, {"x": x[:rows], "logits": logits}, PASSES)
     return curve
 
 

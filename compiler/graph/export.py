@@ -77,8 +77,9 @@ def lowering_refusal(decoder, lowering: Lowering) -> str | None:
     """Why `lowering` cannot express this decoder's attention (None when it can): the build then says
     which feature forces another `export.attention`."""
     sinks = decoder.sinks is not None
-    if getattr(decoder, "experts", None) and moe.refusal(lowering.value):
-        return f"a mixture of experts: {moe.refusal(lowering.value)}"
+    mixture = moe.refusal(lowering.value) if getattr(decoder, "experts", None) else None
+    if mixture is not None:
+        return f"a mixture of experts: {mixture}"
     if lowering is Lowering.reference and sinks:
         return "attention sinks: opset 23's Attention has no sink input; use `paged` (the default) or `fused`"
     if lowering is Lowering.fused and decoder.head_dim % 16:
@@ -288,6 +289,8 @@ def _summary(done: Located[ExportedModel]) -> str:
 # checkpoint's loader, the calibration text of int8 KV caches, the attention op and its lowerings, the KV layout
 EXPORT_CODE = ("llmc.compiler.graph", "llmc.compiler.models", "llmc.compiler.paged_decoder", "llmc.compiler.source",
                "llmc.compiler.textdata", "llmc.plugins.op", "llmc.runtime.layout")
+
+
 def _check(spec: BuildSpec, source) -> None:
     """A mixture of experts on a lowering without an expert op is refused before anything loads."""
     reason = moe.refusal(spec.attention_lowering) if source.model_type in MIXTURE_MODEL_TYPES else None

@@ -29,6 +29,7 @@ overrides only what differs, through these hooks:
     layer_attention(i, layer)    the layer's LayerAttention: scale, softcap, window, which RoPE
     embed(input_ids, positions)  the input embeddings
     block(layer, hidden, attn)   one block around its attention call (norm placement, multipliers)
+    feed_forward(layer, x)       the block's MLP (a mixture's sparse layers: compiler/models/moe.py)
     head(hidden)                 final norm, LM head (and softcap or scaling of the logits)
 
 RoPE comes from the model's own rotary modules (compiler/models/rope.py): tables the op applies
@@ -150,7 +151,10 @@ class Decoder(nn.Module):
 
     def block(self, layer, hidden: Tensor, attention: Callable[[Tensor], Tensor]) -> Tensor:
         hidden = hidden + attention(layer.input_layernorm(hidden))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + self.feed_forward(layer, layer.post_attention_layernorm(hidden))
+
+    def feed_forward(self, layer, x: Tensor) -> Tensor:
+        return layer.mlp(x)
 
     def head(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))

@@ -14,7 +14,8 @@ class SandwichDecoder(Decoder):
 
     def block(self, layer, hidden, attention):
         hidden = hidden + layer.post_attention_layernorm(attention(layer.input_layernorm(hidden)))
-        return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+        mlp = self.feed_forward(layer, layer.pre_feedforward_layernorm(hidden))
+        return hidden + layer.post_feedforward_layernorm(mlp)
 
     def head(self, hidden):
         logits = super().head(hidden)

@@ -41,7 +41,7 @@ class GPT2Decoder(Decoder):
 
     def block(self, layer, hidden, attention):
         hidden = hidden + attention(layer.ln_1(hidden))
-        return hidden + layer.mlp(layer.ln_2(hidden))
+        return hidden + self.feed_forward(layer, layer.ln_2(hidden))
 
 
 FAMILY = Family(name="gpt2", decoder=GPT2Decoder,

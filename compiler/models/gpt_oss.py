@@ -27,6 +27,7 @@ FAMILY = Family(
                           num_experts_per_tok=2, max_position_embeddings=2048, sliding_window=8,
                           swiglu_limit=1.0, initializer_range=0.1,
                           rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
-                                           "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 150000.0}, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                           "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 150000.0},
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2,
                           layer_types=["sliding_attention", "full_attention"])},
 )

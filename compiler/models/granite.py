@@ -12,7 +12,7 @@ class GraniteDecoder(Decoder):
     def block(self, layer, hidden, attention):
         r = self.config.residual_multiplier
         hidden = hidden + attention(layer.input_layernorm(hidden)) * r
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden)) * r
+        return hidden + self.feed_forward(layer, layer.post_attention_layernorm(hidden)) * r
 
     def head(self, hidden):
         return super().head(hidden) / self.config.logits_scaling

@@ -94,7 +94,7 @@ def refusal(lowering: str) -> str | None:
 
 class MoEDecoder:
     """A decoder mixin: layers whose MLP is sparse (`sparse_layer` says which, `expert_layer` reads it)
-    run it through `llmc::moe`; dense layers keep their own MLP. Blocks are pre-norm (Llama's shape)."""
+    run it through `llmc::moe` (the base's `feed_forward` hook); dense layers keep their own MLP."""
 
     def __init__(self, hf_model):
         super().__init__(hf_model)
@@ -110,8 +110,4 @@ class MoEDecoder:
 
     def feed_forward(self, layer, x: Tensor) -> Tensor:
         sparse = self._sparse_of.get(id(layer))
-        return layer.mlp(x) if sparse is None else sparse(x)
-
-    def block(self, layer, hidden: Tensor, attention) -> Tensor:
-        hidden = hidden + attention(layer.input_layernorm(hidden))
-        return hidden + self.feed_forward(layer, layer.post_attention_layernorm(hidden))
+        return super().feed_forward(layer, x) if sparse is None else sparse(x)

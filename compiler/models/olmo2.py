@@ -15,7 +15,7 @@ class Olmo2Decoder(Decoder):
 
     def block(self, layer, hidden, attention):
         hidden = hidden + layer.post_attention_layernorm(attention(hidden))
-        return hidden + layer.post_feedforward_layernorm(layer.mlp(hidden))
+        return hidden + layer.post_feedforward_layernorm(self.feed_forward(layer, hidden))
 
 
 FAMILY = Family(

@@ -24,8 +24,8 @@ import numpy as np
 
 from llmc.compiler.quantize.blockwise import BlockCodes, minmax, pack, search
 from llmc.errors import QuantizationError
+from llmc.plugins.op.moe import MICROSOFT_DOMAIN, OP_TYPE, QUANTIZED_OP_TYPE, route, swiglu
 
-MICROSOFT_DOMAIN = "com.microsoft"
 QMOE_ACCURACY_LEVEL = 4  # int8 activations in QMoE's CPU kernel: ~6x its fp32-activation path at batch 1
 
 
@@ -48,7 +48,7 @@ class ExpertStatistics:
 
 
 def moe_nodes(graph) -> list:
-    return [n for n in graph.node if n.op_type == "MoE" and n.domain == MICROSOFT_DOMAIN]
+    return [n for n in graph.node if n.op_type == OP_TYPE and n.domain == MICROSOFT_DOMAIN]
 
 
 def routers(graph) -> list[str]:
@@ -72,26 +72,11 @@ def _attrs(node) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
-    """plugins/op/moe.py's routing in NumPy: (weights [T, k], experts [T, k])."""
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-    weights = np.take_along_axis(probs, experts, -1)
-    return (weights / weights.sum(-1, keepdims=True) if normalize else weights), experts
-
-
-def _swiglu(a: np.ndarray, alpha: float, beta: float, limit: float) -> np.ndarray:
-    gate, up = a[:, 0::2], a[:, 1::2]
-    if limit > 0:
-        gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
-    return gate / (1 + np.exp(-alpha * gate)) * (up + beta)
-
-
 def expert_statistics(model, layout, windows: list[np.ndarray], *, num_threads: int = 0,
                       graph_file: Path | None = None) -> ExpertStatistics:
     """One calibration pass recording each MoE node's input and router logits; the routing is replayed
-    here, so each expert's statistics come from the tokens routed to it."""
+    here (the op's own: plugins/op/moe.py), so each expert's statistics come from the tokens routed to it."""
+    import torch
     from onnx import numpy_helper
 
     from llmc.compiler.quantize.calibrate import run_tensors
@@ -109,7 +94,9 @@ def expert_statistics(model, layout, windows: list[np.ndarray], *, num_threads: 
         for node in nodes:
             a, fc1 = _attrs(node), node.input[2]
             x = values[node.input[0]].astype(np.float32)
-            _, experts = _route(values[node.input[1]], int(a["k"]), bool(a.get("normalize_routing_weights", 0)))
+            _, picked = route(torch.from_numpy(values[node.input[1]]), int(a["k"]),
+                              bool(a.get("normalize_routing_weights", 0)))
+            experts = picked.numpy()
             w = weights[fc1]
             sums1.setdefault(fc1, np.zeros((w.shape[0], w.shape[2])))
             sums2.setdefault(fc1, np.zeros((w.shape[0], w.shape[1] // 2)))
@@ -117,8 +104,8 @@ def expert_statistics(model, layout, windows: list[np.ndarray], *, num_threads: 
             for e in np.unique(experts):
                 rows = x[np.any(experts == e, axis=-1)]
                 gate_up = rows @ w[e].T + (0 if biases[fc1] is None else biases[fc1][e])
-                act = _swiglu(gate_up, a.get("activation_alpha", 1.0), a.get("activation_beta", 0.0),
-                              a.get("swiglu_limit", 0.0))
+                act = swiglu(torch.from_numpy(gate_up), a.get("activation_alpha", 1.0),
+                             a.get("activation_beta", 0.0), a.get("swiglu_limit", 0.0)).numpy()
                 sums1[fc1][e] += np.square(rows.astype(np.float64)).sum(0)
                 sums2[fc1][e] += np.square(act.astype(np.float64)).sum(0)
                 counts[fc1][e] += len(rows)
@@ -190,7 +177,7 @@ def quantize_experts(model, bits: int, block: int, symmetric: bool, stats: Exper
         bias = lambda i: node.input[i] if len(node.input) > i else ""  # noqa: E731
         zero_points = [] if symmetric else ["", "", "", inputs["fc1"][2], inputs["fc2"][2]]
         qmoe = helper.make_node(
-            "QMoE", [node.input[0], node.input[1], *inputs["fc1"][:2], bias(3), *inputs["fc2"][:2], bias(5),
+            QUANTIZED_OP_TYPE, [node.input[0], node.input[1], *inputs["fc1"][:2], bias(3), *inputs["fc2"][:2], bias(5),
                      *zero_points], list(node.output), name=node.name or f"{fc1_name}.qmoe", domain=MICROSOFT_DOMAIN,
             **_attrs(node), expert_weight_bits=bits, block_size=block, accuracy_level=QMOE_ACCURACY_LEVEL)
         index = list(graph.node).index(node)

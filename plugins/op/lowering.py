@@ -43,6 +43,9 @@ PLUGIN_OP = "LlmcFusedAttention"
 PLUGIN_NAMESPACE = "llmc"
 PLUGIN_VERSION = "1"
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+# the type letters a schema's inputs and outputs may use (a schema constrains those it uses)
+_TYPES = [("T", _FLOATS, "activations, caches, float weights"), ("M", ["tensor(int32)"], "lengths"),
+          ("P", ["tensor(int64)"], "positions"), ("T1", ["tensor(uint8)"], "packed weights")]
 
 
 class Lowering(str, enum.Enum):
@@ -89,15 +92,15 @@ def _infer_gqa(ctx) -> None:
 
 def _schema(name: str, domain: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
             attributes: list[OpSchema.Attribute], doc: str, infer) -> OpSchema:
-    """Inputs named with a trailing '?' are optional."""
+    """Inputs named with a trailing '?' are optional; the types are _TYPES' letters."""
     optional = OpSchema.FormalParameterOption.Optional
+    used = {t for _, t in inputs + outputs}
     schema = OpSchema(
         name, domain, 1, doc,
         inputs=[OpSchema.FormalParameter(n.rstrip("?"), t, **({"param_option": optional} if n.endswith("?") else {}))
                 for n, t in inputs],
         outputs=[OpSchema.FormalParameter(n, t) for n, t in outputs],
-        type_constraints=[("T", _FLOATS, "activations and cache"), ("M", ["tensor(int32)"], "lengths")]
-        + ([("P", ["tensor(int64)"], "positions")] if any(t == "P" for _, t in inputs) else []),
+        type_constraints=[c for c in _TYPES if c[0] in used],
         attributes=attributes,
     )
     schema.set_type_and_shape_inference_function(infer)
@@ -255,8 +258,8 @@ def trim_unused_outputs(graph: onnx.GraphProto) -> None:
 
 def translation_table(lowering: Lowering, heads: Heads) -> dict:
     """`custom_translation_table` for torch.onnx.export: llmc::attention -> the lowering's ONNX, and
-    llmc::moe -> com.microsoft.MoE where the graph runs on ONNX Runtime (the others refuse a mixture
-    before export: compiler/graph/export.py's `lowering_refusal`)."""
+    llmc::moe -> com.microsoft.MoE (which lowerings may carry a mixture is compiler/models/moe.py's
+    `refusal`, checked before export)."""
     import onnxscript  # noqa: F401  (first: it imports onnx.reference, which fails on one op name in two domains)
     import torch
 
@@ -265,7 +268,7 @@ def translation_table(lowering: Lowering, heads: Heads) -> dict:
     from llmc.plugins.op import moe
 
     register_schemas()
-    experts = {torch.ops.llmc.moe.default: moe.lowering()} if lowering.runs_on_onnxruntime else {}
+    experts = {torch.ops.llmc.moe.default: moe.lowering()}
     if lowering is Lowering.paged:
         from llmc.plugins.op import paged_op
 

@@ -34,7 +34,9 @@ import torch
 from onnx.defs import OpSchema
 from torch import Tensor
 
-MICROSOFT_DOMAIN = "com.microsoft"
+from llmc.plugins.op.lowering import MICROSOFT_DOMAIN, _copy_types
+from llmc.plugins.op.lowering import _schema as op_schema
+
 OP_TYPE = "MoE"
 QUANTIZED_OP_TYPE = "QMoE"
 
@@ -108,33 +110,18 @@ def lowering():
     return mixture
 
 
-def _schema(name: str, inputs: list[tuple[str, str]], attributes: list[str], doc: str) -> OpSchema:
-    """The subset of ONNX Runtime's contrib schema that llmc emits; inputs named with '?' are optional."""
-    optional = OpSchema.FormalParameterOption.Optional
-    A = OpSchema.AttrType
-    types = {"k": A.INT, "normalize_routing_weights": A.INT, "activation_type": A.STRING, "swiglu_fusion": A.INT,
-             "activation_alpha": A.FLOAT, "activation_beta": A.FLOAT, "swiglu_limit": A.FLOAT,
-             "expert_weight_bits": A.INT, "block_size": A.INT, "accuracy_level": A.INT}
-    schema = OpSchema(
-        name, MICROSOFT_DOMAIN, 1, doc,
-        inputs=[OpSchema.FormalParameter(n.rstrip("?"), t, **({"param_option": optional} if n.endswith("?") else {}))
-                for n, t in inputs],
-        outputs=[OpSchema.FormalParameter("output", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations"),
-                          ("T1", ["tensor(uint8)"], "packed weights")] if any(t == "T1" for _, t in inputs)
-        else [("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations and weights")],
-        attributes=[OpSchema.Attribute(a, types[a], a, required=False) for a in attributes],
-    )
-
-    def infer(ctx) -> None:
-        ctx.set_output_type(0, ctx.get_input_type(0))
-
-    schema.set_type_and_shape_inference_function(infer)
-    return schema
+_A = OpSchema.AttrType
+_ROUTING = [("k", _A.INT), ("normalize_routing_weights", _A.INT), ("activation_type", _A.STRING),
+            ("swiglu_fusion", _A.INT), ("activation_alpha", _A.FLOAT), ("activation_beta", _A.FLOAT),
+            ("swiglu_limit", _A.FLOAT)]
+_QUANTIZED = [("expert_weight_bits", _A.INT), ("block_size", _A.INT), ("accuracy_level", _A.INT)]
 
 
-_ROUTING = ["k", "normalize_routing_weights", "activation_type", "swiglu_fusion", "activation_alpha",
-            "activation_beta", "swiglu_limit"]
+def _schema(name: str, inputs: list[tuple[str, str]], attributes: list[tuple[str, int]], doc: str) -> OpSchema:
+    """The subset of ONNX Runtime's contrib schema that llmc emits (its output: the input's type and shape)."""
+    return op_schema(name, MICROSOFT_DOMAIN, inputs, [("output", "T")],
+                     [OpSchema.Attribute(a, kind, a, required=False) for a, kind in attributes], doc,
+                     _copy_types([(0, 0)]))
 
 
 def register_schemas() -> None:
@@ -151,5 +138,5 @@ def register_schemas() -> None:
              ("fc1_experts_bias?", "T"), ("fc2_experts_weights", "T1"), ("fc2_scales?", "T"),
              ("fc2_experts_bias?", "T"), ("fc3_experts_weights?", "T1"), ("fc3_scales?", "T"),
              ("fc3_experts_bias?", "T"), ("fc1_zero_points?", "T1"), ("fc2_zero_points?", "T1")],
-            _ROUTING + ["expert_weight_bits", "block_size", "accuracy_level"],
+            _ROUTING + _QUANTIZED,
             "ONNX Runtime's quantized mixture of experts (contrib op), the inputs llmc emits."))
