@@ -13,6 +13,10 @@
  * besides AVX2), so the library registers it whatever the CPU, and MatMulNBits4 only where the CPU
  * has the 4-bit kernel's instruction sets (its kernels refuse the rest).
  *
+ * llmc.AllReduce and llmc.AllGather: tensor parallelism's collectives between rank processes over shared
+ * memory (collective/collective.h: the segment, the barrier; collective_op.c: the ops), float32 and float16;
+ * plain C, so registered whatever the CPU, like PagedAttention.
+ *
  * ONNX Runtime's C ABI, the parts used: ort_abi.h, written by hand (the wheel ships no headers).
  */
 #include <pthread.h>
@@ -21,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "collective_op.h"
 #include "matmul_nbits4.h"
 #include "ort_abi.h"
 #include "paged_attention_op.h"
@@ -173,6 +178,8 @@ static void make_domain(void) {
   if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &matmul_nbits4);
   for (int i = 0; !status && i < PAGED_ATTENTION_OPS; i++)
     status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &paged_attention_ops[i]);
+  for (int i = 0; !status && i < COLLECTIVE_OPS; i++)
+    status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &collective_ops[i]);
   domain_failed = status != NULL; /* ONNX Runtime owns a returned status: report a fresh one each call */
   if (status) CALL(ReleaseStatus, fn_release_status, status);
 }

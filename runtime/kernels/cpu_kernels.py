@@ -8,6 +8,10 @@ cannot run without it: `prepare` registers the library whenever a graph has the 
 builds it whatever `LLMC_CPU_KERNELS` says, or raises naming what is missing) and gives each node the
 session's thread count.
 
+The tensor-parallel collectives `llmc.AllReduce` and `llmc.AllGather` (collective/) run between the rank
+processes of one model instance over a shared-memory group (collective.py's `Group`); `prepare(...,
+group=name)` gives their nodes the group's name and registers the library, as for PagedAttention.
+
 `MatMulNBits4` (domain `llmc`) is a drop-in for ONNX Runtime's `MatMulNBits` with bits=4,
 block_size=32 and accuracy_level=4: same inputs, attributes and packed layout, faster at batch-1
 decode (matmul_nbits4.c says why and how), with kernels for AVX512-VNNI and for AVX2 + FMA CPUs.
@@ -39,7 +43,7 @@ from typing import NamedTuple
 HERE = Path(__file__).parent
 SOURCE = HERE / "cpu_kernels.c"  # the ops' registration; it includes each kernel's header
 # Each kernel has its folder (its own C files and headers); the library is one compile of them all.
-INCLUDE_DIRS = (HERE, HERE / "matmul_nbits4", HERE / "paged_attention")
+INCLUDE_DIRS = (HERE, HERE / "matmul_nbits4", HERE / "paged_attention", HERE / "collective")
 SOURCES = tuple(HERE / name for name in (
     "cpu_kernels.c", "ort_abi.h", "matmul_nbits4/matmul_nbits4.h", "matmul_nbits4/matmul_nbits4.c",
     "matmul_nbits4/matmul_nbits4_isa.h", "matmul_nbits4/matmul_nbits4_avx512.c", "matmul_nbits4/matmul_nbits4_avx2.c",
@@ -47,10 +51,12 @@ SOURCES = tuple(HERE / name for name in (
     "paged_attention/paged_attention_portable.c", "paged_attention/paged_attention_avx2.c",
     "paged_attention/paged_attention_avx512.c", "paged_attention/paged_attention_checks.h",
     "paged_attention/paged_attention_checks.c", "paged_attention/paged_attention_op.h",
-    "paged_attention/paged_attention_op.c"))
+    "paged_attention/paged_attention_op.c", "collective/collective.h", "collective/collective.c",
+    "collective/collective_op.h", "collective/collective_op.c"))
 DOMAIN, OP, PAGED_OP = "llmc", "MatMulNBits4", "PagedAttention"
+COLLECTIVE_OPS = ("AllReduce", "AllGather")
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
-LIBS = ["-lm", "-lpthread"]
+LIBS = ["-lm", "-lpthread", "-lrt"]  # -lrt: shm_open, in libc itself only from glibc 2.34
 SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels; an instruction set's name pins it
 log = logging.getLogger(__name__)
 
@@ -137,15 +143,27 @@ def paged_library() -> Path:
     """The library for llmc.PagedAttention, which every x86 CPU runs (a portable path besides AVX2 and
     AVX512) and a paged graph cannot run without: found or built whatever `LLMC_CPU_KERNELS` says, or a
     RuntimeError saying what is missing."""
+    return _required_library("llmc.PagedAttention")
+
+
+@functools.cache
+def collective_library() -> Path:
+    """The library for llmc.AllReduce / llmc.AllGather (plain C: every x86 CPU runs them), which a
+    tensor-parallel graph cannot run without: found or built whatever `LLMC_CPU_KERNELS` says, or a
+    RuntimeError saying what is missing."""
+    return _required_library("llmc.AllReduce/AllGather")
+
+
+def _required_library(ops: str) -> Path:
     import onnxruntime as ort
 
     if tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 17):
-        raise RuntimeError(f"llmc.PagedAttention needs ONNX Runtime >= 1.17 (custom-op API 17); this is {ort.__version__}")
+        raise RuntimeError(f"{ops} needs ONNX Runtime >= 1.17 (custom-op API 17); this is {ort.__version__}")
     try:
         path = _find_or_build()
         ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as err:
-        raise RuntimeError(f"this graph's llmc.PagedAttention nodes run only on llmc's CPU kernel library, which could "
+        raise RuntimeError(f"this graph's {ops} nodes run only on llmc's CPU kernel library, which could "
                            f"not be found or built ({', '.join(p.name for p in SOURCES if p.suffix == '.c')} with "
                            f"$CC, default cc): {err}") from err
     return path
@@ -224,20 +242,49 @@ def configure_paged(model, threads: int) -> int:
     return len(nodes)
 
 
-def prepare(onnx_path: Path, options) -> str | bytes:
+def configure_collective(model, group: str | None) -> int:
+    """Give the llmc.AllReduce / llmc.AllGather nodes of an ONNX ModelProto the shared-memory group's name
+    (collective.py's `Group.name`), in place; returns how many nodes. Such a graph without a group is a
+    ValueError naming the node: its ranks run only together."""
+    from onnx import helper
+
+    nodes = [n for n in model.graph.node if n.op_type in COLLECTIVE_OPS and n.domain == DOMAIN]
+    if nodes and not group:
+        raise ValueError(f"llmc.{nodes[0].op_type} node {nodes[0].name!r}: a tensor-parallel graph runs only inside a "
+                         "rank group: pass group= (the name of a runtime.kernels.collective.Group)")
+    for node in nodes:
+        kept = [a for a in node.attribute if a.name != "group"]
+        del node.attribute[:]
+        node.attribute.extend([*kept, helper.make_attribute("group", group)])
+    return len(nodes)
+
+
+def _check_sequential(options) -> None:
+    """Collectives pair up by order: every rank must run its nodes one at a time, in the graph's order."""
+    import onnxruntime as ort
+
+    if options.execution_mode == ort.ExecutionMode.ORT_PARALLEL:
+        raise ValueError("a tensor-parallel graph runs its collectives in one order on every rank: open it with "
+                         "ExecutionMode.ORT_SEQUENTIAL (the default), not ORT_PARALLEL")
+
+
+def prepare(onnx_path: Path, options, *, group: str | None = None) -> str | bytes:
     """What to open an ONNX Runtime session on: the graph with llmc's 4-bit kernel swapped in where this host
     has it and the graph has nodes it takes, and with the library registered on `options` (its
-    llmc.PagedAttention nodes given the thread count) when either op is there; else the file's path as it
-    is. A graph with llmc.PagedAttention nodes cannot run without the library: a RuntimeError says why
-    it is missing. The edited graph goes to ONNX Runtime as bytes; external data, if any, is read by
-    ONNX Runtime from beside the file, as for the file itself."""
+    llmc.PagedAttention nodes given the thread count, its llmc.AllReduce / AllGather nodes the rank
+    `group`'s name) when any of those ops is there; else the file's path as it is. A graph with
+    llmc.PagedAttention or collective nodes cannot run without the library: a RuntimeError says why it is
+    missing; a graph with collective nodes and no `group` is a ValueError. The edited graph goes to ONNX
+    Runtime as bytes; external data, if any, is read by ONNX Runtime from beside the file, as for the file
+    itself."""
     import mmap
 
     onnx_path = Path(onnx_path)
     with open(onnx_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         mentions_q4, mentions_paged = data.find(b"MatMulNBits") >= 0, data.find(PAGED_OP.encode()) >= 0
-    kernels = load() if mentions_q4 else None  # no parse for graphs with neither op
-    if kernels is None and not mentions_paged:
+        mentions_collective = any(data.find(op.encode()) >= 0 for op in COLLECTIVE_OPS)
+    kernels = load() if mentions_q4 else None  # no parse for graphs with none of the ops
+    if kernels is None and not mentions_paged and not mentions_collective:
         return str(onnx_path)
     import onnx
 
@@ -245,8 +292,12 @@ def prepare(onnx_path: Path, options) -> str | bytes:
     threads = options.intra_op_num_threads or os.cpu_count() or 1
     swapped = accelerate(model, threads, kernels.isa) if kernels else 0
     paged = configure_paged(model, threads)
-    if not swapped and not paged:
+    collective = configure_collective(model, group)
+    if collective:
+        _check_sequential(options)
+    if not swapped and not paged and not collective:
         return str(onnx_path)
-    options.register_custom_ops_library(str(paged_library() if paged else kernels.library))
+    needed = paged_library() if paged else collective_library() if collective else kernels.library
+    options.register_custom_ops_library(str(needed))
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(onnx_path.parent))
     return model.SerializeToString()
