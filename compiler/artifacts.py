@@ -17,7 +17,7 @@ from llmc.compiler.spec import QuantMode
 from llmc.errors import ArtifactError
 from llmc.plugins.op.lowering import Lowering
 from llmc.runtime.layout import KVLayout
-from llmc.runtime.manifest import TensorRTInfo
+from llmc.runtime.manifest import TensorRTInfo, rank_folder
 
 A = TypeVar("A", bound="Artifact")
 
@@ -105,10 +105,15 @@ class ExportedModel(Artifact):
     outputs: list[TensorInfo]
     external_data: bool
     versions: dict[str, str]
+    tensor_parallel: int = 1  # ranks the model is split over: one graph each, in rank{r}/ (compiler/graph/files.py)
 
     @property
     def engine_file(self) -> str:
         return self.onnx
+
+    def graphs(self, folder: Path) -> list[Path]:
+        """Each rank's graph in `folder`, in rank order (one without a split)."""
+        return [folder / rank_folder(r, self.tensor_parallel) / self.onnx for r in range(self.tensor_parallel)]
 
 
 class QualityReport(BaseModel):

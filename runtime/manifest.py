@@ -15,6 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from llmc.runtime.layout import KVLayout
 
 
+def rank_folder(rank: int, ranks: int) -> str:
+    """Where rank `rank` of a model split `ranks` ways keeps its graph, relative to the folder of an export or a
+    version: that folder itself without a split (""), `rank{rank}` with one (tensor parallelism)."""
+    return "" if ranks == 1 else f"rank{rank}"
+
+
 class ManifestError(RuntimeError):
     """A repository without a readable manifest (not a finished llmc build, or another version's)."""
 
@@ -130,6 +136,11 @@ class RepositoryManifest(BaseModel):
     chat_template: ChatTemplate | None = None  # none: the model serves completions only
     speculative: SpeculativeConfig | None = None  # paged graphs only; none: every row decodes one token a step
     execution_env: ExecutionEnvInfo | None = None  # none: the serving Python has the requirements installed
+    tensor_parallel: int = Field(1, ge=1)  # ranks the model is split over: each rank's graph is rank{r}/<engine>
+
+    def graphs(self, folder: Path) -> list[Path]:
+        """Each rank's graph in the version folder `folder`, in rank order (one without a split)."""
+        return [Path(folder) / rank_folder(r, self.tensor_parallel) / self.engine for r in range(self.tensor_parallel)]
 
     @model_validator(mode="after")
     def _speculation_is_paged(self) -> "RepositoryManifest":

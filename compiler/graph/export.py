@@ -33,6 +33,7 @@ from llmc.compiler.stage import Context, Located, Stage
 from llmc.errors import ExportError, UnsupportedError
 from llmc.plugins.op.lowering import MICROSOFT_DOMAIN, Heads, Lowering, translation_table, trim_unused_outputs
 from llmc.runtime.layout import KVLayout
+from llmc.runtime.manifest import rank_folder
 
 OPSET = 23
 
@@ -161,20 +162,25 @@ def _quiet():
 
 def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
                 external_threshold: int = EXTERNAL_THRESHOLD, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32,
-                tokenizer=None) -> tuple[bool, KVLayout]:
+                tokenizer=None, rank: int = 0, ranks: int = 1, kv_scales=None) -> tuple[bool, KVLayout]:
     """Write `out_dir/model.onnx` (+ `model.onnx.data` when over the threshold) with attention in
     `lowering`'s form and the paged pools in `kv_cache_dtype` (int8 scales calibrated with `tokenizer`'s
-    tokens, compiler/graph/kv_cache.py). Returns whether weights went to external data, and the layout."""
+    tokens, compiler/graph/kv_cache.py, unless `kv_scales` gives them); with `ranks` > 1, rank `rank`'s share of
+    the model (compiler/models/tensor_parallel.py), its pools holding its KV heads. Returns whether weights went
+    to external data, and the layout."""
     import onnx
     import torch
 
-    from llmc.compiler.models import decoder_for
+    from llmc.compiler.models import decoder_for, tensor_parallel
 
     decoder = decoder_for(model)
-    layout = kv_layout(info, lowering, kv_cache_dtype, decoder.rope.switch)
     refusal = lowering_refusal(decoder, lowering)
     if refusal is not None:
         raise UnsupportedError(f"export.attention: {lowering.value} cannot export {info.model_type}: {refusal}")
+    if ranks > 1:
+        decoder = tensor_parallel.shard(decoder, rank, ranks)
+        info = info.model_copy(update={"num_heads": decoder.num_heads, "num_kv_heads": decoder.num_kv_heads})
+    layout = kv_layout(info, lowering, kv_cache_dtype, decoder.rope.switch)
     module, inputs, shapes, in_names = _traced(decoder, info, layout.model_copy(update={"dtype": "float32"}))
     out_names = ["logits", *layout.present_names()]
     table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))
@@ -196,7 +202,7 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
         if fuse_skip_rms_norm(proto.graph) and not any(o.domain == MICROSOFT_DOMAIN for o in proto.opset_import):
             proto.opset_import.add(domain=MICROSOFT_DOMAIN, version=1)
     if layout.paged and layout.dtype != "float32":
-        _retype_pools(proto, decoder, info, layout, tokenizer)
+        _retype_pools(proto, decoder, info, layout, tokenizer, kv_scales)
     external = save_model(proto, out_dir, external_threshold)
     path = out_dir / ONNX_NAME
     try:
@@ -206,15 +212,34 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     return external, layout
 
 
-def _retype_pools(proto, decoder, info: ModelInfo, layout: KVLayout, tokenizer) -> None:
-    """The exported float32 pools given `layout.dtype` (and, for int8, scales measured on calibration text)."""
+def _retype_pools(proto, decoder, info: ModelInfo, layout: KVLayout, tokenizer, scales=None) -> None:
+    """The exported float32 pools given `layout.dtype` (and, for int8, `scales` or scales measured on
+    calibration text)."""
     from llmc.compiler.graph import kv_cache
 
-    scales = None
-    if layout.dtype == "int8":
-        windows = kv_cache.calibration_windows(tokenizer, info.vocab_size)
-        scales = kv_cache.pool_scales(decoder, layout, windows, decoder.rope.rotary_dim)
-    kv_cache.retype_pools(proto, layout, scales)
+    if layout.dtype == "int8" and scales is None:
+        scales = int8_scales(decoder, layout, tokenizer, info.vocab_size)
+    kv_cache.retype_pools(proto, layout, scales if layout.dtype == "int8" else None)
+
+
+def int8_scales(decoder, layout: KVLayout, tokenizer, vocab_size: int):
+    """int8 pools' scales [layers, 2, kv_heads, 1, head_dim], measured by running `decoder` on calibration text."""
+    from llmc.compiler.graph import kv_cache
+
+    windows = kv_cache.calibration_windows(tokenizer, vocab_size)
+    return kv_cache.pool_scales(decoder, layout, windows, decoder.rope.rotary_dim)
+
+
+def _split_int8_scales(model, info: ModelInfo, lowering: Lowering, tokenizer, ranks: int) -> list:
+    """Each rank's int8 pool scales: the whole model's, measured once, cut to the rank's KV heads."""
+    from llmc.compiler.models import decoder_for
+    from llmc.compiler.models.split import tensor_split
+
+    decoder = decoder_for(model)
+    scales = int8_scales(decoder, kv_layout(info, lowering, KVCacheDtype.int8, decoder.rope.switch), tokenizer,
+                         info.vocab_size)
+    split = tensor_split(info.num_heads, info.num_kv_heads, ranks)
+    return [scales[:, :, list(split.kv_range(r))] for r in range(ranks)]
 
 
 def tensor_infos(values) -> list[TensorInfo]:
@@ -241,21 +266,29 @@ def tool_versions() -> dict[str, str]:
 
 
 def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: str, inputs_hash: str,
-           external_threshold: int = EXTERNAL_THRESHOLD,
-           kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32) -> ExportedModel:
-    """Export `model` into `out_dir` with attention lowered as `lowering`, and describe the result."""
+           external_threshold: int = EXTERNAL_THRESHOLD, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32,
+           ranks: int = 1) -> ExportedModel:
+    """Export `model` into `out_dir` with attention lowered as `lowering` (split over `ranks`: one graph per rank,
+    in rank{r}/), and describe the result."""
     import onnx
 
     info = model_info(model, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    external, layout = export_onnx(model, info, lowering, out_dir, external_threshold, kv_cache_dtype, tokenizer)
-    graph = onnx.load(str(out_dir / ONNX_NAME), load_external_data=False).graph
-    files = [ONNX_NAME] + ([EXTERNAL_DATA_NAME] if external else [])
+    files, scales = [], None
+    if ranks > 1 and kv_cache_dtype is KVCacheDtype.int8:  # measured once on the whole model, each rank's heads cut
+        scales = _split_int8_scales(model, info, lowering, tokenizer, ranks)
+    for rank in range(ranks):
+        folder = rank_folder(rank, ranks)
+        (out_dir / folder).mkdir(exist_ok=True)
+        external, layout = export_onnx(model, info, lowering, out_dir / folder, external_threshold, kv_cache_dtype,
+                                       tokenizer, rank, ranks, None if scales is None else scales[rank])
+        files += [str(Path(folder) / n) for n in [ONNX_NAME] + ([EXTERNAL_DATA_NAME] if external else [])]
+    graph = onnx.load(str(out_dir / rank_folder(0, ranks) / ONNX_NAME), load_external_data=False).graph
     artifact = ExportedModel(
         inputs_hash=inputs_hash, files=hash_outputs(out_dir, files), onnx=ONNX_NAME, opset=OPSET,
         source_hash=source_hash, model=info, lowering=lowering, kv_layout=layout,
-        inputs=tensor_infos(graph.input),
-        outputs=tensor_infos(graph.output), external_data=external, versions=tool_versions(),
+        inputs=tensor_infos(graph.input), outputs=tensor_infos(graph.output), external_data=external,
+        versions=tool_versions(), tensor_parallel=ranks,
     )
     artifact.save(out_dir)
     return artifact
@@ -267,22 +300,25 @@ def export_key(spec: BuildSpec, ctx: Context) -> dict:
     """What keys an export besides the checkpoint and the code (the draft stage's key holds it too)."""
     return {"lowering": spec.attention_lowering, "precision": spec.precision.value,
             "kv_cache_dtype": spec.export.kv_cache_dtype.value,
-            "versions": tool_versions(), "opset": OPSET, "external_threshold": ctx.external_threshold}
+            "versions": tool_versions(), "opset": OPSET, "external_threshold": ctx.external_threshold,
+            **({"tensor_parallel": spec.parallel.tensor} if spec.parallel.tensor > 1 else {})}
 
 
-def _run(source: Located[FoundSource], section: tuple[Lowering, KVCacheDtype], ctx: Context) -> ExportedModel:
+def _run(source: Located[FoundSource], section: tuple[Lowering, KVCacheDtype, int], ctx: Context) -> ExportedModel:
     model, tokenizer = ctx.model()
-    lowering, kv_cache_dtype = section
+    lowering, kv_cache_dtype, ranks = section
     return export(model, tokenizer, ctx.out, lowering=lowering, source_hash=ctx.source_hash,
-                  inputs_hash=ctx.inputs_hash, external_threshold=ctx.external_threshold, kv_cache_dtype=kv_cache_dtype)
+                  inputs_hash=ctx.inputs_hash, external_threshold=ctx.external_threshold, kv_cache_dtype=kv_cache_dtype,
+                  ranks=ranks)
 
 
 def _summary(done: Located[ExportedModel]) -> str:
     art = done.artifact
     size = sum((done.folder / f).stat().st_size for f in art.files) / 2**20
     pools = f", {art.kv_layout.dtype} KV pools" if art.kv_layout.paged else ""
-    return (f"{art.onnx}, opset {art.opset}, {art.model.num_layers} layers, {art.lowering.value} attention{pools}, "
-            f"{size:.1f} MiB")
+    split = f", split over {art.tensor_parallel} ranks" if art.tensor_parallel > 1 else ""
+    return (f"{art.onnx}, opset {art.opset}, {art.model.num_layers} layers, {art.lowering.value} attention{pools}"
+            f"{split}, {size:.1f} MiB")
 
 
 # what runs an export: this package (the KV cache dtypes, the graph passes), the decoders it traces, the
@@ -292,7 +328,16 @@ EXPORT_CODE = ("llmc.compiler.graph", "llmc.compiler.models", "llmc.compiler.pag
 
 
 def _check(spec: BuildSpec, source) -> None:
-    """A mixture of experts on a lowering without an expert op is refused before anything loads."""
+    """A mixture of experts on a lowering without an expert op, and a split the model's heads do not allow,
+    are refused before anything loads."""
+    if spec.parallel.tensor > 1:
+        from llmc.compiler.models.config import read_config
+        from llmc.compiler.models.split import check_split
+
+        try:
+            check_split(read_config(source), spec.parallel.tensor)
+        except ValueError as err:
+            raise UnsupportedError(str(err)) from None
     reason = moe.refusal(spec.attention_lowering) if source.model_type in MIXTURE_MODEL_TYPES else None
     if reason is not None:
         field = "target: tensorrt" if spec.target is Target.tensorrt else f"export.attention: {spec.attention_lowering}"
@@ -300,5 +345,6 @@ def _check(spec: BuildSpec, source) -> None:
 
 
 EXPORT = Stage("export", describe=lambda spec: "exporting to ONNX", takes=("source",), artifact=ExportedModel,
-               section=lambda spec: (Lowering(spec.attention_lowering), spec.export.kv_cache_dtype),
+               section=lambda spec: (Lowering(spec.attention_lowering), spec.export.kv_cache_dtype,
+                                     spec.parallel.tensor),
                code=EXPORT_CODE, key=export_key, check=_check, run=_run, summary=_summary, loads_model=True)

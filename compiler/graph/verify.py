@@ -190,13 +190,20 @@ def compare(name: str, refs: list[Decoded], cands: list[Decoded], prompts: list[
                       passed=near_ties and diff <= tolerance)
 
 
-def _driver(onnx_path: Path, layout, prompts: list[list[int]], steps: int, num_threads: int):
-    """The runner for this export and how a case drives it: `drive(batch, tick) -> [Decoded]`."""
+def _driver(graphs: list[Path], layout, prompts: list[list[int]], steps: int, num_threads: int):
+    """The runner for this export (`graphs`: each rank's; one without a split) and how a case drives it:
+    `drive(batch, tick) -> [Decoded]`."""
+    onnx_path = graphs[0]
     if layout.paged:
         # a step's tokens: every prompt, and every row's whole sequence when LongRoPE recomputes it
-        runner = PagedRunner(onnx_path, layout, num_threads=num_threads,
-                             max_num_tokens=sum(len(p) + steps for p in prompts),
-                             num_blocks=sum(map(len, paged_blocks(prompts, steps, layout.block_size))))
+        sizes = dict(num_threads=num_threads, max_num_tokens=sum(len(p) + steps for p in prompts),
+                     num_blocks=sum(map(len, paged_blocks(prompts, steps, layout.block_size))))
+        if len(graphs) > 1:
+            from llmc.runtime.runners.tensor_parallel import TensorParallelRunner
+
+            runner = TensorParallelRunner(graphs, layout, **sizes)
+        else:
+            runner = PagedRunner(onnx_path, layout, **sizes)
         chunks = {1: None}  # batch 1 prefills whole; the batch case in chunks, rows joining a step apart
         return lambda batch, tick: paged_greedy(runner, batch, steps, tick, chunks.get(len(batch), PAGED_CHUNK)), runner
     runner = OrtRunner(onnx_path, layout, max_batch=len(prompts), capacity=max(map(len, prompts)) + steps,
@@ -216,7 +223,7 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
     layout = exported.kv_layout
     tolerance = tolerance if tolerance is not None else DEFAULT_TOLERANCE[layout.dtype]
     cases_in = [("batch-1", prompts[:1]), (f"batch-{len(prompts)}", prompts)]
-    drive, runner = _driver(export_dir / exported.onnx, layout, prompts, steps, num_threads)
+    drive, runner = _driver(exported.graphs(export_dir), layout, prompts, steps, num_threads)
     # ticks: one per reference step; one per candidate step (slot form) or per row's step (paged)
     total, done = steps * (len(prompts) + sum(len(b) if layout.paged else 1 for _, b in cases_in)), 0
 
@@ -226,15 +233,19 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
         if progress:
             progress(done, total)
 
-    refs = [torch_greedy(model, p, steps, tick) for p in prompts]
-    cases = [compare(name, refs[:len(batch)], drive(batch, tick), batch, steps, tolerance) for name, batch in cases_in]
-    runner.close()
+    try:
+        refs = [torch_greedy(model, p, steps, tick) for p in prompts]
+        cases = [compare(name, refs[:len(batch)], drive(batch, tick), batch, steps, tolerance)
+                 for name, batch in cases_in]
+    finally:
+        runner.close()
     report = VerifyReport(
         inputs_hash=inputs_hash, reference=f"pytorch ({exported.model.model_type}, fp32, HF attention)",
         candidate=f"onnxruntime CPU, {exported.lowering.value} attention, "
                   f"{'in-place' if layout.in_place else 'copied'} KV cache"
                   + (f" in blocks of {layout.block_size} ({layout.dtype}), prompts in chunks of {PAGED_CHUNK}"
-                     if layout.paged else ""),
+                     if layout.paged else "")
+                  + (f", split over {exported.tensor_parallel} ranks" if exported.tensor_parallel > 1 else ""),
         tolerance=tolerance, max_abs_logit_diff=max(c.max_abs_logit_diff for c in cases), cases=cases,
         passed=all(c.passed for c in cases),
     )

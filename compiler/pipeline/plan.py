@@ -18,9 +18,11 @@ from llmc.compiler.draft import inspect_draft
 from llmc.compiler.graph.kv_cache import ELEMENT
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.models.config import Dims, read_dims
+from llmc.compiler.models.split import tensor_split
 from llmc.compiler.source import inspect_source
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
 from llmc.compiler.tensorrt.profiles import Profile, profiles
+from llmc.errors import UnsupportedError
 from llmc.runtime.layout import ITEMSIZE
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -55,6 +57,10 @@ class BuildPlan:
     total_params: int = 0
     active_params: int = 0  # what one token reads: a mixture's routed experts only
     expert_bytes: int = 0  # a mixture's experts, of weights_bytes
+    ranks: int = 1  # parallel.tensor
+    rank_weights_bytes: int = 0  # what each rank holds (its slices, the replicated embeddings and norms)
+    rank_kv_cache_bytes: int = 0  # each rank's pools: its KV heads
+    split: str = ""  # how the heads split
     notes: list[str] = field(default_factory=list)
 
     def rows(self) -> list[tuple[str, str]]:
@@ -75,6 +81,9 @@ class BuildPlan:
                  ("memory: activations (peak prefill, estimate)", gib(self.activation_bytes)),
                  ("memory: total (estimate)", gib(self.weights_bytes + self.kv_cache_bytes + self.activation_bytes)),
                  ("build: peak memory (estimate)", gib(self.build_peak_bytes))]
+        if self.ranks > 1:
+            rows.append(("tensor parallelism", f"{self.ranks} ranks, {self.split}; each rank: weights "
+                                               f"{gib(self.rank_weights_bytes)}, KV cache {gib(self.rank_kv_cache_bytes)}"))
         rows += [("note", n) for n in self.notes]
         return rows
 
@@ -97,6 +106,16 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
         return 2 * d.num_layers * d.num_kv_heads * d.head_dim * kv_tokens * kv_element
 
     kv_bytes = pool_bytes(dims)
+    ranks, split = spec.parallel.tensor, None
+    if ranks > 1:
+        try:
+            split = tensor_split(dims.num_heads, dims.num_kv_heads, ranks)
+        except ValueError as err:
+            raise UnsupportedError(str(err)) from None
+        # the projections and the LM head split, embeddings and norms replicated; a tied head is a rank's own slice
+        head = dims.vocab_size * dims.hidden_size * linear_bytes if dims.tied_embeddings and not untied else 0
+        rank_weights = int((weights - dims.other_params * dtype_bytes + head) / ranks + dims.other_params * dtype_bytes)
+        rank_kv = 2 * dims.num_layers * split.kv_heads * dims.head_dim * kv_tokens * kv_element
     tokens = spec.limits.max_num_tokens
     activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)
     stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run
@@ -134,7 +153,12 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
                      profiles=profiles(spec.limits, dims.num_kv_heads, dims.head_dim) if tensorrt else [],
                      weights_bytes=weights, kv_cache_bytes=kv_bytes, activation_bytes=activations,
                      build_peak_bytes=build_peak, total_params=dims.total_params, active_params=dims.active_params,
-                     expert_bytes=int(dims.expert_params * linear_bytes), notes=notes)
+                     expert_bytes=int(dims.expert_params * linear_bytes), notes=notes,
+                     **({} if split is None else dict(
+                         ranks=ranks, rank_weights_bytes=rank_weights, rank_kv_cache_bytes=rank_kv,
+                         split=f"{split.heads} query and {split.kv_heads} KV heads each"
+                               + (f" (each KV head kept by {split.kv_replicas} ranks)" if split.kv_replicas > 1
+                                  else ""))))
 
 
 def plan_build(spec: BuildSpec) -> BuildPlan:

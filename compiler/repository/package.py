@@ -72,7 +72,8 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
     model_dir = repo_dir / spec.name
     version_dir = model_dir / VERSION
     version_dir.mkdir(parents=True)
-    for name in engine.files:  # the graph and its external data side by side as ORT expects, or the plan
+    for name in engine.files:  # the graph and its external data side by side as ORT expects (in rank{r}/ when the
+        (version_dir / name).parent.mkdir(exist_ok=True)  # model is split), or the plan
         link_or_copy(str(engine_dir / name), str(version_dir / name))
     tokenizer = load_tokenizer(source)
     chat = find_chat_template(source, spec.serving.chat_template, tokenizer, spec.serving.tool_call_format)
@@ -95,7 +96,7 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
         tokenizer=TOKENIZER_FILE, kv_layout=engine.kv_layout, vocab_size=exported.model.vocab_size,
         end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash, tensorrt=tensorrt, chat_template=chat,
         speculative=SpeculativeConfig(**spec.speculative.model_dump(mode="json", exclude={"draft"}), draft=draft_model)
-        if spec.speculative else None, execution_env=env,
+        if spec.speculative else None, execution_env=env, tensor_parallel=exported.tensor_parallel,
         limits=ServingLimits(max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                              max_num_tokens=limits.max_num_tokens, max_queue_size=serving.max_queue_size,
                              default_max_tokens=serving.default_max_tokens, max_stop_words=serving.max_stop_words,

@@ -21,17 +21,17 @@ from pydantic import ValidationError, field_validator, model_validator
 from llmc.compiler.spec.sections import (
     DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, PAGED_MAX_NUM_TOKENS, SLOT_MAX_NUM_TOKENS, Arch,
     AttentionLowering, CalibrationMethod, CalibrationSpec, ExecutionEnvSpec, ExportSpec, HardwareCompatibility,
-    KVCacheDtype, LimitsSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec, StrictModel, Target,
-    TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
+    KVCacheDtype, LimitsSpec, ParallelSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceSpec,
+    StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
 from llmc.compiler.spec.speculative import DraftSpec, SpeculativeMethod, SpeculativeSpec
 from llmc.errors import SpecError
 
 # the spec's vocabulary, importable from here as from sections.py
 __all__ = ["BuildSpec", "load_spec", "parse_spec", "DEFAULT_BLOCK", "DEFAULT_MAX_SEQ_LEN", "DEFAULT_MAX_TOKENS",
            "Arch", "AttentionLowering", "CalibrationMethod", "CalibrationSpec", "DraftSpec", "ExecutionEnvSpec",
-           "ExportSpec", "HardwareCompatibility", "LimitsSpec", "Precision", "QuantizationSpec", "QuantMode",
-           "ServingSpec", "SourceSpec", "SpeculativeMethod", "SpeculativeSpec", "Target", "TensorRTSpec", "VerifySpec",
-           "WeightOnlyAlgorithm"]
+           "ExportSpec", "HardwareCompatibility", "LimitsSpec", "ParallelSpec", "Precision", "QuantizationSpec",
+           "QuantMode", "ServingSpec", "SourceSpec", "SpeculativeMethod", "SpeculativeSpec", "Target", "TensorRTSpec",
+           "VerifySpec", "WeightOnlyAlgorithm"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -46,6 +46,7 @@ class BuildSpec(StrictModel):
     limits: LimitsSpec = LimitsSpec()
     serving: ServingSpec = ServingSpec()
     speculative: SpeculativeSpec | None = None
+    parallel: ParallelSpec = ParallelSpec()
     verify: VerifySpec = VerifySpec()
     tensorrt: TensorRTSpec = TensorRTSpec()
     execution_env: ExecutionEnvSpec | None = None
@@ -103,6 +104,18 @@ class BuildSpec(StrictModel):
             raise ValueError(f"speculative: needs the paged graph, export.attention: paged or auto (a step verifies "
                              f"several tokens per row with a past, which only the paged graph runs in in-flight "
                              f"batching); export.attention: {attention.value} gives {self.attention_lowering} here")
+        if self.parallel.tensor > 1 and not paged:
+            raise ValueError(f"parallel.tensor: {self.parallel.tensor} splits the paged graph (its ranks' collectives "
+                             f"run on llmc's CPU kernels), export.attention: paged or auto; export.attention: "
+                             f"{attention.value} with target: {self.target.value} gives {self.attention_lowering}")
+        if self.parallel.tensor > 1 and self.quantization.mode is not QuantMode.none:
+            raise ValueError(f"parallel.tensor: {self.parallel.tensor} with quantization.mode: "
+                             f"{self.quantization.mode.value}: quantizing a split model is not built yet (its "
+                             f"calibration runs the ranks' graphs apart); split the fp32 model, or leave it whole")
+        if self.parallel.tensor > 1 and self.speculative is not None and self.speculative.method is \
+                SpeculativeMethod.draft:
+            raise ValueError(f"parallel.tensor: {self.parallel.tensor} with speculative.method: draft: a draft model "
+                             f"beside a split target is not built yet; use speculative.method: ngram")
         return self
 
     @model_validator(mode="after")

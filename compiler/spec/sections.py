@@ -202,6 +202,13 @@ class ServingSpec(StrictModel):
                        "row of limits.max_batch_size. 1: no beam search (requests asking for it are refused).")
 
 
+class ParallelSpec(StrictModel):
+    tensor: Annotated[int, Field(ge=1, le=64)] = Field(
+        1, description="Ranks one model is split over (tensor parallelism, Megatron style; on CPU, processes of one "
+                       "machine summing through shared memory). It must divide the attention heads, and divide the KV "
+                       "heads or be a multiple of them (each KV head then kept by several ranks). 1: no split.")
+
+
 class VerifySpec(StrictModel):
     enabled: bool = True
     decode_steps: Annotated[int, Field(ge=1, le=1024)] = 32

@@ -55,6 +55,7 @@ class K8sOptions:
     secret: str = "llmc-s3"  # keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_DEFAULT_REGION)
     packed_python: str | None = None  # the Python the build's packed serving environment is for; None: none packed
     image: str = IMAGE
+    ranks: int = 1  # the model's tensor-parallel ranks (processes in the pod, one core each at least)
 
     def check(self) -> None:
         if not is_remote(self.repository):
@@ -72,8 +73,21 @@ class K8sOptions:
                              f"(execution_env.python), and {IMAGE} has Python {IMAGE_PYTHON}: pass --image with a "
                              f"Triton image of Python {self.packed_python}, or build with execution_env.python: "
                              f"'{IMAGE_PYTHON}'")
+        if self.ranks > 1 and _cores(self.cpu) < self.ranks:
+            raise ValueError(f"--cpu {self.cpu}: {self.name} is split over {self.ranks} ranks, each a process with a "
+                             f"core of its own at least: ask for {self.ranks} or more")
         if not 1 <= self.replicas <= self.max_replicas:
             raise ValueError(f"--replicas {self.replicas}: must be between 1 and --max-replicas {self.max_replicas}")
+
+
+def _cores(quantity: str) -> float:
+    """A Kubernetes CPU quantity ("2", "1.5", "500m") in cores."""
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+# A split model's ranks sum through a POSIX shared-memory segment (runtime/kernels/collective.py): /dev/shm as a
+# memory-backed volume, since a container's own /dev/shm is 64 MiB by default (Triton's Python backend uses it too).
+SHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
 
 
 def _meta(opts: K8sOptions, name: str | None = None) -> dict:
@@ -106,6 +120,7 @@ def triton_container(opts: K8sOptions, repository: str) -> dict:
         # a model load (the copy from the bucket, the session) may take minutes: no liveness kill meanwhile
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 60},
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
+        **({"volumeMounts": [{"name": SHM_VOLUME["name"], "mountPath": "/dev/shm"}]} if opts.ranks > 1 else {}),
     }
 
 
@@ -115,7 +130,8 @@ def deployment(opts: K8sOptions) -> dict:
                                                "topologyKey": "kubernetes.io/hostname"}}
     pod = {"containers": [triton_container(opts, opts.repository)],
            "terminationGracePeriodSeconds": PRESTOP_SECONDS + DRAIN_SECONDS + 15,
-           "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [anti]}}}
+           "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [anti]}},
+           **({"volumes": [SHM_VOLUME]} if opts.ranks > 1 else {})}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(opts),
             "spec": {"replicas": opts.replicas, "selector": {"matchLabels": selector},
                      "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
@@ -171,7 +187,8 @@ def kserve(opts: K8sOptions) -> list[dict]:
     runtime = {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "ServingRuntime",
                "metadata": _meta(opts, f"llmc-{opts.name}-triton"),
                "spec": {"supportedModelFormats": [{"name": "llmc", "version": "1", "autoSelect": False}],
-                        "protocolVersions": ["v2", "grpc-v2"], "containers": [container]}}
+                        "protocolVersions": ["v2", "grpc-v2"], "containers": [container],
+                        **({"volumes": [SHM_VOLUME]} if opts.ranks > 1 else {})}}
     service_ = {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService", "metadata": _meta(opts),
                 "spec": {"predictor": {"minReplicas": opts.replicas, "maxReplicas": opts.max_replicas,
                                        "model": {"modelFormat": {"name": "llmc"}, "runtime": f"llmc-{opts.name}-triton",
@@ -210,4 +227,5 @@ def options_from_build(build_dir: Path, repository: str, **overrides) -> K8sOpti
     gpu = overrides.pop("gpu", None)
     packed = manifest.execution_env.python if manifest.execution_env is not None else None
     return K8sOptions(name=manifest.name, repository=repository, target=manifest.target, packed_python=packed,
-                      gpu=manifest.target == "tensorrt" if gpu is None else gpu, **overrides)
+                      gpu=manifest.target == "tensorrt" if gpu is None else gpu, ranks=manifest.tensor_parallel,
+                      **overrides)

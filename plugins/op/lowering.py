@@ -144,6 +144,9 @@ def register_schemas() -> None:
     from llmc.plugins.op import moe  # (imports torch: the op registers with it)
 
     moe.register_schemas()  # com.microsoft.MoE and QMoE
+    from llmc.plugins.op import collective
+
+    collective.register_schemas()  # llmc.AllReduce and AllGather (tensor-parallel ranks)
     paged_node.register_schema()  # LlmcPagedAttention, the TensorRT plugin node
 
 
@@ -257,21 +260,21 @@ def trim_unused_outputs(graph: onnx.GraphProto) -> None:
 
 
 def translation_table(lowering: Lowering, heads: Heads) -> dict:
-    """`custom_translation_table` for torch.onnx.export: llmc::attention -> the lowering's ONNX, and
+    """`custom_translation_table` for torch.onnx.export: llmc::attention -> the lowering's ONNX,
     llmc::moe -> com.microsoft.MoE (which lowerings may carry a mixture is compiler/models/moe.py's
-    `refusal`, checked before export)."""
+    `refusal`, checked before export), and the collectives -> llmc.AllReduce / AllGather."""
     import onnxscript  # noqa: F401  (first: it imports onnx.reference, which fails on one op name in two domains)
     import torch
 
     import llmc.plugins.op.attention  # noqa: F401  (registers torch.ops.llmc.attention)
 
-    from llmc.plugins.op import moe
+    from llmc.plugins.op import collective, moe
 
     register_schemas()
-    experts = {torch.ops.llmc.moe.default: moe.lowering()}
+    others = {torch.ops.llmc.moe.default: moe.lowering(), **collective.lowerings()}
     if lowering is Lowering.paged:
         from llmc.plugins.op import paged_op
 
-        return {torch.ops.llmc.paged_attention.default: paged_op.lowering(), **experts}
+        return {torch.ops.llmc.paged_attention.default: paged_op.lowering(), **others}
     make = {Lowering.fused: _fused, Lowering.reference: _reference, Lowering.plugin: _plugin}[lowering]
-    return {torch.ops.llmc.attention.default: make(heads), **experts}
+    return {torch.ops.llmc.attention.default: make(heads), **others}

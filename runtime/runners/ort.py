@@ -28,7 +28,7 @@ from llmc.runtime.runners.protocol import RunnerClosed
 
 
 def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, spin_after_run: bool = True,
-                 prepack: bool = True):
+                 prepack: bool = True, group: str | None = None):
     """A CPU session; `optimize=False` turns ONNX Runtime's graph optimizations off (the fp8 reference
     path, which also keeps ONNX Runtime's own kernels). 4-bit MatMulNBits nodes run on llmc's kernel
     where this host has it (runtime/kernels/cpu_kernels.py): the graph is loaded, the op swapped in memory.
@@ -39,7 +39,8 @@ def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, s
     altogether, 30 ms stopped after each run (a lone decode call 13 ms, as with spinning on).
     `prepack=False` keeps ONNX Runtime from copying the weights into its packed layouts: the session then
     reads an external-data graph's weights from the mapped file (0.25 GB resident for a 1.6 GB graph
-    instead of 1.7), at some speed: for a build's calibration passes over a few windows."""
+    instead of 1.7), at some speed: for a build's calibration passes over a few windows. `group`: the
+    tensor-parallel group a rank's graph sums with (runtime/kernels/collective.py)."""
     import onnxruntime as ort
 
     from llmc.runtime.kernels import cpu_kernels
@@ -54,7 +55,7 @@ def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, s
         options.add_session_config_entry("session.force_spinning_stop", "1")
     if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")
-    model = cpu_kernels.prepare(onnx_path, options) if optimize else str(onnx_path)
+    model = cpu_kernels.prepare(onnx_path, options, group=group) if optimize else str(onnx_path)
     session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     prefetch(Path(onnx_path).with_name(Path(onnx_path).name + ".data"))
     return session

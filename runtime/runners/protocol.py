@@ -54,3 +54,7 @@ class Runner(Protocol):
 
 class RunnerClosed(RuntimeError):
     """A step on a runner whose model and cache were freed by close()."""
+
+
+class RunnerBroken(RuntimeError):
+    """A runner that cannot step again (a rank of a split model failed or died): its owner builds a new one."""

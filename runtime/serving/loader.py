@@ -2,7 +2,8 @@
 tokenizer and the limits requests are checked against. The only place that knows every runner
 and engine class; `ServingLoop.from_manifest` (loop.py) serves what it loads.
 
-    paged graph (kv_layout.paged)   PagedEngine over a PagedRunner (and a draft's, with speculative.draft)
+    paged graph (kv_layout.paged)   PagedEngine over a PagedRunner (and a draft's, with speculative.draft), or over
+                                    a TensorParallelRunner when the model is split over ranks
     tensorrt                        SlotEngine over a TrtRunner
     onnxruntime                     SlotEngine over an OrtRunner
 """
@@ -24,7 +25,7 @@ def load(folder: Path) -> tuple[Engine, object, Limits]:
     lim = m.limits
     tokenizer = load_tokenizer(folder / m.tokenizer)
     limits = Limits(lim.max_seq_len, lim.default_max_tokens, lim.max_stop_words, lim.max_beam_width)
-    engine = paged_engine(folder / m.engine, m, tokenizer) if m.kv_layout.paged else slot_engine(folder, m, tokenizer)
+    engine = paged_engine(folder, m, tokenizer) if m.kv_layout.paged else slot_engine(folder, m, tokenizer)
     return engine, tokenizer, limits
 
 
@@ -47,9 +48,10 @@ def slot_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
                       max_num_tokens=lim.max_num_tokens)
 
 
-def paged_engine(graph: Path, m: RepositoryManifest, tokenizer) -> Engine:
+def paged_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
     """The paged graph's engine: a pool of `kv_cache_tokens` tokens in blocks, `max_batch_size` rows a step
-    (and, with a draft model, the draft's pools of as many blocks)."""
+    (and, with a draft model, the draft's pools of as many blocks). A split model's ranks each get
+    `num_threads` / ranks threads (0: the cores shared out)."""
     from llmc.runtime.engine.paged_engine import PagedEngine
     from llmc.runtime.runners.paged import PagedRunner
 
@@ -57,9 +59,16 @@ def paged_engine(graph: Path, m: RepositoryManifest, tokenizer) -> Engine:
     num_blocks = -(-lim.kv_cache_tokens // m.kv_layout.block_size)
     spec = m.speculative
     drafting = spec is not None and spec.draft is not None  # two sessions in turn: neither spins after its run
-    runner = PagedRunner(graph, m.kv_layout, num_blocks=num_blocks, max_num_tokens=lim.max_num_tokens,
-                         num_threads=lim.num_threads, spin_after_run=not drafting)
-    draft = PagedRunner(graph.parent / spec.draft.engine, spec.draft.kv_layout, num_blocks=num_blocks,
+    if m.tensor_parallel > 1:
+        from llmc.runtime.runners.tensor_parallel import TensorParallelRunner
+
+        runner = TensorParallelRunner(m.graphs(folder), m.kv_layout, num_blocks=num_blocks,
+                                      max_num_tokens=lim.max_num_tokens, spin_after_run=not drafting,
+                                      num_threads=max(1, lim.num_threads // m.tensor_parallel) if lim.num_threads else 0)
+    else:
+        runner = PagedRunner(folder / m.engine, m.kv_layout, num_blocks=num_blocks, max_num_tokens=lim.max_num_tokens,
+                             num_threads=lim.num_threads, spin_after_run=not drafting)
+    draft = PagedRunner(folder / spec.draft.engine, spec.draft.kv_layout, num_blocks=num_blocks,
                         max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads, spin_after_run=False) \
         if drafting else None
     return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,

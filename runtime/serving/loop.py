@@ -21,7 +21,9 @@ clients stop in band: cancelling a call with responses in flight can crash Trito
 frontend (SIGSEGV in the tritonserver binary; triton-inference-server server#7368, fixed in 24.12):
 measured in 1 of 3 40-second soaks of 64 streams with half of them cancelled that way, and in
 none of 6 that stopped in band.
-A failing step ends the requests in flight with an error and the loop keeps serving.
+A failing step ends the requests in flight with an error and the loop keeps serving; when the runner cannot step
+again (a rank of a split model died: runtime/runners/tensor_parallel.py), the loop loads a new engine as the first
+was loaded, requests arriving meanwhile waiting for it.
 
 A beam request (beam_width W > 1, runtime/engine/beam.py) gets one response, at its end, streamed or not
 (beams reorder and are replaced until the search ends, so no partial text is final): every beam in
@@ -40,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -49,6 +51,8 @@ from llmc.runtime.decoding.logprobs import Logprobs
 from llmc.runtime.decoding.tokenizer import encode
 from llmc.runtime.engine.core import Engine, QueueFull, StepOutput
 from llmc.runtime.engine.sequence import FinishReason
+from llmc.runtime.manifest import RepositoryManifest
+from llmc.runtime.runners.protocol import RunnerBroken
 from llmc.runtime.serving.metrics import ServingMetrics, null_metrics
 from llmc.runtime.serving.request import Limits, Request, RequestError, is_stop, parse_request
 from llmc.runtime.serving.responses import bytes_tensor, response
@@ -81,8 +85,10 @@ class _Live:
 
 
 class ServingLoop:
-    def __init__(self, engine: Engine, tokenizer, limits: Limits, metrics: ServingMetrics | None = None):
-        self.engine, self.tokenizer, self.limits = engine, tokenizer, limits
+    def __init__(self, engine: Engine, tokenizer, limits: Limits, metrics: ServingMetrics | None = None,
+                 restart: Callable[[], Engine] | None = None):
+        """`restart`: builds a new engine when the runner of this one breaks (RunnerBroken); None: none."""
+        self.engine, self.tokenizer, self.limits, self._restart = engine, tokenizer, limits, restart
         self.metrics = metrics or null_metrics()
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
@@ -99,7 +105,9 @@ class ServingLoop:
         from llmc.runtime.serving.loader import load
 
         engine, tokenizer, limits = load(folder)
-        return cls(engine, tokenizer, limits, metrics)
+        loop = cls(engine, tokenizer, limits, metrics, restart=lambda: load(folder)[0])
+        loop.metrics.ranks(RepositoryManifest.load(folder).tensor_parallel)
+        return loop
 
     def start(self) -> "ServingLoop":
         self._thread.start()
@@ -214,12 +222,32 @@ class ServingLoop:
             except Exception as err:  # the step failed: end what was in flight, keep serving
                 self.engine.abort_all()
                 self._fail_all(f"internal error while generating: {err!r}")
+                if isinstance(err, RunnerBroken) and self._restart is not None:
+                    self._replace_engine(err)
                 continue
             self.metrics.load(self.engine.cache_state())  # first: a client that sees a response sees them current
             now = time.monotonic()
             for out in outputs:
                 self._respond(out, now)
         self.metrics.load(self.engine.cache_state())
+
+    def _replace_engine(self, err: Exception) -> None:
+        """A new engine for one whose runner broke; submissions wait on the lock meanwhile. Requests that reached the
+        broken engine after its failure was answered are ended with an error too (retrying them is the client's)."""
+        with self._lock:
+            broken, late, self._live = self.engine, list(self._live.values()), {}
+            try:
+                broken.close()
+            except Exception:  # noqa: BLE001 (what broke may fail to close; the new engine matters)
+                pass
+            try:
+                self.engine = self._restart()
+                self.metrics.restarted()
+            except Exception as failure:  # noqa: BLE001 (the closed engine stays: its steps fail each request)
+                err = RuntimeError(f"{err}; restarting failed too: {failure!r}")
+        for entry in late:
+            self.metrics.failed()
+            _call(entry.sink.error, f"the model restarted after a failure ({err}); retry")
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()

@@ -32,6 +32,7 @@ COUNTERS = {
     # speculative decoding, TensorRT-LLM's total_draft_tokens and total_accepted_draft_tokens
     "llmc_spec_decode_draft_tokens_total": "Proposed (draft) tokens verified by speculative decoding",
     "llmc_spec_decode_accepted_tokens_total": "Proposed (draft) tokens the target model accepted",
+    "llmc_engine_restarts_total": "Engines loaded again after their runner broke (a tensor-parallel rank died)",
 }
 GAUGES = {
     "llmc_requests_running": "Requests holding KV cache (a slot, or blocks)",
@@ -39,6 +40,7 @@ GAUGES = {
     "llmc_kv_cache_usage_ratio": "Fraction of the KV cache in use (slots, or blocks)",
     # TensorRT-LLM's acceptance_rate; set once a proposal has been verified
     "llmc_spec_decode_acceptance_rate": "Accepted / proposed tokens of speculative decoding since start",
+    "llmc_tensor_parallel_ranks": "Processes the model is split over (parallel.tensor; 1: not split)",
 }
 # a gauge per state, one family: llmc_kv_cache_blocks{state="used|free|cached"}
 BLOCK_STATES = ("used", "free", "cached")
@@ -79,6 +81,14 @@ class ServingMetrics:
 
     def failed(self) -> None:
         self.m["llmc_request_failure_total"].increment(1)
+
+    def ranks(self, count: int) -> None:
+        self.m["llmc_tensor_parallel_ranks"].set(count)
+
+    def restarted(self) -> None:
+        """A new engine replaced a broken one: its totals start from zero again."""
+        self.m["llmc_engine_restarts_total"].increment(1)
+        self._totals = dict.fromkeys(TOTALS.values(), 0)
 
     def load(self, state: "CacheState") -> None:
         """The engine's cache and queues after a step (runtime/engine/core.py CacheState)."""

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 LIBRARIES = {"bench_paged_builds.py", "bench_paged_decode.py"}  # imported by the others; no command line
 RUN = {"bench_sampling.py", "bench_cpu_kernels.py", "bench_paged_attention.py", "bench_quantization.py",
-       "bench_kernels.py", "compare_peers.py", "bench_sizes.py", "bench_moe.py"}
+       "bench_kernels.py", "compare_peers.py", "bench_sizes.py", "bench_moe.py", "bench_collective.py",
+       "bench_tensor_parallel.py"}
 HELP_ONLY = {"bench_attention.py", "bench_beam.py", "bench_draft.py", "bench_kv_cache_dtype.py", "bench_openai.py",
              "bench_paged.py", "bench_paged_graph.py", "bench_serving.py", "bench_speculative.py",
              "bench_structured.py"}
@@ -156,3 +157,25 @@ def test_sized_checkpoints_have_the_published_parameter_counts():
     tokenizer = Tokenizer.from_str(json.dumps(sized.grown_tokenizer(151936)))
     assert tokenizer.get_vocab_size() == 151936
     assert tokenizer.decode([151935], skip_special_tokens=False) == "<|filler_151935|>"
+
+
+def test_bench_collective_tiny(monkeypatch, capsys, tmp_path):
+    """AllReduce between two real rank processes (the script runs itself as each rank), two tiny sizes."""
+    run_script(monkeypatch, "bench_collective.py", "--ranks", "2", "--sizes", "1x8,2x5", "--calls", "5", "--warmup",
+               "1", "--nodes", "2", "--out", str(tmp_path / "collective.json"))
+    result = json.loads((tmp_path / "collective.json").read_text())
+    assert set(result) == {"2"} and set(result["2"]) == {"1x8", "2x5"}
+    assert all(us >= 0 for us in result["2"].values())
+    assert "Share of a step" in capsys.readouterr().out
+
+
+def test_bench_tensor_parallel_tiny(monkeypatch, capsys, tiny_checkpoints, tmp_path):
+    """The tiny Llama whole and split over 2 ranks, one pass each, and the collectives' share of a step."""
+    run_script(monkeypatch, "bench_tensor_parallel.py", "--checkpoint", str(tiny_checkpoints["llama"]), "--passes",
+               "1", "--new-tokens", "4", "--streams", "2", "--prompt-tokens", "8", "--collective-calls", "20",
+               "--out", str(tmp_path))
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["ranks"] == 2 and set(result["table"]) == {"decode_tok_s", "streams_tok_s", "itl_p50_ms",
+                                                             "itl_p99_ms"}
+    assert all(row["whole"] > 0 and row["split"] > 0 for row in result["table"].values())
+    assert "collectives at 1 row(s)" in capsys.readouterr().out

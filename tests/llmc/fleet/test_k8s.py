@@ -65,12 +65,18 @@ def _unknown(given, kept, path: str = "") -> list[str]:
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("with_kserve, gpu", [(False, False), (False, True), (True, False)])
-def test_manifests_validate_against_the_kubernetes_schemas(version, with_kserve, gpu):
+@pytest.mark.parametrize("with_kserve, gpu, ranks", [(False, False, 1), (False, True, 1), (True, False, 1),
+                                                     (False, False, 2), (True, False, 2)])
+def test_manifests_validate_against_the_kubernetes_schemas(version, with_kserve, gpu, ranks):
     import kubernetes_validate
 
-    resources = [r for rs in manifests(options(name="smollm2", repository=REPOSITORY, gpu=gpu, replicas=3),
-                                       with_kserve).values() for r in rs]
+    resources = [r for rs in manifests(options(name="smollm2", repository=REPOSITORY, gpu=gpu, replicas=3,
+                                               ranks=ranks), with_kserve).values() for r in rs]
+    pods = [r["spec"]["template"]["spec"] if r["kind"] == "Deployment" else r["spec"] for r in resources
+            if r["kind"] in ("Deployment", "ServingRuntime")]
+    for pod in pods:  # a split model's ranks sum through /dev/shm: memory-backed, not the container's 64 MiB
+        mounts = [m["mountPath"] for m in pod["containers"][0].get("volumeMounts", [])]
+        assert (mounts == ["/dev/shm"] and pod["volumes"][0]["emptyDir"] == {"medium": "Memory"}) == (ranks > 1)
     kinds = {r["kind"] for r in resources}
     assert kinds == ({"ServingRuntime", "InferenceService", "ServiceMonitor", "ConfigMap"} if with_kserve
                      else CORE | {"ServiceMonitor"})
@@ -149,6 +155,9 @@ def test_options_refuse_what_cannot_run(tiny_build):
                                          r".* has Python 3\.12: pass --image"):
         K8sOptions(name="m", repository=REPOSITORY, packed_python="3.10").check()
     K8sOptions(name="m", repository=REPOSITORY, packed_python="3.10", image="registry.example/triton-py310:1").check()
+    with pytest.raises(ValueError, match=r"--cpu 1500m: m is split over 2 ranks, .* ask for 2 or more"):
+        options(name="m", repository=REPOSITORY, ranks=2, cpu="1500m").check()
+    options(name="m", repository=REPOSITORY, ranks=2, cpu="2").check()
 
 
 def test_cli_writes_the_manifests(tiny_build, tmp_path):

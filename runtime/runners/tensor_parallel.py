@@ -1,0 +1,254 @@
+"""Run a paged graph split over N ranks (tensor parallelism): rank 0 in this process, ranks 1 .. N-1 in worker
+processes, stepping in lockstep.
+
+`TensorParallelRunner` is a drop-in for `PagedRunner` (runtime/runners/paged.py): the same `step(rows)`,
+`copy_blocks`, `close`, `block_size`, `nbytes`. Each rank is a `PagedRunner` over its own graph (its heads, its
+slices of the projections) and its own block pools (its KV heads). A call here is sent to every worker down a
+pipe, then run here; the ranks' graphs meet in their collectives (llmc.AllReduce / AllGather, runtime/kernels/
+collective.py), which is what keeps them in step, so nothing waits for the workers' replies: a worker writes
+back only when a call fails. Every rank's graph ends with the gathered logits; rank 0's are returned. This is
+TensorRT-LLM's orchestrator shape: the leader schedules and samples, the workers run their graph on the same
+packed inputs.
+
+Failure: a worker whose call fails aborts the group (so the ranks blocked in a collective return at once) and
+reports why; a worker process that dies is seen by a watchdog thread, which aborts the group. Either way the
+leader's step raises `RankFailed` naming the rank, and every later call raises it too: the runner is spent,
+and the engine's owner (the served model, its supervisor) builds a new one. No call waits forever.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing.connection
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from llmc.runtime.layout import KVLayout
+from llmc.runtime.runners.paged import PagedRunner, RowStep
+from llmc.runtime.runners.protocol import RunnerBroken, RunnerClosed
+
+__all__ = ["RankFailed", "TensorParallelRunner"]
+
+READY_TIMEOUT_S = 600.0  # a worker loads its graph: minutes for a large model
+WATCH_INTERVAL_S = 0.2  # how soon a dead worker is noticed (and the ranks waiting on it released)
+
+
+class RankFailed(RunnerBroken):
+    """A rank of a tensor-parallel runner failed or died; the runner cannot step again."""
+
+
+def _rank_main(fd: int, spec: dict) -> None:
+    """A worker: rank `spec["rank"]`'s PagedRunner, running the calls the leader sends down the socket `fd` until it
+    says close (or goes)."""
+    from llmc.runtime.kernels.collective import Group
+
+    _die_with_parent()
+    conn, rank, group = multiprocessing.connection.Connection(fd), spec["rank"], spec["group"]
+    try:
+        runner = PagedRunner(Path(spec["graph"]), KVLayout.model_validate_json(spec["layout"]),
+                             num_blocks=spec["num_blocks"], max_num_tokens=spec["max_num_tokens"],
+                             num_threads=spec["num_threads"], spin_after_run=spec["spin_after_run"], group=group)
+    except BaseException as err:  # noqa: BLE001 (everything goes back to the leader)
+        conn.send(("error", f"rank {rank} could not load {spec['graph']}: {type(err).__name__}: {err}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):  # the leader is gone
+            break
+        if method == "close":
+            break
+        try:
+            getattr(runner, method)(*args)
+        except BaseException as err:  # noqa: BLE001
+            reason = f"rank {rank} failed in {method}: {type(err).__name__}: {err}"
+            Group.attach(group).abort(reason)
+            conn.send(("error", reason))
+            break
+    runner.close()
+
+
+def _worker_entry() -> None:
+    """`python -c` entry of a worker process: its socket's descriptor and its spec (JSON) on the command line."""
+    _rank_main(int(sys.argv[1]), json.loads(sys.argv[2]))
+
+
+def _die_with_parent() -> None:
+    """Linux: this worker gets SIGKILL when the process that started it ends, however it ends (a worker blocked in a
+    collective would otherwise wait for the collective's timeout)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def python_executable() -> str:
+    """The interpreter a worker runs on: this one. Inside Triton's Python backend `sys.executable` is the backend's
+    stub, not a Python, so the environment's own `bin/python3` is taken there."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    return str(Path(sys.exec_prefix) / "bin" / "python3")
+
+
+def _start_worker(spec: dict) -> tuple[subprocess.Popen, multiprocessing.connection.Connection]:
+    """A worker process for one rank, and the leader's end of the socket pair it listens on. It is started as a fresh
+    interpreter importing this module (not multiprocessing's spawn, which re-runs the caller's main script), with
+    this process's import path, so it finds the same llmc (a model repository's runtime copy included)."""
+    ours, theirs = socket.socketpair()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    command = [python_executable(), "-c", "from llmc.runtime.runners.tensor_parallel import _worker_entry; "
+                                          "_worker_entry()", str(theirs.fileno()), json.dumps(spec)]
+    try:
+        # run in the graph's folder: `-c` puts the working directory first on the path, and the server's may hold
+        # another `llmc` (a checkout), which would shadow the runtime this process runs
+        process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                                   cwd=Path(spec["graph"]).parent)
+    finally:
+        theirs.close()
+    return process, multiprocessing.connection.Connection(ours.detach())
+
+
+class TensorParallelRunner:
+    """Rank 0's PagedRunner here and one worker process per other rank: `step(rows) -> logits`, as PagedRunner."""
+
+    def __init__(self, graphs: Sequence[Path], layout: KVLayout, *, num_blocks: int, max_num_tokens: int,
+                 num_threads: int = 0, spin_after_run: bool = True):
+        """`graphs`: each rank's graph, in rank order; `num_threads`: each rank's intra-op threads (0: the
+        cores divided among the ranks)."""
+        from llmc.runtime.kernels.collective import Group
+
+        ranks = len(graphs)
+        if ranks < 2:
+            raise ValueError(f"a tensor-parallel runner needs at least 2 ranks' graphs (got {ranks}); use PagedRunner")
+        self.ranks, self.layout, self.num_blocks = ranks, layout, num_blocks
+        threads = num_threads or max(1, (os.cpu_count() or 1) // ranks)
+        self.group = Group.create(ranks)
+        self._failure: str | None = None
+        self._closed = False
+        self.conns, self.workers = [], []
+        try:
+            for rank in range(1, ranks):
+                worker, conn = _start_worker(dict(
+                    graph=str(graphs[rank]), layout=layout.model_dump_json(), group=self.group.name, rank=rank,
+                    num_blocks=num_blocks, max_num_tokens=max_num_tokens, num_threads=threads,
+                    spin_after_run=spin_after_run))
+                self.workers.append(worker)
+                self.conns.append(conn)
+            self.local = PagedRunner(Path(graphs[0]), layout, num_blocks=num_blocks, max_num_tokens=max_num_tokens,
+                                     num_threads=threads, spin_after_run=spin_after_run, group=self.group.name)
+            for rank, conn in enumerate(self.conns, start=1):
+                if not conn.poll(READY_TIMEOUT_S):
+                    raise RankFailed(f"rank {rank} did not load its graph within {READY_TIMEOUT_S:.0f} s")
+                try:
+                    kind, detail = conn.recv()
+                except (EOFError, OSError):
+                    kind, detail = "error", f"rank {rank}'s process exited while loading its graph (code " \
+                                            f"{self.workers[rank - 1].wait()}; its stderr says why)"
+                if kind != "ready":
+                    raise RankFailed(detail)
+        except BaseException:
+            self.close()
+            raise
+        self._watchdog = threading.Thread(target=self._watch, name="llmc-ranks-watchdog", daemon=True)
+        self._watchdog.start()
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.local.vocab_size
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.local.max_num_tokens
+
+    @property
+    def nbytes(self) -> int:
+        """The pools' bytes, all ranks together (each rank holds the same share)."""
+        return self.local.nbytes * self.ranks
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids, rank 1 first."""
+        return [w.pid for w in self.workers]
+
+    def step(self, rows: Sequence[RowStep]):
+        """Run the rows on every rank; rank 0's logits of each row's last `num_logits` tokens, in row order."""
+        return self._call("step", list(rows))
+
+    def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Copy block `src` onto block `dst` in every pool of every rank, for each `(src, dst)`."""
+        self._call("copy_blocks", [tuple(p) for p in pairs])
+
+    def _call(self, method: str, arg):
+        if self._closed:
+            raise RunnerClosed(f"{method} on a closed TensorParallelRunner")
+        if self._failure is not None:
+            raise RankFailed(self._failure)
+        try:
+            for conn in self.conns:
+                conn.send((method, (arg,)))
+            result = getattr(self.local, method)(arg)
+        except Exception as err:
+            raise RankFailed(self._fail(f"rank 0 failed in {method}: {type(err).__name__}: {err}")) from err
+        if any(conn.poll() for conn in self.conns):  # a worker failed after rank 0 passed its collectives
+            raise RankFailed(self._fail(f"a worker failed in {method}"))
+        return result
+
+    def _fail(self, fallback: str) -> str:
+        """The first failure: a worker's own report if one arrived (it is the cause), else `fallback`."""
+        if self._failure is None:
+            for conn in self.conns:
+                try:
+                    if conn.poll(0.5):
+                        kind, detail = conn.recv()
+                        if kind == "error":
+                            self._failure = detail
+                            break
+                except (EOFError, OSError):
+                    continue
+            self._failure = self._failure or self.group.aborted_reason() or fallback
+            self.group.abort(self._failure)
+        return self._failure
+
+    def _watch(self) -> None:
+        """Abort the group when a worker process ends while the runner is open (checked every WATCH_INTERVAL_S)."""
+        while not self._closed:
+            for rank, worker in enumerate(self.workers, start=1):
+                if worker.poll() is not None and not self._closed:
+                    self.group.abort(f"rank {rank} (pid {worker.pid}) exited with code {worker.returncode}")
+                    return
+            time.sleep(WATCH_INTERVAL_S)
+
+    def close(self) -> None:
+        """Stop the workers, drop rank 0's runner and the group; calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.conns:
+            try:
+                conn.send(("close", ()))
+            except (OSError, ValueError):
+                pass
+        for worker in self.workers:
+            try:
+                worker.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:  # stuck (a collective whose peer is gone): ours to stop
+                worker.kill()
+                worker.wait()
+        for conn in self.conns:
+            conn.close()
+        local = getattr(self, "local", None)
+        if local is not None:
+            local.close()
+        self.group.close()
+        self.group.unlink()

@@ -1,0 +1,138 @@
+"""Tensor parallelism end to end on CPU: a spec's `parallel.tensor` builds one graph per rank, verified against the
+unsplit PyTorch model with the ranks as processes summing through llmc's collective kernel; the packaged model
+serves greedy tokens equal to PyTorch's, and a rank killed under load ends its requests with an error while the
+model comes back (runtime/runners/tensor_parallel.py)."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import TINY_SERVING_SPEC, RecordingSink, byte_tokenizer, greedy_reference, make_checkpoint, request_inputs
+from llmc.compiler import build
+from llmc.compiler.spec import parse_spec
+from llmc.errors import UnsupportedError
+from llmc.runtime.runners.paged import RowStep
+from llmc.runtime.runners.tensor_parallel import RankFailed, TensorParallelRunner
+
+
+@pytest.fixture(scope="module")
+def split_llama(tiny_checkpoints, tmp_path_factory):
+    """The tiny Llama split over 2 ranks, built through packaging (verify included)."""
+    spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), "parallel": {"tensor": 2},
+                       **TINY_SERVING_SPEC})
+    return build(spec, output=tmp_path_factory.mktemp("tp") / "tiny")
+
+
+def _collectives(path: Path) -> list[tuple[str, int, int]]:
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return [(n.op_type, *(a.i for a in sorted(n.attribute, key=lambda a: a.name))) for n in graph.node
+            if n.domain == "llmc" and n.op_type in ("AllReduce", "AllGather")]
+
+
+def test_each_rank_gets_its_graph_and_the_ranks_verify_against_pytorch(split_llama):
+    exported, folder = split_llama.exported, split_llama.artifacts["export"].folder
+    assert exported.tensor_parallel == 2 and sorted(exported.files) == ["rank0/model.onnx", "rank1/model.onnx"]
+    assert exported.kv_layout.num_kv_heads == exported.model.num_kv_heads // 2  # a rank's pools hold its KV heads
+    for rank, graph in enumerate(exported.graphs(folder)):
+        # two all-reduces a layer (attention out, MLP down), one gather of the LM head's vocabulary slices
+        assert _collectives(graph) == [("AllReduce", rank, 2)] * 2 * exported.model.num_layers + [("AllGather", rank, 2)]
+    report = split_llama.verify
+    assert report.passed and "split over 2 ranks" in report.candidate
+    assert all(c.token_agreement == 1.0 for c in report.cases)
+
+
+@pytest.mark.parametrize("model_type, ranks, config", [
+    ("gpt_oss", 2, {}),  # sinks, alternating windows, biased experts split by their intermediate channels
+    ("qwen2", 3, dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=192)),
+])
+def test_other_families_and_three_ranks_verify(tmp_path, model_type, ranks, config):
+    path = make_checkpoint(model_type, tmp_path / "m", **config)
+    spec = parse_spec({"name": "t", "source": str(path), "parallel": {"tensor": ranks}})
+    result = build(spec, output=tmp_path / "out", until="verify")
+    assert result.exported.tensor_parallel == ranks and result.verify.passed, result.verify
+
+
+def test_a_split_the_heads_do_not_allow_stops_before_anything_loads(tiny_checkpoints, tmp_path):
+    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), "parallel": {"tensor": 3}})
+    with pytest.raises(UnsupportedError, match=r"parallel.tensor \(3\) must divide the model's 4 attention heads"):
+        build(spec, output=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_plan_shows_each_ranks_memory(tiny_checkpoints):
+    from llmc.compiler.pipeline.plan import plan_build
+
+    one = plan_build(parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"])}))
+    two = plan_build(parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), "parallel": {"tensor": 2}}))
+    assert two.rank_kv_cache_bytes * 2 == one.kv_cache_bytes
+    assert one.weights_bytes / 2 < two.rank_weights_bytes < one.weights_bytes  # the embeddings are replicated
+    assert ("tensor parallelism", ) == tuple(r[0] for r in two.rows() if r[0] == "tensor parallelism")
+
+
+def _runner(split_llama) -> TensorParallelRunner:
+    exported = split_llama.exported
+    return TensorParallelRunner(exported.graphs(split_llama.artifacts["export"].folder), exported.kv_layout, num_blocks=8,
+                                max_num_tokens=64, num_threads=1)
+
+
+def test_a_killed_rank_fails_the_step_at_once_naming_it(split_llama):
+    runner = _runner(split_llama)
+    try:
+        first = runner.step([RowStep([1, 2, 3], 0, [0], num_logits=1)])
+        assert first.shape == (1, split_llama.exported.model.vocab_size)
+        os.kill(runner.pids[0], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) exited"):
+            for _ in range(200):  # until the watchdog has seen it (steps before then may still pass)
+                runner.step([RowStep([4], 3, [0], num_logits=1)])
+                time.sleep(0.01)
+        assert time.monotonic() - start < 10
+        with pytest.raises(RankFailed):  # spent: every later call says why
+            runner.step([RowStep([4], 3, [0])])
+    finally:
+        runner.close()
+    assert not Path("/dev/shm", runner.group.name).exists()
+
+
+def test_a_rank_failing_its_call_stops_the_others(split_llama):
+    runner = _runner(split_llama)
+    try:
+        with pytest.raises(RankFailed, match="block ids must be in 0..7"):
+            runner.copy_blocks([(0, 9)])
+    finally:
+        runner.close()
+    assert all(w.poll() is not None for w in runner.workers)
+
+
+def test_the_split_model_serves_equal_to_pytorch_and_comes_back_after_a_rank_dies(split_llama, tiny_checkpoints):
+    from llmc.compiler.source import inspect_source, load_model
+    from llmc.compiler.spec import SourceSpec
+    from llmc.runtime.serving.loop import ServingLoop
+
+    loop = ServingLoop.from_manifest(split_llama.repository / "tiny" / "1").start()
+    try:
+        model, _ = load_model(inspect_source(SourceSpec(path=tiny_checkpoints["llama"])))
+        expected = greedy_reference(model, byte_tokenizer().encode("hello there").ids, 12, end_ids=(2,))
+        sink = RecordingSink()
+        loop.submit(request_inputs(max_tokens=12), sink)
+        assert sink.joined("output_ids").tolist() == expected
+
+        streaming = RecordingSink()
+        loop.submit(request_inputs(max_tokens=100, stream=True), streaming)
+        deadline = time.monotonic() + 30
+        while not streaming.responses and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(loop.engine.runner.pids[0], signal.SIGKILL)  # under load
+        streaming.wait()
+        assert streaming.errors and "rank 1" in streaming.errors[0], streaming.errors
+        after = RecordingSink()  # the loop loaded the model again: it serves as before
+        loop.submit(request_inputs(max_tokens=12), after)
+        assert after.joined("output_ids").tolist() == expected
+    finally:
+        loop.stop()
+    assert np.all([w.poll() is not None for w in loop.engine.runner.workers])
