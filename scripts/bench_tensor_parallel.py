@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--checkpoint", type=Path, help="a checkpoint folder instead of --shape")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="the whole model's threads; each rank gets threads / ranks")
-    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--passes", type=int, default=3, help="0: build only (the builds are cached for a later run)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--streams", type=int, default=16)
@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = args.checkpoint or _script("sized_checkpoints").checkpoint(args.shape, args.out / "checkpoints")
     config = json.loads((checkpoint / "config.json").read_text())
     versions = {1: built(checkpoint, 1, args), args.ranks: built(checkpoint, args.ranks, args)}
+    if args.passes == 0:
+        return print("built: " + ", ".join(str(v) for v in versions.values()))
     batch = prompts(versions[1] / "tokenizer.json", args.streams, args.prompt_tokens)
     passes: dict[int, list[dict]] = {n: [] for n in versions}
     for i in range(args.passes):

@@ -24,6 +24,7 @@ from pathlib import Path
 from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
 from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, EXTERNAL_THRESHOLD, ONNX_NAME, save_model
 from llmc.compiler.graph.passes import fuse_skip_rms_norm, simplify
+from llmc.compiler.graph.tracing import traced
 from llmc.compiler.models import MIXTURE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, moe
 from llmc.compiler.models.config import attention_shape
 from llmc.compiler.source import FoundSource
@@ -93,58 +94,6 @@ def lowering_refusal(decoder, lowering: Lowering) -> str | None:
     return None
 
 
-def _flat(decoder):
-    """The decoder with its caches as one flat tuple `(k0, v0, k1, v1, ...)` in and out."""
-    import torch
-
-    class FlatCacheDecoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.decoder = decoder
-
-        def forward(self, input_ids, cache_position, past, sequence_lengths=None):
-            logits, keys, values = self.decoder(input_ids, cache_position, list(past[0::2]), list(past[1::2]),
-                                                sequence_lengths)
-            return (logits, *(t for pair in zip(keys, values) for t in pair))
-
-    return FlatCacheDecoder().eval()
-
-
-def _example_inputs(info: ModelInfo, layout: KVLayout):
-    import torch
-
-    batch, seq, capacity = 2, 3, 16  # all > 1 and distinct, so no dim is specialized to a constant
-    gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, info.vocab_size, (batch, seq), generator=gen)
-    cache_position = torch.tensor([4, 2])
-    past = tuple(torch.zeros(layout.shape(batch, capacity)) for _ in range(2 * layout.num_layers))
-    return (input_ids, cache_position, past) + ((torch.tensor([9, 5]),) if layout.step_inputs else ())
-
-
-def _dynamic_shapes(layout: KVLayout):
-    from torch.export import Dim
-
-    batch, seq, capacity = Dim("batch"), Dim("sequence_length"), Dim(layout.dims[2])
-    return {
-        "input_ids": {0: batch, 1: seq},
-        "cache_position": {0: batch},
-        "past": tuple({0: batch, 2: capacity} for _ in range(2 * layout.num_layers)),
-        **({"sequence_lengths": {0: batch}} if layout.step_inputs else {}),
-    }
-
-
-def _traced(decoder, info: ModelInfo, layout: KVLayout) -> tuple:
-    """What torch.onnx.export traces for this layout: the module, example inputs, dynamic shapes and
-    the graph's input names (the slot form here, the paged form in paged_decoder.py)."""
-    if layout.paged:
-        from llmc.compiler import paged_decoder
-
-        return (paged_decoder.PagedDecoder(decoder).eval(), paged_decoder.example_inputs(info.vocab_size, layout),
-                paged_decoder.dynamic_shapes(layout), paged_decoder.input_names(layout))
-    return (_flat(decoder), _example_inputs(info, layout), _dynamic_shapes(layout),
-            ["input_ids", layout.positions, *layout.past_names(), *layout.step_inputs])
-
-
 def _quiet():
     """torch.onnx and the onnx_ir passes print progress and warnings; keep them for the error message only."""
     stack = contextlib.ExitStack()
@@ -181,7 +130,7 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
         decoder = tensor_parallel.shard(decoder, rank, ranks)
         info = info.model_copy(update={"num_heads": decoder.num_heads, "num_kv_heads": decoder.num_kv_heads})
     layout = kv_layout(info, lowering, kv_cache_dtype, decoder.rope.switch)
-    module, inputs, shapes, in_names = _traced(decoder, info, layout.model_copy(update={"dtype": "float32"}))
+    module, inputs, shapes, in_names = traced(decoder, info, layout.model_copy(update={"dtype": "float32"}))
     out_names = ["logits", *layout.present_names()]
     table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))
     stack, log = _quiet()

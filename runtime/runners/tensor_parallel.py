@@ -18,11 +18,9 @@ and the engine's owner (the served model, its supervisor) builds a new one. No c
 
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing.connection
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -83,10 +81,18 @@ def _worker_entry() -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: this worker gets SIGKILL when the process that started it ends, however it ends (a worker blocked in a
-    collective would otherwise wait for the collective's timeout)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    """End this worker when the process that started it has ended, however it ended: a worker blocked in a
+    collective would otherwise wait for the collective's timeout. A thread watching the parent id (the collective
+    runs without the GIL), not Linux's PR_SET_PDEATHSIG, which fires when the starting *thread* ends, and the
+    serving loop starts a new runner from its engine thread."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_INTERVAL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="llmc-rank-parent-watch", daemon=True).start()
 
 
 def python_executable() -> str:
