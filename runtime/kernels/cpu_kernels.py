@@ -52,7 +52,8 @@ SOURCES = tuple(HERE / name for name in (
     "paged_attention/paged_attention_avx512.c", "paged_attention/paged_attention_checks.h",
     "paged_attention/paged_attention_checks.c", "paged_attention/paged_attention_op.h",
     "paged_attention/paged_attention_op.c", "collective/collective.h", "collective/collective.c",
-    "collective/collective_op.h", "collective/collective_op.c"))
+    "collective/collective_data.h", "collective/collective_data.c", "collective/collective_op.h",
+    "collective/collective_op.c"))
 DOMAIN, OP, PAGED_OP = "llmc", "MatMulNBits4", "PagedAttention"
 COLLECTIVE_OPS = ("AllReduce", "AllGather")
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
