@@ -39,13 +39,16 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(v) for v in size.split("x")) for size in text.split(",")]
 
 
-def chain(rank: int, world: int, nodes: int) -> onnx.ModelProto:
-    """X -> AllReduce -> ... (nodes of them) -> Y; zero nodes: X -> Identity -> Y."""
+def chain(rank: int, world: int, nodes: int, op: str = "AllReduce") -> onnx.ModelProto:
+    """X -> AllReduce -> ... (nodes of them) -> Y; zero nodes: X -> Identity -> Y. AllGather: `nodes` AllGather
+    nodes each of X (an AllGather's output is wider than its input, so they cannot chain); Y is the last's."""
     names = ["X", *(f"t{i}" for i in range(nodes - 1)), "Y"]
-    made = [helper.make_node("AllReduce", [a], [b], name=f"all_reduce_{i}", domain="llmc", rank=rank,
-                             world_size=world) for i, (a, b) in enumerate(zip(names, names[1:]))]
+    pairs = [("X", name) for name in names[1:]] if op == "AllGather" else list(zip(names, names[1:]))
+    made = [helper.make_node(op, [a], [b], name=f"{op}_{i}", domain="llmc", rank=rank, world_size=world)
+            for i, (a, b) in enumerate(pairs)]
     made = made if nodes else [helper.make_node("Identity", ["X"], ["Y"])]
-    io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["rows", "hidden"]) for name in ("X", "Y")]
+    io = [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["rows", "hidden"]),
+          helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["rows", None])]
     graph = helper.make_graph(made, "bench", io[:1], io[1:])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("llmc", 1)])
 
@@ -86,7 +89,7 @@ def measure(world: int, args) -> dict[str, float]:
     """Microseconds per AllReduce call per size, for `world` rank processes (rank 0's medians)."""
     with tempfile.TemporaryDirectory() as folder, Group.create(world) as group:
         for rank in range(world):
-            onnx.save(chain(rank, world, args.nodes), Path(folder) / f"chain-{rank}.onnx")
+            onnx.save(chain(rank, world, args.nodes, args.op), Path(folder) / f"chain-{rank}.onnx")
             onnx.save(chain(rank, world, 0), Path(folder) / f"identity-{rank}.onnx")
         common = ["--worker", "--group", group.name, "--dir", folder, "--sizes", args.sizes, "--calls", str(args.calls),
                   "--warmup", str(args.warmup), "--threads", str(args.threads)]
@@ -108,6 +111,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="untimed runs first")
     parser.add_argument("--nodes", type=int, default=8, help="AllReduce nodes chained in one graph")
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads per rank (default 1)")
+    parser.add_argument("--op", default="AllReduce", choices=("AllReduce", "AllGather"),
+                        help="the collective timed (AllGather: each rank's rows x hidden gathered)")
     parser.add_argument("--out", type=Path, help="also write the medians here as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank process (the script
     parser.add_argument("--group", help=argparse.SUPPRESS)                        # runs itself): these are its
@@ -117,7 +122,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
     results = {world: measure(world, args) for world in (int(w) for w in args.ranks.split(","))}
-    print(f"llmc.AllReduce, float32, median microseconds per call ({args.threads} thread(s) per rank, "
+    print(f"llmc.{args.op}, float32, median microseconds per call ({args.threads} thread(s) per rank, "
           f"{args.nodes} chained per run, a run's own cost taken off)")
     print(f"{'rows x hidden':>14} " + " ".join(f"{f'{w} ranks':>9}" for w in results))
     for size in next(iter(results.values())):

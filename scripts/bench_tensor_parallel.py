@@ -9,7 +9,8 @@ process, one at a time, the order alternating by pass. Per pass: batch-1 decode 
 `--new-tokens` tokens: tokens after the first over their time) and `--streams` requests at once (every generated
 token over the wall time; each row's inter-token gaps for ITL p50/p99). Reported: medians over passes, the ratio
 split / whole per pass (its median), and what the collectives cost a step: bench_collective.py's AllReduce per call
-at the model's hidden size (1 row and `--streams` rows) times the 2 x layers calls a step makes.
+at the model's hidden size (1 row and `--streams` rows) times the 2 x layers calls a step makes, plus one AllGather
+of the LM head's vocabulary slices (what gathering only what sampling needs would save at most).
 """
 
 from __future__ import annotations
@@ -87,13 +88,18 @@ def one_pass(version: Path, batch: list[list[int]], new: int) -> dict:
             "itl_p50_ms": 1e3 * gaps[len(gaps) // 2], "itl_p99_ms": 1e3 * gaps[int(len(gaps) * 0.99)]}
 
 
-def collective_cost(ranks: int, hidden: int, streams: int, args) -> dict[str, float]:
-    """bench_collective's microseconds per AllReduce at this hidden size: 1 row and `streams` rows."""
+def collective_cost(ranks: int, hidden: int, vocab: int, streams: int, args) -> dict[str, dict[str, float]]:
+    """bench_collective's microseconds per call, at 1 row and at `streams` rows: the AllReduce of a hidden state and
+    the AllGather of the LM head's vocabulary slices."""
     bench = _script("bench_collective")
-    sizes = f"1x{hidden},{streams}x{hidden}"
-    measured = bench.measure(ranks, argparse.Namespace(sizes=sizes, calls=args.collective_calls, warmup=20, nodes=8,
-                                                       threads=1))
-    return {"1": measured[f"1x{hidden}"], str(streams): measured[f"{streams}x{hidden}"]}
+    width = -(-vocab // ranks)
+    cost = {}
+    for op, size in (("AllReduce", hidden), ("AllGather", width)):
+        sizes = f"1x{size},{streams}x{size}"
+        measured = bench.measure(ranks, argparse.Namespace(sizes=sizes, calls=args.collective_calls, warmup=20,
+                                                           nodes=8 if op == "AllReduce" else 2, threads=1, op=op))
+        cost[op] = {"1": measured[f"1x{size}"], str(streams): measured[f"{streams}x{size}"]}
+    return cost
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"pass {i + 1}, {n} rank(s): " + ", ".join(f"{k} {v:.2f}" for k, v in passes[n][-1].items()),
                   flush=True)
     whole, split = passes[1], passes[args.ranks]
-    cost = collective_cost(args.ranks, config["hidden_size"], args.streams, args)
+    cost = collective_cost(args.ranks, config["hidden_size"], config["vocab_size"], args.streams, args)
     layers = config["num_hidden_layers"]
     print(f"\n{checkpoint.name}: whole on {args.threads} threads vs split over {args.ranks} ranks x "
           f"{max(1, args.threads // args.ranks)} thread(s); medians of {args.passes} passes")
@@ -134,11 +140,13 @@ def main(argv: list[str] | None = None) -> None:
                       "split": statistics.median(s[key] for s in split), "ratio": statistics.median(ratios)}
         print(f"{key:>16} {table[key]['whole']:9.2f} {table[key]['split']:9.2f} {table[key]['ratio']:11.2f}x")
     for rows, step_ms in (("1", 1e3 / table["decode_tok_s"]["split"]), (str(args.streams), table["itl_p50_ms"]["split"])):
-        spent = 2 * layers * cost[rows] / 1e3
-        print(f"collectives at {rows} row(s): {2 * layers} AllReduce x {cost[rows]:.1f} us = {spent:.2f} ms a step, "
-              f"{spent / step_ms:.1%} of the split model's {step_ms:.1f} ms step")
+        reduce, gather = cost["AllReduce"][rows], cost["AllGather"][rows]
+        spent = (2 * layers * reduce + gather) / 1e3
+        print(f"collectives at {rows} row(s): {2 * layers} AllReduce x {reduce:.1f} us + the LM head's AllGather "
+              f"{gather:.1f} us = {spent:.2f} ms a step, {spent / step_ms:.1%} of the split model's {step_ms:.1f} ms "
+              f"step (the gather alone {gather / 1e3 / step_ms:.1%}: what a vocabulary-parallel sampler could save)")
     (args.out / "results.json").write_text(json.dumps({"checkpoint": checkpoint.name, "ranks": args.ranks,
-                                                       "table": table, "allreduce_us": cost}, indent=2))
+                                                       "table": table, "collective_us": cost}, indent=2))
 
 
 if __name__ == "__main__":
