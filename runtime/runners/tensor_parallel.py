@@ -200,15 +200,27 @@ class TensorParallelRunner:
             raise RunnerClosed(f"{method} on a closed TensorParallelRunner")
         if self._failure is not None:
             raise RankFailed(self._failure)
-        try:
-            for conn in self.conns:
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
                 conn.send((method, (arg,)))
+            except OSError as err:  # the worker's end is closed: it died before the watchdog saw it
+                raise RankFailed(self._fail(self._gone(rank, err))) from err
+        try:
             result = getattr(self.local, method)(arg)
         except Exception as err:
             raise RankFailed(self._fail(f"rank 0 failed in {method}: {type(err).__name__}: {err}")) from err
         if any(conn.poll() for conn in self.conns):  # a worker failed after rank 0 passed its collectives
             raise RankFailed(self._fail(f"a worker failed in {method}"))
         return result
+
+    def _gone(self, rank: int, err: OSError) -> str:
+        """Why worker `rank` cannot be reached: its exit code, as the watchdog would say it, once it has one."""
+        worker = self.workers[rank - 1]
+        try:
+            worker.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return f"rank {rank} (pid {worker.pid}) cannot be reached: {type(err).__name__}: {err}"
+        return f"rank {rank} (pid {worker.pid}) exited with code {worker.returncode}"
 
     def _fail(self, fallback: str) -> str:
         """The first failure: a worker's own report if one arrived (it is the cause), else `fallback`."""

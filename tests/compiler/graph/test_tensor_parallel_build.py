@@ -99,6 +99,19 @@ def test_a_killed_rank_fails_the_step_at_once_naming_it(split_llama):
     assert not Path("/dev/shm", runner.group.name).exists()
 
 
+def test_a_step_sent_to_a_rank_already_dead_names_that_rank(split_llama):
+    # Before the watchdog sees the death, sending the step fails (a broken pipe): that is rank 1's failure, not
+    # rank 0's.
+    runner = _runner(split_llama)
+    try:
+        os.kill(runner.pids[0], signal.SIGKILL)
+        runner.workers[0].wait()
+        with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            runner.step([RowStep([1, 2, 3], 0, [0], num_logits=1)])
+    finally:
+        runner.close()
+
+
 def test_a_rank_failing_its_call_stops_the_others(split_llama):
     runner = _runner(split_llama)
     try:
