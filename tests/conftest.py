@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -78,9 +79,8 @@ def tiny_llama(tiny_checkpoints) -> Path:
 @pytest.fixture(scope="session")
 def paged_export(tiny_checkpoints, tmp_path_factory):
     """`paged_export(family="llama", kv_cache_dtype="fp32")`: that tiny checkpoint's paged graph, as
-    (export folder, ExportedModel), exported on first use and shared by every test of the run that
-    asks for it (they only read it: runners map it, engines run it)."""
-    from llmc.compiler import build
+    (export folder, ExportedModel), made on first use (from the run's shared export: build_reusing_export) and
+    shared by every test of the worker that asks for it (they only read it: runners map it, engines run it)."""
     from llmc.compiler.spec import parse_spec
 
     made: dict[tuple[str, str], tuple[Path, object]] = {}
@@ -90,10 +90,99 @@ def paged_export(tiny_checkpoints, tmp_path_factory):
             spec = parse_spec({"name": "t", "source": str(tiny_checkpoints[family]),
                                "export": {"attention": "paged", "kv_cache_dtype": kv_cache_dtype}})
             folder = tmp_path_factory.mktemp(f"paged-{family}-{kv_cache_dtype}") / "t"
-            made[family, kv_cache_dtype] = folder / "export", build(spec, output=folder, until="export").exported
+            made[family, kv_cache_dtype] = (folder / "export",
+                                            build_reusing_export(tmp_path_factory, spec, folder, until="export").exported)
         return made[family, kv_cache_dtype]
 
     return get
+
+
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder every worker of this pytest run sees: the run's basetemp (scripts/test.sh runs two xdist workers,
+    each in its own folder inside it). What one run makes once for all its workers goes there (shared_export)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path):
+    """One process at a time, whichever worker: an exclusive flock on `lock` (created if missing), held for the block."""
+    import fcntl
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # closing the file releases it
+
+
+SHARED_EXPORTS = "shared-exports"
+
+
+def _shared_export_entry(tmp_path_factory, spec) -> Path:
+    """Where this run keeps the export of `spec`: named by what decides an export besides the code and the tool
+    versions (the same in every worker of a run), as the export stage's key has it: the checkpoint's content,
+    the lowering, the precision, the KV cache dtype and the ranks."""
+    from llmc.compiler.hashing import hash_json
+    from llmc.compiler.source import inspect_source
+
+    key = hash_json({"source": inspect_source(spec.source).content_hash(), "lowering": str(spec.attention_lowering),
+                     "precision": spec.precision.value, "kv_cache_dtype": spec.export.kv_cache_dtype.value,
+                     "tensor": spec.parallel.tensor})
+    return shared_dir(tmp_path_factory) / SHARED_EXPORTS / key[:24]
+
+
+def shared_export(tmp_path_factory, spec) -> Path:
+    """The `export/` folder of `spec`'s build, made once per test run: by the first worker that asks (a build
+    until export, under a lock the other worker waits on) or offered by a test that built it (offer_export);
+    nobody writes into it afterwards. Builds reuse it through build_reusing_export."""
+    from llmc.compiler import build
+
+    entry = _shared_export_entry(tmp_path_factory, spec)
+    with exclusive(entry.with_name(entry.name + ".lock")):
+        if not entry.is_dir():  # a build publishes its output whole (compiler/output.py), or not at all
+            build(spec, output=entry, until="export")
+    return entry / "export"
+
+
+def offer_export(tmp_path_factory, spec, export: Path) -> None:
+    """Keep a copy of the `export/` folder a test built from `spec` as this run's shared export of it, unless
+    there is one: later builds of the same graph in any worker reuse it (build_reusing_export)."""
+    import shutil
+
+    entry = _shared_export_entry(tmp_path_factory, spec)
+    with exclusive(entry.with_name(entry.name + ".lock")):
+        if not entry.is_dir():
+            staging = entry.with_name(f"{entry.name}.offered-{os.getpid()}")
+            shutil.copytree(export, staging / "export")
+            staging.rename(entry)
+
+
+def build_reusing_export(tmp_path_factory, spec, output: Path, **kw):
+    """`build(spec, output=output, **kw)` for a test that needs the artifacts, not the export's run: a copy of the
+    run's shared export (shared_export) is put in `output` first, as its previous build's export. The pipeline
+    reuses a stage whose cache key matches its previous output's (checkpoint hash, code, export settings, tool
+    versions), so the export is a cache hit, and a copy whose key does not match is exported over. A copy, not
+    hard links: nothing a test does to its output reaches the shared one."""
+    import shutil
+
+    from llmc.compiler import build
+
+    export = shared_export(tmp_path_factory, spec)
+    if not output.exists():
+        shutil.copytree(export, output / "export")
+    return build(spec, output=output, **kw)
+
+
+def pytest_sessionfinish(session):
+    """The run's shared exports go when the run ends (SmolLM2's is 0.5 GB): in the process that ran the tests
+    (-n 0), or in xdist's controller once every worker is done; a worker ending leaves them to the other."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import shutil
+
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None:
+        shutil.rmtree(factory.getbasetemp() / SHARED_EXPORTS, ignore_errors=True)
 
 
 def write_spec(folder: Path, data: dict, name: str = "model.yaml") -> Path:
@@ -110,10 +199,12 @@ def smollm2() -> Path:
     return SMOLLM2
 
 
-# The files that took longest (pytest --durations, on 2 cores), slowest first: scheduling only, no effect on results
-HEAVIEST = ["e2e/test_scaleout.py", "e2e/test_smollm2.py", "e2e/test_draft_smollm2.py", "gpu/test_kernels.py",
-            "compiler/models/test_family_builds.py", "runtime/engine/test_beam.py", "e2e/test_execution_env.py",
-            "llmc/test_cli.py", "e2e/test_families_serving.py", "compiler/quantize/test_families.py"]
+# The files that took longest (pytest --durations, on 2 cores), slowest first: scheduling only, no effect on results.
+# Those that make an export others reuse (shared_export: SmolLM2's in test_smollm2.py, the tiny families' in
+# test_family_builds.py) come before those that reuse it, so a reuser seldom waits on the other worker's export.
+HEAVIEST = ["e2e/test_scaleout.py", "e2e/test_smollm2.py", "gpu/test_kernels.py", "compiler/models/test_family_builds.py",
+            "e2e/test_execution_env.py", "llmc/test_cli.py", "runtime/engine/test_beam.py", "e2e/test_draft_smollm2.py",
+            "compiler/quantize/test_families.py", "e2e/test_families_serving.py"]
 
 
 def pytest_collection_modifyitems(items):
@@ -147,33 +238,30 @@ TINY_SERVING_SPEC = {"limits": {"max_batch_size": 4, "max_seq_len": 128, "max_nu
 def tiny_build(tiny_checkpoints, tmp_path_factory):
     """The tiny Llama built through packaging with the default spec (the paged graph): `.repository` is
     a Triton model repository."""
-    from llmc.compiler import build
     from llmc.compiler.spec import parse_spec
 
     spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), **TINY_SERVING_SPEC})
-    return build(spec, output=tmp_path_factory.mktemp("tiny_build") / "tiny")
+    return build_reusing_export(tmp_path_factory, spec, tmp_path_factory.mktemp("tiny_build") / "tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_slot_build(tiny_checkpoints, tmp_path_factory):
     """The tiny Llama with the slot graph (`export.attention: fused`: a KV slot per request), packaged the same way."""
-    from llmc.compiler import build
     from llmc.compiler.spec import parse_spec
 
     spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "fused"},
                        **TINY_SERVING_SPEC})
-    return build(spec, output=tmp_path_factory.mktemp("tiny_slot_build") / "tiny")
+    return build_reusing_export(tmp_path_factory, spec, tmp_path_factory.mktemp("tiny_slot_build") / "tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_paged_build(tiny_checkpoints, tmp_path_factory):
     """The tiny Llama with the paged graph, packaged the same way (a pool of 256 tokens in 16 blocks)."""
-    from llmc.compiler import build
     from llmc.compiler.spec import parse_spec
 
     spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "paged"},
                        **{**TINY_SERVING_SPEC, "limits": {**TINY_SERVING_SPEC["limits"], "kv_cache_tokens": 256}}})
-    return build(spec, output=tmp_path_factory.mktemp("tiny_paged_build") / "tiny")
+    return build_reusing_export(tmp_path_factory, spec, tmp_path_factory.mktemp("tiny_paged_build") / "tiny")
 
 
 def greedy_reference(model, prompt_ids: list[int], max_tokens: int, end_ids=()) -> list[int]:

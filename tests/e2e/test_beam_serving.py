@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from conftest import TINY_SERVING_SPEC, RecordingSink, request_inputs, serving_env
-from llmc.compiler import build
+from conftest import TINY_SERVING_SPEC, RecordingSink, build_reusing_export, request_inputs, serving_env
 from llmc.compiler.spec import parse_spec
 from llmc.compiler.repository.triton_config import parse
 from llmc.errors import SpecError
@@ -24,7 +23,7 @@ PROMPT = "the cat sat on the mat"
 def beam_build(tiny_checkpoints, tmp_path_factory):
     spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), "verify": {"enabled": False},
                        **TINY_SERVING_SPEC, "serving": {**TINY_SERVING_SPEC["serving"], "max_beam_width": 4}})
-    return build(spec, output=tmp_path_factory.mktemp("beam_build") / "tiny")
+    return build_reusing_export(tmp_path_factory, spec, tmp_path_factory.mktemp("beam_build") / "tiny")
 
 
 @pytest.fixture(scope="module")

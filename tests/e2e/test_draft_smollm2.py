@@ -21,8 +21,9 @@ TOKENS, BLOCKS = 40, 256
 
 @pytest.fixture(scope="module")
 def smollm2_draft_builds(tmp_path_factory):
-    """The version folder of SmolLM2 built with an int4 self-draft, and a 4-layer draft's export."""
-    from conftest import SMOLLM2
+    """The version folder of SmolLM2 built with an int4 self-draft (the target's export: the run's shared one,
+    conftest.build_reusing_export), and a 4-layer draft's export."""
+    from conftest import SMOLLM2, build_reusing_export
     from helpers import truncated
 
     if not (SMOLLM2 / "config.json").is_file():
@@ -32,7 +33,7 @@ def smollm2_draft_builds(tmp_path_factory):
                        "limits": {"max_batch_size": 4, "max_seq_len": 512, "max_num_tokens": 256},
                        "speculative": {"method": "draft", "num_tokens": 3, "max_batch": 4,
                                        "draft": {"quantization": {"mode": "int4-weight-only", "algorithm": "rtn"}}}})
-    version = build(spec, output=root / "self").repository / "smollm2" / "1"
+    version = build_reusing_export(tmp_path_factory, spec, root / "self").repository / "smollm2" / "1"
     small = truncated(SMOLLM2, root / "small-ckpt", num_layers=4)
     exported = build(parse_spec({"name": "s", "source": str(small), "verify": {"enabled": False}}),
                      output=root / "small", until="export")

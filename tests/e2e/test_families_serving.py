@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from conftest import TINY_SERVING_SPEC, byte_tokenizer, greedy_reference, serving_env
+from conftest import TINY_SERVING_SPEC, build_reusing_export, byte_tokenizer, greedy_reference, serving_env
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 FAMILIES = ("gemma2", "phi3", "smollm3", "gemma3_text", "qwen3", "gemma", "granite", "olmo2", "nemotron", "mixtral",
@@ -22,7 +22,6 @@ PROMPTS = ("The capital of France is, as everyone knows,",  # 44 tokens: past ev
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoints, tmp_path_factory):
-    from llmc.compiler import build
     from llmc.compiler.spec import parse_spec
     from llmc.triton_server import TritonServer, assemble
 
@@ -34,7 +33,9 @@ def served(tiny_checkpoints, tmp_path_factory):
         name = model_type.replace("_", "-")
         spec = parse_spec({"name": name, "source": str(tiny_checkpoints[model_type]), **TINY_SERVING_SPEC,
                            "limits": limits, "verify": {"enabled": False}})
-        shutil.copytree(build(spec, output=root / name).repository / name, repository / name)
+        # the export test_family_builds.py made and verified, when it ran first in this run (else made here)
+        built = build_reusing_export(tmp_path_factory, spec, root / name)
+        shutil.copytree(built.repository / name, repository / name)
     with TritonServer(repository, server_dir=assemble(root / "server"), serving_env=env,
                       log_path=root / "server.log") as server:
         yield server

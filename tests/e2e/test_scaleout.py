@@ -70,13 +70,18 @@ def _pinned_version(url: str) -> int:
     return list(parse(open_store(url).read("tiny", CONFIG)).version_policy.specific.versions)[0]
 
 
-def _serving(tiny_build, url: str, servers) -> list[int]:
-    """Every replica serves the version the bucket's config names (deployed here when the bucket is
-    empty, so a test also runs alone); the bucket's versions."""
+def _serving(tiny_build, url: str, servers, *, latest: bool = True) -> list[int]:
+    """Every replica serves the version the bucket's config names, or with `latest=False` some version
+    (for tests that need a served model, not a particular one); deployed here when the bucket is empty,
+    so a test also runs alone. The bucket's versions. A replica already serving what is asked is left
+    alone: a load copies the model from the bucket (seconds on 2 cores), even when nothing changed."""
     if not open_store(url).versions("tiny"):
         deploy(tiny_build.output, url, [s.grpc_url for s in servers])
+    pinned = str(_pinned_version(url))
     for server in servers:
-        _triton(server).load_model("tiny")
+        served = _served_versions([server])[0]
+        if not (served == [pinned] if latest else served):
+            _triton(server).load_model("tiny")
     return open_store(url).versions("tiny")
 
 
@@ -214,7 +219,7 @@ def test_llmc_serve_serves_the_bucket(tiny_build, cluster, s3):
     from llmc.serve import start_server
 
     url, servers = cluster
-    _serving(tiny_build, url, servers)
+    _serving(tiny_build, url, servers, latest=False)
     server = start_server(url, None, None, None, serving_env())
     try:
         assert _served_versions([server]) == [[str(_pinned_version(url))]]  # the version the config names
@@ -229,7 +234,7 @@ def test_the_autoscaler_metrics_are_exported_by_a_live_replica(tiny_build, clust
     from llmc.fleet.k8s import K8sOptions, manifests
 
     url, servers = cluster
-    _serving(tiny_build, url, servers)
+    _serving(tiny_build, url, servers, latest=False)
     opts = K8sOptions(packed_python="3.12", name="tiny", repository=url)
     hpa = manifests(opts)["hpa.yaml"][0]
     with urllib.request.urlopen(f"http://127.0.0.1:{servers[0].ports.metrics}/metrics", timeout=10) as r:
@@ -246,7 +251,7 @@ def test_a_replica_killed_under_load(tiny_build, cluster):
     import signal
 
     url, servers = cluster
-    _serving(tiny_build, url, servers)
+    _serving(tiny_build, url, servers, latest=False)
     victim = servers[1]
     with BackgroundLoad([s.grpc_url for s in servers], workers=4, max_tokens=24, timeout=60) as load:
         time.sleep(1.5)

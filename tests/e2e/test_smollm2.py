@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from llmc.compiler import build, load_spec
-from conftest import REPO, SERVING_ENV, serving_env
+from llmc.compiler import load_spec
+from conftest import REPO, SERVING_ENV, build_reusing_export, serving_env
 
 
 
@@ -14,7 +14,8 @@ from conftest import REPO, SERVING_ENV, serving_env
 
 @pytest.fixture(scope="module")
 def example_build(tmp_path_factory):
-    """Builds of the example spec by attention lowering, made on first use (each ~40 s)."""
+    """Builds of the example spec by attention lowering, made on first use; the export (~70 s) is the run's
+    shared one, which test_draft_smollm2.py and the SmolLM2 beam test build too (conftest.build_reusing_export)."""
     from conftest import SMOLLM2
     from llmc.compiler.spec import parse_spec
 
@@ -26,7 +27,8 @@ def example_build(tmp_path_factory):
     def get(attention: str):
         if attention not in built:
             spec = parse_spec({**example.model_dump(mode="json"), "export": {"attention": attention}})
-            built[attention] = build(spec, output=tmp_path_factory.mktemp(attention) / "smollm2")
+            built[attention] = build_reusing_export(tmp_path_factory, spec,
+                                                    tmp_path_factory.mktemp(attention) / "smollm2")
         return built[attention]
 
     yield get

@@ -5,9 +5,8 @@ reports TensorRT-LLM's speculative-decoding figures as llmc_spec_decode_* metric
 import pytest
 from pydantic import ValidationError
 
-from conftest import TINY_SERVING_SPEC, complete_on_triton
+from conftest import TINY_SERVING_SPEC, build_reusing_export, complete_on_triton
 from helpers import serve_prompts, served_with_and_without_speculation
-from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.manifest import RepositoryManifest, SpeculativeConfig
 
@@ -19,7 +18,7 @@ PROMPTS = ["the cat sat on the mat; the cat sat on the mat; the cat", "abcdefabc
 def speculative_build(tiny_checkpoints, tmp_path_factory):
     spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "paged"},
                        "verify": {"enabled": False}, "speculative": SECTION, **TINY_SERVING_SPEC})
-    return build(spec, output=tmp_path_factory.mktemp("speculative_build") / "tiny")
+    return build_reusing_export(tmp_path_factory, spec, tmp_path_factory.mktemp("speculative_build") / "tiny")
 
 
 def test_the_served_model_speculates_as_the_manifest_says_and_serves_the_same_tokens(speculative_build, tmp_path):

@@ -22,9 +22,14 @@ def _verified(checkpoint, folder, **spec):
 
 
 @pytest.mark.parametrize("model_type", NEW)
-def test_minimal_spec_builds_the_paged_graph_and_verifies(tiny_checkpoints, tmp_path, model_type):
+def test_minimal_spec_builds_the_paged_graph_and_verifies(tiny_checkpoints, tmp_path, tmp_path_factory, model_type):
+    from conftest import offer_export
+
     report = _verified(tiny_checkpoints[model_type], tmp_path / "out")
     assert "paged attention" in report.candidate and max(report.cases[1].prompt_lengths) > 8  # past every window
+    # the verified export, for the run's later builds of the same graph (tests/e2e/test_families_serving.py)
+    offer_export(tmp_path_factory, parse_spec({"name": "t", "source": str(tiny_checkpoints[model_type])}),
+                 tmp_path / "out" / "export")
 
 
 @pytest.mark.slow

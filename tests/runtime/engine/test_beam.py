@@ -7,7 +7,6 @@ the results each gets alone; beams share their blocks copy-on-write and leave no
 import numpy as np
 import pytest
 
-from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.engine.paged_engine import PagedEngine
 from llmc.runtime.runners.paged import PagedRunner
@@ -173,13 +172,16 @@ SMOL_CASES = [  # (prompt, width, length_penalty, early_stopping, max_tokens)
 
 
 @pytest.mark.slow
-def test_smollm2_beams_equal_transformers_beam_search(smollm2, tmp_path):
+def test_smollm2_beams_equal_transformers_beam_search(smollm2, tmp_path, tmp_path_factory):
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
+    from conftest import build_reusing_export
+
     spec = parse_spec({"name": "s", "source": str(smollm2), "export": {"attention": "paged"},
                        "verify": {"enabled": False}})
-    exported = build(spec, output=tmp_path / "s", until="export").exported
+    # the run's shared SmolLM2 export (tests/e2e/test_smollm2.py and test_draft_smollm2.py build it too)
+    exported = build_reusing_export(tmp_path_factory, spec, tmp_path / "s", until="export").exported
     engine = _engine(("smollm2", smollm2, tmp_path / "s" / "export", exported), num_blocks=64, max_num_tokens=64)
     tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
     model = AutoModelForCausalLM.from_pretrained(smollm2).eval()

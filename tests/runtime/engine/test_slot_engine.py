@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmc.compiler import build
+from conftest import build_reusing_export
 from llmc.compiler.source import inspect_source, load_model
 from llmc.compiler.spec import parse_spec
 from llmc.compiler.graph.verify import torch_greedy
@@ -19,7 +19,7 @@ PROMPTS = {"a": [5, 17, 99, 3, 42, 8, 1], "b": [7, 7, 200], "c": [31, 64, 2, 9, 
 def tiny(tiny_checkpoints, tmp_path_factory):
     spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), "export": {"attention": "fused"}})
     out = tmp_path_factory.mktemp("engine") / "out"
-    exported = build(spec, output=out, until="export").exported
+    exported = build_reusing_export(tmp_path_factory, spec, out, until="export").exported
     model, _ = load_model(inspect_source(spec.source))
     return out / "export" / exported.onnx, exported.kv_layout, model
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from llmc.compiler import build
+from conftest import build_reusing_export
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.runners.ort import OrtRunner
 from llmc.runtime.runners.protocol import Runner, RunnerClosed
@@ -15,7 +15,7 @@ def exports(tiny_checkpoints, tmp_path_factory):
     out = {}
     for attention in ("fused", "reference"):
         spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), "export": {"attention": attention}})
-        exported = build(spec, output=root / attention, until="export").exported
+        exported = build_reusing_export(tmp_path_factory, spec, root / attention, until="export").exported
         out[attention] = (root / attention / "export" / exported.onnx, exported.kv_layout)
     return out
 
