@@ -3,7 +3,9 @@
     separate checkpoint (draft.source):  check its tokenizer against the target's -> export (the paged
                                          lowering, the target's block size and kv_cache_dtype) -> verify
                                          (the build's verify section) -> quantize (draft.quantization, if any)
-    self-draft (no draft.source):        the target's paged export quantized with draft.quantization
+    self-draft (no draft.source):        the target's paged export quantized with draft.quantization; a split
+                                         target's (parallel.tensor) checkpoint is exported whole first, and
+                                         verified: the draft runs unsplit, in the leader's process
 
 Each step is the library function the target's stages use (export.export, verify.verify,
 quantize.quantize); the stage writes them under its folder (`export/`, `verify/`, the quantized graph
@@ -101,13 +103,14 @@ def make_draft(target: ExportedModel, target_dir: Path, target_source: SourceInf
     section: DraftSpec = spec.speculative.draft
     out.mkdir(parents=True, exist_ok=True)
     verified = ""
-    if section.source is None:
+    if section.source is None and target.tensor_parallel == 1:
         graph, graph_dir, tokenizer, name, source_hash = target, target_dir, load_tokenizer(target_source), "self", \
             target.source_hash
-    else:
-        info = inspect_source(section.source)
+    else:  # a separate checkpoint, or a split target's own checkpoint exported whole: the draft runs unsplit
+        info = inspect_source(section.source) if section.source is not None else target_source
         model, tokenizer = load_model(info)
-        name, source_hash, graph_dir = info.path.name, info.content_hash(), out / "export"
+        name = info.path.name if section.source is not None else "self"
+        source_hash, graph_dir = info.content_hash(), out / "export"
         graph = export.export(model, tokenizer, graph_dir, lowering=Lowering.paged, source_hash=source_hash,
                               inputs_hash=inputs_hash, external_threshold=external_threshold,
                               kv_cache_dtype=spec.export.kv_cache_dtype)

@@ -12,7 +12,8 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import TINY_SERVING_SPEC, RecordingSink, byte_tokenizer, greedy_reference, make_checkpoint, request_inputs
+from conftest import (TINY_SERVING_SPEC, RecordingSink, build_reusing_export, byte_tokenizer, greedy_reference,
+                      make_checkpoint, request_inputs)
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.errors import UnsupportedError
@@ -149,3 +150,34 @@ def test_the_split_model_serves_equal_to_pytorch_and_comes_back_after_a_rank_die
     finally:
         loop.stop()
     assert np.all([w.poll() is not None for w in loop.engine.runner.workers])
+
+
+def test_a_draft_beside_a_split_target_runs_whole_and_serves_equal_to_pytorch(tiny_checkpoints, tmp_path_factory):
+    # A self-draft of a split target: the target's checkpoint exported whole, verified, quantized; it runs in the
+    # leader's process beside the ranks and reads their block tables.
+    from llmc.compiler.source import inspect_source, load_model
+    from llmc.compiler.spec import SourceSpec
+    from llmc.runtime.serving.loop import ServingLoop
+
+    spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), "parallel": {"tensor": 2},
+                       "speculative": {"method": "draft", "num_tokens": 3,
+                                       "draft": {"quantization": {"mode": "int8-weight-only"}}},
+                       **TINY_SERVING_SPEC})
+    result = build_reusing_export(tmp_path_factory, spec, tmp_path_factory.mktemp("tp-draft") / "tiny")
+    draft = result.artifacts["draft"]
+    assert draft.artifact.source == "self" and "greedy tokens equal" in draft.artifact.verified  # exported whole, verified
+    assert not _collectives(draft.folder / draft.artifact.onnx)  # whole: no collective in the draft's graph
+
+    model, _ = load_model(inspect_source(SourceSpec(path=tiny_checkpoints["llama"])))
+    loop = ServingLoop.from_manifest(result.repository / "tiny" / "1").start()
+    try:
+        assert len(loop.engine.runner.pids) == 1  # the split target's worker; the draft is in this process
+        for prompt in ("hello there", "the quick brown fox"):
+            expected = greedy_reference(model, byte_tokenizer().encode(prompt).ids, 24, end_ids=(2,))
+            sink = RecordingSink()
+            loop.submit(request_inputs(prompt, max_tokens=24), sink)
+            assert sink.joined("output_ids").tolist() == expected
+            assert len(set(expected)) > 1  # not one repeated token
+        assert loop.engine.speculator.num_accepted_tokens > 0  # the draft's tokens were taken
+    finally:
+        loop.stop()
