@@ -104,18 +104,20 @@ class BuildSpec(StrictModel):
             raise ValueError(f"speculative: needs the paged graph, export.attention: paged or auto (a step verifies "
                              f"several tokens per row with a past, which only the paged graph runs in in-flight "
                              f"batching); export.attention: {attention.value} gives {self.attention_lowering} here")
+        if self.parallel.tensor > 1 and self.quantization.static:
+            raise ValueError(f"parallel.tensor: {self.parallel.tensor} with quantization.mode: "
+                             f"{self.quantization.mode.value}: a split model takes the weight-only modes "
+                             f"(int8-weight-only, int4-weight-only) on its paged graph; "
+                             f"{self.quantization.mode.value} quantizes the reference graph")
+        if self.parallel.tensor > 1 and self.target is Target.tensorrt:
+            raise ValueError(f"parallel.tensor: {self.parallel.tensor} with target: tensorrt is not built yet: a "
+                             f"rank's collectives lower to TensorRT's DistCollective layers (NCCL), but the engine "
+                             f"stage builds one engine, not one per rank, and the server runs no rank per GPU; "
+                             f"split with target: onnxruntime, or keep parallel.tensor: 1 (docs/tensorrt.md)")
         if self.parallel.tensor > 1 and not paged:
             raise ValueError(f"parallel.tensor: {self.parallel.tensor} splits the paged graph (its ranks' collectives "
                              f"run on llmc's CPU kernels), export.attention: paged or auto; export.attention: "
                              f"{attention.value} with target: {self.target.value} gives {self.attention_lowering}")
-        if self.parallel.tensor > 1 and self.quantization.mode is not QuantMode.none:
-            raise ValueError(f"parallel.tensor: {self.parallel.tensor} with quantization.mode: "
-                             f"{self.quantization.mode.value}: quantizing a split model is not built yet (its "
-                             f"calibration runs the ranks' graphs apart); split the fp32 model, or leave it whole")
-        if self.parallel.tensor > 1 and self.speculative is not None and self.speculative.method is \
-                SpeculativeMethod.draft:
-            raise ValueError(f"parallel.tensor: {self.parallel.tensor} with speculative.method: draft: a draft model "
-                             f"beside a split target is not built yet; use speculative.method: ngram")
         return self
 
     @model_validator(mode="after")

@@ -8,6 +8,10 @@ the supervisor calls `abort(reason)`: every rank blocked in a collective returns
 and every later call fails at once; a group that was aborted or timed out is not reused, the supervisor makes
 a new one. `numa_nodes()` lists the CPUs of each NUMA node, to pin ranks by.
 
+A process that is one rank of a group for its whole life (a worker the build starts to quantize its rank's graph,
+compiler/quantize/split.py) is given the group's name in its environment, GROUP_ENV: every session it opens on a
+rank's graph then sums in that group, with no `group=` passed down through the code that opens them.
+
 The segment is made with the POSIX shm calls CPython's multiprocessing.shared_memory itself uses
 (`_posixshmem`), not through SharedMemory: in Python < 3.13 every process that attaches a SharedMemory
 registers it with the resource tracker, which unlinks it when that process exits (the group would vanish
@@ -30,6 +34,8 @@ import _posixshmem
 MAGIC, VERSION, MAX_RANKS = 0x434D4C4C, 1, 64
 OFF_ABORTED, OFF_FAILED, OFF_REASON, OFF_FAILURE, TEXT = 64, 128, 192, 448, 256
 OFF_RANKS, LINE, OFF_DATA = 1024, 64, 16384
+GROUP_ENV = "LLMC_COLLECTIVE_GROUP"  # the group of a process that is a rank for its whole life
+TIMEOUT_ENV = "LLMC_COLLECTIVE_TIMEOUT_S"  # how long a rank waits for the others in a collective (default 60 s)
 DEFAULT_CAPACITY = 1 << 20  # bytes a rank contributes per step; larger inputs go in chunks
 
 

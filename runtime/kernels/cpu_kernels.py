@@ -40,6 +40,8 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+from llmc.runtime.kernels.collective import GROUP_ENV
+
 HERE = Path(__file__).parent
 SOURCE = HERE / "cpu_kernels.c"  # the ops' registration; it includes each kernel's header
 # Each kernel has its folder (its own C files and headers); the library is one compile of them all.
@@ -273,7 +275,8 @@ def prepare(onnx_path: Path, options, *, group: str | None = None) -> str | byte
     """What to open an ONNX Runtime session on: the graph with llmc's 4-bit kernel swapped in where this host
     has it and the graph has nodes it takes, and with the library registered on `options` (its
     llmc.PagedAttention nodes given the thread count, its llmc.AllReduce / AllGather nodes the rank
-    `group`'s name) when any of those ops is there; else the file's path as it is. A graph with
+    `group`'s name, by default the process's: collective.GROUP_ENV) when any of those ops is there; else the
+    file's path as it is. A graph with
     llmc.PagedAttention or collective nodes cannot run without the library: a RuntimeError says why it is
     missing; a graph with collective nodes and no `group` is a ValueError. The edited graph goes to ONNX
     Runtime as bytes; external data, if any, is read by ONNX Runtime from beside the file, as for the file
@@ -293,7 +296,7 @@ def prepare(onnx_path: Path, options, *, group: str | None = None) -> str | byte
     threads = options.intra_op_num_threads or os.cpu_count() or 1
     swapped = accelerate(model, threads, kernels.isa) if kernels else 0
     paged = configure_paged(model, threads)
-    collective = configure_collective(model, group)
+    collective = configure_collective(model, group or os.environ.get(GROUP_ENV))
     if collective:
         _check_sequential(options)
     if not swapped and not paged and not collective:

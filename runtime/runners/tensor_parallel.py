@@ -18,12 +18,9 @@ and the engine's owner (the served model, its supervisor) builds a new one. No c
 
 from __future__ import annotations
 
-import json
 import multiprocessing.connection
 import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,6 +29,7 @@ from typing import Iterable, Sequence
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.runners.paged import PagedRunner, RowStep
 from llmc.runtime.runners.protocol import RunnerBroken, RunnerClosed
+from llmc.runtime.runners.workers import die_with_parent, start_worker
 
 __all__ = ["RankFailed", "TensorParallelRunner"]
 
@@ -43,13 +41,14 @@ class RankFailed(RunnerBroken):
     """A rank of a tensor-parallel runner failed or died; the runner cannot step again."""
 
 
-def _rank_main(fd: int, spec: dict) -> None:
-    """A worker: rank `spec["rank"]`'s PagedRunner, running the calls the leader sends down the socket `fd` until it
-    says close (or goes)."""
+def rank_main(conn: multiprocessing.connection.Connection) -> None:
+    """A worker (workers.start_worker): told its rank's spec first, it runs that rank's PagedRunner on the calls the
+    leader sends until it says close (or goes)."""
     from llmc.runtime.kernels.collective import Group
 
-    _die_with_parent()
-    conn, rank, group = multiprocessing.connection.Connection(fd), spec["rank"], spec["group"]
+    die_with_parent()
+    spec = conn.recv()
+    rank, group = spec["rank"], spec["group"]
     try:
         runner = PagedRunner(Path(spec["graph"]), KVLayout.model_validate_json(spec["layout"]),
                              num_blocks=spec["num_blocks"], max_num_tokens=spec["max_num_tokens"],
@@ -75,50 +74,14 @@ def _rank_main(fd: int, spec: dict) -> None:
     runner.close()
 
 
-def _worker_entry() -> None:
-    """`python -c` entry of a worker process: its socket's descriptor and its spec (JSON) on the command line."""
-    _rank_main(int(sys.argv[1]), json.loads(sys.argv[2]))
-
-
-def _die_with_parent() -> None:
-    """End this worker when the process that started it has ended, however it ended: a worker blocked in a
-    collective would otherwise wait for the collective's timeout. A thread watching the parent id (the collective
-    runs without the GIL), not Linux's PR_SET_PDEATHSIG, which fires when the starting *thread* ends, and the
-    serving loop starts a new runner from its engine thread."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(WATCH_INTERVAL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="llmc-rank-parent-watch", daemon=True).start()
-
-
-def python_executable() -> str:
-    """The interpreter a worker runs on: this one. Inside Triton's Python backend `sys.executable` is the backend's
-    stub, not a Python, so the environment's own `bin/python3` is taken there."""
-    if Path(sys.executable).name.startswith("python"):
-        return sys.executable
-    return str(Path(sys.exec_prefix) / "bin" / "python3")
-
-
 def _start_worker(spec: dict) -> tuple[subprocess.Popen, multiprocessing.connection.Connection]:
-    """A worker process for one rank, and the leader's end of the socket pair it listens on. It is started as a fresh
-    interpreter importing this module (not multiprocessing's spawn, which re-runs the caller's main script), with
-    this process's import path, so it finds the same llmc (a model repository's runtime copy included)."""
-    ours, theirs = socket.socketpair()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    command = [python_executable(), "-c", "from llmc.runtime.runners.tensor_parallel import _worker_entry; "
-                                          "_worker_entry()", str(theirs.fileno()), json.dumps(spec)]
+    """A worker process for one rank (in its graph's folder), told its spec."""
+    process, conn = start_worker(__name__, "rank_main", cwd=Path(spec["graph"]).parent)
     try:
-        # run in the graph's folder: `-c` puts the working directory first on the path, and the server's may hold
-        # another `llmc` (a checkout), which would shadow the runtime this process runs
-        process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-                                   cwd=Path(spec["graph"]).parent)
-    finally:
-        theirs.close()
-    return process, multiprocessing.connection.Connection(ours.detach())
+        conn.send(spec)
+    except OSError:  # it died at once: the ready wait reports its exit
+        pass
+    return process, conn
 
 
 class TensorParallelRunner:

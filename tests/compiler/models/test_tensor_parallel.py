@@ -135,10 +135,11 @@ def test_the_spec_splits_only_the_paged_graph(tiny_checkpoints):
         parse_spec({"name": "t", "source": source, "parallel": {"tensor": 0}})
 
 
-def test_what_a_split_model_does_not_build_yet_is_refused_naming_the_fields(tiny_checkpoints):
+def test_a_split_model_takes_the_weight_only_modes_and_a_draft(tiny_checkpoints):
     base = {"name": "t", "source": str(tiny_checkpoints["llama"]), "parallel": {"tensor": 2}}
-    with pytest.raises(SpecError, match=r"parallel.tensor: 2 with quantization.mode: int4-weight-only: .*not built"):
-        parse_spec({**base, "quantization": {"mode": "int4-weight-only"}})
-    with pytest.raises(SpecError, match=r"parallel.tensor: 2 with speculative.method: draft: .*ngram"):
-        parse_spec({**base, "speculative": {"method": "draft", "draft": {"quantization": {"mode": "int4-weight-only"}}}})
+    with pytest.raises(SpecError, match=r"parallel.tensor: 2 with quantization.mode: int8: .*weight-only modes"):
+        parse_spec({**base, "quantization": {"mode": "int8"}})
+    assert parse_spec({**base, "quantization": {"mode": "int4-weight-only"}}).quantization.weight_only
+    draft = {"method": "draft", "draft": {"quantization": {"mode": "int4-weight-only"}}}
+    assert parse_spec({**base, "speculative": draft}).speculative.draft is not None  # it runs whole, beside the ranks
     assert parse_spec({**base, "speculative": {"method": "ngram"}}).speculative.method.value == "ngram"

@@ -1,0 +1,69 @@
+"""Worker processes for the ranks of a split model: a fresh interpreter per rank, talking to the process that
+started it over a socket pair (a `multiprocessing.connection.Connection` at each end).
+
+    start_worker("pkg.module", "function", cwd=..., env={...})   -> (Popen, Connection)
+        runs `pkg.module.function(connection)` in a new `python -c`, with this process's import path
+    die_with_parent()   in the worker: end it when the process that started it ends
+
+Used by the served model's ranks (tensor_parallel.py) and the build's quantization of a split model
+(compiler/quantize/split.py). Not multiprocessing's spawn, which re-runs the caller's main script (inside Triton's
+Python backend, the stub), and whose children inherit only this process's environment.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Mapping
+
+__all__ = ["die_with_parent", "python_executable", "start_worker"]
+
+PARENT_CHECK_S = 0.2  # how soon a worker whose parent ended notices
+
+
+def python_executable() -> str:
+    """The interpreter a worker runs on: this one. Inside Triton's Python backend `sys.executable` is the backend's
+    stub, not a Python, so the environment's own `bin/python3` is taken there."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    return str(Path(sys.exec_prefix) / "bin" / "python3")
+
+
+def start_worker(module: str, function: str, *, cwd: Path, env: Mapping[str, str] | None = None
+                 ) -> tuple[subprocess.Popen, multiprocessing.connection.Connection]:
+    """A worker process running `module.function(conn)`, and this end of the socket pair `conn` is the other end
+    of. `cwd`: where it runs; `-c` puts the working directory first on the import path, and the caller's may hold
+    another `llmc` (a checkout) that would shadow the one this process runs, so give a folder of data (a graph's).
+    `env`: added to this process's environment."""
+    ours, theirs = socket.socketpair()
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **(env or {})}
+    command = [python_executable(), "-c", "import sys, multiprocessing.connection as c; "
+                                          f"from {module} import {function} as main; "
+                                          "main(c.Connection(int(sys.argv[1])))", str(theirs.fileno())]
+    try:
+        process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=environment, stdin=subprocess.DEVNULL,
+                                   cwd=cwd)
+    finally:
+        theirs.close()
+    return process, multiprocessing.connection.Connection(ours.detach())
+
+
+def die_with_parent() -> None:
+    """End this worker when the process that started it has ended, however it ended: a worker blocked in a
+    collective would otherwise wait for the collective's timeout. A thread watching the parent id (the collective
+    runs without the GIL), not Linux's PR_SET_PDEATHSIG, which fires when the starting *thread* ends, and the
+    serving loop starts a new runner from its engine thread."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="llmc-rank-parent-watch", daemon=True).start()
