@@ -18,13 +18,14 @@ and the engine's owner (the served model, its supervisor) builds a new one. No c
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.connection
 import os
 import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.runners.paged import PagedRunner, RowStep
@@ -49,6 +50,9 @@ def rank_main(conn: multiprocessing.connection.Connection) -> None:
     die_with_parent()
     spec = conn.recv()
     rank, group = spec["rank"], spec["group"]
+    if spec["cpus"]:  # before ONNX Runtime starts its threads (they inherit it): the weights land on its node
+        for thread in os.listdir("/proc/self/task"):  # every thread there is (numpy's BLAS pool, the watcher)
+            os.sched_setaffinity(int(thread), spec["cpus"])
     try:
         runner = PagedRunner(Path(spec["graph"]), KVLayout.model_validate_json(spec["layout"]),
                              num_blocks=spec["num_blocks"], max_num_tokens=spec["max_num_tokens"],
@@ -84,19 +88,53 @@ def _start_worker(spec: dict) -> tuple[subprocess.Popen, multiprocessing.connect
     return process, conn
 
 
+def rank_cpus(ranks: int, nodes: dict[int, list[int]] | None = None, allowed: Collection[int] | None = None
+              ) -> list[list[int]] | None:
+    """The CPUs each rank runs on where this machine has several NUMA nodes (`nodes`: collective.numa_nodes(), by
+    default this machine's), else None: the ranks spread over the nodes in order (rank r on node r * nodes //
+    ranks: 2 ranks on 2 sockets, one each; 4 ranks, two a socket), each node's CPUs cut to those this process may
+    use (`allowed`: its affinity, a container's cpuset). A rank's memory is then read from its own node: its pages
+    are first touched by its pinned threads. vLLM's CPU backend binds its ranks the same way."""
+    from llmc.runtime.kernels.collective import numa_nodes
+
+    allowed = set(os.sched_getaffinity(0) if allowed is None else allowed)
+    usable = [cpus for _, cpus in sorted((numa_nodes() if nodes is None else nodes).items())
+              if allowed.intersection(cpus)]
+    if len(usable) < 2:
+        return None
+    return [sorted(allowed.intersection(usable[r * len(usable) // ranks])) for r in range(ranks)]
+
+
+@contextlib.contextmanager
+def _pinned(cpus: Collection[int] | None):
+    """Run the block on `cpus` (the calling thread only: Linux's sched_setaffinity of pid 0), then as before;
+    threads started inside it keep `cpus`."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 class TensorParallelRunner:
     """Rank 0's PagedRunner here and one worker process per other rank: `step(rows) -> logits`, as PagedRunner."""
 
     def __init__(self, graphs: Sequence[Path], layout: KVLayout, *, num_blocks: int, max_num_tokens: int,
-                 num_threads: int = 0, spin_after_run: bool = True):
+                 num_threads: int = 0, spin_after_run: bool = True, cpus: Sequence[Collection[int]] | None | str = "numa"):
         """`graphs`: each rank's graph, in rank order; `num_threads`: each rank's intra-op threads (0: the
-        cores divided among the ranks)."""
+        cores divided among the ranks); `cpus`: the CPUs each rank's threads run on, "numa" (the default): a NUMA
+        node each where the machine has several (rank_cpus), None: wherever the OS puts them."""
         from llmc.runtime.kernels.collective import Group
 
         ranks = len(graphs)
         if ranks < 2:
             raise ValueError(f"a tensor-parallel runner needs at least 2 ranks' graphs (got {ranks}); use PagedRunner")
         self.ranks, self.layout, self.num_blocks = ranks, layout, num_blocks
+        self.cpus = rank_cpus(ranks) if cpus == "numa" else [sorted(c) for c in cpus] if cpus is not None else None
         threads = num_threads or max(1, (os.cpu_count() or 1) // ranks)
         self.group = Group.create(ranks)
         self._failure: str | None = None
@@ -107,11 +145,12 @@ class TensorParallelRunner:
                 worker, conn = _start_worker(dict(
                     graph=str(graphs[rank]), layout=layout.model_dump_json(), group=self.group.name, rank=rank,
                     num_blocks=num_blocks, max_num_tokens=max_num_tokens, num_threads=threads,
-                    spin_after_run=spin_after_run))
+                    spin_after_run=spin_after_run, cpus=self.cpus[rank] if self.cpus else None))
                 self.workers.append(worker)
                 self.conns.append(conn)
-            self.local = PagedRunner(Path(graphs[0]), layout, num_blocks=num_blocks, max_num_tokens=max_num_tokens,
-                                     num_threads=threads, spin_after_run=spin_after_run, group=self.group.name)
+            with _pinned(self.cpus[0] if self.cpus else None):  # rank 0's thread pool starts on its node's CPUs
+                self.local = PagedRunner(Path(graphs[0]), layout, num_blocks=num_blocks, max_num_tokens=max_num_tokens,
+                                         num_threads=threads, spin_after_run=spin_after_run, group=self.group.name)
             for rank, conn in enumerate(self.conns, start=1):
                 if not conn.poll(READY_TIMEOUT_S):
                     raise RankFailed(f"rank {rank} did not load its graph within {READY_TIMEOUT_S:.0f} s")

@@ -18,7 +18,7 @@ from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.errors import UnsupportedError
 from llmc.runtime.runners.paged import RowStep
-from llmc.runtime.runners.tensor_parallel import RankFailed, TensorParallelRunner
+from llmc.runtime.runners.tensor_parallel import RankFailed, TensorParallelRunner, rank_cpus
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,46 @@ def test_a_killed_rank_fails_the_step_at_once_naming_it(split_llama):
     finally:
         runner.close()
     assert not Path("/dev/shm", runner.group.name).exists()
+
+
+def test_ranks_run_a_numa_node_each_where_the_machine_has_several(tmp_path):
+    from llmc.runtime.kernels.collective import numa_nodes
+
+    for node, cpus in ((0, "0-3"), (1, "4-7\n")):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpus)
+    nodes = numa_nodes(tmp_path)
+    assert rank_cpus(2, nodes, allowed=range(8)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert rank_cpus(4, nodes, allowed=range(8)) == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+    assert rank_cpus(2, nodes, allowed=[1, 2, 5]) == [[1, 2], [5]]  # a container's cpuset
+    assert rank_cpus(2, nodes, allowed=range(4)) is None  # inside one node: nothing to pin
+    assert rank_cpus(2, {0: list(range(8))}, allowed=range(8)) is None
+
+
+def _threads_on(pid: int) -> dict[int, str]:
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        found[int(task.name)] = status.split("Cpus_allowed_list:")[1].split()[0]
+    return found
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning two ranks apart needs two CPUs")
+def test_pinned_ranks_run_their_threads_on_their_cpus(split_llama):
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    before, ours = os.sched_getaffinity(0), set(_threads_on(os.getpid()))
+    exported = split_llama.exported
+    runner = TensorParallelRunner(exported.graphs(split_llama.artifacts["export"].folder), exported.kv_layout,
+                                  num_blocks=8, max_num_tokens=64, num_threads=2, cpus=[[first], [second]])
+    try:
+        assert runner.step([RowStep([1, 2, 3], 0, [0], num_logits=1)]).shape[0] == 1
+        assert set(_threads_on(runner.pids[0]).values()) == {str(second)}  # the worker, all its threads
+        started = {t: cpus for t, cpus in _threads_on(os.getpid()).items()
+                   if t not in ours and t != runner._watchdog.native_id}
+        assert started and set(started.values()) == {str(first)}  # rank 0's thread pool, started pinned
+        assert os.sched_getaffinity(0) == before  # the calling thread as it was
+    finally:
+        runner.close()
 
 
 def test_a_step_sent_to_a_rank_already_dead_names_that_rank(split_llama):
