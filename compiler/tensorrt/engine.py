@@ -6,8 +6,11 @@ made from its options that does its work only when called, so a build is their c
 
     network_from_onnx    a strongly typed network (types come from the graph: TensorRT 11 has no
                          precision flags) parsed from the ONNX prepared for it (prep.py); the
-                         LlmcFusedAttention nodes become the AOT plugin (plugins/trt/plugin.py)
+                         LlmcFusedAttention nodes become the AOT plugin (plugins/trt/plugin.py), a
+                         tensor-parallel rank's DistCollective nodes IDistCollectiveLayers, checked
+                         to be all there (collectives.py)
     create_config        memory pool limit, optimization level, hardware / version compatibility,
+                         multi-device execution for a rank's engine (a preview feature in 10.16),
                          the prefill and decode profiles over the same KV-cache inputs (profiles.py),
                          the timing cache read from <output>/engine/timing.cache, a progress monitor
     engine_from_network  the serialized engine; the timing cache written back, so a rebuild of the
@@ -21,9 +24,10 @@ The loaders import TensorRT when called, never before; `plugin_capability` and t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 from llmc.compiler.spec import HardwareCompatibility, TensorRTSpec
+from llmc.compiler.tensorrt import collectives as collective_checks
 from llmc.compiler.tensorrt.profiles import Profile, profile_shapes, recorded_shapes
 from llmc.errors import EngineError
 from llmc.runtime.manifest import TensorRTInfo
@@ -64,8 +68,9 @@ def network_inputs(network) -> list[str]:
     return [network.get_input(i).name for i in range(network.num_inputs)]
 
 
-def network_from_onnx(path: Path) -> Callable[[], Network]:
-    """A loader of the network TensorRT's ONNX parser makes from `path`."""
+def network_from_onnx(path: Path, collectives: Sequence[dict] = ()) -> Callable[[], Network]:
+    """A loader of the network TensorRT's ONNX parser makes from `path`; `collectives` are the graph's
+    DistCollective nodes (collectives.expected_collectives), each of which must become a layer."""
 
     def load() -> Network:
         import tensorrt as trt
@@ -76,7 +81,9 @@ def network_from_onnx(path: Path) -> Callable[[], Network]:
         parser = trt.OnnxParser(network, logger)
         if not parser.parse_from_file(str(path)):
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-            raise EngineError(f"TensorRT's ONNX parser rejected {path.name}: {errors}")
+            raise EngineError(f"TensorRT's ONNX parser rejected {path.name}: {errors}"
+                              f"{collective_checks.parse_hint(trt, list(collectives))}")
+        collective_checks.check_network(trt, network, list(collectives), path.name)
         return Network(builder, network, parser, logger, path.name)
 
     return load
@@ -92,16 +99,19 @@ def _network_flags(trt) -> int:
 
 
 def create_config(options: TensorRTSpec, profiles: list[Profile], timing_cache: Path | None = None,
-                  progress: Progress | None = None) -> Callable[[Any, Any], Config]:
+                  progress: Progress | None = None, multi_device: bool = False) -> Callable[[Any, Any], Config]:
     """A loader of the builder config for (builder, network): `options`, one optimization profile
     per entry of `profiles` (every network input needs a shape in each), the timing cache read from
-    `timing_cache` (empty when the file is not there yet), and `progress` called as the build goes."""
+    `timing_cache` (empty when the file is not there yet), `progress` called as the build goes, and
+    `multi_device` for a tensor-parallel rank's network (its collectives)."""
 
     def load(builder, network) -> Config:
         import tensorrt as trt
 
         config = builder.create_builder_config()
         _set_options(trt, config, options)
+        if multi_device:
+            collective_checks.enable_multi_device(trt, config)
         inputs = network_inputs(network)
         for profile in profiles:
             opt_profile = builder.create_optimization_profile()
@@ -181,9 +191,11 @@ def engine_from_network(network: Callable[[], Network], config: Callable[[Any, A
 
 
 def build_engine(onnx_path: Path, profiles: list[Profile], options: TensorRTSpec, precision: str, out_dir: Path,
-                 timing_cache: Path | None = None, progress: Progress | None = None) -> TensorRTInfo:
+                 timing_cache: Path | None = None, progress: Progress | None = None,
+                 collectives: Sequence[dict] = ()) -> TensorRTInfo:
     """Build `out_dir/model.plan` from `onnx_path`; returns what the manifest records about it.
-    `timing_cache` (None: none) is read before the build and written back after it."""
+    `timing_cache` (None: none) is read before the build and written back after it; `collectives` are a
+    tensor-parallel rank's DistCollective nodes (collectives.expected_collectives of `onnx_path`)."""
     import tensorrt as trt
 
     from llmc.plugins.trt import plugin as trt_plugin
@@ -192,8 +204,8 @@ def build_engine(onnx_path: Path, profiles: list[Profile], options: TensorRTSpec
     gpu, capability = gpu_identity()
     trt_plugin.set_target_capability(plugin_capability(options, capability))
     trt_plugin.register()  # before parsing: the parser maps LlmcFusedAttention nodes to it
-    build = engine_from_network(network_from_onnx(onnx_path),
-                                create_config(options, profiles, timing_cache, progress),
+    build = engine_from_network(network_from_onnx(onnx_path, collectives),
+                                create_config(options, profiles, timing_cache, progress, bool(collectives)),
                                 save_timing_cache=timing_cache)
     engine = build()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,10 @@ does not run the graph — ONNX Runtime cannot run the plugin node), with normal
 for their reductions. The KV-cache inputs and outputs take the low precision too (that is where the
 memory is). AutoCast gives each reader of a shared constant its own copy; they are deduplicated
 again. The result passes `onnx.checker` and, for Q/DQ graphs, the TensorRT Q/DQ rules (tested).
+
+A tensor-parallel rank's graph has its `llmc.AllReduce` / `llmc.AllGather` nodes rewritten first to TensorRT's
+own `DistCollective` op (plugins/trt/collective_node.py), which the ONNX parser imports as IDistCollectiveLayers;
+AutoCast then types them like any other node (an fp16 network sums fp16 partials over NCCL).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from llmc.compiler.graph.files import ONNX_NAME, load_graph, save_model
 from llmc.compiler.graph.passes import deduplicate_initializers
 from llmc.plugins.op.lowering import register_schemas
+from llmc.plugins.trt import collective_node
 
 FP32_OPS = ["RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"]
 
@@ -23,7 +28,9 @@ FP32_OPS = ["RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalizat
 def prepare_for_tensorrt(source: Path, precision: str, out_dir: Path) -> Path:
     """Write `out_dir/model.onnx`: `source` in `precision` (fp32, fp16 or bf16)."""
     register_schemas()  # the plugin node's types and shapes, for AutoCast's type inference
+    collective_node.register_schema()
     model = load_graph(source)
+    collective_node.to_dist_collectives(model)  # a split model's rank: its collectives as TensorRT's op
     if precision != "fp32":
         import contextlib
         import io

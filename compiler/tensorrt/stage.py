@@ -100,6 +100,7 @@ def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, export
     """Build `out_dir/model.plan` from `source` (in `source_dir`; `exported` is the export it
     comes from) and, when verify is enabled, compare it with ONNX Runtime. `load_model` returns
     (torch model, tokenizer) and is called only for that comparison."""
+    from llmc.compiler.tensorrt.collectives import expected_collectives
     from llmc.compiler.tensorrt.engine import ENGINE_NAME, build_engine
     from llmc.compiler.tensorrt.prep import prepare_for_tensorrt
     from llmc.compiler.tensorrt.profiles import profiles
@@ -107,7 +108,8 @@ def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, export
     precision = spec.precision.value
     prepared = prepare_for_tensorrt(source_dir / source.onnx, precision, out_dir / "prepared")
     shapes = profiles(spec.limits, exported.model.num_kv_heads, exported.model.head_dim, source.kv_layout.step_inputs)
-    info = build_engine(prepared, shapes, spec.tensorrt, precision, out_dir, timing_cache, progress=progress)
+    info = build_engine(prepared, shapes, spec.tensorrt, precision, out_dir, timing_cache, progress=progress,
+                        collectives=expected_collectives(prepared))
     shutil.rmtree(out_dir / "prepared")  # the engine holds the weights
     layout = source.kv_layout.model_copy(update={"dtype": LAYOUT_DTYPES[precision], "max_prefill_rows": 1,
                                                  "in_place": exported.lowering.value == "plugin"})
