@@ -2,6 +2,7 @@
 whole (one process, N threads), in one run:
 
     .venv/bin/python scripts/bench_tensor_parallel.py [--shape qwen2.5-0.5b] [--ranks 2] [--passes 3]
+                                                      [--quantization int4-weight-only]
 
 Both are built from one random-weight checkpoint of a real model's shape (scripts/sized_checkpoints.py; fp32,
 verify off: tests/compiler/graph/test_tensor_parallel_build.py verifies splits) and run by the packaged engine in
@@ -19,7 +20,6 @@ import argparse
 import importlib.util
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -40,12 +40,14 @@ def built(checkpoint: Path, ranks: int, args) -> Path:
     from llmc.compiler.spec import parse_spec
 
     seq = args.prompt_tokens + args.new_tokens + 16
+    quantization = {"mode": args.quantization, "algorithm": "rtn"} if args.quantization != "none" else {}
     spec = parse_spec({"name": f"tp{ranks}", "source": str(checkpoint), "parallel": {"tensor": ranks},
-                       "verify": {"enabled": False},
+                       "verify": {"enabled": False}, "quantization": quantization,
                        "limits": {"max_batch_size": args.streams, "max_seq_len": seq, "kv_cache_tokens": args.streams * seq,
                                   "max_num_tokens": max(256, args.streams)},
                        "serving": {"num_threads": args.threads, "prefix_caching": False}})
-    return build(spec, output=args.out / checkpoint.name / f"tp{ranks}").repository / f"tp{ranks}" / "1"
+    folder = args.out / checkpoint.name / (f"tp{ranks}" + ("" if args.quantization == "none" else f"-{args.quantization}"))
+    return build(spec, output=folder).repository / f"tp{ranks}" / "1"
 
 
 def prompts(tokenizer_path: Path, count: int, tokens: int) -> list[list[int]]:
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--checkpoint", type=Path, help="a checkpoint folder instead of --shape")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="the whole model's threads; each rank gets threads / ranks")
+    p.add_argument("--quantization", default="none", choices=["none", "int8-weight-only", "int4-weight-only"],
+                   help="weight-only mode of both builds (round to nearest: speed does not depend on AWQ's scales)")
     p.add_argument("--passes", type=int, default=3, help="0: build only (the builds are cached for a later run)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     whole, split = passes[1], passes[args.ranks]
     cost = collective_cost(args.ranks, config["hidden_size"], config["vocab_size"], args.streams, args)
     layers = config["num_hidden_layers"]
-    print(f"\n{checkpoint.name}: whole on {args.threads} threads vs split over {args.ranks} ranks x "
+    print(f"\n{checkpoint.name} ({args.quantization}): whole on {args.threads} threads vs split over {args.ranks} ranks x "
           f"{max(1, args.threads // args.ranks)} thread(s); medians of {args.passes} passes")
     print(f"{'':>16} {'whole':>9} {'split':>9} {'split/whole':>12}")
     table = {}
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{gather:.1f} us = {spent:.2f} ms a step, {spent / step_ms:.1%} of the split model's {step_ms:.1f} ms "
               f"step (the gather alone {gather / 1e3 / step_ms:.1%}: what a vocabulary-parallel sampler could save)")
     (args.out / "results.json").write_text(json.dumps({"checkpoint": checkpoint.name, "ranks": args.ranks,
+                                                       "quantization": args.quantization,
                                                        "table": table, "collective_us": cost}, indent=2))
 
 

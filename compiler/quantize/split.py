@@ -13,7 +13,7 @@ at once, and the build fails naming that rank.
 What a rank decides from its own weights stays its own, and the function stays the same: AWQ's scale for the
 inputs of q/k/v is searched on the rank's columns and folded into the rank's own copy of the norm before them;
 a row-parallel layer's blocks run along the rank's input channels, so when those are a multiple of the block
-(Qwen2.5-0.5B's 4,864 MLP channels over 2 ranks: 19 blocks of 128) the blocks fall on the rank boundaries, and
+(Qwen2.5-0.5B's 4,864 MLP channels over 2 ranks: 76 blocks of 32 each) the blocks fall on the rank boundaries, and
 otherwise each rank pads its last block as MatMulNBits does.
 
 The result: `rank{r}/` holds rank r's quantized graph and its own record; the stage's record lists every rank's

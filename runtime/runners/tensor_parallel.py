@@ -8,7 +8,7 @@ pipe, then run here; the ranks' graphs meet in their collectives (llmc.AllReduce
 collective.py), which is what keeps them in step, so nothing waits for the workers' replies: a worker writes
 back only when a call fails. Every rank's graph ends with the gathered logits; rank 0's are returned. This is
 TensorRT-LLM's orchestrator shape: the leader schedules and samples, the workers run their graph on the same
-packed inputs.
+packed inputs. Where the machine has several NUMA nodes, each rank runs on one (rank_cpus).
 
 Failure: a worker whose call fails aborts the group (so the ranks blocked in a collective return at once) and
 reports why; a worker process that dies is seen by a watchdog thread, which aborts the group. Either way the
