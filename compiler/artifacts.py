@@ -188,10 +188,15 @@ class EngineModel(Artifact):
     kv_layout: KVLayout  # the engine's: caches in its precision, updated in place by the plugin
     tensorrt: TensorRTInfo
     verified: str  # the comparison's summary ("" when verify.enabled is false)
+    tensor_parallel: int = 1  # ranks: one engine each, rank{r}/<plan> (the manifest's rank_folder), built alike
 
     @property
     def engine_file(self) -> str:
         return self.plan
+
+    def plans(self, folder: Path) -> list[Path]:
+        """Each rank's engine in `folder`, in rank order (one without a split)."""
+        return [folder / rank_folder(r, self.tensor_parallel) / self.plan for r in range(self.tensor_parallel)]
 
 
 class VerifyCase(BaseModel):

@@ -270,7 +270,9 @@ def _skip(spec: BuildSpec, done: Mapping[str, Located]) -> str | None:
     if not spec.verify.enabled:
         return "verify.enabled is false"
     if not Lowering(spec.attention_lowering).runs_on_onnxruntime:
-        return "the plugin graph runs on TensorRT only; the engine stage checks the engine against ONNX Runtime"
+        ranks = spec.parallel.tensor  # a split's rank graphs: their engines are checked together, a GPU each
+        return ("the plugin graph runs on TensorRT only; the engine stage checks the engine"
+                + (f" ({ranks} rank engines run together)" if ranks > 1 else "") + " against ONNX Runtime")
     return None
 
 

@@ -84,8 +84,10 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
     copy_runtime(version_dir / "llmc")
     shutil.copyfile(importlib.resources.files("llmc.model_repository") / "model.py", version_dir / "model.py")
     tensorrt = engine.tensorrt if isinstance(engine, EngineModel) else None
+    # KIND_GPU gives one instance per GPU: a split engine's one instance places its ranks on the GPUs itself
     (model_dir / "config.pbtxt").write_text(render(model_config(
-        spec.name, gpu=tensorrt is not None, chat_template=chat.model_dump_json() if chat else None,
+        spec.name, gpu=tensorrt is not None and exported.tensor_parallel == 1,
+        chat_template=chat.model_dump_json() if chat else None,
         max_beam_width=spec.serving.max_beam_width,
         execution_env=f"{VERSION}/{env.archive}" if env is not None else None)))
     (model_dir / "requirements.txt").write_text(

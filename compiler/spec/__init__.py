@@ -109,12 +109,12 @@ class BuildSpec(StrictModel):
                              f"{self.quantization.mode.value}: a split model takes the weight-only modes "
                              f"(int8-weight-only, int4-weight-only) on its paged graph; "
                              f"{self.quantization.mode.value} quantizes the reference graph")
-        if self.parallel.tensor > 1 and self.target is Target.tensorrt:
-            raise ValueError(f"parallel.tensor: {self.parallel.tensor} with target: tensorrt is not built yet: a "
-                             f"rank's collectives lower to TensorRT's DistCollective layers (NCCL), but the engine "
-                             f"stage builds one engine, not one per rank, and the server runs no rank per GPU; "
-                             f"split with target: onnxruntime, or keep parallel.tensor: 1 (docs/tensorrt.md)")
-        if self.parallel.tensor > 1 and not paged:
+        if self.parallel.tensor > 1 and self.target is Target.tensorrt and self.attention_lowering != "plugin":
+            raise ValueError(f"parallel.tensor: {self.parallel.tensor} with target: tensorrt splits the plugin "
+                             f"lowering (export.attention: plugin or auto; one engine per rank, its collectives "
+                             f"TensorRT's DistCollective layers); export.attention: {attention.value} gives "
+                             f"{self.attention_lowering} here")
+        if self.parallel.tensor > 1 and self.target is not Target.tensorrt and not paged:
             raise ValueError(f"parallel.tensor: {self.parallel.tensor} splits the paged graph (its ranks' collectives "
                              f"run on llmc's CPU kernels), export.attention: paged or auto; export.attention: "
                              f"{attention.value} with target: {self.target.value} gives {self.attention_lowering}")

@@ -2,7 +2,8 @@
 ONNX Runtime.
 
     stage.py          the engine stage over artifacts: check(spec), cache_key_parts(spec),
-                      make_engine(...) -> EngineModel, summary(engine), and ENGINE, its declaration
+                      make_engine(...) -> EngineModel, summary(engine), and ENGINE, its declaration; a split
+                      model (parallel.tensor) gets one engine per rank, rank{r}/model.plan
     prep.py           the ONNX prepared for TensorRT: the spec's precision through ModelOpt AutoCast
     profiles.py       the prefill and decode optimization profiles from `limits` (the dry run lists them too)
     engine.py         the build as small loaders: network_from_onnx, create_config, engine_from_network

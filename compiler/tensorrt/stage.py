@@ -3,6 +3,9 @@
     prepare (prep.py: AutoCast to the spec's precision) -> build (engine.py) -> compare with ONNX
     Runtime (verify_engine.py) -> <out_dir>/model.plan + engine.json
 
+A split model (parallel.tensor: N) gives N engines, <out_dir>/rank{r}/model.plan, one per rank graph, built one
+after another; the check runs them together (one GPU each, NCCL) against the whole model's fused export.
+
 `check(spec)` refuses, before any work, a TensorRT build on a machine that lacks what it needs;
 `cache_key_parts(spec)` is what the stage's cache key holds besides its inputs' files and its code
 (ENGINE_CODE): the spec sections, TensorRT's version, the GPU; `summary(engine)` is its line in the
@@ -67,6 +70,16 @@ def check(spec: BuildSpec) -> None:
         except ImportError:
             raise UnsupportedError(f"target: tensorrt needs {module}; install llmc with the `{extra}` "
                                    "extra") from None
+    ranks = spec.parallel.tensor
+    if ranks > 1 and spec.verify.enabled:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < ranks:
+            raise UnsupportedError(
+                f"parallel.tensor: {ranks}: the engine stage's check runs the {ranks} rank engines together, one GPU "
+                f"each, and this machine has {gpus}; build where {ranks} GPUs are visible, or set verify.enabled: "
+                "false (the rank engines are then built one after another and not run)")
 
 
 def cache_key_parts(spec: BuildSpec) -> dict:
@@ -99,18 +112,29 @@ def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, export
                 timing_cache: Path | None = None, progress: Callable[[int, int], None] | None = None) -> EngineModel:
     """Build `out_dir/model.plan` from `source` (in `source_dir`; `exported` is the export it
     comes from) and, when verify is enabled, compare it with ONNX Runtime. `load_model` returns
-    (torch model, tokenizer) and is called only for that comparison."""
+    (torch model, tokenizer) and is called only for that comparison. A split export (parallel.tensor > 1;
+    the spec admits the plain export only) gives one engine per rank graph, `out_dir/rank{r}/model.plan`, each
+    with the rank's KV heads in its profiles and its collectives checked; the verify runs them together."""
     from llmc.compiler.tensorrt.collectives import expected_collectives
     from llmc.compiler.tensorrt.engine import ENGINE_NAME, build_engine
     from llmc.compiler.tensorrt.prep import prepare_for_tensorrt
     from llmc.compiler.tensorrt.profiles import profiles
+    from llmc.runtime.manifest import rank_folder
 
+    ranks = exported.tensor_parallel
+    assert ranks == 1 or isinstance(source, ExportedModel), "a split model reaches the engine unquantized (the spec)"
+    graphs = exported.graphs(source_dir) if ranks > 1 else [source_dir / source.onnx]
     precision = spec.precision.value
-    prepared = prepare_for_tensorrt(source_dir / source.onnx, precision, out_dir / "prepared")
-    shapes = profiles(spec.limits, exported.model.num_kv_heads, exported.model.head_dim, source.kv_layout.step_inputs)
-    info = build_engine(prepared, shapes, spec.tensorrt, precision, out_dir, timing_cache, progress=progress,
-                        collectives=expected_collectives(prepared))
-    shutil.rmtree(out_dir / "prepared")  # the engine holds the weights
+    kv_heads = source.kv_layout.num_kv_heads if ranks > 1 else exported.model.num_kv_heads  # a rank's share
+    shapes = profiles(spec.limits, kv_heads, exported.model.head_dim, source.kv_layout.step_inputs)
+    plans, info = [], None
+    for rank, graph in enumerate(graphs):
+        folder = out_dir / rank_folder(rank, ranks)
+        prepared = prepare_for_tensorrt(graph, precision, folder / "prepared")
+        info = build_engine(prepared, shapes, spec.tensorrt, precision, folder, timing_cache, progress=progress,
+                            collectives=expected_collectives(prepared))
+        shutil.rmtree(folder / "prepared")  # the engine holds the weights
+        plans.append(str(Path(rank_folder(rank, ranks)) / ENGINE_NAME))
     layout = source.kv_layout.model_copy(update={"dtype": LAYOUT_DTYPES[precision], "max_prefill_rows": 1,
                                                  "in_place": exported.lowering.value == "plugin"})
     verified = ""
@@ -120,12 +144,12 @@ def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, export
         torch_model, tokenizer = load_model()
         scratch = out_dir / "reference"
         reference = reference_graph(source, source_dir, exported, torch_model, tokenizer, scratch, source_hash)
-        verified = verify_engine(out_dir / ENGINE_NAME, layout, info, reference, tokenizer,
+        verified = verify_engine([out_dir / plan for plan in plans], layout, info, reference, tokenizer,
                                  exported.model.vocab_size, spec, progress)
         if scratch.is_dir():  # the plugin lowering's fused stand-in
             shutil.rmtree(scratch)
-    engine = EngineModel(inputs_hash=inputs_hash, files=hash_outputs(out_dir, [ENGINE_NAME]), plan=ENGINE_NAME,
-                         kv_layout=layout, tensorrt=info, verified=verified)
+    engine = EngineModel(inputs_hash=inputs_hash, files=hash_outputs(out_dir, plans), plan=ENGINE_NAME,
+                         kv_layout=layout, tensorrt=info, verified=verified, tensor_parallel=ranks)
     engine.save(out_dir)
     return engine
 
@@ -133,7 +157,8 @@ def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, export
 def summary(engine: EngineModel) -> str:
     """The engine stage's line in the build report."""
     t = engine.tensorrt
-    return (f"{engine.plan}: TensorRT {t.version}, {t.gpu} (sm {t.compute_capability}), {t.precision}, "
+    ranks = f" x {engine.tensor_parallel} ranks (rank{{r}}/)" if engine.tensor_parallel > 1 else ""
+    return (f"{engine.plan}{ranks}: TensorRT {t.version}, {t.gpu} (sm {t.compute_capability}), {t.precision}, "
             f"profiles {', '.join(t.profiles)}" + (f"; {engine.verified}" if engine.verified else ""))
 
 

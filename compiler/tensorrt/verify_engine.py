@@ -4,7 +4,8 @@ logits compared by Polygraphy's comparator at the engine precision's tolerance (
 `verify_engine` runs it on the verify prompts and raises VerifyError when the comparator rejects).
 
 The ONNX Runtime side runs the graph the engine was built from when ONNX Runtime can run it (the
-reference lowering, Q/DQ graphs); a plugin graph is compared with the same checkpoint's fused export.
+reference lowering, Q/DQ graphs); a plugin graph is compared with the same checkpoint's fused export. A split
+model's rank engines run together (TrtTensorParallelRunner: one GPU each) against the whole model's fused export.
 Logits are compared for every prompt position and every decode step up to a row's first greedy
 divergence (later steps see different tokens); the greedy agreement is reported alongside.
 """
@@ -70,20 +71,35 @@ def reference_graph(source: ExportedModel | QuantizedModel, source_dir: Path, ex
     return scratch / ref.onnx, ref.kv_layout
 
 
-def verify_engine(plan: Path, layout: KVLayout, info: TensorRTInfo, reference: tuple[Path, KVLayout], tokenizer,
-                  vocab_size: int, spec: BuildSpec, progress: Callable[[int, int], None] | None = None) -> str:
-    """The engine `plan` vs ONNX Runtime running `reference` on the verify prompts, at the serving
-    limits; the summary line, or VerifyError when Polygraphy rejects the engine's logits."""
+def engine_runner(plans: list[Path], layout: KVLayout, info: TensorRTInfo, **sizes) -> Runner:
+    """The runner of the engine `plans` (one per rank: a split model's run together, TrtTensorParallelRunner)."""
+    if len(plans) > 1:
+        from llmc.runtime.runners.trt_tensor_parallel import TrtTensorParallelRunner
+
+        return TrtTensorParallelRunner(plans, layout, info=info, **sizes)
+    from llmc.runtime.runners.trt import TrtRunner
+
+    return TrtRunner(plans[0], layout, info=info, **sizes)
+
+
+def verify_engine(plans: list[Path], layout: KVLayout, info: TensorRTInfo, reference: tuple[Path, KVLayout],
+                  tokenizer, vocab_size: int, spec: BuildSpec,
+                  progress: Callable[[int, int], None] | None = None) -> str:
+    """The engine `plans` (each rank's, in rank order) vs ONNX Runtime running `reference` on the verify prompts, at
+    the serving limits; the summary line, or VerifyError when Polygraphy rejects the engine's logits."""
     from llmc.compiler.graph.verify import prompt_ids
     from llmc.runtime.runners.ort import OrtRunner
-    from llmc.runtime.runners.trt import TrtRunner
 
     steps, lim, precision = spec.verify.decode_steps, spec.limits, spec.precision.value
     prompts = [p[:lim.max_seq_len - steps] for p in prompt_ids(tokenizer, vocab_size)[:lim.max_batch_size]]
     ort = OrtRunner(reference[0], reference[1], max_batch=len(prompts), capacity=lim.max_seq_len,
                     num_threads=spec.serving.num_threads)
-    trt = TrtRunner(plan, layout, max_batch=len(prompts), capacity=lim.max_seq_len,
-                    max_num_tokens=lim.max_num_tokens, info=info)
+    try:
+        trt = engine_runner(plans, layout, info, max_batch=len(prompts), capacity=lim.max_seq_len,
+                            max_num_tokens=lim.max_num_tokens)
+    except BaseException:
+        ort.close()
+        raise
     total, done = 2 * steps, 0
 
     def tick() -> None:
@@ -98,8 +114,9 @@ def verify_engine(plan: Path, layout: KVLayout, info: TensorRTInfo, reference: t
         trt.close()
         ort.close()
     atol, rtol = ENGINE_TOLERANCE[precision]
-    summary = (f"vs ONNX Runtime: greedy tokens {case.token_agreement:.0%} equal over {steps} steps, max |Δlogit| "
-               f"{case.max_abs_logit_diff:.2e} (Polygraphy atol {atol}, rtol {rtol}: "
+    split = f"{len(plans)} rank engines together " if len(plans) > 1 else ""
+    summary = (f"{split}vs ONNX Runtime: greedy tokens {case.token_agreement:.0%} equal over {steps} steps, "
+               f"max |Δlogit| {case.max_abs_logit_diff:.2e} (Polygraphy atol {atol}, rtol {rtol}: "
                f"{'passed' if accepted else 'FAILED'})")
     if not accepted:
         raise VerifyError(f"engine verification failed: {summary}")

@@ -107,7 +107,7 @@ def triton_container(opts: K8sOptions, repository: str) -> dict:
             "--allow-metrics=true", f"--exit-timeout-secs={DRAIN_SECONDS}"]
     resources = {"requests": {"cpu": opts.cpu, "memory": opts.memory}, "limits": {"memory": opts.memory}}
     if opts.gpu:
-        resources["limits"]["nvidia.com/gpu"] = 1
+        resources["limits"]["nvidia.com/gpu"] = opts.ranks  # a split TensorRT model runs a rank per GPU
     env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": opts.secret, "key": key, "optional": key.endswith("REGION")}}}
            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")]
     probe = {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}

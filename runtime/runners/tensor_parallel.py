@@ -30,7 +30,7 @@ from typing import Collection, Iterable, Sequence
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.runners.paged import PagedRunner, RowStep
 from llmc.runtime.runners.protocol import RunnerBroken, RunnerClosed
-from llmc.runtime.runners.workers import die_with_parent, start_worker
+from llmc.runtime.runners.workers import die_with_parent, serve_calls, start_worker, stop_workers
 
 __all__ = ["RankFailed", "TensorParallelRunner"]
 
@@ -61,20 +61,7 @@ def rank_main(conn: multiprocessing.connection.Connection) -> None:
         conn.send(("error", f"rank {rank} could not load {spec['graph']}: {type(err).__name__}: {err}"))
         return
     conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            method, args = conn.recv()
-        except (EOFError, OSError):  # the leader is gone
-            break
-        if method == "close":
-            break
-        try:
-            getattr(runner, method)(*args)
-        except BaseException as err:  # noqa: BLE001
-            reason = f"rank {rank} failed in {method}: {type(err).__name__}: {err}"
-            Group.attach(group).abort(reason)
-            conn.send(("error", reason))
-            break
+    serve_calls(conn, runner, rank, abort=lambda reason: Group.attach(group).abort(reason))
     runner.close()
 
 
@@ -254,19 +241,7 @@ class TensorParallelRunner:
         if self._closed:
             return
         self._closed = True
-        for conn in self.conns:
-            try:
-                conn.send(("close", ()))
-            except (OSError, ValueError):
-                pass
-        for worker in self.workers:
-            try:
-                worker.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:  # stuck (a collective whose peer is gone): ours to stop
-                worker.kill()
-                worker.wait()
-        for conn in self.conns:
-            conn.close()
+        stop_workers(self.workers, self.conns)
         local = getattr(self, "local", None)
         if local is not None:
             local.close()

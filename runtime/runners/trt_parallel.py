@@ -17,8 +17,8 @@ ncclCommAbort, ncclGetErrorString, as vLLM's pynccl wrapper does), from the `nvi
 torch's CUDA wheels install) or the system's libnccl.so.2 (`LLMC_NCCL_LIBRARY` names another): that API is stable
 and documented, and it hands out the raw pointer set_communicator needs (cupy's NcclCommunicator keeps its
 pointer private). Rank 0 makes the unique id (128 bytes) and passes it to the other ranks' processes with their
-other settings (runtime/runners/tensor_parallel.py sends each worker its spec); `ncclCommInitRank` blocks until
-every rank has joined. The device is selected (cudaSetDevice) before NCCL or TensorRT touch it, as NCCL requires.
+other settings (trt_tensor_parallel.py's TrtTensorParallelRunner sends each worker its spec); `ncclCommInitRank`
+blocks until every rank has joined. The device is selected (cudaSetDevice) before NCCL or TensorRT touch it, as NCCL requires.
 """
 
 from __future__ import annotations
@@ -147,9 +147,24 @@ class TrtRankRunner(TrtRunner):
                                   f"profile {refused[0]}'s execution context (an engine built without its "
                                   "collectives, or a TensorRT without multi-device execution)")
 
+    def step(self, *args, **kwargs):
+        """TrtRunner.step on the rank's device: the current device is a thread's, and the runner may have been made
+        on another thread (the leader makes rank 0's on one while it watches the workers)."""
+        _ok(_cuda().cudaSetDevice(self.group.device))
+        return super().step(*args, **kwargs)
+
+    def abort(self) -> None:
+        """Abort the communicator now (ncclCommAbort), from any thread: a step waiting in a collective for a rank
+        that failed or died ends. The runner cannot step again; close() then frees the rest."""
+        comm, self.comm = self.comm, None
+        if comm:
+            self.nccl.abort(comm)
+
     def close(self) -> None:
         """TrtRunner.close (the contexts and the engine go first: they use the communicator), then destroy the
         communicator. Calling it again does nothing."""
+        if getattr(self, "stream", None) is not None:
+            _ok(_cuda().cudaSetDevice(self.group.device))  # the stream and buffers are that device's
         super().close()
         comm, self.comm = self.comm, None
         if comm:

@@ -4,6 +4,8 @@ started it over a socket pair (a `multiprocessing.connection.Connection` at each
     start_worker("pkg.module", "function", cwd=..., env={...})   -> (Popen, Connection)
         runs `pkg.module.function(connection)` in a new `python -c`, with this process's import path
     die_with_parent()   in the worker: end it when the process that started it ends
+    serve_calls(conn, runner, rank, abort)   in the worker: run the leader's calls on the rank's runner
+    stop_workers(workers, conns)   in the leader: tell them to close, wait, kill one that is stuck
 
 Used by the served model's ranks (tensor_parallel.py) and the build's quantization of a split model
 (compiler/quantize/split.py). Not multiprocessing's spawn, which re-runs the caller's main script (inside Triton's
@@ -20,9 +22,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["die_with_parent", "python_executable", "start_worker"]
+__all__ = ["die_with_parent", "python_executable", "serve_calls", "start_worker", "stop_workers"]
 
 PARENT_CHECK_S = 0.2  # how soon a worker whose parent ended notices
 
@@ -67,3 +69,43 @@ def die_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="llmc-rank-parent-watch", daemon=True).start()
+
+
+def serve_calls(conn: multiprocessing.connection.Connection, runner: Any, rank: int,
+                abort: Callable[[str], None]) -> None:
+    """A rank worker's loop: run each `(method, args)` the leader sends on `runner` until it says close (or goes),
+    answering nothing, since the ranks' collectives keep them in step. A call that fails calls `abort(reason)`
+    (which ends the other ranks' waits in their collectives), sends the reason back, and ends the loop."""
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):  # the leader is gone
+            return
+        if method == "close":
+            return
+        try:
+            getattr(runner, method)(*args)
+        except BaseException as err:  # noqa: BLE001 (everything goes back to the leader)
+            reason = f"rank {rank} failed in {method}: {type(err).__name__}: {err}"
+            abort(reason)
+            conn.send(("error", reason))
+            return
+
+
+def stop_workers(workers: Sequence[subprocess.Popen], conns: Sequence[multiprocessing.connection.Connection],
+                 timeout_s: float = 10.0) -> None:
+    """Tell each worker to close, wait for it (killing one still there after `timeout_s`: stuck in a collective whose
+    peer is gone), and close the sockets."""
+    for conn in conns:
+        try:
+            conn.send(("close", ()))
+        except (OSError, ValueError):
+            pass
+    for worker in workers:
+        try:
+            worker.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+    for conn in conns:
+        conn.close()

@@ -4,7 +4,8 @@ and engine class; `ServingLoop.from_manifest` (loop.py) serves what it loads.
 
     paged graph (kv_layout.paged)   PagedEngine over a PagedRunner (and a draft's, with speculative.draft), or over
                                     a TensorParallelRunner when the model is split over ranks
-    tensorrt                        SlotEngine over a TrtRunner
+    tensorrt                        SlotEngine over a TrtRunner, or over a TrtTensorParallelRunner (one GPU a rank)
+                                    when the model is split over ranks
     onnxruntime                     SlotEngine over an OrtRunner
 """
 
@@ -34,7 +35,12 @@ def slot_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
     from llmc.runtime.engine.slot_engine import SlotEngine
 
     lim = m.limits
-    if m.target == "tensorrt":
+    if m.target == "tensorrt" and m.tensor_parallel > 1:  # a rank engine per GPU, rank 0 here, the others workers
+        from llmc.runtime.runners.trt_tensor_parallel import TrtTensorParallelRunner
+
+        runner = TrtTensorParallelRunner(m.graphs(folder), m.kv_layout, max_batch=lim.max_batch_size,
+                                         capacity=lim.max_seq_len, max_num_tokens=lim.max_num_tokens, info=m.tensorrt)
+    elif m.target == "tensorrt":
         from llmc.runtime.runners.trt import TrtRunner
 
         runner = TrtRunner(folder / m.engine, m.kv_layout, max_batch=lim.max_batch_size,

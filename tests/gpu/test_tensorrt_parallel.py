@@ -9,35 +9,14 @@ import multiprocessing
 
 import numpy as np
 import onnx
-import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from llmc.compiler.tensorrt.stage import tensorrt_missing
+from multi_gpu import marks
 
 WORLD, ROWS, HIDDEN, OUT = 2, 4, 8, 6
 
 
-def _missing() -> str | None:
-    missing = tensorrt_missing()
-    if missing:
-        return missing
-    import torch
-
-    if torch.cuda.device_count() < WORLD:
-        return f"{WORLD} GPUs (this machine has {torch.cuda.device_count()})"
-    from llmc.runtime.runners.trt import EngineLoadError
-    from llmc.runtime.runners.trt_parallel import Nccl
-
-    try:
-        Nccl()
-    except EngineLoadError:
-        return "NCCL (libnccl.so.2)"
-    return None
-
-
-pytestmark = [pytest.mark.tensorrt, pytest.mark.cuda,
-              pytest.mark.skipif(_missing() is not None, reason=f"needs TensorRT, 2 GPUs and NCCL: this machine lacks "
-                                                                f"{_missing()}")]
+pytestmark = marks(WORLD)
 
 
 def _weights(rank):

@@ -143,3 +143,19 @@ def test_a_split_model_takes_the_weight_only_modes_and_a_draft(tiny_checkpoints)
     draft = {"method": "draft", "draft": {"quantization": {"mode": "int4-weight-only"}}}
     assert parse_spec({**base, "speculative": draft}).speculative.draft is not None  # it runs whole, beside the ranks
     assert parse_spec({**base, "speculative": {"method": "ngram"}}).speculative.method.value == "ngram"
+
+
+def test_a_tensorrt_split_takes_the_plugin_lowering_and_refuses_the_rest_naming_the_field(tiny_checkpoints):
+    base = {"name": "t", "source": str(tiny_checkpoints["llama"]), "target": "tensorrt", "precision": "fp16",
+            "parallel": {"tensor": 2}}
+    spec = parse_spec(base)  # auto: the plugin lowering, one engine per rank
+    assert (spec.parallel.tensor, spec.attention_lowering) == (2, "plugin")
+    assert parse_spec({**base, "export": {"attention": "plugin"}}).attention_lowering == "plugin"
+    with pytest.raises(SpecError, match=r"parallel.tensor: 2 with target: tensorrt splits the plugin lowering.*"
+                                        r"export.attention: reference gives reference"):
+        parse_spec({**base, "export": {"attention": "reference"}})
+    for mode in ("int8", "fp8"):  # Q/DQ quantizes the reference graph, which a split does not take
+        with pytest.raises(SpecError, match=rf"parallel.tensor: 2 with quantization.mode: {mode}: "):
+            parse_spec({**base, "quantization": {"mode": mode}})
+    with pytest.raises(SpecError, match=r"speculative: needs the paged graph"):
+        parse_spec({**base, "speculative": {"method": "ngram"}})

@@ -131,12 +131,3 @@ def test_create_config_sets_the_preview_only_when_asked(monkeypatch):
     create_config(TensorRTSpec(), PROFILE, multi_device=True)(builder, network)
     assert trt.calls == ["preview MULTIDEVICE_RUNTIME_10_16 True"]
 
-
-def test_the_spec_refuses_a_tensorrt_split_naming_the_field_and_what_is_missing():
-    from llmc.compiler.spec import parse_spec
-    from llmc.errors import SpecError
-
-    with pytest.raises(SpecError, match=r"parallel.tensor: 2 with target: tensorrt is not built yet: .*DistCollective"
-                                        r".*one engine, not one per rank"):
-        parse_spec({"name": "t", "source": "/nowhere", "target": "tensorrt", "precision": "fp16",
-                    "parallel": {"tensor": 2}})

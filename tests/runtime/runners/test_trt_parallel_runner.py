@@ -151,6 +151,9 @@ class _Nccl:
     def destroy(self, comm):
         self.events.append(f"nccl destroyed {comm:#x}")
 
+    def abort(self, comm):
+        self.events.append(f"nccl aborted {comm:#x}")
+
 
 GROUP = RankGroup(rank=1, world_size=2, unique_id=bytes(128), device=1)
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, dtype="float16", in_place=True)
@@ -200,3 +203,25 @@ def test_a_refused_communicator_or_engine_leaves_nothing_behind(monkeypatch, tmp
 def test_rank_groups_are_checked_before_anything_starts(group, message):
     with pytest.raises(ValueError, match=message):
         TrtRankRunner("model.plan", LAYOUT, group=group, nccl=None, max_batch=1, capacity=8, max_num_tokens=8)
+
+
+def test_a_rank_steps_and_closes_on_its_device_from_any_thread_and_an_abort_replaces_the_destroy(monkeypatch,
+                                                                                                   tmp_path):
+    import threading
+
+    events = []
+    cuda, make = _runner(monkeypatch, tmp_path, events)
+    runner = make()
+    monkeypatch.setattr(trt_parallel.TrtRunner, "step", lambda self, *a, **k: events.append("step") or "logits")
+    events.clear()
+    result = []
+    thread = threading.Thread(target=lambda: result.append(runner.step(np.zeros((1, 1)), np.zeros(1))))
+    thread.start()
+    thread.join()
+    assert result == ["logits"] and events == ["device 1", "step"]  # the device is the calling thread's to set
+    events.clear()
+    runner.abort()  # another rank failed: the communicator ends at once, and is not destroyed after
+    runner.abort()
+    runner.close()
+    assert events[:2] == ["nccl aborted 0x7001", "device 1"] and events.count("nccl aborted 0x7001") == 1
+    assert not [e for e in events if e.startswith("nccl destroyed")] and not cuda.live
