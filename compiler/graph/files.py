@@ -5,6 +5,7 @@ files llmc's stage cache makes)."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 from llmc.errors import ExportError
@@ -22,10 +23,19 @@ def save_model(proto, out_dir: Path, external_threshold: int = EXTERNAL_THRESHOL
     """Write `out_dir/model.onnx`, weights in `model.onnx.data` when they pass `external_threshold` bytes.
     Returns whether they went to external data."""
     import onnx
+    from onnx import external_data_helper
 
     external = sum(t.ByteSize() for t in proto.graph.initializer) > external_threshold
-    onnx.save_model(proto, out_dir / ONNX_NAME, save_as_external_data=external, all_tensors_to_one_file=True,
-                    location=EXTERNAL_DATA_NAME, size_threshold=1024)
+    if external:
+        # What onnx.save_model(save_as_external_data=True) does, less its check that `location` does not exist,
+        # which it makes relative to the working directory, not the model's folder (onnx 1.2x): a build run from a
+        # folder holding a model.onnx.data (a rank's worker in its graph's) would fail. onnx appends to an existing
+        # data file, so the one there is removed first.
+        (out_dir / EXTERNAL_DATA_NAME).unlink(missing_ok=True)
+        for tensor in external_data_helper._get_initializer_tensors(proto):
+            if tensor.HasField("raw_data") and sys.getsizeof(tensor.raw_data) >= 1024:  # as onnx measures
+                external_data_helper.set_external_data(tensor, EXTERNAL_DATA_NAME)
+    onnx.save_model(proto, out_dir / ONNX_NAME)
     if external:  # onnx writes the data file owner-only (0600): give it the graph's mode, for a server's user
         shutil.copymode(out_dir / ONNX_NAME, out_dir / EXTERNAL_DATA_NAME)
     return external
