@@ -12,6 +12,7 @@ import types
 
 import numpy as np
 import pytest
+from test_trt_runner import _Cuda as _RuntimeCuda
 
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.runners import trt_parallel
@@ -79,39 +80,14 @@ def test_the_capsule_holds_the_pointer_under_tensorrts_name():
         communicator_capsule(0)
 
 
-class _Cuda:
-    """cuda-python's runtime calls, each returning (error, *values); device and stream calls recorded."""
-
-    class cudaMemcpyKind:
-        cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice = 1, 2, 3
-
-    def __init__(self, events):
-        self.events, self.live, self.next = events, set(), 0x1000
+class _Cuda(_RuntimeCuda):
+    """test_trt_runner.py's cuda-python stand-in, with the device each rank selects recorded (and synchronizing not)."""
 
     def cudaSetDevice(self, device):
         self.events.append(f"device {device}")
         return (0,)
 
-    def cudaMalloc(self, size):
-        self.next += size + 256
-        self.live.add(self.next)
-        return 0, self.next
-
-    def cudaMemset(self, ptr, value, size):
-        return (0,)
-
-    def cudaFree(self, ptr):
-        self.live.remove(ptr)
-        return (0,)
-
-    def cudaStreamCreate(self):
-        return 0, "stream"
-
     def cudaStreamSynchronize(self, stream):
-        return (0,)
-
-    def cudaStreamDestroy(self, stream):
-        self.events.append("stream destroyed")
         return (0,)
 
 
