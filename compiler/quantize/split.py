@@ -62,13 +62,12 @@ def quantize_split(exported: ExportedModel, export_dir: Path, out_dir: Path, spe
         workers = []
         try:
             for rank, folder in enumerate(folders):
-                process, conn = start_worker(__name__, "rank_main", cwd=export_dir / folder,
-                                             env={GROUP_ENV: group.name, TIMEOUT_ENV: str(RANK_WAIT_S)})
-                workers.append((process, conn))
                 earlier = previous / folder if previous is not None and (previous / folder).is_dir() else None
-                conn.send(dict(rank=rank, exported=rank_export(exported, rank), export_dir=export_dir / folder,
-                               out_dir=out_dir / folder, spec=spec, source=source, inputs_hash=inputs_hash,
-                               num_threads=threads, external_threshold=external_threshold, previous=earlier))
+                job = dict(rank=rank, exported=rank_export(exported, rank), export_dir=export_dir / folder,
+                           out_dir=out_dir / folder, spec=spec, source=source, inputs_hash=inputs_hash,
+                           num_threads=threads, external_threshold=external_threshold, previous=earlier)
+                workers.append(start_worker(__name__, "rank_main", job, cwd=export_dir / folder,
+                                            env={GROUP_ENV: group.name, TIMEOUT_ENV: str(RANK_WAIT_S)}))
             _supervise(workers, group, progress)
         finally:
             for process, conn in workers:

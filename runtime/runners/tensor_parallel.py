@@ -65,16 +65,6 @@ def rank_main(conn: multiprocessing.connection.Connection) -> None:
     runner.close()
 
 
-def _start_worker(spec: dict) -> tuple[subprocess.Popen, multiprocessing.connection.Connection]:
-    """A worker process for one rank (in its graph's folder), told its spec."""
-    process, conn = start_worker(__name__, "rank_main", cwd=Path(spec["graph"]).parent)
-    try:
-        conn.send(spec)
-    except OSError:  # it died at once: the ready wait reports its exit
-        pass
-    return process, conn
-
-
 def rank_cpus(ranks: int, nodes: dict[int, list[int]] | None = None, allowed: Collection[int] | None = None
               ) -> list[list[int]] | None:
     """The CPUs each rank runs on where this machine has several NUMA nodes (`nodes`: collective.numa_nodes(), by
@@ -129,10 +119,11 @@ class TensorParallelRunner:
         self.conns, self.workers = [], []
         try:
             for rank in range(1, ranks):
-                worker, conn = _start_worker(dict(
+                worker, conn = start_worker(__name__, "rank_main", dict(
                     graph=str(graphs[rank]), layout=layout.model_dump_json(), group=self.group.name, rank=rank,
                     num_blocks=num_blocks, max_num_tokens=max_num_tokens, num_threads=threads,
-                    spin_after_run=spin_after_run, cpus=self.cpus[rank] if self.cpus else None))
+                    spin_after_run=spin_after_run, cpus=self.cpus[rank] if self.cpus else None),
+                    cwd=Path(graphs[rank]).parent)
                 self.workers.append(worker)
                 self.conns.append(conn)
             with _pinned(self.cpus[0] if self.cpus else None):  # rank 0's thread pool starts on its node's CPUs

@@ -110,11 +110,9 @@ class TrtTensorParallelRunner:
 
         try:
             for rank in range(1, ranks):
-                worker, conn = start_worker(__name__, "rank_main", cwd=Path(engines[rank]).parent)
+                worker, conn = start_worker(__name__, "rank_main", spec(rank), cwd=Path(engines[rank]).parent)
                 self.workers.append(worker)
                 self.conns.append(conn)
-                with contextlib.suppress(OSError):  # it died at once: the ready wait reports its exit
-                    conn.send(spec(rank))
             self.local = self._start_local(spec(0), nccl)
             deadline = time.monotonic() + READY_TIMEOUT_S
             while len(self._ready) < ranks - 1:

@@ -1,8 +1,9 @@
 """Worker processes for the ranks of a split model: a fresh interpreter per rank, talking to the process that
 started it over a socket pair (a `multiprocessing.connection.Connection` at each end).
 
-    start_worker("pkg.module", "function", cwd=..., env={...})   -> (Popen, Connection)
-        runs `pkg.module.function(connection)` in a new `python -c`, with this process's import path
+    start_worker("pkg.module", "function", job, cwd=..., env={...})   -> (Popen, Connection)
+        runs `pkg.module.function(connection)` in a new `python -c`, with this process's import path, `job` its
+        first message
     die_with_parent()   in the worker: end it when the process that started it ends
     serve_calls(conn, runner, rank, abort)   in the worker: run the leader's calls on the rank's runner
     stop_workers(workers, conns)   in the leader: tell them to close, wait, kill one that is stuck
@@ -37,12 +38,13 @@ def python_executable() -> str:
     return str(Path(sys.exec_prefix) / "bin" / "python3")
 
 
-def start_worker(module: str, function: str, *, cwd: Path, env: Mapping[str, str] | None = None
+def start_worker(module: str, function: str, job: Any, *, cwd: Path, env: Mapping[str, str] | None = None
                  ) -> tuple[subprocess.Popen, multiprocessing.connection.Connection]:
-    """A worker process running `module.function(conn)`, and this end of the socket pair `conn` is the other end
-    of. `cwd`: where it runs; `-c` puts the working directory first on the import path, and the caller's may hold
-    another `llmc` (a checkout) that would shadow the one this process runs, so give a folder of data (a graph's).
-    `env`: added to this process's environment."""
+    """A worker process running `module.function(conn)`, told `job` first (its first `conn.recv()`), and this end of
+    the socket pair `conn` is the other end of. A worker that dies at once is not an error here: the caller's next
+    read of `conn` meets its end, and the process its exit code. `cwd`: where it runs; `-c` puts the working
+    directory first on the import path, and the caller's may hold another `llmc` (a checkout) that would shadow the
+    one this process runs, so give a folder of data (a graph's). `env`: added to this process's environment."""
     ours, theirs = socket.socketpair()
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **(env or {})}
     command = [python_executable(), "-c", "import sys, multiprocessing.connection as c; "
@@ -53,7 +55,12 @@ def start_worker(module: str, function: str, *, cwd: Path, env: Mapping[str, str
                                    cwd=cwd)
     finally:
         theirs.close()
-    return process, multiprocessing.connection.Connection(ours.detach())
+    conn = multiprocessing.connection.Connection(ours.detach())
+    try:
+        conn.send(job)
+    except OSError:  # it died at once: the caller's next read reports it
+        pass
+    return process, conn
 
 
 def die_with_parent() -> None:
