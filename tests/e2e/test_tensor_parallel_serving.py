@@ -92,22 +92,44 @@ def test_the_openai_api_gives_the_same_log_probabilities(served):
 
 
 def test_a_rank_killed_under_load_ends_its_stream_and_the_model_comes_back(served):
+    import threading
+
     from llmc.client import Client
     from llmc.client.generation import GenerationError
+    from llmc.soak import llmc_metrics
 
     client = Client(served.grpc_url, "split")
     want = client.complete(PROMPT, max_tokens=16).output_ids
     longest = Client(served.grpc_url, "whole").complete(PROMPT, max_tokens=64, end_id=-1).output_ids
     end_id = next(t for t in range(256) if t not in longest)  # no early end: the stream runs until the kill
-    stream = client.generate(PROMPT, max_tokens=64, end_id=end_id)
     workers = _rank_workers(served.process.pid)
     assert len(workers) == 1
-    next(stream)  # it is running
-    os.kill(workers[0], signal.SIGSTOP)  # the steps from here on wait for the rank in their first all-reduce
+    metrics_url = f"http://127.0.0.1:{served.ports.metrics}"
+    admitted = llmc_metrics(metrics_url, "split")["llmc_prompt_tokens_total"]
+    # The rank stops first: a tiny model streams 64 tokens faster than a test can read one and signal, so a rank
+    # stopped after the first token may find the stream already ended. Stopped, it holds the request's first step in
+    # its first all-reduce, and the kill lands with the request surely in flight.
+    os.kill(workers[0], signal.SIGSTOP)
+    ended: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            for _ in client.generate(PROMPT, max_tokens=64, end_id=end_id):
+                pass
+            ended.append(None)
+        except BaseException as err:  # noqa: BLE001 (the test thread checks what it was)
+            ended.append(err)
+
+    streaming = threading.Thread(target=run, daemon=True)
+    streaming.start()
+    deadline = time.monotonic() + 30
+    while llmc_metrics(metrics_url, "split")["llmc_prompt_tokens_total"] == admitted:
+        assert time.monotonic() < deadline, "the request was not admitted"
+        time.sleep(0.05)
     os.kill(workers[0], signal.SIGKILL)
-    with pytest.raises(GenerationError, match="rank 1"):
-        for _ in stream:
-            pass
+    streaming.join(timeout=60)
+    assert ended and isinstance(ended[0], GenerationError), ended
+    assert "rank 1" in str(ended[0])
     deadline = time.monotonic() + 60
     while True:  # the model loads its ranks again; requests meanwhile wait for it
         try:
