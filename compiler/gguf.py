@@ -12,12 +12,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llmc.compiler.gguf_reader import one_parse
 from llmc.errors import SourceError
 
 
 def read_header(path: Path) -> tuple[str, int | None]:
     """(the HF model_type transformers builds, the context length the file states), refused (naming the
     field) where transformers' loader would build a different model than the file describes."""
+    with one_parse():
+        return _read_header(path)
+
+
+def _read_header(path: Path) -> tuple[str, int | None]:
     import gguf
 
     try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmc.compiler.gguf_reader import one_parse
 from llmc.compiler.hashing import sha256_files
 from llmc.compiler.models.config import TEXT_PARTS, check_rope
 from llmc.compiler.spec import BuildSpec, SourceSpec
@@ -121,7 +122,8 @@ def load_model(info: SourceInfo):
     common = dict(dtype=torch.float32, trust_remote_code=False, local_files_only=True)
     try:
         if info.kind == "gguf":
-            model = _load_gguf(info, common)
+            with one_parse():
+                model = _load_gguf(info, common)
         elif info.uses_pickle:
             model = _load_pickle_checkpoint(info)
         else:
@@ -200,7 +202,9 @@ def load_tokenizer(info: SourceInfo):
 
     try:
         if info.kind == "gguf":
-            return AutoTokenizer.from_pretrained(str(info.path.parent), gguf_file=info.path.name, local_files_only=True)
+            with one_parse():
+                return AutoTokenizer.from_pretrained(str(info.path.parent), gguf_file=info.path.name,
+                                                     local_files_only=True)
         if any((info.path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             return AutoTokenizer.from_pretrained(str(info.path), trust_remote_code=False, local_files_only=True)
     except Exception as err:

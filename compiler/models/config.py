@@ -26,7 +26,10 @@ def read_config(info):
     from transformers import AutoConfig
 
     if info.kind == "gguf":
-        return AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name, local_files_only=True)
+        from llmc.compiler.gguf_reader import one_parse
+
+        with one_parse():
+            return AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name, local_files_only=True)
     config = AutoConfig.from_pretrained(str(info.path), local_files_only=True, trust_remote_code=False)
     return config.get_text_config() if config.model_type in TEXT_PARTS else config
 

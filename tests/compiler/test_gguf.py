@@ -126,6 +126,30 @@ def test_a_qwen3_gguf_exports_and_verifies(gguf_files, tmp_path):
     assert result.exported.model.model_type == "qwen3" and result.verify.passed
 
 
+def test_a_gguf_is_parsed_once_for_its_config_weights_and_tokenizer(gguf_files, tmp_path, monkeypatch):
+    # 6 parses here without the shared reader (header, configs, weights, tokenizer): seconds each for a
+    # real vocabulary. A file changed on disk is parsed again.
+    import shutil
+
+    from gguf.gguf_reader import GGUFReader
+
+    from llmc.compiler.models.config import read_config
+
+    parses = []
+    real_init = GGUFReader.__init__
+    monkeypatch.setattr(GGUFReader, "__init__", lambda self, path, *a, **k: (parses.append(path),
+                                                                             real_init(self, path, *a, **k))[1])
+    path = shutil.copy(gguf_files["phi3"][0], tmp_path / "copy.gguf")
+    info = inspect_source(SourceSpec(path=path))
+    model, tokenizer = load_model(info)
+    assert read_config(info).model_type == "phi3" and tokenizer is not None
+    assert len(parses) == 1
+    write_gguf(model, path, "phi3")  # the same bytes again, written anew: another mtime
+    load_model(info)
+    assert len(parses) == 2
+    assert gguf.GGUFReader is GGUFReader  # nothing left replaced
+
+
 @pytest.mark.parametrize("arch", ["gemma", "granite", "olmo2", "smollm3"])
 def test_a_family_transformers_cannot_read_as_gguf_is_refused_naming_it(tmp_path, arch):
 
