@@ -3,7 +3,7 @@ checkpoints with the exact shapes of real models, every ratio measured within on
 
     .venv/bin/python scripts/bench_sizes.py [--shapes qwen2.5-0.5b,llama-3.2-1b | --checkpoint DIR]
         [--modes fp32,int8,int4] [--peers genai,llama.cpp] [--passes 3] [--threads 2] [--new-tokens 32]
-        [--prefill-tokens 512] [--out build/bench/sizes]
+        [--prefill-tokens 512] [--streams 16] [--out build/bench/sizes]
 
 Random weights read and multiply as fast as trained ones, and need no download: the checkpoint is the
 model's config (sized_checkpoints.py's SHAPES: hidden size, layers, heads, vocabulary, tied embeddings, RoPE)
@@ -21,7 +21,11 @@ llmc's own `--dry-run` estimate of it.
 
 Then, in passes with the contenders' order rotating and a new prompt a pass:
   - batch-1 decode tokens/s (greedy, `--new-tokens` after a 128-token prompt);
-  - prefill tokens/s of a `--prefill-tokens` prompt (its time to the first token, prefix cache cold).
+  - prefill tokens/s of a `--prefill-tokens` prompt (its time to the first token, prefix cache cold);
+  - `--streams` concurrent streams (llmc's engine and og.Engine, sized_streams.py; 0: none): 2 x streams
+    requests of `--prompt-tokens` and `--new-tokens`, generated tokens/s, TTFT and inter-token p50/p99.
+    llama.cpp is not in it: llama-cpp-python runs one sequence at a time, and its sdist does not build
+    llama.cpp's batching `llama-server`.
 Each figure is also a share of the memory-bandwidth roofline: the bytes a decode step must read
 (every weight a node reads whole: the embedding table, which a step gathers one row of, is left out)
 over the bandwidth this machine reads at with `--threads` threads, measured in the same run (the best
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--streams", type=int, default=16, help=f"concurrent streams, at most {made.STREAM_ROWS} (0: none)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     shapes = [] if args.checkpoint else [s for s in args.shapes.split(",") if s]
@@ -120,11 +125,13 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--peers: unknown {bad}; known: genai, llama.cpp, none")
     if bad := [m for m in modes if m not in made.MODES]:
         p.error(f"--modes: unknown {bad}; known: {', '.join(made.MODES)}")
+    if not 0 <= args.streams <= made.STREAM_ROWS:
+        p.error(f"--streams: {args.streams} is not between 0 and {made.STREAM_ROWS} (the rows llmc's builds step)")
 
     import torch
     from tokenizers import Tokenizer
 
-    compare, attention = _script("compare_peers"), _script("bench_attention")
+    compare, attention, concurrent = _script("compare_peers"), _script("bench_attention"), _script("sized_streams")
     torch.set_num_threads(args.threads)
     no_llama_cpp = made.llama_cpp_missing() if "llama.cpp" in peers else "not asked for (--peers)"
     if no_llama_cpp:
@@ -148,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
             "genai": lambda b, prompt, new: attention.genai_timed(b["dir"], prompt, 1, new),
             "llama.cpp": lambda b, prompt, new: made.llama_cpp_timed(b["gguf"], prompt, new, args.threads),
         }
+        streamed = {"llmc": lambda b, prompts: concurrent.llmc_streams(b["version"], prompts, args.new_tokens,
+                                                                       args.streams),
+                    "genai": lambda b, prompts: concurrent.genai_streams(b["dir"], prompts, args.new_tokens,
+                                                                         args.streams)}
         bw = bandwidth(args.threads)
         passes: dict[tuple[str, str], list[dict]] = {key: [] for key in builds}
         for n in range(args.passes):
@@ -160,8 +171,15 @@ def main(argv: list[str] | None = None) -> None:
                 prefill_ttft = run(builds[key], prefill_prompt, 2)[0]
                 passes[key].append({"decode_tok_s": after / (total - ttft),
                                     "prefill_tok_s": len(prefill_prompt) / prefill_ttft})
-                print(f"  pass {n + 1} {shape} {key[1]:5} {key[0]:9} decode {passes[key][-1]['decode_tok_s']:6.1f} tok/s"
-                      f"  prefill {passes[key][-1]['prefill_tok_s']:7.1f} tok/s", file=sys.stderr)
+                if args.streams and key[0] in streamed:
+                    prompts = [compare.prompt_for(tokenizer, args.prompt_tokens, 3000 + 100 * n + i)[1]
+                               for i in range(2 * args.streams)]
+                    passes[key][-1].update({f"streams_{k}": v for k, v in streamed[key[0]](builds[key], prompts).items()})
+                got = passes[key][-1]
+                print(f"  pass {n + 1} {shape} {key[1]:5} {key[0]:9} decode {got['decode_tok_s']:6.1f} tok/s"
+                      f"  prefill {got['prefill_tok_s']:7.1f} tok/s"
+                      + (f"  {args.streams} streams {got['streams_tok_s']:6.1f} tok/s" if "streams_tok_s" in got else ""),
+                      file=sys.stderr)
         bw = max(bw, bandwidth(args.threads))  # measured again after the passes: the best of both
         results["shapes"][shape] = _table(shape, builds, passes, bw, args)
     path = args.out / "sizes.json"
@@ -197,7 +215,31 @@ def _table(shape: str, builds: dict, passes: dict, bw: float, args) -> dict:
         print(f"| {mode} | {engine} | {decode:.1f} | {row['roofline_share']:.0%} | {row['prefill_tok_s']:.0f} | "
               f"{row['build_s']:.0f} s | {row['peak_build_bytes'] / 2**30:.1f} GiB "
               f"({row['peak_build_anonymous_bytes'] / 2**30:.1f}){estimate} | {ratios[0]} | {ratios[1]} |")
+    _streams_table(passes, rows, args)
     return rows
+
+
+def _streams_table(passes: dict, rows: dict, args) -> None:
+    """The --streams runs' medians (and llmc's per-pass throughput ratio to og.Engine) into `rows`, printed."""
+    measured = {key: values for key, values in passes.items() if "streams_tok_s" in values[0]}
+    if not measured:
+        return
+    print(f"\n{args.streams} streams, {2 * args.streams} requests of {args.prompt_tokens} + {args.new_tokens} tokens")
+    print("| mode | engine | tok/s | TTFT p50 / p99 | inter-token p50 / p99 | p99 / p50 | llmc tok/s vs |")
+    print("|---|---|---|---|---|---|---|")
+    for (engine, mode), values in measured.items():
+        row = rows[f"{engine} {mode}"]
+        for what in ("tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
+            row[f"streams_{what}"] = statistics.median(v[f"streams_{what}"] for v in values)
+        ours = measured.get(("llmc", mode))
+        if engine != "llmc" and ours:
+            row["llmc_streams_tok_s_ratio"] = statistics.median(
+                o["streams_tok_s"] / v["streams_tok_s"] for o, v in zip(ours, values))
+        ratio = f"{row['llmc_streams_tok_s_ratio']:.2f}x" if "llmc_streams_tok_s_ratio" in row else ""
+        print(f"| {mode} | {engine} | {row['streams_tok_s']:.1f} | {row['streams_ttft_p50_s']:.2f} / "
+              f"{row['streams_ttft_p99_s']:.2f} s | {row['streams_itl_p50_s'] * 1e3:.0f} / "
+              f"{row['streams_itl_p99_s'] * 1e3:.0f} ms | {row['streams_itl_p99_s'] / row['streams_itl_p50_s']:.2f} "
+              f"| {ratio} |")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 MODES = ("fp32", "int8", "int4")
 LLMC_MODE = {"fp32": None, "int8": "int8-weight-only", "int4": "int4-weight-only"}
 LLAMA_CPP_TYPE = {"fp32": "f32", "int8": "q8_0", "int4": "q4_0"}
+STREAM_ROWS = 16  # llmc's rows a step (limits.max_batch_size, as the example's): bench_sizes.py's --streams at most
 
 
 class PeakMemory:
@@ -73,7 +74,8 @@ def llmc_build(checkpoint: Path, mode: str, root: Path) -> dict:
     out = root / f"llmc-{mode}"
     spec = root / f"llmc-{mode}.yaml"
     root.mkdir(parents=True, exist_ok=True)
-    lines = [f"name: {checkpoint.name}-{mode}", f"source: {checkpoint}", "target: onnxruntime", "precision: fp32"]
+    lines = [f"name: {checkpoint.name}-{mode}", f"source: {checkpoint}", "target: onnxruntime", "precision: fp32",
+             "limits:", f"  max_batch_size: {STREAM_ROWS}"]
     if LLMC_MODE[mode]:
         lines += ["quantization:", f"  mode: {LLMC_MODE[mode]}"]
     spec.write_text("\n".join(lines) + "\n")

@@ -114,18 +114,21 @@ def test_compare_peers(monkeypatch, tiny_checkpoints, tiny_build, tmp_path):
 
 def test_bench_sizes_on_a_tiny_checkpoint(monkeypatch, capsys, tiny_checkpoints, tmp_path):
     """The real-size benchmark's whole path on the tiny Llama (--checkpoint instead of a shape; no peers):
-    the build timed with its peak memory beside the dry run's estimate, decode and prefill measured, the
-    roofline share from the graph's bytes."""
+    the build timed with its peak memory beside the dry run's estimate, decode, prefill and concurrent streams
+    measured, the roofline share from the graph's bytes."""
     run_script(monkeypatch, "bench_sizes.py", "--checkpoint", str(tiny_checkpoints["llama"]), "--modes", "fp32",
                "--peers", "none", "--passes", "1", "--threads", "1", "--prompt-tokens", "8", "--new-tokens", "4",
-               "--prefill-tokens", "16", "--out", str(tmp_path))
+               "--prefill-tokens", "16", "--streams", "3", "--out", str(tmp_path))
     result = json.loads((tmp_path / "sizes.json").read_text())
     row = result["shapes"][tiny_checkpoints["llama"].name]["llmc fp32"]
     assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and 0 < row["roofline_share"]
     assert row["peak_build_bytes"] >= row["peak_build_anonymous_bytes"] > 0 and row["estimate_bytes"] > 0
     assert row["build_s"] > 0
     assert row["step_bytes"] > 0
-    assert "| fp32 | llmc |" in capsys.readouterr().out
+    assert row["streams_tok_s"] > 0 and 0 < row["streams_itl_p50_s"] <= row["streams_itl_p99_s"]
+    assert 0 < row["streams_ttft_p50_s"] <= row["streams_ttft_p99_s"]
+    out = capsys.readouterr().out
+    assert "| fp32 | llmc |" in out and "3 streams, 6 requests of 8 + 4 tokens" in out
 
 
 def test_bench_moe_op_curve_tiny(monkeypatch, tmp_path):
@@ -179,3 +182,24 @@ def test_bench_tensor_parallel_tiny(monkeypatch, capsys, tiny_checkpoints, tmp_p
                                                              "itl_p99_ms"}
     assert all(row["whole"] > 0 and row["split"] > 0 for row in result["table"].values())
     assert "collectives at 1 row(s)" in capsys.readouterr().out
+
+
+def test_og_engine_streams_on_a_tiny_genai_build(tiny_checkpoints, tmp_path):
+    """bench_sizes.py's --streams against onnxruntime-genai: its builder's CPU graph of the tiny Llama, served
+    by og.Engine with the batch set to the streams; every request gets exactly its tokens."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sized_builds", SCRIPTS / "sized_builds.py")
+    made = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(made)
+    spec = importlib.util.spec_from_file_location("sized_streams", SCRIPTS / "sized_streams.py")
+    concurrent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(concurrent)
+
+    build = made.genai_build(tiny_checkpoints["llama"], "fp32", tmp_path, threads=1)
+    prompts = [[1, 40 + i, 50, 60, 70 + i] for i in range(5)]
+    got = concurrent.genai_streams(build["dir"], prompts, new=6, streams=3)
+    assert got["tokens"] == 5 * 6 and got["tok_s"] > 0
+    assert 0 < got["itl_p50_s"] <= got["itl_p99_s"] and 0 < got["ttft_p50_s"] <= got["ttft_p99_s"]
+    config = json.loads((build["dir"] / "genai_config.json").read_text())
+    assert config["engine"] == {"static_batching": {"max_batch_size": 3}}
