@@ -50,11 +50,13 @@ def config(shape: str, fields: dict | None = None):
 
 
 def grown_tokenizer(vocab_size: int) -> dict:
-    """SmolLM2's tokenizer.json with filler tokens `<|filler_i|>` up to `vocab_size` ids."""
+    """SmolLM2's tokenizer.json with filler tokens `<|filler_i|>` up to `vocab_size` ids, in its BPE vocabulary
+    (no merge makes them: encoding never does, decoding does), as a real model's vocabulary is. As added tokens
+    instead, 100,000 of them cost a build ~40 s that a real tokenizer does not: transformers copies each added
+    token when it loads a tokenizer, and the package stage checks each one's text."""
     tok = json.loads((TOKENIZER / "tokenizer.json").read_text())
     used = max(len(tok["model"]["vocab"]), 1 + max(t["id"] for t in tok["added_tokens"]))
-    tok["added_tokens"] += [{"id": i, "content": f"<|filler_{i}|>", "single_word": False, "lstrip": False,
-                             "rstrip": False, "normalized": False, "special": True} for i in range(used, vocab_size)]
+    tok["model"]["vocab"].update({f"<|filler_{i}|>": i for i in range(used, vocab_size)})
     return tok
 
 
