@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         for n in range(args.passes):
             decode_prompt = compare.prompt_for(tokenizer, args.prompt_tokens, 1000 + n)[1]
             prefill_prompt = compare.prompt_for(tokenizer, args.prefill_tokens, 2000 + n)[1]
+            stream_prompts = [compare.prompt_for(tokenizer, args.prompt_tokens, 3000 + 100 * n + i)[1]
+                              for i in range(2 * args.streams)]
             keys = list(builds)
             for key in keys[n % len(keys):] + keys[:n % len(keys)]:
                 run = runs[key[0]]
@@ -172,9 +174,8 @@ def main(argv: list[str] | None = None) -> None:
                 passes[key].append({"decode_tok_s": after / (total - ttft),
                                     "prefill_tok_s": len(prefill_prompt) / prefill_ttft})
                 if args.streams and key[0] in streamed:
-                    prompts = [compare.prompt_for(tokenizer, args.prompt_tokens, 3000 + 100 * n + i)[1]
-                               for i in range(2 * args.streams)]
-                    passes[key][-1].update({f"streams_{k}": v for k, v in streamed[key[0]](builds[key], prompts).items()})
+                    passes[key][-1].update({f"streams_{k}": v
+                                            for k, v in streamed[key[0]](builds[key], stream_prompts).items()})
                 got = passes[key][-1]
                 print(f"  pass {n + 1} {shape} {key[1]:5} {key[0]:9} decode {got['decode_tok_s']:6.1f} tok/s"
                       f"  prefill {got['prefill_tok_s']:7.1f} tok/s"
