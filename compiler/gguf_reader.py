@@ -32,8 +32,8 @@ def one_parse() -> Iterator[None]:
         stat = os.stat(path)
         return _parsed(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
 
-    gguf.GGUFReader = shared
+    previous, gguf.GGUFReader = gguf.GGUFReader, shared
     try:
         yield
     finally:
-        gguf.GGUFReader = GGUFReader
+        gguf.GGUFReader = previous  # an enclosing one_parse keeps its reader
