@@ -37,6 +37,16 @@ def run_script(monkeypatch, name: str, *args: str) -> None:
     runpy.run_path(str(SCRIPTS / name), run_name="__main__")
 
 
+def script_module(name: str):
+    """scripts/<name>.py imported as a module (a helper of the bench scripts, not one run as __main__)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_every_bench_script_is_smoked():
     scripts = {p.name for p in SCRIPTS.glob("bench_*.py")} | {"compare_peers.py"}
     assert scripts - LIBRARIES == RUN | HELP_ONLY, "a benchmark script without a smoke test (add it above)"
@@ -144,15 +154,11 @@ def test_bench_moe_op_curve_tiny(monkeypatch, tmp_path):
 def test_sized_checkpoints_have_the_published_parameter_counts():
     """The shapes are the models' own configs: counted on the meta device, each matches its published size;
     the tokenizer grows to the vocabulary, so every id a random model emits decodes."""
-    import importlib.util
-
     import torch
     import transformers
     from tokenizers import Tokenizer
 
-    spec = importlib.util.spec_from_file_location("sized_checkpoints", SCRIPTS / "sized_checkpoints.py")
-    sized = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sized)
+    sized = script_module("sized_checkpoints")
     for shape, count in sized.PARAMETERS.items():
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(sized.config(shape))
@@ -187,15 +193,7 @@ def test_bench_tensor_parallel_tiny(monkeypatch, capsys, tiny_checkpoints, tmp_p
 def test_og_engine_streams_on_a_tiny_genai_build(tiny_checkpoints, tmp_path):
     """bench_sizes.py's --streams against onnxruntime-genai: its builder's CPU graph of the tiny Llama, served
     by og.Engine with the batch set to the streams; every request gets exactly its tokens."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sized_builds", SCRIPTS / "sized_builds.py")
-    made = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(made)
-    spec = importlib.util.spec_from_file_location("sized_streams", SCRIPTS / "sized_streams.py")
-    concurrent = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(concurrent)
-
+    made, concurrent = script_module("sized_builds"), script_module("sized_streams")
     build = made.genai_build(tiny_checkpoints["llama"], "fp32", tmp_path, threads=1)
     prompts = [[1, 40 + i, 50, 60, 70 + i] for i in range(5)]
     got = concurrent.genai_streams(build["dir"], prompts, new=6, streams=3)

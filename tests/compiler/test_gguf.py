@@ -137,8 +137,12 @@ def test_a_gguf_is_parsed_once_for_its_config_weights_and_tokenizer(gguf_files, 
 
     parses = []
     real_init = GGUFReader.__init__
-    monkeypatch.setattr(GGUFReader, "__init__", lambda self, path, *a, **k: (parses.append(path),
-                                                                             real_init(self, path, *a, **k))[1])
+
+    def counted(self, path, *args, **kwargs):
+        parses.append(path)
+        real_init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(GGUFReader, "__init__", counted)
     path = shutil.copy(gguf_files["phi3"][0], tmp_path / "copy.gguf")
     info = inspect_source(SourceSpec(path=path))
     model, tokenizer = load_model(info)
