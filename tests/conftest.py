@@ -386,7 +386,7 @@ def assert_serves_like_its_graph(result, tmp_path: Path, prompt: str = "quantize
     engine = result.quantized or result.exported
     folder = "quantize" if result.quantized else "export"
     runner = slot_runner(result.output / folder / engine.onnx, engine.kv_layout, max_batch=1, capacity=64)
-    expected = greedy(runner, byte_tokenizer().encode(prompt).ids, tokens)
+    expected = greedy(runner, [byte_tokenizer().encode(prompt).ids], tokens)[0]
     with TritonServer(result.repository, server_dir=assemble(tmp_path / "server"), serving_env=env,
                       log_path=tmp_path / "server.log") as server:
         gen = Client(server.grpc_url).complete(prompt, max_tokens=tokens, min_tokens=tokens)

@@ -100,16 +100,24 @@ def minmax(w: np.ndarray, bits: int, block: int, symmetric: bool = False) -> Blo
 
 
 def fake_quantize(w: np.ndarray, bits: int, block: int, symmetric: bool = False,
-                  row_scale: np.ndarray | None = None) -> np.ndarray:
+                  row_scale: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """`w` as `minmax` codes would give it back; with `row_scale` [K] (AWQ's s), Q(w * s) / s: the rows
-    scaled before rounding and scaled back after (in C in one pass where this host compiles it)."""
+    scaled before rounding and scaled back after (in C in one pass where this host compiles it).
+    `out`: a C-contiguous float32 array of w's shape to write into (a caller that rounds the same weight
+    many times reuses one: a fresh one costs a page fault every 4 KiB, more than the rounding)."""
     w = np.ascontiguousarray(w, dtype=np.float32)
+    if out is not None and (out.shape != w.shape or out.dtype != np.float32 or not out.flags.c_contiguous):
+        raise ValueError(f"out: {out.shape} {out.dtype} array; expected a C-contiguous float32 {w.shape}")
     library = _search_library()
     if library is None:
         scaled = w if row_scale is None else w * row_scale[:, None]
-        out = minmax(scaled, bits, block, symmetric).dequantize()
-        return out if row_scale is None else out / row_scale[:, None]
-    out = np.empty_like(w)
+        result = minmax(scaled, bits, block, symmetric).dequantize()
+        result = result if row_scale is None else result / row_scale[:, None]
+        if out is None:
+            return result
+        out[...] = result
+        return out
+    out = np.empty_like(w) if out is None else out
     rs = None if row_scale is None else np.ascontiguousarray(row_scale, dtype=np.float32)
     k, n = w.shape
     _over_columns(n, lambda n0, n1: library.fake_quantize(_ptr(w), _ptr(rs), k, n, n0, n1, bits, block,

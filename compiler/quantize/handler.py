@@ -8,6 +8,7 @@ modes, the calibration samples).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -71,6 +72,7 @@ def untie_lm_head(graph) -> int:
     Tied embeddings reach the LM head as `Transpose(embedding)`, which the quantizers skip as "no
     constant weight"; folded, the LM head (a fifth of SmolLM2's weights) is quantized too while the
     embedding Gather keeps the original table."""
+    import torch
     from onnx import numpy_helper
 
     initializers = {t.name: t for t in graph.initializer}
@@ -78,9 +80,12 @@ def untie_lm_head(graph) -> int:
     for node in list(graph.node):
         if node.op_type != "Transpose" or node.input[0] not in initializers:
             continue
-        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-        weight = numpy_helper.to_array(initializers[node.input[0]])
-        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.transpose(perm)), node.output[0]))
+        with warnings.catch_warnings():  # the array is the tensor's read-only bytes; torch only reads it here
+            warnings.simplefilter("ignore", UserWarning)
+            weight = torch.from_numpy(numpy_helper.to_array(initializers[node.input[0]]))
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None) or range(weight.ndim)[::-1]
+        # torch's blocked copy: numpy's transposing copy of a 0.5B model's LM head takes 2-3x as long
+        graph.initializer.append(numpy_helper.from_array(weight.permute(*perm).contiguous().numpy(), node.output[0]))
         graph.node.remove(node)
         folded += 1
     return folded

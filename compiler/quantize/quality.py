@@ -31,21 +31,30 @@ SPEED_PROMPT, SPEED_STEPS = 64, 24
 def perplexity(runner: Runner, windows: list[np.ndarray], tick: Callable[[], None]) -> float:
     nll, count = 0.0, 0
     for ids in windows:
-        logits = runner.step(ids[None], np.zeros(1, dtype=np.int64))[0, :-1].astype(np.float64)
-        logits -= logits.max(-1, keepdims=True)
-        logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        nll -= logprobs[np.arange(len(ids) - 1), ids[1:]].sum()
+        logits = runner.step(ids[None], np.zeros(1, dtype=np.int64))[0, :-1]
+        top = logits.max(-1)
+        # log-sum-exp in float32 (every term <= 1 after the max is taken out), summed in float64
+        log_total = np.log(np.exp(logits - top[:, None]).sum(-1, dtype=np.float64)) + top
+        nll += float((log_total - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
         count += len(ids) - 1
         tick()
     return math.exp(nll / count)
 
 
-def greedy(runner: Runner, prompt: list[int], steps: int) -> list[int]:
-    logits = runner.step(np.array([prompt]), np.zeros(1, dtype=np.int64))
-    tokens = [int(logits[0, -1].argmax())]
+def greedy(runner: Runner, prompts: list[list[int]], steps: int,
+           tick: Callable[[], None] | None = None) -> list[list[int]]:
+    """Each prompt's `steps` greedy tokens, the prompts decoding side by side in rows 0.. of `runner`
+    (a step reads the weights once for every row: at 0.5B, a third of the time of one prompt after another)."""
+    tokens = []
+    for row, prompt in enumerate(prompts):
+        logits = runner.step(np.array([prompt]), np.zeros(1, dtype=np.int64), first_row=row)
+        tokens.append([int(logits[0, -1].argmax())])
     for k in range(steps - 1):
-        logits = runner.step(np.array([[tokens[-1]]]), np.array([len(prompt) + k]))
-        tokens.append(int(logits[0, -1].argmax()))
+        logits = runner.step(np.array([[t[-1]] for t in tokens]), np.array([len(p) + k for p in prompts]))
+        for row, t in zip(logits, tokens):
+            t.append(int(row[-1].argmax()))
+    if tick:
+        tick()
     return tokens
 
 
@@ -73,9 +82,9 @@ def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list
             optimize_quantized: bool = True, progress: Callable[[int, int], None] | None = None) -> QualityReport:
     """`optimize_quantized=False` runs the quantized graph with ONNX Runtime's graph optimizations off."""
     capacity = max(max(map(len, windows)), max(map(len, prompts)) + steps, SPEED_PROMPT + SPEED_STEPS + 2)
-    runners = [slot_runner(p, layout, max_batch=1, capacity=capacity, num_threads=num_threads, optimize=opt)
-               for p, opt in ((reference, True), (quantized, optimize_quantized))]
-    total, done = 2 * len(windows) + len(prompts), 0
+    runners = [slot_runner(p, layout, max_batch=rows, capacity=capacity, num_threads=num_threads, optimize=opt)
+               for p, opt, rows in ((reference, True, len(prompts)), (quantized, optimize_quantized, 1))]
+    total, done = 2 * len(windows) + 1 + len(prompts), 0
 
     def tick() -> None:
         nonlocal done
@@ -85,8 +94,8 @@ def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list
 
     ppl = [perplexity(r, windows, tick) for r in runners]
     agreed = 0
-    for prompt in prompts:
-        agreed += agreement(runners, prompt, greedy(runners[0], prompt, steps))
+    for prompt, reference_tokens in zip(prompts, greedy(runners[0], prompts, steps, tick)):
+        agreed += agreement(runners, prompt, reference_tokens)
         tick()
     speed = [decode_speed(r, vocab_size) for r in runners]
     for r in runners:

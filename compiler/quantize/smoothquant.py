@@ -136,6 +136,7 @@ def apply_scales(model, sites: list[Site], scales: list[np.ndarray]) -> None:
     """Multiply each site's readers' weight rows by s and divide its producer constants by s (in place).
     A constant read by other nodes too (the export deduplicates equal tensors, e.g. norm weights
     that are all ones) is copied first, so only this site's readers see the change."""
+    import onnx
     from onnx import numpy_helper
 
     graph = model.graph
@@ -157,8 +158,12 @@ def apply_scales(model, sites: list[Site], scales: list[np.ndarray]) -> None:
         return node.input[slot]
 
     def update(name: str, fn) -> None:
-        value = fn(numpy_helper.to_array(initializers[name]))
-        initializers[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
+        tensor = initializers[name]
+        value = fn(numpy_helper.to_array(tensor)).astype(np.float32, copy=False)
+        if tensor.data_type == onnx.TensorProto.FLOAT and tensor.HasField("raw_data"):
+            tensor.raw_data = value.tobytes()  # in place: from_array and CopyFrom would copy it twice more
+        else:
+            tensor.CopyFrom(numpy_helper.from_array(value, name))
 
     for site, s in zip(sites, scales):
         for node, slot, axis, start in site.divide:

@@ -94,6 +94,9 @@ def test_the_c_search_picks_exactly_the_numpy_codes(k, n, bits, block, symmetric
     s = (rng.random(k) + 0.5).astype(np.float32)  # AWQ's row scale: Q(w * s) / s in one pass
     want = blockwise.minmax(w * s[:, None], bits, block, symmetric).dequantize() / s[:, None]
     np.testing.assert_array_equal(blockwise.fake_quantize(w, bits, block, symmetric, row_scale=s), want)
+    out = np.full_like(w, np.nan)  # a reused buffer: every entry written, the same values
+    assert blockwise.fake_quantize(w, bits, block, symmetric, row_scale=s, out=out) is out
+    np.testing.assert_array_equal(out, want)
 
 
 def test_without_a_c_compiler_the_search_runs_in_numpy(monkeypatch):
@@ -102,13 +105,18 @@ def test_without_a_c_compiler_the_search_runs_in_numpy(monkeypatch):
     rng = np.random.default_rng(5)
     w, h = rng.standard_normal((64, 8)).astype(np.float32), rng.random(64).astype(np.float32)
     fast = blockwise.search(w, h, 4, 32)
+    s = (rng.random(64) + 0.5).astype(np.float32)
+    fast_rounded = blockwise.fake_quantize(w, 4, 32, row_scale=s)
     monkeypatch.setenv("CC", "no-such-compiler")
     blockwise._search_library.cache_clear()
     try:
         assert blockwise._search_library() is None
         slow = blockwise.search(w, h, 4, 32)
+        out = np.full_like(w, np.nan)
+        assert blockwise.fake_quantize(w, 4, 32, row_scale=s, out=out) is out
     finally:
         blockwise._search_library.cache_clear()
+    np.testing.assert_array_equal(out, fast_rounded)
     for a, b in ((fast.codes, slow.codes), (fast.scales, slow.scales), (fast.zero_points, slow.zero_points)):
         np.testing.assert_array_equal(a, b)
 
