@@ -43,8 +43,8 @@ def perplexity(runner: Runner, windows: list[np.ndarray], tick: Callable[[], Non
 
 def greedy(runner: Runner, prompts: list[list[int]], steps: int,
            tick: Callable[[], None] | None = None) -> list[list[int]]:
-    """Each prompt's `steps` greedy tokens, the prompts decoding side by side in rows 0.. of `runner`
-    (a step reads the weights once for every row: at 0.5B, a third of the time of one prompt after another)."""
+    """Each prompt's `steps` greedy tokens, the prompts decoding side by side in rows 0.. of `runner`: a step
+    reads the weights once for all its rows, where one prompt after another read them once a row."""
     tokens = []
     for row, prompt in enumerate(prompts):
         logits = runner.step(np.array([prompt]), np.zeros(1, dtype=np.int64), first_row=row)
