@@ -158,17 +158,38 @@ def llama_cpp_build(checkpoint: Path, mode: str, root: Path) -> dict:
     return {**json.loads(record.read_text()), "gguf": out}
 
 
-def llama_cpp_timed(gguf: Path, prompt: list[int], new: int, threads: int) -> tuple[float, float, int]:
-    """llama.cpp greedy generation of `new` tokens: (TTFT, total seconds, tokens after the first)."""
-    import llama_cpp
+# llama.cpp's greedy generation, run by llama_cpp_timed in a process of its own, printing its timings as JSON
+TIMED_CHILD = (
+    "import json, sys, time\n"
+    "import llama_cpp\n"
+    "gguf, prompt, new, threads = json.loads(sys.argv[1])\n"
+    "llm = llama_cpp.Llama(gguf, n_ctx=len(prompt) + new + 8, n_threads=threads, n_batch=512, verbose=False)\n"
+    "start, ttft, produced = time.perf_counter(), None, 0\n"
+    "for _ in llm.generate(prompt, top_k=1, reset=True):\n"
+    "    if ttft is None:\n"
+    "        ttft = time.perf_counter() - start\n"
+    "    else:\n"
+    "        produced += 1\n"
+    "    if produced == new - 1:\n"
+    "        break\n"
+    "print(json.dumps([ttft, time.perf_counter() - start, produced]))\n")
 
-    llm = llama_cpp.Llama(str(gguf), n_ctx=len(prompt) + new + 8, n_threads=threads, n_batch=512, verbose=False)
-    start, ttft, produced = time.perf_counter(), None, 0
-    for _ in llm.generate(prompt, top_k=1, reset=True):
-        if ttft is None:
-            ttft = time.perf_counter() - start
-        else:
-            produced += 1
-        if produced == new - 1:
-            break
-    return ttft, time.perf_counter() - start, produced
+
+def llama_cpp_timed(gguf: Path, prompt: list[int], new: int, threads: int) -> tuple[float, float, int]:
+    """llama.cpp greedy generation of `new` tokens: (TTFT, total seconds, tokens after the first), timed
+    inside a child process, so that a llama.cpp that dies takes only the child: one built with
+    GGML_NATIVE for a CPU that reports AMX but runs in a VM that does not enable it dies by SIGILL at its
+    first AMX tile load (seen on a Xeon VM); the run then raises naming that, not vanishing mid-pass."""
+    import signal
+
+    done = subprocess.run([sys.executable, "-c", TIMED_CHILD, json.dumps([str(gguf), list(prompt), new, threads])],
+                          capture_output=True, text=True)
+    if done.returncode < 0:
+        died = signal.Signals(-done.returncode).name
+        hint = (" (an instruction this CPU cannot run: rebuild llama-cpp-python with CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" "
+                "and the GGML_AVX2/GGML_AVX512... flags the CPU has, AMX left off)") if died == "SIGILL" else ""
+        raise RuntimeError(f"llama.cpp died by {died} generating from {gguf.name}{hint}")
+    if done.returncode:
+        raise RuntimeError(f"llama.cpp failed generating from {gguf.name}: {done.stderr.strip()[-800:]}")
+    ttft, total, produced = json.loads(done.stdout.strip().splitlines()[-1])
+    return ttft, total, produced

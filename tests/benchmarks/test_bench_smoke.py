@@ -190,6 +190,21 @@ def test_bench_tensor_parallel_tiny(monkeypatch, capsys, tiny_checkpoints, tmp_p
     assert "collectives at 1 row(s)" in capsys.readouterr().out
 
 
+def test_a_llama_cpp_that_dies_is_named_not_a_vanished_run(monkeypatch, tmp_path):
+    """llama.cpp generates in a child process: one dying by a signal (SIGILL: built for AMX in a VM that does not
+    enable it) or failing raises naming the file and the cause, and the bench's own process lives on."""
+    made = script_module("sized_builds")
+    gguf = tmp_path / "model.gguf"
+    monkeypatch.setattr(made, "TIMED_CHILD", "import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n")
+    with pytest.raises(RuntimeError, match=r"llama.cpp died by SIGILL generating from model.gguf .*GGML_NATIVE=OFF"):
+        made.llama_cpp_timed(gguf, [1, 2, 3], 4, 1)
+    monkeypatch.setattr(made, "TIMED_CHILD", "raise SystemExit('no such model: ' + __import__('sys').argv[1])\n")
+    with pytest.raises(RuntimeError, match=r"llama.cpp failed generating from model.gguf: no such model: .*model.gguf"):
+        made.llama_cpp_timed(gguf, [1, 2, 3], 4, 1)
+    monkeypatch.setattr(made, "TIMED_CHILD", "import json, sys\nprint('log line')\nprint(json.dumps([0.5, 2.0, 3]))\n")
+    assert made.llama_cpp_timed(gguf, [1, 2, 3], 4, 1) == (0.5, 2.0, 3)
+
+
 def test_og_engine_streams_on_a_tiny_genai_build(tiny_checkpoints, tmp_path):
     """bench_sizes.py's --streams against onnxruntime-genai: its builder's CPU graph of the tiny Llama, served
     by og.Engine with the batch set to the streams; every request gets exactly its tokens."""
