@@ -14,7 +14,9 @@ For each shape and mode (fp32, int8 and int4 weight-only) it builds (sized_build
   - llmc: `llmc build` of a spec with the mode (AWQ, searched codes and the quality report included);
   - onnxruntime-genai: its model builder at the same precision (round to nearest, blocks of 32);
   - llama.cpp (F32, Q8_0, Q4_0): only where `llama_cpp` (llama-cpp-python) and its converter are
-    installed; where they are not, the run says why (on stderr and in sizes.json).
+    installed; where they are not, the run says why (on stderr and in sizes.json). It generates in a
+    child process: a llama.cpp that dies (SIGILL, built for AMX a VM does not enable) is dropped from
+    the run, the reason in sizes.json.
 and records each build's wall time and peak memory (the resident set of the build's process tree,
 sampled every 50 ms, and its anonymous part: less the mapped weight files the kernel can drop), beside
 llmc's own `--dry-run` estimate of it.
