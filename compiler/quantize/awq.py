@@ -28,14 +28,20 @@ from llmc.runtime.layout import KVLayout
 
 ALPHAS = np.linspace(0.0, 1.0, 11)
 TOKENS = 256  # calibration tokens per site used to score a scale
+# output columns per weight used to score a scale: a column's error is its own (blocks run along the input), so a
+# seeded sample, weighed by N / n, estimates the sum over all N; at 0.5B the LM head's 151,936 columns were 28% of
+# the search and gate/up's 4,864 another 35%, and sampling cut the search from ~26 to ~13 s
+COLUMNS = 2048
 
 
 def search_scale(x: np.ndarray, weights: list[np.ndarray], bits: int, block: int,
-                 symmetric: bool = False) -> tuple[np.ndarray, float]:
+                 symmetric: bool = False, columns: int = COLUMNS) -> tuple[np.ndarray, float]:
     """The per-channel scale s (and its alpha) minimizing sum ||x W - (x / s) Q(W * s)||^2 over the weights
-    (computed as x @ (Q(W * s) / s): the same product, one pass of fake_quantize)."""
+    (computed as x @ (Q(W * s) / s): the same product, one pass of fake_quantize), each weight's error estimated
+    on at most `columns` of its columns."""
     mean = np.abs(x).mean(0) + 1e-8
     x = np.ascontiguousarray(x, dtype=np.float32)
+    weights, shares = zip(*(sampled_columns(w, columns) for w in weights))
     reference = [x @ w for w in weights]
     # every alpha rounds into and multiplies out to the same buffers: fresh ones faulted in every page, eleven
     # times over the model's weights (at 0.5B the rounding's share of the search fell from ~17 to ~6 core-seconds)
@@ -46,14 +52,24 @@ def search_scale(x: np.ndarray, weights: list[np.ndarray], bits: int, block: int
         s = mean ** alpha
         s = s / np.sqrt(s.max() * s.min())
         err = 0.0
-        for ref, w, q, product in zip(reference, weights, rounded, products):
+        for ref, w, q, product, share in zip(reference, weights, rounded, products, shares):
             np.matmul(x, fake_quantize(w, bits, block, symmetric, row_scale=s, out=q), out=product)
             product -= ref
             flat = product.reshape(-1)
-            err += float(np.dot(flat, flat))
+            err += share * float(np.dot(flat, flat))
         if err < best[0]:
             best = (err, s, float(alpha))
     return best[1].astype(np.float32), best[2]
+
+
+def sampled_columns(w: np.ndarray, columns: int) -> tuple[np.ndarray, float]:
+    """`w` [K, N], or `columns` of its N columns drawn without replacement (seeded: the same draw every build),
+    and what a column of them stands for (N / n)."""
+    n = w.shape[1]
+    if n <= columns:
+        return w, 1.0
+    keep = np.sort(np.random.default_rng(0).choice(n, columns, replace=False))
+    return np.ascontiguousarray(w[:, keep]), n / columns
 
 
 @dataclass

@@ -153,3 +153,24 @@ def test_awq_search_never_does_worse_than_round_to_nearest():
     rtn = np.square(x @ w - x @ fake_quantize(w, 4, 32)).sum()
     scaled = np.square(x @ w - (x / s) @ fake_quantize(w * s[:, None], 4, 32)).sum()
     assert alpha > 0 and scaled < 0.9 * rtn
+
+
+def test_awq_scores_a_wide_weight_on_sampled_columns_and_picks_what_all_of_them_pick():
+    from llmc.compiler.quantize.awq import sampled_columns, search_scale
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((128, 64)).astype(np.float32)
+    x[:, [3, 17, 40]] *= 30
+    wide = rng.standard_normal((64, 4096)).astype(np.float32)
+    narrow = 8 * rng.standard_normal((64, 48)).astype(np.float32)
+    narrow[[3, 17, 40]] *= 0.02  # alone it wants alpha 1.0, the wide one 0.4: together, the sample's share decides
+    sample, share = sampled_columns(wide, 512)
+    again, _ = sampled_columns(wide, 512)
+    assert sample.shape == (64, 512) and share == 8.0 and np.array_equal(sample, again)  # a seeded draw
+    columns = [int(np.flatnonzero((wide == c[:, None]).all(0))[0]) for c in sample.T[:8]]
+    assert len(set(columns)) == 8  # distinct columns of the weight, not copies of one
+    whole, one = sampled_columns(narrow, 512)
+    assert whole is narrow and one == 1.0
+    s_all, alpha_all = search_scale(x, [wide, narrow], bits=4, block=32, columns=4096)
+    s_some, alpha_some = search_scale(x, [wide, narrow], bits=4, block=32, columns=512)
+    assert alpha_all == alpha_some == 0.5 and np.array_equal(s_all, s_some)  # unweighed, the sample picks 0.6
