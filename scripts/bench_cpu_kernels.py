@@ -1,12 +1,13 @@
 """llmc's 4-bit CPU kernel against ONNX Runtime's MatMulNBits, on SmolLM2's linear layers:
 
-    .venv/bin/python scripts/bench_cpu_kernels.py [--threads 2] [--rows 1,4,128,512] [--repeats 7]
+    .venv/bin/python scripts/bench_cpu_kernels.py [--threads 2] [--rows 1,4,128,512] [--repeats 7] [--fp32]
 
 One graph of every 4-bit linear layer of SmolLM2-135M (30 layers of q/k/v/o, the merged gate/up and
 down projections, and the LM head: 151 MatMulNBits nodes, ~75 MB of random 4-bit weights, far more
 than the CPU's caches, as in a decode step), each node reading the same activations. It runs on ONNX
 Runtime's kernel (MLAS) and on llmc's kernel for every instruction set this CPU has, in turns, and
-prints milliseconds per run (medians) and each kernel's speedup over MLAS measured in the same run.
+prints milliseconds per run (medians) and each kernel's speedup over MLAS measured in the same run;
+`--fp32` adds the same layers unquantized (ONNX Runtime's MatMul), the step a 4-bit kernel must beat.
 Rows 1-11 take the decode path, 12 and more the prefill path.
 """
 
@@ -31,19 +32,25 @@ LAYER_SHAPES = [("q", HIDDEN, 576), ("k", HIDDEN, 192), ("v", HIDDEN, 192), ("o"
                 ("gate_up", HIDDEN, 2 * INTERMEDIATE), ("down", INTERMEDIATE, HIDDEN)]
 
 
-def layer_stack() -> onnx.ModelProto:
+def layer_stack(fp32: bool = False) -> onnx.ModelProto:
+    """The 151 layers as MatMulNBits nodes, or (`fp32`) as MatMul over float32 weights: the unquantized model's
+    step, which a 4-bit kernel must beat at every row count."""
     rng = np.random.default_rng(0)
     nodes, inits, outputs = [], [], []
     shapes = [(f"{name}{layer}", k, n) for layer in range(LAYERS) for name, k, n in LAYER_SHAPES]
     for name, k, n in [*shapes, ("lm_head", HIDDEN, VOCAB)]:
+        source = "x_down" if k == INTERMEDIATE else "x"
+        outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["rows", n]))
+        if fp32:
+            inits.append(numpy_helper.from_array(rng.standard_normal((k, n), dtype=np.float32) * 0.02, f"{name}.W"))
+            nodes.append(helper.make_node("MatMul", [source, f"{name}.W"], [name]))
+            continue
         blocks = k // 32
         inits += [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8), f"{name}.B"),
                   numpy_helper.from_array((rng.random(n * blocks, dtype=np.float32) + 0.1) * 0.02, f"{name}.scales"),
                   numpy_helper.from_array(rng.integers(0, 256, n * blocks // 2, dtype=np.uint8), f"{name}.zp")]
-        source = "x_down" if k == INTERMEDIATE else "x"
         nodes.append(helper.make_node("MatMulNBits", [source, f"{name}.B", f"{name}.scales", f"{name}.zp"], [name],
                                       domain="com.microsoft", K=k, N=n, bits=4, block_size=32, accuracy_level=4))
-        outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["rows", n]))
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", HIDDEN]),
               helper.make_tensor_value_info("x_down", TensorProto.FLOAT, ["rows", INTERMEDIATE])]
     graph = helper.make_graph(nodes, "smollm2_linear_layers", inputs, outputs, inits)
@@ -76,6 +83,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default 2)")
     parser.add_argument("--rows", default="1,4,128,512", help="activation rows to time (default 1,4,128,512)")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per kernel and row count, in turns")
+    parser.add_argument("--fp32", action="store_true",
+                        help="also time the same layers unquantized (MatMul over float32 weights, ~540 MB)")
     args = parser.parse_args()
     kernels = cpu_kernels.load()
     if kernels is None:
@@ -83,6 +92,8 @@ def main() -> None:
     model = layer_stack()
     sessions = {"onnxruntime": session(model, args.threads, None)}
     sessions.update({f"llmc {isa}": session(model, args.threads, isa) for isa in kernels.isas})
+    if args.fp32:
+        sessions["fp32 MatMul"] = session(layer_stack(fp32=True), args.threads, None)
     print(f"SmolLM2's 151 4-bit linear layers, {args.threads} threads, medians of {args.repeats} runs (ms)")
     print(f"{'rows':>6} " + " ".join(f"{name:>18}" for name in sessions))
     rng = np.random.default_rng(1)

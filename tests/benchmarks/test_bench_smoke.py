@@ -68,9 +68,11 @@ def test_bench_sampling(monkeypatch, capsys):
 
 
 def test_bench_cpu_kernels(monkeypatch, capsys):
-    run_script(monkeypatch, "bench_cpu_kernels.py", "--threads", "1", "--rows", "1", "--repeats", "1")
+    run_script(monkeypatch, "bench_cpu_kernels.py", "--threads", "1", "--rows", "1", "--repeats", "1", "--fp32")
     out = capsys.readouterr().out
-    assert "onnxruntime" in out and any(line.split()[:1] == ["1"] for line in out.splitlines())
+    assert "onnxruntime" in out and "fp32 MatMul" in out
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["1"])
+    assert len(row) == 1 + 2 * (out.count("llmc ") + 2)  # rows, then each kernel's ms and ratio
 
 
 def test_bench_paged_attention(monkeypatch, capsys):
