@@ -21,7 +21,7 @@ def one_parse() -> Iterator[None]:
     """Inside, `gguf.GGUFReader(path)` returns the one reader of that file this process parsed (the last file
     read; parsed again when it changed on disk). transformers' loaders parse the file anew for the config, the
     weights and the tokenizer: a parse walks every metadata part in Python (~7 s for SmolLM2's 49,152-token
-    vocabulary, longer for larger ones), and a build reads a source 5-6 times. Written by hand: transformers takes
+    vocabulary, longer for larger ones), and a build reads a source several times. Written by hand: transformers takes
     no reader. The reader is read-only (a memory map), so sharing it changes nothing loaded."""
     import gguf
     from gguf.gguf_reader import GGUFReader

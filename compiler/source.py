@@ -7,6 +7,7 @@ run and nothing is downloaded: transformers is used with `local_files_only` in o
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -203,15 +204,12 @@ def load_tokenizer(info: SourceInfo):
     took ~1 s, so the last one is kept while the files beside the weights (a GGUF: the file) keep their sizes
     and mtimes. Callers only read it."""
     files = [f for f in info.hashed_files if f not in info.weight_files] if info.kind == "hf" else [info.path]
-    key = (info, tuple((f, s.st_size, s.st_mtime_ns) if (s := _stat(f)) else (f,) for f in files))
-    if _LAST_TOKENIZER and _LAST_TOKENIZER[0] == key:
-        return _LAST_TOKENIZER[1]
-    tokenizer = _load_tokenizer(info)
-    _LAST_TOKENIZER[:] = [key, tokenizer]
-    return tokenizer
+    return _tokenizer(info, tuple((f, s.st_size, s.st_mtime_ns) if (s := _stat(f)) else (f,) for f in files))
 
 
-_LAST_TOKENIZER: list = []  # [key, tokenizer] of load_tokenizer's last load
+@functools.lru_cache(maxsize=1)  # keyed like gguf_reader._parsed: the files' stat, not read again
+def _tokenizer(info: SourceInfo, stamp: tuple):
+    return _load_tokenizer(info)
 
 
 def _stat(path: Path) -> os.stat_result | None:

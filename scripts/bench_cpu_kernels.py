@@ -4,10 +4,10 @@
 
 One graph of every 4-bit linear layer of SmolLM2-135M (30 layers of q/k/v/o, the merged gate/up and
 down projections, and the LM head: 151 MatMulNBits nodes, ~75 MB of random 4-bit weights, more than
-most CPUs' caches, as in a decode step, though a 300 MB L3 holds them), each node reading the same activations. It runs on ONNX
-Runtime's kernel (MLAS) and on llmc's kernel for every instruction set this CPU has, in turns, and
-prints milliseconds per run (medians) and each kernel's speedup over MLAS measured in the same run;
-`--fp32` adds the same layers unquantized (ONNX Runtime's MatMul), the step a 4-bit kernel must beat.
+most CPUs' caches, as in a decode step, though a 300 MB L3 holds them), each node reading the same
+activations. It runs on ONNX Runtime's kernel (MLAS) and on llmc's kernel for every instruction set
+this CPU has, in turns, and prints milliseconds per run (medians) and each kernel's speedup over MLAS
+measured in the same run; `--fp32` adds the same layers unquantized (ONNX Runtime's MatMul), the step a 4-bit kernel must beat.
 Rows 1-11 take the decode path, 12 and more the prefill path.
 """
 

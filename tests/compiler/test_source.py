@@ -91,3 +91,19 @@ def test_remote_code_is_never_run(tmp_path):
     (ckpt / "evil.py").write_text("raise SystemExit('remote code ran')\n")
     model, _ = load_model(inspect_source(SourceSpec(path=ckpt)))
     assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_the_tokenizer_is_loaded_once_until_a_file_beside_the_weights_changes(tmp_path, tiny_llama):
+    import os
+    import shutil
+
+    from llmc.compiler.source import load_tokenizer
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama, ckpt)
+    first = load_tokenizer(inspect_source(SourceSpec(path=ckpt)))
+    assert first is not None and load_tokenizer(inspect_source(SourceSpec(path=ckpt))) is first
+    config = ckpt / "tokenizer_config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
+    again = load_tokenizer(inspect_source(SourceSpec(path=ckpt)))
+    assert again is not first and again.get_vocab() == first.get_vocab()
