@@ -106,6 +106,7 @@ class ExportedModel(Artifact):
     external_data: bool
     versions: dict[str, str]
     tensor_parallel: int = 1  # ranks the model is split over: one graph each, in rank{r}/ (compiler/graph/files.py)
+    stamped_layers: int = 0  # layers copied in the graph from the traced ones (compiler/graph/stamp.py)
 
     @property
     def engine_file(self) -> str:

@@ -15,16 +15,13 @@ the model is too big for one protobuf (2 GB).
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
-import warnings
 from pathlib import Path
 
 from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
 from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, EXTERNAL_THRESHOLD, ONNX_NAME, save_model
+from llmc.compiler.graph import stamp
 from llmc.compiler.graph.passes import fuse_skip_rms_norm, simplify
-from llmc.compiler.graph.tracing import traced
+from llmc.compiler.graph.tracing import quiet, trace, trace_stamped, traced
 from llmc.compiler.models import MIXTURE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, moe
 from llmc.compiler.models.config import attention_shape
 from llmc.compiler.source import FoundSource
@@ -94,31 +91,15 @@ def lowering_refusal(decoder, lowering: Lowering) -> str | None:
     return None
 
 
-def _quiet():
-    """torch.onnx and the onnx_ir passes print progress and warnings; keep them for the error message only."""
-    stack = contextlib.ExitStack()
-    buf = io.StringIO()
-    stack.enter_context(contextlib.redirect_stdout(buf))
-    stack.enter_context(warnings.catch_warnings())
-    warnings.simplefilter("ignore")
-    for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "onnx_ir"):
-        logger = logging.getLogger(name)
-        level = logger.level
-        logger.setLevel(logging.ERROR)
-        stack.callback(logger.setLevel, level)
-    return stack, buf
-
-
 def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
                 external_threshold: int = EXTERNAL_THRESHOLD, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32,
-                tokenizer=None, rank: int = 0, ranks: int = 1, kv_scales=None) -> tuple[bool, KVLayout]:
+                tokenizer=None, rank: int = 0, ranks: int = 1, kv_scales=None) -> tuple[bool, KVLayout, int]:
     """Write `out_dir/model.onnx` (+ `model.onnx.data` when over the threshold) with attention in
     `lowering`'s form and the paged pools in `kv_cache_dtype` (int8 scales calibrated with `tokenizer`'s
     tokens, compiler/graph/kv_cache.py, unless `kv_scales` gives them); with `ranks` > 1, rank `rank`'s share of
     the model (compiler/models/tensor_parallel.py), its pools holding its KV heads. Returns whether weights went
-    to external data, and the layout."""
+    to external data, the layout, and how many layers were stamped from traced ones (stamp.py)."""
     import onnx
-    import torch
 
     from llmc.compiler.models import decoder_for, tensor_parallel
 
@@ -130,20 +111,18 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
         decoder = tensor_parallel.shard(decoder, rank, ranks)
         info = info.model_copy(update={"num_heads": decoder.num_heads, "num_kv_heads": decoder.num_kv_heads})
     layout = kv_layout(info, lowering, kv_cache_dtype, decoder.rope.switch)
-    module, inputs, shapes, in_names = traced(decoder, info, layout.model_copy(update={"dtype": "float32"}))
+    traced_layout = layout.model_copy(update={"dtype": "float32"})
+    module, inputs, shapes, in_names = traced(decoder, info, traced_layout)
     out_names = ["logits", *layout.present_names()]
     table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))
-    stack, log = _quiet()
-    with stack, torch.no_grad():
-        try:
-            program = torch.onnx.export(
-                module, inputs, dynamic_shapes=shapes, input_names=in_names, output_names=out_names,
-                opset_version=OPSET, dynamo=True, custom_translation_table=table, optimize=True,
-                verbose=False, report=False,
-            )
-        except Exception as err:
-            tail = "\n".join(log.getvalue().splitlines()[-20:])
-            raise ExportError(f"torch.onnx.export failed for {info.model_type}: {err}\n{tail}".rstrip()) from err
+    period = stamp.layer_period(decoder)
+    program = stamped = None
+    if period is not None:
+        program, stamped = trace_stamped(decoder, period, module, info, traced_layout, table, in_names, out_names,
+                                         OPSET)
+    if program is None:
+        program = trace(info, module, inputs, shapes, in_names, out_names, table, OPSET, optimize=True)
+    with quiet()[0]:
         simplify(program.model)  # onnx_ir passes: quiet too
     proto = program.model_proto
     trim_unused_outputs(proto.graph)
@@ -158,7 +137,7 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
         onnx.checker.check_model(str(path), full_check=True)
     except onnx.checker.ValidationError as err:
         raise ExportError(f"{path}: the exported graph fails onnx.checker: {err}") from err
-    return external, layout
+    return external, layout, stamped or 0
 
 
 def _retype_pools(proto, decoder, info: ModelInfo, layout: KVLayout, tokenizer, scales=None) -> None:
@@ -223,21 +202,22 @@ def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: 
 
     info = model_info(model, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files, scales = [], None
+    files, scales, stamped = [], None, 0
     if ranks > 1 and kv_cache_dtype is KVCacheDtype.int8:  # measured once on the whole model, each rank's heads cut
         scales = _split_int8_scales(model, info, lowering, tokenizer, ranks)
     for rank in range(ranks):
         folder = rank_folder(rank, ranks)
         (out_dir / folder).mkdir(exist_ok=True)
-        external, layout = export_onnx(model, info, lowering, out_dir / folder, external_threshold, kv_cache_dtype,
-                                       tokenizer, rank, ranks, None if scales is None else scales[rank])
+        external, layout, stamped = export_onnx(model, info, lowering, out_dir / folder, external_threshold,
+                                                kv_cache_dtype, tokenizer, rank, ranks,
+                                                None if scales is None else scales[rank])
         files += [str(Path(folder) / n) for n in [ONNX_NAME] + ([EXTERNAL_DATA_NAME] if external else [])]
     graph = onnx.load(str(out_dir / rank_folder(0, ranks) / ONNX_NAME), load_external_data=False).graph
     artifact = ExportedModel(
         inputs_hash=inputs_hash, files=hash_outputs(out_dir, files), onnx=ONNX_NAME, opset=OPSET,
         source_hash=source_hash, model=info, lowering=lowering, kv_layout=layout,
         inputs=tensor_infos(graph.input), outputs=tensor_infos(graph.output), external_data=external,
-        versions=tool_versions(), tensor_parallel=ranks,
+        versions=tool_versions(), tensor_parallel=ranks, stamped_layers=stamped,
     )
     artifact.save(out_dir)
     return artifact
@@ -266,7 +246,8 @@ def _summary(done: Located[ExportedModel]) -> str:
     size = sum((done.folder / f).stat().st_size for f in art.files) / 2**20
     pools = f", {art.kv_layout.dtype} KV pools" if art.kv_layout.paged else ""
     split = f", split over {art.tensor_parallel} ranks" if art.tensor_parallel > 1 else ""
-    return (f"{art.onnx}, opset {art.opset}, {art.model.num_layers} layers, {art.lowering.value} attention{pools}"
+    layers = f"{art.model.num_layers} layers" + (f" ({art.stamped_layers} stamped)" if art.stamped_layers else "")
+    return (f"{art.onnx}, opset {art.opset}, {layers}, {art.lowering.value} attention{pools}"
             f"{split}, {size:.1f} MiB")
 
 

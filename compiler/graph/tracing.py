@@ -1,10 +1,18 @@
-"""What torch.onnx.export traces for a KV layout: the module, its example inputs, its dynamic shapes and the graph's
-input names. The slot form is here (the decoder with its caches as one flat tuple); the paged form is
-compiler/paged_decoder.py's."""
+"""What torch.onnx.export traces for a KV layout (the module, its example inputs, its dynamic shapes and the graph's
+input names: the slot form here, the decoder with its caches as one flat tuple; the paged form is
+compiler/paged_decoder.py's), and the trace itself: the whole decoder, or its first layers with the rest stamped
+from them (stamp.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import warnings
+
 from llmc.compiler.artifacts import ModelInfo
+from llmc.compiler.graph import stamp
+from llmc.errors import ExportError
 from llmc.runtime.layout import KVLayout
 
 
@@ -58,3 +66,60 @@ def traced(decoder, info: ModelInfo, layout: KVLayout) -> tuple:
                 paged_decoder.dynamic_shapes(layout), paged_decoder.input_names(layout))
     return (_flat(decoder), _example_inputs(info, layout), _dynamic_shapes(layout),
             ["input_ids", layout.positions, *layout.past_names(), *layout.step_inputs])
+
+
+def quiet():
+    """torch.onnx and the onnx_ir passes print progress and warnings; keep them for the error message only."""
+    stack = contextlib.ExitStack()
+    buf = io.StringIO()
+    stack.enter_context(contextlib.redirect_stdout(buf))
+    stack.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("ignore")
+    for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "onnx_ir"):
+        logger = logging.getLogger(name)
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        stack.callback(logger.setLevel, level)
+    return stack, buf
+
+
+def trace(info: ModelInfo, module, inputs, shapes, in_names: list[str], out_names: list[str], table: dict, opset: int,
+          *, optimize: bool):
+    """torch.onnx.export's ONNXProgram for `module`, quiet unless it fails."""
+    import torch
+
+    stack, log = quiet()
+    with stack, torch.no_grad():
+        try:
+            return torch.onnx.export(
+                module, inputs, dynamic_shapes=shapes, input_names=in_names, output_names=out_names,
+                opset_version=opset, dynamo=True, custom_translation_table=table, optimize=optimize,
+                verbose=False, report=False,
+            )
+        except Exception as err:
+            tail = "\n".join(log.getvalue().splitlines()[-20:])
+            raise ExportError(f"torch.onnx.export failed for {info.model_type}: {err}\n{tail}".rstrip()) from err
+
+
+def trace_stamped(decoder, period: int, module, info: ModelInfo, layout: KVLayout, table: dict, in_names: list[str],
+                  out_names: list[str], opset: int):
+    """The graph traced from the decoder's first `period` layers, the rest stamped from them (stamp.py), and how
+    many were stamped; (None, None) when the traced graph is not a chain of self-contained layers."""
+    import itertools
+
+    cut = stamp.period_decoder(decoder, period)
+    cut_layout = layout.model_copy(update={"num_layers": period})
+    cut_module, inputs, shapes, cut_names = traced(cut, info, cut_layout)
+    program = trace(info, cut_module, inputs, shapes, cut_names, ["logits", *cut_layout.present_names()],
+                    {**table, **stamp.translation()}, opset, optimize=False)
+    tensors = dict(itertools.chain(module.named_parameters(remove_duplicate=False),
+                                   module.named_buffers(remove_duplicate=False)))
+    try:
+        stamped = stamp.stamp(program.model, layout.num_layers, period, tensors,
+                              [f"decoder.{name}" for name in stamp.layerwise(decoder)], in_names, out_names,
+                              layout.past_names(), layout.present_names())
+    except stamp.Unstampable:
+        return None, None
+    with quiet()[0]:
+        program.optimize()
+    return program, stamped

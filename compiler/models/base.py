@@ -100,8 +100,25 @@ def sliding_window(attn: nn.Module, config) -> int:
     return int(window)
 
 
+def sink_list(sinks: list[Tensor | None]):
+    """Each layer's head sinks (None: no layer has any). A ParameterList when every layer has them: torch.export
+    reads a tensor by its module path only through modules, and lifts one met in a plain list as a nameless
+    constant (compiler/graph/stamp.py finds each layer's weights by path)."""
+    if all(s is None for s in sinks):
+        return None
+    if any(s is None for s in sinks):
+        return list(sinks)
+    return nn.ParameterList(s if isinstance(s, nn.Parameter) else nn.Parameter(s, requires_grad=False) for s in sinks)
+
+
 class Decoder(nn.Module):
     """Llama, Mistral, Qwen2, SmolLM2 and Gemma as they are; other families override hooks."""
+
+    # the attributes holding one entry per layer, layer i's at index i (a mixture adds its experts, a split its
+    # slices): compiler/graph/stamp.py traces the first layers and stamps the rest from them
+    LAYERWISE: tuple[str, ...] = ("layers", "specs", "qkv", "sinks")
+    # f(hidden, i) after the embeddings (i = -1) and after each layer: stamp.py's markers when set
+    boundary: Callable[[Tensor, int], Tensor] | None = None
 
     def __init__(self, hf_model):
         super().__init__()
@@ -113,8 +130,7 @@ class Decoder(nn.Module):
                                              config)
         self.qkv = nn.ModuleList(self.fused_qkv(layer) for layer in self.layers)
         self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
-        sinks = [getattr(self.attention_module(layer), "sinks", None) for layer in self.layers]
-        self.sinks = None if all(s is None for s in sinks) else list(sinks)
+        self.sinks = sink_list([getattr(self.attention_module(layer), "sinks", None) for layer in self.layers])
 
     # hooks ------------------------------------------------------------------------------------
     def modules_of(self, hf_model):
@@ -179,6 +195,8 @@ class Decoder(nn.Module):
         """`seq_lens` [B, S]: the length of each token's sequence, which LongRoPE's table switch reads
         (needed when `rope.switch` is set)."""
         hidden = self.embed(input_ids, positions)
+        if self.boundary is not None:
+            hidden = self.boundary(hidden, -1)
         in_model = self.rope.in_model_rotation(positions, seq_lens)
         new_k, new_v = [], []
         for i, (layer, spec, k_cache, v_cache) in enumerate(zip(self.layers, self.specs, k_caches, v_caches)):
@@ -197,6 +215,8 @@ class Decoder(nn.Module):
                 return self.out_proj(layer)(out.flatten(-2))
 
             hidden = self.block(layer, hidden, attention)
+            if self.boundary is not None:
+                hidden = self.boundary(hidden, i)
             new_k.append(k_cache)
             new_v.append(v_cache)
         return hidden, new_k, new_v

@@ -96,6 +96,8 @@ class MoEDecoder:
     """A decoder mixin: layers whose MLP is sparse (`sparse_layer` says which, `expert_layer` reads it)
     run it through `llmc::moe` (the base's `feed_forward` hook); dense layers keep their own MLP."""
 
+    LAYERWISE = ("layers", "specs", "qkv", "sinks", "experts")
+
     def __init__(self, hf_model):
         super().__init__(hf_model)
         sparse = {i: self.expert_layer(layer) for i, layer in enumerate(self.layers) if self.sparse_layer(layer)}

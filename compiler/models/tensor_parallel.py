@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 import llmc.plugins.op.collective  # noqa: F401  (registers torch.ops.llmc.all_reduce / all_gather)
+from llmc.compiler.models.base import sink_list
 from llmc.compiler.models.split import UNSPLITTABLE, tensor_split
 from llmc.errors import UnsupportedError
 
@@ -195,9 +196,11 @@ def shard(decoder, rank: int, ranks: int):
     decoder.num_heads, decoder.num_kv_heads = split.heads, split.kv_heads
     decoder.qkv_sizes = [split.heads * d, split.kv_heads * d, split.kv_heads * d]
     if decoder.sinks is not None:
-        decoder.sinks = [None if s is None else s.detach()[q_heads.start:q_heads.stop].clone() for s in decoder.sinks]
+        decoder.sinks = sink_list([None if s is None else s.detach()[q_heads.start:q_heads.stop].clone()
+                                   for s in decoder.sinks])
     decoder.lm_head = GatheredHead(decoder.lm_head, rank, ranks)
     cls = type(decoder)
     decoder.__class__ = type(f"TensorParallel{cls.__name__}", (TensorParallel, cls), {})
     decoder.tp_rank, decoder.tp_ranks = rank, ranks
+    decoder.LAYERWISE = (*cls.LAYERWISE, "tp_out", "tp_mlp")
     return decoder.eval()
