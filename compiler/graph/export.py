@@ -9,8 +9,10 @@ Graph I/O (optimum / onnxruntime-genai names where they exist): `input_ids [batc
 `cache_position [batch]`, `past_key_values.{i}.key|value [batch, kv_heads, kv_capacity, head_dim]`
 -> `logits`, `present.{i}.key|value` (same shape; see runtime/layout.py for the semantics). A LongRoPE
 model's graph (either form) takes `sequence_lengths [batch]` last (runtime/layout.py).
-Exported with `torch.onnx.export(dynamo=True)` at opset 23. Weights go to external data only when
-the model is too big for one protobuf (2 GB).
+Exported with `torch.onnx.export(dynamo=True)` at opset 23, tracing only the first period of a decoder's
+repeating layers and stamping the rest into the graph (stamp.py; the whole decoder is traced when its graph
+is not a chain of self-contained layers). Weights go to external data only when the model is too big for one
+protobuf (2 GB).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
-from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, EXTERNAL_THRESHOLD, ONNX_NAME, save_model
 from llmc.compiler.graph import stamp
+from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, EXTERNAL_THRESHOLD, ONNX_NAME, save_model
 from llmc.compiler.graph.passes import fuse_skip_rms_norm, simplify
 from llmc.compiler.graph.tracing import quiet, trace, trace_stamped, traced
 from llmc.compiler.models import MIXTURE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, moe

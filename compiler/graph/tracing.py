@@ -118,7 +118,8 @@ def trace_stamped(decoder, period: int, module, info: ModelInfo, layout: KVLayou
         stamped = stamp.stamp(program.model, layout.num_layers, period, tensors,
                               [f"decoder.{name}" for name in stamp.layerwise(decoder)], in_names, out_names,
                               layout.past_names(), layout.present_names())
-    except stamp.Unstampable:
+    except stamp.Unstampable as err:  # traced whole instead: slower, never wrong; say why for whoever looks
+        logging.getLogger(__name__).debug("%s: every layer traced: %s", info.model_type, err)
         return None, None
     with quiet()[0]:
         program.optimize()
