@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 import llmc.plugins.op.moe  # noqa: F401  (registers torch.ops.llmc.moe)
+from llmc.compiler.models.base import Decoder
 from llmc.errors import UnsupportedError
 
 
@@ -96,7 +97,7 @@ class MoEDecoder:
     """A decoder mixin: layers whose MLP is sparse (`sparse_layer` says which, `expert_layer` reads it)
     run it through `llmc::moe` (the base's `feed_forward` hook); dense layers keep their own MLP."""
 
-    LAYERWISE = ("layers", "specs", "qkv", "sinks", "experts")
+    LAYERWISE = (*Decoder.LAYERWISE, "experts")
 
     def __init__(self, hf_model):
         super().__init__(hf_model)
