@@ -200,6 +200,8 @@ class BlockManager:
             return
         # a keyed block in a table holds that table's prefix (a hit, or keyed here): start after the last
         full = seq.num_cached // self.block_size
+        if not full or self.keys[seq.block_ids[full - 1]] is not None:
+            return  # no full block, or every one keyed already (a decode step that filled none)
         start = full
         while start > 0 and self.keys[seq.block_ids[start - 1]] is None:
             start -= 1

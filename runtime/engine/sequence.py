@@ -67,6 +67,11 @@ class Sequence:
         """Prompt and output so far: what the KV cache holds once this sequence is fully computed."""
         return self.prompt_ids + self.output_ids
 
+    @property
+    def last_token_id(self) -> int:
+        """The newest token: what a decoding step feeds."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
     def prompt_array(self) -> np.ndarray:
         return self._prompt
 

@@ -22,16 +22,23 @@ class StepCost:
             raise ValueError(f"ratio ({ratio}) must be > 1, forget ({forget}) in (0, 1], "
                              f"min_tokens ({min_tokens}) >= 1")
         self.ratio, self.forget, self.min_tokens = ratio, forget, min_tokens
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
+        self._sums = [0.0] * 9  # x x^T's upper triangle (6), then x y (3), x = (1, rows, tokens)
         self.steps = 0
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
-        """A step of `rows` decode rows and `tokens` prompt tokens took `seconds`."""
-        x = np.array([1.0, rows, tokens])
-        self._xtx = self.forget * self._xtx + np.outer(x, x)
-        self._xty = self.forget * self._xty + x * seconds
+        """A step of `rows` decode rows and `tokens` prompt tokens took `seconds`. In Python floats:
+        every step calls it, right after a graph run has left the caches cold, where numpy's small
+        arrays cost ~100 us and these nine products ~10."""
+        f, s = self.forget, self._sums
+        terms = (1.0, rows, tokens, rows * rows, rows * tokens, tokens * tokens, seconds, rows * seconds,
+                 tokens * seconds)
+        self._sums = [f * a + b for a, b in zip(s, terms)]
         self.steps += 1
+
+    def _normal_equations(self) -> tuple[np.ndarray, np.ndarray]:
+        """(X^T X, X^T y) of the steps observed, each weighed down by `forget` per step since."""
+        n, r, t, rr, rt, tt = self._sums[:6]
+        return np.array([[n, r, t], [r, rr, rt], [t, rt, tt]]), np.array(self._sums[6:])
 
     def coefficients(self) -> np.ndarray | None:
         """(a, b, c) in seconds, none negative, or None before two steps. Steps alike cannot tell the
@@ -41,10 +48,11 @@ class StepCost:
         prompt token), which the steps it makes (other chunk sizes) correct."""
         if self.steps < 2:
             return None
+        xtx, xty = self._normal_equations()
         for keep in ([0, 1, 2], [0, 2], [1, 2]):
             fit = np.zeros(3)
             sub = np.ix_(keep, keep)
-            fit[keep] = np.linalg.lstsq(self._xtx[sub] + 1e-12 * np.eye(len(keep)), self._xty[keep], rcond=None)[0]
+            fit[keep] = np.linalg.lstsq(xtx[sub] + 1e-12 * np.eye(len(keep)), xty[keep], rcond=None)[0]
             if fit.min() >= 0:
                 return fit
         return None

@@ -71,7 +71,8 @@ class TokenScheduler(WaitingQueue):
         copies: list[tuple[int, int]] = []  # (source, copy) blocks to copy before the step runs
         rows = self._decode_rows(chunks, copies)
         budget = self.max_num_tokens - sum(len(c.token_ids) + c.reserved for c in chunks)  # reserved: draft.py's
-        cap = prompt_cap(rows) if prompt_cap is not None else None
+        prompts = self.waiting or any(seq.num_tokens - seq.num_cached > 1 for seq in self.running)
+        cap = prompt_cap(rows) if prompt_cap is not None and prompts else None  # a fit: ~0.3 ms, not every step
         if cap is not None:
             budget = min(budget, cap)
         for seq in self.running:
@@ -122,7 +123,7 @@ class TokenScheduler(WaitingQueue):
                 self.preempt(self.running[-1])
             if seq in self.running and not seq.is_finished:
                 self.blocks.append(seq)
-                chunks.append(Chunk(seq, [seq.all_token_ids()[-1]], seq.num_cached))
+                chunks.append(Chunk(seq, [seq.last_token_id], seq.num_cached))
         if self.fast_forward:
             self._fast_forward(chunks)
         if self.speculator is not None:

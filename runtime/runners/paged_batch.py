@@ -69,25 +69,25 @@ def check_row(i: int, row: RowStep, block_size: int) -> None:
 
 
 def _block_table(rows: Sequence[RowStep], widths: list[int], width: int, num_blocks: int) -> np.ndarray:
-    """[rows, width]: each row's first `widths[b]` block ids, then -1; refuses ids outside the pool."""
+    """[rows, width] int32: each row's first `widths[b]` block ids, then -1; refuses ids outside the pool."""
     flat: list[int] = []
-    for row, used in zip(rows, widths):
-        flat.extend(row.block_ids[:used])
+    for b, (row, used) in enumerate(zip(rows, widths)):
+        ids = row.block_ids[:used]
+        if min(ids) < 0 or max(ids) >= num_blocks:
+            raise ValueError(f"row {b}: block_ids {list(ids)} name blocks outside the pool's 0..{num_blocks - 1}")
+        flat.extend(ids)
         flat.extend([-1] * (width - used))
-    table = np.array(flat, dtype=np.int64).reshape(len(rows), width)
-    mapped = (table >= 0) & (table < num_blocks)
-    bad = np.nonzero(mapped.sum(axis=1) != widths)[0]
-    if bad.size:
-        b = int(bad[0])
-        raise ValueError(f"row {b}: block_ids {list(rows[b].block_ids[:widths[b]])} name blocks outside the pool's "
-                         f"0..{num_blocks - 1}")
-    return table.astype(np.int32)
+    return np.array(flat, dtype=np.int32).reshape(len(rows), width)
 
 
 def pack(rows: Sequence[RowStep], *, block_size: int, num_blocks: int, max_num_tokens: int,
          vocab_size: int, sequence_lengths: bool = False) -> PackedStep:
     """The rows as the paged graph's inputs (the block table as wide as the row that reaches furthest);
-    `sequence_lengths`: with the LongRoPE input."""
+    `sequence_lengths`: with the LongRoPE input.
+
+    Every step packs, right after a graph run has left the caches cold, where each small numpy call
+    costs ~10 us: the checks run on Python lists, and a step of decoding rows only (one token each,
+    batch-1 decode's every step) builds its arrays straight from them."""
     if not rows:
         raise ValueError("a step needs at least one row")
     lengths = [len(r.token_ids) for r in rows]
@@ -99,19 +99,24 @@ def pack(rows: Sequence[RowStep], *, block_size: int, num_blocks: int, max_num_t
     total = sum(lengths)
     if total > max_num_tokens:
         raise ValueError(f"the step has {total} tokens; this runner takes at most max_num_tokens={max_num_tokens}")
-    input_ids = np.fromiter((t for r in rows for t in r.token_ids), dtype=np.int64, count=total)
-    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
-        raise ValueError(f"token ids must be in 0..{vocab_size - 1}; got {int(input_ids.min())}..{int(input_ids.max())}")
+    ids = [t for r in rows for t in r.token_ids]
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"token ids must be in 0..{vocab_size - 1}; got {min(ids)}..{max(ids)}")
     table = _block_table(rows, widths, max(widths), num_blocks)
-    lengths_np = np.array(lengths, dtype=np.int64)
-    past = np.fromiter((r.past_len for r in rows), dtype=np.int64, count=len(rows))
-    ends = np.cumsum(lengths_np)
-    position_ids = np.arange(total, dtype=np.int64) + np.repeat(past - (ends - lengths_np), lengths_np)
-    counts = np.fromiter((r.num_logits for r in rows), dtype=np.int64, count=len(rows))
-    logits_indices = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(ends - np.cumsum(counts), counts)
+    past = [r.past_len for r in rows]
     seq_lens = None
     if sequence_lengths:
-        seq_lens = np.fromiter((r.past_len + n if r.seq_len is None else r.seq_len for r, n in zip(rows, lengths)),
-                               dtype=np.int64, count=len(rows))
-    return PackedStep(input_ids, position_ids, np.concatenate([[0], ends]).astype(np.int32), past.astype(np.int32),
-                      table, logits_indices, seq_lens)
+        seq_lens = np.array([r.past_len + n if r.seq_len is None else r.seq_len for r, n in zip(rows, lengths)],
+                            dtype=np.int64)
+    if total == len(rows):  # decoding rows only: a token each at its row's next position, each with logits
+        return PackedStep(np.array(ids, dtype=np.int64), np.array(past, dtype=np.int64),
+                          np.arange(total + 1, dtype=np.int32), np.array(past, dtype=np.int32), table,
+                          np.arange(total, dtype=np.int64), seq_lens)
+    lengths_np = np.array(lengths, dtype=np.int64)
+    past_np = np.array(past, dtype=np.int64)
+    ends = np.cumsum(lengths_np)
+    position_ids = np.arange(total, dtype=np.int64) + np.repeat(past_np - (ends - lengths_np), lengths_np)
+    counts = np.array([r.num_logits for r in rows], dtype=np.int64)
+    logits_indices = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(ends - np.cumsum(counts), counts)
+    return PackedStep(np.array(ids, dtype=np.int64), position_ids, np.concatenate([[0], ends]).astype(np.int32),
+                      past_np.astype(np.int32), table, logits_indices, seq_lens)

@@ -185,6 +185,32 @@ def test_steps_mix_decode_rows_with_prompt_chunks_within_the_token_budget():
     assert [c.past_len for c in chunks] == [6, 6, 6, 13] and len(chunks[-1].token_ids) == 13
 
 
+def test_the_prompt_cap_is_asked_only_when_a_prompt_competes_for_the_step():
+    """The step-cost fit is a least-squares solve (~0.3 ms): a step of decode rows alone, batch-1 decode's
+    every step, has no prompt token to cap and does not ask for it."""
+    sched = TokenScheduler(BlockManager(64, 4), max_rows=4, max_num_tokens=16, max_queue_size=4, capacity=1024)
+    asked = []
+    cap = lambda rows: asked.append(rows) or 4  # noqa: E731
+    first = seq(range(6), "a")
+    sched.add(first)
+    [chunk] = sched.schedule(cap)  # a prompt and no decode row: asked (with 0 rows), and the cap holds
+    assert asked == [0] and len(chunk.token_ids) == 4
+    sched.computed(chunk)
+    [chunk] = sched.schedule(cap)
+    sched.computed(chunk)
+    first.output_ids.append(7)
+    first.status = Status.decoding
+    asked.clear()
+    for _ in range(3):  # decode rows alone
+        [chunk] = sched.schedule(cap)
+        sched.computed(chunk)
+        first.output_ids.append(7)
+    assert asked == []
+    sched.add(seq(range(50, 60), "b"))
+    chunks = sched.schedule(cap)  # a prompt joins the decode row: asked with 1 row, its chunk capped
+    assert asked == [1] and [len(c.token_ids) for c in chunks] == [1, 4]
+
+
 def test_rows_and_queue_are_bounded():
     sched = TokenScheduler(BlockManager(64, 4), max_rows=2, max_num_tokens=64, max_queue_size=3, capacity=1024)
     for i in range(3):
