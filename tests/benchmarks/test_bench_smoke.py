@@ -218,3 +218,6 @@ def test_og_engine_streams_on_a_tiny_genai_build(tiny_checkpoints, tmp_path):
     assert 0 < got["itl_p50_s"] <= got["itl_p99_s"] and 0 < got["ttft_p50_s"] <= got["ttft_p99_s"]
     config = json.loads((build["dir"] / "genai_config.json").read_text())
     assert config["engine"] == {"static_batching": {"max_batch_size": 3}}
+    # batch-1 decode's count: the first token comes from the prompt's run, so 6 new tokens are 5 runs after it
+    first, total, after = script_module("bench_attention").genai_timed(build["dir"], prompts[0], 1, 6)
+    assert after == 5 and 0 < first < total
