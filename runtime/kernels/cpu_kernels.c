@@ -2,7 +2,8 @@
  * and registers it).
  *
  * llmc.MatMulNBits4: a drop-in for com.microsoft.MatMulNBits with bits=4, block_size=32 and
- * accuracy_level=4 (int8 activations) — the same inputs (A, B, scales, optional zero_points), the
+ * accuracy_level=4 (int8 activations) — the same inputs (A, B, scales, optional zero_points, no g_idx,
+ * optional bias), the
  * same attributes plus `threads` (the session's intra-op threads) and `isa` (which instruction
  * set's kernel: "avx512vnni" or "avx2"), the same packed layout, so a graph swaps one op type for
  * the other and back.
@@ -108,13 +109,16 @@ static OrtStatus *shape_of(const OrtValue *value, int64_t *dims, size_t *count) 
 
 static OrtStatus *compute(void *state, OrtKernelContext *context) {
   const Kernel *kernel = (const Kernel *)state;
-  const OrtValue *a_value, *b_value, *s_value, *z_value = NULL;
+  const OrtValue *a_value, *b_value, *s_value, *z_value = NULL, *g_value = NULL, *bias_value = NULL;
   size_t inputs;
   TRY(CALL(KernelContext_GetInputCount, fn_input_count, context, &inputs));
   TRY(CALL(KernelContext_GetInput, fn_input, context, 0, &a_value));
   TRY(CALL(KernelContext_GetInput, fn_input, context, 1, &b_value));
   TRY(CALL(KernelContext_GetInput, fn_input, context, 2, &s_value));
   if (inputs > 3) TRY(CALL(KernelContext_GetInput, fn_input, context, 3, &z_value));
+  if (inputs > 4) TRY(CALL(KernelContext_GetInput, fn_input, context, 4, &g_value));
+  if (inputs > 5) TRY(CALL(KernelContext_GetInput, fn_input, context, 5, &bias_value));
+  if (g_value) return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: g_idx is not supported (leave the node as it is)");
   int64_t dims[8], bdims[8];
   size_t rank, brank;
   TRY(shape_of(a_value, dims, &rank));
@@ -123,11 +127,17 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
     return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: A's last dimension is not K");
   if (brank != 3 || bdims[0] != kernel->n || bdims[1] != kernel->k / 32 || bdims[2] != 16)
     return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: B is not [N, K/32, 16]");
+  if (bias_value) {
+    int64_t vdims[8];
+    size_t vrank;
+    TRY(shape_of(bias_value, vdims, &vrank));
+    if (vrank != 1 || vdims[0] != kernel->n) return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: bias is not [N]");
+  }
   int64_t m = 1;
   for (size_t i = 0; i + 1 < rank; i++) m *= dims[i];
   dims[rank - 1] = kernel->n;
   OrtValue *y_value;
-  void *a, *b, *s, *z = NULL, *y;
+  void *a, *b, *s, *z = NULL, *bias = NULL, *y;
   TRY(CALL(KernelContext_GetOutput, fn_output, context, 0, dims, rank, &y_value));
   TRY(CALL(GetTensorMutableData, fn_data, (const OrtValue *)y_value, &y));
   if (m == 0) return NULL;
@@ -135,12 +145,14 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   TRY(CALL(GetTensorMutableData, fn_data, b_value, &b));
   TRY(CALL(GetTensorMutableData, fn_data, s_value, &s));
   if (z_value) TRY(CALL(GetTensorMutableData, fn_data, z_value, &z));
+  if (bias_value) TRY(CALL(GetTensorMutableData, fn_data, bias_value, &bias));
 
   void *memory = malloc(q4_memory(m, kernel->k));
   if (!memory) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   size_t tasks;
   Q4Matmul *call = q4_prepare(memory, kernel->isa, (const float *)a, m, kernel->k, kernel->n, kernel->threads,
-                              (const uint8_t *)b, (const float *)s, (const uint8_t *)z, (float *)y, &tasks);
+                              (const uint8_t *)b, (const float *)s, (const uint8_t *)z, (const float *)bias,
+                              (float *)y, &tasks);
   OrtStatus *status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, q4_run, tasks, 0, call);
   if (!status && q4_failed(call)) status = fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   free(memory);
@@ -150,11 +162,14 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
 static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "MatMulNBits4"; }
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
-static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 || i == 3 ? TYPE_UINT8 : TYPE_FLOAT; }
-static size_t input_count(const OrtCustomOp *op) { (void)op; return 4; }
+static int input_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == 1 || i == 3 ? TYPE_UINT8 : i == 4 ? TYPE_INT32 : TYPE_FLOAT;
+}
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 6; } /* A, B, scales, zero points, g_idx, bias */
 static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
-static int input_characteristic(const OrtCustomOp *op, size_t i) { (void)op; return i == 3 ? IO_OPTIONAL : IO_REQUIRED; }
+static int input_characteristic(const OrtCustomOp *op, size_t i) { (void)op; return i >= 3 ? IO_OPTIONAL : IO_REQUIRED; }
 static int output_characteristic(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return IO_REQUIRED; }
 static int memory_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; /* OrtMemTypeDefault */ }
 static int variadic_min_arity(const OrtCustomOp *op) { (void)op; return 1; }

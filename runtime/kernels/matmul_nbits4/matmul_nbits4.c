@@ -31,7 +31,7 @@ typedef struct {
   int failed;            /* a task could not allocate its panel */
   const QRow *rows;
   const uint8_t *b, *zp;
-  const float *scales;
+  const float *scales, *bias; /* bias: [n] or NULL, added once a task's columns are computed */
   float *y;
 } Work;
 
@@ -48,6 +48,12 @@ static void panels(const Work *w, int64_t c0, int64_t c1, uint32_t *panel, float
   }
 }
 
+static void add_bias(const Work *w, int64_t c0, int64_t c1) {
+  if (!w->bias) return;
+  for (int64_t r = 0; r < w->m; r++)
+    for (int64_t c = c0; c < c1; c++) w->y[r * w->n + c] += w->bias[c];
+}
+
 static void run_task(Work *w, size_t task) {
   int64_t c0 = (int64_t)task * w->span, c1 = c0 + w->span < w->n ? c0 + w->span : w->n;
   if (w->m >= w->isa->prefill_rows) {
@@ -60,12 +66,14 @@ static void run_task(Work *w, size_t task) {
     float *wscale = (float *)(scratch + w->k * 16);
     panels(w, c0, c1, (uint32_t *)scratch, wscale, wscale + COLS_PER_TASK * blocks);
     free(scratch);
+    add_bias(w, c0, c1);
     return;
   }
   for (int64_t r = 0; r < w->m; r += ROWS) {
     int64_t rows = w->m - r < ROWS ? w->m - r : ROWS;
     w->isa->tile[rows - 1](w->k, w->rows + r, w->b, w->scales, w->zp, c0, c1, w->y + r * w->n + c0, w->n);
   }
+  add_bias(w, c0, c1);
 }
 
 struct Q4Matmul {
@@ -77,7 +85,8 @@ static size_t row_bytes(int64_t k) { return (size_t)k + sizeof(float) * (size_t)
 size_t q4_memory(int64_t m, int64_t k) { return sizeof(Q4Matmul) + (size_t)m * (sizeof(QRow) + row_bytes(k)); }
 
 Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k, int64_t n, int64_t threads,
-                     const uint8_t *b, const float *scales, const uint8_t *zero_points, float *y, size_t *tasks) {
+                     const uint8_t *b, const float *scales, const uint8_t *zero_points, const float *bias, float *y,
+                     size_t *tasks) {
   Q4Matmul *call = (Q4Matmul *)memory;
   QRow *rows = (QRow *)(call + 1);
   char *data = (char *)(rows + m);
@@ -93,7 +102,7 @@ Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k
   /* decode: one run of columns per thread, each one stream of weights (2.3 ms a SmolLM2 step's layers,
    * 2.5 in 8 runs, on AVX512-VNNI); prefill: panels of 16 columns, dealt out as the threads free up */
   int64_t span = m < ISAS[isa]->prefill_rows ? (n + threads - 1) / threads : COLS_PER_TASK;
-  Work work = {ISAS[isa], m, k, n, span, 0, rows, b, zero_points, scales, y};
+  Work work = {ISAS[isa], m, k, n, span, 0, rows, b, zero_points, scales, bias, y};
   call->work = work;
   *tasks = (size_t)((n + span - 1) / span);
   return call;

@@ -25,9 +25,10 @@ size_t q4_memory(int64_t m, int64_t k);
 
 /* Quantizes A into `memory` (q4_memory bytes) and returns the call on a supported `isa`; *tasks is
  * how many independent pieces it splits into (for `threads` threads): run q4_run(call, 0 .. *tasks
- * - 1) in any order, in parallel, then free `memory`. */
+ * - 1) in any order, in parallel, then free `memory`. `bias` ([n], or NULL) is added to every row of y. */
 Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k, int64_t n, int64_t threads,
-                     const uint8_t *b, const float *scales, const uint8_t *zero_points, float *y, size_t *tasks);
+                     const uint8_t *b, const float *scales, const uint8_t *zero_points, const float *bias, float *y,
+                     size_t *tasks);
 
 /* one piece of a prepared call: a void * so it fits a thread pool's callback */
 void q4_run(void *call, size_t task);

@@ -110,8 +110,46 @@ def test_float_zero_points_and_extra_inputs_keep_onnxruntimes_kernel():
     zp.CopyFrom(numpy_helper.from_array(np.full(16 * 2, 8.0, np.float32), "zp"))
     assert cpu_kernels.accelerate(model, 2, "avx2") == 0
     model = _model(128, 16)
-    model.graph.node[0].input.extend(["", "bias"])  # g_idx, bias
+    model.graph.node[0].input.extend(["g_idx"])
     assert cpu_kernels.accelerate(model, 2, "avx2") == 0
+
+
+def _biased(k: int, n: int, bias_dims=None) -> onnx.ModelProto:
+    """_model's MatMulNBits, then an Add of a float bias [N] (or `bias_dims`): Qwen's q/k/v projection."""
+    model = _model(k, n)
+    dims = bias_dims or [n]
+    bias = np.random.default_rng(n).standard_normal(dims).astype(np.float32)
+    model.graph.initializer.append(numpy_helper.from_array(bias, "bias"))
+    model.graph.node[0].output[0] = "Y0"
+    model.graph.node.append(helper.make_node("Add", ["Y0", "bias"], ["Y"]))
+    model.graph.value_info.append(helper.make_tensor_value_info("Y0", TensorProto.FLOAT, ["rows", n]))
+    return model
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 5, 29])
+def test_an_add_of_a_bias_is_folded_into_the_kernel(isa, rows):
+    """The Add after a swapped node goes (its bias the kernel's input 5), on the decode tiles and the prefill
+    panel alike, and the graph computes what MatMulNBits then Add compute."""
+    model = _biased(576, 40)
+    swapped = onnx.ModelProto.FromString(model.SerializeToString())
+    assert cpu_kernels.accelerate(swapped, 2, isa) == 1
+    assert [n.op_type for n in swapped.graph.node] == [cpu_kernels.OP]
+    assert list(swapped.graph.node[0].input)[4:] == ["", "bias"] and list(swapped.graph.node[0].output) == ["Y"]
+    assert not swapped.graph.value_info  # the intermediate's entry went with it
+    a = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+    expected, got = _session(model).run(None, {"A": a})[0], _session(swapped, cpu_kernels.library()).run(None, {"A": a})[0]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+
+
+def test_an_add_the_kernel_cannot_take_stays():
+    """A bias that is not [N], or an output something else reads too, keeps its Add."""
+    model = _biased(128, 16, bias_dims=[1, 16])
+    assert cpu_kernels.accelerate(model, 2, "avx2") == 1 and [n.op_type for n in model.graph.node][-1] == "Add"
+    model = _biased(128, 16)
+    model.graph.output.append(helper.make_tensor_value_info("Y0", TensorProto.FLOAT, ["rows", 16]))
+    assert cpu_kernels.accelerate(model, 2, "avx2") == 1 and [n.op_type for n in model.graph.node][-1] == "Add"
 
 
 @needs_kernel
