@@ -243,27 +243,26 @@ def fold_bias(model, nodes: list) -> int:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     graph_outputs = {o.name for o in model.graph.output}
-    folded = []
+    gone: set[str] = set()  # the swapped nodes' own outputs, which no node reads once their Adds go
     for node in nodes:
-        out, n = node.output[0], _attributes(node).get("N")
-        add = readers.get(out, [None])[0]
-        if len(node.input) > 5 or out in graph_outputs or len(readers.get(out, [])) != 1 or add.op_type != "Add" \
-                or add.domain not in ("", "ai.onnx") or list(add.input).count(out) != 1:
+        out = node.output[0]
+        if len(node.input) > 5 or out in graph_outputs or len(readers.get(out, [])) != 1:
+            continue
+        add = readers[out][0]
+        if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or list(add.input).count(out) != 1:
             continue
         bias = add.input[1] if add.input[0] == out else add.input[0]
-        if floats.get(bias) != [n]:
+        if floats.get(bias) != [_attributes(node).get("N")]:
             continue
         node.input.extend([""] * (5 - len(node.input)) + [bias])  # zero points (or none), no g_idx, the bias
         node.output[0] = add.output[0]
-        folded.append(add)
-    for add in folded:
         model.graph.node.remove(add)
-    gone = {add.input[0] if add.input[0] not in floats else add.input[1] for add in folded}
+        gone.add(out)
     kept = [v for v in model.graph.value_info if v.name not in gone]
     if len(kept) != len(model.graph.value_info):
         del model.graph.value_info[:]
         model.graph.value_info.extend(kept)
-    return len(folded)
+    return len(gone)
 
 
 REFUSED_INPUTS = {12: "q_norm_weight", 13: "k_norm_weight"}  # k_scale/v_scale: int8 caches take them
