@@ -47,11 +47,12 @@ def _session(model: onnx.ModelProto, library=None) -> ort.InferenceSession:
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("k, n, zero_points", [(576, 40, True), (128, 576, True), (1536, 33, False), (64, 16, True),
-                                               (192, 7, True)])
+                                               (192, 7, True), (4096, 210, True)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 21, 29])
 def test_llmc_kernel_computes_what_matmulnbits_computes(isa, k, n, zero_points, rows):
-    """Every path of the kernel (one to four rows a tile, the prefill panel from 12 or 20 rows, a tail
-    of rows; K with and without a final pair of blocks; N not a multiple of 4, 8 or 16; no zero points)
+    """Every path of the kernel (one to four rows a tile, more rows in turns over chunks of columns (K 4096: a
+    thread's 105 columns in chunks of 48, 48 and 9), the prefill panel from 20 rows, a tail of rows; K with and
+    without a final pair of blocks; N not a multiple of 4, 8 or 16; no zero points)
     against ONNX Runtime's kernel, which quantizes the activations the same way: equal to float rounding."""
     model = _model(k, n, zero_points=zero_points)
     reference = _session(model)
