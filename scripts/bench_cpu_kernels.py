@@ -8,7 +8,7 @@ most CPUs' caches, as in a decode step, though a 300 MB L3 holds them), each nod
 activations. It runs on ONNX Runtime's kernel (MLAS) and on llmc's kernel for every instruction set
 this CPU has, in turns, and prints milliseconds per run (medians) and each kernel's speedup over MLAS
 measured in the same run; `--fp32` adds the same layers unquantized (ONNX Runtime's MatMul), the step a 4-bit kernel must beat.
-Rows 1-11 take the decode path, 12 and more the prefill path.
+Rows 1-19 take the decode path (over 4 rows in turns over chunks of columns), 20 and more the prefill path.
 """
 
 from __future__ import annotations
