@@ -106,7 +106,11 @@ def make_inputs(grpc_module, prompt: str, stream: bool, params: dict) -> list:
             tensors.append(tensor(name, "BYTES", np.array([value.encode("utf-8")], dtype=np.object_)))
         elif name in SCALARS and name not in _NOT_PARAMETERS:
             datatype = SCALARS[name][0]
-            tensors.append(tensor(name, datatype, np.array([value], dtype=_NUMPY[datatype])))
+            with np.errstate(over="ignore"):  # a float past FP32's range becomes inf: refused below, by name
+                array = np.array([value], dtype=_NUMPY[datatype])
+            if array.dtype.kind == "f" and not np.isfinite(array).all() and np.isfinite(value):
+                raise ValueError(f"{name}: {value!r} does not fit the model's {datatype} input")
+            tensors.append(tensor(name, datatype, array))
         else:
             known = sorted(set(SCALARS) - _NOT_PARAMETERS | {"stop_words", *TEXTS})
             raise TypeError(f"unknown generation parameter {name!r}; known: {', '.join(known)}")

@@ -17,6 +17,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs` (runtime/decoding/logprobs.py's too)
 MAX_CHOICES = 64  # prompts x n of one completions request: each is a request to the model
 _INT32 = dict(ge=-2**31, lt=2**31)  # what the model's INT32 inputs hold: past it, a 400 rather than a wrapped cast
+_FP32 = dict(ge=-3.4028234663852886e38, le=3.4028234663852886e38)  # FP32's finite range: past it, a 400, not inf
 
 
 class OpenAIError(Exception):
@@ -47,20 +48,20 @@ class _Common(BaseModel):
 
     model: str
     max_tokens: int | None = Field(None, **_INT32)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, **_FP32)
+    top_p: float | None = Field(None, **_FP32)
     seed: int | None = Field(None, ge=0, le=2**64 - 1 - MAX_N)  # choice i runs with seed + i (UINT64)
     stop: str | list[str] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(None, **_FP32)
+    presence_penalty: float | None = Field(None, **_FP32)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters
     top_k: int | None = Field(None, **_INT32)
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: float | None = Field(None, **_FP32)
+    repetition_penalty: float | None = Field(None, **_FP32)
     min_tokens: int | None = Field(None, **_INT32)
     # structured output (structured.py): OpenAI's response_format, vLLM's structured_outputs extra
     response_format: dict[str, Any] | None = None
