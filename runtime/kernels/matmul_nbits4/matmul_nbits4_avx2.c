@@ -143,7 +143,7 @@ KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b
 /* The prefill panel (layout: matmul_nbits4_isa.h) from the packed weights, every ISA's prefill reads it.
  * Four packed bytes of a column (8 k) hold two of its panel words: the low nibbles (word t) and the high
  * nibbles (word t + 16, or + 8 in a final pair of blocks). A gather brings those four bytes of 8 columns at
- * once, so each panel row of 16 columns is two gathers and two 32-byte stores per half. (Column by column,
+ * once, so two gathers fill two panel rows of 16 columns (four 32-byte stores). (Column by column,
  * the words went out one at a time 64 bytes apart: a 16-row step of a 1B model's layers spent most of its
  * time here, 309 ms against 168 through the decode tiles.) */
 KERNEL_ISA void q4_unpack_panel(int64_t k, const uint8_t *b, const float *scales, const uint8_t *zp,
