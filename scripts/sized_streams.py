@@ -6,7 +6,7 @@ first token and between its tokens (p50 and p99 over every request).
 
 og.Engine on CPU is its static batcher: its dynamic batcher needs paged-KV decoder layers, which the model
 builder's CPU graphs lack (0.18 refuses them: "Paged cache input must have rank four"). Its batch is set to
-`streams` in the model's genai_config.json.
+`streams` in the model's genai_config.json, and its max_length to the run's longest prompt plus `new`.
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ def genai_streams(model_dir: Path, prompts: list[list[int]], new: int, streams: 
     path = model_dir / "genai_config.json"
     config = json.loads(path.read_text())
     config["engine"] = {"static_batching": {"max_batch_size": streams}}
+    # its KV buffers are max_length long for every row of the batch: the checkpoint's context (Llama-3.2-1B's
+    # 131,072) at 16 rows is ~68 GB, so the run's own length, as generate()'s search options set it
+    config["search"]["max_length"] = max(map(len, prompts)) + new
     path.write_text(json.dumps(config, indent=4))
     engine = og.Engine(og.Model(str(model_dir)))
     events = engine.create_event_buffer(4 * streams)
