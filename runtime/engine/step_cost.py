@@ -5,10 +5,11 @@ times a decode step of the same rows.
 On a CPU a step of n decode rows and P prompt tokens takes about a + b·n + c·P seconds: a is the
 weights read once a step, b a decode row's attention and LM head, c a prompt token's compute (a
 prompt token costs compute, so a fixed token budget that suits 16 decode rows stretches a 4-row
-step several times over). The fit is least squares over the steps run, older steps weighted down
-by `forget` each step, so it follows contexts that grow and a host whose speed changes. Written here because no library
-fits step costs online; Sarathi-Serve sizes its token budget from a latency target the same way,
-offline.
+step several times over). The fit is non-negative least squares over the steps run, older steps
+weighted down by `forget` each step, so it follows contexts that grow and a host whose speed changes.
+Until it has measured a decode step, a step with decode rows carries `min_tokens` prompt tokens.
+Written here because no library fits step costs online; Sarathi-Serve sizes its token budget from a
+latency target the same way, offline.
 """
 
 from __future__ import annotations
@@ -22,48 +23,68 @@ class StepCost:
             raise ValueError(f"ratio ({ratio}) must be > 1, forget ({forget}) in (0, 1], "
                              f"min_tokens ({min_tokens}) >= 1")
         self.ratio, self.forget, self.min_tokens = ratio, forget, min_tokens
-        self._sums = [0.0] * 9  # x x^T's upper triangle (6), then x y (3), x = (1, rows, tokens)
+        self._sums = [0.0] * 10  # x x^T's upper triangle (6), x y (3), y y; x = (1, rows, tokens)
         self.steps = 0
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         """A step of `rows` decode rows and `tokens` prompt tokens took `seconds`. In Python floats:
         every step calls it, right after a graph run has left the caches cold, where numpy's small
-        arrays cost ~100 us and these nine products ~10."""
+        arrays cost ~100 us and these ten products ~10."""
         f, s = self.forget, self._sums
         terms = (1.0, rows, tokens, rows * rows, rows * tokens, tokens * tokens, seconds, rows * seconds,
-                 tokens * seconds)
+                 tokens * seconds, seconds * seconds)
         self._sums = [f * a + b for a, b in zip(s, terms)]
         self.steps += 1
 
-    def _normal_equations(self) -> tuple[np.ndarray, np.ndarray]:
-        """(X^T X, X^T y) of the steps observed, each weighed down by `forget` per step since."""
+    def _normal_equations(self) -> tuple[np.ndarray, np.ndarray, float]:
+        """(X^T X, X^T y, y^T y) of the steps observed, each weighed down by `forget` per step since."""
         n, r, t, rr, rt, tt = self._sums[:6]
-        return np.array([[n, r, t], [r, rr, rt], [t, rt, tt]]), np.array(self._sums[6:])
+        return np.array([[n, r, t], [r, rr, rt], [t, rt, tt]]), np.array(self._sums[6:9]), self._sums[9]
 
     def coefficients(self) -> np.ndarray | None:
-        """(a, b, c) in seconds, none negative, or None before two steps. Steps alike cannot tell the
-        terms apart: least squares then splits the time between them (the smallest solution), and a
-        negative term is dropped and the others refit, so the fit never predicts a cheaper step for
-        more rows. The first prompt steps thus get a small cap (a decode step looks cheap beside a
-        prompt token), which the steps it makes (other chunk sizes) correct."""
+        """(a, b, c) in seconds, none negative, or None before two steps: the non-negative least-squares
+        fit. Steps alike cannot tell the terms apart: least squares then splits the time between them
+        (the smallest solution). Where the unconstrained fit has a negative term (a few prompt steps of
+        more rows that happened to run faster), the best fit over the terms' subsets with none negative
+        is taken: seven 3x3-or-smaller solves, exact non-negative least squares for three terms (written
+        here: scipy's nnls is not among a served model's dependencies), so the fit never predicts a
+        cheaper step for more rows."""
         if self.steps < 2:
             return None
-        xtx, xty = self._normal_equations()
-        for keep in ([0, 1, 2], [0, 2], [1, 2]):
+        xtx, xty, yy = self._normal_equations()
+        best, best_residual = None, float("inf")
+        for keep in _SUPPORTS:
             fit = np.zeros(3)
             sub = np.ix_(keep, keep)
             fit[keep] = np.linalg.lstsq(xtx[sub] + 1e-12 * np.eye(len(keep)), xty[keep], rcond=None)[0]
-            if fit.min() >= 0:
+            if fit.min() < 0:
+                continue
+            if len(keep) == 3:  # the unconstrained minimum, and feasible: nothing fits better
                 return fit
-        return None
+            residual = yy - 2 * fit @ xty + fit @ xtx @ fit
+            if residual < best_residual:
+                best, best_residual = fit, residual
+        return best
 
     def prompt_cap(self, rows: int) -> int | None:
         """Prompt tokens a step with `rows` decode rows may carry (at least `min_tokens`); None: no cap
-        (no decode row to protect, or no fit yet)."""
-        fit = self.coefficients() if rows else None
-        if fit is None or fit[2] <= 0:
+        (no decode row to protect, or prompt tokens measured free). With decode rows but no measure of
+        a decode step yet (before two steps, or a fit that puts all the time on prompt tokens) the cap
+        is `min_tokens`: such a step is mostly the decode rows', and it teaches the fit what they cost.
+        Uncapped, as they were, the first steps after a burst of requests carried a full budget of
+        prompt tokens beside their first decode rows: at 1B, 1.5 s steps among 0.2-0.5 s ones."""
+        if not rows:
+            return None
+        fit = self.coefficients()
+        if fit is None:
+            return self.min_tokens
+        if fit[2] <= 0:
             return None
         decode = fit[0] + fit[1] * rows
         if decode <= 0:
-            return None
+            return self.min_tokens
         return max(self.min_tokens, int((self.ratio - 1) * decode / fit[2]))
+
+
+# The term subsets coefficients() fits, the whole first (a, b, c: the step, a decode row, a prompt token).
+_SUPPORTS = ([0, 1, 2], [0, 2], [1, 2], [0, 1], [0], [1], [2])

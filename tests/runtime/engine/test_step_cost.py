@@ -13,16 +13,48 @@ def _cost(rows, tokens):
     return A + B * rows + C * tokens
 
 
-def test_no_cap_before_two_steps_nor_without_a_decode_row_and_a_small_one_while_steps_are_alike():
+def test_a_small_cap_while_a_decode_step_is_unmeasured_and_none_without_a_decode_row():
     cost = StepCost(ratio=2.5)
+    assert cost.prompt_cap(4) == cost.min_tokens  # nothing measured: a decode row is protected from the start
     cost.observe(0, 256, _cost(0, 256))
-    assert cost.prompt_cap(4) is None
+    assert cost.prompt_cap(4) == cost.min_tokens  # one prompt step: no measure of a decode step yet
     cost.observe(0, 256, _cost(0, 256))  # two prompt steps alike: a decode step looks almost free
     assert cost.prompt_cap(0) is None  # no decode row: nothing to protect
     assert cost.prompt_cap(4) == cost.min_tokens
     for rows, tokens in ((4, 16), (4, 0), (3, 16), (4, 0)):
         cost.observe(rows, tokens, _cost(rows, tokens))
     assert cost.prompt_cap(4) == pytest.approx(1.5 * _cost(4, 0) / C, rel=0.15)  # learned from the small steps
+
+
+def test_prompt_steps_of_more_rows_that_ran_faster_still_get_a_cap():
+    """The burst that opened a 1B run: every step a full budget of prompt tokens beside a few more decode rows
+    than the last, the noise making more rows look cheaper. The unconstrained fit has a negative row term and
+    so has a fit of (step, prompt token), which left such steps uncapped; the non-negative fit is (prompt
+    token) alone, so a decode step is unmeasured and the cap small."""
+    cost = StepCost(ratio=2.5)
+    for rows, tokens, seconds in ((0, 256, 1.644), (2, 254, 1.462), (3, 253, 1.550), (5, 251, 1.457)):
+        cost.observe(rows, tokens, seconds)
+    a, b, c = cost.coefficients()
+    assert min(a, b, c) >= 0 and c > 0
+    assert cost.prompt_cap(7) <= 2 * cost.min_tokens
+
+
+def test_the_fit_is_the_best_one_with_no_negative_term():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        cost = StepCost(forget=1.0)
+        steps = [(int(rng.integers(0, 17)), int(rng.integers(0, 257)), float(rng.uniform(0.01, 2)))
+                 for _ in range(int(rng.integers(2, 12)))]
+        for step in steps:
+            cost.observe(*step)
+        x, y = np.array([(1, r, t) for r, t, _ in steps], float), np.array([s for *_, s in steps])
+        fit = cost.coefficients()
+        assert fit.min() >= 0
+        # no point of a grid of non-negative coefficients around the fit does better
+        residual = np.sum((x @ fit - y) ** 2)
+        for _ in range(200):
+            other = np.maximum(fit + rng.normal(0, 0.05, 3) * np.array([1, 0.05, 0.005]), 0)
+            assert np.sum((x @ other - y) ** 2) >= residual - 1e-9
 
 
 def test_the_cap_keeps_a_step_within_ratio_decode_steps_and_grows_with_the_rows():
