@@ -50,7 +50,7 @@ def test_the_fit_is_the_best_one_with_no_negative_term():
         x, y = np.array([(1, r, t) for r, t, _ in steps], float), np.array([s for *_, s in steps])
         fit = cost.coefficients()
         assert fit.min() >= 0
-        # no point of a grid of non-negative coefficients around the fit does better
+        # no non-negative coefficients drawn near the fit do better
         residual = np.sum((x @ fit - y) ** 2)
         for _ in range(200):
             other = np.maximum(fit + rng.normal(0, 0.05, 3) * np.array([1, 0.05, 0.005]), 0)
