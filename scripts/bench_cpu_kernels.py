@@ -25,7 +25,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llmc.runtime.kernels import cpu_kernels  # noqa: E402
+from llmc.runtime.kernels import cpu_kernels, graph_edits  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 LAYER_SHAPES = [("q", HIDDEN, 576), ("k", HIDDEN, 192), ("v", HIDDEN, 192), ("o", HIDDEN, 576),
@@ -62,7 +62,7 @@ def session(model: onnx.ModelProto, threads: int, isa: str | None) -> ort.Infere
     options.intra_op_num_threads = threads
     if isa is not None:
         model = onnx.ModelProto.FromString(model.SerializeToString())
-        cpu_kernels.accelerate(model, threads, isa)
+        graph_edits.accelerate(model, threads, isa)
         options.register_custom_ops_library(str(cpu_kernels.library()))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 

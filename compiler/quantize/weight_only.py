@@ -178,9 +178,9 @@ def cpu_kernel() -> str | None:
 
 def _runs_on(model) -> str:
     """Which kernel the report's measurements (and serving on a host like this one) run 4-bit nodes on."""
-    from llmc.runtime.kernels import cpu_kernels
+    from llmc.runtime.kernels import cpu_kernels, graph_edits
 
-    taken = len(cpu_kernels.swappable(model))
+    taken = len(graph_edits.swappable(model))
     if not taken:
         return ""
     kernels = cpu_kernels.load()

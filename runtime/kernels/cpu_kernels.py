@@ -16,8 +16,8 @@ group=name)` gives their nodes the group's name and registers the library, as fo
 block_size=32 and accuracy_level=4: same inputs, attributes and packed layout, faster at batch-1
 decode (matmul_nbits4.c says why and how), with kernels for AVX512-VNNI and for AVX2 + FMA CPUs.
 Stored graphs keep the standard op, so they run on any ONNX Runtime and in onnxruntime-genai;
-`make_session` swaps the op type in memory when `library()` is available here (and folds an Add of a
-bias after a swapped node into it: `fold_bias`), and otherwise the graph runs as stored.
+`make_session` swaps the op type in memory when `library()` is available here (graph_edits.py, which
+also folds an Add of a bias after a swapped node into it), and otherwise the graph runs as stored.
 
 `library()` finds or builds the shared library: a prebuilt copy next to this module (what a packaged
 model repository carries, so a serving host needs no compiler), else one in the cache
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from llmc.runtime.kernels.collective import GROUP_ENV
+from llmc.runtime.kernels.graph_edits import COLLECTIVE_OPS, PAGED_OP, accelerate, configure_collective, configure_paged
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "cpu_kernels.c"  # the ops' registration; it includes each kernel's header
@@ -56,8 +57,6 @@ SOURCES = tuple(HERE / name for name in (
     "paged_attention/paged_attention_op.c", "collective/collective.h", "collective/collective.c",
     "collective/collective_data.h", "collective/collective_data.c", "collective/collective_op.h",
     "collective/collective_op.c"))
-DOMAIN, OP, PAGED_OP = "llmc", "MatMulNBits4", "PagedAttention"
-COLLECTIVE_OPS = ("AllReduce", "AllGather")
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 LIBS = ["-lm", "-lpthread", "-lrt"]  # -lrt: shm_open, in libc itself only from glibc 2.34
 SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels; an instruction set's name pins it
@@ -183,122 +182,6 @@ def library() -> Path | None:
     """The loadable library for this host, or None."""
     kernels = load()
     return kernels.library if kernels else None
-
-
-def _attributes(node) -> dict:
-    from onnx import helper
-
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def eligible(node, uint8_initializers: set[str]) -> bool:
-    """Whether a node is a MatMulNBits the llmc kernel computes as ONNX Runtime's does: 4 bits in blocks
-    of 32, int8 activations, K a multiple of 64, no g_idx, zero points (if any) packed uint8, a bias or none."""
-    if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) > 6:
-        return False
-    if len(node.input) >= 4 and node.input[3] and node.input[3] not in uint8_initializers:
-        return False
-    if len(node.input) >= 5 and node.input[4]:  # g_idx
-        return False
-    a = _attributes(node)
-    return (a.get("bits", 4) == 4 and a.get("block_size") == 32 and a.get("accuracy_level", 0) == 4
-            and a.get("K", 0) % 64 == 0)
-
-
-def swappable(model) -> list:
-    """The nodes of an ONNX ModelProto llmc's kernel takes."""
-    from onnx import TensorProto
-
-    uint8 = {t.name for t in model.graph.initializer if t.data_type == TensorProto.UINT8}
-    return [n for n in model.graph.node if eligible(n, uint8)]
-
-
-def accelerate(model, threads: int, isa: str) -> int:
-    """Swap eligible MatMulNBits nodes of an ONNX ModelProto for llmc's, in place, for a session of
-    `threads` intra-op threads (decode splits the columns into one run per thread), computed by the
-    kernel for instruction set `isa`; returns how many."""
-    from onnx import helper
-
-    nodes = swappable(model)
-    for node in nodes:
-        node.op_type, node.domain = OP, DOMAIN
-        node.attribute.extend([helper.make_attribute("threads", max(1, threads)), helper.make_attribute("isa", isa)])
-    if nodes and not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.add(domain=DOMAIN, version=1)
-    fold_bias(model, nodes)
-    return len(nodes)
-
-
-def fold_bias(model, nodes: list) -> int:
-    """Each of `nodes` (MatMulNBits4, swapped in) whose output only an Add of a float [N] initializer reads
-    takes that initializer as its bias (input 5) and the Add's output, and the Add goes: the kernel adds the
-    bias to the columns it has just written, where the Add was a node of its own (ONNX Runtime's graph
-    optimizer does not fold it into a custom op). Qwen's q/k/v bias: 24 Add nodes of a 0.5B decode step.
-    Returns how many it folded."""
-    from onnx import TensorProto
-
-    floats = {t.name: list(t.dims) for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
-    readers: dict[str, list] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    graph_outputs = {o.name for o in model.graph.output}
-    gone: set[str] = set()  # the swapped nodes' own outputs, which no node reads once their Adds go
-    for node in nodes:
-        out = node.output[0]
-        if len(node.input) > 5 or out in graph_outputs or len(readers.get(out, [])) != 1:
-            continue
-        add = readers[out][0]
-        if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or list(add.input).count(out) != 1:
-            continue
-        bias = add.input[1] if add.input[0] == out else add.input[0]
-        if floats.get(bias) != [_attributes(node).get("N")]:
-            continue
-        node.input.extend([""] * (5 - len(node.input)) + [bias])  # zero points (or none), no g_idx, the bias
-        node.output[0] = add.output[0]
-        model.graph.node.remove(add)
-        gone.add(out)
-    kept = [v for v in model.graph.value_info if v.name not in gone]
-    if len(kept) != len(model.graph.value_info):
-        del model.graph.value_info[:]
-        model.graph.value_info.extend(kept)
-    return len(gone)
-
-
-REFUSED_INPUTS = {12: "q_norm_weight", 13: "k_norm_weight"}  # k_scale/v_scale: int8 caches take them
-
-
-def configure_paged(model, threads: int) -> int:
-    """Give the llmc.PagedAttention nodes of an ONNX ModelProto the session's intra-op thread count (how
-    finely the kernel splits its work), in place; an input the CPU kernel does not implement is refused here
-    (the kernel refuses attributes it does not when the session creates it). Returns how many nodes."""
-    from onnx import helper
-
-    nodes = [n for n in model.graph.node if n.op_type == PAGED_OP and n.domain == DOMAIN]
-    for node in nodes:
-        refused = [name for i, name in REFUSED_INPUTS.items() if i < len(node.input) and node.input[i]]
-        if refused:
-            raise ValueError(f"llmc.PagedAttention node {node.name!r}: input {refused[0]} is not implemented on CPU")
-        if not any(a.name == "threads" for a in node.attribute):
-            node.attribute.append(helper.make_attribute("threads", max(1, threads)))
-    return len(nodes)
-
-
-def configure_collective(model, group: str | None) -> int:
-    """Give the llmc.AllReduce / llmc.AllGather nodes of an ONNX ModelProto the shared-memory group's name
-    (collective.py's `Group.name`), in place; returns how many nodes. Such a graph without a group is a
-    ValueError naming the node: its ranks run only together."""
-    from onnx import helper
-
-    nodes = [n for n in model.graph.node if n.op_type in COLLECTIVE_OPS and n.domain == DOMAIN]
-    if nodes and not group:
-        raise ValueError(f"llmc.{nodes[0].op_type} node {nodes[0].name!r}: a tensor-parallel graph runs only inside a "
-                         "rank group: pass group= (the name of a runtime.kernels.collective.Group)")
-    for node in nodes:
-        kept = [a for a in node.attribute if a.name != "group"]
-        del node.attribute[:]
-        node.attribute.extend([*kept, helper.make_attribute("group", group)])
-    return len(nodes)
 
 
 def _check_sequential(options) -> None:

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from llmc.runtime.kernels import cpu_kernels
+from llmc.runtime.kernels import cpu_kernels, graph_edits
 from llmc.runtime.runners.ort import make_session
 
 KERNELS = cpu_kernels.load()
@@ -57,7 +57,7 @@ def test_llmc_kernel_computes_what_matmulnbits_computes(isa, k, n, zero_points, 
     model = _model(k, n, zero_points=zero_points)
     reference = _session(model)
     swapped = onnx.ModelProto.FromString(model.SerializeToString())
-    assert cpu_kernels.accelerate(swapped, 2, isa) == 1 and swapped.graph.node[0].op_type == cpu_kernels.OP
+    assert graph_edits.accelerate(swapped, 2, isa) == 1 and swapped.graph.node[0].op_type == graph_edits.OP
     ours = _session(swapped, cpu_kernels.library())
     a = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32) * 3
     a[0, :40] = 0.0  # an all-zero block: scale 0 on the activation side
@@ -77,7 +77,7 @@ def test_llmc_kernel_sums_the_largest_products_without_overflow(isa, rows, sign)
     b = next(t for t in model.graph.initializer if t.name == "B")
     b.CopyFrom(numpy_helper.from_array(np.full((24, 8, 16), 0xFF, np.uint8), "B"))
     swapped = onnx.ModelProto.FromString(model.SerializeToString())
-    cpu_kernels.accelerate(swapped, 2, isa)
+    graph_edits.accelerate(swapped, 2, isa)
     a = np.full((rows, 256), sign * 2.5, np.float32)
     expected = _session(model).run(None, {"A": a})[0]
     got = _session(swapped, cpu_kernels.library()).run(None, {"A": a})[0]
@@ -89,7 +89,7 @@ def test_llmc_kernel_sums_the_largest_products_without_overflow(isa, rows, sign)
 def test_llmc_kernel_takes_leading_dimensions(isa):
     model = _model(128, 24, rank=3)
     swapped = onnx.ModelProto.FromString(model.SerializeToString())
-    cpu_kernels.accelerate(swapped, 2, isa)
+    graph_edits.accelerate(swapped, 2, isa)
     a = np.random.default_rng(0).standard_normal((2, 7, 128)).astype(np.float32)
     expected = _session(model).run(None, {"A": a})[0]
     got = _session(swapped, cpu_kernels.library()).run(None, {"A": a})[0]
@@ -102,17 +102,17 @@ def test_only_nodes_the_kernel_computes_as_onnxruntime_does_are_swapped(change):
     k = change.get("K", 128)
     attrs = {key: value for key, value in change.items() if key != "K"}
     model = _model(k, 16, **attrs)
-    assert cpu_kernels.accelerate(model, 2, "avx2") == 0 and model.graph.node[0].op_type == "MatMulNBits"
+    assert graph_edits.accelerate(model, 2, "avx2") == 0 and model.graph.node[0].op_type == "MatMulNBits"
 
 
 def test_float_zero_points_and_extra_inputs_keep_onnxruntimes_kernel():
     model = _model(128, 16)
     zp = next(t for t in model.graph.initializer if t.name == "zp")
     zp.CopyFrom(numpy_helper.from_array(np.full(16 * 2, 8.0, np.float32), "zp"))
-    assert cpu_kernels.accelerate(model, 2, "avx2") == 0
+    assert graph_edits.accelerate(model, 2, "avx2") == 0
     model = _model(128, 16)
     model.graph.node[0].input.extend(["g_idx"])
-    assert cpu_kernels.accelerate(model, 2, "avx2") == 0
+    assert graph_edits.accelerate(model, 2, "avx2") == 0
 
 
 def _biased(k: int, n: int, bias_dims=None) -> onnx.ModelProto:
@@ -135,8 +135,8 @@ def test_an_add_of_a_bias_is_folded_into_the_kernel(isa, rows):
     panel alike, and the graph computes what MatMulNBits then Add compute."""
     model = _biased(576, 40)
     swapped = onnx.ModelProto.FromString(model.SerializeToString())
-    assert cpu_kernels.accelerate(swapped, 2, isa) == 1
-    assert [n.op_type for n in swapped.graph.node] == [cpu_kernels.OP]
+    assert graph_edits.accelerate(swapped, 2, isa) == 1
+    assert [n.op_type for n in swapped.graph.node] == [graph_edits.OP]
     assert list(swapped.graph.node[0].input)[4:] == ["", "bias"] and list(swapped.graph.node[0].output) == ["Y"]
     assert not swapped.graph.value_info  # the intermediate's entry went with it
     a = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
@@ -147,10 +147,10 @@ def test_an_add_of_a_bias_is_folded_into_the_kernel(isa, rows):
 def test_an_add_the_kernel_cannot_take_stays():
     """A bias that is not [N], or an output something else reads too, keeps its Add."""
     model = _biased(128, 16, bias_dims=[1, 16])
-    assert cpu_kernels.accelerate(model, 2, "avx2") == 1 and [n.op_type for n in model.graph.node][-1] == "Add"
+    assert graph_edits.accelerate(model, 2, "avx2") == 1 and [n.op_type for n in model.graph.node][-1] == "Add"
     model = _biased(128, 16)
     model.graph.output.append(helper.make_tensor_value_info("Y0", TensorProto.FLOAT, ["rows", 16]))
-    assert cpu_kernels.accelerate(model, 2, "avx2") == 1 and [n.op_type for n in model.graph.node][-1] == "Add"
+    assert graph_edits.accelerate(model, 2, "avx2") == 1 and [n.op_type for n in model.graph.node][-1] == "Add"
 
 
 @needs_kernel
@@ -160,7 +160,7 @@ def test_make_session_runs_the_stored_graph_on_the_kernel_and_leaves_the_file_al
     onnx.save(model, str(path))
     before = path.read_bytes()
     swapped = cpu_kernels.prepare(path, ort.SessionOptions())
-    assert [n.op_type for n in onnx.ModelProto.FromString(swapped).graph.node] == [cpu_kernels.OP]
+    assert [n.op_type for n in onnx.ModelProto.FromString(swapped).graph.node] == [graph_edits.OP]
     a = np.random.default_rng(1).standard_normal((3, 576)).astype(np.float32)
     expected = _session(model).run(None, {"A": a})[0]
     got = make_session(path, 2).run(None, {"A": a})[0]
@@ -189,7 +189,7 @@ def test_graphs_without_the_op_open_from_their_file(tmp_path):
 @needs_kernel
 def test_an_isa_the_cpu_does_not_run_is_refused_by_name():
     swapped = _model(128, 16)
-    cpu_kernels.accelerate(swapped, 2, "sse2")
+    graph_edits.accelerate(swapped, 2, "sse2")
     with pytest.raises(Exception, match="isa 'sse2' is not one this CPU runs"):
         _session(swapped, cpu_kernels.library())
 
