@@ -4,7 +4,8 @@
 Scripts run in process (runpy, as `__main__`, argv patched): no interpreter or torch import per script.
 Fully run on the tiny Llama: bench_sampling, bench_cpu_kernels, bench_paged_attention, bench_quantization
 (llmc's fp32/int8/int4 builds of the default graph; the onnxruntime-genai peer left out: its builder costs
-~25 s a precision here) and compare_peers (the shared tiny build served by Triton; genai left out likewise).
+~25 s a precision here) and compare_peers (the shared tiny build served by Triton; genai left out likewise);
+bench_q4_stream on three tiny random layers.
 bench_kernels needs CUDA: run tiny on a GPU, else checked to stop with its message. The rest build and
 measure SmolLM2 variants of their own (minutes even tiny, as each builds several graphs or servers):
 their argument parsing and imports are checked (`--help`)."""
@@ -18,12 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from llmc.runtime.kernels import cpu_kernels
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 LIBRARIES = {"bench_paged_builds.py", "bench_paged_decode.py"}  # imported by the others; no command line
 RUN = {"bench_sampling.py", "bench_cpu_kernels.py", "bench_paged_attention.py", "bench_quantization.py",
        "bench_kernels.py", "compare_peers.py", "bench_sizes.py", "bench_moe.py", "bench_collective.py",
-       "bench_tensor_parallel.py"}
+       "bench_tensor_parallel.py", "bench_q4_stream.py"}
 HELP_ONLY = {"bench_attention.py", "bench_beam.py", "bench_draft.py", "bench_kv_cache_dtype.py", "bench_openai.py",
              "bench_paged.py", "bench_paged_graph.py", "bench_serving.py", "bench_speculative.py",
              "bench_structured.py"}
@@ -73,6 +76,14 @@ def test_bench_cpu_kernels(monkeypatch, capsys):
     assert "onnxruntime" in out and "fp32 MatMul" in out
     row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["1"])
     assert len(row) == 1 + 2 * (out.count("llmc ") + 2)  # rows, then each kernel's ms and ratio
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="llmc's 4-bit kernel does not run on this host")
+def test_bench_q4_stream(monkeypatch, capsys):
+    run_script(monkeypatch, "bench_q4_stream.py", "--k", "128", "--n", "64", "--layers", "3", "--copies", "1",
+               "--rounds", "2", "--reps", "2")
+    out = capsys.readouterr().out
+    assert "3 layers of 128 x 64" in out and "GB/s" in out and "of the read (per round" in out
 
 
 def test_bench_paged_attention(monkeypatch, capsys):
