@@ -7,7 +7,7 @@ Batch-1 decode streams every weight once a step, so its ceiling is the bytes the
 measures the tile alone, with no ONNX Runtime around it: a C harness (compiled here with the kernel's own
 sources) runs q4_prepare / q4_run at one row, on one thread, over `--layers` random K x N layers in
 MatMulNBits' layout (4-bit codes, fp32 scales, 4-bit zero points: 0.64 bytes a weight; 300 x 2048 x 2048
-is 810 MB, out of any cache), and the best of `--reps` passes is its time. The same harness reads the same
+is 806 MB, out of any cache), and the best of `--reps` passes is its time. The same harness reads the same
 number of bytes with a plain vector loop. `--copies` copies of each run at once, each on its own thread
 (one per core, as a decode step's threads do), in `--rounds` rounds with the order alternating; the script
 prints the GB/s of each (summed over the copies; medians over the rounds) and the tile's share of the read's rate, the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 import sys
@@ -28,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmc.runtime.kernels import cpu_kernels  # noqa: E402
 
 KERNEL = cpu_kernels.HERE / "matmul_nbits4"
-ISAS = {"avx512vnni": 0, "avx2": 1}  # matmul_nbits4.h's Q4_ISA_* order
 HARNESS = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -103,32 +103,37 @@ def harness(out_dir: Path) -> Path:
     return cpu_kernels.compile_library(sources, out_dir / "libq4_stream.so", cpu_kernels.FLAGS, [KERNEL], ["-lm"])
 
 
-def _one(job: tuple) -> float:
-    """One copy's run: ("tile", path, k, n, layers, reps, isa) or ("read", path, bytes, reps) -> seconds. ctypes
-    lets go of the GIL for the call, so copies on threads of this process run at once, one a core."""
-    lib = ctypes.CDLL(job[1])
-    if job[0] == "tile":
-        fn = lib.llmc_q4_stream
-        fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
-    else:
-        fn = lib.llmc_read_stream
-        fn.argtypes = [ctypes.c_int64] * 2
-    fn.restype = ctypes.c_double
-    seconds = fn(*job[2:])
-    if seconds < 0:
-        raise MemoryError(f"{job[0]}: out of memory")
-    return seconds
+def runs(path: Path, isa: str, args) -> dict:
+    """The two runs, each a callable returning (seconds, bytes) from the harness at `path`. ctypes lets go of
+    the GIL for a call, so copies on threads of this process run at once, one a core."""
+    lib = ctypes.CDLL(str(path))
+    lib.q4_isa_name.restype = ctypes.c_char_p
+    index = next(i for i in itertools.count() if lib.q4_isa_name(i) in (isa.encode(), None))  # Q4_ISA_* of `isa`
+    lib.llmc_q4_stream.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.llmc_read_stream.argtypes = [ctypes.c_int64] * 2
+    lib.llmc_q4_stream.restype = lib.llmc_read_stream.restype = ctypes.c_double
+    tile_bytes = args.layers * layer_bytes(args.k, args.n)
+    read_bytes = tile_bytes // 64 * 64
+
+    def checked(what: str, seconds: float, nbytes: int) -> tuple[float, int]:
+        if seconds < 0:
+            raise MemoryError(f"{what}: out of memory")
+        return seconds, nbytes
+
+    return {"tile": lambda: checked("tile", lib.llmc_q4_stream(args.k, args.n, args.layers, args.reps, index),
+                                    tile_bytes),
+            "read": lambda: checked("read", lib.llmc_read_stream(read_bytes, args.reps), read_bytes)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=2048, help="input width (a multiple of 64)")
     p.add_argument("--n", type=int, default=2048, help="output width")
-    p.add_argument("--layers", type=int, default=300, help="layers a pass streams (300 x 2048 x 2048: 810 MB)")
+    p.add_argument("--layers", type=int, default=300, help="layers a pass streams (300 x 2048 x 2048: 806 MB)")
     p.add_argument("--copies", type=int, default=2, help="copies running at once, each on a thread (one per core)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--reps", type=int, default=4, help="passes a run, the best kept")
-    p.add_argument("--isa", default="", help=f"{' or '.join(ISAS)} (default: the best this CPU runs)")
+    p.add_argument("--isa", default="", help="avx512vnni or avx2 (default: the best this CPU runs)")
     args = p.parse_args()
     if args.k % 64:
         p.error(f"--k {args.k}: the kernel takes multiples of 64")
@@ -141,15 +146,13 @@ def main() -> None:
         p.error(f"--isa {isa}: this CPU runs llmc's 4-bit kernel on {', '.join(kernels.isas)}")
     nbytes = args.layers * layer_bytes(args.k, args.n)
     with tempfile.TemporaryDirectory() as tmp:
-        lib = str(harness(Path(tmp)))
-        jobs = {"tile": ("tile", lib, args.k, args.n, args.layers, args.reps, ISAS[isa]),
-                "read": ("read", lib, nbytes // 64 * 64, args.reps)}
+        run = runs(harness(Path(tmp)), isa, args)
         rates: dict[str, list[float]] = {"tile": [], "read": []}
         with ThreadPoolExecutor(args.copies) as pool:
             for r in range(args.rounds):
                 for what in ("tile", "read") if r % 2 == 0 else ("read", "tile"):
-                    seconds = list(pool.map(_one, [jobs[what]] * args.copies))
-                    rates[what].append(sum(nbytes / s for s in seconds) / 1e9)
+                    done = [pool.submit(run[what]) for _ in range(args.copies)]
+                    rates[what].append(sum(moved / seconds for seconds, moved in (f.result() for f in done)) / 1e9)
     tile, read = statistics.median(rates["tile"]), statistics.median(rates["read"])
     shares = [t / r for t, r in zip(rates["tile"], rates["read"])]
     print(f"llmc 4-bit decode tile ({isa}), one row, {args.layers} layers of {args.k} x {args.n} "
