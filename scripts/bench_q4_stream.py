@@ -5,9 +5,10 @@
 
 Batch-1 decode streams every weight once a step, so its ceiling is the bytes the cores can read. This
 measures the tile alone, with no ONNX Runtime around it: a C harness (compiled here with the kernel's own
-sources) runs q4_prepare / q4_run at one row, on one thread, over `--layers` random K x N layers in
+sources) runs q4_prepare / q4_run at one row, on one thread, over `--layers` random K x N layers made in
 MatMulNBits' layout (4-bit codes, fp32 scales, 4-bit zero points: 0.64 bytes a weight; 300 x 2048 x 2048
-is 806 MB, out of any cache), and the best of `--reps` passes is its time. The same harness reads the same
+is 806 MB, out of any cache) and repacked by q4_pack into the kernel's one stream, as a session does; the
+best of `--reps` passes is its time. The same harness reads the same
 number of bytes with a plain vector loop. `--copies` copies of each run at once, each on its own thread
 (one per core, as a decode step's threads do), in `--rounds` rounds with the order alternating; the script
 prints the GB/s of each (summed over the copies; medians over the rounds) and the tile's share of the read's rate, the
@@ -38,33 +39,34 @@ HARNESS = r"""
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 static uint64_t next(uint64_t *s) { *s = *s * 6364136223846793005ull + 1442695040888963407ull; return *s >> 33; }
 
-/* best seconds of `reps` passes of one row through `layers` random k x n layers; < 0: out of memory */
+/* best seconds of `reps` passes of one row through `layers` random k x n layers (made in MatMulNBits' layout,
+ * then repacked by q4_pack as a session does); < 0: out of memory */
 double llmc_q4_stream(int64_t k, int64_t n, int64_t layers, int64_t reps, int isa) {
-  int64_t blocks = k / 32, per_layer = n * (blocks * 16 + blocks * 4 + blocks / 2);
-  uint8_t *all = malloc((size_t)(layers * per_layer)); float *a = malloc(k * 4), *y = malloc(n * 4);
+  int64_t blocks = k / 32, per_layer = (int64_t)q4_packed_bytes(k, n, 1);
+  uint8_t *all = malloc((size_t)(layers * per_layer)), *b = malloc(n * blocks * 16), *zp = malloc(n * blocks / 2);
+  float *s = malloc(n * blocks * 4), *a = malloc(k * 4), *y = malloc(n * 4);
   void *memory = malloc(q4_memory(1, k));
-  if (!all || !a || !y || !memory) return -1.0;
+  if (!all || !b || !zp || !s || !a || !y || !memory) return -1.0;
   uint64_t seed = 1;
   for (int64_t l = 0; l < layers; l++) {
-    uint8_t *b = all + l * per_layer; float *s = (float *)(b + n * blocks * 16);
     for (int64_t i = 0; i < n * blocks * 16; i++) b[i] = (uint8_t)next(&seed);
     for (int64_t i = 0; i < n * blocks; i++) s[i] = 0.01f * (float)(1 + next(&seed) % 7);
-    for (int64_t i = 0; i < n * blocks / 2; i++) ((uint8_t *)(s + n * blocks))[i] = (uint8_t)next(&seed);
+    for (int64_t i = 0; i < n * blocks / 2; i++) zp[i] = (uint8_t)next(&seed);
+    q4_pack(k, n, b, s, zp, all + l * per_layer);
   }
   for (int64_t i = 0; i < k; i++) a[i] = (float)(next(&seed) % 2001) * 1e-3f - 1.f;
   double best = 1e30;
   for (int64_t r = 0; r < reps; r++) {
     double start = now();
     for (int64_t l = 0; l < layers; l++) {
-      uint8_t *b = all + l * per_layer; float *s = (float *)(b + n * blocks * 16);
       size_t tasks;
-      Q4Matmul *call = q4_prepare(memory, isa, a, 1, k, n, 1, b, s, (uint8_t *)(s + n * blocks), NULL, y, &tasks);
+      Q4Matmul *call = q4_prepare(memory, isa, a, 1, k, n, 1, all + l * per_layer, 1, NULL, y, &tasks);
       for (size_t t = 0; t < tasks; t++) q4_run(call, t);
     }
     double took = now() - start;
     best = took < best ? took : best;
   }
-  free(all), free(a), free(y), free(memory);
+  free(all), free(b), free(zp), free(s), free(a), free(y), free(memory);
   return best;
 }
 
@@ -91,8 +93,9 @@ __attribute__((target("avx2"))) double llmc_read_stream(int64_t bytes, int64_t r
 
 
 def layer_bytes(k: int, n: int) -> int:
+    """q4_packed_bytes: a layer's records, with zero points (the last column group padded to four columns)."""
     blocks = k // 32
-    return n * (blocks * 16 + blocks * 4 + blocks // 2)
+    return (n + 3) // 4 * 4 * (blocks * 16 + blocks * 4 + blocks // 2)
 
 
 def harness(out_dir: Path) -> Path:

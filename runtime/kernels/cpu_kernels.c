@@ -6,7 +6,8 @@
  * optional bias), the
  * same attributes plus `threads` (the session's intra-op threads) and `isa` (which instruction
  * set's kernel: "avx512vnni" or "avx2"), the same packed layout, so a graph swaps one op type for
- * the other and back.
+ * the other and back. B, its scales and zero points must be initializers: the kernel repacks them when
+ * the session creates it (q4_pack) and reads only its copy after that.
  * The kernel itself is matmul_nbits4.c (why it exists, how it works); this file is the op around it.
  *
  * llmc.PagedAttention: ONNX Runtime's com.microsoft.PagedAttention contract on CPU (float32 activations,
@@ -25,6 +26,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "collective_op.h"
 #include "matmul_nbits4.h"
@@ -55,7 +58,8 @@ static OrtStatus *fail(int code, const char *msg) { return llmc_fail(code, msg);
 /* ---- the custom op ---- */
 typedef struct {
   int64_t k, n, threads;
-  int isa;
+  int isa, zero_points;
+  uint8_t *packed; /* B, scales and zero points in the kernel's layout (q4_pack), from the node's initializers */
 } Kernel;
 
 
@@ -70,6 +74,53 @@ static OrtStatus *isa_named(const OrtKernelInfo *info, int *isa) {
   snprintf(message, sizeof message, "llmc.MatMulNBits4: isa '%s' is not one this CPU runs (%s)", name,
            llmc_cpu_kernels_isas());
   return fail(ORT_INVALID_ARGUMENT, message);
+}
+
+static OrtStatus *shape_of(const OrtValue *value, int64_t *dims, size_t *count) {
+  OrtShape *shape;
+  TRY(CALL(GetTensorTypeAndShape, fn_shape, value, &shape));
+  OrtStatus *status = CALL(GetDimensionsCount, fn_dim_count, shape, count);
+  if (!status && *count > 8) status = fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: an input has more than 8 dimensions");
+  if (!status) status = CALL(GetDimensions, fn_dims, shape, dims, *count);
+  CALL(ReleaseTensorTypeAndShapeInfo, fn_release_shape, shape);
+  return status;
+}
+
+/* Input `index`'s data if the node's input is a constant initializer with `elements` elements (NULL, and
+ * *data NULL, for an optional input that is absent or not constant: the caller says which may be) */
+static OrtStatus *constant_input(const OrtKernelInfo *info, size_t index, const char *name, int64_t elements,
+                                 const void **data) {
+  const OrtValue *value = NULL;
+  int constant = 0;
+  *data = NULL;
+  TRY(CALL(KernelInfoGetConstantInput_tensor, fn_constant_input, info, index, &constant, &value));
+  if (!constant || !value) return NULL;
+  int64_t dims[8], count = 1;
+  size_t rank;
+  TRY(shape_of(value, dims, &rank));
+  for (size_t i = 0; i < rank; i++) count *= dims[i];
+  if (count != elements) {
+    char message[160];
+    snprintf(message, sizeof message, "llmc.MatMulNBits4: %s has %lld elements, not the %lld K and N make", name,
+             (long long)count, (long long)elements);
+    return fail(ORT_INVALID_ARGUMENT, message);
+  }
+  return CALL(GetTensorMutableData, fn_data, value, (void **)data);
+}
+
+#ifndef MADV_PAGEOUT
+#define MADV_PAGEOUT 21 /* Linux 5.4; older kernels refuse it, and nothing changes */
+#endif
+
+/* Once packed, a node's B, scales and zero points are not read again. ONNX Runtime maps initializers stored as
+ * external data from the file, so their pages are the file's: MADV_PAGEOUT hands the whole pages inside one
+ * back (the packed copy is what stays resident; a 1B model's session was 1.5 GiB larger without). It never
+ * discards data: a page read again is read back from the file, and pages that are not a file's (inline
+ * initializers) stay as they are where the host has no swap. */
+static void page_out(const void *data, size_t bytes) {
+  const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), start = ((uintptr_t)data + page - 1) / page * page,
+                  end = ((uintptr_t)data + bytes) / page * page;
+  if (end > start) madvise((void *)start, end - start, MADV_PAGEOUT);
 }
 
 static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const OrtKernelInfo *info, void **out) {
@@ -87,46 +138,55 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const 
   if (bits != 4 || block != 32 || level != 4 || k <= 0 || k % 64 || n <= 0 || threads < 1)
     return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4 takes bits=4, block_size=32, accuracy_level=4 and K a "
                                       "multiple of 64 (leave other MatMulNBits nodes as they are)");
+  /* the weights are repacked once, here, so B and its scales must be initializers (graph_edits swaps only such
+   * nodes); zero points, when the node has them, too: compute refuses any that were not packed */
+  const void *b, *scales, *zero_points;
+  TRY(constant_input(info, 1, "B", n * (k / 32) * 16, &b));
+  TRY(constant_input(info, 2, "scales", n * (k / 32), &scales));
+  TRY(constant_input(info, 3, "zero_points", n * (k / 64), &zero_points));
+  if (!b || !scales)
+    return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: B and scales must be initializers (the kernel repacks "
+                                      "them when the session opens)");
   Kernel *kernel = (Kernel *)malloc(sizeof(Kernel));
-  if (!kernel) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
+  size_t bytes = (q4_packed_bytes(k, n, zero_points != NULL) + 63) / 64 * 64;
+  uint8_t *packed = (uint8_t *)aligned_alloc(64, bytes);
+  if (!kernel || !packed) {
+    free(kernel);
+    free(packed);
+    return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory for the repacked weights");
+  }
+  q4_pack(k, n, (const uint8_t *)b, (const float *)scales, (const uint8_t *)zero_points, packed);
+  page_out(b, (size_t)(n * (k / 32) * 16));
+  page_out(scales, (size_t)(n * (k / 32)) * sizeof(float));
+  if (zero_points) page_out(zero_points, (size_t)(n * (k / 64)));
   kernel->k = k;
   kernel->n = n;
   kernel->threads = threads;
   kernel->isa = isa;
+  kernel->zero_points = zero_points != NULL;
+  kernel->packed = packed;
   *out = kernel;
   return NULL;
 }
 
-static OrtStatus *shape_of(const OrtValue *value, int64_t *dims, size_t *count) {
-  OrtShape *shape;
-  TRY(CALL(GetTensorTypeAndShape, fn_shape, value, &shape));
-  OrtStatus *status = CALL(GetDimensionsCount, fn_dim_count, shape, count);
-  if (!status && *count > 8) status = fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: A has more than 8 dimensions");
-  if (!status) status = CALL(GetDimensions, fn_dims, shape, dims, *count);
-  CALL(ReleaseTensorTypeAndShapeInfo, fn_release_shape, shape);
-  return status;
-}
-
 static OrtStatus *compute(void *state, OrtKernelContext *context) {
   const Kernel *kernel = (const Kernel *)state;
-  const OrtValue *a_value, *b_value, *s_value, *z_value = NULL, *g_value = NULL, *bias_value = NULL;
+  const OrtValue *a_value, *z_value = NULL, *g_value = NULL, *bias_value = NULL;
   size_t inputs;
   TRY(CALL(KernelContext_GetInputCount, fn_input_count, context, &inputs));
   TRY(CALL(KernelContext_GetInput, fn_input, context, 0, &a_value));
-  TRY(CALL(KernelContext_GetInput, fn_input, context, 1, &b_value));
-  TRY(CALL(KernelContext_GetInput, fn_input, context, 2, &s_value));
   if (inputs > 3) TRY(CALL(KernelContext_GetInput, fn_input, context, 3, &z_value));
   if (inputs > 4) TRY(CALL(KernelContext_GetInput, fn_input, context, 4, &g_value));
   if (inputs > 5) TRY(CALL(KernelContext_GetInput, fn_input, context, 5, &bias_value));
   if (g_value) return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: g_idx is not supported (leave the node as it is)");
-  int64_t dims[8], bdims[8];
-  size_t rank, brank;
+  if (z_value && !kernel->zero_points)
+    return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: zero_points must be an initializer (the kernel repacks "
+                                      "them when the session opens)");
+  int64_t dims[8];
+  size_t rank;
   TRY(shape_of(a_value, dims, &rank));
-  TRY(shape_of(b_value, bdims, &brank));
   if (rank < 1 || dims[rank - 1] != kernel->k)
     return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: A's last dimension is not K");
-  if (brank != 3 || bdims[0] != kernel->n || bdims[1] != kernel->k / 32 || bdims[2] != 16)
-    return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: B is not [N, K/32, 16]");
   if (bias_value) {
     int64_t vdims[8];
     size_t vrank;
@@ -137,29 +197,29 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   for (size_t i = 0; i + 1 < rank; i++) m *= dims[i];
   dims[rank - 1] = kernel->n;
   OrtValue *y_value;
-  void *a, *b, *s, *z = NULL, *bias = NULL, *y;
+  void *a, *bias = NULL, *y;
   TRY(CALL(KernelContext_GetOutput, fn_output, context, 0, dims, rank, &y_value));
   TRY(CALL(GetTensorMutableData, fn_data, (const OrtValue *)y_value, &y));
   if (m == 0) return NULL;
   TRY(CALL(GetTensorMutableData, fn_data, a_value, &a));
-  TRY(CALL(GetTensorMutableData, fn_data, b_value, &b));
-  TRY(CALL(GetTensorMutableData, fn_data, s_value, &s));
-  if (z_value) TRY(CALL(GetTensorMutableData, fn_data, z_value, &z));
   if (bias_value) TRY(CALL(GetTensorMutableData, fn_data, bias_value, &bias));
 
   void *memory = malloc(q4_memory(m, kernel->k));
   if (!memory) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   size_t tasks;
   Q4Matmul *call = q4_prepare(memory, kernel->isa, (const float *)a, m, kernel->k, kernel->n, kernel->threads,
-                              (const uint8_t *)b, (const float *)s, (const uint8_t *)z, (const float *)bias,
-                              (float *)y, &tasks);
+                              kernel->packed, kernel->zero_points, (const float *)bias, (float *)y, &tasks);
   OrtStatus *status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, q4_run, tasks, 0, call);
   if (!status && q4_failed(call)) status = fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   free(memory);
   return status;
 }
 
-static void destroy_kernel(void *kernel) { free(kernel); }
+static void destroy_kernel(void *state) {
+  Kernel *kernel = (Kernel *)state;
+  free(kernel->packed);
+  free(kernel);
+}
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "MatMulNBits4"; }
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp *op, size_t i) {

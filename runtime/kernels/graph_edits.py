@@ -18,10 +18,13 @@ def _attributes(node) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def eligible(node, uint8_initializers: set[str]) -> bool:
+def eligible(node, uint8_initializers: set[str], float_initializers: set[str]) -> bool:
     """Whether a node is a MatMulNBits the llmc kernel computes as ONNX Runtime's does: 4 bits in blocks
-    of 32, int8 activations, K a multiple of 64, no g_idx, zero points (if any) packed uint8, a bias or none."""
+    of 32, int8 activations, K a multiple of 64, no g_idx, zero points (if any) packed uint8, a bias or none;
+    B, its scales and zero points initializers (the kernel repacks them when the session opens)."""
     if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) > 6:
+        return False
+    if len(node.input) < 3 or node.input[1] not in uint8_initializers or node.input[2] not in float_initializers:
         return False
     if len(node.input) >= 4 and node.input[3] and node.input[3] not in uint8_initializers:
         return False
@@ -37,7 +40,8 @@ def swappable(model) -> list:
     from onnx import TensorProto
 
     uint8 = {t.name for t in model.graph.initializer if t.data_type == TensorProto.UINT8}
-    return [n for n in model.graph.node if eligible(n, uint8)]
+    floats = {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+    return [n for n in model.graph.node if eligible(n, uint8, floats)]
 
 
 def accelerate(model, threads: int, isa: str) -> int:

@@ -45,6 +45,7 @@ enum {
   SLOT_KernelContext_GetOutput = 91,
   SLOT_ReleaseStatus = 93,
   SLOT_ReleaseTensorTypeAndShapeInfo = 99,
+  SLOT_KernelInfoGetConstantInput_tensor = 249,
   SLOT_KernelContext_ParallelFor = 274,
 };
 
@@ -84,6 +85,7 @@ typedef OrtStatus *(*fn_attr_int64)(const OrtKernelInfo *, const char *, int64_t
 typedef OrtStatus *(*fn_attr_string)(const OrtKernelInfo *, const char *, char *, size_t *);
 typedef OrtStatus *(*fn_input_count)(const OrtKernelContext *, size_t *);
 typedef OrtStatus *(*fn_input)(const OrtKernelContext *, size_t, const OrtValue **);
+typedef OrtStatus *(*fn_constant_input)(const OrtKernelInfo *, size_t, int *, const OrtValue **);
 typedef OrtStatus *(*fn_output)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
 typedef OrtStatus *(*fn_data)(const OrtValue *, void **);
 typedef OrtStatus *(*fn_shape)(const OrtValue *, OrtShape **);

@@ -63,8 +63,8 @@ def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, s
 
 def prefetch(data_file: Path, chunk: int = 8 << 20) -> None:
     """Read a graph's external weights once, so that they are in the page cache before the first request.
-    ONNX Runtime maps that file and reads the weights in place (ONNX Runtime's own MatMulNBits copies
-    its packed weights at load; llmc's kernels, the embedding table and every unpacked weight do not):
+    ONNX Runtime maps that file and reads the weights in place (ONNX Runtime's own MatMulNBits and llmc's
+    4-bit kernel copy their packed weights at load; the embedding table and every unpacked weight do not):
     each page not yet read faulted in from disk during a decode step, 4-10 ms apiece (a 0.5B int4
     step took 40 ms cold against 32 warm, its one-row embedding Gather 2.5 ms of it). The kernel may
     still drop the pages under memory pressure, as it may llama.cpp's mapped weights."""

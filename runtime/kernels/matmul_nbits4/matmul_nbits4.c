@@ -1,7 +1,8 @@
 /* llmc's 4-bit matmul: y = A x dequant(B) with B in ONNX Runtime's MatMulNBits layout (bits 4,
- * blocks of 32, uint8 zero points or none) and A quantized to int8 per block of 32 on the fly (as
- * MLAS does at accuracy_level 4). The API is matmul_nbits4.h; cpu_kernels.c wraps it as an ONNX
- * Runtime custom op.
+ * blocks of 32, uint8 zero points or none), repacked when a session opens (q4_pack: each column group's
+ * weights, scales and zero points in one stream, matmul_nbits4_isa.h), and A quantized to int8 per block
+ * of 32 on the fly (as MLAS does at accuracy_level 4). The API is matmul_nbits4.h; cpu_kernels.c wraps it
+ * as an ONNX Runtime custom op.
  *
  * Why it exists: batch-1 decode is a stream over the weights, and MLAS's 4-bit kernel leaves memory
  * bandwidth unused there (SmolLM2's 151 linear layers of a decode step, 2 threads, AVX512-VNNI host:
@@ -16,6 +17,7 @@
 #include "matmul_nbits4.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "matmul_nbits4_isa.h"
 
@@ -29,12 +31,13 @@ int q4_isa_supported(int isa) { return isa >= 0 && isa < Q4_ISA_COUNT && ISAS[is
 
 typedef struct {
   const Q4Isa *isa;
-  int64_t m, k, n, span; /* span: columns per task */
+  Q4Layout layout;
+  int64_t m, k, n, span; /* span: columns per task, a multiple of 4 (a task's columns start a column group) */
   int64_t chunk; /* decode: columns the row groups take in turns (all of a task's when one group) */
   int failed;            /* a task could not allocate its panel */
   const QRow *rows;
-  const uint8_t *b, *zp;
-  const float *scales, *bias; /* bias: [n] or NULL, added once a task's columns are computed */
+  const uint8_t *packed; /* q4_pack's records */
+  const float *bias;     /* [n] or NULL, added once a task's columns are computed */
   float *y;
 } Work;
 
@@ -43,7 +46,7 @@ static void panels(const Work *w, int64_t c0, int64_t c1, uint32_t *panel, float
   for (int64_t p = c0; p < c1; p += COLS_PER_TASK) {
     int64_t cols = c1 - p < COLS_PER_TASK ? c1 - p : COLS_PER_TASK;
     float *y = w->y + p;
-    q4_unpack_panel(w->k, w->b, w->scales, w->zp, p, cols, panel, wscale, wzero);
+    q4_unpack_panel(&w->layout, w->packed, p, cols, panel, wscale, wzero);
     int64_t r = 0;
     for (; r + ROWS <= w->m; r += ROWS)
       w->isa->panel_rows(w->k, w->rows + r, panel, wscale, wzero, y + r * w->n, w->n, cols);
@@ -76,7 +79,7 @@ static void run_task(Work *w, size_t task) {
     const int64_t e = s + w->chunk < c1 ? s + w->chunk : c1;
     for (int64_t r = 0; r < w->m; r += ROWS) {
       int64_t rows = w->m - r < ROWS ? w->m - r : ROWS;
-      w->isa->tile[rows - 1](w->k, w->rows + r, w->b, w->scales, w->zp, s, e, w->y + r * w->n + s, w->n);
+      w->isa->tile[rows - 1](&w->layout, w->rows + r, w->packed, s, e, w->y + r * w->n + s, w->n);
     }
   }
   add_bias(w, c0, c1);
@@ -91,8 +94,7 @@ static size_t row_bytes(int64_t k) { return (size_t)k + sizeof(float) * (size_t)
 size_t q4_memory(int64_t m, int64_t k) { return sizeof(Q4Matmul) + (size_t)m * (sizeof(QRow) + row_bytes(k)); }
 
 Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k, int64_t n, int64_t threads,
-                     const uint8_t *b, const float *scales, const uint8_t *zero_points, const float *bias, float *y,
-                     size_t *tasks) {
+                     const uint8_t *packed, int zero_points, const float *bias, float *y, size_t *tasks) {
   Q4Matmul *call = (Q4Matmul *)memory;
   QRow *rows = (QRow *)(call + 1);
   char *data = (char *)(rows + m);
@@ -105,19 +107,44 @@ Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k
     rows[r].codes = (int8_t *)(base + sizeof(float) * (size_t)(2 * (k / 4) + 2 * (k / 32)));
     ISAS[isa]->quantize_row(a + r * k, k, &rows[r]);
   }
-  /* decode: one run of columns per thread, each one stream of weights (2.3 ms a SmolLM2 step's layers,
+  /* decode: one run of columns per thread, each one stream of records (2.3 ms a SmolLM2 step's layers,
    * 2.5 in 8 runs, on AVX512-VNNI); prefill: panels of 16 columns, dealt out as the threads free up */
-  int64_t span = m < ISAS[isa]->prefill_rows ? (n + threads - 1) / threads : COLS_PER_TASK;
-  /* decode with more rows than a tile takes: the row groups pass over a chunk of columns in turns, its weights
+  int64_t span = m < ISAS[isa]->prefill_rows ? ((n + threads - 1) / threads + 3) & ~(int64_t)3 : COLS_PER_TASK;
+  /* decode with more rows than a tile takes: the row groups pass over a chunk of columns in turns, its records
    * (k / 2 bytes a column and k / 8 of scales) read from memory by the first group and from the cache by the
    * rest, instead of each group streaming the task's columns again (at 5-11 rows over a 1B model's layers,
    * 1.1-1.2x) */
   int64_t chunk = m > ROWS ? (TILE_CHUNK_BYTES / (k / 2 + k / 8)) & ~(int64_t)3 : span;
   if (chunk < 4) chunk = 4;
-  Work work = {ISAS[isa], m, k, n, span, chunk, 0, rows, b, zero_points, scales, bias, y};
+  Work work = {ISAS[isa], q4_layout(k, zero_points), m, k, n, span, chunk, 0, rows, packed, bias, y};
   call->work = work;
   *tasks = (size_t)((n + span - 1) / span);
   return call;
+}
+
+size_t q4_packed_bytes(int64_t k, int64_t n, int zero_points) {
+  return (size_t)((n + 3) / 4 * q4_layout(k, zero_points).column_group_bytes);
+}
+
+/* ONNX Runtime's layout into the records (matmul_nbits4_isa.h): a copy, plain C, once per layer a session */
+void q4_pack(int64_t k, int64_t n, const uint8_t *b, const float *scales, const uint8_t *zero_points,
+             uint8_t *packed) {
+  const Q4Layout l = q4_layout(k, zero_points != NULL);
+  for (int64_t cg = 0; cg < (n + 3) / 4; cg++) {
+    for (int64_t g = 0; g < l.groups; g++) {
+      const int64_t blocks = g < l.quads ? 4 : 2;
+      uint8_t *at = (uint8_t *)record(&l, packed, cg, g);
+      float *s = (float *)(at + record_scales(blocks));
+      for (int64_t i = 0; i < 4; i++) {
+        const int64_t c = 4 * cg + i < n ? 4 * cg + i : n - 1; /* the padding repeats the last column */
+        memcpy(at + 16 * blocks * i, b + (c * l.blocks + 4 * g) * 16, (size_t)(16 * blocks));
+        for (int64_t j = 0; j < blocks; j++) s[4 * j + i] = scales[c * l.blocks + 4 * g + j];
+        if (zero_points)
+          memcpy(at + record_zero_points(blocks) + i * (blocks / 2), zero_points + c * (l.blocks / 2) + 2 * g,
+                 (size_t)(blocks / 2));
+      }
+    }
+  }
 }
 
 void q4_run(void *call, size_t task) { run_task(&((Q4Matmul *)call)->work, task); }

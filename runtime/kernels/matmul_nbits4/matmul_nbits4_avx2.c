@@ -7,8 +7,8 @@
  * per step: one 32-byte load per column unpacks to the pair's even k (low nibbles) and odd k (high
  * nibbles), which meet the row's codes in the same order; the four columns' int32 sums are folded
  * into one vector [block A: columns 0-3 | block B: columns 0-3], so the scales and zero points of
- * four columns and two blocks apply in one vector operation. Scales and zero points are gathered a
- * group of four blocks at a time; the weights of the column group after next are prefetched.
+ * four columns and two blocks apply in one vector operation. Scales and zero points come with the weights
+ * in the column group's records, already in that lane order; the column group after next is prefetched.
  * Prefill (20 rows and more) reads the 16-column panel (matmul_nbits4_isa.h) two rows at a time, each
  * row's broadcast codes meeting both 8-column halves, each block's eight dot products summed in
  * int16 before one widening.
@@ -82,39 +82,42 @@ KERNEL_ISA INLINE __m256i four_column_sums(__m256i d0, __m256i d1, __m256i d2, _
   return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
-/* Rows r < R, columns n0 <= c < n1 into y[r * ystride + c - n0], four columns at a time (the last
- * group repeats its last column and stores only the real ones); R is a constant at each call site. */
-KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b, const float *scales,
-                            const uint8_t *zp, int64_t n0, int64_t n1, float *y, int64_t ystride) {
-  const int64_t blocks = k / 32, quads = k / 128, groups = (blocks + 3) / 4;
+/* Rows r < R, columns n0 <= c < n1 into y[r * ystride + c - n0], a column group (four columns: q4_pack's
+ * records) at a time, the last group's padding computed and not stored; R is a constant at each call site. */
+KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const uint8_t *packed, int64_t n0, int64_t n1,
+                            float *y, int64_t ystride) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), mask4 = _mm256_set1_epi32(15);
   for (int64_t col = n0; col < n1; col += 4) {
-    int64_t c[4];
-    column_group(col, n1, c);
     __m256 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    if (col + 4 * PREFETCH_GROUPS < n1) prefetch_column_group(b, scales, zp, col + 4 * PREFETCH_GROUPS, blocks);
-    for (int64_t g = 0; g < groups; g++) {
-      const int quad = g < quads;
-      /* scales: s[j] = block j's over the four columns; zero points: the group's nibbles per column */
-      __m128 s[4];
-      group_scales(scales, blocks, g, quad, c, s);
-      _MM_TRANSPOSE4_PS(s[0], s[1], s[2], s[3]);
-      __m256i z8 = zp ? _mm256_broadcastsi128_si256(group_zero_points(zp, blocks, g, quad, c))
-                      : _mm256_set1_epi32((int)0x88888888); /* no zero points: 8 in every nibble */
-      for (int pair = 0; pair < (quad ? 2 : 1); pair++) {
+    if (col + 4 * PREFETCH_GROUPS < n1) prefetch_column_group(l, packed, col / 4 + PREFETCH_GROUPS);
+    for (int64_t g = 0; g < l->groups; g++) {
+      const int quad = g < l->quads;
+      const int64_t blocks = quad ? 4 : 2;
+      const uint8_t *at = record(l, packed, col / 4, g);
+      /* zero points: the group's nibbles per column, lane i column i's (8 in every nibble without) */
+      __m256i z8 = _mm256_set1_epi32((int)0x88888888);
+      if (l->zero_points && quad) {
+        z8 = _mm256_broadcastsi128_si256(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(at + record_zero_points(4)))));
+      } else if (l->zero_points) {
+        int32_t z;
+        memcpy(&z, at + record_zero_points(2), sizeof z);
+        z8 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(z)));
+      }
+      for (int pair = 0; pair < blocks / 2; pair++) {
         const int64_t p = g * 2 + pair; /* pairs of blocks so far */
-        __m256 wscale = _mm256_set_m128(s[2 * pair + 1], s[2 * pair]);
+        /* lanes 0-3: block 2 pair of the four columns, lanes 4-7: block 2 pair + 1 (the record's order) */
+        __m256 wscale = _mm256_loadu_ps((const float *)(at + record_scales(blocks)) + 8 * pair);
         const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4); /* block A's nibble, block B's */
         __m256i nibbles = _mm256_srlv_epi32(z8, _mm256_add_epi32(shift, _mm256_set1_epi32(8 * pair)));
         __m256 wzero = _mm256_cvtepi32_ps(_mm256_and_si256(nibbles, mask4));
         __m256i lo[4], hi[4];
         for (int i = 0; i < 4; i++) {
-          __m256i packed = _mm256_loadu_si256((const __m256i *)(b + c[i] * blocks * 16 + p * 32));
-          lo[i] = _mm256_and_si256(packed, low4);
-          hi[i] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+          __m256i packed_at = _mm256_loadu_si256((const __m256i *)(at + 16 * blocks * i + 32 * pair));
+          lo[i] = _mm256_and_si256(packed_at, low4);
+          hi[i] = _mm256_and_si256(_mm256_srli_epi16(packed_at, 4), low4);
         }
-        const int64_t even = g * 128 + pair * 32, odd = even + (quad ? 64 : 32);
+        const int64_t even = g * 128 + pair * 32, odd = even + 16 * blocks;
         for (int r = 0; r < R; r++) {
           __m256i e = _mm256_loadu_si256((const __m256i *)(rows[r].codes + even));
           __m256i o = _mm256_loadu_si256((const __m256i *)(rows[r].codes + odd));
@@ -140,43 +143,46 @@ KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b
   }
 }
 
-/* The prefill panel (layout: matmul_nbits4_isa.h) from the packed weights, every ISA's prefill reads it.
+/* The prefill panel (layout: matmul_nbits4_isa.h) from the packed records, every ISA's prefill reads it.
  * Four packed bytes of a column (8 k) hold two of its panel words: the low nibbles (word t) and the high
  * nibbles (word t + 16, or + 8 in a final pair of blocks). A gather brings those four bytes of 8 columns at
  * once, so two gathers fill two panel rows of 16 columns (four 32-byte stores). (Column by column,
  * the words went out one at a time 64 bytes apart: a 16-row step of a 1B model's layers spent most of its
  * time here, 309 ms against 168 through the decode tiles.) */
-KERNEL_ISA void q4_unpack_panel(int64_t k, const uint8_t *b, const float *scales, const uint8_t *zp,
-                                    int64_t n0, int64_t cols, uint32_t *panel, float *wscale, float *wzero) {
-  const int64_t blocks = k / 32, stride = blocks * 16; /* packed bytes a column */
+KERNEL_ISA void q4_unpack_panel(const Q4Layout *l, const uint8_t *packed, int64_t n0, int64_t cols, uint32_t *panel,
+                                float *wscale, float *wzero) {
   for (int64_t c = 0; c < COLS_PER_TASK; c++) {
-    for (int64_t blk = 0; blk < blocks; blk++) {
-      wscale[blk * COLS_PER_TASK + c] = c < cols ? scales[(n0 + c) * blocks + blk] : 0.f;
-      uint8_t z = c < cols && zp ? zp[(n0 + c) * (blocks / 2) + blk / 2] : 0x88;
+    for (int64_t blk = 0; blk < l->blocks; blk++) {
+      const int64_t g = blk / 4, blocks = g < l->quads ? 4 : 2, j = blk - 4 * g, i = (n0 + c) % 4;
+      const uint8_t *at = record(l, packed, (n0 + c) / 4, g);
+      wscale[blk * COLS_PER_TASK + c] = c < cols ? ((const float *)(at + record_scales(blocks)))[4 * j + i] : 0.f;
+      uint8_t z = c < cols && l->zero_points ? at[record_zero_points(blocks) + i * (blocks / 2) + j / 2] : 0x88;
       wzero[blk * COLS_PER_TASK + c] = (float)(blk % 2 ? z >> 4 : z & 15);
     }
   }
   const __m256i low4 = _mm256_set1_epi8(0x0F), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256i offset[2], live[2]; /* per half: the columns' byte offsets, and which columns exist (others read 0) */
+  __m256i live[2], group_of[2], within[2]; /* per half: which columns exist (others read 0), column group, place in it */
   for (int h = 0; h < 2; h++) {
     __m256i col = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * h));
-    offset[h] = _mm256_mullo_epi32(col, _mm256_set1_epi32((int)stride));
     live[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols), col);
+    group_of[h] = _mm256_mullo_epi32(_mm256_srli_epi32(col, 2), _mm256_set1_epi32((int)l->column_group_bytes));
+    within[h] = _mm256_and_si256(col, _mm256_set1_epi32(3));
   }
-  const uint8_t *base = b + n0 * stride;
-  for (int64_t start = 0; start < k / 2;) { /* packed bytes of a group: 64 (four blocks) or 32 (a pair) */
-    const int64_t bytes = k / 2 - start >= 64 ? 64 : 32;
-    uint32_t *words = panel + (start / 2) * COLS_PER_TASK;
+  for (int64_t g = 0; g < l->groups; g++) { /* packed bytes of a column: 64 (four blocks) or 32 (a pair) */
+    const int64_t bytes = g < l->quads ? 64 : 32;
+    const uint8_t *base = record(l, packed, n0 / 4, g);
+    __m256i offset[2]; /* per half: the columns' byte offsets from base */
+    for (int h = 0; h < 2; h++) offset[h] = _mm256_add_epi32(group_of[h], _mm256_mullo_epi32(within[h], _mm256_set1_epi32((int)bytes)));
+    uint32_t *words = panel + g * 32 * COLS_PER_TASK;
     for (int64_t t = 0; t < bytes / 4; t++) {
       for (int h = 0; h < 2; h++) {
-        __m256i x = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(base + start + 4 * t), offset[h],
+        __m256i x = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(base + 4 * t), offset[h],
                                                 live[h], 1);
         _mm256_storeu_si256((__m256i *)(words + t * COLS_PER_TASK + 8 * h), _mm256_and_si256(x, low4));
         _mm256_storeu_si256((__m256i *)(words + (t + bytes / 4) * COLS_PER_TASK + 8 * h),
                             _mm256_and_si256(_mm256_srli_epi16(x, 4), low4));
       }
     }
-    start += bytes;
   }
 }
 

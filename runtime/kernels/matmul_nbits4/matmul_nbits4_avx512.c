@@ -2,11 +2,14 @@
  * matmul_nbits4.c). Decode (under 20 rows) walks the columns four at a time: per group of
  * four blocks, one 64-byte load of each column's packed weights, two AVX512-VNNI dot products per
  * column against the activations (laid out in the nibbles' order), the four columns' sums folded
- * into one vector so scales and zero points apply to four columns at once; the weights of the
- * column group after next are prefetched. Prefill unpacks 16 columns at a time into a panel whose
+ * into one vector so scales and zero points (read with the weights from the column group's records,
+ * the scales already in the sums' lane order) apply to four columns at once; the column group after next
+ * is prefetched. Prefill unpacks 16 columns at a time into a panel whose
  * dot products serve 16 columns of a row at once (SmolLM2, 512-token prompt: 443 ms with MLAS,
  * 250-275 here).
  */
+#include <string.h>
+
 #include <immintrin.h>
 
 #include "matmul_nbits4_isa.h"
@@ -53,46 +56,48 @@ KERNEL_ISA INLINE __m512i four_column_sums(__m512i v0, __m512i v1, __m512i v2, _
   return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
 }
 
-/* Rows r < R, columns n0 <= c < n1 into y[r * n + c - n0], four columns at a time (the last group
- * repeats its last column and stores only the real ones); R is a constant at each call site. */
-KERNEL_ISA INLINE void tile(int R, int64_t k, const QRow *rows, const uint8_t *b, const float *scales,
-                            const uint8_t *zp, int64_t n0, int64_t n1, float *y, int64_t n) {
-  const int64_t blocks = k / 32, quads = k / 128, groups = (blocks + 3) / 4;
+/* Rows r < R, columns n0 <= c < n1 into y[r * n + c - n0], a column group (four columns: q4_pack's records)
+ * at a time, the last group's padding computed and not stored; R is a constant at each call site. */
+KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const uint8_t *packed, int64_t n0, int64_t n1,
+                            float *y, int64_t n) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), mask4 = _mm512_set1_epi32(15);
-  /* lane (j, c) <- column c's value for the group's block j (a pair's lanes j and j+2 share block j%2) */
-  const __m512i quad_transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  const __m512i pair_transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 4, 8, 12, 1, 5, 9, 13);
+  /* lane (j, c) <- column c's zero point nibble for the group's block j (a pair's lanes j and j+2 share block j%2) */
   const __m512i quad_shift = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
   const __m512i pair_shift = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
   for (int64_t col = n0; col < n1; col += 4) {
-    int64_t c[4];
-    column_group(col, n1, c);
     __m512 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    if (col + 4 * PREFETCH_GROUPS < n1) prefetch_column_group(b, scales, zp, col + 4 * PREFETCH_GROUPS, blocks);
-    for (int64_t g = 0; g < groups; g++) {
-      const int quad = g < quads;
+    if (col + 4 * PREFETCH_GROUPS < n1) prefetch_column_group(l, packed, col / 4 + PREFETCH_GROUPS);
+    for (int64_t g = 0; g < l->groups; g++) {
+      const int quad = g < l->quads;
+      const uint8_t *at = record(l, packed, col / 4, g);
       __m512i lo[4], hi[4];
-      __m128 s[4];
-      group_scales(scales, blocks, g, quad, c, s);
-      __m512 s4 = _mm512_setzero_ps();
-      for (int i = 0; i < 4; i++) {
-        const uint8_t *packed_at = b + c[i] * blocks * 16 + g * 64;
-        __m512i packed;
-        if (quad) {
-          packed = _mm512_loadu_si512((const void *)packed_at);
-        } else { /* a final pair: 32 bytes, whose low then high nibbles make the 64 codes */
-          __m256i half = _mm256_loadu_si256((const __m256i *)packed_at);
-          packed = _mm512_inserti64x4(_mm512_castsi256_si512(half), _mm256_srli_epi16(half, 4), 1);
+      __m512 wscale;
+      __m128i z4 = _mm_setzero_si128();
+      if (quad) {
+        for (int i = 0; i < 4; i++) {
+          __m512i packed_at = _mm512_loadu_si512((const void *)(at + 64 * i));
+          lo[i] = _mm512_and_si512(packed_at, low4);
+          hi[i] = _mm512_and_si512(_mm512_srli_epi16(packed_at, 4), low4);
         }
-        lo[i] = _mm512_and_si512(packed, low4);
-        hi[i] = quad ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4) : _mm512_setzero_si512();
-        s4 = _mm512_insertf32x4(s4, s[i], i);
+        wscale = _mm512_loadu_ps((const float *)(at + record_scales(4))); /* lane (j, c): block j of column c */
+        if (l->zero_points) z4 = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(at + record_zero_points(4))));
+      } else { /* a final pair: 32 bytes a column, whose low then high nibbles make the 64 codes */
+        for (int i = 0; i < 4; i++) {
+          __m256i half = _mm256_loadu_si256((const __m256i *)(at + 32 * i));
+          lo[i] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(half), _mm256_srli_epi16(half, 4), 1), low4);
+          hi[i] = _mm512_setzero_si512();
+        }
+        __m512 s8 = _mm512_castps256_ps512(_mm256_loadu_ps((const float *)(at + record_scales(2))));
+        wscale = _mm512_shuffle_f32x4(s8, s8, 0x44); /* lanes (j, c) and (j + 2, c): block j of column c */
+        if (l->zero_points) {
+          int32_t z;
+          memcpy(&z, at + record_zero_points(2), sizeof z);
+          z4 = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(z));
+        }
       }
-      __m512 wscale = _mm512_permutexvar_ps(quad ? quad_transpose : pair_transpose, s4);
       __m512 wzero = _mm512_set1_ps(8.f);
-      if (zp) {
-        __m128i z4 = group_zero_points(zp, blocks, g, quad, c);
+      if (l->zero_points) {
         __m512i shifted = _mm512_srlv_epi32(_mm512_broadcast_i32x4(z4), quad ? quad_shift : pair_shift);
         wzero = _mm512_cvtepi32_ps(_mm512_and_si512(shifted, mask4));
       }

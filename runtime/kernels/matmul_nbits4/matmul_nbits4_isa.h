@@ -47,54 +47,54 @@ static inline void block_codes(int64_t blk, int64_t blocks, int64_t *even, int64
   *odd = *even + size * 16;
 }
 
-/* Weights in ONNX Runtime's MatMulNBits layout (bits 4, blocks of 32): b [n][k/32][16] bytes,
- * scales [n][k/32], zero points [n][k/64] bytes or NULL (8). Columns n0 <= c < n1 of `rows` rows go
- * to y[r * ystride + c - n0]. */
-typedef void (*TileFn)(int64_t k, const QRow *rows, const uint8_t *b, const float *scales, const uint8_t *zp,
-                       int64_t n0, int64_t n1, float *y, int64_t ystride);
+/* The kernel's own layout of a layer's weights, scales and zero points (q4_pack writes it from ONNX
+ * Runtime's when a session opens): the columns in groups of four (the last group padded with copies of
+ * its last column), K in groups of four blocks (a quad; a final pair when K is an odd number of 64s),
+ * and one record per column group and block group, so a decode tile reads one stream where ONNX
+ * Runtime's layout makes it three:
+ *   weights      [4 columns][16 x blocks bytes]  each column's packed bytes as ONNX Runtime packs them
+ *   scales       [blocks][4 columns] floats     block j of column i at 4 j + i: the tiles' lane order
+ *   zero points  [4 columns][blocks / 2] bytes  only when the layer has them
+ * A quad's record is 328 bytes (320 without zero points), a pair's 164 (160). */
+typedef struct {
+  int64_t k, blocks, quads, groups; /* groups: quads, and the final pair if any */
+  int zero_points;
+  int64_t quad_bytes, column_group_bytes; /* a quad's record; a column group's records, all of K */
+} Q4Layout;
+
+/* bytes of a record of `blocks` (4 or 2) blocks; where its scales and zero points start */
+static inline int64_t record_bytes(int64_t blocks, int zero_points) { return 80 * blocks + (zero_points ? 2 * blocks : 0); }
+static inline int64_t record_scales(int64_t blocks) { return 64 * blocks; }
+static inline int64_t record_zero_points(int64_t blocks) { return 80 * blocks; }
+
+static inline Q4Layout q4_layout(int64_t k, int zero_points) {
+  Q4Layout l = {k, k / 32, k / 128, (k / 32 + 3) / 4, zero_points, record_bytes(4, zero_points), 0};
+  l.column_group_bytes = l.quads * l.quad_bytes + (l.groups > l.quads ? record_bytes(2, zero_points) : 0);
+  return l;
+}
+
+/* column group cg's record for block group g (the final pair's record follows the quads') */
+static inline const uint8_t *record(const Q4Layout *l, const uint8_t *packed, int64_t cg, int64_t g) {
+  return packed + cg * l->column_group_bytes + g * l->quad_bytes;
+}
+
+/* Columns n0 <= c < n1 (n0 a multiple of 4) of `rows` rows go to y[r * ystride + c - n0]. */
+typedef void (*TileFn)(const Q4Layout *l, const QRow *rows, const uint8_t *packed, int64_t n0, int64_t n1, float *y,
+                       int64_t ystride);
 
 /* The prefill panel, the same for every ISA (and unpacked by the AVX2 code, which every CPU the
- * kernel runs on has): `cols` (<= COLS_PER_TASK) columns from n0 unpacked to panel[t][c] (uint32:
- * the 4 weight codes of column c that meet codes bytes 4t..4t+3 of a row), their scales and zero
+ * kernel runs on has): `cols` (<= COLS_PER_TASK) columns from n0 (a multiple of 4) unpacked to panel[t][c]
+ * (uint32: the 4 weight codes of column c that meet codes bytes 4t..4t+3 of a row), their scales and zero
  * points as [block][COLS_PER_TASK] floats (columns past `cols` scale 0). */
-void q4_unpack_panel(int64_t k, const uint8_t *b, const float *scales, const uint8_t *zp, int64_t n0, int64_t cols,
-                     uint32_t *panel, float *wscale, float *wzero);
+void q4_unpack_panel(const Q4Layout *l, const uint8_t *packed, int64_t n0, int64_t cols, uint32_t *panel,
+                     float *wscale, float *wzero);
 
-/* The decode tiles walk four columns at a time: c[i] = the group's columns from `col`, the last one
- * repeated past n1 (its sums computed again and not stored). */
-static inline void column_group(int64_t col, int64_t n1, int64_t c[4]) {
-  for (int i = 0; i < 4; i++) c[i] = col + i < n1 ? col + i : n1 - 1;
-}
-
-/* The four columns' scales for group g of their blocks: s[i] = column c[i]'s four (a quad) or two
- * (the final pair; the upper two lanes 0) */
-static inline void group_scales(const float *scales, int64_t blocks, int64_t g, int quad, const int64_t c[4],
-                                __m128 s[4]) {
-  for (int i = 0; i < 4; i++) {
-    const float *at = scales + c[i] * blocks + g * 4;
-    s[i] = quad ? _mm_loadu_ps(at) : _mm_castpd_ps(_mm_load_sd((const double *)at));
-  }
-}
-
-/* The four columns' zero points for group g, lane i column c[i]'s: its two bytes (four nibbles, low
- * first) for a quad, its one byte for the final pair */
-static inline __m128i group_zero_points(const uint8_t *zp, int64_t blocks, int64_t g, int quad, const int64_t c[4]) {
-  const uint8_t *z = zp + g * 2;
-  const int64_t stride = blocks / 2;
-  return quad ? _mm_setr_epi32(*(const uint16_t *)(z + c[0] * stride), *(const uint16_t *)(z + c[1] * stride),
-                               *(const uint16_t *)(z + c[2] * stride), *(const uint16_t *)(z + c[3] * stride))
-              : _mm_setr_epi32(z[c[0] * stride], z[c[1] * stride], z[c[2] * stride], z[c[3] * stride]);
-}
-
-/* Asks for the weights, scales and zero points of the four columns from `col` ahead of their use:
- * the tiles request the column group after next (the hardware prefetcher does not follow their
- * interleaved streams well: SmolLM2's layers on AVX512-VNNI, 3.3 ms a step without, 2.4 ms with;
- * one or three groups ahead alike). */
-static inline void prefetch_column_group(const uint8_t *b, const float *scales, const uint8_t *zp, int64_t col,
-                                         int64_t blocks) {
-  for (int64_t at = 0; at < 4 * blocks * 16; at += 64) __builtin_prefetch(b + col * blocks * 16 + at, 0, 3);
-  for (int64_t at = 0; at < 4 * blocks * 4; at += 64) __builtin_prefetch((const char *)(scales + col * blocks) + at, 0, 3);
-  if (zp) __builtin_prefetch(zp + col * (blocks / 2), 0, 3);
+/* Asks for a column group's records ahead of their use: the tiles request the column group after next
+ * (SmolLM2's layers on AVX512-VNNI, 3.3 ms a step without, 2.4 ms with, when the weights, scales and zero
+ * points were three streams; one or three groups ahead alike). */
+static inline void prefetch_column_group(const Q4Layout *l, const uint8_t *packed, int64_t cg) {
+  const uint8_t *at = packed + cg * l->column_group_bytes;
+  for (int64_t offset = 0; offset < l->column_group_bytes; offset += 64) __builtin_prefetch(at + offset, 0, 3);
 }
 
 /* `rows` rows (ROWS, or 1 for the tail) against an unpacked panel, `cols` columns into y (stride ystride) */
@@ -105,9 +105,9 @@ typedef void (*PanelFn)(int64_t k, const QRow *rows, const uint32_t *panel, cons
  * each row count, R a constant (ATTRIBUTES: the file's target attribute) */
 #define Q4_TILES(ATTRIBUTES) Q4_TILE(1, ATTRIBUTES) Q4_TILE(2, ATTRIBUTES) Q4_TILE(3, ATTRIBUTES) Q4_TILE(4, ATTRIBUTES)
 #define Q4_TILE(R, ATTRIBUTES)                                                                                \
-  ATTRIBUTES static void tile##R(int64_t k, const QRow *rows, const uint8_t *b, const float *scales,         \
-                                 const uint8_t *zp, int64_t n0, int64_t n1, float *y, int64_t ystride) {      \
-    tile(R, k, rows, b, scales, zp, n0, n1, y, ystride);                                                     \
+  ATTRIBUTES static void tile##R(const Q4Layout *l, const QRow *rows, const uint8_t *packed, int64_t n0,      \
+                                 int64_t n1, float *y, int64_t ystride) {                                     \
+    tile(R, l, rows, packed, n0, n1, y, ystride);                                                            \
   }
 
 typedef struct {

@@ -3,6 +3,7 @@ computes what ONNX Runtime's MatMulNBits computes on every instruction set this 
 make_session swaps it in only where it applies."""
 
 import logging
+import platform
 
 import numpy as np
 import onnx
@@ -115,6 +116,49 @@ def test_float_zero_points_and_extra_inputs_keep_onnxruntimes_kernel():
     assert graph_edits.accelerate(model, 2, "avx2") == 0
 
 
+def _fed(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """The model with initializer `name` made a graph input instead (fed at run time, not a constant)."""
+    tensor = next(t for t in model.graph.initializer if t.name == name)
+    model.graph.initializer.remove(tensor)
+    model.graph.input.append(helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
+    return model
+
+
+@pytest.mark.parametrize("fed", ["B", "scales", "zp"])
+def test_weights_that_are_not_initializers_keep_onnxruntimes_kernel(fed):
+    """The kernel repacks B, its scales and zero points when the session opens: only constants can be."""
+    assert graph_edits.accelerate(_fed(_model(128, 16), fed), 2, "avx2") == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("fed, when", [("B", "open"), ("scales", "open"), ("zp", "run")])
+def test_the_op_refuses_weights_fed_at_run_time_by_name(fed, when):
+    """A graph that names llmc.MatMulNBits4 itself over fed weights: B or scales fail the session's creation,
+    zero points its first run (an absent optional input and a fed one look alike when the kernel is created)."""
+    model = _model(128, 16)
+    graph_edits.accelerate(model, 2, ISAS[0])
+    model = _fed(model, fed)
+    feeds = {"A": np.ones((1, 128), np.float32)}
+    feeds.update({t.name: numpy_helper.to_array(t) for t in _model(128, 16).graph.initializer if t.name == fed})
+    message = "B and scales must be initializers" if fed != "zp" else "zero_points must be an initializer"
+    if when == "open":
+        with pytest.raises(Exception, match=message):
+            _session(model, cpu_kernels.library())
+    else:
+        with pytest.raises(Exception, match=message):
+            _session(model, cpu_kernels.library()).run(None, feeds)
+
+
+@needs_kernel
+def test_weights_of_the_wrong_size_are_refused_by_name():
+    model = _model(128, 16)
+    graph_edits.accelerate(model, 2, ISAS[0])
+    scales = next(t for t in model.graph.initializer if t.name == "scales")
+    scales.CopyFrom(numpy_helper.from_array(np.ones(16 * 4 - 1, np.float32), "scales"))
+    with pytest.raises(Exception, match="scales has 63 elements, not the 64 K and N make"):
+        _session(model, cpu_kernels.library())
+
+
 def _biased(k: int, n: int, bias_dims=None) -> onnx.ModelProto:
     """_model's MatMulNBits, then an Add of a float bias [N] (or `bias_dims`): Qwen's q/k/v projection."""
     model = _model(k, n)
@@ -170,14 +214,44 @@ def test_make_session_runs_the_stored_graph_on_the_kernel_and_leaves_the_file_al
 
 @needs_kernel
 def test_external_data_is_read_from_beside_the_graph_file(tmp_path):
-    model = _model(128, 32)
-    a = np.random.default_rng(2).standard_normal((1, 128)).astype(np.float32)
+    model = _model(1024, 256)  # B 128 KiB: whole pages the kernel hands back
+    a = np.random.default_rng(2).standard_normal((1, 1024)).astype(np.float32)
     expected = _session(model).run(None, {"A": a})[0]
     onnx.save(model, str(tmp_path / "model.onnx"), save_as_external_data=True, location="weights.bin",
               size_threshold=0)
-    assert (tmp_path / "weights.bin").stat().st_size > 128 * 32 // 2
-    np.testing.assert_allclose(make_session(tmp_path / "model.onnx", 2).run(None, {"A": a})[0], expected, rtol=0,
-                               atol=2e-5 * np.abs(expected).max())
+    assert (tmp_path / "weights.bin").stat().st_size > 1024 * 256 // 2
+    first = make_session(tmp_path / "model.onnx", 2)
+    # the first session's kernel handed the mapped weights' pages back: a second one reads them again
+    for session in (first, make_session(tmp_path / "model.onnx", 2), first):
+        np.testing.assert_allclose(session.run(None, {"A": a})[0], expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+
+
+def _resident_kib(path) -> list[int]:
+    """Resident KiB of each of this process's mappings of file `path` (/proc/self/smaps)."""
+    resident, mapped = [], False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and ":" not in fields[0]:  # a mapping's header: address range, ..., path
+            mapped = len(fields) > 5 and fields[-1] == str(path)
+        elif mapped and fields[0] == "Rss:":
+            resident.append(int(fields[1]))
+    return resident
+
+
+@needs_kernel
+@pytest.mark.skipif(tuple(int(p) for p in platform.release().split(".")[:2] if p.isdigit()) < (5, 4),
+                    reason="MADV_PAGEOUT needs Linux 5.4")
+def test_the_kernel_hands_back_the_mapped_weights_it_copied(tmp_path):
+    """ONNX Runtime maps external-data initializers from the file; once the op has copied B, its scales and zero
+    points into its own layout, their pages leave the process (the copy is what stays resident)."""
+    onnx.save(_model(4096, 1024), str(tmp_path / "model.onnx"), save_as_external_data=True, location="weights.bin",
+              size_threshold=0)
+    session = make_session(tmp_path / "model.onnx", 2)
+    resident = _resident_kib(tmp_path / "weights.bin")
+    if not resident:
+        pytest.skip("this ONNX Runtime read the external data instead of mapping it")
+    assert sum(resident) < 0.05 * (tmp_path / "weights.bin").stat().st_size / 1024
+    assert session.run(None, {"A": np.ones((1, 4096), np.float32)})[0].shape == (1, 1024)
 
 
 def test_graphs_without_the_op_open_from_their_file(tmp_path):
