@@ -8,7 +8,8 @@
  * nibbles), which meet the row's codes in the same order; the four columns' int32 sums are folded
  * into one vector [block A: columns 0-3 | block B: columns 0-3], so the scales and zero points of
  * four columns and two blocks apply in one vector operation. Scales and zero points come with the weights
- * in the column group's records, already in that lane order; the column group after next is prefetched.
+ * in the column group's records, already in that lane order; each record asks for the one 4 KiB further
+ * down the stream.
  * Prefill (20 rows and more) reads the 16-column panel (matmul_nbits4_isa.h) two rows at a time, each
  * row's broadcast codes meeting both 8-column halves, each block's eight dot products summed in
  * int16 before one widening.
@@ -90,11 +91,11 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
   for (int64_t col = n0; col < n1; col += 4) {
     __m256 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    if (col + 4 * PREFETCH_GROUPS < n1) prefetch_column_group(l, packed, col / 4 + PREFETCH_GROUPS);
     for (int64_t g = 0; g < l->groups; g++) {
       const int quad = g < l->quads;
       const int64_t blocks = quad ? 4 : 2;
       const uint8_t *at = record(l, packed, col / 4, g);
+      prefetch_ahead(at, quad ? l->quad_bytes : l->column_group_bytes - l->quads * l->quad_bytes);
       /* zero points: the group's nibbles per column, lane i column i's (8 in every nibble without) */
       __m256i z8 = _mm256_set1_epi32((int)0x88888888);
       if (l->zero_points && quad) {

@@ -11,7 +11,7 @@
 /* ROWS: rows a decode tile or a prefill panel pass computes at once; COLS_PER_TASK: columns of a
  * prefill panel (calls of Q4Isa.prefill_rows rows and more unpack panels instead of streaming the
  * packed weights through decode tiles) */
-enum { ROWS = 4, COLS_PER_TASK = 16, PREFETCH_GROUPS = 2 /* see prefetch_column_group */ };
+enum { ROWS = 4, COLS_PER_TASK = 16 };
 
 /* One row of A quantized to int8 per block of 32 (scale amax/127, as MLAS does at accuracy_level 4).
  * The codes follow the weights' grouping: groups of four blocks (128 values, the 64 packed bytes of
@@ -89,12 +89,17 @@ typedef void (*TileFn)(const Q4Layout *l, const QRow *rows, const uint8_t *packe
 void q4_unpack_panel(const Q4Layout *l, const uint8_t *packed, int64_t n0, int64_t cols, uint32_t *panel,
                      float *wscale, float *wzero);
 
-/* Asks for a column group's records ahead of their use: the tiles request the column group after next
- * (SmolLM2's layers on AVX512-VNNI, 3.3 ms a step without, 2.4 ms with, when the weights, scales and zero
- * points were three streams; one or three groups ahead alike). */
-static inline void prefetch_column_group(const Q4Layout *l, const uint8_t *packed, int64_t cg) {
-  const uint8_t *at = packed + cg * l->column_group_bytes;
-  for (int64_t offset = 0; offset < l->column_group_bytes; offset += 64) __builtin_prefetch(at + offset, 0, 3);
+enum { PREFETCH_BYTES = 4096 };
+
+/* Asks for the record PREFETCH_BYTES further down the stream than the one at `at` (`bytes` long): the tiles ask
+ * for a few lines a record, as far ahead as they read, where the hardware prefetcher alone left a third of the
+ * stream unused (scripts/bench_q4_stream.py: 74% of a plain read on AVX512-VNNI, 67% on AVX2). A column group's
+ * records at once, two groups ahead, was 78-93% (AVX512-VNNI) and 67-76% (AVX2), worst at K 8192, whose
+ * column groups are 21 KiB of prefetches at a time; a record at a time 4 KiB ahead, 99-110% and 92-98% of a
+ * read without prefetches (2 KiB: 95-98%, 8 KiB: 92-103%, 16 KiB: 94-98%), and a 1B model's decode step 1.13x
+ * faster. */
+static inline void prefetch_ahead(const uint8_t *at, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(at + PREFETCH_BYTES + offset, 0, 3);
 }
 
 /* `rows` rows (ROWS, or 1 for the tail) against an unpacked panel, `cols` columns into y (stride ystride) */
