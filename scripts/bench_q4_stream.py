@@ -9,7 +9,7 @@ sources) runs q4_prepare / q4_run at one row, on one thread, over `--layers` ran
 MatMulNBits' layout (4-bit codes, fp32 scales, 4-bit zero points: 0.64 bytes a weight; 300 x 2048 x 2048
 is 806 MB, out of any cache) and repacked by q4_pack into the kernel's one stream, as a session does; the
 best of `--reps` passes is its time. The same harness reads the same
-number of bytes with a plain vector loop. `--copies` copies of each run at once, each on its own thread
+number of bytes with a plain vector loop that asks for lines as far ahead as the tile does. `--copies` copies of each run at once, each on its own thread
 (one per core, as a decode step's threads do), in `--rounds` rounds with the order alternating; the script
 prints the GB/s of each (summed over the copies; medians over the rounds) and the tile's share of the read's rate, the
 share of the memory stream the tile leaves unused.
