@@ -161,10 +161,11 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const 
                                       "multiple of 64 (leave other MatMulNBits nodes as they are)");
   /* the weights are repacked once, here, so B and its scales must be initializers (graph_edits swaps only such
    * nodes); zero points, when the node has them, too: compute refuses any that were not packed */
+  const int64_t b_bytes = n * (k / 32) * 16, scale_count = n * (k / 32), zero_point_bytes = n * (k / 64);
   const void *b, *scales, *zero_points;
-  TRY(constant_input(info, 1, "B", n * (k / 32) * 16, &b));
-  TRY(constant_input(info, 2, "scales", n * (k / 32), &scales));
-  TRY(constant_input(info, 3, "zero_points", n * (k / 64), &zero_points));
+  TRY(constant_input(info, 1, "B", b_bytes, &b));
+  TRY(constant_input(info, 2, "scales", scale_count, &scales));
+  TRY(constant_input(info, 3, "zero_points", zero_point_bytes, &zero_points));
   if (!b || !scales)
     return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: B and scales must be initializers (the kernel repacks "
                                       "them when the session opens)");
@@ -177,9 +178,9 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const 
     return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory for the repacked weights");
   }
   q4_pack(k, n, (const uint8_t *)b, (const float *)scales, (const uint8_t *)zero_points, packed);
-  page_out(b, (size_t)(n * (k / 32) * 16));
-  page_out(scales, (size_t)(n * (k / 32)) * sizeof(float));
-  if (zero_points) page_out(zero_points, (size_t)(n * (k / 64)));
+  page_out(b, (size_t)b_bytes);
+  page_out(scales, (size_t)scale_count * sizeof(float));
+  if (zero_points) page_out(zero_points, (size_t)zero_point_bytes);
   kernel->k = k;
   kernel->n = n;
   kernel->threads = threads;

@@ -1,8 +1,9 @@
 /* llmc's 4-bit matmul (matmul_nbits4.c): y[m][n] = A[m][k] x B, B given in ONNX Runtime's MatMulNBits
  * layout — bits 4, blocks of 32: B [n][k/32][16] bytes (low nibble first), scales [n][k/32] floats,
  * zero points [n][k/64] bytes (low nibble first; NULL for 8) — and repacked once by q4_pack into the
- * kernel's own, with A quantized to int8 per block of 32 on the fly. k must be a multiple of 64. Kernels for two instruction sets: AVX512-VNNI and
- * AVX2 (with FMA); a call runs on one that q4_isa_supported() says this CPU has. */
+ * kernel's own, with A quantized to int8 per block of 32 on the fly. k must be a multiple of 64. Kernels
+ * for two instruction sets: AVX512-VNNI and AVX2 (with FMA); a call runs on one that q4_isa_supported()
+ * says this CPU has. */
 #ifndef LLMC_MATMUL_NBITS4_H
 #define LLMC_MATMUL_NBITS4_H
 

@@ -95,16 +95,10 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
       const int quad = g < l->quads;
       const int64_t blocks = quad ? 4 : 2;
       const uint8_t *at = record(l, packed, col / 4, g);
-      prefetch_ahead(at, quad ? l->quad_bytes : l->column_group_bytes - l->quads * l->quad_bytes);
+      prefetch_ahead(at, record_bytes(blocks, l->zero_points));
       /* zero points: the group's nibbles per column, lane i column i's (8 in every nibble without) */
-      __m256i z8 = _mm256_set1_epi32((int)0x88888888);
-      if (l->zero_points && quad) {
-        z8 = _mm256_broadcastsi128_si256(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(at + record_zero_points(4)))));
-      } else if (l->zero_points) {
-        int32_t z;
-        memcpy(&z, at + record_zero_points(2), sizeof z);
-        z8 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(z)));
-      }
+      __m256i z8 = l->zero_points ? _mm256_broadcastsi128_si256(record_zero_point_lanes(at, quad))
+                                  : _mm256_set1_epi32((int)0x88888888);
       for (int pair = 0; pair < blocks / 2; pair++) {
         const int64_t p = g * 2 + pair; /* pairs of blocks so far */
         /* lanes 0-3: block 2 pair of the four columns, lanes 4-7: block 2 pair + 1 (the record's order) */

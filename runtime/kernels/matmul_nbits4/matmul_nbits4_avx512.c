@@ -8,8 +8,6 @@
  * dot products serve 16 columns of a row at once (SmolLM2, 512-token prompt: 443 ms with MLAS,
  * 250-275 here).
  */
-#include <string.h>
-
 #include <immintrin.h>
 
 #include "matmul_nbits4_isa.h"
@@ -70,10 +68,9 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
     for (int64_t g = 0; g < l->groups; g++) {
       const int quad = g < l->quads;
       const uint8_t *at = record(l, packed, col / 4, g);
-      prefetch_ahead(at, quad ? l->quad_bytes : l->column_group_bytes - l->quads * l->quad_bytes);
+      prefetch_ahead(at, record_bytes(quad ? 4 : 2, l->zero_points));
       __m512i lo[4], hi[4];
       __m512 wscale;
-      __m128i z4 = _mm_setzero_si128();
       if (quad) {
         for (int i = 0; i < 4; i++) {
           __m512i packed_at = _mm512_loadu_si512((const void *)(at + 64 * i));
@@ -81,7 +78,6 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
           hi[i] = _mm512_and_si512(_mm512_srli_epi16(packed_at, 4), low4);
         }
         wscale = _mm512_loadu_ps((const float *)(at + record_scales(4))); /* lane (j, c): block j of column c */
-        if (l->zero_points) z4 = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(at + record_zero_points(4))));
       } else { /* a final pair: 32 bytes a column, whose low then high nibbles make the 64 codes */
         for (int i = 0; i < 4; i++) {
           __m256i half = _mm256_loadu_si256((const __m256i *)(at + 32 * i));
@@ -90,15 +86,11 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
         }
         __m512 s8 = _mm512_castps256_ps512(_mm256_loadu_ps((const float *)(at + record_scales(2))));
         wscale = _mm512_shuffle_f32x4(s8, s8, 0x44); /* lanes (j, c) and (j + 2, c): block j of column c */
-        if (l->zero_points) {
-          int32_t z;
-          memcpy(&z, at + record_zero_points(2), sizeof z);
-          z4 = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(z));
-        }
       }
       __m512 wzero = _mm512_set1_ps(8.f);
       if (l->zero_points) {
-        __m512i shifted = _mm512_srlv_epi32(_mm512_broadcast_i32x4(z4), quad ? quad_shift : pair_shift);
+        __m512i z4 = _mm512_broadcast_i32x4(record_zero_point_lanes(at, quad));
+        __m512i shifted = _mm512_srlv_epi32(z4, quad ? quad_shift : pair_shift);
         wzero = _mm512_cvtepi32_ps(_mm512_and_si512(shifted, mask4));
       }
       for (int r = 0; r < R; r++) {

@@ -5,6 +5,7 @@
 #define LLMC_MATMUL_NBITS4_ISA_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include <immintrin.h> /* SSE2 here, and AVX2 in the functions marked for it (every kernel's CPU has it) */
 
@@ -57,7 +58,7 @@ static inline void block_codes(int64_t blk, int64_t blocks, int64_t *even, int64
  *   zero points  [4 columns][blocks / 2] bytes  only when the layer has them
  * A quad's record is 328 bytes (320 without zero points), a pair's 164 (160). */
 typedef struct {
-  int64_t k, blocks, quads, groups; /* groups: quads, and the final pair if any */
+  int64_t blocks, quads, groups; /* groups: quads, and the final pair if any */
   int zero_points;
   int64_t quad_bytes, column_group_bytes; /* a quad's record; a column group's records, all of K */
 } Q4Layout;
@@ -68,7 +69,7 @@ static inline int64_t record_scales(int64_t blocks) { return 64 * blocks; }
 static inline int64_t record_zero_points(int64_t blocks) { return 80 * blocks; }
 
 static inline Q4Layout q4_layout(int64_t k, int zero_points) {
-  Q4Layout l = {k, k / 32, k / 128, (k / 32 + 3) / 4, zero_points, record_bytes(4, zero_points), 0};
+  Q4Layout l = {k / 32, k / 128, (k / 32 + 3) / 4, zero_points, record_bytes(4, zero_points), 0};
   l.column_group_bytes = l.quads * l.quad_bytes + (l.groups > l.quads ? record_bytes(2, zero_points) : 0);
   return l;
 }
@@ -76,6 +77,15 @@ static inline Q4Layout q4_layout(int64_t k, int zero_points) {
 /* column group cg's record for block group g (the final pair's record follows the quads') */
 static inline const uint8_t *record(const Q4Layout *l, const uint8_t *packed, int64_t cg, int64_t g) {
   return packed + cg * l->column_group_bytes + g * l->quad_bytes;
+}
+
+/* A record's zero points as four lanes, lane i column i's: its two bytes (four nibbles, low first) in a quad's
+ * record (`quad`), its one byte in a pair's */
+__attribute__((target("avx2"))) static inline __m128i record_zero_point_lanes(const uint8_t *at, int quad) {
+  if (quad) return _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(at + record_zero_points(4))));
+  int32_t z;
+  memcpy(&z, at + record_zero_points(2), sizeof z);
+  return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(z));
 }
 
 /* Columns n0 <= c < n1 (n0 a multiple of 4) of `rows` rows go to y[r * ystride + c - n0]. */
