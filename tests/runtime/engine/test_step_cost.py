@@ -76,3 +76,44 @@ def test_the_cap_never_drops_below_min_tokens_and_bad_settings_are_refused():
     assert cost.prompt_cap(1) == 16
     with pytest.raises(ValueError, match="ratio"):
         StepCost(ratio=1.0)
+
+
+def test_a_fit_that_steady_steps_cannot_correct_is_corrected_by_a_decode_only_step():
+    """Steps that all carry the cap's prompt tokens beside a few decode rows fit any (a, c) on a line: one slow
+    first prompt step (1.56 s for what costs ~0.74) held c at twice its value and every step at min_tokens. A
+    decode-only step every `probe_every` steps measures a decode step, and the cap finds its level."""
+    a, b, c = 0.095, 0.0025, 0.0025  # 0.5B fp32 on 2 cores, roughly
+    caps = {}
+    for probe_every in (10**9, 16):
+        cost, rng = StepCost(ratio=2.5, probe_every=probe_every), np.random.default_rng(0)
+        cost.observe(0, 256, 1.56)
+        seen = []
+        for step in range(150):
+            rows = 4 + step % 5
+            cap = cost.prompt_cap(rows)
+            seen.append(cap)
+            cost.observe(rows, cap, (a + b * rows + c * cap) * rng.uniform(0.95, 1.05))
+        caps[probe_every] = seen
+    assert set(caps[10**9]) == {cost.min_tokens}  # without probes: stuck
+    probes = [i for i, cap in enumerate(caps[16]) if cap == 0]
+    assert len(probes) == pytest.approx(150 / 17, abs=2) and all(j - i >= 16 for i, j in zip(probes, probes[1:]))
+    settled = [cap for cap in caps[16][-50:] if cap]
+    assert np.median(settled) == pytest.approx(1.5 * (a + b * 6) / c, rel=0.15)
+
+
+def test_a_probe_is_asked_once_and_decode_only_steps_put_it_off():
+    cost = StepCost(probe_every=4)
+    for _ in range(2):
+        cost.observe(4, 0, _cost(4, 0))
+    for _ in range(3):
+        cost.observe(4, 16, _cost(4, 16))
+    assert cost.prompt_cap(4) > 0  # three steps since a decode-only one
+    cost.observe(4, 16, _cost(4, 16))
+    assert cost.prompt_cap(0) is None  # no decode row: nothing to measure
+    assert cost.prompt_cap(4) == 0
+    assert cost.prompt_cap(4) > 0  # asked once: a step whose proposals made it no decode-only step is not asked again
+    for _ in range(3):
+        cost.observe(4, 16, _cost(4, 16))
+    cost.observe(4, 0, _cost(4, 0))  # a decode-only step came by itself
+    cost.observe(4, 16, _cost(4, 16))
+    assert cost.prompt_cap(4) > 0
