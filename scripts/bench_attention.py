@@ -60,7 +60,7 @@ def hf_opset23_build() -> Path:
     from torch.export import Dim
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from llmc.compiler.graph.verify import cache_kwarg
+    from llmc.compiler.graph.greedy import cache_kwarg
 
     path = BENCH / "hf-opset23" / "model.onnx"
     if path.is_file():

@@ -266,7 +266,7 @@ def tiny_paged_build(tiny_checkpoints, tmp_path_factory):
 
 def greedy_reference(model, prompt_ids: list[int], max_tokens: int, end_ids=()) -> list[int]:
     """PyTorch greedy tokens for one prompt, ending after an end id as the runtime does."""
-    from llmc.compiler.graph.verify import torch_greedy
+    from llmc.compiler.graph.greedy import torch_greedy
 
     _, last = torch_greedy(model, prompt_ids, max_tokens, lambda: None)
     tokens = [int(l.argmax()) for l in last]

@@ -1,4 +1,4 @@
-"""The engine against ONNX Runtime: both runners driven the way serving drives them (verify.py's
+"""The engine against ONNX Runtime: both runners driven the way serving drives them (graph/greedy.py's
 runner_greedy: each prompt prefilled into its slot, then every row decoding in one batch), their
 logits compared by Polygraphy's comparator at the engine precision's tolerance (`compare_runners`;
 `verify_engine` runs it on the verify prompts and raises VerifyError when the comparator rejects).
@@ -18,8 +18,9 @@ from typing import Callable
 import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel, QuantizedModel, VerifyCase
+from llmc.compiler.graph.greedy import runner_greedy
+from llmc.compiler.graph.verify import compare
 from llmc.compiler.spec import BuildSpec
-from llmc.compiler.graph.verify import compare, runner_greedy
 from llmc.errors import VerifyError
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.manifest import TensorRTInfo

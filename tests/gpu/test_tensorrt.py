@@ -17,7 +17,7 @@ def test_tiny_engine_builds_verifies_packages_and_decodes_like_onnxruntime(tiny_
     from llmc.compiler import build
     from llmc.compiler.spec import parse_spec
     from llmc.compiler.repository.triton_config import parse
-    from llmc.compiler.graph.verify import runner_greedy
+    from llmc.compiler.graph.greedy import runner_greedy
     from llmc.runtime.runners.ort import OrtRunner
     from llmc.runtime.runners.trt import TrtRunner
 

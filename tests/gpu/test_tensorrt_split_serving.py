@@ -16,7 +16,7 @@ pytestmark = marks(WORLD)
 
 def test_a_two_gpu_split_builds_verifies_and_serves_the_unsplit_engines_greedy_tokens(tiny_llama, tmp_path):
     from llmc.compiler import build
-    from llmc.compiler.graph.verify import runner_greedy
+    from llmc.compiler.graph.greedy import runner_greedy
     from llmc.compiler.spec import parse_spec
     from llmc.runtime.runners.trt_tensor_parallel import TrtTensorParallelRunner
     from llmc.runtime.serving import loader

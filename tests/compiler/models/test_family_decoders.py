@@ -106,7 +106,7 @@ def test_the_longrope_reference_is_transformers_generate(tiny_checkpoints):
     """verify's reference (torch_greedy) decodes as generate() does: a 77-token prompt crosses the switch
     (88) at step 12, where generate() drops its cache and recomputes the whole sequence with the long
     factors; a decode on the cache alone would part from it there."""
-    from llmc.compiler.graph.verify import torch_greedy
+    from llmc.compiler.graph.greedy import torch_greedy
 
     hf = _load(tiny_checkpoints["phi3"])
     prompt = PROMPTS[1] * 7

@@ -5,7 +5,7 @@ import pytest
 from conftest import build_reusing_export
 from llmc.compiler.source import inspect_source, load_model
 from llmc.compiler.spec import parse_spec
-from llmc.compiler.graph.verify import torch_greedy
+from llmc.compiler.graph.greedy import torch_greedy
 from llmc.runtime.engine.slot_engine import SlotEngine
 from llmc.runtime.runners.ort import OrtRunner
 from llmc.runtime.decoding.sampling import SamplingParams
