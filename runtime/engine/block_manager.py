@@ -7,7 +7,7 @@ block ids, its block table; token i of the sequence lives in block `block_ids[i 
 at offset `i % block_size`.
 
 Prefix caching: a full block is keyed by a sha256 of its tokens chained with the key of the block
-before it (`block_hash`), so a key names the whole prefix up to the block's end. A new sequence
+before it (`block_hash`, prefix_keys.py), so a key names the whole prefix up to the block's end. A new sequence
 reuses the cached blocks of its longest cached prefix, sharing them (reference counts), and computes
 only the rest. A key is only where to look: a hit counts only when the block's own tokens and the
 keyed block it was computed after are the sequence's (`_holds`), so two prefixes whose keys collide
@@ -34,12 +34,11 @@ that holds the last prompt token, and the beams' fork and copy-on-write.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
-from typing import Iterator, NamedTuple, Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 from llmc.runtime.engine import longrope
+from llmc.runtime.engine.prefix_keys import ROOT, Keyed, block_hash, root, seed
 
 
 class Blocked(Protocol):
@@ -51,29 +50,6 @@ class Blocked(Protocol):
     long_rope: bool  # its KV were computed with LongRoPE's long factors
 
     def all_token_ids(self) -> Sequence[int]: ...
-
-
-def block_hash(previous: bytes | None, tokens: Sequence[int]) -> bytes:
-    """The key of a full block: sha256 over the previous block's key (32 bytes; none for the first
-    block) and this block's token ids (8 bytes each). Python's hash() of a tuple was here: unkeyed
-    and cheap to collide on purpose. sha256 because it is the fastest strong hash hashlib has for
-    inputs this short (~3 us a 16-token block on one core, blake2b the same, hash() ~0.4 us): it runs
-    once per full block a prompt is looked up with (`_prefix_keys` remembers them) and once per block
-    computed (`commit` hashes only the blocks it has not keyed yet)."""
-    return hashlib.sha256((previous or b"") + array("q", tokens).tobytes()).digest()
-
-
-class Keyed(NamedTuple):
-    """What a keyed block holds, checked on a hit."""
-
-    serial: int  # names this keying of the block: a block keyed again (after eviction) gets a new one
-    parent: int  # the serial of the keyed block before it (ROOT for a first block)
-    tokens: tuple[int, ...]
-
-
-ROOT = 0  # the serial of the empty prefix
-LONG_ROOT = -1  # ... of the empty prefix under LongRoPE's long factors
-LONG_SEED = hashlib.sha256(b"llmc: LongRoPE long factors").digest()  # the key chain's start under them
 
 
 class BlockManager:
@@ -130,7 +106,7 @@ class BlockManager:
             self._memo = (list(tokens), long, keys)
         for index in range((len(tokens) - 1) // self.block_size):
             if index == len(keys):
-                keys.append(block_hash(keys[-1] if keys else _seed(long), self._block_tokens(tokens, index)))
+                keys.append(block_hash(keys[-1] if keys else seed(long), self._block_tokens(tokens, index)))
             yield keys[index]
 
     def is_long(self, seq: Blocked) -> bool:
@@ -141,7 +117,7 @@ class BlockManager:
         """The cached blocks of the longest cached prefix, never reaching the last token."""
         if not self.prefix_caching:
             return []
-        found, parent = [], _root(long)
+        found, parent = [], root(long)
         for index, key in enumerate(self._prefix_keys(tokens, long)):
             block = self._by_key.get(key)
             if block is None or not self._holds(block, parent, self._block_tokens(tokens, index)):
@@ -205,7 +181,7 @@ class BlockManager:
         start = full
         while start > 0 and self.keys[seq.block_ids[start - 1]] is None:
             start -= 1
-        key, parent = _seed(seq.long_rope), _root(seq.long_rope)
+        key, parent = seed(seq.long_rope), root(seq.long_rope)
         if start:
             last = seq.block_ids[start - 1]
             key, parent = self.keys[last], self._keyed[last].serial
@@ -299,11 +275,3 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-
-def _seed(long: bool) -> bytes | None:
-    """What the first block's key is chained to: nothing, or the long factors' seed."""
-    return LONG_SEED if long else None
-
-
-def _root(long: bool) -> int:
-    return LONG_ROOT if long else ROOT

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from llmc.runtime.decoding.sampling import SamplingParams
-from llmc.runtime.engine.block_manager import BlockManager, block_hash
+from llmc.runtime.engine.block_manager import BlockManager
+from llmc.runtime.engine.prefix_keys import block_hash
 from llmc.runtime.engine.ngram import NgramProposer
 from llmc.runtime.engine.sequence import Sequence, Status
 from llmc.runtime.engine.speculative import Speculator, verify
