@@ -15,8 +15,8 @@ def block_hash(previous: bytes | None, tokens: Sequence[int]) -> bytes:
     block) and this block's token ids (8 bytes each). Python's hash() of a tuple was here: unkeyed
     and cheap to collide on purpose. sha256 because it is the fastest strong hash hashlib has for
     inputs this short (~3 us a 16-token block on one core, blake2b the same, hash() ~0.4 us): it runs
-    once per full block a prompt is looked up with (`_prefix_keys` remembers them) and once per block
-    computed (`commit` hashes only the blocks it has not keyed yet)."""
+    once per full block a prompt is looked up with (BlockManager._prefix_keys remembers them) and once
+    per block computed (its `commit` hashes only the blocks it has not keyed yet)."""
     return hashlib.sha256((previous or b"") + array("q", tokens).tobytes()).digest()
 
 
