@@ -264,17 +264,18 @@ def test_the_kernel_hands_back_the_mapped_weights_it_copied(tmp_path):
     """ONNX Runtime maps external-data initializers from the file; once the op has copied B, its scales and zero
     points into its own layout, their pages leave the process (the copy is what stays resident), and the page
     cache: make_session reads the file in before the session opens, not after, when it read them back."""
-    onnx.save(_model(4096, 1024), str(tmp_path / "model.onnx"), save_as_external_data=True,
-              location="model.onnx.data", size_threshold=0)  # the name a build gives it, which make_session reads in
-    with open(tmp_path / "model.onnx.data", "rb") as f:  # out of the page cache: what the session reads is all it holds
+    data = tmp_path / "model.onnx.data"  # the name a build gives it, which make_session reads in
+    onnx.save(_model(4096, 1024), str(tmp_path / "model.onnx"), save_as_external_data=True, location=data.name,
+              size_threshold=0)
+    with open(data, "rb") as f:  # out of the page cache: what the session reads is all it holds
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     session = make_session(tmp_path / "model.onnx", 2)
-    resident = _resident_kib(tmp_path / "model.onnx.data")
+    resident = _resident_kib(data)
     if not resident:
         pytest.skip("this ONNX Runtime read the external data instead of mapping it")
-    assert sum(resident) < 0.05 * (tmp_path / "model.onnx.data").stat().st_size / 1024
-    assert _cached_fraction(tmp_path / "model.onnx.data") < 0.05
+    assert sum(resident) < 0.05 * data.stat().st_size / 1024
+    assert _cached_fraction(data) < 0.05
     assert session.run(None, {"A": np.ones((1, 4096), np.float32)})[0].shape == (1, 1024)
 
 
