@@ -242,7 +242,8 @@ def _resident_kib(path) -> list[int]:
 
 
 def _cached_fraction(path) -> float:
-    """The share of file `path`'s pages in the page cache (mincore over a fresh mapping of it)."""
+    """The share of file `path`'s pages in the page cache: mincore over a fresh mapping of it, through ctypes
+    (Python's mmap module has no mincore)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
