@@ -39,7 +39,9 @@ def stop_request(grpc_module, request: dict) -> dict:
 
 async def responses(client, grpc_module, request: dict, timeout: float | None = None) -> AsyncIterator[tuple]:
     """`request`'s responses on a new stream of `client` (tritonclient.grpc.aio's), `timeout` seconds
-    at most in all."""
+    at most in all. The stream is read on a task of its own: grpc.aio cancels a call whose read is
+    cancelled, so a caller's task cancelled mid-read (the OpenAI frontend's workers, when their client
+    disconnects) would otherwise cancel the gRPC call instead of stopping the request in band."""
     outgoing: asyncio.Queue = asyncio.Queue()  # this stream's requests; None half-closes it
     outgoing.put_nowait(request)
 
@@ -48,38 +50,59 @@ async def responses(client, grpc_module, request: dict, timeout: float | None = 
             yield item
 
     stream, ended = client.stream_infer(requests(), stream_timeout=timeout), False
+    incoming: asyncio.Queue = asyncio.Queue()  # (result, error) pairs, then _CLOSED or the exception that broke it
+    reader = asyncio.ensure_future(_read(stream, incoming))
     try:
-        async for result, error in stream:
-            ended = ends(result, error)
-            yield result, error
+        while isinstance(item := await incoming.get(), tuple):
+            ended = ends(*item)
+            yield item
             if ended:
                 return
-        raise Unreachable("the stream ended before the final response")
-    except Unreachable:
-        raise
-    except Exception as err:  # grpc errors: the server went away, the stream broke
         ended = True
-        raise Unreachable(message(err)) from None
+        if item is _CLOSED:
+            raise Unreachable("the stream ended before the final response")
+        raise Unreachable(message(item))
     finally:
-        if not ended:
-            outgoing.put_nowait(stop_request(grpc_module, request))
-            if not await _stopped(stream):
-                stream.cancel()  # no answer to the stop: cancel the stream
-        outgoing.put_nowait(None)
+        try:
+            if not ended:
+                outgoing.put_nowait(stop_request(grpc_module, request))
+                if not await _stopped(incoming):
+                    stream.cancel()  # no answer to the stop: cancel the stream
+        except asyncio.CancelledError:  # cancelled again while waiting for the stop: no more time to wait
+            stream.cancel()
+            raise
+        finally:
+            outgoing.put_nowait(None)
+            _READERS.add(reader)  # it reads on to the stream's end (or its cancellation)
+            reader.add_done_callback(_READERS.discard)
 
 
-async def _stopped(stream) -> bool:
+_CLOSED = object()  # the stream ended
+_READERS: set[asyncio.Task] = set()  # readers are referenced until they end
+
+
+async def _read(stream, incoming: asyncio.Queue) -> None:
+    try:
+        async for pair in stream:
+            incoming.put_nowait(pair)
+        incoming.put_nowait(_CLOSED)
+    except Exception as err:  # grpc errors: the server went away, the stream broke
+        incoming.put_nowait(err)
+
+
+async def _stopped(incoming: asyncio.Queue) -> bool:
     """Whether the request and its stop request both sent their last response in time."""
     count = 0
     try:
         async with asyncio.timeout(STOP_SECONDS):
-            async for result, error in stream:
-                count += ends(result, error)
-                if count == 2:
-                    return True
-    except Exception:  # the timeout, or the stream broke
-        pass
-    return False
+            while count < 2:
+                item = await incoming.get()
+                if not isinstance(item, tuple):  # the stream ended or broke
+                    return False
+                count += ends(*item)
+    except TimeoutError:
+        return False
+    return True
 
 
 def responses_sync(grpc_module, url: str, request: dict, timeout: float | None = None) -> Iterator[tuple]:

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from llmc.chat_template import ChatTemplateError, NoChatTemplate, render
@@ -27,7 +27,7 @@ from llmc.openai.backends import ModelInfo, Pool
 from llmc.openai.protocol import (MAX_CHOICES, ChatRequest, CompletionRequest, OpenAIError, model_inputs,
                                   num_top_logprobs, refuse_unsupported)
 from llmc.openai.responses import (CompletionLogprobs, Reply, chat_choice, chat_logprobs, completion_choice)
-from llmc.openai.streaming import Choices, Job, stream_events, usage_of
+from llmc.openai.streaming import Choices, EventStream, Job, stream_events, usage_of
 from llmc.openai.structured import Guided, guide_of, tool_calls
 from llmc.openai.tool_parsers import default_messages
 
@@ -127,8 +127,7 @@ async def _answer(pool: Pool, req, request: Request, reply: Reply, jobs: list[Jo
     if req.stream:
         await _started(choices, request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream_events(choices, reply, include_usage, echo, logprobs, calls),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventStream(stream_events(choices, reply, include_usage, echo, logprobs, calls))
     texts = {job.index: "" for job in jobs}
     async for event in choices:
         texts[event.job.index] += event.text

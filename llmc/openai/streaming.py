@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import orjson
+from starlette.responses import StreamingResponse
 
 from llmc.client import Refused
 from llmc.openai.backends import ChoiceGeneration, Pool
@@ -96,6 +97,24 @@ class Choices:
     def cancel(self) -> None:
         for task in self._tasks:
             task.cancel()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response whose body generator is closed when the response ends, however it ends. Starlette
+    cancels a stream whose client disconnected but closes its generator only when the cancellation lands
+    inside it; one landing while a chunk is being sent (a slow client's full socket) would leave the
+    generator, and the `choices.cancel()` in its `finally`, to the garbage collector, its requests
+    generating meanwhile."""
+
+    def __init__(self, body: AsyncIterator[bytes]):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._body = body
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()
 
 
 def sse(data: dict) -> bytes:

@@ -83,6 +83,7 @@ class AioStream:
             for response in self.server.answer(request):
                 self.out.put_nowait(response)
         self.server.half_closed = True
+        self.out.put_nowait(None)  # the server ends a half-closed stream
 
     def cancel(self):
         self.server.cancelled = True
@@ -95,7 +96,14 @@ class AioStream:
         if self.server.fail is not None:
             await asyncio.sleep(0)
             raise self.server.fail
-        return await self.out.get()
+        try:
+            response = await self.out.get()
+        except asyncio.CancelledError:  # as grpc.aio's call does (_read): a cancelled read cancels the call
+            self.cancel()
+            raise
+        if response is None:
+            raise StopAsyncIteration
+        return response
 
 
 class SyncGrpc:
@@ -170,6 +178,33 @@ def test_leaving_early_stops_the_request_under_its_id_and_closes_with_nothing_pe
     assert stop["model_name"] == "m" and server.half_closed and not server.cancelled
 
 
+def test_a_caller_cancelled_while_it_waits_for_a_response_still_stops_the_request_in_band():
+    """The OpenAI frontend cancels the task of a choice whose client left (llmc/openai/streaming.py): the
+    request is stopped in band, as when its caller leaves between responses, not by cancelling the call."""
+    server = Server(chunks=1)
+
+    async def main():
+        got = []
+
+        async def consume():
+            async with aclosing(stream.responses(AioClient(server), real_grpc, request())) as responses:
+                async for response in responses:
+                    got.append(response)
+
+        task = asyncio.create_task(consume())
+        while not got:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)  # the task waits for a response the server does not send
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.01)  # the fake's reader sees the half-close
+        return got
+
+    assert len(asyncio.run(main())) == 1
+    assert [is_stop(r) for r in server.requests] == [False, True] and server.half_closed and not server.cancelled
+
+
 @pytest.mark.parametrize("run", [run_async, run_sync])
 def test_a_finished_request_sends_no_stop(run):
     server = Server(chunks=1, left_open=False)
@@ -211,6 +246,7 @@ def collect(server: Server, which: str, take: int = 99) -> list:
                 got.append(chunk)
                 if len(got) == take:
                     break
+        await asyncio.sleep(0.01)  # the fake's reader sees the half-close
         return got
     return asyncio.run(main())
 
