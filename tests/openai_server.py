@@ -21,7 +21,9 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['r
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-BUSY = "tiny_busy"  # one KV slot and a queue of one: for busy (429) and disconnects
+BUSY = "tiny_busy"  # one request at a time and a queue of one: for busy (429) and disconnects. Its KV pool
+# holds a whole 2048-token request: with the pool of the model it copies (512 tokens, ~0.5 s at ~1 ms a
+# token) a "long" request could end before a slow client's disconnect reached the server.
 
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
@@ -55,7 +57,8 @@ def triton(tiny_build, chat_build, tmp_path_factory):
     repository = root / "repository"
     shutil.copytree(tiny_build.repository, repository)
     shutil.copytree(chat_build.repository / "tiny_chat", repository / "tiny_chat")
-    add_model_variant(repository, "tiny_chat", BUSY, max_batch_size=1, max_queue_size=1, max_seq_len=2048)
+    add_model_variant(repository, "tiny_chat", BUSY, max_batch_size=1, max_queue_size=1, max_seq_len=2048,
+                      kv_cache_tokens=2048)
     with TritonServer(repository, server_dir=assemble(root / "server"), serving_env=SERVING_ENV,
                       log_path=root / "server.log") as srv:
         yield srv
