@@ -50,7 +50,7 @@ async def responses(client, grpc_module, request: dict, timeout: float | None = 
             yield item
 
     stream, ended = client.stream_infer(requests(), stream_timeout=timeout), False
-    incoming: asyncio.Queue = asyncio.Queue()  # (result, error) pairs, then _CLOSED or the exception that broke it
+    incoming: asyncio.Queue = asyncio.Queue()  # (result, error) pairs, then what ended the stream (_read)
     reader = asyncio.ensure_future(_read(stream, incoming))
     try:
         while isinstance(item := await incoming.get(), tuple):
@@ -82,12 +82,14 @@ _READERS: set[asyncio.Task] = set()  # readers are referenced until they end
 
 
 async def _read(stream, incoming: asyncio.Queue) -> None:
+    """Put the stream's responses on `incoming`, then what ended it: the exception that broke it, then _CLOSED."""
     try:
         async for pair in stream:
             incoming.put_nowait(pair)
-        incoming.put_nowait(_CLOSED)
     except Exception as err:  # grpc errors: the server went away, the stream broke
         incoming.put_nowait(err)
+    finally:
+        incoming.put_nowait(_CLOSED)  # also when the call was cancelled under the read (asyncio.CancelledError)
 
 
 async def _stopped(incoming: asyncio.Queue) -> bool:

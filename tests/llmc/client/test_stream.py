@@ -70,7 +70,8 @@ class AioClient:
         self.server = server
 
     def stream_infer(self, requests, stream_timeout=None):
-        return AioStream(self.server, requests)
+        self.last = AioStream(self.server, requests)
+        return self.last
 
 
 class AioStream:
@@ -88,6 +89,7 @@ class AioStream:
     def cancel(self):
         self.server.cancelled = True
         self.reader.cancel()
+        self.out.put_nowait(CANCELLED)
 
     def __aiter__(self):
         return self
@@ -103,7 +105,12 @@ class AioStream:
             raise
         if response is None:
             raise StopAsyncIteration
+        if response is CANCELLED:  # as grpc.aio's read of a call cancelled meanwhile
+            raise asyncio.CancelledError
         return response
+
+
+CANCELLED = object()
 
 
 class SyncGrpc:
@@ -203,6 +210,22 @@ def test_a_caller_cancelled_while_it_waits_for_a_response_still_stops_the_reques
 
     assert len(asyncio.run(main())) == 1
     assert [is_stop(r) for r in server.requests] == [False, True] and server.half_closed and not server.cancelled
+
+
+def test_a_call_cancelled_under_its_read_ends_the_responses_as_unreachable():
+    """The call cancelled from outside (its channel closed): the caller is told, not left waiting."""
+    server, client = Server(chunks=1), None
+
+    async def main():
+        nonlocal client
+        client = AioClient(server)
+        async with aclosing(stream.responses(client, real_grpc, request())) as responses:
+            async for _ in responses:
+                client.last.cancel()
+
+    with pytest.raises(Unreachable, match="ended before the final response"):
+        asyncio.run(asyncio.wait_for(main(), 5))
+    assert [is_stop(r) for r in server.requests] == [False]
 
 
 @pytest.mark.parametrize("run", [run_async, run_sync])

@@ -5,7 +5,6 @@ request's choices, without waiting for the garbage collector."""
 import asyncio
 import gc
 
-import pytest
 from starlette.responses import StreamingResponse
 
 from llmc.openai.streaming import EventStream
