@@ -108,13 +108,12 @@ class EventStream(StreamingResponse):
 
     def __init__(self, body: AsyncIterator[bytes]):
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._body = body
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._body.aclose()
+            await self.body_iterator.aclose()  # the generator itself: Starlette keeps an async iterable as given
 
 
 def sse(data: dict) -> bytes:

@@ -214,10 +214,9 @@ def test_a_caller_cancelled_while_it_waits_for_a_response_still_stops_the_reques
 
 def test_a_call_cancelled_under_its_read_ends_the_responses_as_unreachable():
     """The call cancelled from outside (its channel closed): the caller is told, not left waiting."""
-    server, client = Server(chunks=1), None
+    server = Server(chunks=1)
 
     async def main():
-        nonlocal client
         client = AioClient(server)
         async with aclosing(stream.responses(client, real_grpc, request())) as responses:
             async for _ in responses:
