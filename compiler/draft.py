@@ -83,7 +83,7 @@ def check_same_vocabulary(target: SourceInfo, draft: SourceInfo) -> None:
 
 
 def cache_key_parts(spec: BuildSpec, export_key: dict, verify_key: dict) -> dict:
-    """What keys the draft besides the target's export and the code (DRAFT_CODE): its section, its
+    """What keys the draft besides the target's export and the code: its section, its
     checkpoint's content hash (a separate draft), what keys an export and a verify, and the quantize
     stage's tools."""
     section = spec.speculative.draft
@@ -172,7 +172,6 @@ def _describe(spec: BuildSpec) -> str:
 
 
 # what makes a draft: this module and what the export, verify and quantize stages run
-DRAFT_CODE = tuple(sorted({__name__, *export.EXPORT_CODE, *verify.VERIFY_CODE, *quantize.QUANTIZE_CODE}))
-DRAFT = Stage("draft", describe=_describe, takes=("export",), artifact=DraftArtifact, applies=_drafts, code=DRAFT_CODE,
+DRAFT = Stage("draft", describe=_describe, takes=("export",), artifact=DraftArtifact, applies=_drafts,
               key=lambda spec, ctx: cache_key_parts(spec, export.export_key(spec, ctx), verify.verify_key(spec, ctx)),
               check=check, run=_run, summary=lambda done: summary(done.artifact))

@@ -9,8 +9,9 @@ pipeline/stages.py only puts them in order. A `Stage` declares:
 - `reads`: the other earlier stages whose results it reads. `ctx.done` holds the results of the
   stages named in `takes` and `reads`, and nothing else, and all of them enter its cache key;
 - `section(spec)`: the part of the spec it reads, handed to `run`;
-- `code`: the modules and packages that run it (a package: its whole folder, C sources included);
-  their content is part of its cache key (hashing.code_hash);
+- its code, derived, never listed: the modules that define its functions (`run`, `key`, `check`, ...)
+  and every llmc module they import, with the C sources and text those load (code_closure.py); their
+  content is part of its cache key (hashing.code_hash);
 - `key(spec, ctx)`: what else decides its output (spec fields, tool versions); with its inputs'
   files and its code it makes the stage's cache key;
 - `opens`: its result is the `FoundSource` the build runs on (the source stage): the completed
@@ -82,7 +83,6 @@ class Stage:
     takes: tuple[str, ...] = ()
     reads: tuple[str, ...] = ()
     artifact: type[Artifact] | None = None  # a cached stage's record; None: runs on every build
-    code: tuple[str, ...] = ()
     key: Callable[[BuildSpec, Context], dict] = lambda spec, ctx: {}
     check: Callable[[BuildSpec, Any], None] = _nothing  # (spec, the found source.SourceInfo)
     applies: Callable[[BuildSpec], bool] = lambda spec: True
@@ -96,6 +96,12 @@ class Stage:
     def __post_init__(self) -> None:
         if not self.folder:
             object.__setattr__(self, "folder", self.name)
+
+    @property
+    def code(self) -> tuple[str, ...]:
+        """The modules its declaration's functions are defined in: the roots of its code (code_closure.py)."""
+        functions = (self.run, self.key, self.check, self.section, self.applies, self.skip, self.accept)
+        return tuple(sorted({f.__module__ for f in functions}))
 
     def input(self, done: Mapping[str, Located]) -> Located | None:
         return next((done[name] for name in self.takes if name in done), None)

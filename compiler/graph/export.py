@@ -253,12 +253,6 @@ def _summary(done: Located[ExportedModel]) -> str:
             f"{split}, {size:.1f} MiB")
 
 
-# what runs an export: this package (the KV cache dtypes, the graph passes), the decoders it traces, the
-# checkpoint's loader, the calibration text of int8 KV caches, the attention op and its lowerings, the KV layout
-EXPORT_CODE = ("llmc.compiler.graph", "llmc.compiler.models", "llmc.compiler.paged_decoder", "llmc.compiler.source",
-               "llmc.compiler.textdata", "llmc.plugins.op", "llmc.runtime.layout")
-
-
 def _check(spec: BuildSpec, source) -> None:
     """A mixture of experts on a lowering without an expert op, and a split the model's heads do not allow,
     are refused before anything loads."""
@@ -279,4 +273,4 @@ def _check(spec: BuildSpec, source) -> None:
 EXPORT = Stage("export", describe=lambda spec: "exporting to ONNX", takes=("source",), artifact=ExportedModel,
                section=lambda spec: (Lowering(spec.attention_lowering), spec.export.kv_cache_dtype,
                                      spec.parallel.tensor),
-               code=EXPORT_CODE, key=export_key, check=_check, run=_run, summary=_summary, loads_model=True)
+               key=export_key, check=_check, run=_run, summary=_summary, loads_model=True)

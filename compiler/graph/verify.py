@@ -183,11 +183,7 @@ def _accept(report: VerifyReport, spec: BuildSpec) -> None:
                                       for c in report.cases))
 
 
-# what runs a verify: this package, the checkpoint's loader, the runners, the CPU kernels they load
-# (the paged attention op and MatMulNBits, C sources), the KV layout
-VERIFY_CODE = ("llmc.compiler.graph", "llmc.compiler.source", "llmc.runtime.runners", "llmc.runtime.kernels",
-               "llmc.runtime.layout")
 VERIFY = Stage("verify", describe=lambda spec: f"PyTorch vs ONNX Runtime ({spec.attention_lowering} attention)",
-               takes=("export",), artifact=VerifyReport, section=lambda spec: spec.verify, code=VERIFY_CODE,
+               takes=("export",), artifact=VerifyReport, section=lambda spec: spec.verify,
                key=verify_key, skip=_skip, run=_run, accept=_accept, summary=lambda done: summary(done.artifact),
                loads_model=True)

@@ -37,11 +37,6 @@ HANDLERS: dict[QuantMode, QuantHandler] = {
     QuantMode.int8_weight_only: WeightOnly(bits=8), QuantMode.int4_weight_only: WeightOnly(bits=4),
     QuantMode.int8: StaticQDQ(QuantMode.int8), QuantMode.fp8: StaticQDQ(QuantMode.fp8),
 }
-# the code whose changes invalidate a quantized graph: this package; the tokenizer's loader; the calibration and
-# held-out text; the export's graph code it saves and rewrites with; and what the quality report runs on: the
-# runners (the paged ones included), the CPU kernels (C sources) they load, the KV layout
-QUANTIZE_CODE = (__name__, "llmc.compiler.source", "llmc.compiler.textdata", "llmc.compiler.graph",
-                 "llmc.runtime.runners", "llmc.runtime.kernels", "llmc.runtime.layout")
 EVAL_SEQ_LEN, EVAL_WINDOWS, AGREEMENT_STEPS = 256, 8, 32
 
 
@@ -62,7 +57,7 @@ def check(spec: QuantizationSpec, info: SourceInfo) -> None:
 
 
 def cache_key_parts(spec: QuantizationSpec) -> dict:
-    """What keys a quantize run besides the export and the code (QUANTIZE_CODE): the spec's section (less
+    """What keys a quantize run besides the export and the code: the spec's section (less
     the quality gate, which only judges the report) and the versions of the tools the mode runs on."""
     import onnxruntime
 
@@ -152,7 +147,7 @@ def _run(exported: Located[ExportedModel], section: QuantizationSpec, ctx: Conte
 
 QUANTIZE = Stage("quantize", describe=lambda spec: f"quantizing ({spec.quantization.mode.value}) and measuring quality",
                  takes=("export",), artifact=QuantizedModel, section=lambda spec: spec.quantization,
-                 code=QUANTIZE_CODE, key=lambda spec, ctx: cache_key_parts(spec.quantization),
+                 key=lambda spec, ctx: cache_key_parts(spec.quantization),
                  check=lambda spec, source: check(spec.quantization, source), skip=_skip, run=_run,
                  accept=lambda art, spec: check_quality_gate(art.report, spec.quantization.max_perplexity_increase),
                  summary=lambda done: summary(done.artifact))

@@ -171,7 +171,6 @@ def _run(_: None, spec: BuildSpec, ctx: Context) -> ExecutionEnvironment:
 ENVIRONMENT = Stage("environment", describe=lambda spec: f"packing the serving packages for CPython "
                                                          f"{spec.execution_env.python} ({spec.execution_env.interpreter_path})",
                     artifact=ExecutionEnvironment, applies=lambda spec: spec.execution_env is not None, for_package=True,
-                    code=(__name__, "llmc.compiler.repository.package"),
                     key=lambda spec, ctx: {"execution_env": spec.section_hash("execution_env"),
                                            "requirements": serving_requirements(spec)},
                     run=_run, summary=lambda done: summary(done.artifact, done.folder))

@@ -8,7 +8,7 @@ after another; the check runs them together (one GPU each, NCCL) against the who
 
 `check(spec)` refuses, before any work, a TensorRT build on a machine that lacks what it needs;
 `cache_key_parts(spec)` is what the stage's cache key holds besides its inputs' files and its code
-(ENGINE_CODE): the spec sections, TensorRT's version, the GPU; `summary(engine)` is its line in the
+(derived from its imports): the spec sections, TensorRT's version, the GPU; `summary(engine)` is its line in the
 build report; `ENGINE` declares the stage with them. The pipeline decides the folders and when to reuse.
 """
 
@@ -23,13 +23,6 @@ from llmc.compiler.spec import BuildSpec, Target
 from llmc.compiler.stage import Context, Located, Stage
 from llmc.errors import UnsupportedError
 
-# the code that decides the engine (part of the stage's cache key): this package; the graph code it prepares
-# the ONNX with and compares against (verify_engine exports the plugin lowering's fused stand-in); the
-# checkpoint's loader; the TensorRT plugin and its GPU kernels; the runners (TensorRT's and ONNX Runtime's, with
-# the CPU kernels it loads) and the KV layout
-ENGINE_CODE = ("llmc.compiler.tensorrt", "llmc.compiler.graph", "llmc.compiler.source", "llmc.plugins.trt",
-               "llmc.plugins.gpu", "llmc.plugins.op", "llmc.runtime.runners", "llmc.runtime.kernels",
-               "llmc.runtime.layout")
 LAYOUT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # what the build imports besides TensorRT, and the llmc extra that installs it
 NEEDED_MODULES = (("modelopt.onnx.autocast", "quantize"), ("polygraphy", "quantize"), ("triton", "kernels"),
@@ -173,5 +166,5 @@ def _run(source: Located, spec: BuildSpec, ctx: Context) -> EngineModel:
 
 ENGINE = Stage("engine", describe=lambda spec: f"building the TensorRT engine ({spec.precision.value})",
                takes=("quantize", "export"), artifact=EngineModel, applies=lambda spec: spec.target is Target.tensorrt,
-               code=ENGINE_CODE, key=lambda spec, ctx: cache_key_parts(spec), check=lambda spec, source: check(spec),
+               key=lambda spec, ctx: cache_key_parts(spec), check=lambda spec, source: check(spec),
                run=_run, summary=lambda done: summary(done.artifact), loads_model=True)

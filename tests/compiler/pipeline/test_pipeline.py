@@ -128,27 +128,6 @@ def test_kill_between_the_two_renames_is_repaired(tiny_llama, tmp_path):
     assert not list(tmp_path.glob(".out.*"))
 
 
-def test_code_hash_follows_the_source_of_the_named_modules_and_the_whole_folders_of_packages(tmp_path, monkeypatch):
-    from llmc.compiler.hashing import code_hash
-
-    (tmp_path / "llmc_probe_mod.py").write_text("X = 1\n")
-    kernel = tmp_path / "llmc_probe_pkg" / "kernels" / "k.c"  # a C source in a subfolder, no module beside it
-    kernel.parent.mkdir(parents=True)
-    (tmp_path / "llmc_probe_pkg" / "__init__.py").write_text("")
-    kernel.write_text("int k(void) { return 1; }\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    before = code_hash("llmc_probe_mod", "llmc_probe_pkg", "llmc.compiler.graph.export")
-    assert code_hash("llmc.compiler.graph.export", "llmc_probe_pkg", "llmc_probe_mod") == before  # order does not matter
-    (tmp_path / "llmc_probe_mod.py").write_text("X = 2\n")
-    assert code_hash("llmc_probe_mod", "llmc_probe_pkg", "llmc.compiler.graph.export") != before
-    before = code_hash("llmc_probe_pkg")
-    (kernel.parent / "__pycache__").mkdir()
-    (kernel.parent / "__pycache__" / "k.cpython-311.pyc").write_bytes(b"build output")
-    assert code_hash("llmc_probe_pkg") == before  # caches are not code
-    kernel.write_text("int k(void) { return 2; }\n")
-    assert code_hash("llmc_probe_pkg") != before
-
-
 def test_the_result_points_at_the_published_output(tiny_llama, tmp_path):
     result = build(parse_spec({"name": "t", "source": str(tiny_llama)}), output=tmp_path / "out")
     assert result.artifacts["export"].folder == tmp_path / "out" / "export"
