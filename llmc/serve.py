@@ -39,7 +39,8 @@ def start_server(build_dir: Path | str, http_port: int | None, grpc_port: int | 
 
 def _repository(location: Path | str) -> Path | str:
     """A build folder's repository (resolved), or an s3:// repository checked to hold a model."""
-    from llmc.fleet.objectstore import StoreError, is_remote, open_store
+    from llmc.fleet.objectstore import open_store
+    from llmc.fleet.store import StoreError, is_remote
     from llmc.triton_server import find_repository
 
     if not is_remote(location):

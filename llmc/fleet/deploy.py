@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmc.fleet.objectstore import CONFIG, LocalStore, StoreError, open_store
+from llmc.fleet.localstore import LocalStore
+from llmc.fleet.objectstore import open_store
+from llmc.fleet.store import CONFIG, StoreError
 from llmc.fleet.rollout import Replica, ReplicaFailed, roll_back, roll_out
 from llmc.triton_server import find_repository
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from llmc.fleet.objectstore import is_remote, parse_s3
+from llmc.fleet.store import is_remote, parse_s3
 
 # Triton 2.53 (NGC 24.12), Ubuntu 24.04 with Python 3.12: the first stock container whose Python takes the
 # runtime's onnxruntime wheels (24.10, the 2.51 llmc tests with from nvidia-pytriton, has Python 3.10, which

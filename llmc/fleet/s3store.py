@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from llmc.fleet.objectstore import CONFIG, LOCK_POLL, LockBusy, StoreError, describe_owner, lock_owner, parse_s3
+from llmc.fleet.store import CONFIG, LOCK_POLL, LockBusy, StoreError, describe_owner, lock_owner, parse_s3
 
 PART_SIZE = 64 * 1024 * 1024  # multipart threshold and part size: the checksum check recomputes parts at it
 UPLOAD_THREADS = 8

@@ -18,7 +18,8 @@ import pytest
 from conftest import BackgroundLoad, serving_env
 from llmc.client import Client
 from llmc.fleet.deploy import DeployError, deploy
-from llmc.fleet.objectstore import CONFIG, open_store
+from llmc.fleet.objectstore import open_store
+from llmc.fleet.store import CONFIG
 from llmc.triton_server import TritonServer, assemble, free_port
 from s3_server import CREDENTIALS, bucket_server
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from llmc.fleet.deploy import DeployError, deploy
-from llmc.fleet.objectstore import LockBusy, open_store
+from llmc.fleet.objectstore import open_store
+from llmc.fleet.store import LockBusy
 from llmc.triton_server import free_port
 from s3_server import CREDENTIALS, MotoServer, bucket_server
 
