@@ -42,7 +42,7 @@ class ServingLimits(BaseModel):
 
 
 class DraftModel(BaseModel):
-    """The draft graph a `speculative.method: draft` build packages beside the target (runtime/engine/draft.py)."""
+    """The draft graph a `speculative.method: draft` build packages beside the target (runtime/engine/speculation/draft.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -54,9 +54,9 @@ class DraftModel(BaseModel):
 
 
 class SpeculativeConfig(BaseModel):
-    """Speculative decoding in the paged engine (runtime/engine/speculative.py): up to `num_tokens` proposed
+    """Speculative decoding in the paged engine (runtime/engine/speculation/speculator.py): up to `num_tokens` proposed
     tokens, for at most `max_batch` rows a step, from prompt lookup (n-grams of `min_n`..`max_n`
-    tokens, ngram.py) or from the `draft` model (draft.py)."""
+    tokens, engine/speculation/ngram.py) or from the `draft` model (engine/speculation/draft.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -65,7 +65,7 @@ class SpeculativeConfig(BaseModel):
     max_batch: int = Field(ge=1)
     min_n: int = Field(ge=1)
     max_n: int = Field(ge=1)
-    disable_batch_size: int | None = Field(None, ge=1)  # more requests: no speculation; unset: speculative.py
+    disable_batch_size: int | None = Field(None, ge=1)  # more requests: no speculation; unset: engine/speculation/speculator.py
     draft: DraftModel | None = None  # method draft only
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""The spec's `speculative` section (runtime/engine/speculative.py, runtime/engine/draft.py): its method and its draft
+"""The spec's `speculative` section (runtime/engine/speculation/speculator.py, runtime/engine/speculation/draft.py): its method and its draft
 model. Apart from sections.py, which holds the other sections, to keep each module readable."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class DraftSpec(StrictModel):
 
 
 class SpeculativeSpec(StrictModel):
-    """Speculative decoding in the paged engine (runtime/engine/speculative.py)."""
+    """Speculative decoding in the paged engine (runtime/engine/speculation/speculator.py)."""
 
     method: SpeculativeMethod
     num_tokens: Annotated[int, Field(ge=1, le=16)] = Field(

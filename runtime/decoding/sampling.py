@@ -164,7 +164,7 @@ def distributions(logits: np.ndarray, params: Sequence[SamplingParams], prompt_i
     """The distribution `sample_rows` draws each row's token from, as probabilities [R, V] (float64):
     the penalized logits' softmax at the row's temperature with top-k, top-p and min-p applied, the
     same weights `_draw` walks; a greedy row's is a point mass on its argmax. Speculative decoding
-    with a draft model (speculative.py) compares the target's and the draft's distributions with it."""
+    with a draft model (engine/speculation/speculator.py) compares the target's and the draft's distributions with it."""
     logits = penalize(logits, params, prompt_ids, output_ids).astype(np.float32, copy=False)
     rows, vocab = logits.shape
     out = np.zeros((rows, vocab), dtype=np.float64)

@@ -189,7 +189,7 @@ class EngineCore:
         measured it 6x cheaper than filling every guided row's mask. Other guided rows are masked first.
         A sampled row drawn first takes two uniforms a token from its generator, the second for the
         redraw whether it needs one or not, so its tokens are the same function of its generator when
-        a step verifies them as proposals instead (speculative.py: forced tokens, prompt lookup)."""
+        a step verifies them as proposals instead (speculation/speculator.py: forced tokens, prompt lookup)."""
         guided = [i for i, s in enumerate(seqs) if s.guide is not None]
         first = [i for i in guided if seqs[i].params.draws_first]
         masked = [i for i in guided if i not in first]

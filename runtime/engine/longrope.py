@@ -13,7 +13,7 @@ whole sequence so far in one forward: a sequence's KV are all short-factor while
 - a sequence whose KV were computed short and that has grown past the switch recomputes them
   (`must_recompute`): the paged engine gives its blocks back and prefills prompt and output again, as
   after a preemption; the slot engine prefills them again in its slot;
-- a short sequence verifies proposals (speculative.py) only up to the switch (`proposal_room`), so
+- a short sequence verifies proposals (speculation/speculator.py) only up to the switch (`proposal_room`), so
   no step needs both tables for one sequence: the step that crosses decodes one token, and the
   sequence recomputes before its next.
 

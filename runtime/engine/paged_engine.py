@@ -12,9 +12,9 @@ decoding rows. The rows that reached their last token are sampled together, in o
 pass over their logits (sampling.py).
 
 With `speculative` (the manifest's SpeculativeConfig) up to `max_batch` decoding rows a step also
-carry proposed tokens (prompt lookup, ngram.py; or a draft model's, draft.py: its k batched calls
+carry proposed tokens (prompt lookup, speculation/ngram.py; or a draft model's, speculation/draft.py: its k batched calls
 fill the plan after scheduling, before the target's); the same call verifies them and the rows
-keep what the target accepts plus one token of its own (speculative.py), so such a row may gain
+keep what the target accepts plus one token of its own (speculation/speculator.py), so such a row may gain
 several tokens a step. Greedy outputs are the tokens the rows would get without speculation; sampled ones
 follow the same distribution (and with prompt lookup are the same tokens for a seeded request).
 A guided row whose grammar forces its next tokens feeds them the same way, verified as proposals
@@ -39,9 +39,9 @@ from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine import beam, longrope
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.core import CacheState, EngineCore, StepOutput
-from llmc.runtime.engine.draft import DraftProposer
+from llmc.runtime.engine.speculation.draft import DraftProposer
 from llmc.runtime.engine.sequence import FinishReason, Sequence
-from llmc.runtime.engine.speculative import Speculator
+from llmc.runtime.engine.speculation.speculator import Speculator
 from llmc.runtime.engine.step_cost import StepCost
 from llmc.runtime.engine.token_scheduler import TokenScheduler
 from llmc.runtime.manifest import SpeculativeConfig

@@ -41,7 +41,7 @@ class Sequence:
     slot: int | None = None  # its KV slot (slot graphs)
     block_ids: list[int] = field(default_factory=list)  # its KV blocks, in token order (paged graphs)
     num_cached: int = 0  # tokens already written to this sequence's KV slot or blocks
-    draft_cached: int = 0  # speculative.method draft: tokens whose draft-model KV is in the blocks (draft.py)
+    draft_cached: int = 0  # speculative.method draft: tokens whose draft-model KV is in the blocks (speculation/draft.py)
     long_rope: bool = False  # its KV were computed with LongRoPE's long factors (engine/longrope.py)
     finish_reason: FinishReason | None = None
     logprobs: LogprobRecorder | None = None  # set when the request asked for log probabilities

@@ -6,7 +6,7 @@ committed (the shape of vLLM v1's SchedulerOutput -> execute_model -> update_fro
     DraftProposer.fill(plan) -> plan.propose(i, ...) / plan.withdraw(i) on the reserved rows
     runner.copy_blocks(plan.copies); runner.step(plan.row_steps()) -> logits
     plan.update_from_output(logits, core, sampled) -> beam groups advance (beam.py), proposals are
-        verified (speculative.py), the other sampling rows sample; each chunk is committed
+        verified (speculation/speculator.py), the other sampling rows sample; each chunk is committed
 
 Only the plan changes its chunks; the draft proposer and the engine go through its methods.
 """
@@ -21,7 +21,7 @@ import numpy as np
 from llmc.runtime.engine import beam
 from llmc.runtime.engine.beam import BeamRow
 from llmc.runtime.engine.sequence import Sequence, Status
-from llmc.runtime.engine.speculative import logit_rows, verify
+from llmc.runtime.engine.speculation.speculator import logit_rows, verify
 from llmc.runtime.runners.paged_batch import RowStep
 
 if TYPE_CHECKING:
@@ -32,14 +32,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Chunk:
     """What one sequence feeds the graph this step: `token_ids` at positions `past_len`.., of which
-    the last `len(proposals)` are proposed tokens to verify (speculative.py); or, with `row`, one
+    the last `len(proposals)` are proposed tokens to verify (speculation/speculator.py); or, with `row`, one
     beam of a beam request: that beam's last token."""
 
     seq: Sequence
     token_ids: list[int]
     past_len: int
     proposals: list[int] = field(default_factory=list)
-    reserved: int = 0  # draft model: positions past the last token given blocks for the draft to fill (draft.py)
+    reserved: int = 0  # draft model: positions past the last token given blocks for the draft to fill (speculation/draft.py)
     draft: Any = None  # draft model, sampling row: the draft's distributions [k, V] the proposals came from
     forced: bool = False  # the proposals are tokens the row's grammar forces (fast-forward), not guesses
     row: BeamRow | None = None  # one beam of a beam request (beam.py)
@@ -72,7 +72,7 @@ class StepPlan:
     def __getitem__(self, i: int) -> Chunk:
         return self.chunks[i]
 
-    # -- draft reservations (draft.py) ------------------------------------------------------------
+    # -- draft reservations (speculation/draft.py) ------------------------------------------------------------
 
     @property
     def reserved(self) -> list[int]:

@@ -4,8 +4,8 @@ decode rows and prefill chunks.
     schedule() = every running sequence that decodes gets its next token (a new block when it
                  crosses into one; when the pool is out, the newest running sequence is preempted),
                  and with speculation up to `max_batch` of them the proposals after it
-                 (speculative.py; with a draft model, blocks reserved for the proposals
-                 draft.py fills in after scheduling) when the spare tokens and free blocks allow
+                 (speculation/speculator.py; with a draft model, blocks reserved for the proposals
+                 speculation/draft.py fills in after scheduling) when the spare tokens and free blocks allow
                  and no more requests are in than `disable_batch_size`; a guided row whose grammar
                  forces its next tokens carries those instead (fast-forward, below)
                + partly prefilled sequences continue, oldest first
@@ -27,7 +27,7 @@ preemption (runtime/engine/longrope.py).
 Fast-forward (`fast_forward`, on by default): where a guided row's grammar forces the next tokens
 (a JSON schema's keys and punctuation: llguidance's fast-forward tokens, grammar.py), the row feeds
 them after its last token as proposals and the step verifies them under the grammar's mask at each
-position like prompt lookup's (speculative.py), so the row gains them and its own next token in
+position like prompt lookup's (speculation/speculator.py), so the row gains them and its own next token in
 one graph call instead of one call each. The verification makes them exact: a greedy row's tokens
 are those it samples without fast-forward, and every token, forced ones included, gets the log
 probabilities of its own logits row. scripts/bench_structured.py measured 1.1x the tokens/s at 16
@@ -49,7 +49,7 @@ from llmc.runtime.engine import beam, longrope
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.core import WaitingQueue
 from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
-from llmc.runtime.engine.speculative import Speculator, room
+from llmc.runtime.engine.speculation.speculator import Speculator, room
 from llmc.runtime.engine.step_plan import Chunk, StepPlan
 
 
@@ -70,7 +70,7 @@ class TokenScheduler(WaitingQueue):
         chunks: list[Chunk] = []
         copies: list[tuple[int, int]] = []  # (source, copy) blocks to copy before the step runs
         rows = self._decode_rows(chunks, copies)
-        budget = self.max_num_tokens - sum(len(c.token_ids) + c.reserved for c in chunks)  # reserved: draft.py's
+        budget = self.max_num_tokens - sum(len(c.token_ids) + c.reserved for c in chunks)  # reserved: speculation/draft.py's
         prompts = self.waiting or any(seq.num_tokens - seq.num_cached > 1 for seq in self.running)
         cap = prompt_cap(rows) if prompt_cap is not None and prompts else None  # a fit: ~0.3 ms, not every step
         if cap is not None:
@@ -147,7 +147,7 @@ class TokenScheduler(WaitingQueue):
     def _fast_forward(self, chunks: list[Chunk]) -> None:
         """The tokens each guided decode row's grammar forces next (grammar.py's forced_tokens) after
         its last token, within the step's spare tokens and the free blocks: fed as proposals and
-        verified under the grammar's masks like prompt lookup's (speculative.py), so the row takes
+        verified under the grammar's masks like prompt lookup's (speculation/speculator.py), so the row takes
         them and its own next token in one step, each with the log probabilities of its logits row."""
         spare = self.max_num_tokens - len(chunks)
         for i, chunk in enumerate(chunks):
@@ -177,7 +177,7 @@ class TokenScheduler(WaitingQueue):
                 continue
             guide = chunk.seq.guide
             if self.speculator.drafts:  # blocks for the most the draft may propose; it fills them after scheduling
-                # (a guided row's draft proposes under its grammar's mask, draft.py)
+                # (a guided row's draft proposes under its grammar's mask, speculation/draft.py)
                 limit = self.speculator.limit(chunk.seq, spare)
                 if limit and self.blocks.can_append(chunk.seq, limit):
                     self.blocks.append(chunk.seq, limit)

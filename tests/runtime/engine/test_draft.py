@@ -1,4 +1,4 @@
-"""Draft-model speculative decoding in the paged engine (runtime/engine/draft.py, speculative.py's `reject`):
+"""Draft-model speculative decoding in the paged engine (runtime/engine/speculation/draft.py, speculative.py's `reject`):
 greedy outputs with a draft equal those without, token for token, at batch 1, under concurrent load,
 with preemption and for guided rows (proposed under their grammar); the general rejection rule keeps the target's distribution (synthetic p and q,
 many draws); `distributions` is what sample_rows draws from; and end to end on a tiny model the first
@@ -15,7 +15,7 @@ from llmc.runtime.runners.paged_batch import RowStep
 from llmc.runtime.engine.paged_engine import PagedEngine
 from llmc.runtime.runners.paged import PagedRunner
 from llmc.runtime.decoding.sampling import SamplingParams, distributions, sample_rows
-from llmc.runtime.engine.speculative import reject
+from llmc.runtime.engine.speculation.speculator import reject
 
 rng = np.random.default_rng(5)
 PASSAGE = rng.integers(0, 256, 24).tolist()
@@ -157,7 +157,7 @@ def test_guided_rows_take_a_drafts_proposals_under_their_grammar_and_keep_their_
 
 
 def test_a_draft_stops_speculating_with_more_requests_than_max_batch_unless_told(models):
-    from llmc.runtime.engine.speculative import Speculator
+    from llmc.runtime.engine.speculation.speculator import Speculator
 
     layout = models["small"][1].kv_layout
     assert Speculator.from_config(_config(layout, max_batch=3), 128).disable_batch_size == 3

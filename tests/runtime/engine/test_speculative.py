@@ -1,4 +1,4 @@
-"""Speculative decoding in the paged engine (runtime/engine/speculative.py, ngram.py) on a real paged graph:
+"""Speculative decoding in the paged engine (runtime/engine/speculation/speculator.py, ngram.py) on a real paged graph:
 greedy and seeded sampled outputs with speculation on equal those with it off, token for token, at
 batch 1 and under concurrent load (with preemption and prefix caching in play), on other families
 and KV cache dtypes, with stop words inside accepted proposals. The rules themselves, without a
@@ -11,7 +11,7 @@ from llmc.runtime.manifest import SpeculativeConfig
 from llmc.runtime.engine.paged_engine import PagedEngine
 from llmc.runtime.runners.paged import PagedRunner
 from llmc.runtime.decoding.sampling import SamplingParams
-from llmc.runtime.engine.speculative import Speculator
+from llmc.runtime.engine.speculation.speculator import Speculator
 
 rng = np.random.default_rng(11)
 PASSAGE = rng.integers(0, 256, 24).tolist()

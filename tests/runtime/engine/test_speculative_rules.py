@@ -1,4 +1,4 @@
-"""Speculative decoding's rules without a model (runtime/engine/speculative.py, ngram.py,
+"""Speculative decoding's rules without a model (runtime/engine/speculation/speculator.py, ngram.py,
 token_scheduler.py, step_plan.py): the rejection rule's first token follows the target's softmax (a
 fixed-seed total-variation bound on synthetic logits), the greedy rule, prompt lookup against a brute
 force search, and the blocks proposals take: given back when rejected, never committed, never a
@@ -10,9 +10,9 @@ import pytest
 from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.prefix_keys import block_hash
-from llmc.runtime.engine.ngram import NgramProposer
+from llmc.runtime.engine.speculation.ngram import NgramProposer
 from llmc.runtime.engine.sequence import Sequence, Status
-from llmc.runtime.engine.speculative import Speculator, verify
+from llmc.runtime.engine.speculation.speculator import Speculator, verify
 from llmc.runtime.engine.step_plan import Chunk
 from llmc.runtime.engine.token_scheduler import TokenScheduler
 from llmc.runtime.manifest import SpeculativeConfig

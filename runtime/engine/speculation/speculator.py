@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from llmc.runtime.engine import longrope
-from llmc.runtime.engine.ngram import NgramProposer
+from llmc.runtime.engine.speculation.ngram import NgramProposer
 from llmc.runtime.decoding.draw import Uniforms
 from llmc.runtime.decoding.grammar import allowed, apply_bitmask
 from llmc.runtime.decoding.sampling import distributions, draw_from, sample_rows
