@@ -139,5 +139,5 @@ class PagedEngine:
             logits = self.runner.step(plan.row_steps())
             if self.cost is not None:  # proposals cost what prompt tokens do: compute beside the weights' read
                 self.cost.observe(decoding, plan.num_tokens - decoding, time.perf_counter() - start)
-            plan.update_from_output(logits, self.core, sampled)
+            self.scheduler.update_from_output(plan, logits, self.core, sampled)
         return self.core.outputs(list(self.scheduler.running), finished, sampled)

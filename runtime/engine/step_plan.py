@@ -5,8 +5,9 @@ committed (the shape of vLLM v1's SchedulerOutput -> execute_model -> update_fro
         rows with blocks reserved for a draft model's proposals
     DraftProposer.fill(plan) -> plan.propose(i, ...) / plan.withdraw(i) on the reserved rows
     runner.copy_blocks(plan.copies); runner.step(plan.row_steps()) -> logits
-    plan.update_from_output(logits, core, sampled) -> beam groups advance (beam.py), proposals are
-        verified (speculation/speculator.py), the other sampling rows sample; each chunk is committed
+    TokenScheduler.update_from_output(plan, logits, core, sampled) -> beam groups advance (beam.py),
+        proposals are verified (speculation/speculator.py), the other sampling rows sample; each chunk is
+        committed: the scheduler that made the plan applies its output, as vLLM's does
 
 Only the plan changes its chunks; the draft proposer and the engine go through its methods.
 """
@@ -18,15 +19,12 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from llmc.runtime.engine import beam
 from llmc.runtime.engine.beam import BeamRow
 from llmc.runtime.engine.sequence import Sequence, Status
-from llmc.runtime.engine.speculation.speculator import logit_rows, verify
 from llmc.runtime.runners.paged_batch import RowStep
 
 if TYPE_CHECKING:
-    from llmc.runtime.engine.core import EngineCore
-    from llmc.runtime.engine.token_scheduler import TokenScheduler
+    from llmc.runtime.engine.block_manager import BlockManager
 
 
 @dataclass(frozen=True)
@@ -57,8 +55,8 @@ class Chunk:
 
 
 class StepPlan:
-    def __init__(self, scheduler: "TokenScheduler", chunks: list[Chunk], copies: list[tuple[int, int]]):
-        self.scheduler = scheduler
+    def __init__(self, blocks: "BlockManager", chunks: list[Chunk], copies: list[tuple[int, int]]):
+        self.blocks = blocks  # where a withdrawn reservation's blocks go back
         self.chunks = chunks
         self.copies = copies  # (source, copy) blocks to copy before the step runs (beams' shared partial blocks)
 
@@ -89,7 +87,7 @@ class StepPlan:
     def withdraw(self, i: int) -> None:
         """Row `i` decodes without proposals: the blocks reserved for them go back."""
         chunk = self.chunks[i]
-        self.scheduler.blocks.trim(chunk.seq)
+        self.blocks.trim(chunk.seq)
         self.chunks[i] = replace(chunk, reserved=0)
 
     # -- the runner's call ------------------------------------------------------------------------
@@ -108,73 +106,3 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
-
-    # -- the results --------------------------------------------------------------------------------
-
-    def update_from_output(self, logits: np.ndarray, core: "EngineCore", sampled: dict[str, list[int]]) -> None:
-        """Take the step's `logits` back: every sampling row gets its token(s) (through `core`,
-        into `sampled`) and every chunk is committed."""
-        chunks = self.chunks
-        if any(c.seq.beam is not None for c in chunks):
-            chunks, logits = self._beams(chunks, logits)
-        if any(c.proposals for c in chunks):
-            self._verify(chunks, logits, core, sampled)
-            return
-        for chunk in chunks:
-            self.scheduler.computed(chunk)
-        rows = [i for i, c in enumerate(chunks) if c.samples]
-        if rows:
-            for i in rows:
-                chunks[i].seq.status = Status.decoding
-            core.sample([chunks[i].seq for i in rows], logits[rows], sampled)
-
-    def _beams(self, chunks: list[Chunk], logits: np.ndarray) -> tuple[list[Chunk], np.ndarray]:
-        """Advance the beam requests of the step (each from its rows' logits, in row order, or its
-        prompt's); the other chunks and their logits rows are returned for the usual path."""
-        spans = logit_rows([c.proposals for c in chunks])
-        groups: dict[str, tuple[Sequence, list[int]]] = {}
-        others, other_rows = [], []
-        for i, chunk in enumerate(chunks):
-            if chunk.seq.beam is None:
-                others.append(chunk)
-                other_rows.extend(spans[i])
-                continue
-            self.scheduler.computed(chunk)
-            if chunk.samples:
-                groups.setdefault(chunk.seq.request_id, (chunk.seq, []))[1].append(spans[i][-1])
-        for seq, rows in groups.values():
-            seq.status = Status.decoding
-            beam.advance(seq, logits[rows], self.scheduler.blocks)
-        return others, logits[other_rows]
-
-    def _verify(self, chunks: list[Chunk], logits: np.ndarray, core: "EngineCore",
-                sampled: dict[str, list[int]]) -> None:
-        """A step with proposals: each sampling row keeps the tokens verify() gives it; a row's
-        length (and its committed KV) advances over its accepted proposals only."""
-        spans = logit_rows([c.proposals for c in chunks])
-        rows = [i for i, c in enumerate(chunks) if c.samples and (c.seq.guide is None or c.proposals)]
-        guided = [i for i, c in enumerate(chunks) if c.samples and c.seq.guide is not None and not c.proposals]
-        for chunk in chunks:
-            if not chunk.samples or chunk.seq.guide is not None and not chunk.proposals:
-                self.scheduler.computed(chunk)
-        if guided:  # guided rows without proposals: one token each, as without speculation
-            for i in guided:
-                chunks[i].seq.status = Status.decoding
-            core.sample([chunks[i].seq for i in guided], logits[[spans[i][-1] for i in guided]], sampled)
-        if not rows:
-            return
-        picked = np.concatenate([spans[i] for i in rows])
-        kept = verify(logits[picked], [chunks[i].seq for i in rows], [chunks[i].proposals for i in rows],
-                      [chunks[i].draft for i in rows], core.end_ids)
-        at = 0
-        for i, tokens in zip(rows, kept):
-            chunk = chunks[i]
-            chunk.seq.status = Status.decoding
-            emitted = core.emit_all(chunk.seq, logits[picked[at:at + len(tokens)]], tokens, sampled)
-            at += 1 + len(chunk.proposals)
-            accepted = min(len(tokens) - 1, emitted)
-            self.scheduler.computed(chunk, accepted=accepted)
-            if chunk.forced:
-                self.scheduler.num_forced_tokens += accepted
-            elif chunk.proposals:
-                self.scheduler.speculator.count(len(chunk.proposals), len(tokens) - 1)

@@ -43,14 +43,19 @@ only at the end, so nothing was sent, and the search is deterministic, so it end
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
 
 from llmc.runtime.engine import beam, longrope
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.core import WaitingQueue
 from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
-from llmc.runtime.engine.speculation.speculator import Speculator, room
+from llmc.runtime.engine.speculation.speculator import Speculator, logit_rows, room, verify
 from llmc.runtime.engine.step_plan import Chunk, StepPlan
+
+if TYPE_CHECKING:
+    from llmc.runtime.engine.core import EngineCore
 
 
 class TokenScheduler(WaitingQueue):
@@ -92,7 +97,7 @@ class TokenScheduler(WaitingQueue):
             seq.status = Status.prefilling
             self.running.append(seq)
             budget -= self._chunk(seq, budget, chunks)
-        return StepPlan(self, [c for c in chunks if not c.seq.is_finished], copies)
+        return StepPlan(self.blocks, [c for c in chunks if not c.seq.is_finished], copies)
 
     @property
     def num_running(self) -> int:
@@ -231,6 +236,77 @@ class TokenScheduler(WaitingQueue):
             if seq.beam is not None:
                 beam.free(seq, self.blocks)
             self.blocks.free(seq)
+
+    # -- a step's output --------------------------------------------------------------------------------
+
+    def update_from_output(self, plan: StepPlan, logits: np.ndarray, core: "EngineCore",
+                           sampled: dict[str, list[int]]) -> None:
+        """Take the step's `logits` back: every sampling row of `plan` gets its token(s) (through `core`,
+        into `sampled`) and every chunk is committed."""
+        chunks = plan.chunks
+        if any(c.seq.beam is not None for c in chunks):
+            chunks, logits = self._beams(chunks, logits)
+        if any(c.proposals for c in chunks):
+            self._verify(chunks, logits, core, sampled)
+            return
+        for chunk in chunks:
+            self.computed(chunk)
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        if rows:
+            for i in rows:
+                chunks[i].seq.status = Status.decoding
+            core.sample([chunks[i].seq for i in rows], logits[rows], sampled)
+
+    def _beams(self, chunks: list[Chunk], logits: np.ndarray) -> tuple[list[Chunk], np.ndarray]:
+        """Advance the beam requests of the step (each from its rows' logits, in row order, or its
+        prompt's); the other chunks and their logits rows are returned for the usual path."""
+        spans = logit_rows([c.proposals for c in chunks])
+        groups: dict[str, tuple[Sequence, list[int]]] = {}
+        others, other_rows = [], []
+        for i, chunk in enumerate(chunks):
+            if chunk.seq.beam is None:
+                others.append(chunk)
+                other_rows.extend(spans[i])
+                continue
+            self.computed(chunk)
+            if chunk.samples:
+                groups.setdefault(chunk.seq.request_id, (chunk.seq, []))[1].append(spans[i][-1])
+        for seq, rows in groups.values():
+            seq.status = Status.decoding
+            beam.advance(seq, logits[rows], self.blocks)
+        return others, logits[other_rows]
+
+    def _verify(self, chunks: list[Chunk], logits: np.ndarray, core: "EngineCore",
+                sampled: dict[str, list[int]]) -> None:
+        """A step with proposals: each sampling row keeps the tokens verify() gives it; a row's
+        length (and its committed KV) advances over its accepted proposals only."""
+        spans = logit_rows([c.proposals for c in chunks])
+        rows = [i for i, c in enumerate(chunks) if c.samples and (c.seq.guide is None or c.proposals)]
+        guided = [i for i, c in enumerate(chunks) if c.samples and c.seq.guide is not None and not c.proposals]
+        for chunk in chunks:
+            if not chunk.samples or chunk.seq.guide is not None and not chunk.proposals:
+                self.computed(chunk)
+        if guided:  # guided rows without proposals: one token each, as without speculation
+            for i in guided:
+                chunks[i].seq.status = Status.decoding
+            core.sample([chunks[i].seq for i in guided], logits[[spans[i][-1] for i in guided]], sampled)
+        if not rows:
+            return
+        picked = np.concatenate([spans[i] for i in rows])
+        kept = verify(logits[picked], [chunks[i].seq for i in rows], [chunks[i].proposals for i in rows],
+                      [chunks[i].draft for i in rows], core.end_ids)
+        at = 0
+        for i, tokens in zip(rows, kept):
+            chunk = chunks[i]
+            chunk.seq.status = Status.decoding
+            emitted = core.emit_all(chunk.seq, logits[picked[at:at + len(tokens)]], tokens, sampled)
+            at += 1 + len(chunk.proposals)
+            accepted = min(len(tokens) - 1, emitted)
+            self.computed(chunk, accepted=accepted)
+            if chunk.forced:
+                self.num_forced_tokens += accepted
+            elif chunk.proposals:
+                self.speculator.count(len(chunk.proposals), len(tokens) - 1)
 
 
 def _forked(seq: Sequence) -> bool:
