@@ -97,10 +97,65 @@ def _response_format(fmt: dict | None) -> Guided | None:
             raise OpenAIError(400, "response_format.json_schema.schema: a JSON schema object is required",
                               "response_format")
         # strict true or false: the output is constrained to the schema either way (more than OpenAI promises
-        # for false); a schema the engine cannot follow exactly is refused
+        # for false); a schema the engine cannot follow exactly is refused. Strict true promises more than
+        # JSON Schema says (no undeclared keys), so a schema that does not say it is refused, as OpenAI does
+        if spec.get("strict") is True:
+            _refuse_unless_strict(spec["schema"], f"response_format.json_schema {spec.get('name', '')!r}",
+                                  "response_format")
         return Guided("json_schema", json.dumps(spec["schema"]), "response_format")
     raise OpenAIError(400, f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
                       "response_format")
+
+
+# JSON Schema's keywords whose values are schemas, maps of schemas or lists of them: where a schema's objects are
+_SUBSCHEMA = ("additionalProperties", "additionalItems", "items", "contains", "propertyNames", "not", "if", "then",
+              "else", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_CLOSED = {"additionalProperties": False}
+
+
+def _not_strict(schema: Any, where: str = "#") -> str | None:
+    """Why `schema` is not strict as OpenAI's structured outputs define it (each object has additionalProperties
+    false and requires every property it declares), naming the object by its JSON pointer; None if it is.
+    JSON Schema itself lets an object without additionalProperties take any other key, and the grammar
+    follows JSON Schema: llmc will not quietly read a strict request more loosely than OpenAI would."""
+    if not isinstance(schema, dict):
+        return None
+    types = schema.get("type")
+    if types == "object" or (isinstance(types, list) and "object" in types) or "properties" in schema:
+        if schema.get("additionalProperties") is not False:
+            return f"the object at {where} needs \"additionalProperties\": false"
+        required = schema.get("required") or []
+        missing = [k for k in schema.get("properties") or {} if k not in required]
+        if missing:
+            return (f"the object at {where} must list every property in \"required\" "
+                    f"(missing {', '.join(map(repr, missing))}; an optional one is a union with null)")
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            found = (_not_strict(v, f"{where}/{key}/{_pointer(k)}") for k, v in value.items())
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            found = (_not_strict(v, f"{where}/{key}/{i}") for i, v in enumerate(value))
+        elif key in _SUBSCHEMA:
+            found = iter([_not_strict(value, f"{where}/{key}")])
+        else:
+            continue
+        problem = next((p for p in found if p), None)
+        if problem:
+            return problem
+    return None
+
+
+def _pointer(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _refuse_unless_strict(schema: Any, what: str, param: str) -> None:
+    problem = _not_strict(schema)
+    if problem:
+        raise OpenAIError(400, f"Invalid schema for {what}: with strict true {problem} (OpenAI's strict mode: no "
+                               "keys but the declared ones, all of them required); fix the schema or send strict "
+                               "false", param)
 
 
 def _structured(extra: dict | None) -> Guided | None:
@@ -138,9 +193,13 @@ def _functions(tools: list[dict]) -> dict[str, dict]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise OpenAIError(400, f"tools[{i}].function.name: a non-empty string is required", "tools")
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        strict = function.get("strict") is True
+        # no parameters: no arguments (strict: not even undeclared ones)
+        parameters = function.get("parameters", {"type": "object", "properties": {}, **(_CLOSED if strict else {})})
         if not isinstance(parameters, dict):
             raise OpenAIError(400, f"tools[{i}].function.parameters: a JSON schema object", "tools")
+        if strict:  # the same promise as a strict response_format
+            _refuse_unless_strict(parameters, f"tools[{i}].function.parameters", "tools")
         out[name] = parameters
     return out
 

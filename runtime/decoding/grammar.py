@@ -1,7 +1,8 @@
 """Structured output: a request's guide (a JSON schema, a regex, a Lark or GBNF grammar, a list of
 choices) compiled by llguidance into a matcher that says, token by token, which tokens may come next.
 
-    Guide(kind, text)            what a request asks for (kinds: GUIDE_TYPES, TensorRT-LLM's names)
+    Guide(kind, text)            what a request asks for (kinds: GUIDE_TYPES, TensorRT-LLM's names); a regex
+                                 guide and a schema's patterns are ECMA-262's (regex.py)
     GuideCompiler.submit(guide)  -> Future[GuideMatcher]: compiled on the compiler's worker threads,
                                  never the engine's, from a cache keyed on (kind, text, tokenizer)
     GuideMatcher                 one request's state: consume(token), is_stopped, is_accepting
@@ -28,10 +29,17 @@ from typing import Sequence
 
 import numpy as np
 
+from llmc.runtime.decoding.regex import ecma_schema, ecma_to_rust
+
 # guided_decoding_guide_type values: TensorRT-LLM's (json, json_schema, regex, ebnf_grammar), llguidance's
 # Lark, and vLLM's choice (the guide a JSON list of strings)
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "lark_grammar", "choice")
-# JSON without whitespace freedom: a small model given free whitespace can spend max_tokens on blanks
+# JSON as json.dumps writes it (", " and ": ", no other blanks): no whitespace freedom, where a small model
+# can spend max_tokens on blanks, and the keys of a schema's fixed property order are forced tokens, fed
+# ahead (token_scheduler.py). Not without cost: a model that wants a newline after a value may write more of
+# the value instead. SmolLM2 135M, 7 greedy City answers at max_tokens 300: 3 ran on in the population's
+# digits (integers are unbounded, as JSON Schema says), none with blanks up to 32 allowed per place
+# ({"whitespace_pattern": "[\\x20\\x0A\\x0D\\x09]{0,32}"}), which random-weight test models fill instead.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 256  # compiled guides kept, least recently used dropped
 
@@ -62,7 +70,8 @@ def grammar_text(guide: Guide) -> str:
         if guide.kind == "json":
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
         if guide.kind == "json_schema":
-            return llg.LLMatcher.grammar_from_json_schema(json.loads(guide.text), defaults=_JSON_OPTIONS)
+            # a schema's patterns are ECMA-262's, as JSON Schema says (regex.py)
+            return llg.LLMatcher.grammar_from_json_schema(ecma_schema(json.loads(guide.text)), defaults=_JSON_OPTIONS)
         if guide.kind == "choice":
             choices = json.loads(guide.text)
             if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
@@ -74,7 +83,7 @@ def grammar_text(guide: Guide) -> str:
         if guide.kind == "lark_grammar":
             return llg.grammar_from("lark", guide.text)
         if guide.kind == "regex":
-            return llg.grammar_from("regex", guide.text)
+            return llg.grammar_from("regex", ecma_to_rust(guide.text))  # ECMA-262, as a schema's patterns
     except json.JSONDecodeError as err:
         raise GuideError(f"guided_decoding_guide: not valid JSON for a {guide.kind} guide ({err})") from None
     except ValueError as err:

@@ -21,7 +21,8 @@ def _chat(**fields):
 
 
 def test_response_format_and_structured_outputs_become_guides():
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
     g = guide_of(_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
                                                                                 "strict": True}}))
     assert (g.kind, json.loads(g.text), g.param) == ("json_schema", schema, "response_format")
@@ -54,6 +55,54 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(fields, param, words)
     with pytest.raises(OpenAIError) as err:
         guide_of(_chat(**fields))
     assert err.value.status == 400 and err.value.param == param and words in err.value.message, err.value.message
+
+
+def _strict(schema, strict=True):
+    return _chat(response_format={"type": "json_schema", "json_schema": {"name": "City", "schema": schema,
+                                                                         "strict": strict}})
+
+
+# pydantic's City.model_json_schema() (issue 51): every property required, but other keys allowed
+CITY = {"properties": {"name": {"title": "Name", "type": "string"}, "country": {"title": "Country", "type": "string"},
+                       "population": {"title": "Population", "type": "integer"}},
+        "required": ["name", "country", "population"], "title": "City", "type": "object"}
+CLOSED = {**CITY, "additionalProperties": False}  # what the openai SDK's parse() sends for City
+
+
+@pytest.mark.parametrize("schema, words", [
+    (CITY, 'the object at # needs "additionalProperties": false'),
+    ({**CLOSED, "additionalProperties": True}, 'at # needs "additionalProperties": false'),
+    ({**CLOSED, "required": ["name"]}, "missing 'country', 'population'"),
+    ({**CLOSED, "properties": {**CITY["properties"], "mayor": {"$ref": "#/$defs/Person"}},
+      "required": [*CITY["required"], "mayor"], "$defs": {"Person": {"type": "object", "properties": {}}}},
+     "at #/$defs/Person needs"),
+    ({"type": "object", "additionalProperties": False, "required": ["a"], "properties": {"a": {"anyOf": [
+        {"type": "null"}, {"type": "array", "items": {"type": "object", "properties": {"b": {"type": "integer"}},
+                                                       "additionalProperties": False}}]}}},
+     "#/properties/a/anyOf/1/items must list every property in \"required\" (missing 'b'"),
+])
+def test_a_strict_schema_that_allows_more_than_openai_strict_mode_is_a_400(schema, words):
+    with pytest.raises(OpenAIError) as err:
+        guide_of(_strict(schema))
+    assert err.value.status == 400 and err.value.param == "response_format", err.value.message
+    assert "'City'" in err.value.message and words in err.value.message, err.value.message
+
+
+def test_a_strict_schema_as_the_sdk_sends_it_is_followed_and_strict_false_takes_json_schema_as_it_is():
+    assert json.loads(guide_of(_strict(CLOSED)).text) == CLOSED
+    assert json.loads(guide_of(_strict(CITY, strict=False)).text) == CITY  # JSON Schema: other keys allowed
+
+
+def test_a_strict_function_is_checked_as_a_strict_response_format():
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": CITY}}]
+    with pytest.raises(OpenAIError) as err:
+        guide_of(_chat(tools=tools, tool_choice="required"))
+    assert err.value.param == "tools" and "tools[0].function.parameters" in err.value.message
+    tools[0]["function"]["parameters"] = CLOSED
+    assert guide_of(_chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})).tool == "f"
+    del tools[0]["function"]["parameters"]  # no parameters, strict: no arguments at all
+    g = guide_of(_chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}))
+    assert json.loads(g.text)["additionalProperties"] is False
 
 
 def test_a_refused_guide_names_the_field_it_came_from():
