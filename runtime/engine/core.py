@@ -22,10 +22,10 @@ from typing import Protocol
 import numpy as np
 
 from llmc.runtime.decoding.detokenizer import IncrementalDetokenizer
-from llmc.runtime.decoding.draw import Uniforms
-from llmc.runtime.decoding.grammar import GuideMatcher, next_token_bitmask
+from llmc.runtime.decoding.grammar import GuideMatcher
+from llmc.runtime.decoding.guided import sample_guided
 from llmc.runtime.decoding.logprobs import LogprobRecorder, Logprobs
-from llmc.runtime.decoding.sampling import SamplingParams, sample_rows
+from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine.sequence import FinishReason, Sequence
 
 
@@ -181,34 +181,13 @@ class EngineCore:
         return [s for s in cancelled if s.finish_reason is FinishReason.cancelled]
 
     def sample(self, seqs: list[Sequence], logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
-        """The next token of each sequence from its row of `logits` [len(seqs), V], in one pass. A
-        guided row whose draw does not depend on which tokens are allowed (greedy, or temperature
-        without top-k/p or min-p) draws first and is masked and drawn again only when its grammar
-        refuses the token, llama.cpp's way, which gives the masked distribution exactly (a refused
-        draw is followed by a draw from p restricted to the allowed tokens); scripts/bench_structured.py
-        measured it 6x cheaper than filling every guided row's mask. Other guided rows are masked first.
-        A sampled row drawn first takes two uniforms a token from its generator, the second for the
-        redraw whether it needs one or not, so its tokens are the same function of its generator when
-        a step verifies them as proposals instead (speculation/speculator.py: forced tokens, prompt lookup)."""
-        guided = [i for i, s in enumerate(seqs) if s.guide is not None]
-        first = [i for i in guided if seqs[i].params.draws_first]
-        masked = [i for i in guided if i not in first]
-        tokens = self._sample(seqs, logits, masked)
-        redraws = {i: seqs[i].rng.random() for i in first if not seqs[i].params.is_greedy}
-        retry = [i for i in first if not seqs[i].guide.allows(int(tokens[i]), seqs[i].params.end_ids, self.end_ids)]
-        if retry:
-            rngs = [Uniforms([redraws[i]]) if i in redraws else seqs[i].rng for i in retry]
-            tokens[retry] = self._sample([seqs[i] for i in retry], logits[retry], list(range(len(retry))), rngs)
+        """The next token of each sequence from its row of `logits` [len(seqs), V], in one pass, guided rows
+        under their grammars (decoding/guided.py: which guided rows draw first, which are masked first)."""
+        tokens = sample_guided(logits, [s.params for s in seqs], [s.prompt_array() for s in seqs],
+                               [s.output_ids for s in seqs], [s.rng for s in seqs], [s.guide for s in seqs],
+                               self.end_ids)
         for seq, row, token in zip(seqs, logits, tokens.tolist()):
             self.emit(seq, row, token, sampled)
-
-    def _sample(self, seqs: list[Sequence], logits: np.ndarray, masked: list[int], rngs: list | None = None) -> np.ndarray:
-        """sample_rows over `seqs` (drawing from `rngs`, by default their generators), the rows
-        `masked` masked to what their grammars allow."""
-        bitmask = (masked, next_token_bitmask([seqs[i].guide for i in masked], [seqs[i].params.end_ids for i in masked],
-                                              self.end_ids, logits.shape[1])) if masked else None
-        return sample_rows(logits, [s.params for s in seqs], [s.prompt_array() for s in seqs],
-                           [s.output_ids for s in seqs], rngs or [s.rng for s in seqs], bitmask)
 
     @staticmethod
     def emit(seq: Sequence, logits: np.ndarray, token: int, sampled: dict[str, list[int]]) -> None:
