@@ -5,8 +5,8 @@ Library API (the CLI only calls these):
     from llmc.compiler import load_spec, build, plan_build, export, verify, inspect_path
 
 The layout: spec/ (the spec and its sections), source.py (the checkpoint), stage.py (what a stage
-declares), graph/ (export and verify) with the decoders it traces (decoder.py, paged_decoder.py: the
-graph records their module paths), quantize/, draft.py, tensorrt/ (the engine), repository/ (the
+declares), graph/ (export and verify) with the decoders it traces (models/: each family's decoder;
+paged_decoder.py: the same decoders over paged KV; the graph records their module paths), quantize/, draft.py, tensorrt/ (the engine), repository/ (the
 Triton model repository and the serving environment), pipeline/ (the table of stages, the build,
 the plan); artifacts.py, hashing.py, output.py, textdata/ and inspect.py beside them. No module here
 is named like an API function, so importing a module never hides one (tests/compiler/test_library_api.py).

@@ -2,12 +2,8 @@
 
 `submit(inputs, sink)` parses and queues a request and returns at once (a bad request is answered
 with an error right there); one thread runs the engine's `step()` while there is work and sends each
-request's new text through its `sink`. A sink is whatever delivers responses: the Python-backend
-model wraps Triton's response sender, tests use a recording one.
-
-    sink.send(outputs: dict[str, np.ndarray], final: bool)   # a response; the last has final=True
-    sink.error(message: str)                                  # a final error response
-    sink.is_cancelled() -> bool                               # the client went away
+request's new text through its `sink` (live.py: a request in flight, and what a sink offers). A sink is
+whatever delivers responses: the Python-backend model wraps Triton's response sender, tests use a recording one.
 
 Every request ends with exactly one final response (text, error, or finish_reason `cancelled`),
 except one whose sink reported it cancelled: Triton's Python backend ends a cancelled decoupled
@@ -40,9 +36,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -54,34 +49,11 @@ from llmc.runtime.engine.sequence import FinishReason
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.runners.protocol import RunnerBroken
 from llmc.runtime.serving.metrics import ServingMetrics, null_metrics
+from llmc.runtime.serving.live import LiveRequest, Sink, call
 from llmc.runtime.serving.request import Limits, Request, RequestError, is_stop, parse_request
-from llmc.runtime.serving.responses import bytes_tensor, response
+from llmc.runtime.serving.responses import bytes_tensor
 
 CANCEL_CHECK_INTERVAL = 0.02  # seconds between polls of the clients' cancellation flags
-
-
-class Sink(Protocol):
-    def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
-    def error(self, message: str) -> None: ...
-    def is_cancelled(self) -> bool: ...
-
-
-@dataclass
-class _Live:
-    request: Request
-    sink: Sink
-    num_prompt_tokens: int
-    arrived: float
-    last_token_at: float | None = None
-    ids: list[int] = field(default_factory=list)  # not yet sent (streaming) / all (otherwise)
-    text: list[str] = field(default_factory=list)
-    num_output_tokens: int = 0
-    client_id: str = ""  # the request id the client sent it under (what a stop request names)
-    closed: bool = False  # the sink reported a cancellation (or failed): nothing more is sent on it
-    # the request asked for log probabilities: the records of `ids`, a step's at a time, after an empty one
-    # carrying the sum so far (joined once, when a response is sent)
-    logprobs: list[Logprobs] | None = None
-    stopped: bool = False  # a stop request named it while its guide compiled (it never reached the engine)
 
 
 class ServingLoop:
@@ -90,7 +62,7 @@ class ServingLoop:
         """`restart`: builds a new engine when the runner of this one breaks (RunnerBroken); None: none."""
         self.engine, self.tokenizer, self.limits, self._restart = engine, tokenizer, limits, restart
         self.metrics = metrics or null_metrics()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._wake, self._stopping = threading.Event(), threading.Event()
@@ -141,13 +113,13 @@ class ServingLoop:
         try:
             if is_stop(inputs):
                 self._stop(client_id)
-                _call(sink.send, {"text_output": bytes_tensor(""), "output_ids": np.zeros(0, dtype=np.int32)}, True)
+                call(sink.send, {"text_output": bytes_tensor(""), "output_ids": np.zeros(0, dtype=np.int32)}, True)
                 return
             request = parse_request(inputs, self.limits)
             prompt_ids = encode(self.tokenizer, request.prompt, request.add_special_tokens)
             top = request.num_top_logprobs if request.return_log_probs else None
             with self._lock:
-                self._live[rid] = _Live(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id,
+                self._live[rid] = LiveRequest(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id,
                                         logprobs=[Logprobs.empty(top)] if top is not None else None)
                 if request.guide is None:
                     self.engine.add_request(rid, prompt_ids, request.params, logprobs=top)
@@ -194,7 +166,7 @@ class ServingLoop:
         elif not isinstance(err, RequestError) and not message.startswith("guided_decoding_guide"):
             message = f"text_input: {err}"
         self.metrics.failed()
-        _call(sink.error, message)
+        call(sink.error, message)
 
     def _stop(self, client_id: str) -> None:
         """Cancel the live request(s) sent under `client_id`; none (it already ended): nothing to do."""
@@ -247,7 +219,7 @@ class ServingLoop:
                 err = RuntimeError(f"{err}; restarting failed too: {failure!r}")
         for entry in late:
             self.metrics.failed()
-            _call(entry.sink.error, f"the model restarted after a failure ({err}); retry")
+            call(entry.sink.error, f"the model restarted after a failure ({err}); retry")
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()
@@ -257,7 +229,7 @@ class ServingLoop:
         with self._lock:
             live = list(self._live.items())
         for rid, entry in live:
-            reachable, cancelled = _call(entry.sink.is_cancelled)
+            reachable, cancelled = call(entry.sink.is_cancelled)
             if cancelled or not reachable:
                 entry.closed = True
                 self.engine.cancel(rid)
@@ -274,11 +246,7 @@ class ServingLoop:
                 # a speculating row's step brings several tokens: each counts its share of the wait
                 self.metrics.tokens(len(out.token_ids), (now - entry.last_token_at) / len(out.token_ids))
             entry.last_token_at = now
-        entry.ids += out.token_ids
-        entry.text.append(out.text)
-        if entry.logprobs is not None and out.logprobs is not None:
-            entry.logprobs.append(out.logprobs)
-        entry.num_output_tokens += len(out.token_ids)
+        entry.collect(out)
         if out.finished:
             with self._lock:
                 self._live.pop(out.request_id, None)
@@ -287,18 +255,11 @@ class ServingLoop:
         elif entry.request.stream and out.text:
             self._send(out.request_id, entry, None)
 
-    def _send(self, rid: str, entry: _Live, reason: FinishReason | None, beams: tuple = ()) -> None:
+    def _send(self, rid: str, entry: LiveRequest, reason: FinishReason | None, beams: tuple = ()) -> None:
         if entry.closed:
             return
-        end_ids = entry.request.params.end_ids or self.engine.end_ids
-        logprobs = Logprobs.concat(entry.logprobs) if entry.logprobs is not None else None
-        outputs = response(entry.request, entry.ids, "".join(entry.text), reason=reason, beams=beams,
-                           pad_id=end_ids[0] if end_ids else 0, logprobs=logprobs,
-                           num_prompt_tokens=entry.num_prompt_tokens, num_output_tokens=entry.num_output_tokens)
-        entry.ids, entry.text = [], []
-        if logprobs is not None:  # the next response carries the tokens after these
-            entry.logprobs = [Logprobs.empty(logprobs.num_top, logprobs.cumulative)]
-        sent, _ = _call(entry.sink.send, outputs, reason is not None)
+        outputs = entry.outputs(reason, beams, entry.request.params.end_ids or self.engine.end_ids)
+        sent, _ = call(entry.sink.send, outputs, reason is not None)
         if not sent and reason is None:
             entry.closed = True
             self.engine.cancel(rid)  # the client cannot be reached: stop generating for it
@@ -309,14 +270,5 @@ class ServingLoop:
         for entry in live:
             self.metrics.failed()
             if not entry.closed:
-                _call(entry.sink.error, message)
-
-
-def _call(fn, *args) -> tuple[bool, object]:
-    """Call into a sink: (whether it worked, its result). A sink that raises (its client is gone)
-    must not stop the loop."""
-    try:
-        return True, fn(*args)
-    except Exception:
-        return False, None
+                call(entry.sink.error, message)
 
