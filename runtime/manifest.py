@@ -92,6 +92,10 @@ class TensorRTInfo(BaseModel):
     version_compatible: bool
     precision: str
     profiles: dict[str, dict[str, list[list[int]]]]  # profile -> input -> [min, opt, max]
+    # the attention plugin's PTX: its ISA version ("8.0": the oldest driver that reads it) and target ("sm_90": the
+    # oldest GPU; an "a" target runs on that one only); None for engines built before they were recorded
+    plugin_ptx_isa: str | None = None
+    plugin_ptx_target: str | None = None
 
 
 class ChatTemplate(BaseModel):

@@ -198,11 +198,13 @@ def build_engine(onnx_path: Path, profiles: list[Profile], options: TensorRTSpec
     tensor-parallel rank's DistCollective nodes (collectives.expected_collectives of `onnx_path`)."""
     import tensorrt as trt
 
+    from llmc.plugins.gpu.ptx import PTX_ISA, isa_text, ptx_target
     from llmc.plugins.trt import plugin as trt_plugin
     from llmc.runtime.runners.trt import gpu_identity
 
     gpu, capability = gpu_identity()
-    trt_plugin.set_target_capability(plugin_capability(options, capability))
+    target = plugin_capability(options, capability)
+    trt_plugin.set_target_capability(target)
     trt_plugin.register()  # before parsing: the parser maps LlmcFusedAttention nodes to it
     build = engine_from_network(network_from_onnx(onnx_path, collectives),
                                 create_config(options, profiles, timing_cache, progress, bool(collectives)),
@@ -213,4 +215,6 @@ def build_engine(onnx_path: Path, profiles: list[Profile], options: TensorRTSpec
     return TensorRTInfo(version=trt.__version__, gpu=gpu, compute_capability=f"{capability // 10}.{capability % 10}",
                         hardware_compatibility=options.hardware_compatibility.value,
                         version_compatible=options.version_compatible, precision=precision,
-                        profiles=recorded_shapes(profiles, engine.inputs))
+                        profiles=recorded_shapes(profiles, engine.inputs),
+                        # what the plugin's PTX was compiled for (plugins/gpu/ptx.py): the load check reads them
+                        plugin_ptx_isa=isa_text(PTX_ISA), plugin_ptx_target=ptx_target(target))

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N = 16, 32  # prefill: queries per program, keys per inner step
-DECODE_BLOCK = 32  # decode: keys per inner step
+# block sizes, warps and pipeline stages by head size: configs.py (shared with the ahead-of-time compiles)
+from llmc.plugins.gpu.configs import BLOCK_M, BLOCK_N, DECODE_BLOCK, attention_config, default_config
 
 
 @triton.jit
@@ -264,9 +264,10 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if s > 1:
         precision = "ieee" if query.dtype == torch.float32 else "tf32"  # fp32 stays fp32 on tensor cores
         upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-        _prefill[(triton.cdiv(s, BLOCK_M), b * h)](rotated_q, k_cache, v_cache, out, cache_position, sink, scale, s,
-                                                   capacity, h, kvh, d, BLOCK_M, BLOCK_N, block_d, precision, upcast,
-                                                   SINKS=head_sink is not None, **features)
+        config = attention_config(d, query.element_size(), fresh=False)
+        _prefill[(triton.cdiv(s, config.block_m), b * h)](
+            rotated_q, k_cache, v_cache, out, cache_position, sink, scale, s, capacity, h, kvh, d, config.block_m,
+            config.block_n, block_d, precision, upcast, SINKS=head_sink is not None, **features, **config.launch())
         return out
     longest = int(cache_position.max()) + 1
     splits = splits or decode_splits(b * h, longest)
@@ -275,6 +276,7 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     part_m = torch.empty((b * h, splits), dtype=torch.float32, device=query.device)
     part_l = torch.empty((b * h, splits), dtype=torch.float32, device=query.device)
     _decode_split[(b * h, splits)](rotated_q, k_cache, v_cache, part_acc, part_m, part_l, cache_position, scale,
-                                   capacity, keys_per_split, h, kvh, d, splits, DECODE_BLOCK, block_d, **features)
+                                   capacity, keys_per_split, h, kvh, d, splits, DECODE_BLOCK, block_d, **features,
+                                   **default_config().launch())
     _decode_reduce[(b * h,)](part_acc, part_m, part_l, sink, out, h, d, splits, block_d, head_sink is not None)
     return out

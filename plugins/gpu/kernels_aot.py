@@ -17,15 +17,16 @@ since the plugin's inputs are fixed).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from llmc.plugins.gpu.kernels import (BLOCK_M, BLOCK_N, DECODE_BLOCK, _decode_reduce, _decode_split, _prefill,
-                                      _rope_write, capped, rotated, softmax_block, with_sink)
+from llmc.plugins.gpu.configs import DECODE_BLOCK, attention_config, default_config
+from llmc.plugins.gpu.kernels import (_decode_reduce, _decode_split, _prefill, _rope_write, capped, rotated,
+                                      softmax_block, with_sink)
+from llmc.plugins.gpu.ptx import PTX_ISA, entry_params, plain_target, trim_params  # noqa: F401  (entry_params: API)
 
 
 @triton.jit
@@ -129,13 +130,14 @@ def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, sc
     out = torch.empty_like(query)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    grid = (triton.cdiv(s * (h // kvh), BLOCK_M), b * kvh)
+    config = attention_config(d, query.element_size(), fresh=True)
+    grid = (triton.cdiv(s * (h // kvh), config.block_m), b * kvh)
     _attention_one_launch[grid](query, key, value, k_cache, v_cache, cache_position,
                                 cos_cache if rotary else query, sin_cache if rotary else query,
                                 head_sink.contiguous() if head_sink is not None else query, s, capacity,
                                 out, k_cache, v_cache, float(scale), h, kvh, d, cos_cache.shape[1] if rotary else 1,
-                                BLOCK_M, BLOCK_N, triton.next_power_of_2(d), rotary, precision, upcast,
-                                float(softcap), int(local_window_size), head_sink is not None)
+                                config.block_m, config.block_n, triton.next_power_of_2(d), rotary, precision, upcast,
+                                float(softcap), int(local_window_size), head_sink is not None, **config.launch())
     return out
 
 
@@ -162,23 +164,29 @@ class PluginKernel:
         return cdiv(tokens * (num_heads // num_kv_heads), self.block_m), batch * num_kv_heads
 
 
-def _compile(fn, signature: dict[str, str], constexprs: dict, capability: int, **options):
+def _compile(fn, signature: dict[str, str], constexprs: dict, capability: int, *, aligned: bool = False, **options):
+    """`fn` compiled for sm_<capability> without a GPU. `aligned`: as a launch from PyTorch specializes it, on
+    pointers 16-byte aligned (torch's allocations are), which lets Triton turn the loop's loads into buffered
+    asynchronous copies: the larger shared-memory footprint of the two. `options`: Triton's (num_warps,
+    num_stages, ptx_version)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {**signature, **{c: "constexpr" for c in constexprs}}
     ordered = {arg: signature[arg] for arg in fn.arg_names}
-    source = ASTSource(fn=fn, signature=ordered, constexprs={(fn.arg_names.index(c),): v for c, v in constexprs.items()})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+             if aligned and ordered[arg].startswith("*")}
+    constants = {(fn.arg_names.index(c),): v for c, v in constexprs.items()}
+    source = ASTSource(fn=fn, signature=ordered, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options or None)
 
 
-def compile_for_plugin(fn, source: tuple[dict, dict], capability: int, what: str):
-    """`fn` compiled for a TensorRT AOT plugin launch: within the shared memory a launch gets (fp32 tiles
-    retry without software pipelining, which buffers too much) and needing no Triton scratch memory,
-    which a plugin cannot provide; `what` names the kernel and shape in the errors."""
-    compiled = _compile(fn, *source, capability)
-    if compiled.metadata.shared > SHARED_MEM_LIMIT:
-        compiled = _compile(fn, *source, capability, num_stages=1)
+def compile_for_plugin(fn, source: tuple[dict, dict], capability: int, what: str, config):
+    """`fn` compiled for a TensorRT AOT plugin launch with `config` (configs.py, the PyTorch launch's too), its
+    PTX for ISA PTX_ISA (ptx.py: what every CUDA 12 driver reads): within the shared memory a launch gets and
+    needing no Triton scratch memory, which a plugin cannot provide; `what` names the kernel and shape in the
+    errors."""
+    compiled = _compile(fn, *source, capability, ptx_version=PTX_ISA, **config.launch())
     meta = compiled.metadata
     if meta.shared > SHARED_MEM_LIMIT:
         raise ValueError(f"{what} needs {meta.shared} bytes of shared memory, over the {SHARED_MEM_LIMIT} a plugin "
@@ -188,17 +196,21 @@ def compile_for_plugin(fn, source: tuple[dict, dict], capability: int, what: str
     return compiled
 
 
+_ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
 def _one_launch_source(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, t: str, rotary: bool,
                        position_type: str, rotary_dim: int | None = None, softcap: float = 0.0, window: int = -1,
                        sinks: bool = False):
+    config = attention_config(head_dim, _ITEMSIZE[t], fresh=True)
     signature = {**{n: f"*{t}" for n in PLUGIN_INPUTS + PLUGIN_OUTPUTS}, "pos_ptr": f"*{position_type}",
                  **{n: "i32" for n in PLUGIN_SCALARS}}
     constexprs = {"SCALE": float(scale), "H": num_heads, "KVH": num_kv_heads, "D": head_dim,
                   "HALF": (rotary_dim or head_dim) // 2 if rotary else 1,
-                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_D": triton.next_power_of_2(head_dim),
+                  "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": triton.next_power_of_2(head_dim),
                   "ROTARY": rotary, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "UPCAST": False,
                   "SOFTCAP": float(softcap), "WINDOW": int(window), "SINKS": bool(sinks)}
-    return signature, constexprs
+    return signature, constexprs, config
 
 
 def plugin_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str, capability: int, *,
@@ -207,75 +219,60 @@ def plugin_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float
     """The plugin's kernel for `dtype` ("fp16", "bf16", "fp32") on sm_<capability>, for rotary over
     `rotary_dim` channels (default: all), a logit softcap, a window and sinks as the node sets them.
     TensorRT launches it with exactly its inputs, integer extras and outputs, so the parameters the PTX
-    declares after those (the global/profile scratch pointers newer Tritons append, unused here) are removed."""
-    source = _one_launch_source(num_heads, num_kv_heads, head_dim, scale, dtype, rotary, "i32", rotary_dim, softcap,
-                                window, sinks)
-    compiled = compile_for_plugin(_attention_one_launch, source, capability,
-                                  f"the attention kernel for head_dim {head_dim} ({dtype})")
+    declares after those (the global/profile scratch pointers newer Tritons append, unused here) are removed;
+    its target is the plain sm_<capability> (ptx.py), which later GPUs run too."""
+    signature, constexprs, config = _one_launch_source(num_heads, num_kv_heads, head_dim, scale, dtype, rotary, "i32",
+                                                       rotary_dim, softcap, window, sinks)
+    what = f"the attention kernel for head_dim {head_dim} ({dtype})"
+    compiled = compile_for_plugin(_attention_one_launch, (signature, constexprs), capability, what, config)
     meta = compiled.metadata
     ptx = trim_params(compiled.asm["ptx"], meta.name, len(PLUGIN_INPUTS + PLUGIN_SCALARS + PLUGIN_OUTPUTS))
-    return PluginKernel(meta.name, ptx, meta.num_warps, meta.shared, BLOCK_M)
+    return PluginKernel(meta.name, plain_target(ptx, what), meta.num_warps, meta.shared, config.block_m)
 
 
-_PARAM = re.compile(r"\.param\s+(\.\w+)\s+(?:\.ptr\s+\S+\s+)?(?:\.align\s+\d+\s+)?(\w+)")
-
-
-def _entry(ptx: str, kernel_name: str) -> re.Match:
-    header = re.search(rf"(\.entry\s+{re.escape(kernel_name)}\s*\()(.*?)(\))", ptx, re.S)
-    if header is None:
-        raise ValueError(f"no .entry {kernel_name} in the PTX")
-    return header
-
-
-def entry_params(ptx: str, kernel_name: str) -> list[tuple[str, str]]:
-    """(type, name) of each parameter of the PTX entry `kernel_name`, in order."""
-    return [m.groups() for p in _entry(ptx, kernel_name).group(2).split(",") if (m := _PARAM.search(p))]
-
-
-def trim_params(ptx: str, kernel_name: str, count: int) -> str:
-    """Keep the first `count` parameters of the PTX entry `kernel_name`; the ones after them (the
-    global/profile scratch pointers newer Tritons append) must be unused by the body, and go."""
-    header = _entry(ptx, kernel_name)
-    params, body = header.group(2).split(","), ptx[header.end():]
-    for extra in params[count:]:
-        name = _PARAM.search(extra).group(2)
-        if re.search(rf"\[{re.escape(name)}(\+\d+)?\]", body):
-            raise ValueError(f"{kernel_name} reads its parameter {name} beyond the first {count}")
-    return ptx[:header.start(2)] + ",".join(params[:count]).rstrip() + "\n" + ptx[header.end(2):]
-
-
-def compile_ptx(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capability: int, *,
-                rotary: bool, splits: int = 8, position_type: str = "i32", scale: float = 0.125,
-                rotary_dim: int | None = None, softcap: float = 0.0, window: int = -1,
-                sinks: bool = False) -> dict[str, str]:
-    """PTX of every kernel for one model's shapes, attention features and a GPU generation (80: A100,
-    90: H100), compiled ahead of time without a GPU. `position_type` is the cache_position element type
-    (the plugin node carries int32)."""
+def kernel_sources(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, rotary: bool,
+                   splits: int = 8, position_type: str = "i32", scale: float = 0.125, rotary_dim: int | None = None,
+                   softcap: float = 0.0, window: int = -1, sinks: bool = False) -> dict[str, tuple]:
+    """Every kernel of this module for one model's shapes and attention features, as (fn, signature,
+    constexprs, config): what compile_ptx compiles and the resource test checks."""
     t = _TRITON_TYPES[dtype]
     block_d = triton.next_power_of_2(head_dim)
     heads = {"H": num_heads, "KVH": num_kv_heads, "D": head_dim}
     features = {"SOFTCAP": float(softcap), "WINDOW": int(window)}
-    kernels = {
+    prefill = attention_config(head_dim, _ITEMSIZE[t], fresh=False)
+    return {
         "rope_write": (_rope_write, {**{n: f"*{t}" for n in ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "qo_ptr",
                                                              "cos_ptr", "sin_ptr")},
                                      "pos_ptr": f"*{position_type}", "S": "i32", "C": "i32"},
-                       {**heads, "HALF": (rotary_dim or head_dim) // 2, "BLOCK_D": block_d, "ROTARY": rotary}),
+                       {**heads, "HALF": (rotary_dim or head_dim) // 2, "BLOCK_D": block_d, "ROTARY": rotary},
+                       default_config()),  # no loop over keys: Triton's defaults, as its PyTorch launch uses
         "prefill": (_prefill, {**{n: f"*{t}" for n in ("q_ptr", "kc_ptr", "vc_ptr", "o_ptr", "sink_ptr")},
                                "pos_ptr": f"*{position_type}", "scale": "fp32", "S": "i32", "C": "i32"},
-                    {**heads, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_D": block_d,
+                    {**heads, "BLOCK_M": prefill.block_m, "BLOCK_N": prefill.block_n, "BLOCK_D": block_d,
                      "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "UPCAST": False, **features,
-                     "SINKS": sinks}),
+                     "SINKS": sinks}, prefill),
         "decode_split": (_decode_split, {**{n: f"*{t}" for n in ("q_ptr", "kc_ptr", "vc_ptr")},
                                          **{n: "*fp32" for n in ("part_acc", "part_m", "part_l")},
                                          "pos_ptr": f"*{position_type}", "scale": "fp32", "C": "i32",
                                          "keys_per_split": "i32"},
-                         {**heads, "SPLITS": splits, "BLOCK_N": DECODE_BLOCK, "BLOCK_D": block_d, **features}),
+                         {**heads, "SPLITS": splits, "BLOCK_N": DECODE_BLOCK, "BLOCK_D": block_d, **features},
+                         default_config()),
         "decode_reduce": (_decode_reduce, {**{n: "*fp32" for n in ("part_acc", "part_m", "part_l")},
                                            **{n: f"*{t}" for n in ("o_ptr", "sink_ptr")}},
-                          {"H": num_heads, "D": head_dim, "SPLITS": splits, "BLOCK_D": block_d, "SINKS": sinks}),
+                          {"H": num_heads, "D": head_dim, "SPLITS": splits, "BLOCK_D": block_d, "SINKS": sinks},
+                          default_config()),
         "attention_one_launch": (_attention_one_launch,
                                  *_one_launch_source(num_heads, num_kv_heads, head_dim, scale, t, rotary,
                                                      position_type, rotary_dim, softcap, window, sinks)),
     }
-    return {name: _compile(fn, signature, constexprs, capability).asm["ptx"]
-            for name, (fn, signature, constexprs) in kernels.items()}
+
+
+def compile_ptx(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capability: int,
+                **features) -> dict[str, str]:
+    """PTX of every kernel for one model's shapes, attention features (kernel_sources' keywords) and a GPU
+    generation (80: A100, 90: H100), compiled ahead of time without a GPU, each with its configuration, for
+    PTX ISA PTX_ISA and the plain target."""
+    return {name: plain_target(_compile(fn, signature, constexprs, capability, ptx_version=PTX_ISA,
+                                        **config.launch()).asm["ptx"], name)
+            for name, (fn, signature, constexprs, config) in
+            kernel_sources(num_heads, num_kv_heads, head_dim, dtype, **features).items()}

@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+# (token, head) pairs per program, keys per inner step, and the stages by head size: configs.py
+from llmc.plugins.gpu.configs import BLOCK_M, BLOCK_N, attention_config
 from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
-
-BLOCK_M, BLOCK_N = 16, 32  # (token, head) pairs per program, keys per inner step
 
 
 @triton.jit
@@ -267,5 +267,5 @@ def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequen
         grid = attention_grid(tokens, rows, num_heads, kv_num_heads)
         _paged_attention[grid](query, key, value, key_cache, value_cache, cu, past, table, cos, sin,
                                sinks(head_sink, num_heads, query), *scalars, out, key_cache, value_cache, FRESH=False,
-                               **options)
+                               **options, **attention_config(options["D"], query.element_size(), fresh=False).launch())
     return out, key_cache, value_cache

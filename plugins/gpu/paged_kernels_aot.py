@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from llmc.plugins.gpu.kernels_aot import _TRITON_TYPES, _compile, compile_for_plugin, trim_params
+from llmc.plugins.gpu.configs import attention_config, block_d, default_config
+from llmc.plugins.gpu.kernels_aot import _TRITON_TYPES, _compile, compile_for_plugin
+from llmc.plugins.gpu.ptx import PTX_ISA, plain_target, trim_params
 from llmc.plugins.gpu.paged_kernels import (_paged_attention, _paged_write, attention_grid, int32, kernel_options,
                                             sinks, split_packed)
 
@@ -49,7 +51,8 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
         _paged_attention[grid](query, key, value, key_cache, value_cache, cu, past, table, cos, sin,
                                sinks(head_sink, num_heads, query), past.shape[0],
                                table.shape[1], key_cache.shape[0], key_cache.shape[1], out, key_cache, value_cache,
-                               FRESH=True, **options)
+                               FRESH=True, **options, **attention_config(options["D"], query.element_size(),
+                                                                         fresh=True).launch())
     return out, key_cache, value_cache
 
 
@@ -79,7 +82,8 @@ def _attention_source(num_heads: int, num_kv_heads: int, head_size: int, scale: 
     constexprs = kernel_options(torch.empty((1, num_heads * head_size), dtype=dtype), cache, num_heads, num_kv_heads,
                                 scale, cos, interleaved, softcap, window, causal,
                                 torch.empty(num_heads) if sinks else None)
-    return signature, {**constexprs, "FRESH": fresh, "UPCAST": False}
+    config = attention_config(head_size, dtype.itemsize, fresh=fresh)
+    return signature, {**constexprs, "FRESH": fresh, "UPCAST": False}, config
 
 
 def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale: float, dtype: str, capability: int,
@@ -87,33 +91,43 @@ def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale
                         causal: bool = True, sinks: bool = False) -> PagedPluginKernel:
     """The plugin's kernel for `dtype` ("fp16", "bf16", "fp32") on sm_<capability>, its parameters cut
     to what TensorRT passes (inputs, int32 extras, outputs; Triton's trailing scratch pointers removed)."""
-    source = _attention_source(num_heads, num_kv_heads, head_size, scale, dtype, rotary_dim=rotary_dim,
-                               interleaved=interleaved, softcap=softcap, window=window, fresh=True, causal=causal,
-                               sinks=sinks)
-    compiled = compile_for_plugin(_paged_attention, source, capability,
-                                  f"the paged attention kernel for head_size {head_size} ({dtype})")
+    signature, constexprs, config = _attention_source(
+        num_heads, num_kv_heads, head_size, scale, dtype, rotary_dim=rotary_dim, interleaved=interleaved,
+        softcap=softcap, window=window, fresh=True, causal=causal, sinks=sinks)
+    what = f"the paged attention kernel for head_size {head_size} ({dtype})"
+    compiled = compile_for_plugin(_paged_attention, (signature, constexprs), capability, what, config)
     meta = compiled.metadata
     count = len(PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_SCALARS + PAGED_PLUGIN_OUTPUTS)
-    ptx = trim_params(compiled.asm["ptx"], meta.name, count)
-    return PagedPluginKernel(meta.name, ptx, meta.num_warps, meta.shared, source[1]["BLOCK_M"])
+    ptx = plain_target(trim_params(compiled.asm["ptx"], meta.name, count), what)
+    return PagedPluginKernel(meta.name, ptx, meta.num_warps, meta.shared, config.block_m)
 
 
-def compile_paged_ptx(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, capability: int, *,
-                      rotary_dim: int, softcap: float = 0.0, window: int = -1, sinks: bool = False) -> dict[str, str]:
-    """PTX of the paged kernels (cache write, attention over the cache, the one-launch form) for one
-    model's shapes and attention features and a GPU generation (80: A100, 90: H100), compiled without a GPU."""
+def paged_kernel_sources(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, *, rotary_dim: int,
+                         softcap: float = 0.0, window: int = -1, sinks: bool = False) -> dict[str, tuple]:
+    """The paged kernels (cache write, attention over the cache, the one-launch form) for one model's shapes and
+    attention features, as (fn, signature, constexprs, config): what compile_paged_ptx compiles and the
+    resource test checks."""
     t = _TRITON_TYPES[dtype]
     write_signature = {**{n: f"*{t}" for n in ("k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr")},
                        **{n: "*i32" for n in _INTS}, "slots_ptr": "*i64", **{n: "i32" for n in PAGED_PLUGIN_SCALARS}}
-    block_d = max(16, triton.next_power_of_2(head_size))
     write_constexprs = {"KVH": num_kv_heads, "D": head_size, "HALF": max(rotary_dim // 2, 1),
-                        "BLOCK_KVH": triton.next_power_of_2(num_kv_heads), "BLOCK_D": block_d,
+                        "BLOCK_KVH": triton.next_power_of_2(num_kv_heads), "BLOCK_D": block_d(head_size),
                         "ROTARY": rotary_dim > 0, "INTERLEAVED": False, "SLOTS": False}
-    kernels = {"paged_write": (_paged_write, write_signature, write_constexprs)}
+    kernels = {"paged_write": (_paged_write, write_signature, write_constexprs, default_config())}  # no key loop
     for name, fresh in (("paged_attention", False), ("paged_attention_one_launch", True)):
         kernels[name] = (_paged_attention, *_attention_source(num_heads, num_kv_heads, head_size, 0.125, t,
                                                               rotary_dim=rotary_dim, interleaved=False,
                                                               softcap=softcap, window=window, fresh=fresh,
                                                               sinks=sinks))
-    return {name: _compile(fn, signature, constexprs, capability).asm["ptx"]
-            for name, (fn, signature, constexprs) in kernels.items()}
+    return kernels
+
+
+def compile_paged_ptx(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, capability: int,
+                      **features) -> dict[str, str]:
+    """PTX of the paged kernels for one model's shapes, attention features (paged_kernel_sources' keywords) and
+    a GPU generation (80: A100, 90: H100), compiled without a GPU with their configurations, for PTX ISA
+    PTX_ISA and the plain target."""
+    return {name: plain_target(_compile(fn, signature, constexprs, capability, ptx_version=PTX_ISA,
+                                        **config.launch()).asm["ptx"], name)
+            for name, (fn, signature, constexprs, config) in
+            paged_kernel_sources(num_heads, num_kv_heads, head_size, dtype, **features).items()}

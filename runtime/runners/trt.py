@@ -13,7 +13,8 @@ execution context, and everything runs on one CUDA stream (`execute_async_v3`). 
 the device buffers, the contexts, the engine and the stream.
 
 `check_engine(info, ...)` refuses, before deserializing, an engine built by another TensorRT
-version (unless version-compatible) or for another GPU generation, with a message that says so.
+version (unless version-compatible) or for another GPU generation, or whose attention plugin's PTX this
+driver or GPU cannot run (trt_ptx.py), with a message that says which and why.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 from llmc.runtime.layout import ITEMSIZE, SEQUENCE_LENGTHS, KVLayout, check_step, step_lengths
 from llmc.runtime.manifest import TensorRTInfo
 from llmc.runtime.runners.protocol import RunnerClosed
+from llmc.runtime.runners.trt_ptx import ptx_problem
 
 PREFILL, DECODE = 0, 1  # optimization profile indices (compiler/tensorrt/profiles.py order)
 
@@ -38,8 +40,10 @@ def _capability(text: str) -> int:
     return 10 * int(major) + int(minor)
 
 
-def check_engine(info: TensorRTInfo, tensorrt_version: str, gpu: str, capability: int) -> None:
-    """Raise EngineLoadError when an engine described by `info` cannot load under this TensorRT and GPU."""
+def check_engine(info: TensorRTInfo, tensorrt_version: str, gpu: str, capability: int,
+                 cuda_driver_version: int | None = None) -> None:
+    """Raise EngineLoadError when an engine described by `info` cannot load under this TensorRT, GPU and CUDA
+    driver (cudaDriverGetVersion's number; None: not checked)."""
     built = _capability(info.compute_capability)
     if tensorrt_version != info.version and not info.version_compatible:
         raise EngineLoadError(
@@ -55,6 +59,15 @@ def check_engine(info: TensorRTInfo, tensorrt_version: str, gpu: str, capability
         raise EngineLoadError(
             f"the engine needs {wanted}; this GPU ({gpu}) has {capability // 10}.{capability % 10}. Rebuild on this "
             "GPU, or build with tensorrt.hardware_compatibility: ampere_plus")
+    if info.plugin_ptx_isa and info.plugin_ptx_target and cuda_driver_version is not None:
+        problem = ptx_problem(info.plugin_ptx_isa, info.plugin_ptx_target, cuda_driver_version, capability)
+        if problem:
+            raise EngineLoadError(f"{problem} (GPU: {gpu})")
+
+
+def cuda_driver_version() -> int:
+    """The CUDA version the installed driver supports, as cudaDriverGetVersion gives it (13000: CUDA 13.0)."""
+    return int(_ok(_cuda().cudaDriverGetVersion()))
 
 
 def _cuda():
@@ -128,7 +141,8 @@ class TrtRunner:
                                   "GPU") from None
         gpu, capability = gpu_identity()
         if info is not None:
-            check_engine(info, trt.__version__, gpu, capability)
+            check_engine(info, trt.__version__, gpu, capability,
+                         cuda_driver_version() if info.plugin_ptx_isa else None)
         self.layout, self.trt, self.rows, self.capacity = layout, trt, max_batch, capacity
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)

@@ -142,10 +142,12 @@ def test_kernels_compile_to_ptx_without_a_gpu(capability):
     code = (
         "import torch\n"
         "from llmc.plugins.gpu.kernels_aot import compile_ptx\n"
+        "from llmc.plugins.gpu.ptx import ptx_header\n"
         "for dtype in (torch.float16, torch.bfloat16):\n"
         f"    ptx = compile_ptx(9, 3, 64, dtype, {capability}, rotary=True)\n"
         "    for name, text in ptx.items():\n"
         f"        assert '.target sm_{capability}' in text and f'.entry _{{name}}' in text, name\n"
+        "        assert ptx_header(text) == ('8.0', 'sm_" f"{capability}'), (name, ptx_header(text))\n"
         f"    ptx = compile_ptx(9, 3, 64, dtype, {capability}, rotary=True, rotary_dim=32, softcap=50.0, window=128,\n"
         "                      sinks=True)\n"
         "    for name, text in ptx.items():\n"
@@ -163,7 +165,7 @@ def test_plugin_kernel_has_tensorrt_aot_calling_convention():
     code = (
         "from llmc.plugins.gpu.kernels_aot import entry_params, plugin_kernel\n"
         "for cap in (80, 90):\n"
-        "    for dtype in ('fp16', 'bf16', 'fp32'):  # fp32 D=128 needs the one-stage fallback\n"
+        "    for dtype in ('fp16', 'bf16', 'fp32'):  # fp32 D=128: configs.py's one stage\n"
         "        for rotary in (True, False):\n"
         "            k = plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary=rotary, rotary_dim=64, sinks=not rotary,\n"
         "                              softcap=50.0 * rotary, window=-1 if rotary else 256)\n"

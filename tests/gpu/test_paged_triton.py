@@ -182,11 +182,13 @@ def test_paged_kernels_compile_to_ptx_without_a_gpu(capability):
     code = (
         "import torch\n"
         "from llmc.plugins.gpu.paged_kernels_aot import compile_paged_ptx\n"
+        "from llmc.plugins.gpu.ptx import ptx_header\n"
         "for dtype, rotary_dim, features in ((torch.float16, 64, {}), (torch.bfloat16, 0, {}),\n"
         "                                    (torch.float16, 32, dict(softcap=30.0, window=128, sinks=True))):\n"
         f"    ptx = compile_paged_ptx(9, 3, 64, dtype, {capability}, rotary_dim=rotary_dim, **features)\n"
         "    for name, text in ptx.items():\n"
         f"        assert '.target sm_{capability}' in text and '.entry _paged_' in text, name\n"
+        "        assert ptx_header(text) == ('8.0', 'sm_" f"{capability}'), (name, ptx_header(text))\n"
         "print('ok', sorted(ptx))\n"
     )
     assert "ok ['paged_attention', 'paged_attention_one_launch', 'paged_write']" in _compiled(code).stdout

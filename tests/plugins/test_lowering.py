@@ -4,7 +4,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from llmc.compiler import build
+from llmc import compiler  # its build, looked up when called: the pipeline imports the export extra
 from llmc.compiler.spec import parse_spec
 from llmc.errors import SpecError, UnsupportedError
 from llmc.plugins.op.lowering import LLMC_DOMAIN, PLUGIN_OP, register_schemas
@@ -20,7 +20,8 @@ def _nodes(path, op_type):
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
 def test_tensorrt_target_exports_plugin_nodes_that_the_checker_accepts(tiny_checkpoints, tmp_path, model_type):
-    result = build(_spec(tiny_checkpoints[model_type], target="tensorrt"), output=tmp_path / "out", until="export")
+    result = compiler.build(_spec(tiny_checkpoints[model_type], target="tensorrt"), output=tmp_path / "out",
+                            until="export")
     path = tmp_path / "out" / "export" / "model.onnx"
     onnx.checker.check_model(str(path), full_check=True)
     info = result.exported.model
@@ -42,7 +43,7 @@ def test_tensorrt_target_exports_plugin_nodes_that_the_checker_accepts(tiny_chec
 def test_tensorrt_target_stops_after_export(tiny_llama, tmp_path):
     with pytest.raises(UnsupportedError, match=r"target: tensorrt .*`llmc export`.*target: onnxruntime|"
                                                 r"target: tensorrt needs .*target: onnxruntime.*`llmc export`"):
-        build(_spec(tiny_llama, target="tensorrt"), output=tmp_path / "out")
+        compiler.build(_spec(tiny_llama, target="tensorrt"), output=tmp_path / "out")
 
 
 def _plugin_model(position_type):
@@ -76,7 +77,7 @@ def test_register_schemas_is_idempotent():
 
 
 def test_reference_lowering_keeps_only_attentions_main_output(tiny_llama, tmp_path):
-    build(_spec(tiny_llama, export={"attention": "reference"}), output=tmp_path / "out", until="export")
+    compiler.build(_spec(tiny_llama, export={"attention": "reference"}), output=tmp_path / "out", until="export")
     nodes = _nodes(tmp_path / "out" / "export" / "model.onnx", "Attention")
     assert nodes and all(list(n.output)[1:] == [] for n in nodes)  # present/qk outputs not computed
 

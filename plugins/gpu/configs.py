@@ -1,0 +1,78 @@
+"""Launch configurations of the attention kernels, as a function of head size and element size: the one
+place both the PyTorch launches (kernels.py, paged_kernels.py) and the ahead-of-time compiles for the
+TensorRT plugin (kernels_aot.py, paged_kernels_aot.py) take them from.
+
+Why it is needed: Triton software-pipelines the loads of a loop, buffering `num_stages - 1` iterations of
+every loaded tile in shared memory. A kernel launched from PyTorch is specialized on its 16-byte-aligned
+pointers, which lets those loads become asynchronous copies and be buffered; the default 3 stages then put
+the one-launch kernels (7 tiles of BLOCK_N x BLOCK_D per iteration: cached keys and values, new keys, their
+rotary partners, cos, sin, new values) at 264 KiB for head_dim 256 in fp16, over even an H100/H200's
+232448 bytes ("out of resource: shared memory, Required: 270336"). Compiled without the alignment facts,
+as the plugin's AOT compile does, the same kernel buffers nothing and states 40 KiB. So the stage count
+follows the bytes of one tile row (BLOCK_D x element size), measured for Triton 3.6 and 3.9 (fp16, aligned,
+the same on sm_80 and sm_90):
+
+    kernel                       BLOCK_D 64     128       256   (bytes of shared memory)
+    one-launch (fresh), 3 stages   67584     135168    270336
+                        2 stages   38912      77824    155648
+                        1 stage    10240      20480     40960
+    prefill, 3 stages              19456      37888     74752
+    paged (two-launch), 3 stages   11520      21760     42240
+
+Every configuration a kernel may get stays within sm_80's 166912 bytes per block (the smaller of the two
+generations; sm_90: 232448); tests/gpu/test_kernel_resources.py compiles each for both and checks the
+figure the compiled kernel states. Head sizes 80 and 96 run in BLOCK_D 128 tiles (masked), so they share
+128's configuration and its footprint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+BLOCK_M, BLOCK_N = 16, 32  # queries (or (token, head) pairs) per program, keys per inner step
+DECODE_BLOCK = 32  # the split decode kernel's keys per inner step
+NUM_WARPS = 4
+SHARED_LIMITS = {80: 166912, 90: 232448}  # bytes of shared memory one block may opt in to, by capability
+# The widest tile row (bytes) each kernel kind keeps 3 stages for; past it, fewer stages (attention_config)
+FRESH_ROW_BYTES = 256  # one-launch kernels: fp16 up to BLOCK_D 128 (135168 bytes at 3 stages)
+CACHED_ROW_BYTES = 512  # kernels reading only the cache: fp16 up to BLOCK_D 256 (prefill: 74752 bytes)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def launch(self) -> dict:
+        """The launch options Triton takes, in a PyTorch launch (`kernel[grid](..., **launch())`) and in
+        `triton.compile(..., options=...)` alike."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def block_d(head_dim: int) -> int:
+    """The channel tile of a head: the next power of two (a dot needs at least 16)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def attention_config(head_dim: int, itemsize: int, *, fresh: bool) -> KernelConfig:
+    """The configuration of an attention kernel over heads of `head_dim` channels of `itemsize` bytes.
+    `fresh`: the kernel also reads the step's new keys and values from its inputs (the one-launch kernels),
+    which more than triples the tiles each pipeline stage buffers. Stages never increase with the row
+    width, so the widest row that gets a stage count is its largest footprint (what the resource test uses)."""
+    row = block_d(head_dim) * itemsize
+    if fresh:
+        stages = 3 if row <= FRESH_ROW_BYTES else 1
+    else:
+        stages = 3 if row <= CACHED_ROW_BYTES else 2
+    return KernelConfig(BLOCK_M, BLOCK_N, NUM_WARPS, stages)
+
+
+def default_config() -> KernelConfig:
+    """The kernels that buffer nothing of size, with Triton's defaults: the split decode kernel (one query row
+    and no dot: 2048 bytes at fp32 BLOCK_D 256, 32 keys a step), its merge, and the rotary / cache writes
+    (no loop over keys)."""
+    return KernelConfig(1, DECODE_BLOCK, NUM_WARPS, 3)
