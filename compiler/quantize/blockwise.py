@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 FACTORS = np.linspace(0.7, 1.3, 41).astype(np.float32)  # scale = (max - min) / (2^bits - 1) * factor
 ZERO_POINT_STEPS = (-1, 0, 1)
+C_MAX_BLOCK = 256  # blockwise_search.c holds a block on its stack; longer ones (a whole row: experts.py) run in NumPy
 
 
 @dataclass(frozen=True)
@@ -170,9 +171,10 @@ def search_numpy(w: np.ndarray, importance: np.ndarray | None, bits: int, block:
 
 def blockwise_search_c(w: np.ndarray, importance: np.ndarray | None, bits: int, block: int,
                        symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The search by blockwise_search.c, or None where it cannot be compiled here."""
+    """The search by blockwise_search.c, or None where it cannot be compiled here or `block` is longer than
+    it takes."""
     library = _search_library()
-    if library is None:
+    if library is None or block > C_MAX_BLOCK:
         return None
     k, n = w.shape
     nblocks = -(-k // block)

@@ -2,7 +2,10 @@
 
 Each expert's fc1 [2I, H] and fc2 [H, I] become block-wise codes in `MatMulNBits`' format (blockwise.py),
 which is QMoE's too (weights [E, N, K * bits / 8], scales [E, N, K / block], zero points
-[E, N, ceil(K / block * bits / 8)]). The router stays in full precision: its MatMul is kept out of the
+[E, N, ceil(K / block * bits / 8)]). Where no power-of-two block of 16 or more divides every expert's input
+width (QMoE's smallest, and one `block_size` serves fc1 and fc2), the experts are quantized per channel
+instead: each output row of an expert is one block, QMoE's form without `block_size` (scales [E, N], zero
+points [E, ceil(N * bits / 8)], packed along N). The router stays in full precision: its MatMul is kept out of the
 linear layers' quantizer (`routers`).
 
 The codes of an expert are searched against the activations of the calibration tokens routed to it
@@ -27,6 +30,8 @@ from llmc.errors import QuantizationError
 from llmc.plugins.op.moe import MICROSOFT_DOMAIN, OP_TYPE, QUANTIZED_OP_TYPE, route, swiglu
 
 QMOE_ACCURACY_LEVEL = 4  # int8 activations in QMoE's CPU kernel: ~6x its fp32-activation path at batch 1
+PER_CHANNEL = 0  # expert_block's answer where no block fits: one scale (and zero point) per expert row
+QMOE_SMALLEST_BLOCK = 16
 
 
 @dataclass
@@ -119,7 +124,8 @@ def expert_statistics(model, layout, windows: list[np.ndarray], *, num_threads: 
 
 def expert_codes(w: np.ndarray, importance: list | None, bits: int, block: int, symmetric: bool) -> list[BlockCodes]:
     """Codes for each expert of w [E, N, K] (as [K, N] weights): searched where it has statistics, else
-    rounded to nearest."""
+    rounded to nearest. `block` PER_CHANNEL: a whole row (K) is one block."""
+    block = block or w.shape[2]
     out = []
     for e in range(w.shape[0]):
         h = importance[e] if importance is not None else None
@@ -129,30 +135,41 @@ def expert_codes(w: np.ndarray, importance: list | None, bits: int, block: int, 
     return out
 
 
-def _packed(codes: list[BlockCodes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """QMoE's (weights [E, N, K * bits / 8], scales [E, N, blocks], zero points [E, N, packed blocks])."""
+def _packed(codes: list[BlockCodes], per_channel: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """QMoE's (weights [E, N, K * bits / 8], scales [E, N, blocks], zero points [E, N, packed blocks]); per
+    channel (one block a row), scales [E, N] and zero points [E, ceil(N * bits / 8)]."""
     parts = [pack(c) for c in codes]
     weights = np.stack([p[0].reshape(p[0].shape[0], -1) for p in parts])
-    return weights, np.stack([p[1] for p in parts]), np.stack([p[2] for p in parts])
+    if not per_channel:
+        return weights, np.stack([p[1] for p in parts]), np.stack([p[2] for p in parts])
+    return weights, np.stack([p[1][:, 0] for p in parts]), np.stack([_rows_packed(c.zero_points[0, 0], c.bits)
+                                                                      for c in codes])
+
+
+def _rows_packed(zero_points: np.ndarray, bits: int) -> np.ndarray:
+    """One zero point per row [N] as QMoE reads them per channel: 4 bits two rows a byte, the first in the low
+    nibble (checked against its CPU kernel on onnxruntime 1.32)."""
+    if bits == 8:
+        return np.ascontiguousarray(zero_points)
+    z = np.pad(zero_points, (0, len(zero_points) % 2))
+    return np.ascontiguousarray(z[0::2] | (z[1::2] << 4))
 
 
 def expert_block(graph, block: int) -> int:
     """The block size for the experts: `block` (quantization.block_size), or the largest power of two
-    below it that divides every expert's input width, as QMoE needs (at least 16)."""
+    below it that divides every expert's input width, as QMoE needs (at least 16); PER_CHANNEL where none
+    does (widths such as 120 and 200: the dense layers' MatMulNBits pads a row to its block, QMoE cannot)."""
     initializers = {t.name: t for t in graph.initializer}
     widths = {initializers[n.input[i]].dims[2] for n in moe_nodes(graph) for i in (2, 4)}
     size = block
-    while size >= 16 and any(w % size for w in widths):
+    while size >= QMOE_SMALLEST_BLOCK and any(w % size for w in widths):
         size //= 2
-    if size < 16:
-        raise QuantizationError(f"quantization.block_size: the experts' input widths {sorted(widths)} have no "
-                                f"common power-of-two block of 16 or more (QMoE's smallest)")
-    return size
+    return size if size >= QMOE_SMALLEST_BLOCK else PER_CHANNEL
 
 
 def quantize_experts(model, bits: int, block: int, symmetric: bool, stats: ExpertStatistics | None) -> int:
-    """Replace every MoE node of `model` by a QMoE node over `bits`-bit codes in blocks of `block`;
-    returns how many. The fp32 expert weights leave the graph."""
+    """Replace every MoE node of `model` by a QMoE node over `bits`-bit codes in blocks of `block` (PER_CHANNEL:
+    one per row); returns how many. The fp32 expert weights leave the graph."""
     from onnx import helper, numpy_helper
 
     graph = model.graph
@@ -162,13 +179,16 @@ def quantize_experts(model, bits: int, block: int, symmetric: bool, stats: Exper
         fc1_name, fc2_name = node.input[2], node.input[4]
         fc1, fc2 = (numpy_helper.to_array(initializers[n]) for n in (fc1_name, fc2_name))
         for name, w in ((fc1_name, fc1), (fc2_name, fc2)):
-            if w.shape[2] % block:
+            if block and w.shape[2] % block:
                 raise QuantizationError(f"{name}: QMoE needs each expert's input width ({w.shape[2]}) to be a "
                                         f"multiple of quantization.block_size ({block})")
+            if w.shape[2] * bits % 8:
+                raise QuantizationError(f"{name}: QMoE packs each expert row into whole bytes, and an input width of "
+                                        f"{w.shape[2]} at {bits} bits does not fill them; int8-weight-only does")
         inputs = {}
         for tag, name, w, importance in (("fc1", fc1_name, fc1, stats.fc1.get(fc1_name) if stats else None),
                                          ("fc2", fc2_name, fc2, stats.fc2.get(fc1_name) if stats else None)):
-            q, scales, zeros = _packed(expert_codes(w, importance, bits, block, symmetric))
+            q, scales, zeros = _packed(expert_codes(w, importance, bits, block, symmetric), block == PER_CHANNEL)
             inputs[tag] = [f"{name}.q{bits}", f"{name}.scales"] + ([] if symmetric else [f"{name}.zero_points"])
             graph.initializer.extend([numpy_helper.from_array(q, inputs[tag][0]),
                                       numpy_helper.from_array(scales, inputs[tag][1])]
@@ -179,7 +199,8 @@ def quantize_experts(model, bits: int, block: int, symmetric: bool, stats: Exper
         qmoe = helper.make_node(
             QUANTIZED_OP_TYPE, [node.input[0], node.input[1], *inputs["fc1"][:2], bias(3), *inputs["fc2"][:2], bias(5),
                      *zero_points], list(node.output), name=node.name or f"{fc1_name}.qmoe", domain=MICROSOFT_DOMAIN,
-            **_attrs(node), expert_weight_bits=bits, block_size=block, accuracy_level=QMOE_ACCURACY_LEVEL)
+            **_attrs(node), expert_weight_bits=bits, accuracy_level=QMOE_ACCURACY_LEVEL,
+            **({"block_size": block} if block else {}))  # no block_size: per-channel scales
         index = list(graph.node).index(node)
         graph.node.remove(node)
         graph.node.insert(index, qmoe)

@@ -97,7 +97,8 @@ class WeightOnly:
             block = expert_block(model.graph, spec.block)
             symmetric = made.codes is None or SYMMETRIC[self.bits]
             done = quantize_experts(model, self.bits, block, symmetric, made.experts)
-            mixture = (f"; {done} mixture-of-experts layer(s) as onnxruntime QMoE ({self.bits}-bit, blocks of {block}, "
+            mixture = (f"; {done} mixture-of-experts layer(s) as onnxruntime QMoE ({self.bits}-bit, "
+                       f"{f'blocks of {block}' if block else 'per-channel scales (no common block)'}, "
                        f"accuracy_level 4), {len(kept)} router(s) in fp32")
         kernel = (f"onnxruntime MatMulNBits: {made.kernel}, blocks of {spec.block}, accuracy_level "
                   f"{ACCURACY_LEVEL} (int8 activations), LM head untied and quantized"
