@@ -211,6 +211,9 @@ class VerifyCase(BaseModel):
     token_agreement: float  # fraction of generated tokens equal to PyTorch's
     first_divergence: list[int | None]  # per row: first step whose token differs, or None
     passed: bool
+    # a mixture, per row: the first position where the reference's router had a near tie between its k-th and
+    # (k+1)-th expert (graph/routing.py); logits are compared before it only. None: no mixture
+    routing_ties: list[int | None] | None = None
 
 
 class VerifyReport(Artifact):

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from llmc.compiler.graph.routing import RoutingMargins
 from llmc.runtime.engine import longrope
 from llmc.runtime.runners.paged import PagedRunner, RowStep
 from llmc.runtime.runners.protocol import Runner
@@ -31,24 +32,33 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def torch_greedy(model, prompt: list[int], steps: int, tick: Callable[[], None]) -> Decoded:
+def torch_greedy(model, prompt: list[int], steps: int, tick: Callable[[], None],
+                 margins: RoutingMargins | None = None) -> Decoded:
     """The HF model alone on one prompt: prefill + `steps` greedy steps with its own KV cache, as its
     generate() runs them: a LongRoPE model's cache is dropped and the whole sequence recomputed when it
-    first grows past `original_max_position_embeddings` (Phi3ForCausalLM.prepare_inputs_for_generation)."""
+    first grows past `original_max_position_embeddings` (Phi3ForCausalLM.prepare_inputs_for_generation).
+    `margins`: told where each call's tokens sit, for a mixture's routing record (routing.py)."""
     import torch
 
     from llmc.compiler.models.config import longrope_switch
 
+    def at(start: int) -> None:
+        if margins is not None:
+            margins.at(start)
+
     cache_name, switch = cache_kwarg(model), longrope_switch(model.config)
     with torch.no_grad():
+        at(0)
         out = model(input_ids=torch.tensor([prompt]), use_cache=True)
         prefill, cache = out.logits[0].float().numpy(), getattr(out, cache_name)
         last, tokens = [prefill[-1]], list(prompt)
         for _ in range(steps - 1):
             tokens.append(int(last[-1].argmax()))
             if longrope.crossed(switch, len(tokens)):
+                at(0)
                 out = model(input_ids=torch.tensor([tokens]), use_cache=True)
             else:
+                at(len(tokens) - 1)
                 out = model(input_ids=torch.tensor([tokens[-1:]]), use_cache=True, **{cache_name: cache})
             cache = getattr(out, cache_name)
             last.append(out.logits[0, -1].float().numpy())

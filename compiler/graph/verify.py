@@ -14,7 +14,8 @@ prompt position and at every step up to a row's first token divergence (step k d
 tokens before k). A case passes when the largest |Δlogit| is within the spec's tolerance and the greedy
 tokens agree everywhere, or part where the reference's own choice was a near tie: a row may diverge at a
 step where the candidate's token trails the reference's best by at most twice the tolerance (an error
-the tolerance admits can flip such a tie). The tolerance unset (`verify.max_logit_diff`), it follows the
+the tolerance admits can flip such a tie). In a mixture of experts a router's choice can be a near tie too
+(routing.py): a row's logits are compared up to the first position where it was, its tokens everywhere. The tolerance unset (`verify.max_logit_diff`), it follows the
 graph's KV cache: 1e-3 float32, 0.05 float16, 0.25 int8 (DEFAULT_TOLERANCE; what SmolLM2 and the tiny
 test models need, docs/build.md).
 """
@@ -27,6 +28,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel, VerifyCase, VerifyReport
+from llmc.compiler.graph import routing
 from llmc.compiler.graph.greedy import Decoded, paged_blocks, paged_greedy, runner_greedy, torch_greedy
 from llmc.compiler.spec import BuildSpec, VerifySpec
 from llmc.compiler.stage import Context, Located, Stage
@@ -43,6 +45,9 @@ PROMPTS = (
 RANDOM_PROMPT_LENGTHS = (7, 13, 4)  # used when the source has no tokenizer
 PAGED_CHUNK = 5  # prompt tokens a row feeds per step in the paged batch case (prompts span several steps)
 DEFAULT_TOLERANCE = {"float32": 1e-3, "float16": 0.05, "int8": 0.25}  # max |Δlogit| by KV cache element type
+# a mixture's routing margin (k-th minus (k+1)-th router logit) at most this share of the tolerance is a near
+# tie (routing.py): ONNX Runtime and PyTorch flipped a gap of 4.8e-7, not one of 3.8e-5 (float32 KV: 1e-4)
+ROUTING_TIE = 0.1
 
 Progress = Callable[[int, int], None]
 
@@ -55,24 +60,31 @@ def prompt_ids(tokenizer, vocab_size: int) -> list[list[int]]:
 
 
 def compare(name: str, refs: list[Decoded], cands: list[Decoded], prompts: list[list[int]], steps: int,
-            tolerance: float) -> VerifyCase:
+            tolerance: float, routing_ties: list[int | None] | None = None) -> VerifyCase:
+    """`routing_ties`: per row, the first position whose expert choice was a near tie in the reference
+    (routing.py); the logits at and after it may differ legitimately, so they are not compared."""
     diff, first_divergence, agree, near_ties = 0.0, [], 0, True
-    for (ref_prefill, ref_last), (cand_prefill, cand_last) in zip(refs, cands):
-        diff = max(diff, float(np.abs(ref_prefill - cand_prefill).max()))
+    for row, ((ref_prefill, ref_last), (cand_prefill, cand_last)) in enumerate(zip(refs, cands)):
+        tie = routing_ties[row] if routing_ties else None
+        length = len(prompts[row])
+        compared = slice(None) if tie is None else slice(min(tie, length))  # prompt positions before the tie
+        if len(ref_prefill[compared]):
+            diff = max(diff, float(np.abs(ref_prefill[compared] - cand_prefill[compared]).max()))
         ref_tokens = np.array([l.argmax() for l in ref_last])
         cand_tokens = np.array([l.argmax() for l in cand_last])
         differ = np.nonzero(ref_tokens != cand_tokens)[0]
         end = int(differ[0]) if differ.size else steps
         first_divergence.append(end if differ.size else None)
         agree += int((ref_tokens == cand_tokens).sum())
-        for k in range(min(end + 1, steps)):
-            diff = max(diff, float(np.abs(ref_last[k] - cand_last[k]).max()))
+        for k in range(min(end + 1, steps)):  # step k's logits sit at position length - 1 + k
+            if tie is None or length - 1 + k < tie:
+                diff = max(diff, float(np.abs(ref_last[k] - cand_last[k]).max()))
         if differ.size:  # the reference's margin over the candidate's token where they part
             near_ties &= float(ref_last[end].max() - ref_last[end][cand_tokens[end]]) <= 2 * tolerance
     agreement = agree / (steps * len(prompts))
     return VerifyCase(name=name, batch=len(prompts), prompt_lengths=[len(p) for p in prompts], decode_steps=steps,
                       max_abs_logit_diff=diff, token_agreement=agreement, first_divergence=first_divergence,
-                      passed=near_ties and diff <= tolerance)
+                      passed=near_ties and diff <= tolerance, routing_ties=routing_ties)
 
 
 def _driver(graphs: list[Path], layout, prompts: list[list[int]], steps: int, num_threads: int):
@@ -118,9 +130,15 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
         if progress:
             progress(done, total)
 
+    refs, ties = [], []
     try:
-        refs = [torch_greedy(model, p, steps, tick) for p in prompts]
-        cases = [compare(name, refs[:len(batch)], drive(batch, tick), batch, steps, tolerance)
+        for p in prompts:
+            with routing.recording(model) as margins:
+                refs.append(torch_greedy(model, p, steps, tick, margins))
+            ties.append(None if margins is None else margins.first_tie(ROUTING_TIE * tolerance))
+        mixture = any(routing.routers(model))
+        cases = [compare(name, refs[:len(batch)], drive(batch, tick), batch, steps, tolerance,
+                         ties[:len(batch)] if mixture else None)
                  for name, batch in cases_in]
     finally:
         runner.close()
@@ -145,8 +163,10 @@ def summary(report: VerifyReport) -> str:
     agree = min(c.token_agreement for c in report.cases)
     verdict = "greedy tokens equal" if agree == 1.0 else f"greedy tokens {agree:.1%} equal"
     batches = " + ".join(f"batch {c.batch}" for c in report.cases)
+    ties = sorted({t for c in report.cases for t in c.routing_ties or () if t is not None})
+    tied = f"; logits compared before a routing near tie at position {', '.join(map(str, ties))}" if ties else ""
     return (f"{verdict} over {steps} steps ({batches}), max |Δlogit| "
-            f"{report.max_abs_logit_diff:.1e} (tolerance {report.tolerance:.0e})")
+            f"{report.max_abs_logit_diff:.1e} (tolerance {report.tolerance:.0e}){tied}")
 
 
 # the verify stage: the export on ONNX Runtime against PyTorch
