@@ -99,18 +99,19 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     """Write `out_dir/model.onnx` (+ `model.onnx.data` when over the threshold) with attention in
     `lowering`'s form and the paged pools in `kv_cache_dtype` (int8 scales calibrated with `tokenizer`'s
     tokens, compiler/graph/kv_cache.py, unless `kv_scales` gives them); with `ranks` > 1, rank `rank`'s share of
-    the model (compiler/models/tensor_parallel.py), its pools holding its KV heads. Returns whether weights went
+    the model (compiler/models/parallel/shard.py), its pools holding its KV heads. Returns whether weights went
     to external data, the layout, and how many layers were stamped from traced ones (stamp.py)."""
     import onnx
 
-    from llmc.compiler.models import decoder_for, tensor_parallel
+    from llmc.compiler.models import decoder_for
+    from llmc.compiler.models.parallel import shard
 
     decoder = decoder_for(model)
     refusal = lowering_refusal(decoder, lowering)
     if refusal is not None:
         raise UnsupportedError(f"export.attention: {lowering.value} cannot export {info.model_type}: {refusal}")
     if ranks > 1:
-        decoder = tensor_parallel.shard(decoder, rank, ranks)
+        decoder = shard.shard(decoder, rank, ranks)
         info = info.model_copy(update={"num_heads": decoder.num_heads, "num_kv_heads": decoder.num_kv_heads})
     layout = kv_layout(info, lowering, kv_cache_dtype, decoder.rope.switch)
     traced_layout = layout.model_copy(update={"dtype": "float32"})
@@ -163,7 +164,7 @@ def int8_scales(decoder, layout: KVLayout, tokenizer, vocab_size: int):
 def _split_int8_scales(model, info: ModelInfo, lowering: Lowering, tokenizer, ranks: int) -> list:
     """Each rank's int8 pool scales: the whole model's, measured once, cut to the rank's KV heads."""
     from llmc.compiler.models import decoder_for
-    from llmc.compiler.models.split import tensor_split
+    from llmc.compiler.models.parallel.heads import tensor_split
 
     decoder = decoder_for(model)
     scales = int8_scales(decoder, kv_layout(info, lowering, KVCacheDtype.int8, decoder.rope.switch), tokenizer,
@@ -258,7 +259,7 @@ def _check(spec: BuildSpec, source) -> None:
     are refused before anything loads."""
     if spec.parallel.tensor > 1:
         from llmc.compiler.models.config import read_config
-        from llmc.compiler.models.split import check_split
+        from llmc.compiler.models.parallel.heads import check_split
 
         try:
             check_split(read_config(source), spec.parallel.tensor)

@@ -1,19 +1,20 @@
-"""Model families: one file per family, each a few hooks over the base decoder (base.py) and its tiny
-test config (family.py says what a file declares). Adding a Llama-like family is one file here and its
-line in FAMILIES.
+"""Model families: one file per family in families/, each a few hooks over the base decoder (base.py) and its
+tiny test config (family.py says what a file declares). Adding a Llama-like family is one file in families/ and
+its line in FAMILIES.
 
     base.py      the base decoder (Llama's shape) and its hooks
     rope.py      RoPE tables from the model's own rotary modules
     config.py    the one reader of a checkpoint's config
     moe.py       mixture-of-experts blocks (`llmc::moe`) and the expert layouts
-    <family>.py  llama (+ mistral, qwen2, gemma), gpt2, qwen3, gemma2, gemma3, phi3, granite, olmo2, smollm3,
+    families/    llama (+ mistral, qwen2, gemma), gpt2, qwen3, gemma2, gemma3, phi3, granite, olmo2, smollm3,
                  nemotron; mixtral, qwen3_moe, gpt_oss (mixtures of experts)
+    parallel/    tensor parallelism: which heads a rank keeps (heads.py), a rank's share of a decoder (shard.py)
 """
 
 from __future__ import annotations
 
-from llmc.compiler.models import (gemma2, gemma3, gpt2, gpt_oss, granite, llama, mixtral, nemotron, olmo2, phi3, qwen3,
-                                  qwen3_moe, smollm3)
+from llmc.compiler.models.families import (gemma2, gemma3, gpt2, gpt_oss, granite, llama, mixtral, nemotron, olmo2,
+                                           phi3, qwen3, qwen3_moe, smollm3)
 from llmc.compiler.models.family import Family
 
 FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, gpt2, qwen3, gemma2, gemma3, phi3, granite, olmo2,

@@ -19,7 +19,7 @@ reuses the same blocks with its own attention call: the slot form's `attend` is 
 at `cache_position`; the paged form (compiler/paged_decoder.py) packs the tokens and calls
 `llmc::paged_attention` over block tables.
 
-`Decoder` is the Llama shape (pre-norm blocks, rotary, GQA). A family (compiler/models/<family>.py)
+`Decoder` is the Llama shape (pre-norm blocks, rotary, GQA). A family (compiler/models/families/<family>.py)
 overrides only what differs, through these hooks:
 
     modules_of(hf_model)         embeddings, blocks, final norm, LM head

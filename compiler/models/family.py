@@ -1,4 +1,4 @@
-"""What a model family file declares (compiler/models/<family>.py): its decoder class and one tiny
+"""What a model family file declares (compiler/models/families/<family>.py): its decoder class and one tiny
 random config per `model_type` it claims, which the parity tests build (tests/conftest.py). The
 README's family table says what each family adds (tests/compiler/models/test_readme_families.py keeps
 it in step with this registry)."""

@@ -18,7 +18,7 @@ from llmc.compiler.draft import inspect_draft
 from llmc.compiler.graph.kv_cache import ELEMENT
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.models.config import Dims, read_dims
-from llmc.compiler.models.split import tensor_split
+from llmc.compiler.models.parallel.heads import tensor_split
 from llmc.compiler.source import inspect_source
 from llmc.compiler.spec import BuildSpec, QuantMode, Target
 from llmc.compiler.tensorrt.profiles import Profile, profiles

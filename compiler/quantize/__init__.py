@@ -5,7 +5,7 @@ the runtime; `HANDLERS` maps every `QuantMode` to one:
 - weight_only.py: `int8-weight-only`, `int4-weight-only` as ONNX Runtime's MatMulNBits (AWQ and
   llmc's block search, awq.py and blockwise.py, or ORT's round to nearest);
 - qdq_static.py: `int8`, `fp8` as Q/DQ for TensorRT (calibrate.py, smoothquant.py, ModelOpt in qdq.py).
-A split model's ranks (parallel.tensor) are quantized together, a process each (split.py).
+A split model's ranks (parallel.tensor) are quantized together, a process each (ranks.py).
 Every mode ends with the same quality report (quality.py) against the unquantized graph, on held-out
 text (compiler/textdata/) never used for calibration.
 
@@ -136,7 +136,7 @@ def _skip(spec: BuildSpec, done: Mapping[str, Located]) -> str | None:
 def _run(exported: Located[ExportedModel], section: QuantizationSpec, ctx: Context) -> QuantizedModel:
     previous = ctx.previous if ctx.previous.is_dir() else None
     if exported.artifact.tensor_parallel > 1:
-        from llmc.compiler.quantize.split import quantize_split
+        from llmc.compiler.quantize.ranks import quantize_split
 
         return quantize_split(exported.artifact, exported.folder, ctx.out, section, ctx.source,
                               inputs_hash=ctx.inputs_hash, num_threads=ctx.num_threads, previous=previous,

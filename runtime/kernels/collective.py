@@ -9,7 +9,7 @@ and every later call fails at once; a group that was aborted or timed out is not
 a new one. `numa_nodes()` lists the CPUs of each NUMA node, to pin ranks by.
 
 A process that is one rank of a group for its whole life (a worker the build starts to quantize its rank's graph,
-compiler/quantize/split.py) is given the group's name in its environment, GROUP_ENV: every session it opens on a
+compiler/quantize/ranks.py) is given the group's name in its environment, GROUP_ENV: every session it opens on a
 rank's graph then sums in that group, with no `group=` passed down through the code that opens them.
 
 The segment is made with the POSIX shm calls CPython's multiprocessing.shared_memory itself uses

@@ -9,7 +9,7 @@ started it over a socket pair (a `multiprocessing.connection.Connection` at each
     stop_workers(workers, conns)   in the leader: tell them to close, wait, kill one that is stuck
 
 Used by the served model's ranks (tensor_parallel.py) and the build's quantization of a split model
-(compiler/quantize/split.py). Not multiprocessing's spawn, which re-runs the caller's main script (inside Triton's
+(compiler/quantize/ranks.py). Not multiprocessing's spawn, which re-runs the caller's main script (inside Triton's
 Python backend, the stub), and whose children inherit only this process's environment.
 """
 

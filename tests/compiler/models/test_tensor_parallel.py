@@ -1,4 +1,4 @@
-"""Tensor parallelism's split (compiler/models/tensor_parallel.py) in PyTorch: every family's ranks, run as threads
+"""Tensor parallelism's split (compiler/models/parallel/shard.py) in PyTorch: every family's ranks, run as threads
 in lockstep (plugins/op/collective.py's reference collectives), reproduce the checkpoint's own model; the rules
 of which splits exist, and the refusals, name `parallel.tensor`."""
 
@@ -9,8 +9,8 @@ import torch
 
 from conftest import TINY, make_checkpoint
 from llmc.compiler.models import decoder_for
-from llmc.compiler.models.split import tensor_split
-from llmc.compiler.models.tensor_parallel import shard
+from llmc.compiler.models.parallel.heads import tensor_split
+from llmc.compiler.models.parallel.shard import shard
 from llmc.compiler.spec import parse_spec
 from llmc.errors import SpecError, UnsupportedError
 from llmc.plugins.op.collective import lockstep

@@ -1,5 +1,5 @@
 """Quantizing a split model (parallel.tensor): the ranks quantize together, a process each, their collectives meeting
-(compiler/quantize/split.py). With blocks on the rank boundaries, round to nearest gives the whole model's int4
+(compiler/quantize/ranks.py). With blocks on the rank boundaries, round to nearest gives the whole model's int4
 model, split; AWQ runs its calibration through the ranks in lockstep; a rank that fails ends the build naming it."""
 
 import multiprocessing.connection
@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from conftest import TINY_SERVING_SPEC, build_reusing_export
-from llmc.compiler.quantize.split import _supervise
+from llmc.compiler.quantize.ranks import _supervise
 from llmc.compiler.spec import parse_spec
 from llmc.errors import QuantizationError
 from llmc.runtime.kernels.collective import Group

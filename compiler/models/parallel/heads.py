@@ -1,4 +1,4 @@
-"""How N ranks share a model's attention heads (tensor parallelism, compiler/models/tensor_parallel.py), decided
+"""How N ranks share a model's attention heads (tensor parallelism, compiler/models/parallel/shard.py), decided
 from the config alone (the plan reads it without loading weights).
 
 KV heads: N divides them and each rank keeps KVH / N; or, with fewer KV heads than ranks, N is a multiple of

@@ -9,7 +9,7 @@
                       `llmc::all_gather` and the padding cut: every rank ends with the whole logits
     embeddings, norms replicated (a split embedding would cost an all-reduce of the hidden state per step)
 
-Which heads a rank keeps (the KV heads split, or replicated where there are fewer than ranks): split.py.
+Which heads a rank keeps (the KV heads split, or replicated where there are fewer than ranks): heads.py.
 
 The shard is a rebuilt decoder whose hooks read sliced copies of the HF modules (the HF model is left as it
 is: it is the reference, and the other ranks are cut from it too). Two all-reduces per layer and one gather
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 import llmc.plugins.op.collective  # noqa: F401  (registers torch.ops.llmc.all_reduce / all_gather)
 from llmc.compiler.models.base import sink_list
-from llmc.compiler.models.split import UNSPLITTABLE, tensor_split
+from llmc.compiler.models.parallel.heads import UNSPLITTABLE, tensor_split
 from llmc.errors import UnsupportedError
 
 

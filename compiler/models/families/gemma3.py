@@ -6,7 +6,7 @@ from functools import partial
 
 from llmc.compiler.models.base import HeadQKNorm, LayerAttention
 from llmc.compiler.models.family import Family
-from llmc.compiler.models.gemma2 import SandwichDecoder
+from llmc.compiler.models.families.gemma2 import SandwichDecoder
 
 
 class Gemma3Decoder(HeadQKNorm, SandwichDecoder):
