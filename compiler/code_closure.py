@@ -10,7 +10,7 @@ What counts as an edge, in the module's source:
 - `import llmc.a.b` and `from llmc.a import b`: the module `llmc.a.b` when it is one, else the package
   `llmc.a` (its `__init__`), whose name `b` is;
 - relative imports, resolved against the importing module's package;
-- a string constant naming a module, as `"llmc.runtime.runners.trt_parallel:TrtRankRunner"` (a class a worker
+- a string constant naming a module, as `"llmc.runtime.runners.parallel.trt_rank:TrtRankRunner"` (a class a worker
   process imports by name).
 A package's `__init__` is not added when only one of its submodules is imported: `from llmc.compiler import
 hashing` does not make every stage depend on the library API's `__init__`.

@@ -15,7 +15,7 @@ def missing(world: int) -> str | None:
     if torch.cuda.device_count() < world:
         return f"{world} GPUs (this machine has {torch.cuda.device_count()})"
     from llmc.runtime.runners.trt import EngineLoadError
-    from llmc.runtime.runners.trt_parallel import Nccl
+    from llmc.runtime.runners.parallel.trt_rank import Nccl
 
     try:
         Nccl()

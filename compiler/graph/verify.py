@@ -96,7 +96,7 @@ def _driver(graphs: list[Path], layout, prompts: list[list[int]], steps: int, nu
         sizes = dict(num_threads=num_threads, max_num_tokens=sum(len(p) + steps for p in prompts),
                      num_blocks=sum(map(len, paged_blocks(prompts, steps, layout.block_size))))
         if len(graphs) > 1:
-            from llmc.runtime.runners.tensor_parallel import TensorParallelRunner
+            from llmc.runtime.runners.parallel.ort_group import TensorParallelRunner
 
             runner = TensorParallelRunner(graphs, layout, **sizes)
         else:

@@ -2,7 +2,7 @@
 
 A rank's graph cannot run alone: its llmc.AllReduce / AllGather nodes meet the other ranks'. The weight-only modes
 run the graph they quantize (AWQ's calibration pass, the quality report's perplexity, agreement and speed), so
-the ranks quantize together: one worker process per rank (runtime/runners/workers.py), each running the same
+the ranks quantize together: one worker process per rank (runtime/runners/parallel/workers.py), each running the same
 `quantize()` a whole model runs, on its rank's graph, with the group's name in its environment
 (collective.GROUP_ENV), so every session it opens sums with the other ranks'. The runs are the same on every rank
 (the same windows, prompts and steps, in the same order; the sampled tokens come from the gathered logits, equal
@@ -53,7 +53,7 @@ def quantize_split(exported: ExportedModel, export_dir: Path, out_dir: Path, spe
     """Quantize each rank's graph of the split export in `export_dir` into `out_dir/rank{r}`, the ranks together;
     `num_threads` is shared out among them (0: the cores)."""
     from llmc.runtime.kernels.collective import GROUP_ENV, TIMEOUT_ENV, Group
-    from llmc.runtime.runners.workers import start_worker
+    from llmc.runtime.runners.parallel.workers import start_worker
 
     ranks = exported.tensor_parallel
     threads = max(1, (num_threads or os.cpu_count() or 1) // ranks)
@@ -118,7 +118,7 @@ def rank_main(conn: multiprocessing.connection.Connection) -> None:
     from llmc.compiler.quantize import quantize
     from llmc.compiler.source import load_tokenizer
     from llmc.runtime.kernels.collective import GROUP_ENV, Group
-    from llmc.runtime.runners.workers import die_with_parent
+    from llmc.runtime.runners.parallel.workers import die_with_parent
 
     die_with_parent()
     job = conn.recv()

@@ -15,7 +15,7 @@ prep.py has rewritten the rank's `llmc.AllReduce` / `llmc.AllGather` nodes to Te
                                  it); TensorRT 11 has it generally available and no such flag: nothing to set
 
 Each rank's engine is a separate build with its own graph (its weights are its shard); the collectives meet at run
-time through the NCCL communicator each execution context is given (runtime/runners/trt_parallel.py). Functions
+time through the NCCL communicator each execution context is given (runtime/runners/parallel/trt_rank.py). Functions
 take the `tensorrt` module as an argument and are called from engine.py's loaders, which import it when called.
 """
 

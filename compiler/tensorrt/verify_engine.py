@@ -75,7 +75,7 @@ def reference_graph(source: ExportedModel | QuantizedModel, source_dir: Path, ex
 def engine_runner(plans: list[Path], layout: KVLayout, info: TensorRTInfo, **sizes) -> Runner:
     """The runner of the engine `plans` (one per rank: a split model's run together, TrtTensorParallelRunner)."""
     if len(plans) > 1:
-        from llmc.runtime.runners.trt_tensor_parallel import TrtTensorParallelRunner
+        from llmc.runtime.runners.parallel.trt_group import TrtTensorParallelRunner
 
         return TrtTensorParallelRunner(plans, layout, info=info, **sizes)
     from llmc.runtime.runners.trt import TrtRunner

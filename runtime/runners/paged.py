@@ -36,7 +36,7 @@ class PagedRunner:
 
     def __init__(self, onnx_path: Path, layout: KVLayout, *, num_blocks: int, max_num_tokens: int,
                  num_threads: int = 0, spin_after_run: bool = True, group: str | None = None):
-        """`group`: the collective group of a tensor-parallel rank's graph (runtime/runners/tensor_parallel.py)."""
+        """`group`: the collective group of a tensor-parallel rank's graph (runtime/runners/parallel/ort_group.py)."""
         if not layout.paged:
             raise ValueError("PagedRunner runs paged graphs (kv_layout.paged); this layout is the slot form")
         if num_blocks < 1 or max_num_tokens < 1:

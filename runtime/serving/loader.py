@@ -36,7 +36,7 @@ def slot_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
 
     lim = m.limits
     if m.target == "tensorrt" and m.tensor_parallel > 1:  # a rank engine per GPU, rank 0 here, the others workers
-        from llmc.runtime.runners.trt_tensor_parallel import TrtTensorParallelRunner
+        from llmc.runtime.runners.parallel.trt_group import TrtTensorParallelRunner
 
         runner = TrtTensorParallelRunner(m.graphs(folder), m.kv_layout, max_batch=lim.max_batch_size,
                                          capacity=lim.max_seq_len, max_num_tokens=lim.max_num_tokens, info=m.tensorrt)
@@ -66,7 +66,7 @@ def paged_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
     spec = m.speculative
     drafting = spec is not None and spec.draft is not None  # two sessions in turn: neither spins after its run
     if m.tensor_parallel > 1:
-        from llmc.runtime.runners.tensor_parallel import TensorParallelRunner
+        from llmc.runtime.runners.parallel.ort_group import TensorParallelRunner
 
         runner = TensorParallelRunner(m.graphs(folder), m.kv_layout, num_blocks=num_blocks,
                                       max_num_tokens=lim.max_num_tokens, spin_after_run=not drafting,

@@ -18,7 +18,7 @@ frontend (SIGSEGV in the tritonserver binary; triton-inference-server server#736
 measured in 1 of 3 40-second soaks of 64 streams with half of them cancelled that way, and in
 none of 6 that stopped in band.
 A failing step ends the requests in flight with an error and the loop keeps serving; when the runner cannot step
-again (a rank of a split model died: runtime/runners/tensor_parallel.py), the loop loads a new engine as the first
+again (a rank of a split model died: runtime/runners/parallel/ort_group.py), the loop loads a new engine as the first
 was loaded, requests arriving meanwhile waiting for it.
 
 A beam request (beam_width W > 1, runtime/engine/beam.py) gets one response, at its end, streamed or not

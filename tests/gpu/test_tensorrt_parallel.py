@@ -2,7 +2,7 @@
 the reason): each rank's graph (a matmul by its own weight shard, then llmc's all-reduce and all-gather) is
 rewritten to DistCollective nodes (plugins/trt/collective_node.py), built by the engine loaders with the collectives
 checked (compiler/tensorrt/collectives.py), and run by one process per GPU whose execution context holds the rank's
-NCCL communicator (runtime/runners/trt_parallel.py); both ranks must get the sum of the shards' products and their
+NCCL communicator (runtime/runners/parallel/trt_rank.py); both ranks must get the sum of the shards' products and their
 products side by side in rank order."""
 
 import multiprocessing
@@ -59,7 +59,7 @@ def _rank_main(rank, plan, unique_id, x, results):
     import tensorrt as trt
 
     from llmc.runtime.runners.trt import _cuda, _ok
-    from llmc.runtime.runners.trt_parallel import Nccl, communicator_capsule
+    from llmc.runtime.runners.parallel.trt_rank import Nccl, communicator_capsule
 
     cudart = _cuda()
     _ok(cudart.cudaSetDevice(rank))
@@ -88,7 +88,7 @@ def _rank_main(rank, plan, unique_id, x, results):
 
 
 def test_two_rank_engines_reduce_and_gather_through_nccl(tmp_path):
-    from llmc.runtime.runners.trt_parallel import Nccl
+    from llmc.runtime.runners.parallel.trt_rank import Nccl
 
     plans = [_build(rank, tmp_path) for rank in range(WORLD)]
     x = np.random.default_rng(7).standard_normal((ROWS, HIDDEN)).astype(np.float32)

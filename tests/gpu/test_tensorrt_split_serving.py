@@ -3,7 +3,7 @@ here with the reason): `llmc build` with `parallel.tensor: 2` builds rank0/ and 
 together against ONNX Runtime; the repository's manifest lists both; the served model's loader runs them as
 TrtTensorParallelRunner (rank 0 here on GPU 0, rank 1 a worker on GPU 1), whose greedy tokens must equal the unsplit
 engine's on the same prompts. The CPU tests up to TensorRT are tests/compiler/trt/test_split_engine.py and
-tests/runtime/runners/test_trt_tensor_parallel.py."""
+tests/runtime/runners/test_trt_group.py."""
 
 
 from multi_gpu import marks
@@ -18,7 +18,7 @@ def test_a_two_gpu_split_builds_verifies_and_serves_the_unsplit_engines_greedy_t
     from llmc.compiler import build
     from llmc.compiler.graph.greedy import runner_greedy
     from llmc.compiler.spec import parse_spec
-    from llmc.runtime.runners.trt_tensor_parallel import TrtTensorParallelRunner
+    from llmc.runtime.runners.parallel.trt_group import TrtTensorParallelRunner
     from llmc.runtime.serving import loader
 
     base = {"name": "tiny", "source": str(tiny_llama), "target": "tensorrt", "precision": "fp16",

@@ -1,7 +1,7 @@
 """Tensor parallelism end to end on CPU: a spec's `parallel.tensor` builds one graph per rank, verified against the
 unsplit PyTorch model with the ranks as processes summing through llmc's collective kernel; the packaged model
 serves greedy tokens equal to PyTorch's, and a rank killed under load ends its requests with an error while the
-model comes back (runtime/runners/tensor_parallel.py)."""
+model comes back (runtime/runners/parallel/ort_group.py)."""
 
 import os
 import signal
@@ -18,7 +18,7 @@ from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.errors import UnsupportedError
 from llmc.runtime.runners.paged import RowStep
-from llmc.runtime.runners.tensor_parallel import RankFailed, TensorParallelRunner, rank_cpus
+from llmc.runtime.runners.parallel.ort_group import RankFailed, TensorParallelRunner, rank_cpus
 
 
 @pytest.fixture(scope="module")

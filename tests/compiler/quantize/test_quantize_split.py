@@ -17,7 +17,7 @@ from llmc.compiler.spec import parse_spec
 from llmc.errors import QuantizationError
 from llmc.runtime.kernels.collective import Group
 from llmc.runtime.runners.paged import PagedRunner, RowStep
-from llmc.runtime.runners.tensor_parallel import TensorParallelRunner
+from llmc.runtime.runners.parallel.ort_group import TensorParallelRunner
 
 RTN = {"mode": "int4-weight-only", "algorithm": "rtn", "block_size": 32}  # 32: the tiny Llama's o_proj has 32
 # input channels a rank (2 of 4 heads of 16), its down_proj 64: every block on a rank boundary

@@ -80,7 +80,7 @@ def test_the_repository_lists_every_rank_engine_and_the_loader_serves_them_toget
     from llmc.compiler.repository.triton_config import parse
     from llmc.compiler.source import inspect_source
     from llmc.runtime.manifest import RepositoryManifest
-    from llmc.runtime.runners import trt_tensor_parallel
+    from llmc.runtime.runners.parallel import trt_group as trt_tensor_parallel
     from llmc.runtime.serving import loader
 
     result, engine, _, out = split_engine

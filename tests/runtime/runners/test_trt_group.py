@@ -1,9 +1,9 @@
-"""A split TensorRT engine's leader (runtime/runners/trt_tensor_parallel.py) over stand-in rank runners, in real
+"""A split TensorRT engine's leader (runtime/runners/parallel/trt_group.py) over stand-in rank runners, in real
 worker processes: every rank gets the group's NCCL id, its rank and its GPU, and every call, in the same order; the
 stand-in's step meets the other ranks' at a barrier, as an engine's NCCL collectives do, and its abort() ends that
 wait, as ncclCommAbort does. A worker that fails or dies, or rank 0 failing, makes the step raise RankFailed naming
 the rank, and every later call too; a worker that cannot load its engine fails the start. The TrtRankRunner itself
-is tested in test_trt_parallel_runner.py; the real 2-GPU run is tests/gpu/test_tensorrt_split_serving.py."""
+is tested in test_trt_rank.py; the real 2-GPU run is tests/gpu/test_tensorrt_split_serving.py."""
 
 import types
 
@@ -12,8 +12,8 @@ import pytest
 
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.runners.protocol import RunnerClosed
-from llmc.runtime.runners.tensor_parallel import RankFailed
-from llmc.runtime.runners.trt_tensor_parallel import TrtTensorParallelRunner
+from llmc.runtime.runners.parallel.ort_group import RankFailed
+from llmc.runtime.runners.parallel.trt_group import TrtTensorParallelRunner
 
 FAKE_RANK = '''
 import os, time

@@ -8,7 +8,7 @@ started it over a socket pair (a `multiprocessing.connection.Connection` at each
     serve_calls(conn, runner, rank, abort)   in the worker: run the leader's calls on the rank's runner
     stop_workers(workers, conns)   in the leader: tell them to close, wait, kill one that is stuck
 
-Used by the served model's ranks (tensor_parallel.py) and the build's quantization of a split model
+Used by the served model's ranks (ort_group.py, trt_group.py) and the build's quantization of a split model
 (compiler/quantize/ranks.py). Not multiprocessing's spawn, which re-runs the caller's main script (inside Triton's
 Python backend, the stub), and whose children inherit only this process's environment.
 """

@@ -30,7 +30,7 @@ from typing import Collection, Iterable, Sequence
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.runners.paged import PagedRunner, RowStep
 from llmc.runtime.runners.protocol import RunnerBroken, RunnerClosed
-from llmc.runtime.runners.workers import die_with_parent, serve_calls, start_worker, stop_workers
+from llmc.runtime.runners.parallel.workers import die_with_parent, serve_calls, start_worker, stop_workers
 
 __all__ = ["RankFailed", "TensorParallelRunner"]
 

@@ -17,7 +17,7 @@ ncclCommAbort, ncclGetErrorString, as vLLM's pynccl wrapper does), from the `nvi
 torch's CUDA wheels install) or the system's libnccl.so.2 (`LLMC_NCCL_LIBRARY` names another): that API is stable
 and documented, and it hands out the raw pointer set_communicator needs (cupy's NcclCommunicator keeps its
 pointer private). Rank 0 makes the unique id (128 bytes) and passes it to the other ranks' processes with their
-other settings (trt_tensor_parallel.py's TrtTensorParallelRunner sends each worker its spec); `ncclCommInitRank`
+other settings (trt_group.py's TrtTensorParallelRunner sends each worker its spec); `ncclCommInitRank`
 blocks until every rank has joined. The device is selected (cudaSetDevice) before NCCL or TensorRT touch it, as NCCL requires.
 """
 

@@ -1,4 +1,4 @@
-"""A split model's rank on TensorRT (runtime/runners/trt_parallel.py), up to the GPU: the NCCL calls through ctypes
+"""A split model's rank on TensorRT (runtime/runners/parallel/trt_rank.py), up to the GPU: the NCCL calls through ctypes
 against a stand-in libnccl compiled here (the unique id passed by value, the communicator pointer handed out), the
 PyCapsule set_communicator takes, and TrtRankRunner over stand-ins for TensorRT and cuda-python: the device chosen
 before NCCL and TensorRT, every execution context given the communicator, the communicator destroyed after the
@@ -15,9 +15,9 @@ import pytest
 from test_trt_runner import _Cuda as _RuntimeCuda
 
 from llmc.runtime.layout import KVLayout
-from llmc.runtime.runners import trt_parallel
+from llmc.runtime.runners.parallel import trt_rank as trt_parallel
 from llmc.runtime.runners.trt import EngineLoadError
-from llmc.runtime.runners.trt_parallel import (CAPSULE_NAME, Nccl, NcclError, RankGroup, TrtRankRunner,
+from llmc.runtime.runners.parallel.trt_rank import (CAPSULE_NAME, Nccl, NcclError, RankGroup, TrtRankRunner,
                                                communicator_capsule)
 
 STUB = r"""

@@ -3,14 +3,14 @@ ranks 1 .. N-1 in worker processes on GPUs 1 .. N-1 (the order CUDA_VISIBLE_DEVI
 
 `TrtTensorParallelRunner` is a drop-in for `TrtRunner` (runtime/runners/trt.py): the same `step(input_ids,
 cache_position, first_row, sequence_lengths)`, `close`, `rows`, `capacity`, `layout`. Each rank is a
-`TrtRankRunner` (trt_parallel.py) on its own engine (`rank{r}/model.plan`: its heads, its slices of the
+`TrtRankRunner` (trt_rank.py) on its own engine (`rank{r}/model.plan`: its heads, its slices of the
 projections, its KV heads) with its own KV cache. Rank 0 makes the NCCL unique id; each worker is sent it with its
 rank, GPU and engine, and every rank's `ncclCommInitRank` waits for the others (rank 0's runs on a thread while the
 workers are watched, so a worker that cannot start is reported, not waited for). A call here is sent to every worker
 down its socket, then run here; the engines' DistCollective layers meet in NCCL, which is what keeps the ranks in
 step, so nothing waits for the workers' replies: a worker writes back only when a call fails. Every rank's engine
 ends with the gathered logits; rank 0's are returned. The same shape as the ONNX Runtime split
-(runtime/runners/tensor_parallel.py), whose `RankFailed`, worker start and timeouts this reuses.
+(runtime/runners/parallel/ort_group.py), whose `RankFailed`, worker start and timeouts this reuses.
 
 Failure: a worker whose call fails aborts its communicator and reports why; a watchdog thread here reads the report,
 or sees a worker process end, then aborts rank 0's communicator (ncclCommAbort: a step waiting in a collective for
@@ -32,13 +32,13 @@ from typing import Sequence
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.manifest import TensorRTInfo
 from llmc.runtime.runners.protocol import RunnerClosed
-from llmc.runtime.runners.tensor_parallel import READY_TIMEOUT_S, WATCH_INTERVAL_S, RankFailed
-from llmc.runtime.runners.trt_parallel import RankGroup
-from llmc.runtime.runners.workers import die_with_parent, serve_calls, start_worker, stop_workers
+from llmc.runtime.runners.parallel.ort_group import READY_TIMEOUT_S, WATCH_INTERVAL_S, RankFailed
+from llmc.runtime.runners.parallel.trt_rank import RankGroup
+from llmc.runtime.runners.parallel.workers import die_with_parent, serve_calls, start_worker, stop_workers
 
 __all__ = ["RANK_RUNNER", "TrtTensorParallelRunner"]
 
-RANK_RUNNER = "llmc.runtime.runners.trt_parallel:TrtRankRunner"  # what each rank runs ("module:class")
+RANK_RUNNER = "llmc.runtime.runners.parallel.trt_rank:TrtRankRunner"  # what each rank runs ("module:class")
 
 
 def make_rank(spec: dict, nccl=None):
@@ -82,7 +82,7 @@ class TrtTensorParallelRunner:
                  max_num_tokens: int, info: TensorRTInfo | None = None, devices: Sequence[int] | None = None,
                  nccl=None, runner: str = RANK_RUNNER):
         """`engines`: each rank's engine, in rank order; `devices`: each rank's CUDA device (default: rank r on
-        device r); `nccl`: the NCCL library (trt_parallel.Nccl(), the default) rank 0 makes the group's id with;
+        device r); `nccl`: the NCCL library (trt_rank.Nccl(), the default) rank 0 makes the group's id with;
         `runner`: the rank runner class, "module:class"."""
         ranks = len(engines)
         if ranks < 2:
@@ -91,7 +91,7 @@ class TrtTensorParallelRunner:
         if len(devices) != ranks:
             raise ValueError(f"{ranks} ranks need {ranks} devices, one each (got {devices})")
         if nccl is None:
-            from llmc.runtime.runners.trt_parallel import Nccl
+            from llmc.runtime.runners.parallel.trt_rank import Nccl
 
             nccl = Nccl()
         self.ranks, self.layout, self.rows, self.capacity = ranks, layout, max_batch, capacity
