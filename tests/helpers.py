@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import RecordingSink, request_inputs
+from serving_rig import RecordingSink, request_inputs
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.serving.loop import ServingLoop
 from llmc.runtime.serving.metrics import ServingMetrics

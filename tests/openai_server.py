@@ -10,7 +10,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import SERVING_ENV, TINY_SERVING_SPEC, add_model_variant, serving_env
+from checkpoints import TINY_SERVING_SPEC
+from serving_rig import SERVING_ENV, add_model_variant, serving_env
 from llmc.openai.server import OpenAIServer
 from llmc.triton_server import TritonServer, assemble, free_port
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_checkpoint
+from checkpoints import make_checkpoint
 from llmc.compiler.models import SUPPORTED_MODEL_TYPES
 from llmc.compiler.models.config import GGUF_ARCHITECTURES
 from llmc.compiler.source import inspect_source, load_model

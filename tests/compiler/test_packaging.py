@@ -3,7 +3,7 @@
 import subprocess
 import sys
 import zipfile
-from conftest import REPO
+from checkpoints import REPO
 
 
 

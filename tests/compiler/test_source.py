@@ -9,7 +9,7 @@ from llmc.compiler.source import inspect_source, load_model
 from llmc.compiler.spec import SourceSpec
 from llmc.errors import SourceError
 
-from conftest import make_checkpoint
+from checkpoints import make_checkpoint
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path, tiny_llama):

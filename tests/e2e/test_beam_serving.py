@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from conftest import TINY_SERVING_SPEC, RecordingSink, build_reusing_export, request_inputs, serving_env
+from checkpoints import TINY_SERVING_SPEC
+from serving_rig import RecordingSink, request_inputs, serving_env
+from shared_builds import build_reusing_export
 from llmc.compiler.spec import parse_spec
 from llmc.compiler.repository.triton_config import parse
 from llmc.errors import SpecError

@@ -15,7 +15,7 @@ import pytest
 
 from llmc.supervisor import children as children_of
 from llmc.triton_server import free_port
-from conftest import SERVING_ENV, serving_env, shm, stub_shm_regions
+from serving_rig import SERVING_ENV, serving_env, shm, stub_shm_regions
 
 LLMC = Path(sys.executable).parent / "llmc"
 pytestmark = pytest.mark.triton

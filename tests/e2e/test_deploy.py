@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BackgroundLoad, serving_env
+from serving_rig import BackgroundLoad, serving_env
 from llmc.client import Client
 from llmc.fleet.deploy import DeployError, deploy, versions
 from llmc.triton_server import TritonServer, assemble

@@ -10,7 +10,9 @@ import shutil
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from conftest import TINY_SERVING_SPEC, byte_tokenizer, complete_on_triton, write_spec
+from checkpoints import byte_tokenizer, write_spec
+from checkpoints import TINY_SERVING_SPEC
+from serving_rig import complete_on_triton
 from llmc.compiler import build
 from llmc.compiler.pipeline.plan import plan_build
 from llmc.compiler.spec import load_spec, parse_spec
@@ -94,7 +96,7 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_both_tokenizers(tiny_
 
 
 def test_a_draft_with_the_same_tokenizer_but_another_vocab_size_is_refused(tiny_checkpoints, tmp_path):
-    from conftest import make_checkpoint
+    from checkpoints import make_checkpoint
 
     wide = make_checkpoint("llama", tmp_path / "wide", vocab_size=300, num_hidden_layers=1)  # the byte tokenizer
     with pytest.raises(SourceError, match=r"the models' vocab_size differ \(300 vs 256\)"):

@@ -22,8 +22,9 @@ TOKENS, BLOCKS = 40, 256
 @pytest.fixture(scope="module")
 def smollm2_draft_builds(tmp_path_factory):
     """The version folder of SmolLM2 built with an int4 self-draft (the target's export: the run's shared one,
-    conftest.build_reusing_export), and a 4-layer draft's export."""
-    from conftest import SMOLLM2, build_reusing_export
+    shared_builds.build_reusing_export), and a 4-layer draft's export."""
+    from checkpoints import SMOLLM2
+    from shared_builds import build_reusing_export
     from helpers import truncated
 
     if not (SMOLLM2 / "config.json").is_file():

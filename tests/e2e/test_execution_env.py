@@ -14,7 +14,7 @@ import tarfile
 
 import pytest
 
-from conftest import TINY_SERVING_SPEC
+from checkpoints import TINY_SERVING_SPEC
 from llmc.client import Client
 from llmc.compiler import build
 from llmc.compiler.repository import environment

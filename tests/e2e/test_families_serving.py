@@ -11,7 +11,10 @@ import shutil
 
 import pytest
 
-from conftest import TINY_SERVING_SPEC, build_reusing_export, byte_tokenizer, greedy_reference, serving_env
+from checkpoints import byte_tokenizer
+from checkpoints import TINY_SERVING_SPEC
+from serving_rig import greedy_reference, serving_env
+from shared_builds import build_reusing_export
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 FAMILIES = ("gemma2", "phi3", "smollm3", "gemma3_text", "qwen3", "gemma", "granite", "olmo2", "nemotron", "mixtral",

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import BackgroundLoad, serving_env
+from serving_rig import BackgroundLoad, serving_env
 from llmc.soak import soak
 from llmc.triton_server import TritonServer, assemble
 

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from conftest import BackgroundLoad, serving_env
+from serving_rig import BackgroundLoad, serving_env
 from llmc.client import Client
 from llmc.fleet.deploy import DeployError, deploy
 from llmc.fleet.objectstore import open_store

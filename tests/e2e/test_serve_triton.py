@@ -11,7 +11,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import SERVING_ENV, add_model_variant, byte_tokenizer, greedy_reference, serving_env
+from checkpoints import byte_tokenizer
+from serving_rig import SERVING_ENV, add_model_variant, greedy_reference, serving_env
 from llmc.client import AsyncClient, Client, Generation, GenerationError
 from llmc.client import stream as client_stream
 from llmc.soak import llmc_metrics

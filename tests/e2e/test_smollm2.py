@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 
 from llmc.compiler import load_spec
-from conftest import REPO, SERVING_ENV, build_reusing_export, serving_env
+from checkpoints import REPO
+from serving_rig import SERVING_ENV, serving_env
+from shared_builds import build_reusing_export
 
 
 
@@ -15,8 +17,8 @@ from conftest import REPO, SERVING_ENV, build_reusing_export, serving_env
 @pytest.fixture(scope="module")
 def example_build(tmp_path_factory):
     """Builds of the example spec by attention lowering, made on first use; the export (~70 s) is the run's
-    shared one, which test_draft_smollm2.py and the SmolLM2 beam test build too (conftest.build_reusing_export)."""
-    from conftest import SMOLLM2
+    shared one, which test_draft_smollm2.py and the SmolLM2 beam test build too (shared_builds.build_reusing_export)."""
+    from checkpoints import SMOLLM2
     from llmc.compiler.spec import parse_spec
 
     if not (SMOLLM2 / "config.json").is_file():
@@ -67,7 +69,7 @@ def served_example(example_build, tmp_path_factory):
 @pytest.fixture(scope="module")
 def smollm2_torch(example_build):
     """SmolLM2 in PyTorch and its tokenizer (example_build skips when models/smollm2 is missing)."""
-    from conftest import SMOLLM2
+    from checkpoints import SMOLLM2
     from llmc.compiler.source import inspect_source, load_model
     from llmc.compiler.spec import SourceSpec
 
@@ -77,7 +79,7 @@ def smollm2_torch(example_build):
 @pytest.mark.slow
 @pytest.mark.triton
 def test_example_served_through_triton_equals_pytorch_greedy(served_example, smollm2_torch):
-    from conftest import greedy_reference
+    from serving_rig import greedy_reference
     from llmc.client import Client
 
     result, server = served_example
@@ -109,7 +111,7 @@ def test_example_chat_through_the_openai_api_equals_hf_greedy_continuation(serve
     HF's greedy continuation of apply_chat_template(messages, add_generation_prompt=True)."""
     from transformers import AutoTokenizer
 
-    from conftest import greedy_reference
+    from serving_rig import greedy_reference
 
     result, _ = served_example
     model, _ = smollm2_torch

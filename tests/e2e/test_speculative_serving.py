@@ -5,7 +5,9 @@ reports TensorRT-LLM's speculative-decoding figures as llmc_spec_decode_* metric
 import pytest
 from pydantic import ValidationError
 
-from conftest import TINY_SERVING_SPEC, build_reusing_export, complete_on_triton
+from checkpoints import TINY_SERVING_SPEC
+from serving_rig import complete_on_triton
+from shared_builds import build_reusing_export
 from helpers import serve_prompts, served_with_and_without_speculation
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.manifest import RepositoryManifest, SpeculativeConfig

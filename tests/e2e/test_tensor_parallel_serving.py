@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from conftest import TINY_SERVING_SPEC, byte_tokenizer, greedy_reference, serving_env
+from checkpoints import byte_tokenizer
+from checkpoints import TINY_SERVING_SPEC
+from serving_rig import greedy_reference, serving_env
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 PROMPT = "Once upon a time, in a small village by the sea, there lived"

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SERVING_ENV, serving_env, shm, stub_shm_regions
+from serving_rig import SERVING_ENV, serving_env, shm, stub_shm_regions
 from llmc.triton_server import Ports, TritonError, TritonServer, assemble
 
 pytestmark = pytest.mark.triton

@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 
-from conftest import REPO
+from checkpoints import REPO
 
 ROOT = REPO
 CONTRACTS = len(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"])

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import write_spec
+from checkpoints import write_spec
 
 LLMC = Path(sys.executable).parent / "llmc"
 
@@ -101,7 +101,7 @@ def test_minimal_spec_takes_its_limits_from_the_checkpoint_and_prints_only_llmc(
     the command prints llmc's own lines only (no library warnings)."""
     import json
 
-    from conftest import make_checkpoint
+    from checkpoints import make_checkpoint
 
     ckpt = make_checkpoint("qwen2", tmp_path / "qwen2", max_position_embeddings=1024)
     spec = write_spec(tmp_path, {"name": "q", "source": str(ckpt)})

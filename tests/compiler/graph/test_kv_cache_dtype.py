@@ -9,7 +9,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from conftest import TINY_SERVING_SPEC, RecordingSink, request_inputs
+from checkpoints import TINY_SERVING_SPEC
+from serving_rig import RecordingSink, request_inputs
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.errors import SpecError

@@ -50,7 +50,7 @@ def test_a_planted_routing_tie_verifies_and_is_reported(tmp_path):
     experts exactly: verify passes with its logits compared before that position, and says where it was."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conftest import make_checkpoint
+    from checkpoints import make_checkpoint
 
     checkpoint = make_checkpoint("mixtral", tmp_path / "ckpt")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)

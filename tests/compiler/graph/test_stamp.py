@@ -22,7 +22,7 @@ SECOND_HALF = {"qwen3_moe": {"mlp_only_layers": [1, 4]}}
 
 def doubled(model_type: str) -> dict:
     """The tiny config with twice the layers, every per-layer list repeated."""
-    from conftest import TINY
+    from checkpoints import TINY
 
     config = {**TINY[model_type], **PATTERNS.get(model_type, {})}
     n = config["num_hidden_layers"]
@@ -32,7 +32,7 @@ def doubled(model_type: str) -> dict:
 
 @pytest.mark.parametrize("model_type", PATTERNED)
 def test_a_doubled_decoder_stamps_its_second_half_and_verifies(tmp_path, model_type):
-    from conftest import make_checkpoint
+    from checkpoints import make_checkpoint
 
     config = doubled(model_type)
     checkpoint = make_checkpoint(model_type, tmp_path / "ckpt", **config)

@@ -12,8 +12,10 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import (TINY_SERVING_SPEC, RecordingSink, build_reusing_export, byte_tokenizer, greedy_reference,
-                      make_checkpoint, request_inputs)
+from checkpoints import byte_tokenizer, make_checkpoint
+from checkpoints import TINY_SERVING_SPEC
+from serving_rig import RecordingSink, greedy_reference, request_inputs
+from shared_builds import build_reusing_export
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.errors import UnsupportedError

@@ -23,7 +23,7 @@ def _verified(checkpoint, folder, **spec):
 
 @pytest.mark.parametrize("model_type", NEW)
 def test_minimal_spec_builds_the_paged_graph_and_verifies(tiny_checkpoints, tmp_path, tmp_path_factory, model_type):
-    from conftest import offer_export
+    from shared_builds import offer_export
 
     report = _verified(tiny_checkpoints[model_type], tmp_path / "out")
     assert "paged attention" in report.candidate and max(report.cases[1].prompt_lengths) > 8  # past every window
@@ -45,7 +45,7 @@ def test_the_reference_graph_verifies(tiny_checkpoints, tmp_path, model_type):
 
 
 def test_a_lowering_that_cannot_express_the_model_names_what_forces_paged(tmp_path):
-    from conftest import make_checkpoint
+    from checkpoints import make_checkpoint
 
     ckpt = make_checkpoint("qwen3", tmp_path / "q", head_dim=24)  # GQA's CPU kernel wants multiples of 16
     spec = parse_spec({"name": "t", "source": str(ckpt), "export": {"attention": "fused"}})
@@ -60,7 +60,7 @@ def test_a_multimodal_gemma3_checkpoint_builds_its_text_model(tiny_checkpoints, 
     import torch
     from transformers import AutoModelForCausalLM, Gemma3Config, PreTrainedTokenizerFast
 
-    from conftest import TINY, byte_tokenizer
+    from checkpoints import TINY, byte_tokenizer
 
     torch.manual_seed(0)
     config = Gemma3Config(text_config=TINY["gemma3_text"], vision_config=dict(

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import TINY
+from checkpoints import TINY
 from llmc.compiler.models import FAMILIES, SUPPORTED_MODEL_TYPES, decoder_for
 from llmc.compiler.source import inspect_source
 from llmc.compiler.spec import SourceSpec
@@ -161,7 +161,7 @@ def test_fixed_table_rope_variants_match(rope):
 def test_dynamic_rope_is_refused_naming_the_field(tmp_path):
     import json
 
-    from conftest import make_checkpoint
+    from checkpoints import make_checkpoint
 
     ckpt = make_checkpoint("llama", tmp_path / "dyn", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                         "rope_theta": 10000.0})

@@ -2,7 +2,7 @@
 
 import re
 
-from conftest import REPO
+from checkpoints import REPO
 from llmc.compiler.models import FAMILIES
 
 

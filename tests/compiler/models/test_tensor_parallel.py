@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from conftest import TINY, make_checkpoint
+from checkpoints import TINY, make_checkpoint
 from llmc.compiler.models import decoder_for
 from llmc.compiler.models.parallel.heads import tensor_split
 from llmc.compiler.models.parallel.shard import shard

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from checkpoints import REPO
 from llmc.compiler import code_closure, hashing
 from llmc.compiler.pipeline.stages import STAGES
 

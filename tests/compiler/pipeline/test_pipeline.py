@@ -13,7 +13,7 @@ from llmc.compiler import build
 from llmc.compiler.spec import load_spec, parse_spec
 from llmc.errors import SpecError, UnsupportedError
 
-from conftest import make_checkpoint, write_spec
+from checkpoints import make_checkpoint, write_spec
 
 
 def _statuses(result):
@@ -168,7 +168,7 @@ def test_one_changed_byte_in_a_kernel_source_or_a_runner_changes_the_keys_of_wha
     import importlib.util
     import shutil
 
-    from conftest import REPO
+    from checkpoints import REPO
 
     spec = importlib.util.spec_from_file_location("lint_imports", REPO / "scripts" / "lint_imports.py")
     lint_imports = importlib.util.module_from_spec(spec)

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import TINY
+from checkpoints import TINY
 from llmc.compiler.quantize import HANDLERS, check_quality_gate, quantize
 from llmc.compiler.quantize.calibrate import run_tensors
 from llmc.compiler.quantize.handler import gemms_as_matmuls, untie_lm_head

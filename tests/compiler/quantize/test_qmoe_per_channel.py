@@ -82,7 +82,7 @@ def test_an_odd_width_that_fills_no_whole_byte_at_4_bits_names_the_mode_that_bui
 
 def test_a_mixtral_whose_widths_share_no_block_builds_int4(tmp_path):
     """Hidden 64 beside intermediate 200: the dense layers take blocks of 32, the experts per channel."""
-    from conftest import make_checkpoint
+    from checkpoints import make_checkpoint
     from llmc.compiler import build
     from llmc.compiler.spec import parse_spec
 

@@ -8,7 +8,8 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import assert_serves_like_its_graph, write_spec
+from checkpoints import write_spec
+from serving_rig import assert_serves_like_its_graph
 from llmc.compiler import build
 from llmc.compiler.quantize.handler import untie_lm_head
 from llmc.compiler.spec import parse_spec
@@ -157,7 +158,7 @@ def test_calibration_file_problems_name_the_field_and_file(tmp_path, name, conte
 def test_text_and_jsonl_files_are_read_and_windows_need_enough_tokens(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
-    from conftest import byte_tokenizer
+    from checkpoints import byte_tokenizer
 
     tok = PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer())
     (tmp_path / "a.txt").write_text("first document\n\nsecond one")
@@ -182,7 +183,7 @@ def test_a_missing_calibration_file_fails_the_build_early(tiny_llama, tmp_path):
 
 
 def test_the_check_asks_each_mode_for_what_it_needs(tiny_llama, tmp_path):
-    from conftest import make_checkpoint
+    from checkpoints import make_checkpoint
     from llmc.compiler.quantize import check
     from llmc.compiler.source import inspect_source
 
@@ -258,7 +259,7 @@ def test_a_4bit_repository_carries_the_cpu_kernel_for_hosts_without_a_compiler(i
     serving Python (no compiler on PATH, an empty cache) swaps the kernel into the served graph."""
     import subprocess
 
-    from conftest import serving_env
+    from serving_rig import serving_env
     from llmc.runtime.kernels import cpu_kernels
 
     if cpu_kernels.library() is None:

@@ -11,7 +11,8 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import TINY_SERVING_SPEC, build_reusing_export
+from checkpoints import TINY_SERVING_SPEC
+from shared_builds import build_reusing_export
 from llmc.compiler.quantize.ranks import _supervise
 from llmc.compiler.spec import parse_spec
 from llmc.errors import QuantizationError
@@ -72,7 +73,7 @@ def test_round_to_nearest_on_rank_boundaries_is_the_whole_models_int4_split(tiny
 
 def test_awq_calibrates_through_the_ranks_and_the_split_int4_model_serves(tiny_checkpoints, tmp_path_factory):
     from llmc.runtime.serving.loop import ServingLoop
-    from conftest import RecordingSink, request_inputs
+    from serving_rig import RecordingSink, request_inputs
 
     spec = parse_spec({"name": "tiny", "source": str(tiny_checkpoints["llama"]), "parallel": {"tensor": 2},
                        "quantization": {"mode": "int4-weight-only"}, **TINY_SERVING_SPEC})

@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import assert_serves_like_its_graph
+from serving_rig import assert_serves_like_its_graph
 from llmc.compiler import build
 from llmc.compiler.quantize.calibrate import Calibration, calibrate, calibration_key, weight_matmul_inputs
 from llmc.compiler.spec import parse_spec

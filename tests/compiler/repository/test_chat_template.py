@@ -71,7 +71,7 @@ def test_the_spec_overrides_the_checkpoint_and_broken_templates_fail_the_build(t
 
 def test_spec_paths_resolve_against_the_spec_folder(tmp_path, tiny_llama):
     from llmc.compiler.spec import load_spec
-    from conftest import write_spec
+    from checkpoints import write_spec
 
     spec = load_spec(write_spec(tmp_path, {"name": "m", "source": str(tiny_llama),
                                            "serving": {"chat_template": "chat.jinja"}}))

@@ -11,7 +11,7 @@ from llmc.compiler.repository.package import copy_runtime, requirements
 from llmc.compiler.repository.triton_config import parse
 from llmc.runtime.manifest import ManifestError, RepositoryManifest
 from llmc.runtime.serving.tensors import OUTPUTS, SCALARS, TEXTS
-from conftest import SERVING_ENV
+from serving_rig import SERVING_ENV
 
 
 

@@ -7,7 +7,7 @@ import pytest
 from llmc.compiler.spec import BuildSpec, QuantMode, Target, load_spec, parse_spec
 from llmc.errors import SpecError
 
-from conftest import write_spec
+from checkpoints import write_spec
 
 
 def test_smallest_spec_gets_defaults(tmp_path):

@@ -7,7 +7,7 @@ ranks itself; the loader serves it with TrtTensorParallelRunner; the stage refus
 
 import pytest
 
-from conftest import build_reusing_export
+from shared_builds import build_reusing_export
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.manifest import TensorRTInfo
 

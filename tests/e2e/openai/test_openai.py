@@ -12,7 +12,8 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import byte_tokenizer, greedy_reference
+from checkpoints import byte_tokenizer
+from serving_rig import greedy_reference
 from llmc.compiler.repository.triton_config import parse
 from llmc.runtime.manifest import RepositoryManifest
 from openai_server import BUSY, MESSAGES, TEMPLATE, torch_logprobs

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import byte_tokenizer
+from checkpoints import byte_tokenizer
 from llmc.openai.protocol import ChatRequest
 from llmc.openai.structured import guide_of
 from llmc.openai.tool_parsers import AutoToolStream, default_messages, detect, parse

@@ -9,7 +9,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from conftest import byte_tokenizer
+from checkpoints import byte_tokenizer
 from llmc.runtime.decoding.grammar import (Guide, GuideCompiler, GuideError, apply_bitmask, next_token_bitmask,
                                            token_bitmask)
 from llmc.runtime.decoding.sampling import SamplingParams, sample_rows

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import byte_tokenizer
+from checkpoints import byte_tokenizer
 from llmc.runtime.decoding.grammar import Guide, GuideCompiler, next_token_bitmask
 from llmc.runtime.decoding.sampling import SamplingParams, sample_rows
 

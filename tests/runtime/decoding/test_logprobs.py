@@ -4,7 +4,8 @@ PyTorch's log_softmax of the HF model's logits for greedy and sampled requests, 
 import numpy as np
 import pytest
 
-from conftest import RecordingSink, byte_tokenizer, request_inputs
+from checkpoints import byte_tokenizer
+from serving_rig import RecordingSink, request_inputs
 from llmc.runtime.decoding.logprobs import LogprobRecorder, log_softmax
 from llmc.runtime.serving.loop import ServingLoop
 

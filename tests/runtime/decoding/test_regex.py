@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import byte_tokenizer
+from checkpoints import byte_tokenizer
 from llmc.runtime.decoding.grammar import Guide, GuideCompiler, GuideError
 from llmc.runtime.decoding.regex import ecma_schema, ecma_to_rust
 

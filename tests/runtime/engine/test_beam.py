@@ -176,7 +176,7 @@ def test_smollm2_beams_equal_transformers_beam_search(smollm2, tmp_path, tmp_pat
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    from conftest import build_reusing_export
+    from shared_builds import build_reusing_export
 
     spec = parse_spec({"name": "s", "source": str(smollm2), "export": {"attention": "paged"},
                        "verify": {"enabled": False}})

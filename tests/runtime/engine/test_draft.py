@@ -135,7 +135,7 @@ def test_guided_rows_take_a_drafts_proposals_under_their_grammar_and_keep_their_
     obeys its grammar; guided rows alone do take the draft's proposals."""
     import re
 
-    from conftest import byte_tokenizer
+    from checkpoints import byte_tokenizer
     from llmc.runtime.decoding.grammar import Guide, GuideCompiler
 
     compiler, end = GuideCompiler(byte_tokenizer(), [2], 256), (2,)

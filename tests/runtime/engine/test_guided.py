@@ -11,7 +11,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from conftest import byte_tokenizer
+from checkpoints import byte_tokenizer
 from llmc.runtime.decoding.grammar import Guide, GuideCompiler
 from llmc.runtime.decoding.logprobs import Logprobs
 from llmc.runtime.decoding.sampling import SamplingParams

@@ -7,7 +7,7 @@ left in the prefix cache, on the paged and the slot engine; a beam search that w
 
 import pytest
 
-from conftest import TINY, make_checkpoint
+from checkpoints import TINY, make_checkpoint
 from helpers import run_greedy
 from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine.paged_engine import PagedEngine

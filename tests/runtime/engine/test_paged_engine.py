@@ -6,7 +6,7 @@ full pool only queues."""
 import numpy as np
 import pytest
 
-from conftest import greedy_reference
+from serving_rig import greedy_reference
 from llmc.runtime.engine.paged_engine import PagedEngine
 from llmc.runtime.runners.paged import PagedRunner
 from llmc.runtime.decoding.sampling import SamplingParams

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import build_reusing_export
+from shared_builds import build_reusing_export
 from llmc.compiler.source import inspect_source, load_model
 from llmc.compiler.spec import parse_spec
 from llmc.compiler.graph.greedy import torch_greedy

@@ -141,7 +141,7 @@ def test_seeded_sampling_and_logprobs_with_speculation_equal_without(paged):
 
 
 def test_a_stop_word_inside_accepted_proposals_ends_the_request_where_it_would_without(paged):
-    from conftest import byte_tokenizer
+    from checkpoints import byte_tokenizer
 
     def run(speculative, stop_words=()):
         folder, exported = paged

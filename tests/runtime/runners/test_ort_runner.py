@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import build_reusing_export
+from shared_builds import build_reusing_export
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.runners.ort import OrtRunner
 from llmc.runtime.runners.protocol import Runner, RunnerClosed

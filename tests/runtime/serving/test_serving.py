@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import RecordingSink, byte_tokenizer, greedy_reference, request_inputs
+from checkpoints import byte_tokenizer
+from serving_rig import RecordingSink, greedy_reference, request_inputs
 from helpers import Recorder
 from llmc.runtime.engine.core import CacheState
 from llmc.runtime.serving.metrics import ServingMetrics
