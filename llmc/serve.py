@@ -135,7 +135,7 @@ def bench(build_dir: Path | None, *, url: str | None, model: str | None, concurr
     over the first's)."""
     import asyncio
 
-    from llmc.bench import run_load
+    from llmc.bench.load import run_load
     from llmc.console import progress_bar
 
     if sweep:

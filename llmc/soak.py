@@ -20,7 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from llmc.bench import make_prompt
+from llmc.bench.load import make_prompt
 from llmc.client import AsyncClient, Generation, GenerationError
 
 # (parameters, what the server's error must mention): requests every llmc model must refuse

@@ -1,10 +1,10 @@
-"""`llmc bench`'s prompts (llmc/bench.py): every request has its own, sharing no KV block with
+"""`llmc bench`'s prompts (llmc/bench/load.py): every request has its own, sharing no KV block with
 another (a prefix cache must not turn repeats into speed), and with a shared system prompt every
 request starts with the same one and then differs."""
 
 import pytest
 
-from llmc.bench import make_prompt, prompts, system_prompt
+from llmc.bench.load import make_prompt, prompts, system_prompt
 
 BLOCK_WORDS = 4  # prompts must differ within this many words: less than one KV block of tokens
 

@@ -1,0 +1,1 @@
+"""Peer benchmarks: llmc against HF transformers, onnxruntime-genai and llama.cpp on one checkpoint."""

@@ -1,0 +1,166 @@
+"""How fast llmc's 4-bit decode tile streams weights, against a plain read of the same bytes:
+
+    .venv/bin/python -m llmc.bench q4-stream [--k 2048] [--n 2048] [--layers 300] [--copies 2]
+        [--rounds 6] [--reps 4] [--isa avx512vnni]
+
+Batch-1 decode streams every weight once a step, so its ceiling is the bytes the cores can read. This
+measures the tile alone, with no ONNX Runtime around it: a C harness (compiled here with the kernel's own
+sources) runs q4_prepare / q4_run at one row, on one thread, over `--layers` random K x N layers made in
+MatMulNBits' layout (4-bit codes, fp32 scales, 4-bit zero points: 0.64 bytes a weight; 300 x 2048 x 2048
+is 806 MB, out of any cache) and repacked by q4_pack into the kernel's one stream, as a session does; the
+best of `--reps` passes is its time. The same harness reads the same
+number of bytes with a plain vector loop that asks for lines as far ahead as the tile does. `--copies` copies of each run at once, each on its own thread
+(one per core, as a decode step's threads do), in `--rounds` rounds with the order alternating; the benchmark
+prints the GB/s of each (summed over the copies; medians over the rounds) and the tile's share of the read's rate, the
+share of the memory stream the tile leaves unused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+import tempfile
+from pathlib import Path
+
+from llmc.bench.harness import UsageError, in_turn, median
+from llmc.runtime.kernels import cpu_kernels
+
+KERNEL = cpu_kernels.HERE / "matmul_nbits4"
+HARNESS = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+#include "matmul_nbits4.h"
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static uint64_t next(uint64_t *s) { *s = *s * 6364136223846793005ull + 1442695040888963407ull; return *s >> 33; }
+
+/* best seconds of `reps` passes of one row through `layers` random k x n layers (made in MatMulNBits' layout,
+ * then repacked by q4_pack as a session does); < 0: out of memory */
+double llmc_q4_stream(int64_t k, int64_t n, int64_t layers, int64_t reps, int isa) {
+  int64_t blocks = k / 32, per_layer = (int64_t)q4_packed_bytes(k, n, 1);
+  uint8_t *all = malloc((size_t)(layers * per_layer)), *b = malloc(n * blocks * 16), *zp = malloc(n * blocks / 2);
+  float *s = malloc(n * blocks * 4), *a = malloc(k * 4), *y = malloc(n * 4);
+  void *memory = malloc(q4_memory(1, k));
+  if (!all || !b || !zp || !s || !a || !y || !memory) return -1.0;
+  uint64_t seed = 1;
+  for (int64_t l = 0; l < layers; l++) {
+    for (int64_t i = 0; i < n * blocks * 16; i++) b[i] = (uint8_t)next(&seed);
+    for (int64_t i = 0; i < n * blocks; i++) s[i] = 0.01f * (float)(1 + next(&seed) % 7);
+    for (int64_t i = 0; i < n * blocks / 2; i++) zp[i] = (uint8_t)next(&seed);
+    q4_pack(k, n, b, s, zp, all + l * per_layer);
+  }
+  for (int64_t i = 0; i < k; i++) a[i] = (float)(next(&seed) % 2001) * 1e-3f - 1.f;
+  double best = 1e30;
+  for (int64_t r = 0; r < reps; r++) {
+    double start = now();
+    for (int64_t l = 0; l < layers; l++) {
+      size_t tasks;
+      Q4Matmul *call = q4_prepare(memory, isa, a, 1, k, n, 1, all + l * per_layer, 1, NULL, y, &tasks);
+      for (size_t t = 0; t < tasks; t++) q4_run(call, t);
+    }
+    double took = now() - start;
+    best = took < best ? took : best;
+  }
+  free(all), free(b), free(zp), free(s), free(a), free(y), free(memory);
+  return best;
+}
+
+/* best seconds of `reps` passes reading `bytes` bytes (a multiple of 64) with 32-byte loads, summed, each 64 bytes
+ * asking for the line 4 KiB ahead as the tile does */
+__attribute__((target("avx2"))) double llmc_read_stream(int64_t bytes, int64_t reps) {
+  uint64_t *p = aligned_alloc(64, (size_t)bytes);
+  if (!p) return -1.0;
+  for (int64_t i = 0; i < bytes / 8; i++) p[i] = (uint64_t)i;
+  double best = 1e30;
+  volatile uint64_t sink = 0;
+  for (int64_t r = 0; r < reps; r++) {
+    double start = now();
+    uint64_t acc[8] = {0};
+    for (int64_t i = 0; i < bytes / 8; i += 8) {
+      __builtin_prefetch((const char *)(p + i) + 4096, 0, 3); /* as far ahead as the tile asks (PREFETCH_BYTES) */
+      for (int j = 0; j < 8; j++) acc[j] += p[i + j];
+    }
+    double took = now() - start;
+    for (int j = 0; j < 8; j++) sink += acc[j];
+    best = took < best ? took : best;
+  }
+  free(p);
+  return best;
+}
+"""
+
+
+def layer_bytes(k: int, n: int) -> int:
+    """q4_packed_bytes: a layer's records, with zero points (the last column group padded to four columns)."""
+    blocks = k // 32
+    return (n + 3) // 4 * 4 * (blocks * 16 + blocks * 4 + blocks // 2)
+
+
+def harness(out_dir: Path) -> Path:
+    """The harness and the kernel's sources compiled into one shared library under `out_dir`."""
+    source = out_dir / "q4_stream.c"
+    source.write_text(HARNESS)
+    sources = [source, *(KERNEL / f for f in ("matmul_nbits4.c", "matmul_nbits4_avx512.c", "matmul_nbits4_avx2.c"))]
+    return cpu_kernels.compile_library(sources, out_dir / "libq4_stream.so", cpu_kernels.FLAGS, [KERNEL], ["-lm"])
+
+
+def runs(path: Path, isa: str, args) -> dict:
+    """The two runs, each a callable returning (seconds, bytes) from the harness at `path`. ctypes lets go of
+    the GIL for a call, so copies on threads of this process run at once, one a core."""
+    lib = ctypes.CDLL(str(path))
+    lib.q4_isa_name.restype = ctypes.c_char_p
+    index = next(i for i in itertools.count() if lib.q4_isa_name(i) in (isa.encode(), None))  # Q4_ISA_* of `isa`
+    lib.llmc_q4_stream.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.llmc_read_stream.argtypes = [ctypes.c_int64] * 2
+    lib.llmc_q4_stream.restype = lib.llmc_read_stream.restype = ctypes.c_double
+    tile_bytes = args.layers * layer_bytes(args.k, args.n)
+    read_bytes = tile_bytes // 64 * 64
+
+    def checked(what: str, seconds: float, nbytes: int) -> tuple[float, int]:
+        if seconds < 0:
+            raise MemoryError(f"{what}: out of memory")
+        return seconds, nbytes
+
+    return {"tile": lambda: checked("tile", lib.llmc_q4_stream(args.k, args.n, args.layers, args.reps, index),
+                                    tile_bytes),
+            "read": lambda: checked("read", lib.llmc_read_stream(read_bytes, args.reps), read_bytes)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--k", type=int, default=2048, help="input width (a multiple of 64)")
+    p.add_argument("--n", type=int, default=2048, help="output width")
+    p.add_argument("--layers", type=int, default=300, help="layers a pass streams (300 x 2048 x 2048: 806 MB)")
+    p.add_argument("--copies", type=int, default=2, help="copies running at once, each on a thread (one per core)")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--reps", type=int, default=4, help="passes a run, the best kept")
+    p.add_argument("--isa", default="", help="avx512vnni or avx2 (default: the best this CPU runs)")
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.k % 64:
+        raise UsageError(f"--k {args.k}: the kernel takes multiples of 64")
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise UsageError("llmc's 4-bit kernel does not run here (it needs AVX2 + FMA or AVX512-VNNI and a C compiler; "
+                f"{cpu_kernels.SWITCH}=0 switches it off)")
+    isa = args.isa or kernels.isa
+    if isa not in kernels.isas:
+        raise UsageError(f"--isa {isa}: this CPU runs llmc's 4-bit kernel on {', '.join(kernels.isas)}")
+    nbytes = args.layers * layer_bytes(args.k, args.n)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = runs(harness(Path(tmp)), isa, args)
+        rates: dict[str, list[float]] = {"tile": [], "read": []}
+        with ThreadPoolExecutor(args.copies) as pool:
+            for r in range(args.rounds):
+                for what in in_turn(("tile", "read"), r):
+                    done = [pool.submit(run[what]) for _ in range(args.copies)]
+                    rates[what].append(sum(moved / seconds for seconds, moved in (f.result() for f in done)) / 1e9)
+    tile, read = median(rates["tile"]), median(rates["read"])
+    shares = [t / r for t, r in zip(rates["tile"], rates["read"])]
+    print(f"llmc 4-bit decode tile ({isa}), one row, {args.layers} layers of {args.k} x {args.n} "
+          f"({nbytes / 1e6:.0f} MB), {args.copies} at once, {args.rounds} rounds:")
+    print(f"  tile {tile:.1f} GB/s, plain read {read:.1f} GB/s: the tile streams at {median(shares):.0%} "
+          f"of the read (per round {', '.join(f'{s:.2f}' for s in shares)})")

@@ -1,0 +1,1 @@
+"""Serving benchmarks: builds served by a real Triton server (or the OpenAI frontend before it)."""

@@ -1,0 +1,1 @@
+"""Size benchmarks: random-weight checkpoints with real models' shapes (checkpoints.py), built and measured."""

@@ -1,0 +1,89 @@
+"""The benchmarks' library (llmc/bench/): the harness's passes, turns and ratios; the sized checkpoints; the peers'
+plug-ins (llama.cpp in a child process, onnxruntime-genai's og.Engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmc.bench import checkpoints, harness, peers, streams
+
+
+def test_a_ratio_is_the_median_of_per_pass_ratios_not_a_ratio_of_medians():
+    """Pass 2 ran on a loaded host (both sides slow): its ratio is still 2, and the median of ratios says 2,
+    where the medians' ratio (3 / 2) would not."""
+    ours, theirs = [2.0, 6.0, 3.0], [1.0, 3.0, 1.5]
+    assert harness.median_ratio(ours, theirs) == 2.0
+    assert harness.medians({"ours": ours, "theirs": theirs}) == {"ours": 3.0, "theirs": 1.5}
+    with pytest.raises(AssertionError):
+        harness.median_ratio(ours, theirs[:2])
+
+
+def test_contenders_take_every_place_in_turn():
+    assert [harness.in_turn("ab", p) for p in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    orders = [harness.in_turn([1, 2, 3], p) for p in range(3)]
+    assert orders == [[1, 2, 3], [2, 3, 1], [3, 1, 2]]
+    assert all(sorted(o[i] for o in orders) == [1, 2, 3] for i in range(3))  # each first, middle and last once
+    assert harness.in_turn({"x": 1, "y": 2}, 1) == ["y", "x"] and harness.in_turn([], 5) == []
+
+
+def test_json_out_makes_its_folder_and_writes_paths_as_text(tmp_path):
+    path = harness.write_json(tmp_path / "a" / "b.json", {"dir": tmp_path, "runs": [1.5]})
+    assert json.loads(path.read_text()) == {"dir": str(tmp_path), "runs": [1.5]}
+    assert "CPUs" in harness.environment() and "\n" not in harness.environment()
+
+
+def test_every_peer_is_a_plug_in_with_a_build_and_a_timing():
+    assert set(peers.PEERS) == {"llmc", "genai", "llama.cpp", "hf"}
+    for name, peer in peers.PEERS.items():
+        assert peer.name == name and callable(peer.build) and callable(peer.timed)
+        assert peer.missing() is None or isinstance(peer.missing(), str)
+    assert peers.PEERS["llmc"].streams and peers.PEERS["genai"].streams  # og.Engine for genai
+    with pytest.raises(ValueError, match="fp32"):
+        peers.PEERS["hf"].build(None, "int4", None, 1)
+
+
+def test_sized_checkpoints_have_the_published_parameter_counts():
+    """The shapes are the models' own configs: counted on the meta device, each matches its published size;
+    the tokenizer grows to the vocabulary, so every id a random model emits decodes."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    for shape, count in checkpoints.PARAMETERS.items():
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(checkpoints.config(shape))
+        assert sum(p.numel() for p in model.parameters()) == count, shape
+    tokenizer = Tokenizer.from_str(json.dumps(checkpoints.grown_tokenizer(151936)))
+    assert tokenizer.get_vocab_size() == 151936
+    assert tokenizer.decode([151935], skip_special_tokens=False) == "<|filler_151935|>"
+
+
+def test_a_llama_cpp_that_dies_is_named_not_a_vanished_run(monkeypatch, tmp_path):
+    """llama.cpp generates in a child process: one dying by a signal (SIGILL: built for AMX in a VM that does not
+    enable it) or failing raises naming the file and the cause, and the bench's own process lives on."""
+    gguf = tmp_path / "model.gguf"
+    monkeypatch.setattr(peers, "TIMED_CHILD", "import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n")
+    with pytest.raises(RuntimeError, match=r"llama.cpp died by SIGILL generating from model.gguf .*GGML_NATIVE=OFF"):
+        peers.llama_cpp_timed(gguf, [1, 2, 3], 4, 1)
+    monkeypatch.setattr(peers, "TIMED_CHILD", "raise SystemExit('no such model: ' + __import__('sys').argv[1])\n")
+    with pytest.raises(RuntimeError, match=r"llama.cpp failed generating from model.gguf: no such model: .*model.gguf"):
+        peers.llama_cpp_timed(gguf, [1, 2, 3], 4, 1)
+    monkeypatch.setattr(peers, "TIMED_CHILD", "import json, sys\nprint('log line')\nprint(json.dumps([0.5, 2.0, 3]))\n")
+    assert peers.PEERS["llama.cpp"].timed({"gguf": gguf}, [1, 2, 3], 4, 1) == (0.5, 2.0, 3)
+
+
+def test_og_engine_streams_on_a_tiny_genai_build(tiny_checkpoints, tmp_path):
+    """The sizes benchmark's --streams against onnxruntime-genai: its builder's CPU graph of the tiny Llama, served
+    by og.Engine with the batch set to the streams; every request gets exactly its tokens."""
+    build = peers.genai_build(tiny_checkpoints["llama"], "fp32", tmp_path, threads=1)
+    prompts = [[1, 40 + i, 50, 60, 70 + i] for i in range(5)]
+    got = streams.genai_streams(build["dir"], prompts, new=6, streams=3)
+    assert got["tokens"] == 5 * 6 and got["tok_s"] > 0
+    assert 0 < got["itl_p50_s"] <= got["itl_p99_s"] and 0 < got["ttft_p50_s"] <= got["ttft_p99_s"]
+    config = json.loads((build["dir"] / "genai_config.json").read_text())
+    assert config["engine"] == {"static_batching": {"max_batch_size": 3}}
+    # batch-1 decode's count: the first token comes from the prompt's run, so 6 new tokens are 5 runs after it
+    first, total, after = peers.genai_timed(build["dir"], prompts[0], 1, 6)
+    assert after == 5 and 0 < first < total
