@@ -28,14 +28,14 @@ from llmc.runtime.layout import ITEMSIZE
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # A build's peak resident memory, per stage, in multiples of the checkpoint's weights at fp32 (W, as the
 # export loads them) and of the LM head a quantized build unties (U), mapped weight files included. Fitted
-# to two shapes, scripts/bench_sizes.py: Qwen2.5-0.5B's (W 1.98 GB, U 0.54: fp32 build 6.0 GB, int4 10.3)
+# to two shapes, `python -m llmc.bench sizes`: Qwen2.5-0.5B's (W 1.98 GB, U 0.54: fp32 build 6.0 GB, int4 10.3)
 # and Llama-3.2-1B's (W 4.94 GB, U 1.05: export 12.9 GB, verify 11.9, int4 quantize 19.3); within 20% of
 # each. Export: the PyTorch model and the traced graph's weights; verify: the model and an ONNX Runtime
 # session; weight-only quantize: the graph in memory, the mapped weights a calibration or measuring session
 # reads, the codes, and the LM head's several full-size temporaries (its vocabulary-wide matrix is the
 # largest one a search or AWQ step holds at once). A mixture's experts (X, at fp32) cost more on top: the export's
 # interleaved copy of gate/up for the expert op, the quantizer's expert statistics and codes; fitted to one
-# 0.37B mixture (scripts/bench_moe.py: 16 experts, hidden 1024; fp32 build 6.2 GB, int4 9.0), within 1%.
+# 0.37B mixture (`python -m llmc.bench moe`: 16 experts, hidden 1024; fp32 build 6.2 GB, int4 9.0), within 1%.
 BUILD_PEAK = {"export": (2.8, 0.0, 1.7), "verify": (2.5, 0.0, 0.0), "quantize": (3.0, 7.0, 2.6)}
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
                 QuantMode.int4_weight_only: 0.5}

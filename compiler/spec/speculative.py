@@ -56,7 +56,7 @@ class SpeculativeSpec(StrictModel):
                        "throughput at high batch).")
     min_n: Annotated[int, Field(ge=1, le=16)] = Field(
         2, description="ngram: shortest n-gram looked up (1-grams match almost anywhere in prose and their "
-                       "proposals are mostly rejected: scripts/bench_speculative.py).")
+                       "proposals are mostly rejected: `python -m llmc.bench speculative`).")
     max_n: Annotated[int, Field(ge=1, le=16)] = Field(3, description="ngram: longest n-gram looked up (tried first).")
     disable_batch_size: Annotated[int, Field(ge=1, le=1024)] | None = Field(
         None, description="No row speculates while more requests than this are running or waiting (vLLM's "

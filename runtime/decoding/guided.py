@@ -3,7 +3,7 @@
 A guided row whose draw does not depend on which tokens are allowed (greedy, or temperature without top-k/p
 or min-p: `SamplingParams.draws_first`) draws first and is masked and drawn again only when its grammar refuses
 the token, llama.cpp's way, which gives the masked distribution exactly (a refused draw is followed by a draw
-from p restricted to the allowed tokens); scripts/bench_structured.py measured it 6x cheaper than filling every
+from p restricted to the allowed tokens); `python -m llmc.bench structured` measured it 6x cheaper than filling every
 guided row's mask. Other guided rows are masked first. A sampled row drawn first takes two uniforms a token
 from its generator, the second for the redraw whether it needs one or not, so its tokens are the same function
 of its generator when a step verifies them as proposals instead (engine/speculation/speculator.py: forced

@@ -28,7 +28,7 @@ from llmc.runtime.decoding.grammar import apply_bitmask
 
 _Ids = Union[np.ndarray, Sequence[int]]  # a row's prompt or output ids: an array or a list
 # sampled rows go through in groups this large: a [16, 49152] float32 pass stays in cache, 64 rows
-# measured slower than a row-by-row loop (scripts/bench_sampling.py)
+# measured slower than a row-by-row loop (`python -m llmc.bench sampling`)
 _ROWS_AT_ONCE = 16
 
 

@@ -1,7 +1,7 @@
 """The paged KV cache's memory target at the tiny model's scale: from a pool no larger than 16 slots,
 64 streams run at once with max_seq_len four times a slot's, and one request of almost max_seq_len
 still fits (SmolLM2's case: 16 x 2048 tokens, 64 streams of a few hundred tokens, max_seq_len 8192
-and one 8,000-token request; scripts/bench_paged.py measures that one served)."""
+and one 8,000-token request; `python -m llmc.bench paged` measures that one served)."""
 
 import numpy as np
 
