@@ -109,7 +109,7 @@ class ExportedModel(Artifact):
     stamped_layers: int = 0  # layers copied in the graph from the traced ones (compiler/graph/stamp.py)
 
     @property
-    def engine_file(self) -> str:
+    def model_file(self) -> str:
         return self.onnx
 
     def graphs(self, folder: Path) -> list[Path]:
@@ -149,7 +149,7 @@ class QuantizedModel(Artifact):
     versions: dict[str, str]
 
     @property
-    def engine_file(self) -> str:
+    def model_file(self) -> str:
         return self.onnx
 
 
@@ -192,7 +192,7 @@ class EngineModel(Artifact):
     tensor_parallel: int = 1  # ranks: one engine each, rank{r}/<plan> (the manifest's rank_folder), built alike
 
     @property
-    def engine_file(self) -> str:
+    def model_file(self) -> str:
         return self.plan
 
     def plans(self, folder: Path) -> list[Path]:

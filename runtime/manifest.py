@@ -1,7 +1,7 @@
 """The repository manifest: everything the served model needs to know, written by the build's
-package stage next to the engine (`<repo>/<name>/1/manifest.json`) and read by the runtime.
+package stage next to the model file (`<repo>/<name>/1/manifest.json`) and read by the runtime.
 
-Nothing is encoded in file names: the engine, tokenizer, KV layout and serving limits are all here.
+Nothing is encoded in file names: the model file, tokenizer, KV layout and serving limits are all here.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmc.runtime.layout import KVLayout
 
@@ -46,7 +46,8 @@ class DraftModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    engine: str  # its graph, relative to the version folder (draft/model.onnx)
+    # its graph, relative to the version folder (draft/model.onnx); `engine` in manifests written before the rename
+    model_file: str = Field(validation_alias=AliasChoices("model_file", "engine"))
     kv_layout: KVLayout  # paged, the target's block size; pools of the target's num_blocks
     source: str  # "self" (the target quantized) or the checkpoint folder's name
     source_hash: str
@@ -129,7 +130,9 @@ class RepositoryManifest(BaseModel):
     name: str
     llmc_version: str
     target: str  # "onnxruntime" | "tensorrt"
-    engine: str  # file name in the version folder (model.onnx, model.plan)
+    # the model file the runner loads, in the version folder (model.onnx, or a TensorRT plan: model.plan); `engine` in
+    # manifests written before the rename (one word, one meaning: the engine is runtime/engine)
+    model_file: str = Field(validation_alias=AliasChoices("model_file", "engine"))
     tokenizer: str  # tokenizer.json (HuggingFace `tokenizers` format)
     kv_layout: KVLayout
     vocab_size: int
@@ -140,16 +143,16 @@ class RepositoryManifest(BaseModel):
     chat_template: ChatTemplate | None = None  # none: the model serves completions only
     speculative: SpeculativeConfig | None = None  # paged graphs only; none: every row decodes one token a step
     execution_env: ExecutionEnvInfo | None = None  # none: the serving Python has the requirements installed
-    tensor_parallel: int = Field(1, ge=1)  # ranks the model is split over: each rank's graph is rank{r}/<engine>
+    tensor_parallel: int = Field(1, ge=1)  # ranks the model is split over: each rank's graph is rank{r}/<model_file>
 
     def graphs(self, folder: Path) -> list[Path]:
         """Each rank's graph in the version folder `folder`, in rank order (one without a split)."""
-        return [Path(folder) / rank_folder(r, self.tensor_parallel) / self.engine for r in range(self.tensor_parallel)]
+        return [Path(folder) / rank_folder(r, self.tensor_parallel) / self.model_file for r in range(self.tensor_parallel)]
 
     @model_validator(mode="after")
     def _speculation_is_paged(self) -> "RepositoryManifest":
         if self.speculative is not None and not self.kv_layout.paged:
-            raise ValueError("speculative: needs a paged graph (kv_layout.paged); this engine is the slot form")
+            raise ValueError("speculative: needs a paged graph (kv_layout.paged); this graph is the slot form")
         draft = self.speculative.draft if self.speculative is not None else None
         if draft is not None and draft.kv_layout.block_size != self.kv_layout.block_size:
             raise ValueError(f"speculative.draft.kv_layout.block_size ({draft.kv_layout.block_size}) must be the "
@@ -160,7 +163,7 @@ class RepositoryManifest(BaseModel):
     def _beams_are_paged(self) -> "RepositoryManifest":
         if self.limits.max_beam_width > 1 and not self.kv_layout.paged:
             raise ValueError(f"limits.max_beam_width: {self.limits.max_beam_width} needs a paged graph "
-                             "(kv_layout.paged); this engine is the slot form, which runs no beams")
+                             "(kv_layout.paged); this graph is the slot form, which runs no beams")
         return self
 
     def save(self, folder: Path) -> Path:

@@ -104,8 +104,6 @@ def _quiet_threads(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "2"))
 
 
-
-
 @pytest.fixture(scope="session")
 def tiny_build(tiny_checkpoints, tmp_path_factory):
     """The tiny Llama built through packaging with the default spec (the paged graph): `.repository` is

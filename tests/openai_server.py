@@ -40,7 +40,6 @@ def chat_checkpoint(tiny_checkpoints, tmp_path_factory) -> Path:
     return folder
 
 
-
 @pytest.fixture(scope="module")
 def chat_build(chat_checkpoint, tmp_path_factory):
     from llmc.compiler import build
@@ -48,7 +47,6 @@ def chat_build(chat_checkpoint, tmp_path_factory):
 
     spec = parse_spec({"name": "tiny_chat", "source": str(chat_checkpoint), **TINY_SERVING_SPEC})
     return build(spec, output=tmp_path_factory.mktemp("chat_build") / "tiny_chat")
-
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +63,15 @@ def triton(tiny_build, chat_build, tmp_path_factory):
         yield srv
 
 
-
 @pytest.fixture(scope="module")
 def api(triton):
     with OpenAIServer([triton.grpc_url], port=free_port(), max_body_size=64 * 1024) as server:
         yield server
 
 
-
 @pytest.fixture(scope="module")
 def client(api):
     return openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0)
-
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +80,6 @@ def torch_model(tiny_checkpoints):
     from llmc.compiler.spec import SourceSpec
 
     return load_model(inspect_source(SourceSpec(path=tiny_checkpoints["llama"])))[0]
-
 
 
 def torch_logprobs(model, prompt_ids, output_ids):

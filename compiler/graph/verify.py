@@ -176,7 +176,7 @@ def _skip(spec: BuildSpec, done: Mapping[str, Located]) -> str | None:
         return "verify.enabled is false"
     if not Lowering(spec.attention_lowering).runs_on_onnxruntime:
         ranks = spec.parallel.tensor  # a split's rank graphs: their engines are checked together, a GPU each
-        return ("the plugin graph runs on TensorRT only; the engine stage checks the engine"
+        return ("the plugin graph runs on TensorRT only; the tensorrt stage checks the engine"
                 + (f" ({ranks} rank engines run together)" if ranks > 1 else "") + " against ONNX Runtime")
     return None
 

@@ -65,7 +65,7 @@ class BuildResult:
     exported = property(lambda self: self._get("export"))
     verify = property(lambda self: self._get("verify"))
     quantized = property(lambda self: self._get("quantize"))
-    engine = property(lambda self: self._get("engine"))
+    tensorrt = property(lambda self: self._get("tensorrt"))  # the TensorRT engine (target: tensorrt)
     manifest = property(lambda self: self._get("package"))
 
     @property

@@ -94,7 +94,7 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
         "\n".join(requirements(tensorrt.version if tensorrt else None)) + "\n")
     limits, serving = spec.limits, spec.serving
     manifest = RepositoryManifest(
-        name=spec.name, llmc_version=llmc.__version__, target=spec.target.value, engine=engine.engine_file,
+        name=spec.name, llmc_version=llmc.__version__, target=spec.target.value, model_file=engine.model_file,
         tokenizer=TOKENIZER_FILE, kv_layout=engine.kv_layout, vocab_size=exported.model.vocab_size,
         end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash, tensorrt=tensorrt, chat_template=chat,
         speculative=SpeculativeConfig(**spec.speculative.model_dump(mode="json", exclude={"draft"}), draft=draft_model)
@@ -119,7 +119,7 @@ def _copy_draft(draft: "Located[DraftArtifact]", dest: Path) -> DraftModel:
     assert len(set(names)) == len(names), f"draft files collide when flattened: {sorted(art.files)}"
     for name in art.files:
         link_or_copy(str(draft.folder / name), str(dest / Path(name).name))
-    return DraftModel(engine=f"{DRAFT_DIR}/{Path(art.onnx).name}", kv_layout=art.kv_layout, source=art.source,
+    return DraftModel(model_file=f"{DRAFT_DIR}/{Path(art.onnx).name}", kv_layout=art.kv_layout, source=art.source,
                       source_hash=art.source_hash, quantization=art.quantization.value)
 
 
@@ -175,12 +175,12 @@ def _summary(done: Located[RepositoryManifest]) -> str:
               f"{m.kv_layout.block_size}, {limits.max_seq_len} tokens a request")
     else:
         kv = f"{limits.max_batch_size} KV slots x {limits.max_seq_len} tokens"
-    drafting = f", draft {spec.draft.engine}" if spec and spec.draft else ""
+    drafting = f", draft {spec.draft.model_file}" if spec and spec.draft else ""
     speculating = f", speculative {spec.method} (k {spec.num_tokens}, up to {spec.max_batch} rows{drafting})" \
         if spec else ""
     return f"{REPOSITORY_DIR}/{m.name}: {kv}, queue {limits.max_queue_size}{speculating}"
 
 
 PACKAGE = Stage("package", describe=lambda spec: "writing the Triton model repository",
-                takes=("engine", "quantize", "export"), reads=("draft", "environment"), folder=REPOSITORY_DIR,
+                takes=("tensorrt", "quantize", "export"), reads=("draft", "environment"), folder=REPOSITORY_DIR,
                 skip=_skip, run=_run, summary=_summary)

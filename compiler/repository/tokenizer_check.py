@@ -1,7 +1,7 @@
 """The served tokenizer against transformers': part of verification (skipped with the rest of it by
 `verify.enabled: false`), run by the package stage on the tokenizer file it writes
 (compiler/repository/tokenizer.py) before the file is in place. It lives here, not in compiler/graph/,
-because the graph package is part of the export, quantize and engine stages' cache keys, and a
+because the graph package is part of the export, quantize and tensorrt stages' cache keys, and a
 tokenizer check has no bearing on a graph.
 
 The served side is exactly what the runtime does (runtime/decoding/tokenizer.py loads and encodes,

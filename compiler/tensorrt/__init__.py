@@ -1,8 +1,8 @@
 """The TensorRT target: the ONNX a TensorRT engine is built from, the engine, and its check against
 ONNX Runtime.
 
-    stage.py          the engine stage over artifacts: check(spec), cache_key_parts(spec),
-                      make_engine(...) -> EngineModel, summary(engine), and ENGINE, its declaration; a split
+    stage.py          the tensorrt stage over artifacts: check(spec), cache_key_parts(spec),
+                      make_engine(...) -> EngineModel, summary(engine), and TENSORRT, its declaration; a split
                       model (parallel.tensor) gets one engine per rank, rank{r}/model.plan
     prep.py           the ONNX prepared for TensorRT: the spec's precision through ModelOpt AutoCast
     profiles.py       the prefill and decode optimization profiles from `limits` (the dry run lists them too)

@@ -5,7 +5,7 @@
 
 Profile keys may be patterns (`past_key_values.*`); `profile_shapes` expands them to the network's
 inputs. The order is the runtime's profile index (runtime/runners/trt.py: PREFILL, DECODE).
-Plain data: the dry run (plan.py) lists the same profiles the engine stage builds.
+Plain data: the dry run (plan.py) lists the same profiles the tensorrt stage builds.
 """
 
 from __future__ import annotations

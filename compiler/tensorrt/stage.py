@@ -1,4 +1,4 @@
-"""The engine stage over artifacts: the exported (or quantized) model in, an EngineModel out.
+"""The tensorrt stage over artifacts: the exported (or quantized) model in, an EngineModel out.
 
     prepare (prep.py: AutoCast to the spec's precision) -> build (engine.py) -> compare with ONNX
     Runtime (verify_engine.py) -> <out_dir>/model.plan + engine.json
@@ -9,7 +9,7 @@ after another; the check runs them together (one GPU each, NCCL) against the who
 `check(spec)` refuses, before any work, a TensorRT build on a machine that lacks what it needs;
 `cache_key_parts(spec)` is what the stage's cache key holds besides its inputs' files and its code
 (derived from its imports): the spec sections, TensorRT's version, the GPU; `summary(engine)` is its line in the
-build report; `ENGINE` declares the stage with them. The pipeline decides the folders and when to reuse.
+build report; `TENSORRT` declares the stage with them. The pipeline decides the folders and when to reuse.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def check(spec: BuildSpec) -> None:
         gpus = torch.cuda.device_count()
         if gpus < ranks:
             raise UnsupportedError(
-                f"parallel.tensor: {ranks}: the engine stage's check runs the {ranks} rank engines together, one GPU "
+                f"parallel.tensor: {ranks}: the tensorrt stage's check runs the {ranks} rank engines together, one GPU "
                 f"each, and this machine has {gpus}; build where {ranks} GPUs are visible, or set verify.enabled: "
                 "false (the rank engines are then built one after another and not run)")
 
@@ -148,7 +148,7 @@ def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, export
 
 
 def summary(engine: EngineModel) -> str:
-    """The engine stage's line in the build report."""
+    """The tensorrt stage's line in the build report."""
     t = engine.tensorrt
     ranks = f" x {engine.tensor_parallel} ranks (rank{{r}}/)" if engine.tensor_parallel > 1 else ""
     return (f"{engine.plan}{ranks}: TensorRT {t.version}, {t.gpu} (sm {t.compute_capability}), {t.precision}, "
@@ -164,7 +164,7 @@ def _run(source: Located, spec: BuildSpec, ctx: Context) -> EngineModel:
                        timing_cache=carry_timing_cache(spec, ctx.previous, ctx.out), progress=ctx.progress)
 
 
-ENGINE = Stage("engine", describe=lambda spec: f"building the TensorRT engine ({spec.precision.value})",
+TENSORRT = Stage("tensorrt", describe=lambda spec: f"building the TensorRT engine ({spec.precision.value})",
                takes=("quantize", "export"), artifact=EngineModel, applies=lambda spec: spec.target is Target.tensorrt,
                key=lambda spec, ctx: cache_key_parts(spec), check=lambda spec, source: check(spec),
                run=_run, summary=lambda done: summary(done.artifact), loads_model=True)

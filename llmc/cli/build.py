@@ -56,7 +56,7 @@ A TensorRT build needs TensorRT and an NVIDIA GPU: the engine gets a prefill and
         return
     if as_json:
         raise typer.BadParameter("--json prints the plan: use it with --dry-run", param_hint="--json")
-    _run_build(spec, output, "package", {"export", "verify", "quantize", "draft", "engine", "environment"} if force else set())
+    _run_build(spec, output, "package", {"export", "verify", "quantize", "draft", "tensorrt", "environment"} if force else set())
 
 
 @app.command()
@@ -83,7 +83,7 @@ def verify(spec: SpecArg, output: OutputOpt = None) -> None:
     from llmc.compiler.spec import Target
 
     tensorrt = load_spec(spec).target is Target.tensorrt
-    _run_build(spec, output, "engine" if tensorrt else "verify", {"verify", "engine"} if tensorrt else {"verify"})
+    _run_build(spec, output, "tensorrt" if tensorrt else "verify", {"verify", "tensorrt"} if tensorrt else {"verify"})
 
 
 @app.command()

@@ -43,12 +43,12 @@ def slot_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
     elif m.target == "tensorrt":
         from llmc.runtime.runners.trt import TrtRunner
 
-        runner = TrtRunner(folder / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
+        runner = TrtRunner(folder / m.model_file, m.kv_layout, max_batch=lim.max_batch_size,
                            capacity=lim.max_seq_len, max_num_tokens=lim.max_num_tokens, info=m.tensorrt)
     else:
         from llmc.runtime.runners.ort import OrtRunner
 
-        runner = OrtRunner(folder / m.engine, m.kv_layout, max_batch=lim.max_batch_size,
+        runner = OrtRunner(folder / m.model_file, m.kv_layout, max_batch=lim.max_batch_size,
                            capacity=lim.max_seq_len, num_threads=lim.num_threads)
     return SlotEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_queue_size=lim.max_queue_size,
                       max_num_tokens=lim.max_num_tokens)
@@ -72,9 +72,9 @@ def paged_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
                                       max_num_tokens=lim.max_num_tokens, spin_after_run=not drafting,
                                       num_threads=max(1, lim.num_threads // m.tensor_parallel) if lim.num_threads else 0)
     else:
-        runner = PagedRunner(folder / m.engine, m.kv_layout, num_blocks=num_blocks, max_num_tokens=lim.max_num_tokens,
+        runner = PagedRunner(folder / m.model_file, m.kv_layout, num_blocks=num_blocks, max_num_tokens=lim.max_num_tokens,
                              num_threads=lim.num_threads, spin_after_run=not drafting)
-    draft = PagedRunner(folder / spec.draft.engine, spec.draft.kv_layout, num_blocks=num_blocks,
+    draft = PagedRunner(folder / spec.draft.model_file, spec.draft.kv_layout, num_blocks=num_blocks,
                         max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads, spin_after_run=False) \
         if drafting else None
     return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,

@@ -6,7 +6,6 @@ import zipfile
 from checkpoints import REPO
 
 
-
 def test_wheel_imports_and_runs(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path / "dist"), str(REPO)], check=True, timeout=300)

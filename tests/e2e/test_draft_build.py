@@ -54,8 +54,8 @@ def test_the_built_draft_is_packaged_named_and_served_with_the_same_greedy_token
     version = result.repository / "tiny" / "1"
     manifest = RepositoryManifest.load(version)
     draft = manifest.speculative.draft
-    assert manifest.speculative.method == "draft" and draft.engine == "draft/model.onnx"
-    assert (version / draft.engine).is_file() and draft.kv_layout.block_size == manifest.kv_layout.block_size
+    assert manifest.speculative.method == "draft" and draft.model_file == "draft/model.onnx"
+    assert (version / draft.model_file).is_file() and draft.kv_layout.block_size == manifest.kv_layout.block_size
     stage = next(s for s in result.stages if s.name == "draft")
     if which == "separate":
         assert (draft.source, draft.quantization, draft.kv_layout.num_layers) == ("small", "none", 1)

@@ -43,10 +43,10 @@ def smollm2_draft_builds(tmp_path_factory):
 
 def _engine(version, draft: str | None, tokenizer=None):
     m = RepositoryManifest.load(version)
-    target = PagedRunner(version / m.engine, m.kv_layout, num_blocks=BLOCKS, max_num_tokens=256, num_threads=2)
+    target = PagedRunner(version / m.model_file, m.kv_layout, num_blocks=BLOCKS, max_num_tokens=256, num_threads=2)
     runner = None
     if draft == "self":
-        runner = PagedRunner(version / m.speculative.draft.engine, m.speculative.draft.kv_layout, num_blocks=BLOCKS,
+        runner = PagedRunner(version / m.speculative.draft.model_file, m.speculative.draft.kv_layout, num_blocks=BLOCKS,
                              max_num_tokens=256, num_threads=2)
     elif draft is not None:
         graph, layout = draft

@@ -11,9 +11,6 @@ from serving_rig import SERVING_ENV, serving_env
 from shared_builds import build_reusing_export
 
 
-
-
-
 @pytest.fixture(scope="module")
 def example_build(tmp_path_factory):
     """Builds of the example spec by attention lowering, made on first use; the export (~70 s) is the run's
@@ -204,7 +201,7 @@ def test_example_greedy_with_ngram_speculation_equals_greedy_without(example_bui
     version = example_build("paged").repository / "smollm2" / "1"
     m = RepositoryManifest.load(version)
     tokenizer = Tokenizer.from_file(str(version / m.tokenizer))
-    runner = PagedRunner(version / m.engine, m.kv_layout, num_blocks=96, max_num_tokens=256, num_threads=2)
+    runner = PagedRunner(version / m.model_file, m.kv_layout, num_blocks=96, max_num_tokens=256, num_threads=2)
     prompts = {name: tokenizer.encode(text).ids for name, text in
                (("edit", EDIT_PROMPT), ("capital", "The capital of France is"), ("list", "Three fruits:"))}
 

@@ -1,5 +1,5 @@
 """A real TensorRT build of the tiny Llama, where TensorRT and a GPU exist (skipped here with the
-reason): the engine with the plugin is built, compared with ONNX Runtime by the engine stage, packaged
+reason): the engine with the plugin is built, compared with ONNX Runtime by the tensorrt stage, packaged
 with KIND_GPU instances, and its runner decodes greedily like the ONNX Runtime graph."""
 
 import numpy as np
@@ -24,13 +24,13 @@ def test_tiny_engine_builds_verifies_packages_and_decodes_like_onnxruntime(tiny_
     spec = parse_spec({"name": "tiny", "source": str(tiny_llama), "target": "tensorrt", "precision": precision,
                        "limits": {"max_batch_size": 4, "max_seq_len": 128, "max_num_tokens": 64}})
     result = build(spec, output=tmp_path / "out")
-    assert [s.name for s in result.stages] == ["source", "export", "verify", "quantize", "engine", "package"]
-    assert "passed" in result.engine.verified and (tmp_path / "out" / "engine" / "timing.cache").is_file()
+    assert [s.name for s in result.stages] == ["source", "export", "verify", "quantize", "tensorrt", "package"]
+    assert "passed" in result.tensorrt.verified and (tmp_path / "out" / "tensorrt" / "timing.cache").is_file()
     config = parse((result.repository / "tiny" / "config.pbtxt").read_text())
     assert config.instance_group[0].kind == config.instance_group[0].KIND_GPU
     version = result.repository / "tiny" / "1"
     m = result.manifest
-    trt = TrtRunner(version / m.engine, m.kv_layout, max_batch=4, capacity=128, max_num_tokens=64, info=m.tensorrt)
+    trt = TrtRunner(version / m.model_file, m.kv_layout, max_batch=4, capacity=128, max_num_tokens=64, info=m.tensorrt)
     ort_spec = parse_spec({"name": "tiny", "source": str(tiny_llama)})
     exported = build(ort_spec, output=tmp_path / "ort", until="export").exported
     ort = OrtRunner(tmp_path / "ort" / "export" / exported.onnx, exported.kv_layout, max_batch=4, capacity=128)
@@ -39,5 +39,5 @@ def test_tiny_engine_builds_verifies_packages_and_decodes_like_onnxruntime(tiny_
     for (_, a), (_, b) in zip(ours, theirs):
         assert [int(x.argmax()) for x in a] == [int(x.argmax()) for x in b]
     rebuilt = build(spec, output=tmp_path / "out")  # unchanged: the engine is reused
-    assert {s.name: s.status for s in rebuilt.stages}["engine"] == "cached"
-    np.testing.assert_equal(rebuilt.engine.tensorrt.profiles, result.engine.tensorrt.profiles)
+    assert {s.name: s.status for s in rebuilt.stages}["tensorrt"] == "cached"
+    np.testing.assert_equal(rebuilt.tensorrt.tensorrt.profiles, result.tensorrt.tensorrt.profiles)

@@ -24,7 +24,7 @@ def test_a_two_gpu_split_builds_verifies_and_serves_the_unsplit_engines_greedy_t
     base = {"name": "tiny", "source": str(tiny_llama), "target": "tensorrt", "precision": "fp16",
             "limits": {"max_batch_size": 4, "max_seq_len": 128, "max_num_tokens": 64}}
     split = build(parse_spec({**base, "parallel": {"tensor": WORLD}}), output=tmp_path / "split")
-    assert "2 rank engines together" in split.engine.verified and "passed" in split.engine.verified
+    assert "2 rank engines together" in split.tensorrt.verified and "passed" in split.tensorrt.verified
     version = split.repository / "tiny" / "1"
     assert [p.relative_to(version).as_posix() for p in split.manifest.graphs(version)] == \
         ["rank0/model.plan", "rank1/model.plan"]

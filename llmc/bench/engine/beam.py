@@ -40,7 +40,7 @@ def load(width: int):
                            serving={"itl_ratio": None, "max_beam_width": width})
     version = folder / "model_repository" / "smollm2" / "1"
     m = RepositoryManifest.load(version)
-    runner = PagedRunner(version / m.engine, m.kv_layout, num_blocks=256, max_num_tokens=256, num_threads=2)
+    runner = PagedRunner(version / m.model_file, m.kv_layout, num_blocks=256, max_num_tokens=256, num_threads=2)
     engine = PagedEngine(runner, end_ids=tuple(m.end_ids), max_rows=4, max_seq_len=m.limits.max_seq_len,
                          max_num_tokens=256, prefix_caching=False, max_beam_width=width)
     return engine, Tokenizer.from_file(str(version / m.tokenizer))

@@ -248,9 +248,9 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.from_file(str(version / manifests["self"].tokenizer))
     m = manifests["self"]
     # as serving.py makes them: no speculation on the default session; with a draft, neither spins after a run
-    targets = {mode: PagedRunner(version / m.engine, m.kv_layout, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_NUM_TOKENS,
+    targets = {mode: PagedRunner(version / m.model_file, m.kv_layout, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_NUM_TOKENS,
                                  num_threads=2, spin_after_run=mode == "spinning") for mode in ("spinning", "quiet")}
-    drafts = {n: PagedRunner(v / manifests[n].speculative.draft.engine, manifests[n].speculative.draft.kv_layout,
+    drafts = {n: PagedRunner(v / manifests[n].speculative.draft.model_file, manifests[n].speculative.draft.kv_layout,
                              num_blocks=NUM_BLOCKS, max_num_tokens=MAX_NUM_TOKENS, num_threads=2, spin_after_run=False)
               for n, v in versions.items()}
     prompts = {name: tokenizer.encode(chat(text)).ids for name, text in PROMPTS.items()

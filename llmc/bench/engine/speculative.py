@@ -57,7 +57,7 @@ def load():
                            serving={"itl_ratio": None})
     version = folder / "model_repository" / "smollm2" / "1"
     manifest = RepositoryManifest.load(version)
-    runner = PagedRunner(version / manifest.engine, manifest.kv_layout, num_blocks=512, max_num_tokens=256,
+    runner = PagedRunner(version / manifest.model_file, manifest.kv_layout, num_blocks=512, max_num_tokens=256,
                          num_threads=2)
     return manifest, Tokenizer.from_file(str(version / manifest.tokenizer)), runner
 

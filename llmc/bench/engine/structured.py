@@ -123,7 +123,7 @@ def load(build: Path):
 
     version = next((build / "model_repository").iterdir()) / "1"
     m = RepositoryManifest.load(version)
-    runner = PagedRunner(version / m.engine, m.kv_layout, num_blocks=512, max_num_tokens=512, num_threads=2)
+    runner = PagedRunner(version / m.model_file, m.kv_layout, num_blocks=512, max_num_tokens=512, num_threads=2)
     engine = PagedEngine(runner, end_ids=tuple(m.end_ids), max_rows=ROWS, max_seq_len=m.limits.max_seq_len,
                          max_num_tokens=512, prefix_caching=False)
     return engine, Tokenizer.from_file(str(version / m.tokenizer)), list(m.end_ids), runner.vocab_size

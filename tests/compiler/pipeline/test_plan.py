@@ -73,7 +73,7 @@ def test_tensorrt_plan_has_prefill_and_decode_profiles_and_halves_for_fp16(tiny_
     assert decode.shapes["past_key_values.*"] == ((1, *kv), (4, *kv), (4, *kv))
     assert planned.kv_cache_bytes * 2 == fp32.kv_cache_bytes and planned.weights_bytes * 2 == fp32.weights_bytes
     assert "AutoCast" in planned.precision and planned.attention.startswith("LlmcFusedAttention")
-    assert planned.stages == ["source", "export", "engine", "package"]  # the plugin graph is not verified on CPU
+    assert planned.stages == ["source", "export", "tensorrt", "package"]  # the plugin graph is not verified on CPU
     rows = dict(planned.rows())
     assert "opt [4, 1]" in rows["profile decode"] and "GiB" in rows["memory: total (estimate)"]
 

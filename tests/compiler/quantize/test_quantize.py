@@ -69,7 +69,7 @@ def test_quality_report_is_measured_and_recorded(int4_build):
 
 def test_the_repository_serves_the_quantized_graph(int4_build):
     manifest = RepositoryManifest.load(int4_build.repository / "q" / "1")
-    served = int4_build.repository / "q" / "1" / manifest.engine
+    served = int4_build.repository / "q" / "1" / manifest.model_file
     assert served.read_bytes() == (int4_build.output / "quantize" / "model.onnx").read_bytes()
 
 

@@ -14,7 +14,6 @@ from llmc.runtime.serving.tensors import OUTPUTS, SCALARS, TEXTS
 from serving_rig import SERVING_ENV
 
 
-
 def test_repository_layout_and_manifest(tiny_build):
     model_dir = tiny_build.repository / "tiny"
     version = model_dir / "1"
@@ -24,11 +23,19 @@ def test_repository_layout_and_manifest(tiny_build):
     manifest = RepositoryManifest.load(version)
     assert manifest == tiny_build.manifest
     assert manifest.limits.max_batch_size == 4 and manifest.limits.max_seq_len == 128
-    assert manifest.kv_layout.in_place and manifest.engine == "model.onnx" and manifest.end_ids == [2]
+    assert manifest.kv_layout.in_place and manifest.model_file == "model.onnx" and manifest.end_ids == [2]
     export_onnx = tiny_build.output / "export" / "model.onnx"
     assert (version / "model.onnx").stat().st_ino == export_onnx.stat().st_ino  # hard link, not a copy
     assert (model_dir / "requirements.txt").read_text().split() == requirements()
     assert "numpy<2" in requirements()
+
+
+def test_a_manifest_written_before_model_file_was_named_still_loads(tiny_build):
+    """`engine` named the model file until the word was kept for runtime/engine: a repository built before reads
+    the same (its own runtime copy reads its own manifest; `llmc inspect` and the fleet read any)."""
+    data = json.loads((tiny_build.repository / "tiny" / "1" / "manifest.json").read_text())
+    data["engine"] = data.pop("model_file")
+    assert RepositoryManifest.model_validate(data) == tiny_build.manifest
 
 
 def test_config_is_a_decoupled_python_model_with_the_llm_tensor_names(tiny_build):

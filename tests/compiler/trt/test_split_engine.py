@@ -1,4 +1,4 @@
-"""A TensorRT split model (parallel.tensor: 2) through the engine stage, the package stage and the loader, up to the
+"""A TensorRT split model (parallel.tensor: 2) through the tensorrt stage, the package stage and the loader, up to the
 TensorRT calls: one engine per rank graph in rank{r}/model.plan, each built from its own rank's prepared graph with
 its collectives expected and the rank's KV heads in its profiles (build_engine stands in for TensorRT, which the
 loaders' own tests cover); the manifest lists every rank's engine; the repository is one instance that places its
@@ -87,7 +87,7 @@ def test_the_repository_lists_every_rank_engine_and_the_loader_serves_them_toget
     manifest = package(result.spec, result.exported, engine, out / "engine", inspect_source(result.spec.source),
                        out / "repo")
     version = out / "repo" / "tiny-tp" / "1"
-    assert manifest.tensor_parallel == 2 and manifest.target == "tensorrt" and manifest.engine == "model.plan"
+    assert manifest.tensor_parallel == 2 and manifest.target == "tensorrt" and manifest.model_file == "model.plan"
     assert manifest.graphs(version) == [version / "rank0" / "model.plan", version / "rank1" / "model.plan"]
     assert [p.read_bytes() for p in manifest.graphs(version)] == [b"engine of rank0", b"engine of rank1"]
     config = parse((version.parent / "config.pbtxt").read_text())  # one instance (KIND_GPU: one per GPU)
@@ -140,5 +140,5 @@ def test_the_verify_stage_leaves_a_split_plugin_graph_to_the_engine_stage(tiny_c
     from llmc.compiler.graph.verify import VERIFY
 
     reason = VERIFY.skip(_spec(tiny_checkpoints["llama"], verify={"enabled": True}), {})
-    assert reason == ("the plugin graph runs on TensorRT only; the engine stage checks the engine (2 rank engines run "
+    assert reason == ("the plugin graph runs on TensorRT only; the tensorrt stage checks the engine (2 rank engines run "
                       "together) against ONNX Runtime")

@@ -96,7 +96,6 @@ def test_polygraphy_accepts_two_runners_that_agree_and_rejects_a_noisy_one(two_l
     assert not accepted and case.max_abs_logit_diff > 1.0
 
 
-
 def test_a_tensorrt_build_packages_a_gpu_repository_whose_manifest_describes_the_engine(tiny_llama, tmp_path):
     """The package stage on an engine artifact (the plan's bytes are TensorRT's business): KIND_GPU,
     the TensorRT pin, the manifest's engine record; loading it without TensorRT says what is missing."""
@@ -125,7 +124,7 @@ def test_a_tensorrt_build_packages_a_gpu_repository_whose_manifest_describes_the
     assert "tensorrt==10.14.1" in (model_dir / "requirements.txt").read_text().split()
     assert (model_dir / "1" / "llmc" / "runtime" / "runners" / "trt.py").is_file()
     loaded = RepositoryManifest.load(model_dir / "1")
-    assert loaded == manifest and loaded.engine == "model.plan" and loaded.tensorrt == info
+    assert loaded == manifest and loaded.model_file == "model.plan" and loaded.tensorrt == info
     assert loaded.kv_layout.dtype == "float16" and loaded.kv_layout.bytes_per_token() * 2 == \
         exported.kv_layout.bytes_per_token()
     with pytest.raises(EngineLoadError, match="model.plan is a TensorRT engine .* lacks tensorrt"):

@@ -29,7 +29,7 @@ def _config(layout, k=4, max_batch=4, disable_batch_size=None):
     """The manifest's entry (the engine gets the draft's runner itself; serving.py makes it from this)."""
     return SpeculativeConfig(method="draft", num_tokens=k, max_batch=max_batch, min_n=2, max_n=3,
                              disable_batch_size=disable_batch_size,
-                             draft=DraftModel(engine="draft/model.onnx", kv_layout=layout, source="test",
+                             draft=DraftModel(model_file="draft/model.onnx", kv_layout=layout, source="test",
                                               source_hash="0", quantization="none"))
 
 

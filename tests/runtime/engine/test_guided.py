@@ -175,7 +175,6 @@ def test_beam_search_with_a_guide_is_refused_naming_the_input(paged, guides):
         engine.add_request("b", PROMPTS["rand"], SamplingParams(beam_width=2), guide=_schema(guides))
 
 
-
 def test_drawing_first_and_redrawing_on_a_refusal_gives_the_masked_distribution(guides):
     """A sampled row without top-k/p draws unmasked and is masked only when the grammar refuses the
     token (core.py): its tokens follow the masked softmax, here with the likeliest tokens forbidden."""

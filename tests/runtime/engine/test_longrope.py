@@ -123,7 +123,7 @@ def test_speculation_does_not_verify_past_the_switch(phi3, want, method):
     sides of the switch would emit tokens of the short table's there) and prompt lookup's."""
     tokens, prompts = want
     path, layout = phi3[1]("paged")
-    draft = DraftModel(engine=path.name, kv_layout=layout, source="target", source_hash="0", quantization="none")
+    draft = DraftModel(model_file=path.name, kv_layout=layout, source="target", source_hash="0", quantization="none")
     spec = SpeculativeConfig(method=method, num_tokens=4, max_batch=4, min_n=1, max_n=2,
                              draft=draft if method == "draft" else None)
     engine = _paged(phi3, speculative=spec)

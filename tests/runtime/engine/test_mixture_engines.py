@@ -61,7 +61,7 @@ def test_greedy_rows_in_flight_together_equal_transformers(mixture, want):
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculation_gives_the_same_tokens(mixture, want, method):
     _, path, layout = mixture
-    draft = DraftModel(engine=path.name, kv_layout=layout, source="target", source_hash="0", quantization="none")
+    draft = DraftModel(model_file=path.name, kv_layout=layout, source="target", source_hash="0", quantization="none")
     spec = SpeculativeConfig(method=method, num_tokens=3, max_batch=4, min_n=1, max_n=2,
                              draft=draft if method == "draft" else None)
     engine = _engine(mixture, speculative=spec)
