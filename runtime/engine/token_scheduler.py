@@ -24,14 +24,8 @@ Rejected proposals roll back by the sequence's length not advancing past them (`
 A LongRoPE sequence that grows past the switch recomputes its KV the same way, not counted as a
 preemption (runtime/engine/longrope.py).
 
-Fast-forward (`fast_forward`, on by default): where a guided row's grammar forces the next tokens
-(a JSON schema's keys and punctuation: llguidance's fast-forward tokens, grammar.py), the row feeds
-them after its last token as proposals and the step verifies them under the grammar's mask at each
-position like prompt lookup's (speculation/speculator.py), so the row gains them and its own next token in
-one graph call instead of one call each. The verification makes them exact: a greedy row's tokens
-are those it samples without fast-forward, and every token, forced ones included, gets the log
-probabilities of its own logits row. `python -m llmc.bench structured` measured 1.1x the tokens/s at 16
-constrained streams and 1.4x at one (SmolLM2, a third of the tokens forced).
+Fast-forward (`fast_forward`, on by default) and speculation add proposals after decode rows' last tokens
+once every decode row has its blocks (speculation/proposals.py).
 
 A beam request (runtime/engine/beam.py) is one sequence here that counts `beam_width` rows from its
 admission on: it prefills its prompt as one row, then its beams decode as rows of their own, all
@@ -51,7 +45,8 @@ from llmc.runtime.engine import beam, longrope
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.core import WaitingQueue
 from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
-from llmc.runtime.engine.speculation.speculator import Speculator, logit_rows, room, verify
+from llmc.runtime.engine.speculation import proposals
+from llmc.runtime.engine.speculation.speculator import Speculator, logit_rows, verify
 from llmc.runtime.engine.step_plan import Chunk, StepPlan
 
 if TYPE_CHECKING:
@@ -130,9 +125,10 @@ class TokenScheduler(WaitingQueue):
                 self.blocks.append(seq)
                 chunks.append(Chunk(seq, [seq.last_token_id], seq.num_cached))
         if self.fast_forward:
-            self._fast_forward(chunks)
-        if self.speculator is not None:
-            self._speculate(chunks)
+            proposals.fast_forward(chunks, self.blocks, self.max_num_tokens, self.capacity)
+        if self.speculator is not None and len(self.running) + len(self.waiting) <= self.speculator.disable_batch_size:
+            # (above it a full batch is compute-bound already; a draft would also catch up rows only to stop again)
+            proposals.speculate(chunks, self.speculator, self.blocks, self.max_num_tokens)
         return len(chunks)
 
     def _beam_rows(self, seq: Sequence, chunks: list[Chunk], copies: list[tuple[int, int]]) -> None:
@@ -148,54 +144,6 @@ class TokenScheduler(WaitingQueue):
         if seq in self.running:
             copies.extend(self.blocks.make_writable(rows))
             chunks.extend(Chunk(seq, [row.token_ids[-1]], row.num_cached, row=row) for row in rows)
-
-    def _fast_forward(self, chunks: list[Chunk]) -> None:
-        """The tokens each guided decode row's grammar forces next (grammar.py's forced_tokens) after
-        its last token, within the step's spare tokens and the free blocks: fed as proposals and
-        verified under the grammar's masks like prompt lookup's (speculation/speculator.py), so the row takes
-        them and its own next token in one step, each with the log probabilities of its logits row."""
-        spare = self.max_num_tokens - len(chunks)
-        for i, chunk in enumerate(chunks):
-            seq = chunk.seq
-            if spare < 1:
-                break
-            if seq.guide is None:
-                continue
-            forced = seq.guide.forced_tokens(room(seq, spare, self.capacity, self.blocks.longrope_switch),
-                                               seq.params.end_ids)
-            if forced and self.blocks.can_append(seq, len(forced)):
-                self.blocks.append(seq, len(forced))
-                chunks[i] = Chunk(seq, chunk.token_ids + forced, chunk.past_len, forced, forced=True)
-                spare -= len(forced)
-
-    def _speculate(self, chunks: list[Chunk]) -> None:
-        """Proposals after the last token of at most `max_batch` decode rows (the oldest that have
-        any), within the step's spare tokens and the free blocks. Run once every decode row has its
-        blocks, so speculation never takes a block a row needs for its own token, nor preempts anyone."""
-        if len(self.running) + len(self.waiting) > self.speculator.disable_batch_size:
-            return  # a full batch is compute-bound already; a draft would also catch up rows only to stop again
-        spare, rows = self.max_num_tokens - sum(len(c.token_ids) for c in chunks), 0
-        for i, chunk in enumerate(chunks):
-            if spare < 1 or rows == self.speculator.max_batch:
-                break
-            if chunk.seq.beam is not None or chunk.forced:  # beams pick by score over W rows; forced tokens are in
-                continue
-            guide = chunk.seq.guide
-            if self.speculator.drafts:  # blocks for the most the draft may propose; it fills them after scheduling
-                # (a guided row's draft proposes under its grammar's mask, speculation/draft.py)
-                limit = self.speculator.limit(chunk.seq, spare)
-                if limit and self.blocks.can_append(chunk.seq, limit):
-                    self.blocks.append(chunk.seq, limit)
-                    chunks[i] = Chunk(chunk.seq, chunk.token_ids, chunk.past_len, reserved=limit)
-                    spare, rows = spare - limit, rows + 1
-                continue
-            proposals = self.speculator.propose(chunk.seq, spare)
-            if proposals and guide is not None:  # only what its grammar takes (verified under its masks)
-                proposals = proposals[:guide.valid_prefix(proposals, chunk.seq.params.end_ids)]
-            if proposals and self.blocks.can_append(chunk.seq, len(proposals)):
-                self.blocks.append(chunk.seq, len(proposals))
-                chunks[i] = Chunk(chunk.seq, chunk.token_ids + proposals, chunk.past_len, proposals)
-                spare, rows = spare - len(proposals), rows + 1
 
     def _chunk(self, seq: Sequence, budget: int, chunks: list[Chunk]) -> int:
         tokens = seq.all_token_ids()[seq.num_cached:seq.num_cached + budget]
