@@ -15,7 +15,7 @@ _TINY_TEMPERATURE = 1e-30  # float32 division by a smaller temperature would mak
 class Uniforms:
     """Uniform numbers drawn ahead, handed out in order by `random()` as a generator's would be: the
     draws of a row whose uniforms were taken from its generator before it knew which draws it needs
-    (a guided row's unmasked draw and masked redraw, guided.py and engine/speculation/speculator.py)."""
+    (a guided row's unmasked draw and masked redraw, sampling.py's sample_guided and engine/speculation/speculator.py)."""
 
     def __init__(self, values: np.ndarray):
         self._values = iter(np.asarray(values, dtype=np.float64).tolist())

@@ -23,9 +23,8 @@ import numpy as np
 
 from llmc.runtime.decoding.detokenizer import IncrementalDetokenizer
 from llmc.runtime.decoding.grammar import GuideMatcher
-from llmc.runtime.decoding.guided import sample_guided
 from llmc.runtime.decoding.logprobs import LogprobRecorder, Logprobs
-from llmc.runtime.decoding.sampling import SamplingParams
+from llmc.runtime.decoding.sampling import SamplingParams, sample_guided
 from llmc.runtime.engine.sequence import FinishReason, Sequence
 
 
@@ -182,7 +181,7 @@ class EngineCore:
 
     def sample(self, seqs: list[Sequence], logits: np.ndarray, sampled: dict[str, list[int]]) -> None:
         """The next token of each sequence from its row of `logits` [len(seqs), V], in one pass, guided rows
-        under their grammars (decoding/guided.py: which guided rows draw first, which are masked first)."""
+        under their grammars (decoding/sampling.py's sample_guided: which guided rows draw first, which are masked first)."""
         tokens = sample_guided(logits, [s.params for s in seqs], [s.prompt_array() for s in seqs],
                                [s.output_ids for s in seqs], [s.rng for s in seqs], [s.guide for s in seqs],
                                self.end_ids)

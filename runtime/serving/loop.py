@@ -2,7 +2,7 @@
 
 `submit(inputs, sink)` parses and queues a request and returns at once (a bad request is answered
 with an error right there); one thread runs the engine's `step()` while there is work and sends each
-request's new text through its `sink` (live.py: a request in flight, and what a sink offers). A sink is
+request's new text through its `sink` (responses.py: a request in flight, what a sink offers). A sink is
 whatever delivers responses: the Python-backend model wraps Triton's response sender, tests use a recording one.
 
 Every request ends with exactly one final response (text, error, or finish_reason `cancelled`),
@@ -49,9 +49,8 @@ from llmc.runtime.engine.sequence import FinishReason
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.runners.protocol import RunnerBroken
 from llmc.runtime.serving.metrics import ServingMetrics, null_metrics
-from llmc.runtime.serving.live import LiveRequest, Sink, call
 from llmc.runtime.serving.request import Limits, Request, RequestError, is_stop, parse_request
-from llmc.runtime.serving.responses import bytes_tensor
+from llmc.runtime.serving.responses import LiveRequest, Sink, bytes_tensor, call
 
 CANCEL_CHECK_INTERVAL = 0.02  # seconds between polls of the clients' cancellation flags
 
