@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from llmc.compiler.hashing import hash_json
 from llmc.runtime.layout import SEQUENCE_LENGTHS, KVLayout, step_lengths
-from llmc.runtime.runners.paged_batch import RowStep, pack
+from llmc.runtime.runners.paged import RowStep, pack
 
 PERCENTILE, NUM_BINS, NUM_QUANTIZED_BINS = 99.99, 2048, 128
 CACHE_NAME = "calibration.json"

@@ -5,7 +5,7 @@ because the graph package is part of the export, quantize and tensorrt stages' c
 tokenizer check has no bearing on a graph.
 
 The served side is exactly what the runtime does (runtime/decoding/tokenizer.py loads and encodes,
-runtime/decoding/detokenizer.py streams the text back, special tokens skipped); the reference is the
+runtime/decoding/tokenizer.py streams the text back, special tokens skipped); the reference is the
 tokenizer transformers' AutoTokenizer gives for the checkpoint, whatever class it picks:
 
 - encode: every sample text (multi-byte scripts, decomposed accents, code, emoji, whitespace runs,
@@ -61,7 +61,7 @@ def check_tokenizer(tokenizer, served: Path, chat_template: dict | None, *, orig
     """Compare the tokenizer file `served` with `tokenizer` (transformers'); `chat_template` is the
     build's recorded template ({template, special_tokens}) or None. Returns how many texts and
     conversations were compared; raises VerifyError at the first difference."""
-    from llmc.runtime.decoding.detokenizer import IncrementalDetokenizer
+    from llmc.runtime.decoding.tokenizer import IncrementalDetokenizer
     from llmc.runtime.decoding.tokenizer import encode, load
 
     runtime = load(served)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from llmc.runtime.decoding.detokenizer import IncrementalDetokenizer
+from llmc.runtime.decoding.tokenizer import IncrementalDetokenizer
 from llmc.runtime.engine.sequence import FinishReason
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from llmc.runtime.decoding.detokenizer import IncrementalDetokenizer
+from llmc.runtime.decoding.tokenizer import IncrementalDetokenizer
 from llmc.runtime.decoding.grammar import GuideMatcher
 from llmc.runtime.decoding.logprobs import LogprobRecorder, Logprobs
 from llmc.runtime.decoding.sampling import SamplingParams, sample_guided

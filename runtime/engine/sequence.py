@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from llmc.runtime.decoding.detokenizer import IncrementalDetokenizer, StopMatcher
+from llmc.runtime.decoding.tokenizer import IncrementalDetokenizer, StopMatcher
 from llmc.runtime.decoding.grammar import GuideMatcher
 from llmc.runtime.decoding.logprobs import LogprobRecorder
 from llmc.runtime.decoding.sampling import SamplingParams

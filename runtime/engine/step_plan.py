@@ -21,7 +21,7 @@ import numpy as np
 
 from llmc.runtime.engine.beam import BeamRow
 from llmc.runtime.engine.sequence import Sequence, Status
-from llmc.runtime.runners.paged_batch import RowStep
+from llmc.runtime.runners.paged import RowStep
 
 if TYPE_CHECKING:
     from llmc.runtime.engine.block_manager import BlockManager

@@ -60,7 +60,7 @@ def timed(engine, prompt_ids: list[int], params) -> tuple[float, int]:
 def graph_ratio(engine, context: int, width: int, calls: int = 20) -> float:
     """Median seconds of a decode call of `width` rows over one of 1 row, each row `context` tokens
     deep in blocks of its own (their contents do not matter to the time)."""
-    from llmc.runtime.runners.paged_batch import RowStep
+    from llmc.runtime.runners.paged import RowStep
 
     runner = engine.runner
     per_row = -(-(context + 1) // runner.block_size)

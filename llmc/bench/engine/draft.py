@@ -98,7 +98,7 @@ def costs(targets: dict, drafts: dict, prompt_ids: list[int], ks: list[int]) -> 
     a draft), each after the prompt's KV, taking turns call by call. (A default session is left out:
     its pool spinning after its call would slow the next call, whichever; the tokens/s comparison
     shows both kinds of session decoding alike without speculation.)"""
-    from llmc.runtime.runners.paged_batch import RowStep
+    from llmc.runtime.runners.paged import RowStep
 
     target = targets["quiet"]
     width = -(-(len(prompt_ids) + max(ks) + 2) // target.block_size)

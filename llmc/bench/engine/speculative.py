@@ -65,7 +65,7 @@ def load():
 def verification_cost(runner, prompt_ids: list[int], ks: list[int], rows: int) -> dict[int, float]:
     """Median seconds of one call carrying `rows` rows of 1 + k tokens each after the prompt's KV,
     each row its own copy of it; the k take turns call by call, so load on the host falls on all alike."""
-    from llmc.runtime.runners.paged_batch import RowStep
+    from llmc.runtime.runners.paged import RowStep
 
     width = -(-(len(prompt_ids) + max(ks) + 1) // runner.block_size)
     tables = [list(range(r * width, (r + 1) * width)) for r in range(rows)]
@@ -88,7 +88,7 @@ class Slice:
         self.runner, self.first, self.num_blocks, self.block_size = runner, first, num_blocks, runner.block_size
 
     def step(self, rows):
-        from llmc.runtime.runners.paged_batch import RowStep
+        from llmc.runtime.runners.paged import RowStep
 
         return self.runner.step([RowStep(r.token_ids, r.past_len, [b + self.first for b in r.block_ids], r.num_logits)
                                  for r in rows])

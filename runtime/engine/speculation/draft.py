@@ -47,7 +47,7 @@ from llmc.runtime.decoding.grammar import apply_bitmask, next_token_bitmask
 from llmc.runtime.decoding.sampling import distributions, draw_from, penalize
 from llmc.runtime.engine.step_plan import Chunk, StepPlan
 from llmc.runtime.runners.paged import PagedRunner
-from llmc.runtime.runners.paged_batch import RowStep
+from llmc.runtime.runners.paged import RowStep
 
 
 class DraftProposer:

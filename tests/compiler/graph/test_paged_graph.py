@@ -11,7 +11,7 @@ from llmc.compiler import build
 from llmc.compiler.artifacts import ExportedModel
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.layout import KVLayout
-from llmc.runtime.runners.paged_batch import RowStep, pack
+from llmc.runtime.runners.paged import RowStep, pack
 from llmc.runtime.runners.paged import PagedRunner
 from llmc.runtime.runners.protocol import RunnerClosed
 

@@ -3,7 +3,7 @@
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from llmc.runtime.decoding.detokenizer import IncrementalDetokenizer, StopMatcher
+from llmc.runtime.decoding.tokenizer import IncrementalDetokenizer, StopMatcher
 
 TEXT = ["hello world, the quick brown fox", "naïve café — 東京 and 😀 emoji 🚀 rockets", "def f(x):\n    return x"]
 

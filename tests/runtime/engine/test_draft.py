@@ -11,7 +11,7 @@ from helpers import truncated
 from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.runtime.manifest import DraftModel, SpeculativeConfig
-from llmc.runtime.runners.paged_batch import RowStep
+from llmc.runtime.runners.paged import RowStep
 from llmc.runtime.engine.paged_engine import PagedEngine
 from llmc.runtime.runners.paged import PagedRunner
 from llmc.runtime.decoding.sampling import SamplingParams, distributions, sample_rows

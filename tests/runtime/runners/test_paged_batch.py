@@ -1,11 +1,11 @@
-"""A paged step's rows packed into the graph's inputs (runtime/runners/paged_batch.py), and the KV layout's
+"""A paged step's rows packed into the graph's inputs (runtime/runners/paged.py), and the KV layout's
 LongRoPE switch (runtime/layout.py), without a graph; the graph's own steps are tests/compiler/graph/test_paged_graph.py."""
 
 import numpy as np
 import pytest
 
 from llmc.runtime.layout import KVLayout
-from llmc.runtime.runners.paged_batch import RowStep, pack
+from llmc.runtime.runners.paged import RowStep, pack
 
 
 def test_pack_lays_rows_out_as_the_graph_takes_them():

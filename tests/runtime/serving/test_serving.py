@@ -117,7 +117,7 @@ def test_full_queue_answers_busy_retry(tiny_build):
 @pytest.mark.parametrize("graph", ["slots", "paged"])
 def test_stopping_the_loop_closes_its_runner(graph, request):
     """An unloaded model version frees its model and KV cache (GPU memory for a TensorRT engine)."""
-    from llmc.runtime.runners.paged_batch import RowStep
+    from llmc.runtime.runners.paged import RowStep
     from llmc.runtime.runners.protocol import RunnerClosed
 
     built = request.getfixturevalue("tiny_slot_build" if graph == "slots" else "tiny_build")
