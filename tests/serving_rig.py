@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkpoints import REPO
+from checkpoints import REPO, byte_tokenizer
 
 def greedy_reference(model, prompt_ids: list[int], max_tokens: int, end_ids=()) -> list[int]:
     """PyTorch greedy tokens for one prompt, ending after an end id as the runtime does."""

@@ -45,7 +45,7 @@ def _rank_workers(server_pid: int) -> list[int]:
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"tensor_parallel import rank_main" in f.read():
+                    if b"ort_group import rank_main" in f.read():
                         found.append(int(entry))
             except OSError:
                 continue
