@@ -5,10 +5,13 @@
 
 One decode step (one new token per row, every row at `context - 1` cached tokens) of:
   - llmc three launches (plugins/gpu/kernels.py: rope/cache write + split-KV decode + merge),
-  - llmc one launch (plugins/gpu/kernels_aot.py: the TensorRT plugin's kernel),
+  - llmc one launch (plugins/gpu/one_launch.py: the TensorRT plugin's kernel),
   - llmc paged, two launches (plugins/gpu/paged_kernels.py: block write + attention) and one launch
     (plugins/gpu/paged_kernels_aot.py), over the same cache laid out as blocks of `--block-size`
     in shuffled order through each row's block table,
+  - the one-launch and paged kernels each twice: without key splits (what the TensorRT plugin compiles) and
+    with the split-KV count their PyTorch launch picks from the shapes and the GPU's SMs
+    (configs.decode_splits; `--splits N` forces N), merged in the same launch (plugins/gpu/split_kv.py),
   - torch SDPA over the same cache (`enable_gqa`; the new token already written, so SDPA does
     less work than the kernels, which also write the cache).
 Each is timed with CUDA events (median of `--passes` x 50 steps after warm-up); the achieved memory
@@ -48,6 +51,7 @@ def main() -> int:
     p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--splits", type=int, default=None, help="key splits of the split forms (default: their own)")
     args = p.parse_args()
     import torch
 
@@ -56,9 +60,11 @@ def main() -> int:
         return 2
     from llmc.plugins.op.attention import reference_attention
     from llmc.plugins.gpu.kernels import fused_attention
-    from llmc.plugins.gpu.kernels_aot import one_launch_attention
+    from llmc.plugins.gpu.configs import BLOCK_M, SPLIT_KEYS, decode_splits
+    from llmc.plugins.gpu.one_launch import one_launch_attention
     from llmc.plugins.gpu.paged_kernels import paged_attention
     from llmc.plugins.gpu.paged_kernels_aot import paged_attention_one_launch
+    from llmc.plugins.gpu.split_kv import num_sms
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     b, c, h, kvh, d = args.batch, args.context, args.heads, args.kv_heads, args.head_dim
@@ -69,8 +75,17 @@ def main() -> int:
     pos = torch.full((b,), c - 1, device="cuda", dtype=torch.int64)
     scale = d ** -0.5
     ref = reference_attention(q, k, v, kc.clone(), vc.clone(), pos, scale)[0].float()
-    slot = {"llmc three launches": fused_attention, "llmc one launch": one_launch_attention}
-    kernels = {name: (lambda kernel=kernel: kernel(q, k, v, kc, vc, pos, scale)) for name, kernel in slot.items()}
+    # what the split forms' launches pick: slot, a row's group heads in whole tiles; paged, the rows' group heads
+    # packed (attention_grid), plus a spare tile per row
+    group = h // kvh
+    sms = num_sms(q.device)
+    slot_splits = args.splits or decode_splits(b * -(-group // BLOCK_M), kvh, c, sms)
+    paged_splits = args.splits or decode_splits(-(-b * group // BLOCK_M) + b, kvh, c, sms)
+    print(f"key splits (min {SPLIT_KEYS} keys each, {sms} SMs): slot {slot_splits}, paged {paged_splits}")
+    kernels = {"llmc three launches": lambda: fused_attention(q, k, v, kc, vc, pos, scale),
+               "llmc one launch": lambda: one_launch_attention(q, k, v, kc, vc, pos, scale, splits=1),
+               f"llmc one launch, {slot_splits} splits": lambda: one_launch_attention(q, k, v, kc, vc, pos, scale,
+                                                                                      splits=slot_splits)}
     # the same cache as block pools: row r's position t lives in block table[r, t // bs] at offset t % bs
     bs = args.block_size
     if c % bs:
@@ -87,12 +102,14 @@ def main() -> int:
     cu = torch.arange(b + 1, device="cuda", dtype=torch.int32)
     past = pos.to(torch.int32)
     flat = {"query": q.reshape(b, h * d), "key": k.reshape(b, kvh * d), "value": v.reshape(b, kvh * d)}
-    for name, kernel in {"llmc paged two launches": paged_attention,
-                         "llmc paged one launch": paged_attention_one_launch}.items():
-        kernels[name] = (lambda kernel=kernel: kernel(**flat, key_cache=kp, value_cache=vp,
-                                                      cumulative_sequence_length=cu, past_seqlens=past,
-                                                      block_table=table, num_heads=h, kv_num_heads=kvh,
-                                                      scale=scale)[0].view(b, 1, h, d))
+    for name, kernel, splits in (("llmc paged two launches", paged_attention, 1),
+                                 (f"llmc paged two launches, {paged_splits} splits", paged_attention, paged_splits),
+                                 ("llmc paged one launch", paged_attention_one_launch, 1),
+                                 (f"llmc paged one launch, {paged_splits} splits", paged_attention_one_launch,
+                                  paged_splits)):
+        kernels[name] = (lambda kernel=kernel, splits=splits: kernel(
+            **flat, key_cache=kp, value_cache=vp, cumulative_sequence_length=cu, past_seqlens=past, block_table=table,
+            num_heads=h, kv_num_heads=kvh, scale=scale, splits=splits)[0].view(b, 1, h, d))
     for name, run in kernels.items():
         err = (run().float() - ref).abs().max().item()
         print(f"{name}: max |error| vs reference {err:.2e}")
@@ -107,9 +124,9 @@ def main() -> int:
     kv_bytes = 2 * b * kvh * c * d * q.element_size()
     print(f"\ndecode step, batch {b}, context {c}, heads {h}/{kvh}, head_dim {d}, {args.dtype} "
           f"on {torch.cuda.get_device_name()}")
-    print(f"{'kernel':24} {'ms/step':>8} {'GB/s (KV read)':>15} {'vs SDPA':>8}")
+    print(f"{'kernel':36} {'ms/step':>8} {'GB/s (KV read)':>15} {'vs SDPA':>8}")
     for name, ms in timings.items():
-        print(f"{name:24} {ms:8.3f} {kv_bytes / ms / 1e6:15.0f} {timings['torch SDPA'] / ms:7.2f}x")
+        print(f"{name:36} {ms:8.3f} {kv_bytes / ms / 1e6:15.0f} {timings['torch SDPA'] / ms:7.2f}x")
     return 0
 
 

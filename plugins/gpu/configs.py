@@ -18,6 +18,7 @@ the same on sm_80 and sm_90):
                         1 stage    10240      20480     40960
     prefill, 3 stages              19456      37888     74752
     paged (two-launch), 3 stages   11520      21760     42240
+    (the split-KV forms, split_kv.py: the same figures, same configurations)
 
 Every configuration a kernel may get stays within sm_80's 166912 bytes per block (the smaller of the two
 generations; sm_90: 232448); tests/gpu/test_kernel_resources.py compiles each for both and checks the
@@ -33,6 +34,10 @@ import triton
 
 BLOCK_M, BLOCK_N = 16, 32  # queries (or (token, head) pairs) per program, keys per inner step
 DECODE_BLOCK = 32  # the split decode kernel's keys per inner step
+# The fewest keys a split of the one-launch and paged kernels gets: its fixed cost (the query tile, a partial of
+# BLOCK_M x (D + 2) fp32 written and read back: 8 KiB at D 128) stays ~6% of the 128 KiB of fp16 keys and
+# values it reads. A guess, not measured yet.
+SPLIT_KEYS = 256
 NUM_WARPS = 4
 SHARED_LIMITS = {80: 166912, 90: 232448}  # bytes of shared memory one block may opt in to, by capability
 # The widest tile row (bytes) each kernel kind keeps 3 stages for; past it, fewer stages (attention_config)
@@ -69,6 +74,15 @@ def attention_config(head_dim: int, itemsize: int, *, fresh: bool) -> KernelConf
     else:
         stages = 3 if row <= CACHED_ROW_BYTES else 2
     return KernelConfig(BLOCK_M, BLOCK_N, NUM_WARPS, stages)
+
+
+def decode_splits(batch: int, kv_heads: int, context: int, num_sms: int = 132, min_keys: int = SPLIT_KEYS) -> int:
+    """How many ways to split the keys of each of `batch` x `kv_heads` programs (for the one-launch and paged
+    kernels, `batch` counts row tiles): about 2 programs per SM (`num_sms`: an H100/H200 has 132), never slices
+    shorter than `min_keys` of `context` keys; a power of two. `context` is a bound from shapes (the cache's
+    capacity, the block table's reach), so a plugin's count, fixed at build, follows the same rule."""
+    want = max(1, min(2 * num_sms // max(batch * kv_heads, 1), context // min_keys))
+    return 1 << (want.bit_length() - 1)
 
 
 def default_config() -> KernelConfig:

@@ -21,7 +21,7 @@ The attention features (plugins/op/attention.py) are compile-time constants: SOF
 logits, WINDOW > 0 starts each query's keys at position - WINDOW + 1 (the loops begin there too), and SINKS
 reads one sink logit per head from `sink_ptr` into the denominator when a softmax is finished (`with_sink`).
 
-The same op in one launch, for the TensorRT plugin, is in kernels_aot.py.
+The same op in one launch, for the TensorRT plugin, is in one_launch.py (compiled ahead of time by kernels_aot.py).
 
 GQA: query head h reads KV head h // (H / KVH). fp16, bf16 and fp32 inputs; accumulation in fp32.
 Runs on CPU under `TRITON_INTERPRET=1` (how the tests check it against the reference) and compiles
@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 # block sizes, warps and pipeline stages by head size: configs.py (shared with the ahead-of-time compiles)
-from llmc.plugins.gpu.configs import BLOCK_M, BLOCK_N, DECODE_BLOCK, attention_config, default_config
+from llmc.plugins.gpu.configs import BLOCK_M, BLOCK_N, DECODE_BLOCK, attention_config, decode_splits, default_config
 
 
 @triton.jit
@@ -232,13 +232,6 @@ def _decode_reduce(part_acc, part_m, part_l, sink_ptr, o_ptr, H: tl.constexpr, D
     tl.store(o_ptr + bh * D + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
-def decode_splits(batch_heads: int, longest: int, target_programs: int = 264) -> int:
-    """How many key splits per (batch, head): enough programs to fill a GPU (~2 per SM on an
-    H100's 132), never slices shorter than one key block; a power of two."""
-    want = max(1, min(target_programs // max(batch_heads, 1), longest // DECODE_BLOCK))
-    return 1 << (want.bit_length() - 1)
-
-
 def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, cache_position: torch.Tensor, scale: float,
                     cos_cache: torch.Tensor | None = None, sin_cache: torch.Tensor | None = None,
@@ -270,7 +263,7 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             config.block_n, block_d, precision, upcast, SINKS=head_sink is not None, **features, **config.launch())
         return out
     longest = int(cache_position.max()) + 1
-    splits = splits or decode_splits(b * h, longest)
+    splits = splits or decode_splits(b, h, longest, min_keys=DECODE_BLOCK)  # one program per query head
     keys_per_split = max(DECODE_BLOCK, math.ceil(longest / splits / DECODE_BLOCK) * DECODE_BLOCK)
     part_acc = torch.empty((b * h, splits, d), dtype=torch.float32, device=query.device)
     part_m = torch.empty((b * h, splits), dtype=torch.float32, device=query.device)

@@ -27,7 +27,8 @@ and the programs holding a group's first head write them into the blocks.
 softcap, local_window_size and head_sink (SINKS: each head's sink logit joins its softmax's denominator
 when the softmax is finished, `with_sink`) are the contract's, as compile-time constants.
 
-No key splitting (flash-decoding) yet: a long decode row is one program per KV group.
+Split-KV (flash-decoding, SPLITS > 1, split_kv.py): a third grid axis divides each program's keys among SPLITS
+programs, merged by the tile's last one in the same launch; with FRESH=1 the first split writes the new keys.
 fp16, bf16 and fp32; accumulation in fp32. Runs on CPU under `TRITON_INTERPRET=1`.
 """
 
@@ -40,8 +41,9 @@ import triton
 import triton.language as tl
 
 # (token, head) pairs per program, keys per inner step, and the stages by head size: configs.py
-from llmc.plugins.gpu.configs import BLOCK_M, BLOCK_N, attention_config
+from llmc.plugins.gpu.configs import BLOCK_M, BLOCK_N, attention_config, decode_splits
 from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
+from llmc.plugins.gpu.split_kv import merge_splits, num_sms, split_keys, split_workspace, tile_and_split
 
 
 @triton.jit
@@ -135,13 +137,15 @@ def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped,
 
 @triton.jit
 def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, cos_ptr, sin_ptr, sink_ptr,
-                     B, MB, NB, BS, o_ptr, kc_out, vc_out,
+                     B, MB, NB, BS, o_ptr, kc_out, vc_out, part_ptr, lock_ptr,
                      SCALE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr,
                      INTERLEAVED: tl.constexpr, FRESH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SINKS: tl.constexpr):
-    """One program per (block of a row's (token, group head) pairs, KV head). Parameters in TensorRT's
-    AOT-plugin order: input tensors, int32 scalars, output tensors (the caches aliased to the inputs).
+                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SINKS: tl.constexpr,
+                     SPLITS: tl.constexpr):
+    """One program per (block of a row's (token, group head) pairs, KV head, key split). Parameters in
+    TensorRT's AOT-plugin order: input tensors, int32 scalars, output tensors (the caches aliased to the
+    inputs); then the split workspace and counters, read only when SPLITS > 1.
     UPCAST: tiles reach the dots as fp32 (under the interpreter for bf16, which NumPy lacks)."""
     G: tl.constexpr = H // KVH
     kv = tl.program_id(1)
@@ -169,11 +173,15 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
     lo = 0
     if WINDOW > 0:
         lo = tl.maximum(tl.min(tl.where(row_ok, pos, hi), 0) - WINDOW + 1, 0)
+    if SPLITS > 1:  # this program's slice of the keys (slot_of masks the keys past its end)
+        lo, hi, active = split_keys(lo, hi, SPLITS, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        n = start_n + tl.arange(0, BLOCK_N)
+    # counted from 0: Triton 3.9 buffers 3 of this loop's 9 loads when it starts at a runtime bound (a key split's
+    # or a window's start: 13568 bytes of shared memory against 21760 at fp16 head 128), all 9 from a trip count
+    for step in range(0, tl.cdiv(hi - lo, BLOCK_N)):
+        n = lo + step * BLOCK_N + tl.arange(0, BLOCK_N)
         slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS)
         k, v = _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped, past, start, kv, d_ok, d,
                            KVH, D, HALF, ROTARY, INTERLEAVED, FRESH)
@@ -187,13 +195,18 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
             visible = visible & (n[None, :] > pos[:, None] - WINDOW)
         p, alpha, m_i, l_i = softmax_block(tl.where(visible, scores, float("-inf")), m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    writes = True  # whether this program writes the output: with splits, the tile's last to finish
+    if SPLITS > 1:
+        tile, split = tile_and_split()
+        acc, m_i, l_i, writes = merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D, SPLITS,
+                                             BLOCK_M)
     if SINKS:
         head = kv * G + r % G
         acc, l_i = with_sink(acc, m_i, l_i, tl.load(sink_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32))
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(o_ptr + q_at + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
-    if FRESH:  # the row's new keys and values into the blocks, once per token: by its group's first head
-        writer = row_ok & (r % G == 0)
+    tl.store(o_ptr + q_at + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask & writes)
+    if FRESH:  # the row's new keys and values into the blocks, once per token: by its group's first head, in the
+        writer = row_ok & (r % G == 0) & (tl.program_id(2) + 0 * r == 0)  # first split (the others read the inputs)
         slot, mapped = slot_of(table_ptr, b, pos, writer, MB, NB, BS)
         w_mask = mapped[:, None] & d_ok[None, :]
         src = ((start + s).to(tl.int64) * KVH + kv)[:, None] * D
@@ -201,10 +214,11 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
         write_kv(k_ptr, v_ptr, kc_out, vc_out, src, dst, d, w_mask, pos, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
 
 
-def attention_grid(tokens, rows, num_heads: int, num_kv_heads: int, block_m: int = BLOCK_M, cdiv=triton.cdiv):
-    """(programs over the rows' packed (token, head) pairs, KV heads): enough for any split of `tokens`
-    among `rows`; works on ints and on TensorRT's symbolic shape expressions (pass `trtp.cdiv`)."""
-    return cdiv(tokens * (num_heads // num_kv_heads), block_m) + rows, num_kv_heads
+def attention_grid(tokens, rows, num_heads: int, num_kv_heads: int, block_m: int = BLOCK_M, cdiv=triton.cdiv,
+                   splits: int = 1):
+    """(programs over the rows' packed (token, head) pairs, KV heads, key splits): enough for any split of
+    `tokens` among `rows`; works on ints and on TensorRT's symbolic shape expressions (pass `trtp.cdiv`)."""
+    return cdiv(tokens * (num_heads // num_kv_heads), block_m) + rows, num_kv_heads, splits
 
 
 def split_packed(query, key, value, num_heads: int, kv_num_heads: int):
@@ -217,7 +231,7 @@ def split_packed(query, key, value, num_heads: int, kv_num_heads: int):
 
 
 def kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, rotary_interleaved, softcap,
-                   local_window_size, is_causal, head_sink=None) -> dict:
+                   local_window_size, is_causal, head_sink=None, splits: int = 1) -> dict:
     """The attention kernel's compile-time constants for these tensors and attributes."""
     head_size = query.shape[1] // num_heads
     assert num_heads % kv_num_heads == 0 and key_cache.shape[2:] == (kv_num_heads, head_size), key_cache.shape
@@ -228,7 +242,7 @@ def kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, 
             "INTERLEAVED": bool(rotary_interleaved), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
             "BLOCK_D": max(16, triton.next_power_of_2(head_size)),
             "DOT_PRECISION": "ieee" if query.dtype == torch.float32 else "tf32",
-            "UPCAST": query.dtype == torch.bfloat16 and interpreted, "SINKS": head_sink is not None}
+            "UPCAST": query.dtype == torch.bfloat16 and interpreted, "SINKS": head_sink is not None, "SPLITS": splits}
 
 
 def sinks(head_sink, num_heads: int, placeholder):
@@ -239,6 +253,16 @@ def sinks(head_sink, num_heads: int, placeholder):
     return head_sink.contiguous()
 
 
+def split_buffers(query, grid_x: int, kv_num_heads: int, context: int, head_size: int, splits: int | None):
+    """(key splits, workspace, counters) of a paged launch of `grid_x` x `kv_num_heads` tiles: `splits`, or
+    decode_splits from the shapes (`context`: what the block table reaches) and the GPU's SMs; without splits,
+    placeholders the kernel never reads."""
+    splits = splits or decode_splits(grid_x, kv_num_heads, context, num_sms(query.device))
+    if splits == 1:
+        return 1, query, query
+    return splits, *split_workspace(query.device, grid_x * kv_num_heads, splits, BLOCK_M, head_size)
+
+
 def int32(*tensors):
     return [t.to(torch.int32).contiguous() for t in tensors]
 
@@ -246,9 +270,10 @@ def int32(*tensors):
 def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
                     num_heads: int, kv_num_heads: int, scale: float = 0.0, cos_cache=None, sin_cache=None, *,
                     slot_mapping=None, rotary_interleaved: bool = False, softcap: float = 0.0,
-                    local_window_size: int = -1, is_causal: bool = True, head_sink=None):
+                    local_window_size: int = -1, is_causal: bool = True, head_sink=None, splits: int | None = None):
     """`reference_paged_attention` on the GPU kernels: the new keys and values written into the caches
-    (in place), then attention; returns (output [T, H*D], key_cache, value_cache)."""
+    (in place), then attention; returns (output [T, H*D], key_cache, value_cache). `splits`: ways to split
+    each program's keys (default: from the shapes and the GPU, split_buffers; 1: none)."""
     query, key, value = split_packed(query, key, value, num_heads, kv_num_heads)
     assert key_cache.is_contiguous() and value_cache.is_contiguous(), "contiguous caches expected"
     options = kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, rotary_interleaved,
@@ -264,8 +289,11 @@ def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequen
                                 options["BLOCK_D"], options["ROTARY"], options["INTERLEAVED"], slot_mapping is not None)
     out = torch.empty_like(query)
     if tokens:
-        grid = attention_grid(tokens, rows, num_heads, kv_num_heads)
-        _paged_attention[grid](query, key, value, key_cache, value_cache, cu, past, table, cos, sin,
-                               sinks(head_sink, num_heads, query), *scalars, out, key_cache, value_cache, FRESH=False,
-                               **options, **attention_config(options["D"], query.element_size(), fresh=False).launch())
+        grid_x = attention_grid(tokens, rows, num_heads, kv_num_heads)[0]
+        options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads, table.shape[1] * block_size,
+                                                          options["D"], splits)
+        _paged_attention[attention_grid(tokens, rows, num_heads, kv_num_heads, splits=options["SPLITS"])](
+            query, key, value, key_cache, value_cache, cu, past, table, cos, sin, sinks(head_sink, num_heads, query),
+            *scalars, out, key_cache, value_cache, part, counters, FRESH=False, **options,
+            **attention_config(options["D"], query.element_size(), fresh=False).launch())
     return out, key_cache, value_cache

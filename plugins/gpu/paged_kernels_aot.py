@@ -19,10 +19,10 @@ import torch
 import triton
 
 from llmc.plugins.gpu.configs import attention_config, block_d, default_config
-from llmc.plugins.gpu.kernels_aot import _TRITON_TYPES, _compile, compile_for_plugin
+from llmc.plugins.gpu.kernels_aot import SPLIT_BUFFERS, _TRITON_TYPES, _compile, compile_for_plugin
 from llmc.plugins.gpu.ptx import PTX_ISA, plain_target, trim_params
 from llmc.plugins.gpu.paged_kernels import (_paged_attention, _paged_write, attention_grid, int32, kernel_options,
-                                            sinks, split_packed)
+                                            sinks, split_buffers, split_packed)
 
 PAGED_PLUGIN_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "cu_ptr", "past_ptr", "table_ptr", "cos_ptr",
                        "sin_ptr", "sink_ptr")
@@ -35,8 +35,9 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
                                block_table, num_heads: int, kv_num_heads: int, scale: float = 0.0, cos_cache=None,
                                sin_cache=None, *, slot_mapping=None, rotary_interleaved: bool = False,
                                softcap: float = 0.0, local_window_size: int = -1, is_causal: bool = True,
-                               head_sink=None):
-    """`reference_paged_attention` in one launch (the TensorRT plugin's kernel), caches updated in place."""
+                               head_sink=None, splits: int | None = None):
+    """`reference_paged_attention` in one launch (the TensorRT plugin's kernel), caches updated in place;
+    `splits` as paged_attention's."""
     if slot_mapping is not None:
         raise ValueError("the one-launch paged kernel reads the new keys where block_table puts them: "
                          "no slot_mapping (use paged_kernels.paged_attention)")
@@ -47,11 +48,14 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
     cos, sin = (cos_cache.contiguous(), sin_cache.contiguous()) if cos_cache is not None else (query, query)
     out = torch.empty_like(query)
     if query.shape[0]:
-        grid = attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads)
-        _paged_attention[grid](query, key, value, key_cache, value_cache, cu, past, table, cos, sin,
-                               sinks(head_sink, num_heads, query), past.shape[0],
-                               table.shape[1], key_cache.shape[0], key_cache.shape[1], out, key_cache, value_cache,
-                               FRESH=True, **options, **attention_config(options["D"], query.element_size(),
+        grid_x = attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads)[0]
+        options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads,
+                                                          table.shape[1] * key_cache.shape[1], options["D"], splits)
+        _paged_attention[attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads,
+                                        splits=options["SPLITS"])](
+            query, key, value, key_cache, value_cache, cu, past, table, cos, sin, sinks(head_sink, num_heads, query),
+            past.shape[0], table.shape[1], key_cache.shape[0], key_cache.shape[1], out, key_cache, value_cache, part,
+            counters, FRESH=True, **options, **attention_config(options["D"], query.element_size(),
                                                                          fresh=True).launch())
     return out, key_cache, value_cache
 
@@ -67,21 +71,23 @@ class PagedPluginKernel:
     block_m: int
 
     def grid(self, tokens, rows, num_heads: int, num_kv_heads: int, cdiv=triton.cdiv):
-        """(grid_x, grid_y) for `tokens` packed tokens of `rows` rows; ints or TensorRT shape expressions."""
-        return attention_grid(tokens, rows, num_heads, num_kv_heads, self.block_m, cdiv)
+        """(grid_x, grid_y) for `tokens` packed tokens of `rows` rows; ints or TensorRT shape expressions. No
+        key splits: the plugin's kernel is compiled without (kernels_aot.py says why)."""
+        return attention_grid(tokens, rows, num_heads, num_kv_heads, self.block_m, cdiv)[:2]
 
 
 def _attention_source(num_heads: int, num_kv_heads: int, head_size: int, scale: float, t: str, *, rotary_dim: int,
                       interleaved: bool, softcap: float, window: int, fresh: bool, causal: bool = True,
-                      sinks: bool = False):
+                      sinks: bool = False, splits: int = 1):
     names = PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_OUTPUTS
-    signature = {**{n: "*i32" if n in _INTS else f"*{t}" for n in names}, **{n: "i32" for n in PAGED_PLUGIN_SCALARS}}
+    signature = {**{n: "*i32" if n in _INTS else f"*{t}" for n in names}, **{n: "i32" for n in PAGED_PLUGIN_SCALARS},
+                 **SPLIT_BUFFERS}
     dtype = {v: k for k, v in _TRITON_TYPES.items()}[t]
     cache = torch.empty((1, 1, num_kv_heads, head_size), dtype=dtype)
     cos = torch.empty((1, rotary_dim // 2)) if rotary_dim else None
     constexprs = kernel_options(torch.empty((1, num_heads * head_size), dtype=dtype), cache, num_heads, num_kv_heads,
                                 scale, cos, interleaved, softcap, window, causal,
-                                torch.empty(num_heads) if sinks else None)
+                                torch.empty(num_heads) if sinks else None, splits)
     config = attention_config(head_size, dtype.itemsize, fresh=fresh)
     return signature, {**constexprs, "FRESH": fresh, "UPCAST": False}, config
 
@@ -103,8 +109,10 @@ def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale
 
 
 def paged_kernel_sources(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, *, rotary_dim: int,
-                         softcap: float = 0.0, window: int = -1, sinks: bool = False) -> dict[str, tuple]:
-    """The paged kernels (cache write, attention over the cache, the one-launch form) for one model's shapes and
+                         softcap: float = 0.0, window: int = -1, sinks: bool = False,
+                         splits: int = 8) -> dict[str, tuple]:
+    """The paged kernels (cache write, attention over the cache, the one-launch form, both attention forms also
+    with `splits` key splits, as their PyTorch launches get at a small batch) for one model's shapes and
     attention features, as (fn, signature, constexprs, config): what compile_paged_ptx compiles and the
     resource test checks."""
     t = _TRITON_TYPES[dtype]
@@ -114,11 +122,13 @@ def paged_kernel_sources(num_heads: int, num_kv_heads: int, head_size: int, dtyp
                         "BLOCK_KVH": triton.next_power_of_2(num_kv_heads), "BLOCK_D": block_d(head_size),
                         "ROTARY": rotary_dim > 0, "INTERLEAVED": False, "SLOTS": False}
     kernels = {"paged_write": (_paged_write, write_signature, write_constexprs, default_config())}  # no key loop
-    for name, fresh in (("paged_attention", False), ("paged_attention_one_launch", True)):
+    for name, fresh, split in (("paged_attention", False, 1), ("paged_attention_one_launch", True, 1),
+                               ("paged_attention_split", False, splits),
+                               ("paged_attention_one_launch_split", True, splits)):
         kernels[name] = (_paged_attention, *_attention_source(num_heads, num_kv_heads, head_size, 0.125, t,
                                                               rotary_dim=rotary_dim, interleaved=False,
                                                               softcap=softcap, window=window, fresh=fresh,
-                                                              sinks=sinks))
+                                                              sinks=sinks, splits=split))
     return kernels
 
 

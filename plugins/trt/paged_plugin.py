@@ -8,7 +8,8 @@ deployable plugin (`tensorrt.plugin`) with an ahead-of-time implementation only.
                      size, rotary and softmax options (softcap, window, causal, sinks; head_sink an input);
                      its grid (packed tokens x group / BLOCK_M + rows, KV heads) and int32 extras (rows,
                      block-table width, pool blocks, block size) as shape expressions, so one engine
-                     serves any batch and any split of its tokens
+                     serves any batch and any split of its tokens; without key splits (split_kv.py: see
+                     plugin.py)
 
 TensorRT checks these functions' signatures (real annotations, not strings: this module has no
 `from __future__ import annotations`) and embeds the PTX in the engine; nothing here runs at inference.

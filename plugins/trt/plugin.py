@@ -5,10 +5,11 @@ implementations only; `register()` registers both.
     @trtp.register   output like the query; k_cache' / v_cache' aliased to the cache inputs, so
                      the cache is updated in place (the engine's KV buffers are bound once)
     @trtp.autotune   one float type for every float tensor (fp32, fp16 or bf16), int32 positions
-    @trtp.aot_impl   the one-launch kernel of kernels_aot.py compiled to PTX for the node's shapes,
+    @trtp.aot_impl   the one-launch kernel (one_launch.py) compiled to PTX by kernels_aot.py for the node's shapes,
                      scale and attention features (rotary width, softcap, window, sinks: plugin fields,
                      plugins/trt/fused_node.py; the sinks an input), its grid and integer arguments
-                     as shape expressions
+                     as shape expressions; without key splits (split_kv.py), whose workspace and counters an
+                     AOT plugin cannot get from TensorRT (docs/tensorrt.md, "Split-KV in one launch")
 
 TensorRT embeds the PTX in the engine, so the engine runs without Python or Triton: in Triton's
 TensorRT backend, in `trtexec`, and in llmc's TensorRT runner. The ONNX parser finds the plugin by

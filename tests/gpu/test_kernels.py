@@ -131,10 +131,12 @@ def test_decode_steps_after_prefill_equal_one_prefill(kernel):
 
 
 def test_split_count_fills_a_gpu_but_never_slices_below_a_key_block():
-    assert decode_splits(batch_heads=32 * 32, longest=4096) == 1  # already 1024 programs
-    assert decode_splits(batch_heads=8, longest=4096) == 32  # 8 x 32 = 256 programs
-    assert decode_splits(batch_heads=8, longest=40) == 1  # 40 keys: one block
-    assert all(decode_splits(b, n) & (decode_splits(b, n) - 1) == 0 for b in (1, 3, 9) for n in (1, 100, 5000))
+    """The three-launch decode's count (one program per query head, slices of at least one 32-key block)."""
+    assert decode_splits(32, 32, 4096, min_keys=32) == 1  # already 1024 programs
+    assert decode_splits(1, 8, 4096, min_keys=32) == 32  # 8 x 32 = 256 programs
+    assert decode_splits(1, 8, 40, min_keys=32) == 1  # 40 keys: one block
+    assert all(decode_splits(b, 1, n, min_keys=32) & (decode_splits(b, 1, n, min_keys=32) - 1) == 0
+               for b in (1, 3, 9) for n in (1, 100, 5000))
 
 
 @pytest.mark.parametrize("capability", [80, 90])
@@ -146,16 +148,19 @@ def test_kernels_compile_to_ptx_without_a_gpu(capability):
         "for dtype in (torch.float16, torch.bfloat16):\n"
         f"    ptx = compile_ptx(9, 3, 64, dtype, {capability}, rotary=True)\n"
         "    for name, text in ptx.items():\n"
-        f"        assert '.target sm_{capability}' in text and f'.entry _{{name}}' in text, name\n"
+        "        entry = name.removesuffix('_split')  # the split form: the one-launch kernel with SPLITS > 1\n"
+        f"        assert '.target sm_{capability}' in text and f'.entry _{{entry}}' in text, name\n"
         "        assert ptx_header(text) == ('8.0', 'sm_" f"{capability}'), (name, ptx_header(text))\n"
         f"    ptx = compile_ptx(9, 3, 64, dtype, {capability}, rotary=True, rotary_dim=32, softcap=50.0, window=128,\n"
         "                      sinks=True)\n"
         "    for name, text in ptx.items():\n"
-        f"        assert '.target sm_{capability}' in text and f'.entry _{{name}}' in text, name\n"
+        "        entry = name.removesuffix('_split')\n"
+        f"        assert '.target sm_{capability}' in text and f'.entry _{{entry}}' in text, name\n"
         "print('ok', sorted(ptx))\n"
     )
     run = _compiled(code)
-    assert "ok ['attention_one_launch', 'decode_reduce', 'decode_split', 'prefill', 'rope_write']" in run.stdout
+    assert ("ok ['attention_one_launch', 'attention_one_launch_split', 'decode_reduce', 'decode_split', 'prefill', "
+            "'rope_write']") in run.stdout
 
 
 def test_plugin_kernel_has_tensorrt_aot_calling_convention():
@@ -226,8 +231,10 @@ def test_kernels_on_the_gpu_match_the_reference():
         "        kc, vc = (torch.randn(2, 8, 4096, 128, device='cuda', dtype=dtype) for _ in range(2))\n"
         "        p = torch.tensor(pos, device='cuda')\n"
         "        ref = reference_attention(q, k, v, kc, vc, p, 128 ** -0.5)[0]\n"
-        "        for kernel in (fused_attention, one_launch_attention):\n"
-        "            out = kernel(q, k, v, kc.clone(), vc.clone(), p, 128 ** -0.5)\n"
+        "        for kernel, splits in ((fused_attention, {}), (one_launch_attention, {}),  # decode: 16 splits\n"
+        "                               (one_launch_attention, {'splits': 1}),\n"
+        "                               (one_launch_attention, {'splits': 5})):\n"
+        "            out = kernel(q, k, v, kc.clone(), vc.clone(), p, 128 ** -0.5, **splits)\n"
         "            torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)\n"
         "print('ok')\n"
     )

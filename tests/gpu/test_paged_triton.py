@@ -58,12 +58,13 @@ def make_case(lens, pasts, heads, kv_heads, head_size, block_size, dtype, *, rot
                 kv_num_heads=kv_heads, cos_cache=cos, sin_cache=sin)
 
 
-def check(case, kernel, tol=None, **options):
-    """The kernel's output and caches (written in place, the rest kept) equal the reference's (run on CPU)."""
+def check(case, kernel, tol=None, splits=None, **options):
+    """The kernel's output and caches (written in place, the rest kept) equal the reference's (run on CPU);
+    `splits`: the kernel's key splits (default: its own choice)."""
     fresh = {n: v.clone() if n.endswith("_cache") and v is not None else v for n, v in case.items()}
     ref = reference_paged_attention(**{n: v.cpu().clone() if isinstance(v, torch.Tensor) else v
                                        for n, v in case.items()}, **options)
-    out, key_cache, value_cache = kernel(**fresh, **options)
+    out, key_cache, value_cache = kernel(**fresh, **options, **({"splits": splits} if splits else {}))
     assert key_cache is fresh["key_cache"] and value_cache is fresh["value_cache"]  # in place
     tol = tol or TOLERANCE[case["query"].dtype]
     torch.testing.assert_close(out.float().cpu(), ref[0].float(), atol=tol, rtol=tol)
@@ -161,8 +162,8 @@ def test_grid_covers_every_row_however_the_tokens_split():
         heads, kv_heads = rnd.choice([(4, 4), (6, 2), (8, 1), (32, 8)])
         lens = [rnd.choice([0, 1, rnd.randint(1, 70)]) for _ in range(rnd.randint(1, 9))]
         group, starts = heads // kv_heads, [0, *torch.tensor(lens).cumsum(0).tolist()]
-        grid_x, grid_y = attention_grid(sum(lens), len(lens), heads, kv_heads)
-        assert grid_y == kv_heads
+        grid_x, grid_y, splits = attention_grid(sum(lens), len(lens), heads, kv_heads)
+        assert grid_y == kv_heads and splits == 1
         owned = [p for b, n in enumerate(lens)
                  for p in range(starts[b] * group // BLOCK_M + b, starts[b] * group // BLOCK_M + b
                                 + math.ceil(n * group / BLOCK_M))]
@@ -191,7 +192,8 @@ def test_paged_kernels_compile_to_ptx_without_a_gpu(capability):
         "        assert ptx_header(text) == ('8.0', 'sm_" f"{capability}'), (name, ptx_header(text))\n"
         "print('ok', sorted(ptx))\n"
     )
-    assert "ok ['paged_attention', 'paged_attention_one_launch', 'paged_write']" in _compiled(code).stdout
+    assert ("ok ['paged_attention', 'paged_attention_one_launch', 'paged_attention_one_launch_split', "
+            "'paged_attention_split', 'paged_write']") in _compiled(code).stdout
 
 
 def test_paged_plugin_kernel_has_tensorrt_aot_calling_convention():
@@ -224,7 +226,8 @@ def test_paged_kernels_on_the_gpu_match_the_reference():
         "    case = make_case([1, 300, 1, 37], [4000, 700, 17, 0], 32, 8, 128, 16, dtype, rotary_dim=128)\n"
         "    case = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in case.items()}\n"
         "    for kernel in KERNELS.values():\n"
-        "        check(case, kernel, tol=2e-2)\n"
+        "        for splits in (None, 1, 8):  # their own choice (1 here: 89 tiles x 8 KV heads), none, 8\n"
+        "            check(case, kernel, tol=2e-2, splits=splits)\n"
         "print('ok')\n"
     )
     here = os.path.dirname(os.path.abspath(__file__))  # test_paged_triton, and the helpers module above it

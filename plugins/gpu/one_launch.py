@@ -1,0 +1,164 @@
+"""`llmc::attention` in a single kernel launch: the TensorRT plugin's kernel (compiled ahead of time in
+kernels_aot.py), also launched from PyTorch.
+
+A TensorRT ahead-of-time plugin (`@trtp.aot_impl`) hands TensorRT one kernel per layer, so the three launches of
+kernels.py (rotary + cache write, attention, split merge) do not fit it. `_attention_one_launch` is the whole op
+in one: its rows pack the query heads of a KV group (each KV head's keys are loaded once for all of them, and a
+decode step fills a block with the group's heads), and it reads the new keys and values from the inputs rather
+than the cache, so no program waits for another's cache write; one program per tile writes the new entries.
+
+Split-KV (SPLITS > 1, split_kv.py): a third grid axis divides each tile's keys among SPLITS programs, whose
+partials the tile's last program merges in the same launch; at a small batch and a long context batch x KV heads
+alone leaves a GPU idle. SPLITS = 1 is the kernel without a workspace (what the plugin compiles: see
+docs/tensorrt.md, an ahead-of-time plugin gets no scratch memory from TensorRT).
+
+The attention features are kernels.py's: partial rotary (HALF = the tables' width), softcap and window as
+compile-time constants, sinks read from the head_sink input (a placeholder the kernel skips when SINKS is off,
+since the plugin's inputs are fixed).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from llmc.plugins.gpu.configs import attention_config, decode_splits
+from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
+from llmc.plugins.gpu.split_kv import merge_splits, num_sms, split_keys, split_workspace, tile_and_split
+
+
+@triton.jit
+def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr, sin_ptr, sink_ptr, S, C,
+                          o_ptr, kc_out, vc_out, part_ptr, lock_ptr,
+                          SCALE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                          HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                          SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, SPLITS: tl.constexpr):
+    """One program per (query-row block, b * KVH + kv head, key split); rows are (new token s, query head of
+    the group) pairs. Keys before the row's position come from the cache, the new ones straight from
+    the inputs (rotated on the fly over the tables' 2 * HALF channels).
+
+    Parameters are in TensorRT's AOT-plugin calling convention: the plugin's input tensors (query,
+    key, value, k_cache, v_cache, cache_position, cos, sin, head_sink), then integer scalars (S, C), then
+    its output tensors (output, k_cache', v_cache' — the caches aliased to the inputs, so the same
+    memory); the softmax scale, softcap and window are compile-time constants (AOT extra arguments are
+    integers only), SINKS says whether head_sink is read (else it is a placeholder). After them the split
+    workspace and counters (split_kv.py), read only when SPLITS > 1."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bk = tl.program_id(1)
+    b = bk // KVH
+    kv = bk % KVH
+    G: tl.constexpr = H // KVH
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    r = start_m + tl.arange(0, BLOCK_M)
+    s = r // G
+    head = kv * G + r % G
+    row_ok = s < S
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q_off = ((b * S + s) * H + head)[:, None] * D
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    if ROTARY:
+        q = rotated(q_ptr, q_off, d, q_mask, pos + s, cos_ptr, sin_ptr, HALF, False)
+    else:
+        q = tl.load(q_ptr + q_off + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    if not UPCAST:
+        q = q.to(q_ptr.dtype.element_ty)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    last = pos + tl.minimum(tl.max(tl.where(row_ok, s, 0), 0) + 1, S)  # keys any row here can see
+    first = 0
+    if WINDOW > 0:  # the first row's window (rows are in token order)
+        first = tl.maximum(pos + start_m // G - WINDOW + 1, 0)
+    if SPLITS > 1:  # this program's slice of them
+        first, last, active = split_keys(first, last, SPLITS, BLOCK_N)
+    cache = (b * KVH + kv) * C * D
+    for start_n in range(first, last, BLOCK_N):
+        n = start_n + tl.arange(0, BLOCK_N)
+        ours = n < last  # a block past a split's end belongs to the next split
+        old = (n < pos) & ours
+        new_s = n - pos  # row of the new-token inputs for keys at or past the position
+        fresh = (n >= pos) & ours
+        mask_old = old[:, None] & d_ok[None, :]
+        mask_new = fresh[:, None] & d_ok[None, :]
+        new_off = ((b * S + new_s) * KVH + kv)[:, None] * D
+        k = tl.load(kc_ptr + cache + n[:, None] * D + d[None, :], mask=mask_old, other=0.0).to(tl.float32)
+        if ROTARY:
+            k_new = rotated(k_ptr, new_off, d, mask_new, n, cos_ptr, sin_ptr, HALF, False)
+        else:
+            k_new = tl.load(k_ptr + new_off + d[None, :], mask=mask_new, other=0.0).to(tl.float32)
+        k = tl.where(mask_new, k_new.to(kc_ptr.dtype.element_ty).to(tl.float32), k)  # as the cache will hold it
+        v = tl.load(vc_ptr + cache + n[:, None] * D + d[None, :], mask=mask_old, other=0.0)
+        v = tl.where(mask_new, tl.load(v_ptr + new_off + d[None, :], mask=mask_new, other=0.0), v)
+        if not UPCAST:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        else:
+            v = v.to(tl.float32)
+        scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE, SOFTCAP)
+        visible = (n[None, :] <= (pos + s)[:, None]) & row_ok[:, None] & ours[None, :]
+        if WINDOW > 0:
+            visible = visible & (n[None, :] > (pos + s)[:, None] - WINDOW)
+        scores = tl.where(visible, scores, float("-inf"))
+        p, alpha, m_new, l_i = softmax_block(scores, m_i, l_i)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    writes = True  # whether this program writes the tile's output: with splits, the tile's last to finish
+    if SPLITS > 1:
+        tile, split = tile_and_split()
+        acc, m_i, l_i, writes = merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D, SPLITS,
+                                             BLOCK_M)
+    if SINKS:
+        acc, l_i = with_sink(acc, m_i, l_i, tl.load(sink_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32))
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + q_off + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask & writes)
+    # the new keys and values into the cache: once per token, by the row holding the group's first head, in the
+    # first split (any one would do: the other programs read the new keys from the inputs, never from the cache)
+    writer = row_ok & (r % G == 0) & (tl.program_id(2) + 0 * r == 0)
+    w_mask = writer[:, None] & d_ok[None, :]
+    kv_off = ((b * S + s) * KVH + kv)[:, None] * D
+    if ROTARY:
+        k_w = rotated(k_ptr, kv_off, d, w_mask, pos + s, cos_ptr, sin_ptr, HALF, False)
+    else:
+        k_w = tl.load(k_ptr + kv_off + d[None, :], mask=w_mask, other=0.0).to(tl.float32)
+    slot = cache + (pos + s)[:, None] * D + d[None, :]
+    tl.store(kc_out + slot, k_w.to(kc_out.dtype.element_ty), mask=w_mask)
+    tl.store(vc_out + slot, tl.load(v_ptr + kv_off + d[None, :], mask=w_mask, other=0.0), mask=w_mask)
+
+
+def one_launch_grid(tokens, batch, num_heads: int, num_kv_heads: int, block_m: int, splits: int = 1,
+                    cdiv=triton.cdiv):
+    """(row tiles, batch x KV heads, key splits): shapes only, so ints or TensorRT shape expressions."""
+    return cdiv(tokens * (num_heads // num_kv_heads), block_m), batch * num_kv_heads, splits
+
+
+def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, scale, cos_cache=None, sin_cache=None,
+                         head_sink=None, softcap: float = 0.0, local_window_size: int = -1, splits: int | None = None):
+    """`llmc::attention` in one kernel launch (the TensorRT plugin's kernel), caches updated in place. `splits`:
+    ways to split each tile's keys (default: decode_splits from the shapes and the GPU's SMs; 1: none)."""
+    b, s, h, d = query.shape
+    kvh, capacity = key.shape[2], k_cache.shape[2]
+    assert h % kvh == 0 and k_cache.shape == v_cache.shape == (b, kvh, capacity, d), (query.shape, k_cache.shape)
+    assert head_sink is None or head_sink.shape == (h,), f"head_sink is not [num_heads {h}]"
+    rotary = cos_cache is not None
+    out = torch.empty_like(query)
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    config = attention_config(d, query.element_size(), fresh=True)
+    tiles = triton.cdiv(s * (h // kvh), config.block_m)
+    splits = splits or decode_splits(tiles * b, kvh, capacity, num_sms(query.device))
+    grid = one_launch_grid(s, b, h, kvh, config.block_m, splits)
+    part, counters = split_workspace(query.device, tiles * b * kvh, splits, config.block_m, d) if splits > 1 else (
+        query, query)  # placeholders the kernel never reads without splits
+    _attention_one_launch[grid](query, key, value, k_cache, v_cache, cache_position,
+                                cos_cache if rotary else query, sin_cache if rotary else query,
+                                head_sink.contiguous() if head_sink is not None else query, s, capacity,
+                                out, k_cache, v_cache, part, counters, float(scale), h, kvh, d,
+                                cos_cache.shape[1] if rotary else 1, config.block_m, config.block_n,
+                                triton.next_power_of_2(d), rotary, precision, upcast, float(softcap),
+                                int(local_window_size), head_sink is not None, splits, **config.launch())
+    return out
