@@ -11,14 +11,11 @@ Fully run on the tiny Llama: sampling, cpu-kernels, paged-attention, quantizatio
 the default graph; the onnxruntime-genai peer left out: its builder costs ~25 s a precision here), peers (the
 shared tiny build served by Triton; genai left out likewise), sizes, moe (its op curve), collective,
 tensor-parallel; q4-stream on three tiny random layers.
-scripts/bench_kernels.py (the GPU kernels) is still a script: run tiny on a GPU, else checked to stop with its
-message."""
+gpu-kernels: run tiny on a GPU, else checked to stop with its message."""
 
 from __future__ import annotations
 
 import json
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
@@ -54,9 +51,9 @@ def test_every_registered_benchmark_is_smoked():
     assert {bench.group for bench in registry.BENCHMARKS} <= set(registry.GROUPS)
 
 
-def test_scripts_hold_no_benchmark_but_the_gpu_kernels_one():
-    """Benchmarks live in llmc/bench/; scripts/bench_kernels.py moves there next (it has its own smoke below)."""
-    assert {p.name for p in SCRIPTS.glob("*.py")} == {"bench_kernels.py", "check_stock_container.py",
+def test_scripts_hold_no_benchmark():
+    """Benchmarks live in llmc/bench/, registered; scripts/ keeps the setup, the checks and the soak's runner."""
+    assert {p.name for p in SCRIPTS.glob("*.py")} == {"check_stock_container.py",
                                                        "lint_imports.py", "prepare_example.py", "soak.py"}
 
 
@@ -124,19 +121,17 @@ def test_bench_paged_attention(monkeypatch, capsys):
     assert out.count("llmc PagedAttention") >= 2  # the decode and the prefill ratio
 
 
-def test_bench_kernels(monkeypatch, capsys):
-    """scripts/bench_kernels.py, the GPU kernels' benchmark, still a script (as `python scripts/bench_kernels.py`)."""
+@smokes("gpu-kernels")
+def test_bench_gpu_kernels(monkeypatch, capsys):
+    """Run tiny on a GPU; without one, refused with its message (a usage error, exit 2)."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(sys, "path", [str(SCRIPTS), *sys.path])  # as python puts a script's folder first
-    script = str(SCRIPTS / "bench_kernels.py")
     if torch.cuda.is_available():
-        monkeypatch.setattr(sys, "argv", [script, "--batch", "2", "--context", "128", "--heads", "4", "--kv-heads",
-                                          "2", "--head-dim", "64", "--passes", "1"])
-        runpy.run_path(script, run_name="__main__")
+        run_bench(monkeypatch, "gpu-kernels", "--batch", "2", "--context", "128", "--heads", "4", "--kv-heads", "2",
+                  "--head-dim", "64", "--passes", "1")
+        assert "vs SDPA" in capsys.readouterr().out
         return
-    monkeypatch.setattr(sys, "argv", [script, "--passes", "1"])
     with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(script, run_name="__main__")
+        run_bench(monkeypatch, "gpu-kernels", "--passes", "1")
     assert exit_.value.code == 2 and "needs an NVIDIA GPU" in capsys.readouterr().err
 
 

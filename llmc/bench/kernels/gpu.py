@@ -1,7 +1,7 @@
-"""GPU decode-attention benchmark: llmc's slot and paged Triton kernels against torch SDPA, ratios from one run.
+"""GPU decode attention: llmc's slot and paged Triton kernels against torch SDPA, ratios from one run.
 
-    .venv/bin/python scripts/bench_kernels.py [--batch 32] [--context 4096] [--heads 32] [--kv-heads 8]
-                                             [--head-dim 128] [--dtype fp16] [--passes 5]
+    .venv/bin/python -m llmc.bench gpu-kernels [--batch 32] [--context 4096] [--heads 32] [--kv-heads 8]
+                                               [--head-dim 128] [--dtype fp16] [--passes 5]
 
 One decode step (one new token per row, every row at `context - 1` cached tokens) of:
   - llmc three launches (plugins/gpu/kernels.py: rope/cache write + split-KV decode + merge),
@@ -16,14 +16,14 @@ One decode step (one new token per row, every row at `context - 1` cached tokens
     less work than the kernels, which also write the cache).
 Each is timed with CUDA events (median of `--passes` x 50 steps after warm-up); the achieved memory
 bandwidth counts the KV bytes a step must read (2 x batch x kv_heads x context x head_dim x size).
-Needs an NVIDIA GPU (the `device` machines have one); exits with a message otherwise.
+Needs an NVIDIA GPU (the `device` machines have one); refused with a usage message otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
+
+from llmc.bench.harness import UsageError, median
 
 
 def _time(fn, torch, passes: int, steps: int = 50) -> float:
@@ -38,11 +38,10 @@ def _time(fn, torch, passes: int, steps: int = 50) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / steps)
-    return statistics.median(times)  # ms per step
+    return median(times)  # ms per step
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
@@ -52,12 +51,13 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--splits", type=int, default=None, help="key splits of the split forms (default: their own)")
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench_kernels: needs an NVIDIA GPU (CUDA); none is visible here", file=sys.stderr)
-        return 2
+        raise UsageError("needs an NVIDIA GPU (CUDA); none is visible here")
     from llmc.plugins.op.attention import reference_attention
     from llmc.plugins.gpu.kernels import fused_attention
     from llmc.plugins.gpu.configs import BLOCK_M, SPLIT_KEYS, decode_splits
@@ -89,7 +89,7 @@ def main() -> int:
     # the same cache as block pools: row r's position t lives in block table[r, t // bs] at offset t % bs
     bs = args.block_size
     if c % bs:
-        p.error(f"--context {c} must be a multiple of --block-size {bs}")
+        raise UsageError(f"--context {c} must be a multiple of --block-size {bs}")
     per_row = c // bs
     table = torch.randperm(b * per_row, device="cuda", generator=g).view(b, per_row).to(torch.int32)
 
@@ -127,8 +127,3 @@ def main() -> int:
     print(f"{'kernel':36} {'ms/step':>8} {'GB/s (KV read)':>15} {'vs SDPA':>8}")
     for name, ms in timings.items():
         print(f"{name:36} {ms:8.3f} {kv_bytes / ms / 1e6:15.0f} {timings['torch SDPA'] / ms:7.2f}x")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
