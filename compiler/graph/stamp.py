@@ -131,12 +131,12 @@ def _register() -> None:
     import onnx
     from onnx.defs import OpSchema
 
-    from llmc.plugins.op.lowering import _copy_types, _schema
+    from llmc.plugins.op.onnx_schema import copy_types, make_schema
 
     if not onnx.defs.has(MARKER, DOMAIN):  # onnxscript builds a node only of an op it knows
-        onnx.defs.register_schema(_schema(
+        onnx.defs.register_schema(make_schema(
             MARKER, DOMAIN, [("X", "T")], [("Y", "T")], [OpSchema.Attribute("layer", OpSchema.AttrType.INT, "")],
-            "X after layer `layer` (-1: the embeddings); export-time only", _copy_types([(0, 0)])))
+            "X after layer `layer` (-1: the embeddings); export-time only", copy_types([(0, 0)])))
 
     _registered = True
 

@@ -24,8 +24,8 @@ import torch
 from onnx.defs import OpSchema
 from torch import Tensor
 
-from llmc.plugins.op.lowering import LLMC_DOMAIN
-from llmc.plugins.op.lowering import _schema as op_schema
+from llmc.plugins.op.onnx_schema import LLMC_DOMAIN
+from llmc.plugins.op.onnx_schema import make_schema as op_schema
 
 REDUCE_OP, GATHER_OP = "AllReduce", "AllGather"
 

@@ -28,25 +28,14 @@ and `onnx.checker` validates the custom domains against them (with shape inferen
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 import onnx
 from onnx import TensorProto
 from onnx.defs import OpSchema
 
-from llmc.plugins.trt import paged_node
-from llmc.plugins.op import paged_schema
-
-MICROSOFT_DOMAIN = "com.microsoft"
-LLMC_DOMAIN = "llmc"
-PLUGIN_OP = "LlmcFusedAttention"
-PLUGIN_NAMESPACE = "llmc"
-PLUGIN_VERSION = "1"
-_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
-# the type letters a schema's inputs and outputs may use (a schema constrains those it uses)
-_TYPES = [("T", _FLOATS, "activations, caches, float weights"), ("M", ["tensor(int32)"], "lengths"),
-          ("P", ["tensor(int64)"], "positions"), ("T1", ["tensor(uint8)"], "packed weights")]
-
+from llmc.plugins.op import paged_node, paged_schema
+from llmc.plugins.op.onnx_schema import (LLMC_DOMAIN, MICROSOFT_DOMAIN, PLUGIN_NAMESPACE, PLUGIN_OP,  # noqa: F401
+                                         PLUGIN_VERSION, Heads, copy_types, make_schema)
 
 class Lowering(str, enum.Enum):
     fused = "fused"
@@ -57,21 +46,6 @@ class Lowering(str, enum.Enum):
     @property
     def runs_on_onnxruntime(self) -> bool:
         return self is not Lowering.plugin
-
-
-@dataclass(frozen=True)
-class Heads:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
-def _copy_types(pairs: list[tuple[int, int]]):
-    """Shape inference that gives output `o` the type and shape of input `i` for each (o, i)."""
-    def infer(ctx) -> None:
-        for o, i in pairs:
-            ctx.set_output_type(o, ctx.get_input_type(i))
-    return infer
 
 
 def _infer_gqa(ctx) -> None:
@@ -90,26 +64,9 @@ def _infer_gqa(ctx) -> None:
     ctx.set_output_type(2, ctx.get_input_type(4))
 
 
-def _schema(name: str, domain: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
-            attributes: list[OpSchema.Attribute], doc: str, infer) -> OpSchema:
-    """Inputs named with a trailing '?' are optional; the types are _TYPES' letters."""
-    optional = OpSchema.FormalParameterOption.Optional
-    used = {t for _, t in inputs + outputs}
-    schema = OpSchema(
-        name, domain, 1, doc,
-        inputs=[OpSchema.FormalParameter(n.rstrip("?"), t, **({"param_option": optional} if n.endswith("?") else {}))
-                for n, t in inputs],
-        outputs=[OpSchema.FormalParameter(n, t) for n, t in outputs],
-        type_constraints=[c for c in _TYPES if c[0] in used],
-        attributes=attributes,
-    )
-    schema.set_type_and_shape_inference_function(infer)
-    return schema
-
-
 def _gqa_schema() -> OpSchema:
     A = OpSchema.AttrType
-    return _schema(
+    return make_schema(
         "GroupQueryAttention", MICROSOFT_DOMAIN,
         [("query", "T"), ("key?", "T"), ("value?", "T"), ("past_key", "T"), ("past_value", "T"),
          ("seqlens_k", "M"), ("total_sequence_length", "M"), ("cos_cache?", "T"), ("sin_cache?", "T"),
@@ -128,8 +85,8 @@ def _gqa_schema() -> OpSchema:
 
 
 def _plugin_schema() -> OpSchema:
-    """LlmcFusedAttention's schema: plugins/trt/fused_node.py (with the node's attention-feature fields)."""
-    from llmc.plugins.trt import fused_node
+    """LlmcFusedAttention's schema: fused_node.py (with the node's attention-feature fields)."""
+    from llmc.plugins.op import fused_node
 
     return fused_node.plugin_schema()
 
@@ -220,8 +177,8 @@ def _reference(heads: Heads):
 
 
 def _plugin(heads: Heads):
-    """One LlmcFusedAttention node per call, every attention feature a plugin field: plugins/trt/fused_node.py."""
-    from llmc.plugins.trt import fused_node
+    """One LlmcFusedAttention node per call, every attention feature a plugin field: fused_node.py."""
+    from llmc.plugins.op import fused_node
 
     return fused_node.lowering(heads)
 

@@ -34,8 +34,8 @@ import torch
 from onnx.defs import OpSchema
 from torch import Tensor
 
-from llmc.plugins.op.lowering import MICROSOFT_DOMAIN, _copy_types
-from llmc.plugins.op.lowering import _schema as op_schema
+from llmc.plugins.op.onnx_schema import MICROSOFT_DOMAIN, copy_types
+from llmc.plugins.op.onnx_schema import make_schema as op_schema
 
 OP_TYPE = "MoE"
 QUANTIZED_OP_TYPE = "QMoE"
@@ -121,7 +121,7 @@ def _schema(name: str, inputs: list[tuple[str, str]], attributes: list[tuple[str
     """The subset of ONNX Runtime's contrib schema that llmc emits (its output: the input's type and shape)."""
     return op_schema(name, MICROSOFT_DOMAIN, inputs, [("output", "T")],
                      [OpSchema.Attribute(a, kind, a, required=False) for a, kind in attributes], doc,
-                     _copy_types([(0, 0)]))
+                     copy_types([(0, 0)]))
 
 
 def register_schemas() -> None:

@@ -1,4 +1,4 @@
-"""The TensorRT plugin behind the `LlmcPagedAttention` node (plugins/trt/paged_node.py), as a quickly
+"""The TensorRT plugin behind the `LlmcPagedAttention` node (plugins/op/paged_node.py), as a quickly
 deployable plugin (`tensorrt.plugin`) with an ahead-of-time implementation only.
 
     @trtp.register   output like the query; key_cache' / value_cache' aliased to the cache inputs (the
@@ -18,7 +18,7 @@ TensorRT checks these functions' signatures (real annotations, not strings: this
 from typing import Tuple, Union
 
 from llmc.plugins.gpu import paged_kernels_aot
-from llmc.plugins.trt.paged_node import PAGED_PLUGIN_OP, PLUGIN_NAMESPACE
+from llmc.plugins.op.paged_node import PAGED_PLUGIN_OP, PLUGIN_NAMESPACE
 
 PAGED_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PAGED_PLUGIN_OP}"
 _FLOATS = "FP32|FP16|BF16"  # alternatives line up position by position: one type for all

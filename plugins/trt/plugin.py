@@ -7,7 +7,7 @@ implementations only; `register()` registers both.
     @trtp.autotune   one float type for every float tensor (fp32, fp16 or bf16), int32 positions
     @trtp.aot_impl   the one-launch kernel (one_launch.py) compiled to PTX by kernels_aot.py for the node's shapes,
                      scale and attention features (rotary width, softcap, window, sinks: plugin fields,
-                     plugins/trt/fused_node.py; the sinks an input), its grid and integer arguments
+                     plugins/op/fused_node.py; the sinks an input), its grid and integer arguments
                      as shape expressions; without key splits (split_kv.py), whose workspace and counters an
                      AOT plugin cannot get from TensorRT (docs/tensorrt.md, "Split-KV in one launch")
 
@@ -18,7 +18,7 @@ TensorRT validates the decorated functions' annotations as classes, so this modu
 `from __future__ import annotations` (which turns them into strings), and `aot_impl` declares its return.
 """
 
-from llmc.plugins.op.lowering import PLUGIN_NAMESPACE, PLUGIN_OP
+from llmc.plugins.op.onnx_schema import PLUGIN_NAMESPACE, PLUGIN_OP
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_OP}"
 _state = {"registered": False, "capability": None}

@@ -1,4 +1,4 @@
-"""The `LlmcFusedAttention` TensorRT plugin node (llmc::attention's `plugin` lowering, plugins/trt/fused_node.py)
+"""The `LlmcFusedAttention` TensorRT plugin node (llmc::attention's `plugin` lowering, plugins/op/fused_node.py)
 with the attention features, up to the TensorRT boundary: an exported op with sinks, softcap, a window and
 partial rotary becomes one node carrying them as fields (the sinks an input), the checker accepts it, and what the
 node computes, run through the plugin's one-launch kernel under TRITON_INTERPRET=1, is the op's reference; the

@@ -1,5 +1,5 @@
 """The paged attention op up to the TensorRT boundary: the `LlmcPagedAttention` plugin node a paged
-export is rewritten to (plugins/trt/paged_node.py: schema, checker, shape inference, and what the node
+export is rewritten to (plugins/op/paged_node.py: schema, checker, shape inference, and what the node
 computes, run through the plugin's kernel under TRITON_INTERPRET=1), and the `tensorrt.plugin`
 registration (plugins/trt/plugin.py, trt_paged_plugin.py) over a stand-in that checks the signatures
 as TensorRT's validator does and records the AOT launch. The plugin's PTX calling convention is
@@ -30,7 +30,7 @@ from llmc.plugins.op import paged_schema  # noqa: E402
 from llmc.plugins.trt import plugin as trt_plugin  # noqa: E402
 from llmc.plugins.op.attention import reference_paged_attention  # noqa: E402
 from llmc.plugins.op.lowering import register_schemas  # noqa: E402
-from llmc.plugins.trt.paged_node import PAGED_PLUGIN_OP, to_plugin_nodes  # noqa: E402
+from llmc.plugins.op.paged_node import PAGED_PLUGIN_OP, to_plugin_nodes  # noqa: E402
 
 H, KVH, D, BLOCKS, BS = 6, 2, 16, 14, 4
 F32 = TensorProto.FLOAT

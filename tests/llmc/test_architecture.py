@@ -55,6 +55,10 @@ def test_the_tree_keeps_every_contract():
      "the compiler's modules and packages import each other without cycles", "- .graph -> .pipeline (1 import)"),
     ("compiler/graph/passes.py", "from llmc.compiler.graph.export import ONNX_NAME",
      "the compiler's modules and packages import each other without cycles", "- .passes -> .export (1 import)"),
+    ("plugins/op/onnx_schema.py", "from llmc.plugins.op.lowering import Lowering",
+     "the plugins' modules import each other without cycles", "- .onnx_schema -> .lowering (1 import)"),
+    ("plugins/gpu/configs.py", "from llmc.plugins.op.onnx_schema import Heads",
+     "plugins: trt over gpu and op, which import neither each other nor trt", "llmc.plugins.gpu.configs -> llmc.plugins.op.onnx_schema"),
     ("llmc/fleet/store.py", "from llmc.fleet.objectstore import open_store",
      "the operator tools' modules import each other without cycles", "- .store -> .objectstore (1 import)"),
 ])

@@ -23,8 +23,8 @@ from __future__ import annotations
 from onnx import TensorProto
 from onnx.defs import OpSchema
 
-from llmc.plugins.op.lowering import (LLMC_DOMAIN, PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION, Heads, _copy_types,
-                                     _schema)
+from llmc.plugins.op.onnx_schema import (LLMC_DOMAIN, PLUGIN_NAMESPACE, PLUGIN_OP, PLUGIN_VERSION, Heads, copy_types,
+                                         make_schema)
 
 INPUTS = [("query", "T"), ("key", "T"), ("value", "T"), ("k_cache", "T"), ("v_cache", "T"), ("cache_position", "M"),
           ("cos_cache", "T"), ("sin_cache", "T"), ("head_sink", "T")]
@@ -38,14 +38,14 @@ def plugin_schema() -> OpSchema:
     from onnx import helper
 
     A = OpSchema.AttrType
-    return _schema(
+    return make_schema(
         PLUGIN_OP, LLMC_DOMAIN, INPUTS, OUTPUTS,
         [OpSchema.Attribute(n, A.STRING, "TensorRT plugin registry key")
          for n in ("plugin_version", "plugin_namespace")]
         + [OpSchema.Attribute(n, A.INT, "") for n in ("num_heads", "num_kv_heads", "head_dim")]
         + [OpSchema.Attribute("scale", A.FLOAT, "softmax scale"),
            OpSchema.Attribute("rotary", A.INT, "1: rotate the new queries and keys with the tables")]
-        + [OpSchema.Attribute(n, helper.make_attribute(n, default), "an attention feature (plugins/trt/fused_node.py)")
+        + [OpSchema.Attribute(n, helper.make_attribute(n, default), "an attention feature (plugins/op/fused_node.py)")
            for n, _, default in FEATURES],
         "llmc::attention as a TensorRT plugin node: query [B,S,H,D], key/value [B,S,KVH,D], caches [B,KVH,C,D] "
         "written at cache_position (int32 [B]); with rotary=1 the plugin rotates the new queries and keys "
@@ -53,7 +53,7 @@ def plugin_schema() -> OpSchema:
         "local_window_size and the head_sink [H] sinks (read when sinks=1) as plugins/op/attention.py defines them. "
         "The tables and the sinks are always inputs (placeholders when unused: a TensorRT plugin has a fixed "
         "number of inputs).",
-        _copy_types([(0, 0), (1, 3), (2, 4)]),
+        copy_types([(0, 0), (1, 3), (2, 4)]),
     )
 
 

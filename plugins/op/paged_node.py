@@ -58,7 +58,7 @@ def plugin_schema() -> OpSchema:
     attributes += [OpSchema.Attribute(n, A.FLOAT, "") for n in FLOAT_ATTRIBUTES]
     schema = OpSchema(
         PAGED_PLUGIN_OP, LLMC_DOMAIN, 1,
-        "ONNX Runtime's PagedAttention contract as a TensorRT plugin node (plugins/trt/paged_node.py): separate "
+        "ONNX Runtime's PagedAttention contract as a TensorRT plugin node (plugins/op/paged_node.py): separate "
         "query/key/value, the caches updated in place, cos/sin tables and head_sink always present (placeholders "
         "without rotary or sinks).",
         inputs=[OpSchema.FormalParameter(n, t) for n, t in _INPUTS],
