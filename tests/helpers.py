@@ -1,6 +1,6 @@
-"""Helpers shared by tests in several folders: a truncated checkpoint as a draft, a metrics recorder,
-a built version served with and without speculation, an engine run to the end on greedy prompts, and
-pairwise parametrization."""
+"""Helpers shared by tests in several folders or files: a truncated checkpoint as a draft, a metrics recorder,
+a built version served with and without speculation, an engine run to the end on greedy prompts, pairwise
+parametrization, and whether a guide's grammar takes a text."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from checkpoints import byte_tokenizer
 from serving_rig import RecordingSink, request_inputs
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.serving.loop import ServingLoop
@@ -105,3 +106,15 @@ def served_with_and_without_speculation(version, tmp_path, prompts: list[str]):
     assert (drafted, accepted) == (engine.speculator.num_draft_tokens, engine.speculator.num_accepted_tokens)
     assert 0 < accepted <= drafted
     return ids, engine, values
+
+
+def grammar_takes(compiler, guide, text: str, end_id: int = 0) -> bool:
+    """Whether `guide`'s grammar (compiled by a GuideCompiler over the byte tokenizer) takes exactly `text`, byte by
+    byte, and may end there."""
+    matcher = compiler.compile(guide)
+    ids = byte_tokenizer().encode(text).ids
+    if matcher.valid_prefix(ids, (end_id,)) != len(ids):
+        return False
+    for token in ids:
+        matcher.consume(token)
+    return matcher.is_accepting

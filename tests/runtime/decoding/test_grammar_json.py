@@ -8,6 +8,7 @@ import json
 import pytest
 
 from checkpoints import byte_tokenizer
+from helpers import grammar_takes
 from llmc.runtime.decoding.grammar import Guide, GuideCompiler
 
 END = 0
@@ -26,13 +27,7 @@ def compiler():
 
 def _takes(compiler, schema, text: str) -> bool:
     """Whether the schema's grammar takes exactly `text` and may end there."""
-    matcher = compiler.compile(Guide("json_schema", json.dumps(schema)))
-    ids = byte_tokenizer().encode(text).ids
-    if matcher.valid_prefix(ids, (END,)) != len(ids):
-        return False
-    for token in ids:
-        matcher.consume(token)
-    return matcher.is_accepting
+    return grammar_takes(compiler, Guide("json_schema", json.dumps(schema)), text, END)
 
 
 def test_json_dumps_layout_is_taken(compiler):

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from checkpoints import byte_tokenizer
+from helpers import grammar_takes
 from llmc.runtime.decoding.grammar import Guide, GuideCompiler, GuideError
 from llmc.runtime.decoding.regex import ecma_schema, ecma_to_rust
 
@@ -37,14 +38,7 @@ def compiler():
 
 
 def _matches(compiler, guide: Guide, text: str) -> bool:
-    """Whether the guide's grammar takes exactly `text` (byte by byte) and may end there."""
-    matcher = compiler.compile(guide)
-    ids = byte_tokenizer().encode(text).ids
-    if matcher.valid_prefix(ids, (END,)) != len(ids):
-        return False
-    for token in ids:
-        matcher.consume(token)
-    return matcher.is_accepting
+    return grammar_takes(compiler, guide, text, END)
 
 
 @pytest.mark.parametrize("regex, text, match", CASES)
