@@ -3,7 +3,6 @@ computes what ONNX Runtime's MatMulNBits computes on every instruction set this 
 make_session swaps it in only where it applies."""
 
 import ctypes
-import logging
 import mmap
 import os
 import platform
@@ -292,64 +291,3 @@ def test_an_isa_the_cpu_does_not_run_is_refused_by_name():
     graph_edits.accelerate(swapped, 2, "sse2")
     with pytest.raises(Exception, match="isa 'sse2' is not one this CPU runs"):
         _session(swapped, cpu_kernels.library())
-
-
-def test_kernels_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.SWITCH, "0")
-    cpu_kernels.load.cache_clear()
-    try:
-        assert cpu_kernels.library() is None
-    finally:
-        monkeypatch.delenv(cpu_kernels.SWITCH)
-        cpu_kernels.load.cache_clear()
-
-
-@needs_kernel
-def test_the_switch_pins_an_instruction_set_and_refuses_one_the_cpu_lacks(monkeypatch, caplog):
-    try:
-        monkeypatch.setenv(cpu_kernels.SWITCH, ISAS[-1])
-        cpu_kernels.load.cache_clear()
-        assert cpu_kernels.load().isa == ISAS[-1]
-        monkeypatch.setenv(cpu_kernels.SWITCH, "neon")
-        cpu_kernels.load.cache_clear()
-        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
-            assert cpu_kernels.load() is None
-        assert "LLMC_CPU_KERNELS=neon" in caplog.text and ISAS[0] in caplog.text
-    finally:
-        monkeypatch.delenv(cpu_kernels.SWITCH)
-        cpu_kernels.load.cache_clear()
-
-
-def test_a_missing_compiler_falls_back_with_a_warning_that_names_it(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CC", "llmc-no-such-cc")
-    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))  # nothing prebuilt here
-    (tmp_path / "cpu_kernels.c").write_text("/* a source no library was built from */\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", tmp_path / "cpu_kernels.c")
-    monkeypatch.setattr(cpu_kernels, "SOURCES", (tmp_path / "cpu_kernels.c",))
-    cpu_kernels.load.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
-            assert cpu_kernels.library() is None
-        assert "llmc-no-such-cc" in caplog.text and "set CC" in caplog.text
-        assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written
-    finally:
-        cpu_kernels.load.cache_clear()
-
-
-def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp_path):
-    source = tmp_path / "cpu_kernels.c"
-    source.write_text("this is not C\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCES", (source,))
-    with pytest.raises(RuntimeError, match="failed on cpu_kernels.c"):
-        cpu_kernels.build(tmp_path / "out")
-    assert not list((tmp_path / "out").glob("*.so"))
-
-
-def test_a_missing_source_falls_back_instead_of_failing(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernels, "SOURCES", (tmp_path / "gone.c",))
-    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
-    cpu_kernels.load.cache_clear()
-    try:
-        assert cpu_kernels.library() is None
-    finally:
-        cpu_kernels.load.cache_clear()
