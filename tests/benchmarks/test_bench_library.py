@@ -87,3 +87,18 @@ def test_og_engine_streams_on_a_tiny_genai_build(tiny_checkpoints, tmp_path):
     # batch-1 decode's count: the first token comes from the prompt's run, so 6 new tokens are 5 runs after it
     first, total, after = peers.genai_timed(build["dir"], prompts[0], 1, 6)
     assert after == 5 and 0 < first < total
+
+
+def test_the_gpu_kernels_figures_are_bandwidth_shares_and_ratios_from_one_run():
+    """gpu-kernels' table and JSON on timings given (no GPU here): TB/s from the KV bytes a step reads, the share
+    of the data sheet's peak (none for a GPU it does not know), the ratio to SDPA's time in the same run."""
+    from llmc.bench.kernels.gpu import peak_bandwidth, summarize
+
+    assert peak_bandwidth("NVIDIA H200") == 4.8 and peak_bandwidth("NVIDIA H100 NVL") == 3.9
+    assert peak_bandwidth("NVIDIA GeForce RTX 4090") is None
+    kv = 2 * 32 * 8 * 4096 * 128 * 2  # batch 32 x 4k, 8 KV heads of 128, fp16: 537 MB a step
+    rows = summarize({"torch SDPA": 0.128, "llmc paged one launch": 0.256}, kv, "NVIDIA H200")
+    assert rows["torch SDPA"]["tb_s"] == pytest.approx(kv / 0.128e-3 / 1e12)
+    assert rows["torch SDPA"]["peak_share"] == pytest.approx(rows["torch SDPA"]["tb_s"] / 4.8)
+    assert rows["llmc paged one launch"]["vs_sdpa"] == pytest.approx(0.5)
+    assert summarize({"torch SDPA": 1.0}, kv, "a GPU nobody listed")["torch SDPA"]["peak_share"] is None

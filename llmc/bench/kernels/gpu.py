@@ -15,15 +15,17 @@ One decode step (one new token per row, every row at `context - 1` cached tokens
   - torch SDPA over the same cache (`enable_gqa`; the new token already written, so SDPA does
     less work than the kernels, which also write the cache).
 Each is timed with CUDA events (median of `--passes` x 50 steps after warm-up); the achieved memory
-bandwidth counts the KV bytes a step must read (2 x batch x kv_heads x context x head_dim x size).
+bandwidth counts the KV bytes a step must read (2 x batch x kv_heads x context x head_dim x size), and its share
+of the GPU's data-sheet peak is printed beside the ratio to SDPA (`--out FILE`: the same as JSON).
 Needs an NVIDIA GPU (the `device` machines have one); refused with a usage message otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from llmc.bench.harness import UsageError, median
+from llmc.bench.harness import UsageError, median, write_json
 
 
 def _time(fn, torch, passes: int, steps: int = 50) -> float:
@@ -51,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--splits", type=int, default=None, help="key splits of the split forms (default: their own)")
+    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here too")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -122,8 +125,39 @@ def run(args: argparse.Namespace) -> None:
     for name, run in kernels.items():
         timings[name] = _time(run, torch, args.passes)
     kv_bytes = 2 * b * kvh * c * d * q.element_size()
-    print(f"\ndecode step, batch {b}, context {c}, heads {h}/{kvh}, head_dim {d}, {args.dtype} "
-          f"on {torch.cuda.get_device_name()}")
-    print(f"{'kernel':36} {'ms/step':>8} {'GB/s (KV read)':>15} {'vs SDPA':>8}")
+    device = torch.cuda.get_device_name()
+    rows = summarize(timings, kv_bytes, device)
+    print(f"\ndecode step, batch {b}, context {c}, heads {h}/{kvh}, head_dim {d}, {args.dtype} on {device}")
+    print(f"{'kernel':36} {'ms/step':>8} {'TB/s (KV read)':>15} {'of peak':>8} {'vs SDPA':>8}")
+    for name, row in rows.items():
+        share = f"{row['peak_share']:7.0%}" if row["peak_share"] is not None else "      ?"
+        print(f"{name:36} {row['ms']:8.3f} {row['tb_s']:15.2f} {share:>8} {row['vs_sdpa']:7.2f}x")
+    if args.out:
+        shape = {"batch": b, "context": c, "heads": h, "kv_heads": kvh, "head_dim": d, "dtype": args.dtype,
+                 "block_size": bs, "splits": {"slot": slot_splits, "paged": paged_splits}, "passes": args.passes}
+        write_json(args.out, {"device": device, "peak_tb_s": peak_bandwidth(device), "shape": shape, "kernels": rows})
+
+
+# HBM bandwidth by GPU, TB/s (the vendors' data sheets): a kernel's share of it is how close to the roofline a
+# decode step runs. A GPU not listed gets no share (None), never a guessed one.
+PEAK_TB_S = {"H200": 4.8, "H100 SXM": 3.35, "H100 NVL": 3.9, "H100 PCIe": 2.0, "A100-SXM4-80GB": 2.039,
+             "A100-PCIE-80GB": 1.935, "A100-SXM4-40GB": 1.555, "L40S": 0.864, "L4": 0.3}
+
+
+def peak_bandwidth(device: str) -> float | None:
+    """The data sheet's HBM bandwidth of the GPU `torch.cuda.get_device_name()` names, None when unknown (the
+    longest matching key wins: "H100 NVL" before "H100")."""
+    found = [key for key in PEAK_TB_S if key.replace(" ", "").lower() in device.replace(" ", "").lower()]
+    return PEAK_TB_S[max(found, key=len)] if found else None
+
+
+def summarize(timings: dict[str, float], kv_bytes: int, device: str) -> dict[str, dict]:
+    """Each kernel's ms a step, the KV bytes a step must read over that time (TB/s), its share of the GPU's peak
+    bandwidth (None for an unknown GPU) and its speed against torch SDPA's from the same run."""
+    peak = peak_bandwidth(device)
+    sdpa = timings["torch SDPA"]
+    out = {}
     for name, ms in timings.items():
-        print(f"{name:36} {ms:8.3f} {kv_bytes / ms / 1e6:15.0f} {timings['torch SDPA'] / ms:7.2f}x")
+        tb_s = kv_bytes / (ms * 1e-3) / 1e12
+        out[name] = {"ms": ms, "tb_s": tb_s, "peak_share": tb_s / peak if peak else None, "vs_sdpa": sdpa / ms}
+    return out
