@@ -53,7 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--splits", type=int, default=None, help="key splits of the split forms (default: their own)")
+    p.add_argument("--sweep", action="store_true", help="issue 55's shapes: batch x context 32 x 4k, 8 x 32k, "
+                   "64 x 8k and 1 x 128k, each at head_dim 128 and 256 (--batch, --context, --head-dim ignored)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here too")
+
+
+# issue 55's decode shapes (batch, context), each at head_dim 128 and 256: `--sweep` runs them all
+SWEEP = [(b, c, d) for d in (128, 256) for b, c in ((32, 4096), (8, 32768), (64, 8192), (1, 131072))]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -61,6 +67,17 @@ def run(args: argparse.Namespace) -> None:
 
     if not torch.cuda.is_available():
         raise UsageError("needs an NVIDIA GPU (CUDA); none is visible here")
+    shapes = SWEEP if args.sweep else [(args.batch, args.context, args.head_dim)]
+    results = [measure(args, b, c, d) for b, c, d in shapes]
+    if args.out:
+        device = torch.cuda.get_device_name()
+        write_json(args.out, {"device": device, "peak_tb_s": peak_bandwidth(device), "runs": results})
+
+
+def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
+    """One decode shape: every kernel checked against the reference, timed, printed; its figures returned."""
+    import torch
+
     from llmc.plugins.op.attention import reference_attention
     from llmc.plugins.gpu.kernels import fused_attention
     from llmc.plugins.gpu.configs import BLOCK_M, SPLIT_KEYS, decode_splits
@@ -70,7 +87,7 @@ def run(args: argparse.Namespace) -> None:
     from llmc.plugins.gpu.split_kv import num_sms
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    b, c, h, kvh, d = args.batch, args.context, args.heads, args.kv_heads, args.head_dim
+    h, kvh = args.heads, args.kv_heads
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, 1, h, d, device="cuda", dtype=dtype, generator=g)
     k, v = (torch.randn(b, 1, kvh, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
@@ -132,10 +149,9 @@ def run(args: argparse.Namespace) -> None:
     for name, row in rows.items():
         share = f"{row['peak_share']:7.0%}" if row["peak_share"] is not None else "      ?"
         print(f"{name:36} {row['ms']:8.3f} {row['tb_s']:15.2f} {share:>8} {row['vs_sdpa']:7.2f}x")
-    if args.out:
-        shape = {"batch": b, "context": c, "heads": h, "kv_heads": kvh, "head_dim": d, "dtype": args.dtype,
-                 "block_size": bs, "splits": {"slot": slot_splits, "paged": paged_splits}, "passes": args.passes}
-        write_json(args.out, {"device": device, "peak_tb_s": peak_bandwidth(device), "shape": shape, "kernels": rows})
+    shape = {"batch": b, "context": c, "heads": h, "kv_heads": kvh, "head_dim": d, "dtype": args.dtype,
+             "block_size": bs, "splits": {"slot": slot_splits, "paged": paged_splits}, "passes": args.passes}
+    return {"shape": shape, "kernels": rows}
 
 
 # HBM bandwidth by GPU, TB/s (the vendors' data sheets): a kernel's share of it is how close to the roofline a
