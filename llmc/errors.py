@@ -69,3 +69,9 @@ class ExecutionEnvError(LlmcError):
     """The serving environment could not be made for the container's Python (execution_env)."""
 
     exit_code = 11
+
+
+class ResourceError(LlmcError):
+    """The build needs more of this machine (memory) than it has; the message says how much."""
+
+    exit_code = 12

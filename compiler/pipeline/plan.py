@@ -7,7 +7,8 @@ precision plan (fp16/bf16 through ModelOpt AutoCast, int8/fp8 Q/DQ from the quan
 attention nodes, and a memory estimate: weights at their stored precision, the KV cache at the
 serving limits, and the largest activations of a prefill chunk (the logits of every prefilled
 token dominate). For every target, the build's own peak memory (BUILD_PEAK: by stage, measured at
-0.5B and 1B), so that a 3B-8B build says up front what machine it needs.
+0.5B and 1B), stage by stage, beside this machine's available memory: `check_plan_memory` refuses (the dry
+run and a real build alike) a build whose largest stage cannot fit (memory.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from llmc.compiler.draft import inspect_draft
 from llmc.compiler.graph.kv_cache import ELEMENT
+from llmc.compiler.pipeline import memory
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.models.config import Dims, read_dims
 from llmc.compiler.models.parallel.heads import tensor_split
@@ -36,6 +38,8 @@ BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # largest one a search or AWQ step holds at once). A mixture's experts (X, at fp32) cost more on top: the export's
 # interleaved copy of gate/up for the expert op, the quantizer's expert statistics and codes; fitted to one
 # 0.37B mixture (`python -m llmc.bench moe`: 16 experts, hidden 1024; fp32 build 6.2 GB, int4 9.0), within 1%.
+# The one table of the per-stage model: streaming the stages (issue 53) replaces it, and the plan, its rows
+# and the memory check follow from it.
 BUILD_PEAK = {"export": (2.8, 0.0, 1.7), "verify": (2.5, 0.0, 0.0), "quantize": (3.0, 7.0, 2.6)}
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
                 QuantMode.int4_weight_only: 0.5}
@@ -53,7 +57,9 @@ class BuildPlan:
     weights_bytes: int = 0
     kv_cache_bytes: int = 0
     activation_bytes: int = 0
-    build_peak_bytes: int = 0
+    build_peak_bytes: int = 0  # the largest of stage_peak_bytes
+    stage_peak_bytes: dict[str, int] = field(default_factory=dict)  # each stage of BUILD_PEAK the build runs
+    available_bytes: int | None = None  # this machine's (memory.available_bytes); None: unknown
     total_params: int = 0
     active_params: int = 0  # what one token reads: a mixture's routed experts only
     expert_bytes: int = 0  # a mixture's experts, of weights_bytes
@@ -81,6 +87,9 @@ class BuildPlan:
                  ("memory: activations (peak prefill, estimate)", gib(self.activation_bytes)),
                  ("memory: total (estimate)", gib(self.weights_bytes + self.kv_cache_bytes + self.activation_bytes)),
                  ("build: peak memory (estimate)", gib(self.build_peak_bytes))]
+        rows += [(f"build: {stage} peak (estimate)", gib(peak)) for stage, peak in self.stage_peak_bytes.items()]
+        rows.append(("build: this machine's available memory",
+                     "unknown" if self.available_bytes is None else gib(self.available_bytes)))
         if self.ranks > 1:
             rows.append(("tensor parallelism", f"{self.ranks} ranks, {self.split}; each rank: weights "
                                                f"{gib(self.rank_weights_bytes)}, KV cache {gib(self.rank_kv_cache_bytes)}"))
@@ -120,8 +129,8 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)
     stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run
     fp32 = 4 * (dims.linear_params + dims.other_params)
-    build_peak = max(int(w * fp32 + u * 4 * untied + x * 4 * dims.expert_params)
-                     for stage, (w, u, x) in BUILD_PEAK.items() if stage in stages)
+    stage_peaks = {stage: int(w * fp32 + u * 4 * untied + x * 4 * dims.expert_params)
+                   for stage, (w, u, x) in BUILD_PEAK.items() if stage in stages}
     draft = spec.speculative.draft if spec.speculative is not None else None
     if draft is not None:  # its pools: the target's blocks again, at the draft's layers and heads
         d = read_dims(inspect_draft(draft)) if draft.source is not None else dims
@@ -152,7 +161,8 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
                      attention_nodes=dims.num_layers, quantization=quant,
                      profiles=profiles(spec.limits, dims.num_kv_heads, dims.head_dim) if tensorrt else [],
                      weights_bytes=weights, kv_cache_bytes=kv_bytes, activation_bytes=activations,
-                     build_peak_bytes=build_peak, total_params=dims.total_params, active_params=dims.active_params,
+                     build_peak_bytes=max(stage_peaks.values(), default=0), stage_peak_bytes=stage_peaks,
+                     available_bytes=memory.available_bytes(), total_params=dims.total_params, active_params=dims.active_params,
                      expert_bytes=int(dims.expert_params * linear_bytes), notes=notes,
                      **({} if split is None else dict(
                          ranks=ranks, rank_weights_bytes=rank_weights, rank_kv_cache_bytes=rank_kv,
@@ -164,3 +174,10 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
 def plan_build(spec: BuildSpec) -> BuildPlan:
     """The plan for `spec` (reads the checkpoint's config only)."""
     return build_plan(spec, read_dims(inspect_source(spec.source)))
+
+
+def check_plan_memory(plan: BuildPlan, stages: list[str] | None = None, *, ignore: bool = False) -> None:
+    """Refuse (ResourceError) a build whose largest stage, of `stages` (default: all the plan's), exceeds
+    this machine's available memory; `ignore`: --ignore-memory-check."""
+    peaks = {s: p for s, p in plan.stage_peak_bytes.items() if stages is None or s in stages}
+    memory.check_memory(peaks, plan.available_bytes, ignore=ignore)

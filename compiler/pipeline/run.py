@@ -21,6 +21,7 @@ from llmc.compiler import output as out
 from llmc.compiler.artifacts import Artifact
 from llmc.compiler.graph.files import EXTERNAL_THRESHOLD
 from llmc.compiler.hashing import code_hash, hash_json
+from llmc.compiler.pipeline.plan import BUILD_PEAK, check_plan_memory, plan_build
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.repository.package import REPOSITORY_DIR
 from llmc.compiler.source import FoundSource, SourceInfo, load_model
@@ -90,13 +91,18 @@ class _Model:
 
 
 def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package", force: set[str] | None = None,
-          reporter: Reporter | None = None, external_threshold: int | None = None) -> BuildResult:
+          reporter: Reporter | None = None, external_threshold: int | None = None,
+          ignore_memory_check: bool = False) -> BuildResult:
     """Build `spec` into `output` (default: the spec's). Stages after `until` are not run; stages
-    named in `force` run even when cached."""
+    named in `force` run even when cached. A build whose largest stage cannot fit this machine's memory
+    is refused before any work (ResourceError) unless `ignore_memory_check`."""
     assert until in STAGE_NAMES, until
     output = Path(output or spec.output_dir).absolute()
     stages = [s for s in STAGES[:STAGE_NAMES.index(until) + 1]
               if s.applies(spec) and (until == STAGE_NAMES[-1] or not s.for_package)]
+    names = [s.name for s in stages]
+    if any(name in BUILD_PEAK for name in names):  # from the config alone: before hashing or loading weights
+        check_plan_memory(plan_build(spec), names, ignore=ignore_memory_check)
     run = _Run(spec, output, reporter or NullReporter(), set(force or ()), external_threshold or EXTERNAL_THRESHOLD)
     try:
         for i, stage in enumerate(stages):

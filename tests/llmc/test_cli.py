@@ -23,6 +23,7 @@ def test_help_teaches_the_commands():
         assert cmd in res.stdout
     build_help = run("build", "--help").stdout
     assert "--output" in build_help and "--force" in build_help and "atomically" in build_help
+    assert "--ignore-memory-check" in build_help
 
 
 def test_bad_spec_is_one_readable_message(tmp_path):
