@@ -1,6 +1,6 @@
 """Helpers shared by tests in several folders or files: a truncated checkpoint as a draft, a metrics recorder,
 a built version served with and without speculation, an engine run to the end on greedy prompts, pairwise
-parametrization, and whether a guide's grammar takes a text."""
+parametrization, whether a guide's grammar takes a text, and one MoE node as a graph."""
 
 from __future__ import annotations
 
@@ -118,3 +118,22 @@ def grammar_takes(compiler, guide, text: str, end_id: int = 0) -> bool:
     for token in ids:
         matcher.consume(token)
     return matcher.is_accepting
+
+
+def moe_model(fc1, fc2, k: int):
+    """One com.microsoft.MoE node (Mixtral's routing: softmax, top `k` renormalized) over experts fc1 [E, 2I, H]
+    (gate and up interleaved) and fc2 [E, H, I] as numpy arrays: inputs `x` [T, H] and `logits` [T, E], output `y`."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from llmc.plugins.op import moe
+
+    experts, hidden = fc1.shape[0], fc1.shape[2]
+    node = helper.make_node(moe.OP_TYPE, ["x", "logits", "fc1", "", "fc2"], ["y"], domain=moe.MICROSOFT_DOMAIN,
+                            **moe.attributes(k, True, 1.0, 0.0, 0.0))
+    graph = helper.make_graph(
+        [node], "mixture",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", hidden]),
+         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", experts])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", hidden])],
+        [numpy_helper.from_array(fc1, "fc1"), numpy_helper.from_array(fc2, "fc2")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe.MICROSOFT_DOMAIN, 1)])

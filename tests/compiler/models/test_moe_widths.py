@@ -10,15 +10,11 @@ other picks another expert in one of them (a tie planted at a gap of 5e-7 reprod
 are drawn away from such ties: the test judges the arithmetic, not which side of a tie a rounding falls."""
 
 import numpy as np
-import onnx
 import onnxruntime as ort
-import pytest
 import torch
-from onnx import TensorProto, helper, numpy_helper
 
-from helpers import all_pairs
+from helpers import all_pairs, moe_model
 from llmc.compiler.models.moe import concatenated_experts
-from llmc.plugins.op import moe
 
 MIN_GAP = 1e-3  # the smallest k-th to (k + 1)-th router probability gap an input row may have
 
@@ -58,17 +54,7 @@ def _untied(block, shape, seed: int) -> torch.Tensor:
 
 def _ort_moe(layer, k: int):
     """One com.microsoft.MoE node over the adapter's weights, with the attributes the lowering emits."""
-    hidden, experts = layer.fc1.shape[2], layer.fc1.shape[0]
-    node = helper.make_node(moe.OP_TYPE, ["x", "logits", "fc1", "", "fc2"], ["y"], domain=moe.MICROSOFT_DOMAIN,
-                            **moe.attributes(k, True, 1.0, 0.0, 0.0))
-    graph = helper.make_graph(
-        [node], "mixture",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", hidden]),
-         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", experts])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", hidden])],
-        [numpy_helper.from_array(layer.fc1.numpy(), "fc1"), numpy_helper.from_array(layer.fc2.numpy(), "fc2")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(moe.MICROSOFT_DOMAIN, 1)])
+    model = moe_model(layer.fc1.numpy(), layer.fc2.numpy(), k)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2  # the kernel splits the experts over threads: more than one
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])

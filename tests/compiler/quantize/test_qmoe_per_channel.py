@@ -8,8 +8,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper, numpy_helper
 
+from helpers import moe_model
 from llmc.compiler.quantize.experts import (PER_CHANNEL, ExpertStatistics, expert_block, expert_codes,
                                             quantize_experts)
 from llmc.plugins.op import moe
@@ -22,16 +22,7 @@ def _moe_graph(hidden: int, inter: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     fc1 = torch.randn(E, 2 * inter, hidden, generator=g) * 0.25
     fc2 = torch.randn(E, hidden, inter, generator=g) * 0.25
-    node = helper.make_node(moe.OP_TYPE, ["x", "logits", "fc1", "", "fc2"], ["y"], domain=moe.MICROSOFT_DOMAIN,
-                            **moe.attributes(K_TOP, True, 1.0, 0.0, 0.0))
-    graph = helper.make_graph(
-        [node], "mixture",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", hidden]),
-         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", E])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", hidden])],
-        [numpy_helper.from_array(fc1.numpy(), "fc1"), numpy_helper.from_array(fc2.numpy(), "fc2")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(moe.MICROSOFT_DOMAIN, 1)])
+    model = moe_model(fc1.numpy(), fc2.numpy(), K_TOP)
     return model, fc1, fc2
 
 
