@@ -25,6 +25,19 @@ class UsageError(Exception):
     `python -m llmc.bench` reports it as argparse does its own errors (usage, exit 2)."""
 
 
+class Runs(dict):
+    """Each figure's value in every pass so far, by name (a dict of lists, as `medians` takes); `record` adds one
+    and shows it on stderr as the run goes, in `spec` (a format spec: "8.1f") after the name padded to `width`."""
+
+    def __init__(self, spec: str, width: int):
+        super().__init__()
+        self.spec, self.width = spec, width
+
+    def record(self, name: str, value: float) -> None:
+        self.setdefault(name, []).append(value)
+        print(f"  {name:<{self.width}} {value:{self.spec}}", file=sys.stderr)
+
+
 def median(values: Iterable[float]) -> float:
     return statistics.median(values)
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from llmc.bench.builds import BENCH, SMOLLM2, example_data
 from llmc.bench.engine.attention import llmc_generate
-from llmc.bench.harness import in_turn, median_ratio, medians, write_json
+from llmc.bench.harness import Runs, in_turn, median_ratio, medians, write_json
 from llmc.bench.peers import genai_build, genai_generate
 
 PROMPT, NEW = 128, 64
@@ -102,11 +102,8 @@ def run(args: argparse.Namespace) -> None:
     genai = {} if args.no_genai else {bits: genai_build(src, bits, out, t)["dir"] for bits in ("int8", "int4")}
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(1).integers(min(100, vocab // 2), min(40000, vocab), args.prompt_tokens).tolist()
-    runs: dict[str, list[float]] = {}
-
-    def record(name: str, value: float) -> None:
-        runs.setdefault(name, []).append(value)
-        print(f"  {name:<22} {value:8.1f}", file=sys.stderr)
+    runs = Runs("8.1f", 22)
+    record = runs.record
 
     for p in range(args.passes):
         print(f"pass {p + 1}/{args.passes}", file=sys.stderr)

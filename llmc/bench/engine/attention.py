@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.bench.builds import BENCH, SMOLLM2, export_smollm2
-from llmc.bench.harness import in_turn, median, median_ratio, medians, write_json
+from llmc.bench.harness import Runs, in_turn, median, median_ratio, medians, write_json
 from llmc.bench.peers import genai_build, genai_generate
 CONTEXT, STEPS, GENAI_PROMPT, GENAI_NEW = 512, 48, 128, 64
 
@@ -191,11 +191,8 @@ def run(args: argparse.Namespace) -> None:
               "genai": genai_build(SMOLLM2, "fp32", BENCH, t)["dir"],
               "hf": hf_opset23_build()}
     prompt = np.random.default_rng(1).integers(100, 40000, GENAI_PROMPT).tolist()
-    runs: dict[str, list[float]] = {}
-
-    def record(name: str, value: float) -> None:
-        runs.setdefault(name, []).append(value)
-        print(f"  {name:<28} {value:10.4f}", file=sys.stderr)
+    runs = Runs("10.4f", 28)
+    record = runs.record
 
     for p in range(args.passes):
         print(f"pass {p + 1}/{args.passes}", file=sys.stderr)

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from llmc.bench.builds import BENCH, SMOLLM2, served_smollm2
-from llmc.bench.harness import in_turn, median_ratio, medians, write_json
+from llmc.bench.harness import Runs, in_turn, median_ratio, medians, write_json
 from llmc.bench.peers import genai_build, genai_generate
 
 PROMPT_TOKENS, NEW_TOKENS, CONCURRENCY = 128, 64, 16
@@ -52,11 +52,8 @@ def run(args: argparse.Namespace) -> None:
     genai_dir = genai_build(SMOLLM2, "fp32", BENCH, args.threads)["dir"]
     words, prompt_ids = prompt_words_for(PROMPT_TOKENS)
     server = start_server(served_smollm2(args.threads), None, None, None, None)
-    runs: dict[str, list[float]] = {}
-
-    def record(name: str, value: float) -> None:
-        runs.setdefault(name, []).append(value)
-        print(f"  {name:<34} {value:10.2f}", file=sys.stderr)
+    runs = Runs("10.2f", 34)
+    record = runs.record
 
     def load(concurrency: int, requests: int):
         return asyncio.run(run_load(server.grpc_url, None, concurrency=concurrency, num_requests=requests,
