@@ -30,6 +30,7 @@ from llmc.compiler.source import FoundSource
 from llmc.compiler.spec import BuildSpec, Target
 from llmc.compiler.spec.sections import KVCacheDtype
 from llmc.compiler.stage import Context, Located, Stage
+from llmc.compiler.stream.model import StreamedModel
 from llmc.errors import ExportError, UnsupportedError
 from llmc.plugins.op.lowering import MICROSOFT_DOMAIN, Heads, Lowering, translation_table, trim_unused_outputs
 from llmc.runtime.layout import KVLayout
@@ -95,7 +96,8 @@ def lowering_refusal(decoder, lowering: Lowering) -> str | None:
 
 def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
                 external_threshold: int = EXTERNAL_THRESHOLD, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32,
-                tokenizer=None, rank: int = 0, ranks: int = 1, kv_scales=None) -> tuple[bool, KVLayout, int]:
+                tokenizer=None, rank: int = 0, ranks: int = 1, kv_scales=None,
+                progress=None) -> tuple[bool, KVLayout, int]:
     """Write `out_dir/model.onnx` (+ `model.onnx.data` when over the threshold) with attention in
     `lowering`'s form and the paged pools in `kv_cache_dtype` (int8 scales calibrated with `tokenizer`'s
     tokens, compiler/graph/kv_cache.py, unless `kv_scales` gives them); with `ranks` > 1, rank `rank`'s share of
@@ -106,10 +108,13 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     from llmc.compiler.models import decoder_for
     from llmc.compiler.models.parallel import shard
 
-    decoder = decoder_for(model)
+    streamed = model if isinstance(model, StreamedModel) else None
+    decoder = decoder_for(streamed.model if streamed else model)
     refusal = lowering_refusal(decoder, lowering)
     if refusal is not None:
         raise UnsupportedError(f"export.attention: {lowering.value} cannot export {info.model_type}: {refusal}")
+    if streamed is not None:
+        return _export_streamed(streamed, decoder, info, lowering, out_dir, kv_cache_dtype, ranks, progress)
     if ranks > 1:
         decoder = shard.shard(decoder, rank, ranks)
         info = info.model_copy(update={"num_heads": decoder.num_heads, "num_kv_heads": decoder.num_kv_heads})
@@ -128,19 +133,75 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     with quiet()[0]:
         simplify(program.model)  # onnx_ir passes: quiet too
     proto = program.model_proto
+    _fuse(proto, lowering)
+    if layout.paged and layout.dtype != "float32":
+        _retype_pools(proto, decoder, info, layout, tokenizer, kv_scales)
+    external = save_model(proto, out_dir, external_threshold)
+    _check_graph(out_dir / ONNX_NAME)
+    return external, layout, stamped or 0
+
+
+def _fuse(proto, lowering: Lowering) -> None:
+    """What runs on the proto before it is saved: unused outputs trimmed, norms fused with their residual add."""
     trim_unused_outputs(proto.graph)
     if lowering in (Lowering.fused, Lowering.paged):  # both run on ONNX Runtime, which has the fused op
         if fuse_skip_rms_norm(proto.graph) and not any(o.domain == MICROSOFT_DOMAIN for o in proto.opset_import):
             proto.opset_import.add(domain=MICROSOFT_DOMAIN, version=1)
-    if layout.paged and layout.dtype != "float32":
-        _retype_pools(proto, decoder, info, layout, tokenizer, kv_scales)
-    external = save_model(proto, out_dir, external_threshold)
-    path = out_dir / ONNX_NAME
+
+
+def _check_graph(path: Path) -> None:
+    import onnx
+
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except onnx.checker.ValidationError as err:
         raise ExportError(f"{path}: the exported graph fails onnx.checker: {err}") from err
-    return external, layout, stamped or 0
+
+
+def _export_streamed(streamed: StreamedModel, decoder, info: ModelInfo, lowering: Lowering, out_dir: Path,
+                     kv_cache_dtype: KVCacheDtype, ranks: int, progress) -> tuple[bool, KVLayout, int]:
+    """export_onnx for a streamed model (stream/): the first period of layers loaded and traced, every later
+    layer read from the checkpoint as the graph's weights are written."""
+    import onnx
+
+    from llmc.compiler.models import decoder_for
+    from llmc.compiler.graph.streamed_export import LayerTensors, save_streamed
+
+    if ranks > 1 or kv_cache_dtype is KVCacheDtype.int8:
+        what = "parallel.tensor > 1" if ranks > 1 else "export.kv_cache_dtype: int8 (its scales run the whole model)"
+        raise UnsupportedError(f"{what} cannot be built layer by layer yet; set `source.load: whole`")
+    period = stamp.layer_period(decoder)
+    if period is None:
+        raise UnsupportedError(f"{info.model_type}: its layers do not repeat, so its graph cannot be traced on a "
+                               "period of them and stamped; set `source.load: whole`")
+    layout = kv_layout(info, lowering, kv_cache_dtype, decoder.rope.switch)
+    for i in range(period):
+        streamed.load_layer(i)
+
+    def build(hf_model):
+        return traced(decoder_for(hf_model), info, layout)[0]
+
+    decoder = decoder_for(streamed.model)  # its period's derived tensors (fused QKV, experts) from loaded weights
+    module, _, _, in_names = traced(decoder, info, layout)
+    layers = LayerTensors(streamed, build, period)
+    table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))
+    try:
+        program, stamped = trace_stamped(decoder, period, module, info, layout, table, in_names,
+                                         ["logits", *layout.present_names()], OPSET, layers=layers)
+        if program is None:
+            raise UnsupportedError(f"{info.model_type}: its traced layers are not self-contained, so the graph "
+                                   "cannot be stamped; set `source.load: whole`")
+        with quiet()[0]:
+            simplify(program.model)
+        proto = save_streamed(program.model, out_dir, EXTERNAL_DATA_NAME, progress)
+    finally:
+        layers.close()
+        for i in range(period):
+            streamed.release_layer(i)
+    _fuse(proto, lowering)
+    onnx.save_model(proto, out_dir / ONNX_NAME)
+    _check_graph(out_dir / ONNX_NAME)
+    return True, layout, stamped
 
 
 def _retype_pools(proto, decoder, info: ModelInfo, layout: KVLayout, tokenizer, scales=None) -> None:
@@ -198,9 +259,10 @@ def tool_versions() -> dict[str, str]:
 
 def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: str, inputs_hash: str,
            external_threshold: int = EXTERNAL_THRESHOLD, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32,
-           ranks: int = 1) -> ExportedModel:
-    """Export `model` into `out_dir` with attention lowered as `lowering` (split over `ranks`: one graph per rank,
-    in rank{r}/), and describe the result."""
+           ranks: int = 1, progress=None) -> ExportedModel:
+    """Export `model` (a PyTorch model, or a stream.model.StreamedModel read layer by layer) into `out_dir` with
+    attention lowered as `lowering` (split over `ranks`: one graph per rank, in rank{r}/), and describe the
+    result. `progress(done, total)`: a streamed export's weights written."""
     import onnx
 
     info = model_info(model, tokenizer)
@@ -213,7 +275,7 @@ def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: 
         (out_dir / folder).mkdir(exist_ok=True)
         external, layout, stamped = export_onnx(model, info, lowering, out_dir / folder, external_threshold,
                                                 kv_cache_dtype, tokenizer, rank, ranks,
-                                                None if scales is None else scales[rank])
+                                                None if scales is None else scales[rank], progress)
         files += [str(Path(folder) / n) for n in [ONNX_NAME] + ([EXTERNAL_DATA_NAME] if external else [])]
     graph = onnx.load(str(out_dir / rank_folder(0, ranks) / ONNX_NAME), load_external_data=False).graph
     artifact = ExportedModel(
@@ -241,7 +303,7 @@ def _run(source: Located[FoundSource], section: tuple[Lowering, KVCacheDtype, in
     lowering, kv_cache_dtype, ranks = section
     return export(model, tokenizer, ctx.out, lowering=lowering, source_hash=ctx.source_hash,
                   inputs_hash=ctx.inputs_hash, external_threshold=ctx.external_threshold, kv_cache_dtype=kv_cache_dtype,
-                  ranks=ranks)
+                  ranks=ranks, progress=ctx.progress)
 
 
 def _summary(done: Located[ExportedModel]) -> str:

@@ -50,8 +50,13 @@ class RoutingMargins:
 
     def first_tie(self, bound: float) -> int | None:
         """The first position whose routing margin is at most `bound`, None if there is none."""
-        ties = np.nonzero(self.margins <= bound)[0]
-        return int(ties[0]) if ties.size else None
+        return first_tie(self.margins, bound)
+
+
+def first_tie(margins: np.ndarray, bound: float) -> int | None:
+    """The first position of `margins` (per position) at most `bound`, None if there is none."""
+    ties = np.nonzero(margins <= bound)[0]
+    return int(ties[0]) if ties.size else None
 
 
 @contextlib.contextmanager

@@ -144,7 +144,8 @@ def _register() -> None:
 def stamp(model, num_layers: int, period: int, tensors: Mapping[str, object], containers: Iterable[str],
           input_names: list[str], output_names: list[str], pools: list[str], presents: list[str]) -> int:
     """Grow `model` (an onnx_ir Model traced from a period decoder, markers in) to `num_layers` layers, in place.
-    `tensors`: every weight of the whole decoder's traced module by name; `containers`: the module paths whose
+    `tensors`: every weight of the whole decoder's traced module by name (or a function returning it, called
+    when the graph is written: a streamed build's layers, compiler/graph/streamed_export.py); `containers`: the module paths whose
     index is the layer (`decoder.layers`, ...); `input_names`/`output_names`: the whole graph's, in order;
     `pools`/`presents`: the whole graph's KV inputs and outputs, two a layer (the period graph has the first
     `2 * period`). Returns how many layers were stamped."""
@@ -199,7 +200,10 @@ def stamp(model, num_layers: int, period: int, tensors: Mapping[str, object], co
             name = per_layer.sub(lambda m: f"{m[1]}.{j}{m[3] or ''}", value.name)
             if name not in tensors:
                 raise Unstampable(f"layer {j} has no {name}")
-            weight = _like(value, name, const_value=type(value.const_value)(tensors[name], name))
+            found, cls = tensors[name], type(value.const_value)
+            const = (ir.LazyTensor(lambda f=found, n=name: cls(f(), n), dtype=value.const_value.dtype,
+                                   shape=value.const_value.shape, name=name) if callable(found) else cls(found, name))
+            weight = _like(value, name, const_value=const)
             graph.register_initializer(weight)
             mapped[id(value)] = weight
             return weight

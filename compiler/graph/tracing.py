@@ -102,9 +102,10 @@ def trace(info: ModelInfo, module, inputs, shapes, in_names: list[str], out_name
 
 
 def trace_stamped(decoder, period: int, module, info: ModelInfo, layout: KVLayout, table: dict, in_names: list[str],
-                  out_names: list[str], opset: int):
+                  out_names: list[str], opset: int, layers=None):
     """The graph traced from the decoder's first `period` layers, the rest stamped from them (stamp.py), and how
-    many were stamped; (None, None) when the traced graph is not a chain of self-contained layers."""
+    many were stamped; (None, None) when the traced graph is not a chain of self-contained layers. `layers`: a
+    streamed build's graph.streamed_export.LayerTensors, whose functions give the weights of the layers not loaded."""
     import itertools
 
     cut = stamp.period_decoder(decoder, period)
@@ -114,6 +115,8 @@ def trace_stamped(decoder, period: int, module, info: ModelInfo, layout: KVLayou
                     {**table, **stamp.translation()}, opset, optimize=False)
     tensors = dict(itertools.chain(module.named_parameters(remove_duplicate=False),
                                    module.named_buffers(remove_duplicate=False)))
+    if layers is not None:
+        tensors = {name: layers.lazy(name) if t.device.type == "meta" else t for name, t in tensors.items()}
     try:
         stamped = stamp.stamp(program.model, layout.num_layers, period, tensors,
                               [f"decoder.{name}" for name in stamp.layerwise(decoder)], in_names, out_names,
@@ -121,6 +124,10 @@ def trace_stamped(decoder, period: int, module, info: ModelInfo, layout: KVLayou
     except stamp.Unstampable as err:  # traced whole instead: slower, never wrong; say why for whoever looks
         logging.getLogger(__name__).debug("%s: every layer traced: %s", info.model_type, err)
         return None, None
+    if layers is not None:
+        from llmc.compiler.graph.streamed_export import fold_lazy_transposes
+
+        fold_lazy_transposes(program.model.graph)
     with quiet()[0]:
         program.optimize()
     return program, stamped

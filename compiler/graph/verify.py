@@ -31,6 +31,8 @@ from llmc.compiler.artifacts import ExportedModel, VerifyCase, VerifyReport
 from llmc.compiler.graph import routing
 from llmc.compiler.graph.greedy import Decoded, paged_blocks, paged_greedy, runner_greedy, torch_greedy
 from llmc.compiler.spec import BuildSpec, VerifySpec
+from llmc.compiler.graph import streamed_reference as reference
+from llmc.compiler.stream.model import StreamedModel
 from llmc.compiler.stage import Context, Located, Stage
 from llmc.errors import UnsupportedError, VerifyError
 from llmc.plugins.op.lowering import Lowering
@@ -122,7 +124,11 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
     cases_in = [("batch-1", prompts[:1]), (f"batch-{len(prompts)}", prompts)]
     drive, runner = _driver(exported.graphs(export_dir), layout, prompts, steps, num_threads)
     # ticks: one per reference step; one per candidate step (slot form) or per row's step (paged)
-    total, done = steps * (len(prompts) + sum(len(b) if layout.paged else 1 for _, b in cases_in)), 0
+    total, done = steps * sum(len(b) if layout.paged else 1 for _, b in cases_in), 0
+    if isinstance(model, StreamedModel):  # layers passed through
+        total += reference.forwards(model, [p for _, batch in cases_in for p in batch], steps)
+    else:  # steps decoded
+        total += steps * len(prompts)
 
     def tick() -> None:
         nonlocal done
@@ -130,20 +136,18 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
         if progress:
             progress(done, total)
 
-    refs, ties = [], []
     try:
-        for p in prompts:
-            with routing.recording(model) as margins:
-                refs.append(torch_greedy(model, p, steps, tick, margins))
-            ties.append(None if margins is None else margins.first_tie(ROUTING_TIE * tolerance))
-        mixture = any(routing.routers(model))
-        cases = [compare(name, refs[:len(batch)], drive(batch, tick), batch, steps, tolerance,
-                         ties[:len(batch)] if mixture else None)
-                 for name, batch in cases_in]
+        if isinstance(model, StreamedModel):
+            cases = _streamed_cases(model, cases_in, drive, steps, tolerance, tick)
+        else:
+            cases = _cases(model, prompts, cases_in, drive, steps, tolerance, tick)
     finally:
         runner.close()
     report = VerifyReport(
-        inputs_hash=inputs_hash, reference=f"pytorch ({exported.model.model_type}, fp32, HF attention)",
+        inputs_hash=inputs_hash,
+        reference=f"pytorch ({exported.model.model_type}, fp32, HF attention"
+                  + (", streamed layer by layer, teacher-forced on the candidate's tokens)"
+                     if isinstance(model, StreamedModel) else ")"),
         candidate=f"onnxruntime CPU, {exported.lowering.value} attention, "
                   f"{'in-place' if layout.in_place else 'copied'} KV cache"
                   + (f" in blocks of {layout.block_size} ({layout.dtype}), prompts in chunks of {PAGED_CHUNK}"
@@ -155,6 +159,39 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
     out_dir.mkdir(parents=True, exist_ok=True)
     report.save(out_dir)
     return report
+
+
+def _cases(model, prompts, cases_in, drive, steps: int, tolerance: float, tick) -> list[VerifyCase]:
+    """The whole model's greedy decode of each prompt against each case's candidate."""
+    refs, ties = [], []
+    for p in prompts:
+        with routing.recording(model) as margins:
+            refs.append(torch_greedy(model, p, steps, tick, margins))
+        ties.append(None if margins is None else margins.first_tie(ROUTING_TIE * tolerance))
+    mixture = any(routing.routers(model))
+    return [compare(name, refs[:len(batch)], drive(batch, tick), batch, steps, tolerance,
+                    ties[:len(batch)] if mixture else None)
+            for name, batch in cases_in]
+
+
+def _streamed_cases(streamed: StreamedModel, cases_in, drive, steps: int, tolerance: float,
+                    tick) -> list[VerifyCase]:
+    """Each case's candidate first; then the reference, layer by layer, teacher-forced on every row's tokens in
+    one pass over the layers (graph/streamed_reference.py)."""
+    cands = [drive(batch, tick) for _, batch in cases_in]
+    rows = {}  # each distinct (prompt, candidate tokens) once
+    for (_, batch), decoded in zip(cases_in, cands):
+        for prompt, (_, last) in zip(batch, decoded):
+            tokens = tuple(int(l.argmax()) for l in last)
+            rows.setdefault((tuple(prompt), tokens), len(rows))
+    refs, margins = reference.teacher_forced(streamed, [list(p) for p, _ in rows], [list(t) for _, t in rows],
+                                             steps, tick)
+    cases = []
+    for (name, batch), decoded in zip(cases_in, cands):
+        at = [rows[(tuple(p), tuple(int(l.argmax()) for l in last))] for p, (_, last) in zip(batch, decoded)]
+        ties = None if margins[0] is None else [routing.first_tie(margins[i], ROUTING_TIE * tolerance) for i in at]
+        cases.append(compare(name, [refs[i] for i in at], decoded, batch, steps, tolerance, ties))
+    return cases
 
 
 def summary(report: VerifyReport) -> str:

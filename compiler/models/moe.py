@@ -43,7 +43,7 @@ class ExpertLayer(nn.Module):
                  fc2: Tensor, fc2_bias: Tensor | None, routing: Routing):
         super().__init__()
         self.router = nn.Linear(router_weight.shape[1], router_weight.shape[0], bias=router_bias is not None,
-                                dtype=router_weight.dtype)
+                                dtype=router_weight.dtype, device=router_weight.device)  # meta: a streamed layer
         with torch.no_grad():
             self.router.weight.copy_(router_weight)
             if router_bias is not None:

@@ -44,7 +44,7 @@ def available_bytes(meminfo: Path = MEMINFO, cgroup_limits: tuple[Path, ...] = C
     return available
 
 
-def memory_refusal(stage_peaks: dict[str, int], available: int | None) -> str | None:
+def memory_refusal(stage_peaks: dict[str, int], available: int | None, other_fixes: tuple[str, ...] = ()) -> str | None:
     """Why the build cannot fit (the largest stage, its estimate, the machine's memory, what would make it
     fit), or None when it fits or the machine's memory is unknown."""
     if available is None or not stage_peaks:
@@ -53,25 +53,26 @@ def memory_refusal(stage_peaks: dict[str, int], available: int | None) -> str | 
     if peak <= available:
         return None
     others = max((p for s, p in stage_peaks.items() if s != stage), default=0)
-    fixes = [f"a machine with at least {math.ceil(peak / GiB)} GiB available"]
+    fixes = [f"a machine with at least {math.ceil(peak / GiB)} GiB available", *other_fixes]
     # only the spec fields that remove the stage at fault, and only where the rest of the build then fits
     if others <= available:
         if stage == "quantize":
             fixes.append(f"quantization.mode: none (the build's other stages peak at {others / GiB:.1f} GiB)")
         elif stage == "verify":
             fixes.append(f"verify.enabled: false (the build's other stages peak at {others / GiB:.1f} GiB)")
-    return (f"the {stage} stage needs about {peak / GiB:.1f} GiB (estimate: the stages load the whole model), "
+    return (f"the {stage} stage needs about {peak / GiB:.1f} GiB (estimate), "
             f"but this machine has {available / GiB:.1f} GiB available; it would fit on "
             + " or with ".join(fixes) + f". To build anyway: --ignore-memory-check (or {OVERRIDE_ENV}=1)")
 
 
-def check_memory(stage_peaks: dict[str, int], available: int | None, *, ignore: bool = False) -> None:
+def check_memory(stage_peaks: dict[str, int], available: int | None, *, ignore: bool = False,
+                 other_fixes: tuple[str, ...] = ()) -> None:
     """Raise ResourceError when the largest of `stage_peaks` exceeds `available`, unless `ignore`d (the
     flag, or LLMC_IGNORE_MEMORY_CHECK set to anything but empty or 0)."""
     import os
 
     if ignore or os.environ.get(OVERRIDE_ENV, "") not in ("", "0"):
         return
-    reason = memory_refusal(stage_peaks, available)
+    reason = memory_refusal(stage_peaks, available, other_fixes)
     if reason is not None:
         raise ResourceError(reason)

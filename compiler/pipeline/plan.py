@@ -41,6 +41,12 @@ BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # The one table of the per-stage model: streaming the stages (issue 53) replaces it, and the plan, its rows
 # and the memory check follow from it.
 BUILD_PEAK = {"export": (2.8, 0.0, 1.7), "verify": (2.5, 0.0, 0.0), "quantize": (3.0, 7.0, 2.6)}
+# The same stages reading the checkpoint a layer at a time (`source.load: layers`, compiler/stream/): a fixed cost
+# (the interpreter, torch, onnx), multiples of what stays loaded (R: embeddings, final norm and LM head at fp32),
+# of one decoder layer at fp32 (L) and of the whole model at fp32 (W: verify's ONNX Runtime session holds the
+# fp32 graph). Fitted with `python -m llmc.bench streamed` (hidden 2048, 4 and 16 layers).
+STREAM_BASE = int(1.0 * 2**30)
+STREAM_PEAK = {"export": (2.0, 4.0, 0.0), "verify": (1.0, 2.0, 1.1)}
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
                 QuantMode.int4_weight_only: 0.5}
 
@@ -57,6 +63,9 @@ class BuildPlan:
     weights_bytes: int = 0
     kv_cache_bytes: int = 0
     activation_bytes: int = 0
+    load: str = "whole"  # how export and verify read the checkpoint (source.load): "whole" or "layers"
+    load_reason: str = ""  # why, for `auto`
+    layers_peak_bytes: int = 0  # the build's peak reading the checkpoint a layer at a time
     build_peak_bytes: int = 0  # the largest of stage_peak_bytes
     stage_peak_bytes: dict[str, int] = field(default_factory=dict)  # each stage of BUILD_PEAK the build runs
     available_bytes: int | None = None  # this machine's (memory.available_bytes); None: unknown
@@ -86,6 +95,7 @@ class BuildPlan:
         rows += [("memory: KV cache", gib(self.kv_cache_bytes)),
                  ("memory: activations (peak prefill, estimate)", gib(self.activation_bytes)),
                  ("memory: total (estimate)", gib(self.weights_bytes + self.kv_cache_bytes + self.activation_bytes)),
+                 ("build: checkpoint read", f"{self.load}" + (f" ({self.load_reason})" if self.load_reason else "")),
                  ("build: peak memory (estimate)", gib(self.build_peak_bytes))]
         rows += [(f"build: {stage} peak (estimate)", gib(peak)) for stage, peak in self.stage_peak_bytes.items()]
         rows.append(("build: this machine's available memory",
@@ -97,7 +107,36 @@ class BuildPlan:
         return rows
 
 
-def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
+def stage_peaks(dims: Dims, stages: list[str], untied: int, load: str) -> dict[str, int]:
+    """Each stage's peak memory for `load` ("whole" or "layers"), of the stages in BUILD_PEAK that run."""
+    fp32 = 4 * (dims.linear_params + dims.other_params)
+    peaks = {stage: int(w * fp32 + u * 4 * untied + x * 4 * dims.expert_params)
+             for stage, (w, u, x) in BUILD_PEAK.items() if stage in stages}
+    if load == "layers":
+        resident = 4 * dims.vocab_size * dims.hidden_size * (1 if dims.tied_embeddings else 2)
+        layer = max(fp32 - resident, 0) // max(dims.num_layers, 1)
+        peaks.update({stage: int(STREAM_BASE + r * resident + l * layer + w * fp32)
+                      for stage, (r, l, w) in STREAM_PEAK.items() if stage in stages})
+    return peaks
+
+
+def choose_load(spec: BuildSpec, dims: Dims, stages: list[str], untied: int, available: int | None,
+                refusal: str | None) -> tuple[str, str]:
+    """("whole" or "layers", why): source.load, or for `auto` the whole model where its stages fit."""
+    from llmc.compiler.spec import SourceLoad
+
+    if spec.source.load is not SourceLoad.auto:
+        return spec.source.load.value, ""
+    if refusal is not None:
+        return "whole", f"auto: cannot stream, {refusal}"
+    whole = stage_peaks(dims, stages, untied, "whole")
+    model_stages = {s: p for s, p in whole.items() if s in STREAM_PEAK}
+    if not model_stages or available is None or max(model_stages.values()) <= available:
+        return "whole", "auto: the model fits in memory"
+    return "layers", "auto: the whole model's stages would not fit in memory"
+
+
+def build_plan(spec: BuildSpec, dims: Dims, info=None) -> BuildPlan:
     spec, notes = spec.with_model_limits(dims.max_position_embeddings)
     q = spec.quantization
     tensorrt = spec.target is Target.tensorrt
@@ -128,9 +167,14 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
     tokens = spec.limits.max_num_tokens
     activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)
     stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run
-    fp32 = 4 * (dims.linear_params + dims.other_params)
-    stage_peaks = {stage: int(w * fp32 + u * 4 * untied + x * 4 * dims.expert_params)
-                   for stage, (w, u, x) in BUILD_PEAK.items() if stage in stages}
+    available = memory.available_bytes()
+    refusal = None
+    if info is not None:
+        from llmc.compiler.stream.model import refusal as stream_refusal
+
+        refusal = stream_refusal(info)
+    load, load_reason = choose_load(spec, dims, stages, untied, available, refusal)
+    peaks = stage_peaks(dims, stages, untied, load)
     draft = spec.speculative.draft if spec.speculative is not None else None
     if draft is not None:  # its pools: the target's blocks again, at the draft's layers and heads
         d = read_dims(inspect_draft(draft)) if draft.source is not None else dims
@@ -161,8 +205,11 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
                      attention_nodes=dims.num_layers, quantization=quant,
                      profiles=profiles(spec.limits, dims.num_kv_heads, dims.head_dim) if tensorrt else [],
                      weights_bytes=weights, kv_cache_bytes=kv_bytes, activation_bytes=activations,
-                     build_peak_bytes=max(stage_peaks.values(), default=0), stage_peak_bytes=stage_peaks,
-                     available_bytes=memory.available_bytes(), total_params=dims.total_params, active_params=dims.active_params,
+                     load=load, load_reason=load_reason,
+                     layers_peak_bytes=0 if refusal else max(stage_peaks(dims, stages, untied, "layers").values(),
+                                                             default=0),
+                     build_peak_bytes=max(peaks.values(), default=0), stage_peak_bytes=peaks,
+                     available_bytes=available, total_params=dims.total_params, active_params=dims.active_params,
                      expert_bytes=int(dims.expert_params * linear_bytes), notes=notes,
                      **({} if split is None else dict(
                          ranks=ranks, rank_weights_bytes=rank_weights, rank_kv_cache_bytes=rank_kv,
@@ -173,11 +220,16 @@ def build_plan(spec: BuildSpec, dims: Dims) -> BuildPlan:
 
 def plan_build(spec: BuildSpec) -> BuildPlan:
     """The plan for `spec` (reads the checkpoint's config only)."""
-    return build_plan(spec, read_dims(inspect_source(spec.source)))
+    info = inspect_source(spec.source)
+    return build_plan(spec, read_dims(info), info)
 
 
 def check_plan_memory(plan: BuildPlan, stages: list[str] | None = None, *, ignore: bool = False) -> None:
     """Refuse (ResourceError) a build whose largest stage, of `stages` (default: all the plan's), exceeds
     this machine's available memory; `ignore`: --ignore-memory-check."""
     peaks = {s: p for s, p in plan.stage_peak_bytes.items() if stages is None or s in stages}
-    memory.check_memory(peaks, plan.available_bytes, ignore=ignore)
+    fixes = ()
+    if plan.load == "whole" and plan.layers_peak_bytes and plan.available_bytes is not None \
+            and plan.layers_peak_bytes <= plan.available_bytes:
+        fixes = (f"source.load: layers (the build then peaks at {plan.layers_peak_bytes / memory.GiB:.1f} GiB)",)
+    memory.check_memory(peaks, plan.available_bytes, ignore=ignore, other_fixes=fixes)

@@ -24,8 +24,8 @@ from llmc.compiler.hashing import code_hash, hash_json
 from llmc.compiler.pipeline.plan import BUILD_PEAK, check_plan_memory, plan_build
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.repository.package import REPOSITORY_DIR
-from llmc.compiler.source import FoundSource, SourceInfo, load_model
-from llmc.compiler.spec import BuildSpec
+from llmc.compiler.source import FoundSource, SourceInfo, load_model, load_tokenizer
+from llmc.compiler.spec import BuildSpec, SourceLoad
 from llmc.compiler.stage import Context, Located, Stage
 
 STAGE_NAMES = tuple(s.name for s in STAGES)
@@ -75,15 +75,22 @@ class BuildResult:
 
 
 class _Model:
-    """The PyTorch model and tokenizer, loaded on first use (cached stages never load them)."""
+    """The PyTorch model and tokenizer, loaded on first use (cached stages never load them): the whole model, or
+    with `layers` a stream.model.StreamedModel that reads one decoder layer at a time (source.load)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: bool = False) -> None:
         self.info: SourceInfo | None = None
+        self.layers = layers
         self._loaded = None
 
     def __call__(self) -> tuple[Any, Any]:
         if self._loaded is None:
-            self._loaded = load_model(self.info)
+            if self.layers:
+                from llmc.compiler.stream.model import StreamedModel
+
+                self._loaded = StreamedModel(self.info), load_tokenizer(self.info)
+            else:
+                self._loaded = load_model(self.info)
         return self._loaded
 
     def release(self) -> None:
@@ -101,9 +108,13 @@ def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package"
     stages = [s for s in STAGES[:STAGE_NAMES.index(until) + 1]
               if s.applies(spec) and (until == STAGE_NAMES[-1] or not s.for_package)]
     names = [s.name for s in stages]
+    layers = spec.source.load is SourceLoad.layers
     if any(name in BUILD_PEAK for name in names):  # from the config alone: before hashing or loading weights
-        check_plan_memory(plan_build(spec), names, ignore=ignore_memory_check)
-    run = _Run(spec, output, reporter or NullReporter(), set(force or ()), external_threshold or EXTERNAL_THRESHOLD)
+        plan = plan_build(spec)
+        check_plan_memory(plan, names, ignore=ignore_memory_check)
+        layers = plan.load == "layers"
+    run = _Run(spec, output, reporter or NullReporter(), set(force or ()), external_threshold or EXTERNAL_THRESHOLD,
+               layers)
     try:
         for i, stage in enumerate(stages):
             run.stage(stage)
@@ -124,10 +135,11 @@ def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package"
 class _Run:
     """One build in progress: the staging folder, the stages done so far and their report."""
 
-    def __init__(self, spec: BuildSpec, output: Path, reporter: Reporter, force: set[str], external_threshold: int):
+    def __init__(self, spec: BuildSpec, output: Path, reporter: Reporter, force: set[str], external_threshold: int,
+                 layers: bool = False):
         self.output, self.reporter, self.force = output, reporter, force
         self.external_threshold = external_threshold
-        self.model = _Model()
+        self.model = _Model(layers)
         self.found: FoundSource | None = None
         self.result = BuildResult(output=output, spec=spec)
         self.staging = out.make_staging(output)

@@ -62,6 +62,12 @@ class KVCacheDtype(str, enum.Enum):
     int8 = "int8"  # a quarter, symmetric codes with per-head-and-channel scales calibrated at export
 
 
+class SourceLoad(str, enum.Enum):
+    auto = "auto"
+    whole = "whole"
+    layers = "layers"
+
+
 class SourceSpec(StrictModel):
     """Where the checkpoint is: a HuggingFace checkpoint folder or a `.gguf` file."""
 
@@ -69,6 +75,13 @@ class SourceSpec(StrictModel):
     allow_pickle: bool = Field(
         False,
         description="Allow pytorch_model.bin checkpoints (loaded with torch.load(weights_only=True)).",
+    )
+    load: SourceLoad = Field(
+        SourceLoad.auto,
+        description="How export and verify read the checkpoint: `whole` loads the PyTorch model once (fastest "
+                    "where it fits); `layers` reads one decoder layer at a time from the safetensors shards or "
+                    "the GGUF file (a layer's memory, not the model's); `auto` picks `layers` when the whole "
+                    "model's stages would not fit this machine's memory (`llmc build --dry-run` says which).",
     )
 
 

@@ -59,6 +59,7 @@ BENCHMARKS = (
     Benchmark("sizes", "sizes", "sizes.sizes"),
     Benchmark("moe", "sizes", "sizes.moe"),
     Benchmark("tensor-parallel", "sizes", "sizes.tensor_parallel"),
+    Benchmark("streamed", "sizes", "sizes.streamed"),
 )
 
 

@@ -1,0 +1,102 @@
+"""The export, streamed: the graph traced on the first period of layers (loaded), every later layer's weights
+read from the checkpoint only when the graph is written.
+
+stamp.py grows the traced period into the whole graph; here every stamped layer's weight is an
+`onnx_ir.LazyTensor` whose function loads its layer into the streamed model (model.py), rebuilds the decoder
+over it (its derived tensors: fused QKV, experts) and returns the tensor (`LayerTensors`). onnx_ir's external
+data writer then evaluates the initializers one at a time, in the order the layers were stamped, and writes
+each to `model.onnx.data` (`save_streamed`): one layer in memory at a time. The exporter's own folding of a
+weight's Transpose (onnxscript folds it whatever the size) would evaluate every layer at once, so a lazy
+weight's Transpose is folded lazily first (`fold_lazy_transposes`). Written here: onnx_ir has lazy tensors and
+a streaming writer, but nothing that ties a tensor to the layer a model must load for it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable
+
+from llmc.compiler.stream.model import StreamedModel
+
+_INDEX = re.compile(r"^[^.]+\.[^.]+\.(\d+)(?:\.|$)")  # `decoder.<per-layer container>.<layer>...`
+
+
+class LayerTensors:
+    """The traced module's tensors of one layer at a time. `build(hf_model)` makes the module that was traced
+    (the decoder over the HF model, wrapped for its cache form); the period's layers stay loaded."""
+
+    def __init__(self, streamed: StreamedModel, build: Callable, period: int):
+        self.streamed, self.build, self.period = streamed, build, period
+        self._layer: int | None = None
+        self._named: dict = {}
+        self.loads = 0  # layers read for the graph: one each when written in order
+
+    def lazy(self, name: str) -> Callable[[], object]:
+        """A function returning the traced module's tensor `name` (a per-layer one), read when called."""
+        match = _INDEX.match(name)
+        if match is None:
+            raise ValueError(f"{name} is no per-layer tensor")
+        layer = int(match[1])
+        return lambda: self.get(name, layer)
+
+    def get(self, name: str, layer: int):
+        if self._layer != layer:
+            if self._layer is not None and self._layer >= self.period:
+                self.streamed.release_layer(self._layer)
+            self._named = {}
+            self.streamed.load_layer(layer)
+            self._layer, self.loads = layer, self.loads + 1
+            module = self.build(self.streamed.model)
+            self._named = dict([*module.named_parameters(remove_duplicate=False),
+                                *module.named_buffers(remove_duplicate=False)])
+        return self._named[name].detach()
+
+    def close(self) -> None:
+        self._named = {}
+        if self._layer is not None and self._layer >= self.period:
+            self.streamed.release_layer(self._layer)
+        self._layer = None
+
+
+def fold_lazy_transposes(graph) -> int:
+    """Each `Transpose` of a lazy initializer read by it alone becomes a lazy initializer of the transposed
+    tensor (the exporter writes a Linear's weight as Transpose(W) and would fold it by evaluating W). Returns
+    how many were folded."""
+    import numpy as np
+    import onnx_ir as ir
+
+    folded = 0
+    for node in list(graph):
+        source = node.inputs[0] if node.op_type == "Transpose" and node.domain == "" and node.inputs else None
+        if source is None or not source.is_initializer() or not isinstance(source.const_value, ir.LazyTensor) \
+                or len(list(source.uses())) != 1:
+            continue
+        out = node.outputs[0]
+        perm = node.attributes.get_ints("perm", None) or list(reversed(range(len(source.shape))))
+        tensor = source.const_value
+        shape = ir.Shape([source.shape[p] for p in perm])
+        lazy = ir.LazyTensor(lambda t=tensor, p=tuple(perm), n=out.name: ir.tensor(np.transpose(t.numpy(), p), name=n),
+                             dtype=tensor.dtype, shape=shape, name=out.name)
+        weight = ir.Value(name=out.name, shape=shape, type=ir.TensorType(tensor.dtype), const_value=lazy)
+        graph.register_initializer(weight)
+        out.replace_all_uses_with(weight)
+        graph.remove(node, safe=True)
+        graph.initializers.pop(source.name)
+        folded += 1
+    return folded
+
+
+def save_streamed(model, out_dir: Path, data_name: str, progress: Callable[[int, int], None] | None = None):
+    """Write `model`'s initializers to `out_dir/data_name` one at a time (lazy ones evaluated as they are
+    written) and return the model's proto, its weights referring to that file."""
+    import onnx_ir as ir
+
+    def written(tensor, info) -> None:
+        if progress:
+            progress(info.index + 1, info.total)
+
+    (out_dir / data_name).unlink(missing_ok=True)
+    ir.external_data.unload_from_model(model, out_dir, data_name, size_threshold_bytes=1024, max_workers=1,
+                                       callback=written)
+    return ir.serde.serialize_model(model)

@@ -1,0 +1,94 @@
+"""A checkpoint's tensors, one at a time: what a streamed build reads instead of a loaded model.
+
+`CheckpointTensors` is the one interface: the checkpoint's tensor names (as transformers' loader sees them
+before its renames and conversions), and one tensor by name, in its stored dtype, read from a memory map
+so that only that tensor's pages are touched. Safetensors shards are read here (`safetensors.safe_open`);
+a GGUF file by gguf_tensors.py (dequantized one tensor at a time, as transformers would name it).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Protocol
+
+from llmc.errors import SourceError
+
+# a checkpoint name's layer: the index after the decoder's layer container (`model.layers.3.mlp...`,
+# `transformer.h.3.attn...`, `language_model.model.layers.3...`); experts' own indices come later in the name
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\.")
+
+
+class CheckpointTensors(Protocol):
+    def keys(self) -> list[str]:
+        """Every tensor's name, as transformers' loader receives it."""
+
+    def load(self, key: str):
+        """The tensor `key` (a torch.Tensor), in its stored dtype (GGUF: dequantized to float32)."""
+
+    def nbytes(self, key: str) -> int:
+        """What `load(key)` returns, in bytes."""
+
+
+def layer_of(key: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to; None for what every layer shares (embeddings,
+    final norm, LM head)."""
+    match = _LAYER.search(key)
+    return int(match[1]) if match else None
+
+
+class SafetensorsTensors:
+    """The tensors of a checkpoint's safetensors shards, each read from its file's memory map on demand."""
+
+    def __init__(self, files: tuple[Path, ...] | list[Path]):
+        from safetensors import safe_open
+
+        self._handles, self._where = [], {}
+        for path in files:
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as err:
+                raise SourceError(f"{path}: not a readable safetensors file ({err})") from None
+            self._handles.append(handle)
+            for key in handle.keys():
+                if key in self._where:
+                    raise SourceError(f"{path}: tensor {key} is also in {files[self._where[key][0]].name}")
+                self._where[key] = (len(self._handles) - 1, path)
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def load(self, key: str):
+        index, path = self._where[key]
+        try:
+            return self._handles[index].get_tensor(key)
+        except Exception as err:
+            raise SourceError(f"{path}: could not read tensor {key} ({err})") from None
+
+    def nbytes(self, key: str) -> int:
+        import math
+
+        import torch
+
+        index, _ = self._where[key]
+        view = self._handles[index].get_slice(key)
+        dtype = getattr(torch, _TORCH_DTYPES.get(view.get_dtype(), "float32"))
+        return math.prod(view.get_shape()) * torch.empty((), dtype=dtype).element_size()
+
+
+# safetensors' dtype names -> torch's
+_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def checkpoint_tensors(info) -> CheckpointTensors:
+    """The tensors of a found source (source.SourceInfo): its safetensors shards, or its GGUF file."""
+    if info.kind == "gguf":
+        from llmc.compiler.stream.gguf_tensors import GGUFTensors
+
+        return GGUFTensors(info.path)
+    if info.uses_pickle:
+        raise SourceError(f"{info.path}: pickle weights cannot be read a tensor at a time; convert them to "
+                          "safetensors to build layer by layer")
+    return SafetensorsTensors(info.weight_files)
