@@ -222,3 +222,14 @@ def test_bench_tensor_parallel_tiny(monkeypatch, capsys, tiny_checkpoints, tmp_p
                                                              "itl_p99_ms"}
     assert all(row["whole"] > 0 and row["split"] > 0 for row in result["table"].values())
     assert "collectives at 1 row(s)" in capsys.readouterr().out
+
+
+@smokes("streamed")
+def test_bench_streamed_tiny(monkeypatch, capsys, tmp_path):
+    """One tiny bf16 checkpoint in shards, built reading its layers, measured beside the dry run's estimate."""
+    run_bench(monkeypatch, "streamed", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--loads", "layers",
+              "--out", str(tmp_path))
+    result = json.loads((tmp_path / "streamed.json").read_text())
+    build = result["builds"]["2"]["layers"]
+    assert build["build_s"] > 0 and build["peak_gib"] > 0 and build["estimate_gib"] > 0
+    assert "2 layers, load layers" in capsys.readouterr().out
