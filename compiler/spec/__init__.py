@@ -21,8 +21,8 @@ from pydantic import ValidationError, field_validator, model_validator
 from llmc.compiler.spec.sections import (
     DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, PAGED_MAX_NUM_TOKENS, SLOT_MAX_NUM_TOKENS, Arch,
     AttentionLowering, CalibrationMethod, CalibrationSpec, ExecutionEnvSpec, ExportSpec, HardwareCompatibility,
-    KVCacheDtype, LimitsSpec, ParallelSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceLoad, SourceSpec,
-    StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
+    KVCacheDtype, LimitsSpec, ParallelSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceLoad,
+    SourceSpec, StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
 from llmc.compiler.spec.speculative import DraftSpec, SpeculativeMethod, SpeculativeSpec
 from llmc.errors import SpecError
 

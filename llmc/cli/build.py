@@ -42,7 +42,7 @@ A TensorRT build needs TensorRT and an NVIDIA GPU: the engine gets a prefill and
 
     A quantized build measures perplexity (held-out text), greedy agreement, size and decode speed against the unquantized graph and fails (exit code 9) when perplexity rises more than quantization.max_perplexity_increase; `llmc inspect` shows that report.
 
-    A build whose largest stage (export, verify, quantize: they load the whole model) is estimated to need more memory than this machine has available is refused before any work (exit code 12), naming the stage and what would make it fit; --ignore-memory-check builds anyway.
+    A build whose largest stage (export, verify, quantize; export and verify read the checkpoint whole or a layer at a time, source.load) is estimated to need more memory than this machine has available is refused before any work (exit code 12), naming the stage and what would make it fit; --ignore-memory-check builds anyway.
 
     Unchanged stages are reused from the previous output; the output folder is replaced atomically, so a failed or interrupted build leaves the previous one intact.
     """

@@ -96,7 +96,8 @@ def run(args) -> int:
     ratios = {}
     for depth, by_load in results.items():
         if {"whole", "layers"} <= set(by_load):
-            ratios[f"{depth} layers: layers / whole peak"] = by_load["layers"]["peak_gib"] / by_load["whole"]["peak_gib"]
+            layers, whole = by_load["layers"]["peak_gib"], by_load["whole"]["peak_gib"]
+            ratios[f"{depth} layers: layers / whole peak"] = layers / whole
     for load in loads:
         if len(depths) > 1:
             deep, shallow = results[str(max(depths))][load], results[str(min(depths))][load]

@@ -1,5 +1,5 @@
-"""Verify with the streamed reference (graph/streamed_reference.py): the checkpoint's model run layer by layer, teacher-forced
-on the candidate's tokens, judges an export as the whole model's greedy decode does: the same logits compared, the
+"""Verify with the streamed reference (graph/streamed_reference.py): the checkpoint's model run layer by layer,
+teacher-forced on the candidate's tokens, judges an export as the whole model's greedy decode does: the same logits compared, the
 same tokens, the same verdict, a mixture's routing ties and a LongRoPE model's switch included."""
 
 import numpy as np
