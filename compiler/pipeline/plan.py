@@ -8,7 +8,8 @@ attention nodes, and a memory estimate: weights at their stored precision, the K
 serving limits, and the largest activations of a prefill chunk (the logits of every prefilled
 token dominate). For every target, the build's own peak memory (BUILD_PEAK: by stage, measured at
 0.5B and 1B), stage by stage, beside this machine's available memory: `check_plan_memory` refuses (the dry
-run and a real build alike) a build whose largest stage cannot fit (memory.py).
+run and a real build alike) a build whose largest stage cannot fit (memory.py). And each stage's time, estimated
+from the config's sizes, the spec and this machine's cores (timing.py, fitted to the build times llmc measured).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 from llmc.compiler.draft import inspect_draft
 from llmc.compiler.graph.kv_cache import ELEMENT
-from llmc.compiler.pipeline import memory
+from llmc.compiler.pipeline import memory, timing
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.models.config import Dims, read_dims
 from llmc.compiler.models.parallel.heads import tensor_split
@@ -71,6 +72,8 @@ class BuildPlan:
     build_peak_bytes: int = 0  # the largest of stage_peak_bytes
     stage_peak_bytes: dict[str, int] = field(default_factory=dict)  # each stage of BUILD_PEAK the build runs
     available_bytes: int | None = None  # this machine's (memory.available_bytes); None: unknown
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # each stage of timing.TIMED the build runs
+    build_threads: int = 0  # the threads those estimates assume (timing.threads)
     total_params: int = 0
     active_params: int = 0  # what one token reads: a mixture's routed experts only
     expert_bytes: int = 0  # a mixture's experts, of weights_bytes
@@ -102,6 +105,12 @@ class BuildPlan:
         rows += [(f"build: {stage} peak (estimate)", gib(peak)) for stage, peak in self.stage_peak_bytes.items()]
         rows.append(("build: this machine's available memory",
                      "unknown" if self.available_bytes is None else gib(self.available_bytes)))
+        rows += [(f"build: {stage} time (estimate)", f"{s:.0f} s") for stage, s in self.stage_seconds.items()]
+        if self.stage_seconds:
+            untimed = [s for s in self.stages if s not in self.stage_seconds]
+            rows.append(("build: total time (estimate)", f"{sum(self.stage_seconds.values()):.0f} s on "
+                         f"{self.build_threads} threads" + (f", without {', '.join(untimed)} (not estimated)"
+                                                            if untimed else "")))
         if self.ranks > 1:
             rows.append(("tensor parallelism", f"{self.ranks} ranks, {self.split}; each rank: weights "
                                                f"{gib(self.rank_weights_bytes)}, KV cache {gib(self.rank_kv_cache_bytes)}"))
@@ -177,6 +186,13 @@ def build_plan(spec: BuildSpec, dims: Dims, info=None) -> BuildPlan:
         refusal = stream_refusal(info)
     load, load_reason = choose_load(spec, dims, stages, untied, available, refusal)
     peaks = stage_peaks(dims, stages, untied, load)
+    checkpoint_bytes = None
+    if info is not None:
+        try:
+            checkpoint_bytes = sum(f.stat().st_size for f in info.hashed_files) or None
+        except OSError:
+            pass
+    seconds = timing.stage_seconds(spec, dims, stages, load, checkpoint_bytes)
     draft = spec.speculative.draft if spec.speculative is not None else None
     if draft is not None:  # its pools: the target's blocks again, at the draft's layers and heads
         d = read_dims(inspect_draft(draft)) if draft.source is not None else dims
@@ -211,7 +227,8 @@ def build_plan(spec: BuildSpec, dims: Dims, info=None) -> BuildPlan:
                      layers_peak_bytes=0 if refusal else max(stage_peaks(dims, stages, untied, "layers").values(),
                                                              default=0),
                      build_peak_bytes=max(peaks.values(), default=0), stage_peak_bytes=peaks,
-                     available_bytes=available, total_params=dims.total_params, active_params=dims.active_params,
+                     available_bytes=available, stage_seconds=seconds, build_threads=timing.threads(spec),
+                     total_params=dims.total_params, active_params=dims.active_params,
                      expert_bytes=int(dims.expert_params * linear_bytes), notes=notes,
                      **({} if split is None else dict(
                          ranks=ranks, rank_weights_bytes=rank_weights, rank_kv_cache_bytes=rank_kv,
