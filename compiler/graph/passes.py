@@ -103,14 +103,24 @@ def deduplicate_initializers(proto):
     return ir.to_proto(model)
 
 
-def merge_sibling_matmul_nbits(graph) -> int:
+def merge_sibling_matmul_nbits(graph, weights=None) -> int:
     """`MatMulNBits` nodes reading the same activation with the same K, bits, block size and
     accuracy level (the MLP's gate and up projections) become one node over the weights concatenated
     along N, then a `Split` into the original outputs. Each call quantizes its activation to int8
     and dispatches to the thread pool; SmolLM2 int4 decode measured 3.48 -> 3.37 ms per step (on
     fp32 MatMul the same merge gained 1.4%, within noise, so it is not done there). Works on a
-    GraphProto; returns how many groups were merged."""
+    GraphProto; returns how many groups were merged. `weights`: where the graph's weights lie (a
+    quantize.weight_file.WeightFile: `array` and `add`); default: in the proto."""
     from onnx import TensorProto, helper, numpy_helper
+
+    def read(tensor):
+        return weights.array(tensor) if weights is not None else numpy_helper.to_array(tensor)
+
+    def add(name: str, value) -> None:
+        if weights is not None:
+            weights.add(name, value)
+        else:
+            graph.initializer.append(numpy_helper.from_array(value, name))
 
     initializers = {t.name: t for t in graph.initializer}
     groups: dict[tuple, list] = {}
@@ -130,8 +140,8 @@ def merge_sibling_matmul_nbits(graph) -> int:
         prefix = f"{first.name or first.output[0]}_merged"
         names = []
         for slot, role in enumerate(("B", "scales", "zero_points")[:len(first.input) - 1], 1):
-            parts = [numpy_helper.to_array(initializers[node.input[slot]]) for node, _ in siblings]
-            graph.initializer.append(numpy_helper.from_array(np.concatenate(parts), f"{prefix}.{role}"))  # N leads
+            parts = [read(initializers[node.input[slot]]) for node, _ in siblings]
+            add(f"{prefix}.{role}", np.concatenate(parts))  # N leads
             names.append(f"{prefix}.{role}")
         widths = [a["N"] for _, a in siblings]
         graph.initializer.append(helper.make_tensor(f"{prefix}.split", TensorProto.INT64, [len(widths)], widths))

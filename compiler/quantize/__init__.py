@@ -76,8 +76,11 @@ def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: Qua
     with tempfile.TemporaryDirectory(prefix="llmc-quantize-", dir=out_dir.parent) as work:
         job = Job(source, exported, spec, tokenizer, Path(work), previous, num_threads, progress)
         result = handler.convert_for_runtime(handler.make_quantized(job), job)
-    external = save_model(result.model, out_dir, external_threshold)
-    result.model = None
+        if result.weights is not None:  # its weights may lie in the scratch folder: written before it goes
+            external = result.weights.save(out_dir, external_threshold)
+        else:
+            external = save_model(result.model, out_dir, external_threshold)
+        result.model = result.weights = None
     if result.calibration is not None:
         result.calibration.save(out_dir)
     files = [ONNX_NAME] + ([EXTERNAL_DATA_NAME] if external else [])

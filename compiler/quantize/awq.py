@@ -24,6 +24,7 @@ import numpy as np
 from llmc.compiler.quantize.blockwise import fake_quantize
 from llmc.compiler.quantize.calibrate import activation_statistics
 from llmc.compiler.quantize.smoothquant import apply_scales, smoothable
+from llmc.compiler.quantize.weight_file import WeightFile
 from llmc.runtime.layout import KVLayout
 
 ALPHAS = np.linspace(0.0, 1.0, 11)
@@ -80,27 +81,27 @@ class Awq:
 
 def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, symmetric: bool = False,
         num_threads: int = 0, progress: Callable[[int, int], None] | None = None,
-        graph_file: Path | None = None) -> Awq:
+        graph_file: Path | None = None, weights: WeightFile | None = None) -> Awq:
     """Scale `model`'s weights in place for `bits`-bit block-wise quantization (`symmetric` codes or
     not). Returns the alphas and the importance blockwise.search weighs by, from the same calibration
     pass: scaling leaves the function unchanged, so only a site's own tensor changes (to x / s, its mean
-    squares to E[x^2] / s^2). `graph_file`: the export `model` was loaded from (calibrate.run_tensors).
+    squares to E[x^2] / s^2). `graph_file`: the export `model` was loaded from (calibrate.run_tensors);
+    `weights`: where `model`'s weights lie (weight_file.py; default: in the proto).
     (AWQ's second step, a per-block clipping search, is blockwise.search's job.)"""
-    from onnx import numpy_helper
-
+    weights = weights or WeightFile.of(model.graph)
     sites = smoothable(model.graph)
     acts, importance = activation_statistics(model, layout, windows, [s.tensor for s in sites], TOKENS,
                                              num_threads=num_threads, graph_file=graph_file)
     initializers = {t.name: t for t in model.graph.initializer}
     scales, alphas = [], []
     for done, site in enumerate(sites, 1):
-        weights = [numpy_helper.to_array(initializers[r.input[1]]) for r in site.readers]
-        s, alpha = search_scale(acts[site.tensor], weights, bits, block, symmetric)
+        s, alpha = search_scale(acts[site.tensor], [weights.array(initializers[r.input[1]]) for r in site.readers],
+                                bits, block, symmetric)
         scales.append(s)
         alphas.append(alpha)
         if progress:
             progress(done, len(sites))
-    apply_scales(model, sites, scales)
+    apply_scales(model, sites, scales, weights)
     for site, s in zip(sites, scales):
         importance[site.tensor] = importance[site.tensor] / np.square(s.astype(np.float64))
     return Awq(alphas, importance)

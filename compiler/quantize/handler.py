@@ -17,6 +17,7 @@ import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel
 from llmc.compiler.quantize.calibrate import Calibration
+from llmc.compiler.quantize.weight_file import WeightFile
 from llmc.compiler.textdata import load_documents, token_windows
 from llmc.compiler.spec import QuantizationSpec
 
@@ -45,6 +46,7 @@ class Quantized:
     calibration_note: str  # QuantizedModel.calibration
     calibration: Calibration | None = None  # written next to the graph, reused by the next build
     optimize: bool = True  # whether the quality report runs it with ONNX Runtime's graph optimizations
+    weights: WeightFile | None = None  # where `model`'s weights lie, when not all in the proto
 
 
 class QuantHandler(Protocol):
@@ -66,15 +68,16 @@ class QuantHandler(Protocol):
         """`made` turned into the graph the runtime runs."""
 
 
-def untie_lm_head(graph) -> int:
+def untie_lm_head(graph, weights: WeightFile | None = None) -> int:
     """Fold `Transpose(initializer)` into a transposed initializer; returns how many were folded.
 
     Tied embeddings reach the LM head as `Transpose(embedding)`, which the quantizers skip as "no
     constant weight"; folded, the LM head (a fifth of SmolLM2's weights) is quantized too while the
-    embedding Gather keeps the original table."""
+    embedding Gather keeps the original table. `weights`: where the graph's weights lie (weight_file.py;
+    default: in the proto)."""
     import torch
-    from onnx import numpy_helper
 
+    weights = weights or WeightFile.of(graph)
     initializers = {t.name: t for t in graph.initializer}
     folded = 0
     for node in list(graph.node):
@@ -82,23 +85,24 @@ def untie_lm_head(graph) -> int:
             continue
         with warnings.catch_warnings():  # the array is the tensor's read-only bytes; torch only reads it here
             warnings.simplefilter("ignore", UserWarning)
-            weight = torch.from_numpy(numpy_helper.to_array(initializers[node.input[0]]))
+            weight = torch.from_numpy(weights.array(initializers[node.input[0]]))
         perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None) or range(weight.ndim)[::-1]
         # torch's blocked copy: numpy's transposing copy of a 0.5B model's LM head took 1.5-3x as long here
-        graph.initializer.append(numpy_helper.from_array(weight.permute(*perm).contiguous().numpy(), node.output[0]))
+        weights.add(node.output[0], weight.permute(*perm).contiguous().numpy())
         graph.node.remove(node)
         folded += 1
     return folded
 
 
-def gemms_as_matmuls(graph) -> int:
+def gemms_as_matmuls(graph, weights: WeightFile | None = None) -> int:
     """Rewrite every `Gemm(A, W, C)` with a constant W (alpha 1, A not transposed) as `MatMul(A, W)`
     (+ `Add(C)`), W transposed first under `transB`; returns how many were rewritten.
 
     GPT-2's Conv1D exports as Gemm, which the weight-only quantizer, the calibration and AWQ's sites
     all skip (they take `MatMul`): without this only its LM head would be quantized."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
+    weights = weights or WeightFile.of(graph)
     initializers = {t.name: t for t in graph.initializer}
     done, replaced = 0, set()
     for node in list(graph.node):
@@ -108,10 +112,10 @@ def gemms_as_matmuls(graph) -> int:
             continue
         weight = node.input[1]
         if attrs.get("transB", 0):
-            transposed = np.ascontiguousarray(numpy_helper.to_array(initializers[weight]).T)
+            transposed = np.ascontiguousarray(weights.array(initializers[weight]).T)
             replaced.add(weight)
             weight = f"{weight}.transposed"
-            graph.initializer.append(numpy_helper.from_array(transposed, weight))
+            weights.add(weight, transposed)
         bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
         out = node.output[0]
         at = list(graph.node).index(node)

@@ -132,14 +132,15 @@ def channel_amax(model, layout: KVLayout, windows: list[np.ndarray], tensors: li
     return amax
 
 
-def apply_scales(model, sites: list[Site], scales: list[np.ndarray]) -> None:
+def apply_scales(model, sites: list[Site], scales: list[np.ndarray], weights=None) -> None:
     """Multiply each site's readers' weight rows by s and divide its producer constants by s (in place).
     A constant read by other nodes too (the export deduplicates equal tensors, e.g. norm weights
-    that are all ones) is copied first, so only this site's readers see the change."""
-    import onnx
-    from onnx import numpy_helper
+    that are all ones) is copied first, so only this site's readers see the change. `weights`: where the
+    weights lie (quantize/weight_file.py: read and written a tensor at a time); default: in the proto."""
+    from llmc.compiler.quantize.weight_file import WeightFile
 
     graph = model.graph
+    weights = weights or WeightFile.of(graph)
     initializers = {t.name: t for t in graph.initializer}
     uses: dict[str, int] = {}
     for node in graph.node:
@@ -151,19 +152,14 @@ def apply_scales(model, sites: list[Site], scales: list[np.ndarray]) -> None:
         if uses[name] > 1:
             uses[name] -= 1
             copy = f"{name}.smooth.{node.name or node.output[0]}"
-            graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(initializers[name]), copy))
-            initializers[copy] = graph.initializer[-1]
+            initializers[copy] = weights.add(copy, weights.array(initializers[name]))
             uses[copy] = 1
             node.input[slot] = copy
         return node.input[slot]
 
     def update(name: str, fn) -> None:
         tensor = initializers[name]
-        value = fn(numpy_helper.to_array(tensor)).astype(np.float32, copy=False)
-        if tensor.data_type == onnx.TensorProto.FLOAT and tensor.HasField("raw_data"):
-            tensor.raw_data = value.tobytes()  # in place: from_array and CopyFrom would copy it twice more
-        else:
-            tensor.CopyFrom(numpy_helper.from_array(value, name))
+        weights.write(tensor, fn(weights.array(tensor)).astype(np.float32, copy=False))
 
     for site, s in zip(sites, scales):
         for node, slot, axis, start in site.divide:

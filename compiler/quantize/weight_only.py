@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmc.compiler.graph.files import load_graph
 from llmc.compiler.graph.passes import merge_sibling_matmul_nbits
 from llmc.compiler.quantize.awq import awq
 from llmc.compiler.quantize.blockwise import BlockCodes, pack, search
 from llmc.compiler.quantize.experts import (ExpertStatistics, expert_block, expert_statistics, moe_nodes,
                                            quantize_experts, routers)
 from llmc.compiler.quantize.handler import Job, Quantized, calibration_windows, gemms_as_matmuls, untie_lm_head
+from llmc.compiler.quantize.weight_file import WeightFile
 from llmc.compiler.spec import QuantizationSpec, WeightOnlyAlgorithm
 from llmc.errors import QuantizationError
 
@@ -45,6 +45,7 @@ class WeightCodes:
     kernel: str
     how: str
     experts: ExpertStatistics | None = None  # a mixture's, from the calibration tokens routed to each expert
+    weights: WeightFile | None = None  # where `model`'s weights lie
 
 
 @dataclass(frozen=True)
@@ -62,19 +63,23 @@ class WeightOnly:
 
     def make_quantized(self, job: Job) -> WeightCodes:
         spec, bits = job.spec, self.bits
-        model = load_graph(job.source)
-        untie_lm_head(model.graph)
-        gemms_as_matmuls(model.graph)
+        weights = WeightFile.open(job.source, job.work)
+        if moe_nodes(weights.graph):  # the experts' statistics and codes read the proto itself
+            weights = WeightFile.open(job.source, job.work, whole=True)
+        model = weights.model
+        untie_lm_head(model.graph, weights)
+        gemms_as_matmuls(model.graph, weights)
         if not self.calibrates(spec):
             return WeightCodes(model, None, [], f"{bits}-bit symmetric weights",
-                               "round to nearest by onnxruntime's MatMulNBitsQuantizer")
+                               "round to nearest by onnxruntime's MatMulNBitsQuantizer", weights=weights)
         symmetric = SYMMETRIC[bits]
         windows = calibration_windows(spec, job.tokenizer)
         layout = job.exported.kv_layout
         scaled = awq(model, layout, windows, bits, spec.block, symmetric=symmetric, num_threads=job.num_threads,
-                     progress=job.progress, graph_file=job.source)
+                     progress=job.progress, graph_file=job.source, weights=weights)
         alphas = scaled.alphas
-        codes = searched_codes(model, scaled.importance, bits, spec.block, symmetric=symmetric, progress=job.progress)
+        codes = searched_codes(model, scaled.importance, bits, spec.block, symmetric=symmetric, progress=job.progress,
+                               weights=weights)
         kernel = f"{bits}-bit " + ("symmetric weights" if symmetric else "asymmetric weights (uint8 zero points)")
         how = (f"AWQ scaling on {len(alphas)} layer inputs (alpha median {np.median(alphas):.1f}), then per-block "
                + ("scales" if symmetric else "scales and zero points")
@@ -85,13 +90,15 @@ class WeightOnly:
             how += (f"; experts' codes searched against the calibration tokens routed to each (no AWQ scaling: "
                     f"their input is the router's too), {experts.unreached} of {experts.experts} expert(s) "
                     f"reached by no token rounded to nearest")
-        return WeightCodes(model, codes, windows, kernel, how, experts)
+        return WeightCodes(model, codes, windows, kernel, how, experts, weights)
 
     def convert_for_runtime(self, made: WeightCodes, job: Job) -> Quantized:
         spec = job.spec
         kept = routers(made.model.graph)  # a mixture's routers stay in full precision
-        model = weight_only(made.model, self.bits, spec.block, made.codes, exclude=kept)
-        merged = merge_sibling_matmul_nbits(model.graph)
+        weights = made.weights or WeightFile(made.model, None)
+        model = weight_only(made.model, self.bits, spec.block, made.codes, exclude=kept, weights=weights)
+        weights.model, weights.graph = model, model.graph
+        merged = merge_sibling_matmul_nbits(model.graph, weights)
         mixture = ""
         if moe_nodes(model.graph):
             block = expert_block(model.graph, spec.block)
@@ -107,13 +114,15 @@ class WeightOnly:
         windows = made.windows
         note = (f"{spec.algorithm.value} over {len(windows)} sample(s) of {len(windows[0])} tokens from "
                 f"{spec.calibration.data}" if windows else "none (round to nearest needs no calibration data)")
-        return Quantized(model, f"{kernel}; {made.how}", note)
+        return Quantized(model, f"{kernel}; {made.how}", note, weights=weights)
 
 
 def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] | None = None,
-                exclude: list[str] | None = None):
+                exclude: list[str] | None = None, weights: WeightFile | None = None):
     """`model` (untied) with every constant-weight MatMul but those named in `exclude` replaced by ORT's
-    MatMulNBits: rounded by ORT (symmetric) when `codes` is None, else with `codes` [weight name -> codes]."""
+    MatMulNBits: rounded by ORT (symmetric) when `codes` is None, else with `codes` [weight name -> codes].
+    `weights`: where the weights lie (weight_file.py); each is read into the proto only while its node is
+    quantized, and the packed codes go back out to the file."""
     from onnxruntime.quantization import QuantFormat
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
@@ -124,14 +133,15 @@ def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] 
     quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=kinds.pop(),
                                      accuracy_level=ACCURACY_LEVEL, quant_format=QuantFormat.QOperator,
                                      op_types_to_quantize=("MatMul",), nodes_to_exclude=exclude or [])
-    if codes is not None:
-        quantizer.node_quantizer = _preset_quantizer(quantizer.algo_config, codes)
+    if codes is not None or (weights is not None and weights.external):
+        quantizer.node_quantizer = _preset_quantizer(quantizer.algo_config, codes, weights)
     quantizer.process()
     return quantizer.model.model
 
 
-def _preset_quantizer(config, codes: dict[str, BlockCodes]):
-    """ORT's node quantizer (which rewrites MatMul -> MatMulNBits) taking its codes from `codes`."""
+def _preset_quantizer(config, codes: dict[str, BlockCodes] | None, weights: WeightFile | None = None):
+    """ORT's node quantizer (which rewrites MatMul -> MatMulNBits) taking its codes from `codes` (None: its own
+    rounding), each weight read from `weights` for its node alone and its packed codes moved back out."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
 
     class PresetCodes(DefaultWeightOnlyQuantizer):
@@ -139,9 +149,23 @@ def _preset_quantizer(config, codes: dict[str, BlockCodes]):
 
         def quantize_matmul(self, node, graph_stack):
             self.weight = node.input[1]
-            return super().quantize_matmul(node, graph_stack)
+            if weights is None or not weights.external:
+                return super().quantize_matmul(node, graph_stack)
+            graph = graph_stack[-1]
+            tensor = next((t for t in graph.initializer if t.name == self.weight), None)
+            if tensor is None:
+                return super().quantize_matmul(node, graph_stack)
+            with weights.inlined(tensor):
+                done = super().quantize_matmul(node, graph_stack)
+            made = {f"{self.weight}_Q{config.bits}", f"{self.weight}_scales", f"{self.weight}_zero_points"}
+            for t in graph.initializer:
+                if t.name in made:
+                    weights.externalize(t)
+            return done
 
         def qbits_block_quant(self, fp32weight):
+            if codes is None:
+                return super().qbits_block_quant(fp32weight)
             q = codes[self.weight]
             if fp32weight.shape[0] != q.k:
                 raise QuantizationError(f"{self.weight}: codes for K={q.k}, weight has K={fp32weight.shape[0]}")
@@ -151,17 +175,16 @@ def _preset_quantizer(config, codes: dict[str, BlockCodes]):
 
 
 def searched_codes(model, importance: dict[str, np.ndarray], bits: int, block: int, *, symmetric: bool,
-                   progress) -> dict[str, BlockCodes]:
+                   progress, weights: WeightFile | None = None) -> dict[str, BlockCodes]:
     """blockwise.search's codes for every linear layer of `model`, weighted by its input's E[x^2]
-    (`importance`, by input tensor: awq's)."""
-    from onnx import numpy_helper
-
+    (`importance`, by input tensor: awq's); `weights`: where the weights lie (default: in the proto)."""
+    weights = weights or WeightFile.of(model.graph)
     initializers = {t.name: t for t in model.graph.initializer}
     layers = [(n.input[1], n.input[0]) for n in model.graph.node
               if n.op_type == "MatMul" and n.input[1] in initializers and n.input[0] in importance]
     codes = {}
     for done, (weight, activation) in enumerate(layers, 1):
-        codes[weight] = search(numpy_helper.to_array(initializers[weight]), importance[activation], bits, block,
+        codes[weight] = search(weights.array(initializers[weight]), importance[activation], bits, block,
                                symmetric)
         if progress:
             progress(done, len(layers))

@@ -1,0 +1,227 @@
+"""A graph's weights where they lie, read and written one tensor at a time: the weight-only quantizer's store.
+
+The quantizer untied the LM head, scaled weights for AWQ, searched codes and packed them with the whole fp32
+graph loaded in memory: three to four times the model at its peak (1B int4: 19-20 GiB). Here the graph is
+loaded without its weights; an export whose weights are in `model.onnx.data` has that file copied into the
+scratch folder (the scaling writes into it: the export's own file, hard-linked into the build's output, is
+never changed) and every tensor is read from it when asked (`array`: a copy of that tensor alone), written
+back in place (`write`), or appended (`add`: the untied LM head, a site's own copy of a shared norm, the packed
+codes). `save` writes the graph the runtime runs, its weights copied from the scratch file a tensor at a time.
+A graph whose weights are inline (under the export's external-data threshold) stays as it was: in memory.
+
+Written here because onnx and onnx_ir read external data only whole (onnx.load_external_data_for_model) or
+as read-only maps (onnx_ir's ExternalTensor), and neither writes a tensor back into its file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, EXTERNAL_THRESHOLD, ONNX_NAME, load_graph
+from llmc.errors import ExportError
+
+SCRATCH = "weights.data"
+_ALIGN = 64  # appended tensors start on a 64-byte boundary (vector loads of a mapped tensor)
+
+
+class WeightFile:
+    """The initializers of `model` (an onnx ModelProto): inline ones in the proto, external ones in `path`."""
+
+    def __init__(self, model, path: Path | None, graph=None):
+        self.model, self.path = model, path
+        self.graph = graph if graph is not None else model.graph
+
+    @classmethod
+    def open(cls, source: Path, work: Path, *, whole: bool = False) -> "WeightFile":
+        """The graph at `source`, its weights (if external) in a writable copy of its data file under `work`;
+        `whole`: every weight loaded into the proto instead (what code that reads the proto directly needs)."""
+        import onnx
+
+        data = source.parent / EXTERNAL_DATA_NAME
+        if whole or not data.is_file():
+            return cls(load_graph(source), None)
+        model = onnx.load(str(source), load_external_data=False)
+        scratch = work / SCRATCH
+        shutil.copyfile(data, scratch)
+        for tensor in model.graph.initializer:
+            if _external(tensor):
+                where = _where(tensor)
+                if where.get("location") != EXTERNAL_DATA_NAME:
+                    raise ExportError(f"{source}: {tensor.name} is stored in {where.get('location')!r}, not in "
+                                      f"llmc's {EXTERNAL_DATA_NAME}")
+                _locate(tensor, SCRATCH, int(where.get("offset", 0)), int(where["length"]))
+        return cls(model, scratch)
+
+    @classmethod
+    def of(cls, graph) -> "WeightFile":
+        """A store over `graph` (a GraphProto) whose weights are all in the proto."""
+        return cls(None, None, graph)
+
+    @property
+    def external(self) -> bool:
+        return self.path is not None
+
+    def initializers(self) -> dict:
+        return {t.name: t for t in self.graph.initializer}
+
+    def array(self, tensor) -> np.ndarray:
+        """`tensor`'s value (a copy)."""
+        from onnx import numpy_helper
+
+        if not _external(tensor):
+            return numpy_helper.to_array(tensor)
+        where = _where(tensor)
+        dtype = np.dtype(_numpy_dtype(tensor.data_type))
+        with open(self.path, "rb") as f:
+            f.seek(int(where["offset"]))
+            raw = f.read(int(where["length"]))
+        return np.frombuffer(raw, dtype=dtype).reshape(tuple(tensor.dims)).copy()
+
+    def write(self, tensor, value: np.ndarray) -> None:
+        """`tensor` given `value` (its dtype kept): in place when it is as large, else appended."""
+        from onnx import numpy_helper
+
+        value = np.ascontiguousarray(value, dtype=_numpy_dtype(tensor.data_type))
+        if not _external(tensor):
+            if tensor.HasField("raw_data"):
+                tensor.raw_data = value.tobytes()  # in place: from_array and CopyFrom would copy it twice more
+            else:
+                tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
+            return
+        where = _where(tensor)
+        if value.nbytes == int(where["length"]):
+            with open(self.path, "r+b") as f:
+                f.seek(int(where["offset"]))
+                f.write(value.tobytes())
+        else:
+            _locate(tensor, SCRATCH, self._append(value), value.nbytes)
+        del tensor.dims[:]
+        tensor.dims.extend(value.shape)
+
+    def add(self, name: str, value: np.ndarray):
+        """A new initializer `name` holding `value`, in the graph (appended to the scratch file when external)."""
+        from onnx import numpy_helper
+
+        value = np.ascontiguousarray(value)
+        if not self.external or value.nbytes < 1024:
+            tensor = numpy_helper.from_array(value, name)
+        else:
+            tensor = numpy_helper.from_array(np.zeros((0,), value.dtype), name)
+            tensor.ClearField("raw_data")
+            del tensor.dims[:]
+            tensor.dims.extend(value.shape)
+            _locate(tensor, SCRATCH, self._append(value), value.nbytes)
+        self.graph.initializer.append(tensor)
+        return self.graph.initializer[-1]  # the graph's own: append copied the message
+
+    def externalize(self, tensor) -> None:
+        """An inline `tensor` the quantizer made (packed codes) moved to the scratch file, out of memory."""
+        if self.external and not _external(tensor) and tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
+            raw = tensor.raw_data
+            tensor.ClearField("raw_data")
+            _locate(tensor, SCRATCH, self._append(np.frombuffer(raw, np.uint8)), len(raw))
+
+    def inline(self, tensor) -> None:
+        """`tensor`'s bytes into the proto (for code that reads the proto itself, one tensor at a time)."""
+        if _external(tensor):
+            raw = self.array(tensor).tobytes()
+            del tensor.external_data[:]
+            tensor.data_location = 0  # TensorProto.DEFAULT
+            tensor.raw_data = raw
+
+    @contextlib.contextmanager
+    def inlined(self, tensor) -> Iterator[None]:
+        """`tensor`'s bytes in the proto inside the block, back in the file (and out of memory) after."""
+        if not _external(tensor):
+            yield
+            return
+        where = _where(tensor)
+        self.inline(tensor)
+        try:
+            yield
+        finally:
+            tensor.ClearField("raw_data")
+            _locate(tensor, SCRATCH, int(where["offset"]), int(where["length"]))
+
+    def save(self, out_dir: Path, external_threshold: int = EXTERNAL_THRESHOLD) -> bool:
+        """Write `out_dir/model.onnx` (and `model.onnx.data` past the threshold, as files.save_model decides) with
+        the graph's initializers that nodes use; returns whether weights went to external data."""
+        import onnx
+
+        from llmc.compiler.graph.files import save_model
+
+        graph = self.model.graph
+        used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+        for tensor in [t for t in graph.initializer if t.name not in used]:
+            graph.initializer.remove(tensor)
+        if not self.external:
+            return save_model(self.model, out_dir, external_threshold)
+        total = sum(int(_where(t)["length"]) if _external(t) else len(t.raw_data) for t in graph.initializer)
+        if total <= external_threshold:
+            for tensor in graph.initializer:
+                self.inline(tensor)
+            return save_model(self.model, out_dir, external_threshold)
+        data = out_dir / EXTERNAL_DATA_NAME
+        with open(self.path, "rb") as src, open(data, "wb") as dst:
+            for tensor in graph.initializer:
+                if _external(tensor):
+                    where = _where(tensor)
+                    src.seek(int(where["offset"]))
+                    raw = src.read(int(where["length"]))
+                elif tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
+                    raw = tensor.raw_data
+                    tensor.ClearField("raw_data")
+                else:
+                    continue
+                offset = _pad(dst)
+                dst.write(raw)
+                _locate(tensor, EXTERNAL_DATA_NAME, offset, len(raw))
+        onnx.save_model(self.model, str(out_dir / ONNX_NAME))
+        shutil.copymode(out_dir / ONNX_NAME, data)
+        return True
+
+    def _append(self, value: np.ndarray) -> int:
+        with open(self.path, "r+b") as f:
+            f.seek(0, 2)
+            offset = _pad(f)
+            f.write(value.tobytes())
+        return offset
+
+
+def _pad(f) -> int:
+    """Pad the open file `f` (at its end) to the alignment; the offset where the next tensor starts."""
+    end = f.tell()
+    start = -(-end // _ALIGN) * _ALIGN
+    f.write(b"\0" * (start - end))
+    return start
+
+
+def _external(tensor) -> bool:
+    import onnx
+
+    return tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
+def _where(tensor) -> dict:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def _locate(tensor, location: str, offset: int, length: int) -> None:
+    import onnx
+
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def _numpy_dtype(data_type: int):
+    from onnx import helper
+
+    return helper.tensor_dtype_to_np_dtype(data_type)

@@ -1,0 +1,81 @@
+"""The weight-only quantizer reading and writing an external-data export a tensor at a time (weight_file.py): the
+graph it makes is the one it makes with every weight in memory, tensor for tensor, for each family's sites (the
+tied LM head untied, GPT-2's Gemm, Phi-3's split gate/up, a mixture's experts) and each weight-only mode; the
+export's own data file is never written."""
+
+import hashlib
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, load_graph, save_model
+from llmc.compiler.quantize import quantize
+from llmc.compiler.quantize.weight_file import WeightFile
+from llmc.compiler.source import inspect_source, load_tokenizer
+from llmc.compiler.spec import SourceSpec, parse_spec
+
+
+def _external_copy(folder, exported, out):
+    out.mkdir()
+    assert save_model(load_graph(folder / exported.onnx), out, external_threshold=0)
+    return out
+
+
+def _graph(folder):
+    model = load_graph(folder / "model.onnx")
+    return ([(n.op_type, list(n.input), list(n.output)) for n in model.graph.node],
+            {t.name: numpy_helper.to_array(t) for t in model.graph.initializer})
+
+
+@pytest.mark.parametrize("family,mode", [("llama", "int4-weight-only"), ("phi3", "int4-weight-only"),
+                                         ("gpt2", "int8-weight-only"), ("qwen2", "rtn"), ("mixtral", "int4-weight-only")])
+def test_quantizing_from_the_data_file_makes_the_in_memory_graph(paged_export, tiny_checkpoints, tmp_path, family,
+                                                                 mode):
+    folder, exported = paged_export(family)
+    quantization = {"mode": "int4-weight-only", "algorithm": "rtn"} if mode == "rtn" else {"mode": mode}
+    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints[family]), "quantization": quantization}).quantization
+    tokenizer = load_tokenizer(inspect_source(SourceSpec(path=tiny_checkpoints[family])))
+    external = _external_copy(folder, exported, tmp_path / "external")
+    data = external / EXTERNAL_DATA_NAME
+    before = hashlib.sha256(data.read_bytes()).hexdigest()
+    a = quantize(exported, folder, tmp_path / "a", spec, tokenizer, inputs_hash="h", num_threads=1)
+    b = quantize(exported, external, tmp_path / "b", spec, tokenizer, inputs_hash="h", num_threads=1,
+                 external_threshold=0)
+    assert hashlib.sha256(data.read_bytes()).hexdigest() == before  # scaled in a scratch copy, not in the export
+    assert (tmp_path / "b" / EXTERNAL_DATA_NAME).is_file() and not (tmp_path / "a" / EXTERNAL_DATA_NAME).exists()
+    (nodes_a, tensors_a), (nodes_b, tensors_b) = _graph(tmp_path / "a"), _graph(tmp_path / "b")
+    assert nodes_a == nodes_b and tensors_a.keys() == tensors_b.keys()
+    for name, value in tensors_a.items():
+        assert np.array_equal(value, tensors_b[name]), name
+    assert any(op == "MatMulNBits" for op, _, _ in nodes_b)
+    assert a.report.perplexity_quantized == pytest.approx(b.report.perplexity_quantized, rel=1e-6)
+
+
+def test_writes_go_in_place_or_at_the_end_and_reads_come_back(tmp_path):
+    graph = onnx.helper.make_graph([], "g", [], [], [numpy_helper.from_array(np.arange(600, dtype=np.float32).reshape(20, 30),
+                                                                             "w")])
+    src = tmp_path / "src"
+    src.mkdir()
+    save_model(onnx.helper.make_model(graph), src, external_threshold=0)
+    (tmp_path / "work").mkdir()
+    weights = WeightFile.open(src / "model.onnx", tmp_path / "work")
+    assert weights.external
+    w = weights.initializers()["w"]
+    np.testing.assert_array_equal(weights.array(w), np.arange(600, dtype=np.float32).reshape(20, 30))
+    weights.write(w, weights.array(w) * 2)  # same size: in place
+    weights.write(w, np.ones((40, 30), np.float32))  # larger: appended, the tensor's shape follows
+    added = weights.add("v", np.full((16, 16), 3.0, np.float32))
+    assert list(w.dims) == [40, 30] and weights.array(w).sum() == 1200 and weights.array(added).sum() == 768
+    with weights.inlined(w):
+        assert numpy_helper.to_array(w).shape == (40, 30)
+    assert not w.HasField("raw_data")
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(src / "model.onnx", tmp_path / "unused")
+    weights.graph.output.extend([onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in "wv"])
+    assert weights.save(out, external_threshold=0)
+    saved = {t.name: numpy_helper.to_array(t) for t in load_graph(out / "model.onnx").graph.initializer}
+    assert saved["w"].sum() == 1200 and saved["v"].sum() == 768
