@@ -21,6 +21,7 @@ class RichReporter:
                                  TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), console=console, transient=True)
         self.task = None
+        self.description = ""
 
     def __enter__(self) -> "RichReporter":
         self.progress.start()
@@ -30,10 +31,13 @@ class RichReporter:
         self.progress.stop()
 
     def stage_started(self, name: str, description: str) -> None:
+        self.description = description
         self.task = self.progress.add_task(description, stage=name, total=None)
 
-    def stage_progress(self, done: int, total: int) -> None:
-        self.progress.update(self.task, completed=done, total=total)
+    def stage_progress(self, done: int, total: int, what: str = "") -> None:
+        """The stage's bar at `done` of `total`; `what` (what is counted, how fast) beside its description."""
+        description = f"{self.description}: {what}" if what else self.description
+        self.progress.update(self.task, completed=done, total=total, description=description)
 
     def stage_finished(self, result) -> None:
         self.progress.remove_task(self.task)

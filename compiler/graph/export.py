@@ -193,7 +193,9 @@ def _export_streamed(streamed: StreamedModel, decoder, info: ModelInfo, lowering
                                    "cannot be stamped; set `source.load: whole`")
         with quiet()[0]:
             simplify(program.model)
-        proto = save_streamed(program.model, out_dir, EXTERNAL_DATA_NAME, progress)
+        written = None if progress is None else (
+            lambda done, total: progress(period + layers.loads, info.num_layers, "layers read and written"))
+        proto = save_streamed(program.model, out_dir, EXTERNAL_DATA_NAME, written)
     finally:
         layers.close()
         for i in range(period):
@@ -262,7 +264,7 @@ def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: 
            ranks: int = 1, progress=None) -> ExportedModel:
     """Export `model` (a PyTorch model, or a stream.model.StreamedModel read layer by layer) into `out_dir` with
     attention lowered as `lowering` (split over `ranks`: one graph per rank, in rank{r}/), and describe the
-    result. `progress(done, total)`: a streamed export's weights written."""
+    result. `progress(done, total, what)`: a streamed export's layers read and written."""
     import onnx
 
     info = model_info(model, tokenizer)

@@ -127,14 +127,16 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
     total, done = steps * sum(len(b) if layout.paged else 1 for _, b in cases_in), 0
     if isinstance(model, StreamedModel):  # layers passed through
         total += reference.forwards(model, [p for _, batch in cases_in for p in batch], steps)
+        counted = "ONNX Runtime's decode steps, then the reference's layers"
     else:  # steps decoded
         total += steps * len(prompts)
+        counted = "decode steps, PyTorch's and ONNX Runtime's"
 
     def tick() -> None:
         nonlocal done
         done += 1
         if progress:
-            progress(done, total)
+            progress(done, total, counted)
 
     try:
         if isinstance(model, StreamedModel):

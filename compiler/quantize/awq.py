@@ -91,7 +91,7 @@ def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: in
     weights = weights or WeightFile.of(model.graph)
     sites = smoothable(model.graph)
     acts, importance = activation_statistics(model, layout, windows, [s.tensor for s in sites], TOKENS,
-                                             num_threads=num_threads, graph_file=graph_file)
+                                             num_threads=num_threads, graph_file=graph_file, progress=progress)
     initializers = {t.name: t for t in model.graph.initializer}
     scales, alphas = [], []
     for done, site in enumerate(sites, 1):
@@ -100,7 +100,7 @@ def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: in
         scales.append(s)
         alphas.append(alpha)
         if progress:
-            progress(done, len(sites))
+            progress(done, len(sites), "AWQ scales searched (sites)")
     apply_scales(model, sites, scales, weights)
     for site, s in zip(sites, scales):
         importance[site.tensor] = importance[site.tensor] / np.square(s.astype(np.float64))

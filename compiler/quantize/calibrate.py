@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -118,11 +119,13 @@ def run_tensors(model, layout: KVLayout, windows: list[np.ndarray], tensors: lis
             save_model(augmented, Path(tmp))
         del augmented
         session = make_session(Path(tmp) / "model.onnx", num_threads, prepack=False)
+        start, tokens = time.perf_counter(), 0
         for done, ids in enumerate(windows, 1):
             values = session.run(tensors, feeds(layout, ids))
-            yield {name: v.reshape(-1, v.shape[-1]) for name, v in zip(tensors, values)}
+            tokens += len(ids)
             if progress:
-                progress(done, len(windows))
+                progress(done, len(windows), f"calibration windows, {tokens / (time.perf_counter() - start):.0f} tok/s")
+            yield {name: v.reshape(-1, v.shape[-1]) for name, v in zip(tensors, values)}
 
 
 def calibrate(model, layout: KVLayout, windows: list[np.ndarray], method: str, *, key: str, num_threads: int = 0,
@@ -150,7 +153,7 @@ def calibrate(model, layout: KVLayout, windows: list[np.ndarray], method: str, *
 
 
 def activation_statistics(model, layout: KVLayout, windows: list[np.ndarray], rows_of: list[str], tokens: int, *,
-                          num_threads: int = 0, graph_file: Path | None = None
+                          num_threads: int = 0, graph_file: Path | None = None, progress=None
                           ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """One calibration pass of `model` over `windows`, giving both what AWQ and the block search need:
     up to `tokens` rows [tokens, channels] of each tensor in `rows_of`, spread evenly over the windows
@@ -163,8 +166,8 @@ def activation_statistics(model, layout: KVLayout, windows: list[np.ndarray], ro
     rows: dict[str, list[np.ndarray]] = {t: [] for t in rows_of}
     sums: dict[str, np.ndarray] = {}
     count = 0
-    for values in run_tensors(model, layout, windows, list(dict.fromkeys([*linear, *rows_of])), num_threads, None,
-                              graph_file=graph_file):
+    for values in run_tensors(model, layout, windows, list(dict.fromkeys([*linear, *rows_of])), num_threads,
+                              progress, graph_file=graph_file):
         for name in linear:
             sums[name] = sums.get(name, 0.0) + np.square(values[name].astype(np.float64)).sum(0)
         count += len(next(iter(values.values())))

@@ -90,7 +90,7 @@ def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list
         nonlocal done
         done += 1
         if progress:
-            progress(done, total)
+            progress(done, total, "quality report (windows and prompts)")
 
     ppl = [perplexity(r, windows, tick) for r in runners]
     agreed = 0

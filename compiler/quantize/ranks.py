@@ -124,7 +124,7 @@ def rank_main(conn: multiprocessing.connection.Connection) -> None:
     job = conn.recv()
     rank = job["rank"]
     try:
-        report = (lambda done, total: conn.send(("progress", done, total))) if rank == 0 else None
+        report = (lambda done, total, what="": conn.send(("progress", done, total, what))) if rank == 0 else None
         quantize(job["exported"], job["export_dir"], job["out_dir"], job["spec"], load_tokenizer(job["source"]),
                  inputs_hash=job["inputs_hash"], num_threads=job["num_threads"],
                  external_threshold=job["external_threshold"], previous=job["previous"], progress=report)

@@ -187,7 +187,7 @@ def searched_codes(model, importance: dict[str, np.ndarray], bits: int, block: i
         codes[weight] = search(weights.array(initializers[weight]), importance[activation], bits, block,
                                symmetric)
         if progress:
-            progress(done, len(layers))
+            progress(done, len(layers), "block codes searched (weights)")
     return codes
 
 

@@ -85,6 +85,7 @@ def measured_build(source: Path, load: str, quantization: str, root: Path) -> di
 def run(args) -> int:
     depths = [int(d) for d in args.layers.split(",")]
     loads = args.loads.split(",")
+    args.out = args.out.resolve()  # the specs name the checkpoint by this path, from their own folder
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     for depth in depths:

@@ -37,7 +37,7 @@ def test_the_streamed_export_is_the_whole_models_graph_each_layer_read_once(tiny
                         lambda *a, _cls=stream_export.LayerTensors: made.append(_cls(*a)) or made[-1])
     ticks = []
     streamed = export(StreamedModel(info), tokenizer, tmp_path / "streamed", lowering=Lowering.paged,
-                      source_hash="s", inputs_hash="i", progress=lambda done, total: ticks.append((done, total)))
+                      source_hash="s", inputs_hash="i", progress=lambda done, total, *what: ticks.append((done, total)))
     a, b = _initializers(tmp_path / "whole"), _initializers(tmp_path / "streamed")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert streamed.external_data and streamed.stamped_layers == whole.stamped_layers > 0

@@ -19,7 +19,7 @@ def test_streamed_reference_gives_the_whole_models_verdict(paged_export, tiny_ch
     whole = verify(exported, folder, model, tokenizer, tmp_path / "whole", inputs_hash="h", steps=12)
     ticks = []
     streamed = verify(exported, folder, StreamedModel(info), tokenizer, tmp_path / "streamed", inputs_hash="h",
-                      steps=12, progress=lambda done, total: ticks.append((done, total)))
+                      steps=12, progress=lambda done, total, *what: ticks.append((done, total)))
     assert whole.passed and streamed.passed
     assert "streamed layer by layer" in streamed.reference and "streamed" not in whole.reference
     assert ticks[-1][0] == ticks[-1][1]  # the progress total is what ran
