@@ -52,13 +52,28 @@ def test_a_build_reads_layers_and_verifies_against_the_streamed_reference(tiny_c
     assert result.exported.external_data and result.repository.is_dir()
 
 
-def test_a_gguf_source_builds_a_layer_at_a_time(tmp_path):
+def test_a_q8_0_gguf_source_builds_a_layer_at_a_time(tmp_path, monkeypatch):
+    """Its matrices in Q8_0 (as a quantized llama.cpp file stores them), dequantized a tensor at a time by the
+    export and by the streamed reference alike."""
+    import gguf
+
     sys.path.insert(0, str(Path(__file__).parents[1]))
     from test_gguf import GGUF_TINY, _hf, write_gguf
 
     model_type, config = GGUF_TINY["qwen3"]
     _, model = _hf(model_type, tmp_path / "hf", **config)
+    add = gguf.GGUFWriter.add_tensor
+
+    def quantized(self, name, tensor, *args, **kwargs):
+        if tensor.ndim == 2:
+            return add(self, name, gguf.quants.quantize(tensor, gguf.GGMLQuantizationType.Q8_0),
+                       raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        return add(self, name, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", quantized)
     path = write_gguf(model, tmp_path / "qwen3.gguf", "qwen3")
+    monkeypatch.undo()
+    assert gguf.GGMLQuantizationType.Q8_0 in {t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
     result = build(parse_spec({"name": "g", "source": {"path": str(path), "load": "layers"}}),
                    output=tmp_path / "g", until="verify")
     assert result.verify.passed and "streamed" in result.verify.reference
