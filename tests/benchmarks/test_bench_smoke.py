@@ -232,4 +232,5 @@ def test_bench_streamed_tiny(monkeypatch, capsys, tmp_path):
     result = json.loads((tmp_path / "streamed.json").read_text())
     build = result["builds"]["2"]["layers"]
     assert build["build_s"] > 0 and build["peak_gib"] > 0 and build["estimate_gib"] > 0
+    assert {"export", "verify"} <= set(build["stages"]) and all(s["peak_gib"] > 0 for s in build["stages"].values())
     assert "2 layers, load layers" in capsys.readouterr().out

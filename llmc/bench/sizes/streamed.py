@@ -74,12 +74,44 @@ def measured_build(source: Path, load: str, quantization: str, root: Path) -> di
         lines += ["quantization:", f"  mode: {quantization}"]
     spec.write_text("\n".join(lines) + "\n")
     plan = plan_build(load_spec(spec))
-    wall, peak, anonymous = timed_build([sys.executable, "-m", "llmc.cli", "build", str(spec), "-o",
-                                         str(root / name), "--force"], root / f"{name}.log")
+    log = root / f"{name}.log"
+    wall, peak, anonymous = timed_build([sys.executable, "-m", "llmc.bench.sizes.streamed", str(spec),
+                                         str(root / name)], log)
     shutil.rmtree(root / name, ignore_errors=True)  # the graphs: GBs each
+    stages = next(json.loads(line[len(STAGES):]) for line in log.read_text().splitlines() if line.startswith(STAGES))
     return {"load": load, "build_s": wall, "peak_gib": peak / GiB, "peak_anonymous_gib": anonymous / GiB,
-            "estimate_gib": plan.build_peak_bytes / GiB,
+            "estimate_gib": plan.build_peak_bytes / GiB, "stages": stages,
             "stage_estimates_gib": {s: b / GiB for s, b in plan.stage_peak_bytes.items()}}
+
+
+STAGES = "STAGES "  # the build process's last line: each stage's seconds and peak resident memory
+
+
+class _StagePeaks:
+    """A build's reporter recording each stage's own peak resident memory: the process's high-water mark
+    (VmHWM) reset as the stage starts (Linux: /proc/self/clear_refs) and read as it ends."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, dict] = {}
+
+    def stage_started(self, name: str, description: str) -> None:
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def stage_progress(self, done: int, total: int, what: str = "") -> None: ...
+
+    def stage_finished(self, result) -> None:
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        self.stages[result.name] = {"status": result.status, "seconds": round(result.seconds, 1),
+                                    "peak_gib": int(status["VmHWM"].split()[0]) * 1024 / GiB}
+
+
+def _build(spec: Path, out: Path) -> None:
+    """The measured build, in this process: `python -m llmc.bench.sizes.streamed SPEC OUT`."""
+    from llmc.compiler import build, load_spec
+
+    reporter = _StagePeaks()
+    build(load_spec(spec), output=out, force={"export", "verify", "quantize", "package"}, reporter=reporter)
+    print(STAGES + json.dumps(reporter.stages), flush=True)
 
 
 def run(args) -> int:
@@ -93,7 +125,10 @@ def run(args) -> int:
         for load in loads:
             r = results.setdefault(str(depth), {})[load] = measured_build(source, load, args.quantization, args.out)
             print(f"{depth} layers, load {load}: {r['build_s']:.0f} s, peak {r['peak_gib']:.2f} GiB "
-                  f"(anonymous {r['peak_anonymous_gib']:.2f}; dry run {r['estimate_gib']:.2f})", flush=True)
+                  f"(anonymous {r['peak_anonymous_gib']:.2f}; dry run {r['estimate_gib']:.2f}); by stage: "
+                  + ", ".join(f"{name} {st['peak_gib']:.2f} GiB (dry run "
+                              f"{r['stage_estimates_gib'].get(name, 0):.2f}) {st['seconds']:.0f} s"
+                              for name, st in r["stages"].items() if st["status"] == "ran"), flush=True)
     ratios = {}
     for depth, by_load in results.items():
         if {"whole", "layers"} <= set(by_load):
@@ -109,3 +144,7 @@ def run(args) -> int:
                                                       "vocab": args.vocab}, "quantization": args.quantization,
                                             "builds": results, "ratios": ratios})
     return 0
+
+
+if __name__ == "__main__":
+    _build(Path(sys.argv[1]), Path(sys.argv[2]))
