@@ -15,10 +15,8 @@ as read-only maps (onnx_ir's ExternalTensor), and neither writes a tensor back i
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -119,34 +117,13 @@ class WeightFile:
         self.graph.initializer.append(tensor)
         return self.graph.initializer[-1]  # the graph's own: append copied the message
 
-    def externalize(self, tensor) -> None:
-        """An inline `tensor` the quantizer made (packed codes) moved to the scratch file, out of memory."""
-        if self.external and not _external(tensor) and tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
-            raw = tensor.raw_data
-            tensor.ClearField("raw_data")
-            _locate(tensor, SCRATCH, self._append(np.frombuffer(raw, np.uint8)), len(raw))
-
     def inline(self, tensor) -> None:
-        """`tensor`'s bytes into the proto (for code that reads the proto itself, one tensor at a time)."""
+        """`tensor`'s bytes into the proto (a small graph saved inline)."""
         if _external(tensor):
             raw = self.array(tensor).tobytes()
             del tensor.external_data[:]
             tensor.data_location = 0  # TensorProto.DEFAULT
             tensor.raw_data = raw
-
-    @contextlib.contextmanager
-    def inlined(self, tensor) -> Iterator[None]:
-        """`tensor`'s bytes in the proto inside the block, back in the file (and out of memory) after."""
-        if not _external(tensor):
-            yield
-            return
-        where = _where(tensor)
-        self.inline(tensor)
-        try:
-            yield
-        finally:
-            tensor.ClearField("raw_data")
-            _locate(tensor, SCRATCH, int(where["offset"]), int(where["length"]))
 
     def save(self, out_dir: Path, external_threshold: int = EXTERNAL_THRESHOLD) -> bool:
         """Write `out_dir/model.onnx` (and `model.onnx.data` past the threshold, as files.save_model decides) with

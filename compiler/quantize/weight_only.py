@@ -149,19 +149,12 @@ def _preset_quantizer(config, codes: dict[str, BlockCodes] | None, weights: Weig
 
         def quantize_matmul(self, node, graph_stack):
             self.weight = node.input[1]
-            if weights is None or not weights.external:
+            tensor = None
+            if weights is not None and weights.external:
+                tensor = next((t for t in graph_stack[-1].initializer if t.name == self.weight), None)
+            if tensor is None or len(tensor.dims) != 2 or tensor.data_type != onnx.TensorProto.FLOAT:
                 return super().quantize_matmul(node, graph_stack)
-            graph = graph_stack[-1]
-            tensor = next((t for t in graph.initializer if t.name == self.weight), None)
-            if tensor is None:
-                return super().quantize_matmul(node, graph_stack)
-            with weights.inlined(tensor):
-                done = super().quantize_matmul(node, graph_stack)
-            made = {f"{self.weight}_Q{config.bits}", f"{self.weight}_scales", f"{self.weight}_zero_points"}
-            for t in graph.initializer:
-                if t.name in made:
-                    weights.externalize(t)
-            return done
+            return [_matmul_nbits(node, tensor, self.qbits_block_quant(weights.array(tensor)), config, weights)]
 
         def qbits_block_quant(self, fp32weight):
             if codes is None:
@@ -171,7 +164,28 @@ def _preset_quantizer(config, codes: dict[str, BlockCodes] | None, weights: Weig
                 raise QuantizationError(f"{self.weight}: codes for K={q.k}, weight has K={fp32weight.shape[0]}")
             return pack(q)
 
+    import onnx
+
     return PresetCodes(config)
+
+
+def _matmul_nbits(node, tensor, quantized, config, weights: WeightFile):
+    """The `MatMulNBits` node ONNX Runtime's quantizer makes of `node` (QOperator form, a 2-D fp32 weight), its
+    packed codes, scales and zero points written to `weights`' file. Written here for a weight that lies in the
+    file: ORT's `quantize_matmul` reads it from the proto, and a tensor's bytes put into the proto stay in the
+    model's protobuf arena after they are cleared (an 8-bit 1B graph's weights, held to the end)."""
+    from onnx import helper
+
+    packed, scales, zero_points = quantized
+    bits, (k, n) = config.bits, tuple(tensor.dims)
+    names = [weights.add(f"{tensor.name}_Q{bits}", packed).name, weights.add(f"{tensor.name}_scales", scales).name]
+    if not config.is_symmetric:
+        names.append(weights.add(f"{tensor.name}_zero_points", zero_points).name)
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": config.block_size}
+    if config.accuracy_level:
+        attrs["accuracy_level"] = config.accuracy_level
+    return helper.make_node("MatMulNBits", [node.input[0], *names], [node.output[0]],
+                            name=f"{node.name}_Q{bits}" if node.name else "", domain="com.microsoft", **attrs)
 
 
 def searched_codes(model, importance: dict[str, np.ndarray], bits: int, block: int, *, symmetric: bool,

@@ -104,9 +104,9 @@ class OrtRunner:
     """A `Runner` on ONNX Runtime: `step(input_ids [n, S], cache_position [n], first_row) -> logits [n, S, vocab]`."""
 
     def __init__(self, onnx_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, num_threads: int = 0,
-                 optimize: bool = True):
+                 optimize: bool = True, prepack: bool = True):
         self.layout, self.rows, self.capacity = layout, max_batch, capacity
-        self.session = make_session(onnx_path, num_threads, optimize)
+        self.session = make_session(onnx_path, num_threads, optimize, prepack=prepack)
         self.cache = KVCache(layout, max_batch, capacity)
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
         self._bindings: dict[tuple[int, int], object] = {}  # (first_row, n) -> the cache rows bound

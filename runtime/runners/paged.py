@@ -145,14 +145,16 @@ class PagedRunner:
     """A paged graph and its block pools: `step(rows) -> logits [sum(num_logits), vocab]`."""
 
     def __init__(self, onnx_path: Path, layout: KVLayout, *, num_blocks: int, max_num_tokens: int,
-                 num_threads: int = 0, spin_after_run: bool = True, group: str | None = None):
-        """`group`: the collective group of a tensor-parallel rank's graph (runtime/runners/parallel/ort_group.py)."""
+                 num_threads: int = 0, spin_after_run: bool = True, group: str | None = None, prepack: bool = True):
+        """`group`: the collective group of a tensor-parallel rank's graph (runtime/runners/parallel/ort_group.py);
+        `prepack`: make_session's (False: a build's own check of a big fp32 graph reads it from the mapped file)."""
         if not layout.paged:
             raise ValueError("PagedRunner runs paged graphs (kv_layout.paged); this layout is the slot form")
         if num_blocks < 1 or max_num_tokens < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and max_num_tokens ({max_num_tokens}) must be at least 1")
         self.layout, self.num_blocks, self.max_num_tokens = layout, num_blocks, max_num_tokens
-        self.session = make_session(onnx_path, num_threads, spin_after_run=spin_after_run, group=group)
+        self.session = make_session(onnx_path, num_threads, spin_after_run=spin_after_run, group=group,
+                                    prepack=prepack)
         expected = ["input_ids", layout.positions, *PAGED_INPUTS, *layout.past_names(), *layout.step_inputs]
         got = [i.name for i in self.session.get_inputs()]
         if got != expected:

@@ -22,11 +22,12 @@ from llmc.runtime.runners.protocol import Runner
 class PagedSlots:
     """`rows` slots of `capacity` positions over one PagedRunner."""
 
-    def __init__(self, onnx_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, num_threads: int = 0):
+    def __init__(self, onnx_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, num_threads: int = 0,
+                 prepack: bool = True):
         per_slot = -(-capacity // layout.block_size)
         self.layout, self.rows, self.capacity = layout, max_batch, capacity
         self.runner = PagedRunner(onnx_path, layout, num_blocks=max_batch * per_slot,
-                                  max_num_tokens=max_batch * capacity, num_threads=num_threads)
+                                  max_num_tokens=max_batch * capacity, num_threads=num_threads, prepack=prepack)
         self.blocks = [list(range(r * per_slot, (r + 1) * per_slot)) for r in range(max_batch)]
 
     def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0,
@@ -50,9 +51,10 @@ class PagedSlots:
 
 
 def slot_runner(onnx_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, num_threads: int = 0,
-                optimize: bool = True) -> Runner:
+                optimize: bool = True, prepack: bool = True) -> Runner:
     """A slot-shaped Runner for any ONNX Runtime export: OrtRunner, or PagedSlots for a paged graph."""
     if layout.paged:
-        return PagedSlots(onnx_path, layout, max_batch=max_batch, capacity=capacity, num_threads=num_threads)
+        return PagedSlots(onnx_path, layout, max_batch=max_batch, capacity=capacity, num_threads=num_threads,
+                          prepack=prepack)
     return OrtRunner(onnx_path, layout, max_batch=max_batch, capacity=capacity, num_threads=num_threads,
-                     optimize=optimize)
+                     optimize=optimize, prepack=prepack)
