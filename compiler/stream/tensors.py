@@ -38,42 +38,50 @@ def layer_of(key: str) -> int | None:
 
 
 class SafetensorsTensors:
-    """The tensors of a checkpoint's safetensors shards, each read from its file's memory map on demand."""
+    """The tensors of a checkpoint's safetensors shards, each read from its file's memory map on demand. A shard is
+    mapped only while a tensor is read from it: a map kept open keeps every page read so far in the process's
+    resident set (clean pages the kernel could drop, yet counted), so the resident set grew with the layers read
+    (16 layers of hidden 2048: 3.8 GiB, of which 2.2 GiB the shards' pages)."""
 
     def __init__(self, files: tuple[Path, ...] | list[Path]):
+        self._files, self._where = list(files), {}
+        for index, path in enumerate(self._files):
+            with self._open(index) as handle:
+                for key in handle.keys():
+                    if key in self._where:
+                        raise SourceError(f"{path}: tensor {key} is also in {self._files[self._where[key]].name}")
+                    self._where[key] = index
+
+    def _open(self, index: int):
         from safetensors import safe_open
 
-        self._handles, self._where = [], {}
-        for path in files:
-            try:
-                handle = safe_open(str(path), framework="pt")
-            except Exception as err:
-                raise SourceError(f"{path}: not a readable safetensors file ({err})") from None
-            self._handles.append(handle)
-            for key in handle.keys():
-                if key in self._where:
-                    raise SourceError(f"{path}: tensor {key} is also in {files[self._where[key][0]].name}")
-                self._where[key] = (len(self._handles) - 1, path)
+        try:
+            return safe_open(str(self._files[index]), framework="pt")
+        except Exception as err:
+            raise SourceError(f"{self._files[index]}: not a readable safetensors file ({err})") from None
 
     def keys(self) -> list[str]:
         return list(self._where)
 
     def load(self, key: str):
-        index, path = self._where[key]
+        index = self._where[key]
         try:
-            return self._handles[index].get_tensor(key)
+            with self._open(index) as handle:
+                return handle.get_tensor(key)
+        except SourceError:
+            raise
         except Exception as err:
-            raise SourceError(f"{path}: could not read tensor {key} ({err})") from None
+            raise SourceError(f"{self._files[index]}: could not read tensor {key} ({err})") from None
 
     def nbytes(self, key: str) -> int:
         import math
 
         import torch
 
-        index, _ = self._where[key]
-        view = self._handles[index].get_slice(key)
-        dtype = getattr(torch, _TORCH_DTYPES.get(view.get_dtype(), "float32"))
-        return math.prod(view.get_shape()) * torch.empty((), dtype=dtype).element_size()
+        with self._open(self._where[key]) as handle:
+            view = handle.get_slice(key)
+            dtype, shape = getattr(torch, _TORCH_DTYPES.get(view.get_dtype(), "float32")), view.get_shape()
+        return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 # safetensors' dtype names -> torch's
