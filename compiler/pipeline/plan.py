@@ -29,27 +29,26 @@ from llmc.errors import UnsupportedError
 from llmc.runtime.layout import ITEMSIZE
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-# A build's peak resident memory, per stage, in multiples of the checkpoint's weights at fp32 (W, as the
-# export loads them) and of the LM head a quantized build unties (U), mapped weight files included. Fitted
-# to two shapes, `python -m llmc.bench sizes`: Qwen2.5-0.5B's (W 1.98 GB, U 0.54: fp32 build 6.0 GB, int4 10.3)
-# and Llama-3.2-1B's (W 4.94 GB, U 1.05: export 12.9 GB, verify 11.9, int4 quantize 19.3); within 20% of
-# each. Export: the PyTorch model and the traced graph's weights; verify: the model and an ONNX Runtime
-# session; weight-only quantize: the graph in memory, the mapped weights a calibration or measuring session
-# reads, the codes, and the LM head's several full-size temporaries (its vocabulary-wide matrix is the
-# largest one a search or AWQ step holds at once). A mixture's experts (X, at fp32) cost more on top: the export's
-# interleaved copy of gate/up for the expert op, the quantizer's expert statistics and codes; fitted to one
-# 0.37B mixture (`python -m llmc.bench moe`: 16 experts, hidden 1024; fp32 build 6.2 GB, int4 9.0), within 1%.
-# The one table of the per-stage model: streaming the stages (issue 53) replaces it, and the plan, its rows
-# and the memory check follow from it.
-BUILD_PEAK = {"export": (2.8, 0.0, 1.7), "verify": (2.5, 0.0, 0.0), "quantize": (3.0, 7.0, 2.6)}
-# The same stages reading the checkpoint a layer at a time (`source.load: layers`, compiler/stream/): a fixed cost
-# (the interpreter, torch, onnx), multiples of what stays loaded (R: embeddings, final norm and LM head at fp32),
-# of one decoder layer at fp32 (L) and of the whole model at fp32 (W: verify's ONNX Runtime session holds the
-# fp32 graph, its mapped weights counted). Verify's fitted with `python -m llmc.bench streamed` (hidden 2048,
-# intermediate 8192: 4 layers 3.78 GiB, 16 layers 7.97 GiB, both within 1%); export's is a bound (the resident
-# modules, the period and the layer being written, each with the decoder's derived copies), never the larger.
-STREAM_BASE = int(1.0 * 2**30)
-STREAM_PEAK = {"export": (2.0, 4.0, 0.0), "verify": (1.0, 2.0, 1.55)}
+# A build's peak resident memory, per stage (mapped weight files included): a fixed cost (the interpreter, torch,
+# onnx: BASE) and multiples of the checkpoint's weights at fp32 (W), of the LM head a quantized build unties (U)
+# and of a mixture's experts (X, at fp32). Each stage's own peak is the build process's high-water mark while it
+# runs (`python -m llmc.bench streamed` resets it as each stage starts), so memory a stage leaves to the next counts
+# in the next. Reading the checkpoint whole (BUILD_PEAK, (W, U, X)): export holds the PyTorch model and the traced
+# graph's weights; verify the model and ONNX Runtime's session, which reads the graph's mapped weights without
+# prepacking a copy; weight-only quantize reads and writes the weights a tensor at a time (weight_file.py), and
+# its calibration and quality sessions read mapped weights, but it starts where the whole model left the process.
+# Reading it a layer at a time (STREAM_PEAK, (R, L, W, U)): R is what stays loaded (embeddings, final norm and LM
+# head at fp32), L one decoder layer at fp32; export holds them and the traced period, flat in depth; verify the
+# ONNX Runtime session's mapped fp32 graph. Fitted to a random Llama (hidden 2048, intermediate 8192, vocabulary
+# 49,152: U at one vocabulary size only) at 4 and 16 layers, int4-weight-only with AWQ, each stage within 5%:
+# whole export 3.69 / 9.35 GiB, verify 3.50 / 9.26, quantize 4.34 / 10.45; layers export 1.77 / 1.95, verify
+# 3.23 / 6.19, quantize 4.17 / 7.23. A mixture's experts (X) cost more on top: the export's interleaved copy of
+# gate/up for the expert op, the quantizer's expert statistics and codes (its weights loaded whole); X's
+# coefficients were fitted to one 0.37B mixture (`python -m llmc.bench moe`) before the quantizer read weights a
+# tensor at a time, and are an upper bound now.
+BASE = 2**30
+BUILD_PEAK = {"export": (2.08, 0.0, 1.7), "verify": (2.07, 0.0, 0.0), "quantize": (2.25, 1.23, 2.6)}
+STREAM_PEAK = {"export": (1.2, 1.0, 0.07, 0.0), "verify": (1.0, 2.0, 1.09, 0.0), "quantize": (0.0, 0.0, 1.125, 4.6)}
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
                 QuantMode.int4_weight_only: 0.5}
 
@@ -121,13 +120,16 @@ class BuildPlan:
 def stage_peaks(dims: Dims, stages: list[str], untied: int, load: str) -> dict[str, int]:
     """Each stage's peak memory for `load` ("whole" or "layers"), of the stages in BUILD_PEAK that run."""
     fp32 = 4 * (dims.linear_params + dims.other_params)
-    peaks = {stage: int(w * fp32 + u * 4 * untied + x * 4 * dims.expert_params)
+    peaks = {stage: int(BASE + w * fp32 + u * 4 * untied + x * 4 * dims.expert_params)
              for stage, (w, u, x) in BUILD_PEAK.items() if stage in stages}
     if load == "layers":
         resident = 4 * dims.vocab_size * dims.hidden_size * (1 if dims.tied_embeddings else 2)
         layer = max(fp32 - resident, 0) // max(dims.num_layers, 1)
-        peaks.update({stage: int(STREAM_BASE + r * resident + l * layer + w * fp32)
-                      for stage, (r, l, w) in STREAM_PEAK.items() if stage in stages})
+        streamed = {stage: int(BASE + r * resident + l * layer + w * fp32 + u * 4 * untied)
+                    for stage, (r, l, w, u) in STREAM_PEAK.items() if stage in stages}
+        if dims.expert_params:  # a mixture's quantizer loads its weights whole
+            streamed.pop("quantize", None)
+        peaks.update(streamed)
     return peaks
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from llmc.compiler import build
 from llmc.compiler.pipeline import memory
-from llmc.compiler.pipeline.plan import BUILD_PEAK, check_plan_memory, plan_build
+from llmc.compiler.pipeline.plan import BASE, BUILD_PEAK, check_plan_memory, plan_build
 from llmc.compiler.spec import parse_spec
 from llmc.errors import ResourceError
 
@@ -50,13 +50,16 @@ def test_a_70b_int4_plan_gives_each_stage_its_peak_and_is_refused_naming_the_sta
     assert 70e9 < plan.total_params < 71e9
     assert set(plan.stage_peak_bytes) == {"export", "verify", "quantize"}
     fp32 = 4 * plan.total_params
+    assert plan.load == "layers"  # auto: the whole model's stages would not fit; nor do its layers
     w, u, _ = BUILD_PEAK["quantize"]
-    assert plan.stage_peak_bytes["quantize"] == int(w * fp32) == plan.build_peak_bytes  # untied already: no U
+    assert plan.stage_peak_bytes["quantize"] < BASE + w * fp32  # read a layer at a time: less than whole
+    stage, peak = max(plan.stage_peak_bytes.items(), key=lambda item: item[1])
+    assert peak == plan.build_peak_bytes > 24 * GiB
     rows = dict(plan.rows())
-    assert rows["build: quantize peak (estimate)"] == f"{plan.stage_peak_bytes['quantize'] / GiB:.2f} GiB"
+    assert rows[f"build: {stage} peak (estimate)"] == f"{peak / GiB:.2f} GiB"
     assert rows["build: this machine's available memory"] == "24.00 GiB"
-    needed = plan.stage_peak_bytes["quantize"] / GiB
-    with pytest.raises(ResourceError, match=rf"the quantize stage needs about {needed:.1f} GiB .* this machine has "
+    needed = peak / GiB
+    with pytest.raises(ResourceError, match=rf"the {stage} stage needs about {needed:.1f} GiB .* this machine has "
                                             rf"24\.0 GiB available; it would fit on a machine with at least "
                                             rf"{math.ceil(needed)} GiB") as err:
         check_plan_memory(plan)
@@ -73,7 +76,7 @@ def test_the_override_plans_it(llama_70b, machine_24gib, monkeypatch):
 
 def test_a_real_build_is_refused_before_any_work(llama_70b, machine_24gib, tmp_path):
     """The empty weights file would fail the source stage: the refusal comes first, and nothing is written."""
-    with pytest.raises(ResourceError, match="the quantize stage needs"):
+    with pytest.raises(ResourceError, match="the (export|verify|quantize) stage needs"):
         build(_spec(llama_70b, quantization={"mode": "int4-weight-only"}), output=tmp_path / "out")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
@@ -88,7 +91,7 @@ def test_the_fix_offered_is_the_spec_field_that_removes_the_stage_at_fault():
 
 def test_a_tiny_model_passes(tiny_llama, machine_24gib):
     plan = plan_build(_spec(tiny_llama, quantization={"mode": "int4-weight-only"}))
-    assert plan.build_peak_bytes < GiB
+    assert plan.build_peak_bytes < BASE + 0.1 * GiB  # the interpreter and its libraries, little more
     check_plan_memory(plan)
 
 
@@ -136,7 +139,7 @@ def test_a_70b_int4_dry_run_says_what_it_needs_and_is_refused_unless_overridden(
     llmc = [str(Path(sys.executable).parent / "llmc"), "build", str(spec), "--dry-run"]
     res = subprocess.run(llmc, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 12, res.stdout + res.stderr
-    assert "the quantize stage needs about" in res.stderr and "--ignore-memory-check" in res.stderr
+    assert " stage needs about" in res.stderr and "--ignore-memory-check" in res.stderr
     assert "build: quantize peak" in res.stdout  # the plan is printed first: what each stage needs
     res = subprocess.run(llmc + ["--ignore-memory-check"], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr

@@ -47,17 +47,18 @@ def test_kv_cache_and_activation_estimates_follow_the_limits(tiny_llama):
 
 def test_the_build_peak_is_the_largest_stage_of_the_build(tiny_llama):
     """--dry-run's build memory: the weights at fp32 times the largest factor among the stages the build
-    runs (BUILD_PEAK), the untied LM head counted when a quantized build makes one."""
-    from llmc.compiler.pipeline.plan import BUILD_PEAK
+    runs (BUILD_PEAK) over the fixed cost, the untied LM head counted when a quantized build makes one."""
+    from llmc.compiler.pipeline.plan import BASE, BUILD_PEAK
 
     dims = read_dims(inspect_source(_spec(tiny_llama).source))
     fp32 = 4 * (dims.linear_params + dims.other_params)
     plain = plan_build(_spec(tiny_llama))
-    assert plain.build_peak_bytes == int(max(BUILD_PEAK["export"][0], BUILD_PEAK["verify"][0]) * fp32)
+    assert plain.load == "whole"
+    assert plain.build_peak_bytes == int(BASE + max(BUILD_PEAK["export"][0], BUILD_PEAK["verify"][0]) * fp32)
     int4 = plan_build(_spec(tiny_llama, quantization={"mode": "int4-weight-only"}))
     w, u, _ = BUILD_PEAK["quantize"]  # (the experts' factor: no experts here)
     untied = 4 * dims.vocab_size * dims.hidden_size if dims.tied_embeddings else 0
-    assert int4.build_peak_bytes == int(w * fp32 + u * untied) > plain.build_peak_bytes
+    assert int4.build_peak_bytes == int(BASE + w * fp32 + u * untied) > plain.build_peak_bytes
     assert ("build: peak memory (estimate)", f"{int4.build_peak_bytes / 2**30:.2f} GiB") in int4.rows()
 
 
@@ -105,13 +106,13 @@ def test_a_mixture_reports_total_and_active_parameters_and_its_experts_memory(ti
     experts = getattr(config, "num_local_experts", None) or config.num_experts
     unrouted = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name) \
         * (1 - config.num_experts_per_tok / experts)
-    from llmc.compiler.pipeline.plan import BUILD_PEAK
+    from llmc.compiler.pipeline.plan import BASE, BUILD_PEAK
 
     planned = plan_build(_spec(tiny_checkpoints[model_type]))
     assert planned.total_params == total and planned.active_params == round(total - unrouted)
     assert 0 < planned.expert_bytes < planned.weights_bytes
     fp32 = 4 * total
-    assert planned.build_peak_bytes == max(int(w * fp32 + x * 4 * (total - sum(
+    assert planned.build_peak_bytes == max(int(BASE + w * fp32 + x * 4 * (total - sum(
         p.numel() for name, p in model.named_parameters() if ".experts." not in name))) for w, _, x in
         (BUILD_PEAK["export"], BUILD_PEAK["verify"]))  # the experts' own factor on top of the weights'
     rows = dict(planned.rows())
