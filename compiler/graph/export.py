@@ -23,6 +23,7 @@ from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_o
 from llmc.compiler.graph import stamp
 from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, EXTERNAL_THRESHOLD, ONNX_NAME, save_model
 from llmc.compiler.graph.passes import fuse_skip_rms_norm, simplify
+from llmc.compiler.graph.streamed_export import export_streamed
 from llmc.compiler.graph.tracing import quiet, trace, trace_stamped, traced
 from llmc.compiler.models import MIXTURE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, moe
 from llmc.compiler.models.config import attention_shape
@@ -160,46 +161,16 @@ def _check_graph(path: Path) -> None:
 
 def _export_streamed(streamed: StreamedModel, decoder, info: ModelInfo, lowering: Lowering, out_dir: Path,
                      kv_cache_dtype: KVCacheDtype, ranks: int, progress) -> tuple[bool, KVLayout, int]:
-    """export_onnx for a streamed model (stream/): the first period of layers loaded and traced, every later
-    layer read from the checkpoint as the graph's weights are written."""
+    """export_onnx for a streamed model (graph/streamed_export.py): the first period of layers loaded and traced,
+    every later layer read from the checkpoint as the graph's weights are written."""
     import onnx
-
-    from llmc.compiler.models import decoder_for
-    from llmc.compiler.graph.streamed_export import LayerTensors, save_streamed
 
     if ranks > 1 or kv_cache_dtype is KVCacheDtype.int8:
         what = "parallel.tensor > 1" if ranks > 1 else "export.kv_cache_dtype: int8 (its scales run the whole model)"
         raise UnsupportedError(f"{what} cannot be built layer by layer yet; set `source.load: whole`")
-    period = stamp.layer_period(decoder)
-    if period is None:
-        raise UnsupportedError(f"{info.model_type}: its layers do not repeat, so its graph cannot be traced on a "
-                               "period of them and stamped; set `source.load: whole`")
     layout = kv_layout(info, lowering, kv_cache_dtype, decoder.rope.switch)
-    for i in range(period):
-        streamed.load_layer(i)
-
-    def build(hf_model):
-        return traced(decoder_for(hf_model), info, layout)[0]
-
-    decoder = decoder_for(streamed.model)  # its period's derived tensors (fused QKV, experts) from loaded weights
-    module, _, _, in_names = traced(decoder, info, layout)
-    layers = LayerTensors(streamed, build, period)
     table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))
-    try:
-        program, stamped = trace_stamped(decoder, period, module, info, layout, table, in_names,
-                                         ["logits", *layout.present_names()], OPSET, layers=layers)
-        if program is None:
-            raise UnsupportedError(f"{info.model_type}: its traced layers are not self-contained, so the graph "
-                                   "cannot be stamped; set `source.load: whole`")
-        with quiet()[0]:
-            simplify(program.model)
-        written = None if progress is None else (
-            lambda done, total: progress(period + layers.loads, info.num_layers, "layers read and written"))
-        proto = save_streamed(program.model, out_dir, EXTERNAL_DATA_NAME, written)
-    finally:
-        layers.close()
-        for i in range(period):
-            streamed.release_layer(i)
+    proto, stamped = export_streamed(streamed, decoder, info, layout, table, OPSET, out_dir, progress)
     _fuse(proto, lowering)
     onnx.save_model(proto, out_dir / ONNX_NAME)
     _check_graph(out_dir / ONNX_NAME)

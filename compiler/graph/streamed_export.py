@@ -17,7 +17,12 @@ import re
 from pathlib import Path
 from typing import Callable
 
+from llmc.compiler.graph import stamp
+from llmc.compiler.graph.files import EXTERNAL_DATA_NAME
+from llmc.compiler.graph.passes import simplify
+from llmc.compiler.graph.tracing import quiet, trace_stamped, traced
 from llmc.compiler.stream.model import StreamedModel
+from llmc.errors import UnsupportedError
 
 _INDEX = re.compile(r"^[^.]+\.[^.]+\.(\d+)(?:\.|$)")  # `decoder.<per-layer container>.<layer>...`
 
@@ -52,11 +57,49 @@ class LayerTensors:
                                 *module.named_buffers(remove_duplicate=False)])
         return self._named[name].detach()
 
+    @staticmethod
+    def fold(graph) -> int:
+        """What tracing runs on the stamped graph before the exporter's optimizer: fold_lazy_transposes."""
+        return fold_lazy_transposes(graph)
+
     def close(self) -> None:
         self._named = {}
         if self._layer is not None and self._layer >= self.period:
             self.streamed.release_layer(self._layer)
         self._layer = None
+
+
+def export_streamed(streamed: StreamedModel, decoder, info, layout, table: dict, opset: int, out_dir: Path,
+                    progress=None):
+    """The graph of `streamed` (its `decoder` built over the skeleton: shapes only) traced on its first period of
+    layers, stamped, simplified and written to `out_dir`'s data file a layer at a time: (its proto, weights
+    referring to that file; how many layers were stamped). `progress(done, total, what)`: layers done."""
+    from llmc.compiler.models import decoder_for
+
+    period = stamp.layer_period(decoder)
+    if period is None:
+        raise UnsupportedError(f"{info.model_type}: its layers do not repeat, so its graph cannot be traced on a "
+                               "period of them and stamped; set `source.load: whole`")
+    for i in range(period):
+        streamed.load_layer(i)
+    layers = LayerTensors(streamed, lambda hf_model: traced(decoder_for(hf_model), info, layout)[0], period)
+    try:
+        decoder = decoder_for(streamed.model)  # its period's derived tensors (fused QKV, experts) from loaded weights
+        module, _, _, in_names = traced(decoder, info, layout)
+        program, stamped = trace_stamped(decoder, period, module, info, layout, table, in_names,
+                                         ["logits", *layout.present_names()], opset, layers=layers)
+        if program is None:
+            raise UnsupportedError(f"{info.model_type}: its traced layers are not self-contained, so the graph "
+                                   "cannot be stamped; set `source.load: whole`")
+        with quiet()[0]:
+            simplify(program.model)
+        written = None if progress is None else (
+            lambda done, total: progress(period + layers.loads, info.num_layers, "layers read and written"))
+        return save_streamed(program.model, out_dir, EXTERNAL_DATA_NAME, written), stamped
+    finally:
+        layers.close()
+        for i in range(period):
+            streamed.release_layer(i)
 
 
 def fold_lazy_transposes(graph) -> int:

@@ -124,10 +124,8 @@ def trace_stamped(decoder, period: int, module, info: ModelInfo, layout: KVLayou
     except stamp.Unstampable as err:  # traced whole instead: slower, never wrong; say why for whoever looks
         logging.getLogger(__name__).debug("%s: every layer traced: %s", info.model_type, err)
         return None, None
-    if layers is not None:
-        from llmc.compiler.graph.streamed_export import fold_lazy_transposes
-
-        fold_lazy_transposes(program.model.graph)
+    if layers is not None:  # before the exporter's folding evaluates every lazy weight
+        layers.fold(program.model.graph)
     with quiet()[0]:
         program.optimize()
     return program, stamped
