@@ -63,9 +63,11 @@ class WeightOnly:
 
     def make_quantized(self, job: Job) -> WeightCodes:
         spec, bits = job.spec, self.bits
-        weights = WeightFile.open(job.source, job.work)
-        if moe_nodes(weights.graph):  # the experts' statistics and codes read the proto itself
-            weights = WeightFile.open(job.source, job.work, whole=True)
+        import onnx
+
+        # a mixture's experts' statistics and codes read the proto itself: its weights loaded whole
+        whole = bool(moe_nodes(onnx.load(str(job.source), load_external_data=False).graph))
+        weights = WeightFile.open(job.source, job.work, whole=whole)
         model = weights.model
         untie_lm_head(model.graph, weights)
         gemms_as_matmuls(model.graph, weights)
