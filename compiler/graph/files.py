@@ -57,12 +57,18 @@ def load_graph(path: Path):
         return model
     with open(path.parent / EXTERNAL_DATA_NAME, "rb") as data:
         for tensor in external:
-            where = {e.key: e.value for e in tensor.external_data}
-            if where.get("location") != EXTERNAL_DATA_NAME:
-                raise ExportError(f"{path}: {tensor.name} is stored in {where.get('location')!r}, not in llmc's "
-                                  f"{EXTERNAL_DATA_NAME}")
-            data.seek(int(where.get("offset", 0)))
-            tensor.raw_data = data.read(int(where["length"]))
+            offset, length = external_span(tensor, path)
+            data.seek(offset)
+            tensor.raw_data = data.read(length)
             del tensor.external_data[:]
             tensor.data_location = onnx.TensorProto.DEFAULT
     return model
+
+
+def external_span(tensor, graph: Path, location: str = EXTERNAL_DATA_NAME) -> tuple[int, int]:
+    """(offset, length) of an external `tensor` of the graph at `graph` in its data file `location`; an
+    ExportError naming the tensor when it is stored anywhere else."""
+    where = {e.key: e.value for e in tensor.external_data}
+    if where.get("location") != location:
+        raise ExportError(f"{graph}: {tensor.name} is stored in {where.get('location')!r}, not in llmc's {location}")
+    return int(where.get("offset", 0)), int(where["length"])

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, EXTERNAL_THRESHOLD, ONNX_NAME, load_graph
-from llmc.errors import ExportError
+from llmc.compiler.graph.files import (EXTERNAL_DATA_NAME, EXTERNAL_THRESHOLD, ONNX_NAME, external_span, load_graph,
+                                       save_model)
 
 SCRATCH = "weights.data"
 _ALIGN = 64  # appended tensors start on a 64-byte boundary (vector loads of a mapped tensor)
@@ -48,11 +48,7 @@ class WeightFile:
         shutil.copyfile(data, scratch)
         for tensor in model.graph.initializer:
             if _external(tensor):
-                where = _where(tensor)
-                if where.get("location") != EXTERNAL_DATA_NAME:
-                    raise ExportError(f"{source}: {tensor.name} is stored in {where.get('location')!r}, not in "
-                                      f"llmc's {EXTERNAL_DATA_NAME}")
-                _locate(tensor, SCRATCH, int(where.get("offset", 0)), int(where["length"]))
+                _locate(tensor, SCRATCH, *external_span(tensor, source))
         return cls(model, scratch)
 
     @classmethod
@@ -73,12 +69,9 @@ class WeightFile:
 
         if not _external(tensor):
             return numpy_helper.to_array(tensor)
-        where = _where(tensor)
-        dtype = np.dtype(_numpy_dtype(tensor.data_type))
         with open(self.path, "rb") as f:
-            f.seek(int(where["offset"]))
-            raw = f.read(int(where["length"]))
-        return np.frombuffer(raw, dtype=dtype).reshape(tuple(tensor.dims)).copy()
+            raw = self._read(f, tensor)
+        return np.frombuffer(raw, dtype=_numpy_dtype(tensor.data_type)).reshape(tuple(tensor.dims)).copy()
 
     def write(self, tensor, value: np.ndarray) -> None:
         """`tensor` given `value` (its dtype kept): in place when it is as large, else appended."""
@@ -91,10 +84,10 @@ class WeightFile:
             else:
                 tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
             return
-        where = _where(tensor)
-        if value.nbytes == int(where["length"]):
+        offset, length = self._span(tensor)
+        if value.nbytes == length:
             with open(self.path, "r+b") as f:
-                f.seek(int(where["offset"]))
+                f.seek(offset)
                 f.write(value.tobytes())
         else:
             _locate(tensor, SCRATCH, self._append(value), value.nbytes)
@@ -130,15 +123,13 @@ class WeightFile:
         the graph's initializers that nodes use; returns whether weights went to external data."""
         import onnx
 
-        from llmc.compiler.graph.files import save_model
-
         graph = self.model.graph
         used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
         for tensor in [t for t in graph.initializer if t.name not in used]:
             graph.initializer.remove(tensor)
         if not self.external:
             return save_model(self.model, out_dir, external_threshold)
-        total = sum(int(_where(t)["length"]) if _external(t) else len(t.raw_data) for t in graph.initializer)
+        total = sum(self._span(t)[1] if _external(t) else len(t.raw_data) for t in graph.initializer)
         if total <= external_threshold:
             for tensor in graph.initializer:
                 self.inline(tensor)
@@ -147,9 +138,7 @@ class WeightFile:
         with open(self.path, "rb") as src, open(data, "wb") as dst:
             for tensor in graph.initializer:
                 if _external(tensor):
-                    where = _where(tensor)
-                    src.seek(int(where["offset"]))
-                    raw = src.read(int(where["length"]))
+                    raw = self._read(src, tensor)
                 elif tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
                     raw = tensor.raw_data
                     tensor.ClearField("raw_data")
@@ -161,6 +150,16 @@ class WeightFile:
         onnx.save_model(self.model, str(out_dir / ONNX_NAME))
         shutil.copymode(out_dir / ONNX_NAME, data)
         return True
+
+    def _span(self, tensor) -> tuple[int, int]:
+        """(offset, length) of an external `tensor` in the scratch file."""
+        return external_span(tensor, self.path, SCRATCH)
+
+    def _read(self, f, tensor) -> bytes:
+        """An external `tensor`'s bytes from the open scratch file `f`."""
+        offset, length = self._span(tensor)
+        f.seek(offset)
+        return f.read(length)
 
     def _append(self, value: np.ndarray) -> int:
         with open(self.path, "r+b") as f:
@@ -182,10 +181,6 @@ def _external(tensor) -> bool:
     import onnx
 
     return tensor.data_location == onnx.TensorProto.EXTERNAL
-
-
-def _where(tensor) -> dict:
-    return {e.key: e.value for e in tensor.external_data}
 
 
 def _locate(tensor, location: str, offset: int, length: int) -> None:

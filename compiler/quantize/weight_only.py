@@ -45,7 +45,7 @@ class WeightCodes:
     kernel: str
     how: str
     experts: ExpertStatistics | None = None  # a mixture's, from the calibration tokens routed to each expert
-    weights: WeightFile | None = None  # where `model`'s weights lie
+    weights: WeightFile | None = None  # where `model`'s weights lie (WeightOnly.make_quantized always says)
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,9 @@ class WeightOnly:
         return {"cpu_kernel": cpu_kernel()}
 
     def make_quantized(self, job: Job) -> WeightCodes:
-        spec, bits = job.spec, self.bits
         import onnx
 
+        spec, bits = job.spec, self.bits
         # a mixture's experts' statistics and codes read the proto itself: its weights loaded whole
         whole = bool(moe_nodes(onnx.load(str(job.source), load_external_data=False).graph))
         weights = WeightFile.open(job.source, job.work, whole=whole)
@@ -97,7 +97,7 @@ class WeightOnly:
     def convert_for_runtime(self, made: WeightCodes, job: Job) -> Quantized:
         spec = job.spec
         kept = routers(made.model.graph)  # a mixture's routers stay in full precision
-        weights = made.weights or WeightFile(made.model, None)
+        weights = made.weights
         model = weight_only(made.model, self.bits, spec.block, made.codes, exclude=kept, weights=weights)
         weights.model, weights.graph = model, model.graph
         merged = merge_sibling_matmul_nbits(model.graph, weights)
@@ -144,6 +144,7 @@ def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] 
 def _preset_quantizer(config, codes: dict[str, BlockCodes] | None, weights: WeightFile | None = None):
     """ORT's node quantizer (which rewrites MatMul -> MatMulNBits) taking its codes from `codes` (None: its own
     rounding), each weight read from `weights` for its node alone and its packed codes moved back out."""
+    import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
 
     class PresetCodes(DefaultWeightOnlyQuantizer):
@@ -165,8 +166,6 @@ def _preset_quantizer(config, codes: dict[str, BlockCodes] | None, weights: Weig
             if fp32weight.shape[0] != q.k:
                 raise QuantizationError(f"{self.weight}: codes for K={q.k}, weight has K={fp32weight.shape[0]}")
             return pack(q)
-
-    import onnx
 
     return PresetCodes(config)
 
