@@ -12,7 +12,7 @@ padding after it.
 
 LongRoPE (Phi-3) switches every position's table once a sequence outgrows `original_max_position_embeddings`,
 and generate() recomputes the cache there: a row that crosses the switch also runs cut at the switch, and the
-positions a shorter sequence produced are read from that forward (`regime`). A mixture's routing margins are
+positions a shorter sequence produced are read from that forward (`_positions`). A mixture's routing margins are
 recorded per row (graph/routing.py).
 """
 
@@ -67,38 +67,31 @@ def teacher_forced(streamed: StreamedModel, prompts: list[list[int]], tokens: li
                    tick: Callable[[], None]) -> tuple[list[Decoded], list[np.ndarray | None]]:
     """The reference's Decoded for each prompt fed `tokens` (the candidate's greedy tokens, at least
     `steps` - 1 of them), and each row's routing margins per position (None for a dense model)."""
-    rows = [list(p) + list(t[:steps - 1]) for p, t in zip(prompts, tokens)]
     switch = longrope_switch(streamed.model.config)
-    short = [r[:switch] if switch is not None else r for r in rows]
-    runs = {"all": [], "short": [], "long": []}  # the sequences each forward runs
-    for p, row, cut in zip(prompts, rows, short):
-        for regime in _regimes(len(p), len(row), switch):
-            runs[regime].append(row if regime != "short" else cut)
+    rows = [list(p) + list(t[:steps - 1]) for p, t in zip(prompts, tokens)]
+    runs: dict[str, list[list[int]]] = {"all": [], "short": [], "long": []}  # the sequences each forward runs
+    at: list[dict[str, int]] = []  # per row: regime -> its sequence's index in that forward
+    for prompt, row in zip(prompts, rows):
+        at.append({})
+        for regime in _regimes(len(prompt), len(row), switch):
+            at[-1][regime] = len(runs[regime])
+            runs[regime].append(row[:switch] if regime == "short" else row)
     done = {name: _forward(streamed, seqs, tick) for name, seqs in runs.items() if seqs}
     decoded, margins = [], []
-    for r, (prompt, row) in enumerate(zip(prompts, rows)):
-        logits, margin = _regime(done, runs, row, short[r], len(prompt), switch)
+    for prompt, where in zip(prompts, at):
+        logits, margin = _positions(done, where, switch)
         decoded.append((logits[:len(prompt)], [logits[len(prompt) - 1 + k] for k in range(steps)]))
         margins.append(margin)
     return decoded, margins
 
 
-def _regime(done, runs, row: list[int], short: list[int], prompt_len: int, switch: int | None):
-    """Row's logits per position, each from the forward whose sequence length matches the one that produced it
-    in a decode (the prompt's length for the prompt, p + 1 for a step's position p)."""
-    def find(name: str, seq: list[int]):
-        index = next(i for i, s in enumerate(runs[name]) if s is seq)
-        return done[name][0][index], done[name][1][index]
-
-    regimes = _regimes(prompt_len, len(row), switch)
-    if regimes == {"all"}:
-        return find("all", row)
-    if "long" not in regimes:
-        return find("short", short)
-    logits, margin = find("long", row)
-    if "short" not in regimes:
-        return logits, margin
-    short_logits, short_margin = find("short", short)
-    mixed = logits.copy()
-    mixed[:switch] = short_logits  # positions p < switch: a sequence of max(p + 1, prompt) <= switch tokens
-    return mixed, margin
+def _positions(done, where: dict[str, int], switch: int | None):
+    """A row's logits per position and its margins, each position from the forward whose sequence length matches
+    the one that produced it in a decode (the prompt's length for the prompt, p + 1 for a step's position p): the
+    long forward's, its first `switch` positions from the short forward where the row has both."""
+    got = {regime: (done[regime][0][i], done[regime][1][i]) for regime, i in where.items()}
+    logits, margin = got.get("long") or got.get("all") or got["short"]
+    if "long" in got and "short" in got:
+        logits = logits.copy()
+        logits[:switch] = got["short"][0]  # positions p < switch: a sequence of max(p + 1, prompt) <= switch tokens
+    return logits, margin
