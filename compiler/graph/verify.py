@@ -29,9 +29,9 @@ import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel, VerifyCase, VerifyReport
 from llmc.compiler.graph import routing
+from llmc.compiler.graph import streamed_reference as reference
 from llmc.compiler.graph.greedy import Decoded, paged_blocks, paged_greedy, runner_greedy, torch_greedy
 from llmc.compiler.spec import BuildSpec, VerifySpec
-from llmc.compiler.graph import streamed_reference as reference
 from llmc.compiler.stream.model import StreamedModel
 from llmc.compiler.stage import Context, Located, Stage
 from llmc.errors import UnsupportedError, VerifyError
@@ -183,16 +183,14 @@ def _streamed_cases(streamed: StreamedModel, cases_in, drive, steps: int, tolera
     """Each case's candidate first; then the reference, layer by layer, teacher-forced on every row's tokens in
     one pass over the layers (graph/streamed_reference.py)."""
     cands = [drive(batch, tick) for _, batch in cases_in]
-    rows = {}  # each distinct (prompt, candidate tokens) once
-    for (_, batch), decoded in zip(cases_in, cands):
-        for prompt, (_, last) in zip(batch, decoded):
-            tokens = tuple(int(l.argmax()) for l in last)
-            rows.setdefault((tuple(prompt), tokens), len(rows))
+    keys = [[(tuple(prompt), tuple(int(l.argmax()) for l in last)) for prompt, (_, last) in zip(batch, decoded)]
+            for (_, batch), decoded in zip(cases_in, cands)]  # each row: (prompt, candidate tokens)
+    rows = {key: i for i, key in enumerate(dict.fromkeys(k for case in keys for k in case))}  # each distinct once
     refs, margins = reference.teacher_forced(streamed, [list(p) for p, _ in rows], [list(t) for _, t in rows],
                                              steps, tick)
     cases = []
-    for (name, batch), decoded in zip(cases_in, cands):
-        at = [rows[(tuple(p), tuple(int(l.argmax()) for l in last))] for p, (_, last) in zip(batch, decoded)]
+    for (name, batch), decoded, case in zip(cases_in, cands, keys):
+        at = [rows[key] for key in case]
         ties = None if margins[0] is None else [routing.first_tie(margins[i], ROUTING_TIE * tolerance) for i in at]
         cases.append(compare(name, [refs[i] for i in at], decoded, batch, steps, tolerance, ties))
     return cases
