@@ -133,16 +133,16 @@ def stage_peaks(dims: Dims, stages: list[str], untied: int, load: str) -> dict[s
     return peaks
 
 
-def choose_load(spec: BuildSpec, dims: Dims, stages: list[str], untied: int, available: int | None,
+def choose_load(spec: BuildSpec, whole: dict[str, int], available: int | None,
                 refusal: str | None) -> tuple[str, str]:
-    """("whole" or "layers", why): source.load, or for `auto` the whole model where its stages fit."""
+    """("whole" or "layers", why): source.load, or for `auto` the whole model where its stages (`whole`: their
+    peaks reading it whole) fit."""
     from llmc.compiler.spec import SourceLoad
 
     if spec.source.load is not SourceLoad.auto:
         return spec.source.load.value, ""
     if refusal is not None:
         return "whole", f"auto: cannot stream, {refusal}"
-    whole = stage_peaks(dims, stages, untied, "whole")
     model_stages = {s: p for s, p in whole.items() if s in STREAM_PEAK}
     if not model_stages or available is None or max(model_stages.values()) <= available:
         return "whole", "auto: the model fits in memory"
@@ -181,19 +181,18 @@ def build_plan(spec: BuildSpec, dims: Dims, info=None) -> BuildPlan:
     activations = tokens * (dims.vocab_size * 4 + 4 * max(dims.intermediate_size, 3 * dims.hidden_size) * dtype_bytes)
     stages = [s.name for s in STAGES if s.applies(spec) and s.skip(spec, {}) is None]  # what a build would run
     available = memory.available_bytes()
-    refusal = None
+    refusal = checkpoint_bytes = None
     if info is not None:
         from llmc.compiler.stream.model import refusal as stream_refusal
 
         refusal = stream_refusal(info)
-    load, load_reason = choose_load(spec, dims, stages, untied, available, refusal)
-    peaks = stage_peaks(dims, stages, untied, load)
-    checkpoint_bytes = None
-    if info is not None:
         try:
             checkpoint_bytes = sum(f.stat().st_size for f in info.hashed_files) or None
         except OSError:
             pass
+    whole, streamed = (stage_peaks(dims, stages, untied, load) for load in ("whole", "layers"))
+    load, load_reason = choose_load(spec, whole, available, refusal)
+    peaks = streamed if load == "layers" else whole
     seconds = timing.stage_seconds(spec, dims, stages, load, checkpoint_bytes)
     draft = spec.speculative.draft if spec.speculative is not None else None
     if draft is not None:  # its pools: the target's blocks again, at the draft's layers and heads
@@ -226,8 +225,7 @@ def build_plan(spec: BuildSpec, dims: Dims, info=None) -> BuildPlan:
                      profiles=profiles(spec.limits, dims.num_kv_heads, dims.head_dim) if tensorrt else [],
                      weights_bytes=weights, kv_cache_bytes=kv_bytes, activation_bytes=activations,
                      load=load, load_reason=load_reason,
-                     layers_peak_bytes=0 if refusal else max(stage_peaks(dims, stages, untied, "layers").values(),
-                                                             default=0),
+                     layers_peak_bytes=0 if refusal else max(streamed.values(), default=0),
                      build_peak_bytes=max(peaks.values(), default=0), stage_peak_bytes=peaks,
                      available_bytes=available, stage_seconds=seconds, build_threads=timing.threads(spec),
                      total_params=dims.total_params, active_params=dims.active_params,
