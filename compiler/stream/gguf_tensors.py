@@ -18,7 +18,6 @@ transformers loads through its newer packed-weights path (`integrations/gguf`) r
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -88,9 +87,6 @@ class GGUFTensors:
         if not isinstance(value, torch.Tensor):
             value = torch.from_numpy(np.copy(value))  # as load_gguf_checkpoint: a copy, off the read-only map
         return value.to(torch.float32)
-
-    def nbytes(self, key: str) -> int:
-        return math.prod(self._where[key][1]) * 4  # float32
 
     def _run(self, tensor, weights) -> dict:
         """What `load_gguf_checkpoint`'s loop keeps of one GGUF tensor, {HF name: weights}: the processor's result

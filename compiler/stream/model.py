@@ -18,9 +18,6 @@ from typing import Iterator
 from llmc.compiler.stream.tensors import CheckpointTensors, checkpoint_tensors, layer_of
 from llmc.errors import SourceError, UnsupportedError
 
-FLOAT32 = 4
-
-
 def refusal(info) -> str | None:
     """Why `info` (source.SourceInfo) cannot be read a layer at a time; None when it can."""
     from llmc.compiler.models.config import TEXT_PARTS
@@ -78,14 +75,6 @@ class StreamedModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def resident_bytes(self) -> int:
-        """What stays loaded throughout: the embeddings, final norm and LM head, in float32."""
-        return sum(t.numel() * t.element_size() for t in _tensors(self.model) if t.device.type != "meta")
-
-    def layer_bytes(self, i: int = 0) -> int:
-        """Layer `i`'s weights in float32."""
-        return sum(t.numel() for t in self._meta[i].values()) * FLOAT32
-
     def load_layer(self, i: int) -> None:
         if i in self.loaded:
             return
@@ -112,17 +101,6 @@ class StreamedModel:
             else:
                 module._buffers[attr] = meta
         self.loaded.discard(i)
-
-    @contextlib.contextmanager
-    def layer(self, i: int) -> Iterator[None]:
-        """Layer `i` loaded inside the block (and released after, unless it was loaded before)."""
-        held = i in self.loaded
-        self.load_layer(i)
-        try:
-            yield
-        finally:
-            if not held:
-                self.release_layer(i)
 
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
@@ -178,10 +156,6 @@ def _layer_list(model, num_layers: int):
 
 def _named_tensors(module):
     return [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if b is not None)]
-
-
-def _tensors(module):
-    return [t for _, t in _named_tensors(module)]
 
 
 def _meta_state(layer) -> dict:

@@ -26,9 +26,6 @@ class CheckpointTensors(Protocol):
     def load(self, key: str):
         """The tensor `key` (a torch.Tensor), in its stored dtype (GGUF: dequantized to float32)."""
 
-    def nbytes(self, key: str) -> int:
-        """What `load(key)` returns, in bytes."""
-
 
 def layer_of(key: str) -> int | None:
     """The decoder layer a checkpoint tensor belongs to; None for what every layer shares (embeddings,
@@ -72,22 +69,6 @@ class SafetensorsTensors:
             raise
         except Exception as err:
             raise SourceError(f"{self._files[index]}: could not read tensor {key} ({err})") from None
-
-    def nbytes(self, key: str) -> int:
-        import math
-
-        import torch
-
-        with self._open(self._where[key]) as handle:
-            view = handle.get_slice(key)
-            dtype, shape = getattr(torch, _TORCH_DTYPES.get(view.get_dtype(), "float32")), view.get_shape()
-        return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-
-
-# safetensors' dtype names -> torch's
-_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 def checkpoint_tensors(info) -> CheckpointTensors:

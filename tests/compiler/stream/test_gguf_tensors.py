@@ -102,7 +102,6 @@ def test_every_tensor_loads_as_the_whole_file_load_gives_it(gguf_files, arch):
         value = tensors.load(key)
         assert value.dtype == torch.float32 and value.shape == whole[key].shape, key
         assert torch.equal(value, whole[key]), key
-        assert tensors.nbytes(key) == whole[key].numel() * 4
     # the processing matters: as many tensors differ from every stored one as the processor changes
     raw = list(_raw(path).values())
     changed = sum(not any(v.shape == tensors.load(key).shape and np.array_equal(v, tensors.load(key).numpy())
@@ -160,7 +159,6 @@ def test_quantized_tensors_dequantize_as_transformers_does(tmp_path, monkeypatch
     for key in tensors.keys():
         value = tensors.load(key)
         assert value.dtype == torch.float32 and torch.equal(value, whole[key]), key
-        assert tensors.nbytes(key) == value.numel() * 4
     embed = tensors.load("model.embed_tokens.weight")  # quantized: near the fp32 weights, not equal
     reference = model.state_dict()["model.embed_tokens.weight"]
     assert not torch.equal(embed, reference)
