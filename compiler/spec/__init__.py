@@ -3,8 +3,8 @@
 The smallest valid spec is `name` and `source`; everything else has a default. Relative paths in
 the file are resolved against the file's own folder; the default output is `build/<name>` under
 the current directory (the CLI's `--output` overrides both). The sections (limits, quantization,
-...) and their enums are in sections.py (speculative's in speculative_sections.py); they are imported
-from here too.
+...) and their enums are in sections.py (speculative's in speculative_sections.py, the LoRA adapters' limits
+in adapters.py); they are imported from here too.
 """
 
 from __future__ import annotations
@@ -16,22 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError, field_validator, model_validator
+from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
 
 from llmc.compiler.spec.sections import (
     DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, PAGED_MAX_NUM_TOKENS, SLOT_MAX_NUM_TOKENS, Arch,
     AttentionLowering, CalibrationMethod, CalibrationSpec, ExecutionEnvSpec, ExportSpec, HardwareCompatibility,
     KVCacheDtype, LimitsSpec, ParallelSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceLoad,
     SourceSpec, StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
+from llmc.compiler.spec.adapters import LoraSpec, check_adapters
 from llmc.compiler.spec.speculative import DraftSpec, SpeculativeMethod, SpeculativeSpec
 from llmc.errors import SpecError
 
 # the spec's vocabulary, importable from here as from sections.py
 __all__ = ["BuildSpec", "load_spec", "parse_spec", "DEFAULT_BLOCK", "DEFAULT_MAX_SEQ_LEN", "DEFAULT_MAX_TOKENS",
            "Arch", "AttentionLowering", "CalibrationMethod", "CalibrationSpec", "DraftSpec", "ExecutionEnvSpec",
-           "ExportSpec", "HardwareCompatibility", "LimitsSpec", "ParallelSpec", "Precision", "QuantizationSpec",
-           "QuantMode", "ServingSpec", "SourceSpec", "SpeculativeMethod", "SpeculativeSpec", "Target", "TensorRTSpec",
-           "VerifySpec", "WeightOnlyAlgorithm"]
+           "ExportSpec", "HardwareCompatibility", "LimitsSpec", "LoraSpec", "ParallelSpec", "Precision",
+           "QuantizationSpec", "QuantMode", "ServingSpec", "SourceSpec", "SpeculativeMethod", "SpeculativeSpec",
+           "Target", "TensorRTSpec", "VerifySpec", "WeightOnlyAlgorithm"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -50,6 +51,8 @@ class BuildSpec(StrictModel):
     verify: VerifySpec = VerifySpec()
     tensorrt: TensorRTSpec = TensorRTSpec()
     execution_env: ExecutionEnvSpec | None = None
+    adapters: dict[str, Path] = {}  # name -> PEFT adapter folder (spec/adapters.py, docs/lora.md)
+    lora: LoraSpec = LoraSpec()  # the limits the adapters are served under
     output: Path | None = None
 
     @field_validator("name")
@@ -119,6 +122,12 @@ class BuildSpec(StrictModel):
                              f"run on llmc's CPU kernels), export.attention: paged or auto; export.attention: "
                              f"{attention.value} with target: {self.target.value} gives {self.attention_lowering}")
         return self
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, value: dict[str, Path], info: ValidationInfo) -> dict[str, Path]:
+        check_adapters(value, info.data.get("name"))
+        return value
 
     @model_validator(mode="after")
     def _beams_need_paged(self) -> "BuildSpec":
@@ -214,6 +223,9 @@ def _resolve_paths(spec: BuildSpec, base_dir: Path) -> BuildSpec:
         template = (base_dir / spec.serving.chat_template.expanduser()).resolve()
         update["serving"] = spec.serving.model_copy(update={"chat_template": template})
     update["quantization"] = _resolve_calibration(spec.quantization, base_dir)
+    if spec.adapters:
+        update["adapters"] = {name: (base_dir / folder.expanduser()).resolve()
+                              for name, folder in spec.adapters.items()}
     draft = spec.speculative.draft if spec.speculative is not None else None
     if draft is not None:
         source = draft.source.model_copy(update={"path": (base_dir / draft.source.path.expanduser()).resolve()}) \

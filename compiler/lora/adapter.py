@@ -1,0 +1,220 @@
+"""A PEFT LoRA adapter read from its folder and checked: what llmc serves of it, with PEFT's exact semantics.
+
+A folder holds `adapter_config.json` (PEFT's LoraConfig) and `adapter_model.safetensors` (the tensors, keys
+`base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]). PEFT computes, for each
+target module, y = base(x) + scaling * B(A(x)), scaling = alpha / r, or alpha / sqrt(r) with `use_rslora`,
+where r and alpha are the module's own: `rank_pattern` and `alpha_pattern` keys match a module name as PEFT's
+`get_pattern_key` matches them (a key is a regex that must match the whole name or a suffix after a '.'),
+reused here, not re-implemented. The config is read with PEFT's own `PeftConfig.from_pretrained` and the
+tensors with its `load_peft_weights`, once the files are known to be there (both would otherwise ask the Hub).
+
+What llmc does not serve is refused at load, naming the field: DoRA, `modules_to_save`, trained biases, and
+the other PEFT variants whose forward is not the plain one above (REFUSED). The checks against the base model
+(shapes, the modules it has, a tied LM head) are `check_against`; the rank limit is the caller's.
+
+An adapter's identity is its name and `digest`: a sha256 over its config and its tensors (names, dtypes,
+shapes, bytes), so an adapter reloaded under the same name with other weights is another adapter.
+Written here: PEFT has no validation pass short of building the whole PeftModel on the base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from llmc.errors import SourceError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
+
+# LoraConfig fields whose non-default value changes the forward (or trains what is not a LoRA pair): refused
+REFUSED = {
+    "use_dora": "DoRA (weight-decomposed LoRA) rescales the base weight per column; llmc serves plain LoRA",
+    "modules_to_save": "modules_to_save replaces whole base modules per adapter; llmc shares the base's weights",
+    "lora_bias": "lora_bias adds a trained bias to lora_B",
+    "trainable_token_indices": "trainable_token_indices retrains embedding rows",
+    "target_parameters": "target_parameters puts LoRA on raw parameters (mixture-of-experts weights), "
+                         "not on linear modules",
+    "layer_replication": "layer_replication duplicates base layers",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) switches on mid-sequence",
+    "use_qalora": "QA-LoRA pools the input by groups",
+    "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "Arrow routes between several LoRAs per token",
+    "megatron_config": "Megatron-parallel LoRA layers",
+    "kasa_config": "KaSA truncates the base weight's singular values and scales between A and B",
+    "monteclora_config": "MonteCLoRA samples the LoRA weights",
+}
+_BASE_LAYER = re.compile(r"^base_model\.model\.(?P<module>.+)\.base_layer\.weight$")
+
+
+class AdapterError(SourceError):
+    """A LoRA adapter that cannot be served on this base: the message names the adapter and the field."""
+
+
+@dataclass(frozen=True)
+class ModuleLora:
+    """One target module's pair as PEFT stores it: a [r, in], b [out, r]; its delta is scaling * x a^T b^T."""
+
+    module: str  # the base model's module name, as PEFT keys it (model.layers.0.self_attn.q_proj)
+    a: np.ndarray
+    b: np.ndarray
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    folder: Path
+    digest: str  # sha256 over the config and the tensors: with the name, the adapter's identity
+    modules: dict[str, ModuleLora]
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        return self.name, self.digest
+
+    @property
+    def max_rank(self) -> int:
+        return max(m.rank for m in self.modules.values())
+
+
+def read_adapter(name: str, folder: Path, *, max_rank: int) -> Adapter:
+    """The adapter in `folder`, its config and tensors checked (not yet against a base: check_against)."""
+    import torch
+    from peft import PeftConfig
+    from peft.utils.other import get_pattern_key
+    from peft.utils.save_and_load import load_peft_weights
+
+    folder = Path(folder)
+    for file in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / file).is_file():
+            extra = " (a pickled adapter_model.bin is not read: save it with safe_serialization)" \
+                if file == WEIGHTS_FILE and (folder / "adapter_model.bin").is_file() else ""
+            raise AdapterError(f"adapter {name!r}: {folder / file} is missing; a PEFT adapter folder holds "
+                               f"{CONFIG_FILE} and {WEIGHTS_FILE}{extra}")
+    try:
+        config = PeftConfig.from_pretrained(str(folder))
+    except Exception as err:  # PEFT raises ValueError/TypeError on a config it cannot build
+        raise AdapterError(f"adapter {name!r}: {folder / CONFIG_FILE} is not a PEFT config PEFT reads: {err}") from err
+    kind = getattr(config.peft_type, "value", config.peft_type)
+    if kind != "LORA":
+        raise AdapterError(f"adapter {name!r}: peft_type is {kind}; llmc serves LORA adapters")
+    _refuse_variants(name, config)
+    tensors = load_peft_weights(str(folder), device="cpu")
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        base_layer = _BASE_LAYER.match(key)
+        if base_layer is not None:  # PEFT's save_embedding_layers: a targeted (or resized) embedding or LM head
+            raise AdapterError(f"adapter {name!r}: tensor {key} is a copy of the base's {base_layer['module']} "
+                               f"weight (PEFT saves one when the embeddings or the LM head are targeted or resized); "
+                               f"llmc serves adapters that share the base's weights, and none on the LM head")
+        if match is None:
+            raise AdapterError(f"adapter {name!r}: tensor {key} is not a LoRA A/B weight (embedding LoRA, DoRA "
+                               f"magnitudes and trained biases are not served)")
+        pairs.setdefault(match["module"], {})[match["which"]] = tensor
+    if not pairs:
+        raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} holds no lora_A/lora_B weights")
+
+    modules = {}
+    for module, pair in sorted(pairs.items()):
+        for which in "AB":
+            if which not in pair:
+                raise AdapterError(f"adapter {name!r}: tensor base_model.model.{module}.lora_{which}.weight is "
+                                   f"missing (its lora_{'BA'[which == 'B']} is there)")
+        a, b = pair["A"], pair["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"adapter {name!r}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                               f"are not a [r, in], [out, r] pair")
+        # PEFT's own rule for this module's rank and alpha (peft/tuners/lora/model.py: _create_and_replace)
+        r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
+        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+        field = "rank_pattern" if r != config.r else "r"
+        if a.shape[0] != r:
+            raise AdapterError(f"adapter {name!r}: {module} has rank {a.shape[0]} in its tensors but {field} "
+                               f"gives it {r}")
+        if r > max_rank:
+            raise AdapterError(f"adapter {name!r}: {module} has rank {r} ({field}), above lora.max_rank "
+                               f"({max_rank}); raise lora.max_rank or use a smaller adapter")
+        scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
+        modules[module] = ModuleLora(module, a.float().numpy(), b.float().numpy(), float(scaling))
+    return Adapter(name, folder, _digest(folder, tensors), modules)
+
+
+def _refuse_variants(name: str, config) -> None:
+    for field, why in REFUSED.items():
+        if getattr(config, field, None):
+            raise AdapterError(f"adapter {name!r}: {field} is set ({getattr(config, field)!r}): {why}")
+    if config.bias != "none":
+        raise AdapterError(f"adapter {name!r}: bias is {config.bias!r}: trained biases change the base model's "
+                           f"biases; llmc serves adapters with bias 'none'")
+
+
+def _digest(folder: Path, tensors) -> str:
+    """sha256 over the config (as JSON, keys sorted) and every tensor's name, dtype, shape and bytes."""
+    import torch
+
+    h = hashlib.sha256()
+    config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    h.update(json.dumps(config, sort_keys=True).encode())
+    for key in sorted(tensors):
+        t = tensors[key].contiguous()
+        h.update(f"\n{key} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class BaseLinears:
+    """The base model's linear modules an adapter may name: module name -> (in, out), and the LM head's name
+    when it is tied to the input embeddings (None otherwise)."""
+
+    shapes: dict[str, tuple[int, int]]
+    tied_head: str | None
+
+    @classmethod
+    def of(cls, hf_model) -> "BaseLinears":
+        from torch import nn
+        from transformers.pytorch_utils import Conv1D
+
+        shapes = {}
+        for module_name, module in hf_model.named_modules():
+            if isinstance(module, nn.Linear):
+                shapes[module_name] = (module.in_features, module.out_features)
+            elif isinstance(module, Conv1D):  # GPT-2's: weight [in, out], the transpose of nn.Linear's
+                shapes[module_name] = tuple(module.weight.shape)
+        head = hf_model.get_output_embeddings()
+        tied = head is not None and head.weight is hf_model.get_input_embeddings().weight
+        head_name = next((n for n, m in hf_model.named_modules() if m is head), None) if tied else None
+        return cls(shapes, head_name)
+
+
+def check_against(adapter: Adapter, base: BaseLinears, served: set[str]) -> None:
+    """Refuse an adapter made for another base (a module it lacks, a shape that differs), one on a tied LM
+    head, and one on a module the graph has no LoRA site for (`served`: the modules the sites cover)."""
+    for module, lora in adapter.modules.items():
+        if base.tied_head is not None and module == base.tied_head:
+            raise AdapterError(f"adapter {adapter.name!r}: target_modules includes {module}, the LM head, which this "
+                               f"model ties to its input embeddings; an adapter on a tied lm_head is not served")
+        if module not in base.shapes:
+            raise AdapterError(f"adapter {adapter.name!r}: target module {module} is no linear layer of this base "
+                               f"model: the adapter was made for another base")
+        want_in, want_out = base.shapes[module]
+        got_in, got_out = lora.a.shape[1], lora.b.shape[0]
+        if (got_in, got_out) != (want_in, want_out):
+            raise AdapterError(f"adapter {adapter.name!r}: {module} maps {got_in} -> {got_out} features, the base's "
+                               f"{module} {want_in} -> {want_out}: the adapter was made for another base")
+        if module not in served:
+            raise AdapterError(f"adapter {adapter.name!r}: target module {module} has no LoRA site in the graph "
+                               f"(llmc serves adapters on the attention and MLP projections of dense layers)")

@@ -1,0 +1,55 @@
+"""The spec's `adapters:` mapping and `lora:` limits (compiler/spec/adapters.py): defaults, folders resolved
+against the spec file like its other paths, and errors naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from checkpoints import write_spec
+
+
+def test_defaults_and_paths_relative_to_the_spec(tmp_path):
+    from llmc.compiler.spec import load_spec, parse_spec
+
+    plain = parse_spec({"name": "m", "source": "ckpt"})
+    assert plain.adapters == {} and (plain.lora.max_slots, plain.lora.max_rank, plain.lora.max_host_adapters) == \
+        (4, 64, 32)
+    spec = load_spec(write_spec(tmp_path / "specs", {"name": "m", "source": "../ckpt",
+                                                      "adapters": {"fr": "../adapters/fr", "sql.v2": "/abs/sql"},
+                                                      "lora": {"max_rank": 16, "max_slots": 2}}))
+    assert spec.adapters == {"fr": (tmp_path / "adapters" / "fr").resolve(), "sql.v2": Path("/abs/sql")}
+    assert (spec.lora.max_slots, spec.lora.max_rank, spec.lora.max_host_adapters) == (2, 16, 32)
+    assert spec.section_hash("adapters", "lora") != plain.section_hash("adapters", "lora")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"adapters": {"m": "x"}}, "adapters: 'm': an adapter cannot take the model's own name"),
+    ({"adapters": {"-fr": "x"}}, "adapters: '-fr': an adapter name is 1-64 letters"),
+    ({"adapters": ["fr"]}, "adapters: Input should be a valid dictionary"),
+    ({"lora": {"max_rank": 0}}, "lora.max_rank: Input should be greater than or equal to 1"),
+    ({"lora": {"max_slots": 65}}, "lora.max_slots: Input should be less than or equal to 64"),
+    ({"lora": {"max_slots": 8, "max_host_adapters": 4}}, "lora: max_host_adapters (4) must be >= max_slots (8)"),
+    ({"lora": {"slots": 2}}, "lora.slots: unknown field"),
+])
+def test_errors_name_the_field(fields, message):
+    from llmc.compiler.spec import parse_spec
+    from llmc.errors import SpecError
+
+    with pytest.raises(SpecError) as err:
+        parse_spec({"name": "m", "source": "ckpt", **fields})
+    assert message in str(err.value)
+
+
+def test_a_build_with_adapters_is_refused_until_they_are_served(tmp_path, tiny_checkpoints):
+    from llmc.compiler.pipeline.run import build
+    from llmc.compiler.spec import parse_spec
+    from llmc.errors import UnsupportedError
+
+    adapter = tmp_path / "fr"
+    adapter.mkdir()
+    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), "adapters": {"fr": str(adapter)}})
+    with pytest.raises(UnsupportedError, match="adapters: fr: .*not yet built into the served model"):
+        build(spec, output=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
