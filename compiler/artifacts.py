@@ -131,9 +131,17 @@ class QualityReport(BaseModel):
     agreement_tokens: int
     size_reference_mib: float
     size_quantized_mib: float
-    decode_tok_s_reference: float
+    # None: the reference ran a segment of weights at a time (a streamed build's quality report), not as served
+    decode_tok_s_reference: float | None
     decode_tok_s_quantized: float
     runtime: str
+
+    def decode_speedup(self) -> str:
+        """Batch-1 decode in words: the quantized graph's speed over the reference's, or its own where the
+        reference was not run as served."""
+        if self.decode_tok_s_reference is None:
+            return f"{self.decode_tok_s_quantized:.1f} tok/s (reference not run as served)"
+        return f"{self.decode_tok_s_quantized / self.decode_tok_s_reference:.2f}x"
 
 
 class QuantizedModel(Artifact):

@@ -150,7 +150,7 @@ def summary(art: DraftArtifact) -> str:
         r = art.quality
         parts.append(f"perplexity {r.perplexity_reference:.2f} -> {r.perplexity_quantized:.2f} "
                      f"({r.perplexity_increase:+.1%}), greedy agreement {r.token_agreement:.0%}, decode "
-                     f"{r.decode_tok_s_quantized / r.decode_tok_s_reference:.2f}x its unquantized form")
+                     f"{r.decode_speedup()}" + (" its unquantized form" if r.decode_tok_s_reference else ""))
     return "; ".join(parts)
 
 

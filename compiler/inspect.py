@@ -69,7 +69,8 @@ def quantized_sections(art: QuantizedModel, folder: Path) -> list[Section]:
         ("size", f"{r.size_reference_mib:.1f} -> {r.size_quantized_mib:.1f} MiB "
                  f"({r.size_quantized_mib / r.size_reference_mib:.0%})"),
         ("decode, batch 1", f"{r.decode_tok_s_reference:.1f} -> {r.decode_tok_s_quantized:.1f} tok/s "
-                            f"({r.decode_tok_s_quantized / r.decode_tok_s_reference:.2f}x, {r.runtime})"),
+                            f"({r.decode_speedup()}, {r.runtime})" if r.decode_tok_s_reference else
+                            f"{r.decode_speedup()}, {r.runtime}"),
         ("inputs hash", art.inputs_hash),
     ])]
 

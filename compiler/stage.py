@@ -69,6 +69,9 @@ class Context:
     progress: Progress = lambda done, total: None
     num_threads: int = 0
     external_threshold: int = 0  # graphs above this many bytes keep their weights as external data
+    # the build reads the checkpoint a layer at a time (source.load): its passes over the unquantized graph run
+    # a segment of weights at a time too (compiler/graph/segments.py)
+    streamed: bool = False
 
 
 def _nothing(*args: Any) -> None:

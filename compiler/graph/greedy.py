@@ -110,37 +110,66 @@ def paged_greedy(runner: PagedRunner, prompts: list[list[int]], steps: int, tick
                  chunk: int | None = None, blocks: list[list[int]] | None = None) -> list[Decoded]:
     """Row r joins at step r and feeds its prompt `chunk` tokens a step (whole when None), asking for
     every prompt token's logits, then decodes greedily beside the others until it has `steps` tokens'
-    logits: steps mix decoding rows with prompt chunks, all in one call of the graph each. Each row
-    carries its sequence's length, and a LongRoPE row that grows past the switch feeds its whole
-    sequence again, as the paged engine does (runtime/engine/longrope.py)."""
-    blocks = blocks or paged_blocks(prompts, steps, runner.block_size)
-    switch = runner.layout.longrope_switch
-    prefills: list[list[np.ndarray]] = [[] for _ in prompts]
-    lasts: list[list[np.ndarray]] = [[] for _ in prompts]
-    seqs = [list(p) for p in prompts]  # each row's tokens so far
-    long = [longrope.is_long(switch, len(p)) for p in prompts]  # its KV's RoPE table
-    fed, step = [0] * len(prompts), 0
-    while any(len(last) < steps for last in lasts):
-        rows, live = [], [r for r in range(min(step + 1, len(prompts))) if len(lasts[r]) < steps]
-        for r in live:
-            if fed[r] < len(prompts[r]):
-                tokens = prompts[r][fed[r]:fed[r] + (chunk or len(prompts[r]))]
-                rows.append(RowStep(tokens, fed[r], blocks[r], num_logits=len(tokens), seq_len=len(seqs[r])))
-            elif longrope.must_recompute(switch, long[r], len(seqs[r])):
-                long[r] = True
-                rows.append(RowStep(seqs[r], 0, blocks[r], seq_len=len(seqs[r])))
+    logits: steps mix decoding rows with prompt chunks, all in one call of the graph each (PagedSchedule)."""
+    schedule = PagedSchedule(prompts, steps, runner.block_size, runner.layout.longrope_switch, chunk, blocks)
+    while not schedule.finished():
+        schedule.take(runner.step(schedule.next_rows()), lambda r, k, out: int(out.argmax()), tick)
+    return schedule.decoded()
+
+
+class PagedSchedule:
+    """The steps paged_greedy runs: row r joins at step r and feeds its prompt `chunk` tokens a step (whole when
+    None), then one token a step, until it has `steps` tokens' logits. Each row carries its sequence's length,
+    and a LongRoPE row that grows past the switch feeds its whole sequence again, as the paged engine does
+    (runtime/engine/longrope.py). Which token a row feeds next is the caller's (`take`'s `choose`): its greedy
+    choice, or a continuation fixed in advance (graph/segmented_candidate.py), whose steps are known before any
+    runs."""
+
+    def __init__(self, prompts: list[list[int]], steps: int, block_size: int, switch: int | None,
+                 chunk: int | None = None, blocks: list[list[int]] | None = None):
+        self.prompts, self.steps, self.switch, self.chunk = prompts, steps, switch, chunk
+        self.blocks = blocks or paged_blocks(prompts, steps, block_size)
+        self.prefills: list[list[np.ndarray]] = [[] for _ in prompts]
+        self.lasts: list[list[np.ndarray]] = [[] for _ in prompts]
+        self.seqs = [list(p) for p in prompts]  # each row's tokens so far
+        self.long = [longrope.is_long(switch, len(p)) for p in prompts]  # its KV's RoPE table
+        self.fed, self.step, self._live = [0] * len(prompts), 0, []
+
+    def finished(self) -> bool:
+        return all(len(last) >= self.steps for last in self.lasts)
+
+    def next_rows(self) -> list[RowStep]:
+        rows, prompts = [], self.prompts
+        self._live = [r for r in range(min(self.step + 1, len(prompts))) if len(self.lasts[r]) < self.steps]
+        for r in self._live:
+            if self.fed[r] < len(prompts[r]):
+                tokens = prompts[r][self.fed[r]:self.fed[r] + (self.chunk or len(prompts[r]))]
+                rows.append(RowStep(tokens, self.fed[r], self.blocks[r], num_logits=len(tokens),
+                                    seq_len=len(self.seqs[r])))
+            elif longrope.must_recompute(self.switch, self.long[r], len(self.seqs[r])):
+                self.long[r] = True
+                # a copy: the row's list grows on, and a planned step (forced tokens) runs after the plan is made
+                rows.append(RowStep(list(self.seqs[r]), 0, self.blocks[r], seq_len=len(self.seqs[r])))
             else:
-                rows.append(RowStep(seqs[r][-1:], fed[r], blocks[r], seq_len=len(seqs[r])))
-        logits = runner.step(rows)
+                rows.append(RowStep(self.seqs[r][-1:], self.fed[r], self.blocks[r], seq_len=len(self.seqs[r])))
+        self._rows = rows
+        return rows
+
+    def take(self, logits: np.ndarray, choose: Callable[[int, int, np.ndarray], int],
+             tick: Callable[[], None] | None = None) -> None:
+        """The logits of the step `next_rows` gave; `choose(row, k, logits)` is row's token after its k-th step."""
         at = 0
-        for r, row in zip(live, rows):
+        for r, row in zip(self._live, self._rows):
             out, at = logits[at:at + row.num_logits], at + row.num_logits
-            if fed[r] < len(prompts[r]):  # a prompt chunk
-                prefills[r].extend(out)
-            fed[r] = row.past_len + len(row.token_ids)
-            if fed[r] >= len(prompts[r]):
-                lasts[r].append(out[-1])
-                seqs[r].append(int(out[-1].argmax()))
-                tick()
-        step += 1
-    return [(np.stack(p), last) for p, last in zip(prefills, lasts)]
+            if self.fed[r] < len(self.prompts[r]):  # a prompt chunk
+                self.prefills[r].extend(out)
+            self.fed[r] = row.past_len + len(row.token_ids)
+            if self.fed[r] >= len(self.prompts[r]):
+                self.lasts[r].append(out[-1])
+                self.seqs[r].append(choose(r, len(self.lasts[r]) - 1, out[-1]))
+                if tick:
+                    tick()
+        self.step += 1
+
+    def decoded(self) -> list[Decoded]:
+        return [(np.stack(p), last) for p, last in zip(self.prefills, self.lasts)]

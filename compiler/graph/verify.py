@@ -31,6 +31,7 @@ from llmc.compiler.artifacts import ExportedModel, VerifyCase, VerifyReport
 from llmc.compiler.graph import routing
 from llmc.compiler.graph import streamed_reference as reference
 from llmc.compiler.graph.greedy import Decoded, paged_blocks, paged_greedy, runner_greedy, torch_greedy
+from llmc.compiler.graph.segmented_candidate import continuations, forced_cases
 from llmc.compiler.spec import BuildSpec, VerifySpec
 from llmc.compiler.stream.model import StreamedModel
 from llmc.compiler.stage import Context, Located, Stage
@@ -114,9 +115,11 @@ def _driver(graphs: list[Path], layout, prompts: list[list[int]], steps: int, nu
 
 def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir: Path, *, inputs_hash: str,
            steps: int = 32, tolerance: float | None = None, num_threads: int = 0,
-           progress: Progress | None = None) -> VerifyReport:
+           progress: Progress | None = None, segmented: bool = False) -> VerifyReport:
     """Run both models on the verify prompts and write `out_dir/verify.json`. The report is falsy
-    when a case failed; raising is the caller's decision."""
+    when a case failed; raising is the caller's decision. `segmented`, with a streamed `model` and a paged graph
+    on one rank: the candidate runs a segment of weights at a time, both fed a fixed continuation
+    (segmented_candidate.py), so no session holds the whole graph."""
     if not exported.lowering.runs_on_onnxruntime:
         raise UnsupportedError(f"the {exported.lowering.value} attention lowering runs only in TensorRT; "
                                "verify a build with target: onnxruntime")
@@ -124,6 +127,37 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
     layout = exported.kv_layout
     tolerance = tolerance if tolerance is not None else DEFAULT_TOLERANCE[layout.dtype]
     cases_in = [("batch-1", prompts[:1]), (f"batch-{len(prompts)}", prompts)]
+    segmented = segmented and layout.paged and exported.tensor_parallel == 1 and isinstance(model, StreamedModel)
+    if segmented:
+        cases = _segmented_cases(exported.graphs(export_dir)[0], layout, model, prompts, cases_in, steps, tolerance,
+                                 exported.model.vocab_size, num_threads, progress)
+    else:
+        cases = _decoded_cases(exported, export_dir, layout, model, prompts, cases_in, steps, tolerance, num_threads,
+                               progress)
+    streamed = ", streamed layer by layer, teacher-forced on " + (
+        "the candidate's continuation)" if segmented else "the candidate's tokens)")
+    report = VerifyReport(
+        inputs_hash=inputs_hash,
+        reference=f"pytorch ({exported.model.model_type}, fp32, HF attention"
+                  + (streamed if isinstance(model, StreamedModel) else ")"),
+        candidate=f"onnxruntime CPU, {exported.lowering.value} attention, "
+                  f"{'in-place' if layout.in_place else 'copied'} KV cache"
+                  + (f" in blocks of {layout.block_size} ({layout.dtype}), prompts in chunks of {PAGED_CHUNK}"
+                     if layout.paged else "")
+                  + (f", split over {exported.tensor_parallel} ranks" if exported.tensor_parallel > 1 else "")
+                  + (", a graph segment at a time, each row fed a fixed continuation (seeded) after its prompt"
+                     if segmented else ""),
+        tolerance=tolerance, max_abs_logit_diff=max(c.max_abs_logit_diff for c in cases), cases=cases,
+        passed=all(c.passed for c in cases),
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report.save(out_dir)
+    return report
+
+
+def _decoded_cases(exported, export_dir: Path, layout, model, prompts, cases_in, steps: int, tolerance: float,
+                   num_threads: int, progress) -> list[VerifyCase]:
+    """The cases with the candidate decoding greedily in one session over the whole graph."""
     drive, runner = _driver(exported.graphs(export_dir), layout, prompts, steps, num_threads)
     # ticks: one per reference step; one per candidate step (slot form) or per row's step (paged)
     total, done = steps * sum(len(b) if layout.paged else 1 for _, b in cases_in), 0
@@ -147,22 +181,7 @@ def verify(exported: ExportedModel, export_dir: Path, model, tokenizer, out_dir:
             cases = _cases(model, prompts, cases_in, drive, steps, tolerance, tick)
     finally:
         runner.close()
-    report = VerifyReport(
-        inputs_hash=inputs_hash,
-        reference=f"pytorch ({exported.model.model_type}, fp32, HF attention"
-                  + (", streamed layer by layer, teacher-forced on the candidate's tokens)"
-                     if isinstance(model, StreamedModel) else ")"),
-        candidate=f"onnxruntime CPU, {exported.lowering.value} attention, "
-                  f"{'in-place' if layout.in_place else 'copied'} KV cache"
-                  + (f" in blocks of {layout.block_size} ({layout.dtype}), prompts in chunks of {PAGED_CHUNK}"
-                     if layout.paged else "")
-                  + (f", split over {exported.tensor_parallel} ranks" if exported.tensor_parallel > 1 else ""),
-        tolerance=tolerance, max_abs_logit_diff=max(c.max_abs_logit_diff for c in cases), cases=cases,
-        passed=all(c.passed for c in cases),
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report.save(out_dir)
-    return report
+    return cases
 
 
 def _cases(model, prompts, cases_in, drive, steps: int, tolerance: float, tick) -> list[VerifyCase]:
@@ -176,6 +195,34 @@ def _cases(model, prompts, cases_in, drive, steps: int, tolerance: float, tick) 
     return [compare(name, refs[:len(batch)], drive(batch, tick), batch, steps, tolerance,
                     ties[:len(batch)] if mixture else None)
             for name, batch in cases_in]
+
+
+def _segmented_cases(graph_file: Path, layout, streamed: StreamedModel, prompts, cases_in, steps: int,
+                     tolerance: float, vocab_size: int, num_threads: int, progress) -> list[VerifyCase]:
+    """Every prompt continued by the same fixed tokens: the candidate a segment at a time, then the reference a
+    layer at a time, each prompt once."""
+    fed = dict(zip(map(tuple, prompts), continuations(prompts, steps, vocab_size)))
+    batches = [batch for _, batch in cases_in]
+    cands = forced_cases(graph_file, layout, batches, [[fed[tuple(p)] for p in b] for b in batches], steps,
+                         [None if len(b) == 1 else PAGED_CHUNK for b in batches], vocab_size, num_threads=num_threads,
+                         progress=progress and (lambda done, total: progress(
+                             done, total, "the graph's steps, a segment at a time (segments x steps)")))
+    total, done = reference.forwards(streamed, prompts, steps), 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total, "the reference's layers")
+
+    refs, margins = reference.teacher_forced(streamed, prompts, [fed[tuple(p)] for p in prompts], steps, tick)
+    at = {tuple(p): i for i, p in enumerate(prompts)}
+    cases = []
+    for (name, batch), decoded in zip(cases_in, cands):
+        rows = [at[tuple(p)] for p in batch]
+        ties = None if margins[0] is None else [routing.first_tie(margins[i], ROUTING_TIE * tolerance) for i in rows]
+        cases.append(compare(name, [refs[i] for i in rows], decoded, batch, steps, tolerance, ties))
+    return cases
 
 
 def _streamed_cases(streamed: StreamedModel, cases_in, drive, steps: int, tolerance: float,
@@ -231,7 +278,7 @@ def _run(exported: Located[ExportedModel], section: VerifySpec, ctx: Context) ->
     model, tokenizer = ctx.model()
     return verify(exported.artifact, exported.folder, model, tokenizer, ctx.out, inputs_hash=ctx.inputs_hash,
                   steps=section.decode_steps, tolerance=section.max_logit_diff, num_threads=ctx.num_threads,
-                  progress=ctx.progress)
+                  progress=ctx.progress, segmented=ctx.streamed)
 
 
 def _accept(report: VerifyReport, spec: BuildSpec) -> None:

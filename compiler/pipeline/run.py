@@ -177,7 +177,7 @@ class _Run:
                       source=found.info if found else None, source_hash=found.hash if found else "",
                       inputs_hash="", model=self.model, done=stage.declared(self.result.artifacts),
                       progress=self.reporter.stage_progress, num_threads=self.spec.serving.num_threads,
-                      external_threshold=self.external_threshold)
+                      external_threshold=self.external_threshold, streamed=self.model.layers)
         taken = stage.input(ctx.done)
         status, art = "ran", None
         if stage.artifact is not None:

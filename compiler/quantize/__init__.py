@@ -67,14 +67,17 @@ def cache_key_parts(spec: QuantizationSpec) -> dict:
 
 def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: QuantizationSpec, tokenizer, *,
              inputs_hash: str, num_threads: int = 0, external_threshold: int = EXTERNAL_THRESHOLD,
-             previous: Path | None = None, progress: Callable[[int, int], None] | None = None) -> QuantizedModel:
+             previous: Path | None = None, progress: Callable[[int, int], None] | None = None,
+             segmented: bool = False) -> QuantizedModel:
     """Quantize the export in `export_dir` into `out_dir`; `previous` is the last build's quantize
-    folder, whose calibration is reused when the graph, the samples and the method are the same."""
+    folder, whose calibration is reused when the graph, the samples and the method are the same. `segmented`:
+    the passes over the unquantized graph (calibration, the quality report's reference) run it a segment of
+    weights at a time (graph/segments.py), in a streamed build's memory."""
     handler = HANDLERS[spec.mode]
     out_dir.mkdir(parents=True, exist_ok=True)
     source = export_dir / exported.onnx
     with tempfile.TemporaryDirectory(prefix="llmc-quantize-", dir=out_dir.parent) as work:
-        job = Job(source, exported, spec, tokenizer, Path(work), previous, num_threads, progress)
+        job = Job(source, exported, spec, tokenizer, Path(work), previous, num_threads, progress, segmented)
         result = handler.convert_for_runtime(handler.make_quantized(job), job)
         if result.weights is not None:  # its weights may lie in the scratch folder: written before it goes
             external = result.weights.save(out_dir, external_threshold)
@@ -85,7 +88,7 @@ def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: Qua
         result.calibration.save(out_dir)
     files = [ONNX_NAME] + ([EXTERNAL_DATA_NAME] if external else [])
     report = _measure(source, out_dir, exported, tokenizer, optimize=result.optimize, num_threads=num_threads,
-                      progress=progress, sizes=(sum((export_dir / f).stat().st_size for f in exported.files),
+                      progress=progress, segmented=segmented, sizes=(sum((export_dir / f).stat().st_size for f in exported.files),
                                                 sum((out_dir / f).stat().st_size for f in files)))
     art = QuantizedModel(
         inputs_hash=inputs_hash, files=hash_outputs(out_dir, files), onnx=ONNX_NAME, mode=spec.mode,
@@ -96,7 +99,7 @@ def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: Qua
 
 
 def _measure(source: Path, out_dir: Path, exported: ExportedModel, tokenizer, *, optimize: bool, num_threads: int,
-             progress, sizes: tuple[int, int]) -> QualityReport:
+             progress, sizes: tuple[int, int], segmented: bool = False) -> QualityReport:
     """The quantized graph in `out_dir` against `source` on the built-in held-out text and the verify prompts."""
     from llmc.compiler.quantize.quality import compare
 
@@ -106,7 +109,7 @@ def _measure(source: Path, out_dir: Path, exported: ExportedModel, tokenizer, *,
                    eval_text="built-in held-out corpus (not used for calibration)",
                    prompts=[tokenizer(p)["input_ids"] for p in PROMPTS], steps=AGREEMENT_STEPS,
                    vocab_size=exported.model.vocab_size, num_threads=num_threads, progress=progress,
-                   optimize_quantized=optimize, sizes=sizes)
+                   optimize_quantized=optimize, sizes=sizes, segmented_reference=segmented)
 
 
 def check_quality_gate(report: QualityReport, limit: float) -> None:
@@ -122,8 +125,7 @@ def summary(art: QuantizedModel) -> str:
     r = art.report
     return (f"{art.mode.value}: perplexity {r.perplexity_reference:.2f} -> {r.perplexity_quantized:.2f} "
             f"({r.perplexity_increase:+.1%}), greedy agreement {r.token_agreement:.0%}, "
-            f"{_mib(r.size_reference_mib)} -> {_mib(r.size_quantized_mib)} MiB, decode "
-            f"{r.decode_tok_s_quantized / r.decode_tok_s_reference:.1f}x")
+            f"{_mib(r.size_reference_mib)} -> {_mib(r.size_quantized_mib)} MiB, decode {r.decode_speedup()}")
 
 
 def _mib(value: float) -> str:
@@ -145,7 +147,8 @@ def _run(exported: Located[ExportedModel], section: QuantizationSpec, ctx: Conte
                               inputs_hash=ctx.inputs_hash, num_threads=ctx.num_threads, previous=previous,
                               progress=ctx.progress)
     return quantize(exported.artifact, exported.folder, ctx.out, section, load_tokenizer(ctx.source),
-                    inputs_hash=ctx.inputs_hash, num_threads=ctx.num_threads, previous=previous, progress=ctx.progress)
+                    inputs_hash=ctx.inputs_hash, num_threads=ctx.num_threads, previous=previous, progress=ctx.progress,
+                    segmented=ctx.streamed)
 
 
 QUANTIZE = Stage("quantize", describe=lambda spec: f"quantizing ({spec.quantization.mode.value}) and measuring quality",

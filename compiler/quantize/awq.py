@@ -81,17 +81,19 @@ class Awq:
 
 def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, symmetric: bool = False,
         num_threads: int = 0, progress: Callable[[int, int], None] | None = None,
-        graph_file: Path | None = None, weights: WeightFile | None = None) -> Awq:
+        graph_file: Path | None = None, weights: WeightFile | None = None, segmented: bool = False) -> Awq:
     """Scale `model`'s weights in place for `bits`-bit block-wise quantization (`symmetric` codes or
     not). Returns the alphas and the importance blockwise.search weighs by, from the same calibration
     pass: scaling leaves the function unchanged, so only a site's own tensor changes (to x / s, its mean
     squares to E[x^2] / s^2). `graph_file`: the export `model` was loaded from (calibrate.run_tensors);
-    `weights`: where `model`'s weights lie (weight_file.py; default: in the proto).
+    `weights`: where `model`'s weights lie (weight_file.py; default: in the proto); `segmented`: the calibration
+    pass runs `graph_file` a segment at a time (calibrate.activation_statistics).
     (AWQ's second step, a per-block clipping search, is blockwise.search's job.)"""
     weights = weights or WeightFile.of(model.graph)
     sites = smoothable(model.graph)
     acts, importance = activation_statistics(model, layout, windows, [s.tensor for s in sites], TOKENS,
-                                             num_threads=num_threads, graph_file=graph_file, progress=progress)
+                                             num_threads=num_threads, graph_file=graph_file, progress=progress,
+                                             segmented=segmented)
     initializers = {t.name: t for t in model.graph.initializer}
     scales, alphas = [], []
     for done, site in enumerate(sites, 1):

@@ -153,27 +153,49 @@ def calibrate(model, layout: KVLayout, windows: list[np.ndarray], method: str, *
 
 
 def activation_statistics(model, layout: KVLayout, windows: list[np.ndarray], rows_of: list[str], tokens: int, *,
-                          num_threads: int = 0, graph_file: Path | None = None, progress=None
+                          num_threads: int = 0, graph_file: Path | None = None, progress=None, segmented: bool = False
                           ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """One calibration pass of `model` over `windows`, giving both what AWQ and the block search need:
     up to `tokens` rows [tokens, channels] of each tensor in `rows_of`, spread evenly over the windows
     (the activations AWQ scores its scales on), and E[x_k^2] per input channel of every linear layer's
     input (the importance blockwise.search weighs rounding errors by). A session over a big graph costs
     more than the windows it runs (tens of seconds at 0.5B), so there is one pass, not one per use.
-    `graph_file`: see run_tensors."""
+    `graph_file`: see run_tensors. `segmented`: the pass runs `graph_file` a segment of weights at a time
+    (graph/segments.py: a streamed build's, whose fp32 weights need not fit in memory at once)."""
     linear = weight_matmul_inputs(model.graph)
     per_window = max(1, tokens // len(windows))
     rows: dict[str, list[np.ndarray]] = {t: [] for t in rows_of}
     sums: dict[str, np.ndarray] = {}
-    count = 0
-    for values in run_tensors(model, layout, windows, list(dict.fromkeys([*linear, *rows_of])), num_threads,
-                              progress, graph_file=graph_file):
+    tensors = list(dict.fromkeys([*linear, *rows_of]))
+    passes = (_segmented_tensors(graph_file, layout, windows, tensors, num_threads, progress) if segmented else
+              enumerate(run_tensors(model, layout, windows, tensors, num_threads, progress, graph_file=graph_file)))
+    for _, values in passes:  # a whole pass: every tensor of a window; a segmented one: a segment's, window by window
         for name in linear:
-            sums[name] = sums.get(name, 0.0) + np.square(values[name].astype(np.float64)).sum(0)
-        count += len(next(iter(values.values())))
+            if name in values:
+                sums[name] = sums.get(name, 0.0) + np.square(values[name].astype(np.float64)).sum(0)
         for name in rows_of:
-            value = values[name]
-            pick = np.linspace(0, len(value) - 1, min(per_window, len(value))).astype(int)
-            rows[name].append(value[pick].astype(np.float32))
+            if name in values:
+                value = values[name]
+                pick = np.linspace(0, len(value) - 1, min(per_window, len(value))).astype(int)
+                rows[name].append(value[pick].astype(np.float32))
+    count = sum(map(len, windows))
     return ({name: np.concatenate(chunks)[:tokens] for name, chunks in rows.items()},
             {name: sums[name] / count for name in linear})
+
+
+def _segmented_tensors(graph_file: Path, layout: KVLayout, windows: list[np.ndarray], tensors: list[str],
+                       num_threads: int, progress):
+    """(window index, {tensor: value [tokens, channels]}) as each segment of `graph_file` makes them."""
+    from llmc.compiler.graph.segments import SegmentedGraph
+
+    with SegmentedGraph(graph_file, num_threads=num_threads) as graph:
+        start, per_window = time.perf_counter(), sum(map(len, windows)) / len(windows)
+
+        def tick(done: int, total: int) -> None:
+            if progress:
+                rate = done / len(graph.segments) * per_window / (time.perf_counter() - start)
+                progress(done, total, f"calibration windows through {len(graph.segments)} graph segments, "
+                                      f"{rate:.0f} tok/s")
+
+        for k, values in graph.run(len(windows), lambda k: feeds(layout, windows[k]), tensors, tick):
+            yield k, {name: v.reshape(-1, v.shape[-1]) for name, v in values.items()}

@@ -35,6 +35,7 @@ class Job:
     previous: Path | None
     num_threads: int
     progress: Callable[[int, int], None] | None
+    segmented: bool = False  # calibration runs the export a segment of weights at a time (graph/segments.py)
 
 
 @dataclass

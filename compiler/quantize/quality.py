@@ -8,6 +8,11 @@
   prefill and step-by-step decode differ (LongRoPE past `original_max_position_embeddings` switches
   every position's table) would otherwise count that difference against quantization;
 - size on disk, and batch-1 decode tokens/s (median step time, both measured here).
+
+A streamed build's reference (`segmented_reference`) runs the unquantized graph a segment of weights at a time
+(graph/segments.py): its windows and the agreement rows go through each segment in one pass, in the memory of a
+segment. It cannot decode (each step would open every segment again), so the greedy tokens both graphs are fed
+are the quantized graph's own, and the reference's decode speed is not measured.
 """
 
 from __future__ import annotations
@@ -29,16 +34,20 @@ SPEED_PROMPT, SPEED_STEPS = 64, 24
 
 
 def perplexity(runner: Runner, windows: list[np.ndarray], tick: Callable[[], None]) -> float:
-    nll, count = 0.0, 0
+    nll = 0.0
     for ids in windows:
-        logits = runner.step(ids[None], np.zeros(1, dtype=np.int64))[0, :-1]
-        top = logits.max(-1)
-        # log-sum-exp in float32 (every term <= 1 after the max is taken out), summed in float64
-        log_total = np.log(np.exp(logits - top[:, None]).sum(-1, dtype=np.float64)) + top
-        nll += float((log_total - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
-        count += len(ids) - 1
+        nll += _nll(runner.step(ids[None], np.zeros(1, dtype=np.int64))[0], ids)
         tick()
-    return math.exp(nll / count)
+    return math.exp(nll / sum(len(ids) - 1 for ids in windows))
+
+
+def _nll(logits: np.ndarray, ids: np.ndarray) -> float:
+    """The summed next-token negative log-likelihood of `ids` under `logits` [len(ids), V]."""
+    logits = logits[:-1]
+    top = logits.max(-1)
+    # log-sum-exp in float32 (every term <= 1 after the max is taken out), summed in float64
+    log_total = np.log(np.exp(logits - top[:, None]).sum(-1, dtype=np.float64)) + top
+    return float((log_total - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
 
 
 def greedy(runner: Runner, prompts: list[list[int]], steps: int,
@@ -61,9 +70,14 @@ def greedy(runner: Runner, prompts: list[list[int]], steps: int,
 def agreement(runners: list[Runner], prompt: list[int], reference: list[int]) -> int:
     """At how many of `reference`'s positions the runners (unquantized, quantized) pick the same next
     token when fed the prompt and `reference` in one step."""
-    ids = np.array([prompt + reference[:-1]])
-    picks = [r.step(ids, np.zeros(1, dtype=np.int64))[0, len(prompt) - 1:].argmax(-1) for r in runners]
+    picks = [_picks(r, prompt, reference) for r in runners]
     return int((picks[0] == picks[1]).sum())
+
+
+def _picks(runner: Runner, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """`runner`'s next token at each of `tokens`' positions, fed the prompt and `tokens` in one step."""
+    ids = np.array([prompt + tokens[:-1]])
+    return runner.step(ids, np.zeros(1, dtype=np.int64))[0, len(prompt) - 1:].argmax(-1)
 
 
 def decode_speed(runner: Runner, vocab_size: int) -> float:
@@ -79,9 +93,15 @@ def decode_speed(runner: Runner, vocab_size: int) -> float:
 
 def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list[np.ndarray], eval_text: str,
             prompts: list[list[int]], steps: int, vocab_size: int, sizes: tuple[int, int], num_threads: int,
-            optimize_quantized: bool = True, progress: Callable[[int, int], None] | None = None) -> QualityReport:
-    """`optimize_quantized=False` runs the quantized graph with ONNX Runtime's graph optimizations off."""
+            optimize_quantized: bool = True, progress: Callable[[int, int], None] | None = None,
+            segmented_reference: bool = False) -> QualityReport:
+    """`optimize_quantized=False` runs the quantized graph with ONNX Runtime's graph optimizations off;
+    `segmented_reference`: the reference runs a segment of weights at a time (the module's docstring)."""
     capacity = max(max(map(len, windows)), max(map(len, prompts)) + steps, SPEED_PROMPT + SPEED_STEPS + 2)
+    if segmented_reference:
+        return _compare_segmented(reference, quantized, layout, windows=windows, eval_text=eval_text, prompts=prompts,
+                                  steps=steps, vocab_size=vocab_size, sizes=sizes, num_threads=num_threads,
+                                  optimize_quantized=optimize_quantized, progress=progress, capacity=capacity)
     # the fp32 reference reads its weights from the mapped file (prepacked, they were a second copy of the model
     # in memory: 4.2 GiB anonymous at 1.1B against 0.6, and its decode 7.5 tok/s against 8.3)
     runners = [slot_runner(p, layout, max_batch=rows, capacity=capacity, num_threads=num_threads, optimize=opt,
@@ -104,6 +124,57 @@ def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list
     speed = [decode_speed(r, vocab_size) for r in runners]
     for r in runners:
         r.close()
+    return _report(ppl, agreed, speed, windows=windows, eval_text=eval_text, prompts=prompts, steps=steps,
+                   sizes=sizes, num_threads=num_threads, optimize_quantized=optimize_quantized)
+
+
+def _compare_segmented(reference: Path, quantized: Path, layout: KVLayout, *, windows, eval_text, prompts, steps,
+                       vocab_size, sizes, num_threads, optimize_quantized, progress, capacity) -> QualityReport:
+    """compare(), its reference run a segment of weights at a time on the windows and on the prompts fed the
+    quantized graph's own greedy tokens."""
+    from llmc.compiler.graph.segments import SegmentedGraph
+    from llmc.compiler.quantize.calibrate import feeds
+
+    runner = slot_runner(quantized, layout, max_batch=len(prompts), capacity=capacity, num_threads=num_threads,
+                         optimize=optimize_quantized)
+    total, done = len(windows) + 1 + len(prompts), 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total, "quality report: the quantized graph (windows and prompts)")
+
+    ppl_quantized = perplexity(runner, windows, tick)
+    tokens = greedy(runner, prompts, steps, tick)
+    picks = []
+    for prompt, t in zip(prompts, tokens):
+        picks.append(_picks(runner, prompt, t))
+        tick()
+    speed = decode_speed(runner, vocab_size)
+    runner.close()
+    inputs = [*windows, *(np.array(p + t[:-1]) for p, t in zip(prompts, tokens))]
+    nll, agreed = 0.0, 0
+    with SegmentedGraph(reference, num_threads=num_threads) as graph:
+        ticks = None if progress is None else (
+            lambda done, total: progress(done, total, f"quality report: the reference, {len(graph.segments)} graph "
+                                                      "segments over the windows and prompts"))
+        for k, values in graph.run(len(inputs), lambda k: feeds(layout, inputs[k]), ["logits"], ticks):
+            logits = values["logits"].reshape(len(inputs[k]), -1)
+            if k < len(windows):
+                nll += _nll(logits, inputs[k])
+            else:
+                prompt = prompts[k - len(windows)]
+                agreed += int((logits[len(prompt) - 1:].argmax(-1) == picks[k - len(windows)]).sum())
+    ppl_reference = math.exp(nll / sum(len(ids) - 1 for ids in windows))
+    return _report([ppl_reference, ppl_quantized], agreed, [None, speed], windows=windows, eval_text=eval_text,
+                   prompts=prompts, steps=steps, sizes=sizes, num_threads=num_threads,
+                   optimize_quantized=optimize_quantized,
+                   how="; the reference a graph segment at a time, both fed the quantized graph's greedy tokens")
+
+
+def _report(ppl, agreed: int, speed, *, windows, eval_text, prompts, steps, sizes, num_threads, optimize_quantized,
+            how: str = "") -> QualityReport:
     return QualityReport(
         eval_text=eval_text, eval_tokens=sum(len(w) for w in windows), perplexity_reference=ppl[0],
         perplexity_quantized=ppl[1], perplexity_increase=ppl[1] / ppl[0] - 1.0,
@@ -111,4 +182,5 @@ def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list
         size_reference_mib=sizes[0] / 2**20, size_quantized_mib=sizes[1] / 2**20,
         decode_tok_s_reference=speed[0], decode_tok_s_quantized=speed[1],
         runtime=f"onnxruntime CPU, {num_threads or 'all'} thread(s)"
-                + ("" if optimize_quantized else "; quantized graph with graph optimizations off (reference path)"))
+                + ("" if optimize_quantized else "; quantized graph with graph optimizations off (reference path)")
+                + how)

@@ -78,7 +78,7 @@ class WeightOnly:
         windows = calibration_windows(spec, job.tokenizer)
         layout = job.exported.kv_layout
         scaled = awq(model, layout, windows, bits, spec.block, symmetric=symmetric, num_threads=job.num_threads,
-                     progress=job.progress, graph_file=job.source, weights=weights)
+                     progress=job.progress, graph_file=job.source, weights=weights, segmented=job.segmented)
         alphas = scaled.alphas
         codes = searched_codes(model, scaled.importance, bits, spec.block, symmetric=symmetric, progress=job.progress,
                                weights=weights)

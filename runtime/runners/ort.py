@@ -28,7 +28,7 @@ from llmc.runtime.runners.protocol import RunnerClosed
 
 
 def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, spin_after_run: bool = True,
-                 prepack: bool = True, group: str | None = None):
+                 prepack: bool = True, group: str | None = None, prefetch: bool = True):
     """A CPU session; `optimize=False` turns ONNX Runtime's graph optimizations off (the fp8 reference
     path, which also keeps ONNX Runtime's own kernels). 4-bit MatMulNBits nodes run on llmc's kernel
     where this host has it (runtime/kernels/cpu_kernels.py): the graph is loaded, the op swapped in memory.
@@ -40,7 +40,8 @@ def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, s
     `prepack=False` keeps ONNX Runtime from copying the weights into its packed layouts: the session then
     reads an external-data graph's weights from the mapped file (0.25 GB resident for a 1.6 GB graph
     instead of 1.7), at some speed: for a build's calibration passes over a few windows. `group`: the
-    tensor-parallel group a rank's graph sums with (runtime/kernels/collective.py)."""
+    tensor-parallel group a rank's graph sums with (runtime/kernels/collective.py). `prefetch=False`: the data
+    file is not read ahead (a graph that reads a part of it: compiler/graph/segments.py)."""
     import onnxruntime as ort
 
     from llmc.runtime.kernels import cpu_kernels
@@ -58,11 +59,12 @@ def make_session(onnx_path: Path, num_threads: int = 0, optimize: bool = True, s
     model = cpu_kernels.prepare(onnx_path, options, group=group) if optimize else str(onnx_path)
     # read in before the session opens: the weights the kernels copy are then read once, and the pages llmc's
     # 4-bit op hands back stay out of the page cache (read after, they came back: 0.2 GB of a 0.5B int4 graph's 0.8)
-    prefetch(Path(onnx_path).with_name(Path(onnx_path).name + ".data"))
+    if prefetch:
+        prefetch_file(Path(onnx_path).with_name(Path(onnx_path).name + ".data"))
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def prefetch(data_file: Path, chunk: int = 8 << 20) -> None:
+def prefetch_file(data_file: Path, chunk: int = 8 << 20) -> None:
     """Read a graph's external weights once, so that they are in the page cache before its session opens.
     ONNX Runtime maps that file and reads the weights in place (ONNX Runtime's own MatMulNBits and llmc's
     4-bit kernel copy their packed weights at load; the embedding table and every unpacked weight do not):
