@@ -165,7 +165,7 @@ def apply_scales(model, sites: list[Site], scales: list[np.ndarray], weights=Non
         for node, slot, axis, start in site.divide:
             update(own(node, slot), lambda v: _divide(v, s, axis, start))
         for reader in site.readers:
-            update(own(reader, 1), lambda v: v * s[:, None])
+            weights.scale_rows(initializers[own(reader, 1)], s)
 
 
 def _divide(value: np.ndarray, s: np.ndarray, axis: int, start: int) -> np.ndarray:

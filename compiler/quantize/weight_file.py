@@ -2,12 +2,15 @@
 
 The quantizer untied the LM head, scaled weights for AWQ, searched codes and packed them with the whole fp32
 graph loaded in memory: three to four times the model at its peak (1B int4: 19-20 GiB). Here the graph is
-loaded without its weights; an export whose weights are in `model.onnx.data` has that file copied into the
-scratch folder (the scaling writes into it: the export's own file, hard-linked into the build's output, is
-never changed) and every tensor is read from it when asked (`array`: a copy of that tensor alone), written
-back in place (`write`), or appended (`add`: the untied LM head, a site's own copy of a shared norm, the packed
-codes). `save` writes the graph the runtime runs, its weights copied from the scratch file a tensor at a time.
-A graph whose weights are inline (under the export's external-data threshold) stays as it was: in memory.
+loaded without its weights; an export whose weights are in `model.onnx.data` has every tensor read from that
+file when asked (`array`: a copy of that tensor alone). The export's file, hard-linked into the build's output,
+is never written: a tensor given a new value (`write`), or a new tensor (`add`: the untied LM head, a site's own
+copy of a shared norm, the packed codes), goes to a scratch file beside the graph being made (in place when it is
+there already and as large). AWQ's scaling of a weight's rows (`scale_rows`) is recorded and applied whenever the
+weight is read: every linear weight is scaled and then only read to be rounded, and written back it was the fp32
+model again on disk (30 GB at 8B, beside the export's own). `save` writes the graph the runtime runs, its
+weights copied a tensor at a time. A graph whose weights are inline (under the export's external-data threshold)
+stays as it was: in memory.
 
 Written here because onnx and onnx_ir read external data only whole (onnx.load_external_data_for_model) or
 as read-only maps (onnx_ir's ExternalTensor), and neither writes a tensor back into its file.
@@ -22,34 +25,38 @@ import numpy as np
 
 from llmc.compiler.graph.files import (EXTERNAL_DATA_NAME, EXTERNAL_THRESHOLD, ONNX_NAME, external_span, load_graph,
                                        save_model)
+from llmc.errors import ExportError
 
 SCRATCH = "weights.data"
 _ALIGN = 64  # appended tensors start on a 64-byte boundary (vector loads of a mapped tensor)
 
 
 class WeightFile:
-    """The initializers of `model` (an onnx ModelProto): inline ones in the proto, external ones in `path`."""
+    """The initializers of `model` (an onnx ModelProto): inline ones in the proto, external ones in the files of
+    `files` (a location -> its path: the export's data file, read only, and the scratch file `path`)."""
 
-    def __init__(self, model, path: Path | None, graph=None):
+    def __init__(self, model, path: Path | None, graph=None, files: dict[str, Path] | None = None):
         self.model, self.path = model, path
         self.graph = graph if graph is not None else model.graph
+        self.files = {**(files or {}), **({SCRATCH: path} if path is not None else {})}
+        self._rows: dict[str, list[np.ndarray]] = {}  # tensor -> the row scales its stored value is read with
 
     @classmethod
     def open(cls, source: Path, work: Path, *, whole: bool = False) -> "WeightFile":
-        """The graph at `source`, its weights (if external) in a writable copy of its data file under `work`;
-        `whole`: every weight loaded into the proto instead (what code that reads the proto directly needs)."""
+        """The graph at `source`, its weights (if external) read from its data file, what is written going to a
+        scratch file under `work`; `whole`: every weight loaded into the proto instead (what code that reads the
+        proto directly needs)."""
         import onnx
 
         data = source.parent / EXTERNAL_DATA_NAME
         if whole or not data.is_file():
             return cls(load_graph(source), None)
         model = onnx.load(str(source), load_external_data=False)
-        scratch = work / SCRATCH
-        shutil.copyfile(data, scratch)
         for tensor in model.graph.initializer:
             if _external(tensor):
-                _locate(tensor, SCRATCH, *external_span(tensor, source))
-        return cls(model, scratch)
+                external_span(tensor, source)  # an ExportError naming a tensor stored anywhere else
+        (work / SCRATCH).touch()
+        return cls(model, work / SCRATCH, files={EXTERNAL_DATA_NAME: data})
 
     @classmethod
     def of(cls, graph) -> "WeightFile":
@@ -64,17 +71,27 @@ class WeightFile:
         return {t.name: t for t in self.graph.initializer}
 
     def array(self, tensor) -> np.ndarray:
-        """`tensor`'s value (a copy)."""
+        """`tensor`'s value (a copy), its recorded row scales applied."""
         from onnx import numpy_helper
 
         if not _external(tensor):
             return numpy_helper.to_array(tensor)
-        with open(self.path, "rb") as f:
-            raw = self._read(f, tensor)
-        return np.frombuffer(raw, dtype=_numpy_dtype(tensor.data_type)).reshape(tuple(tensor.dims)).copy()
+        value = np.frombuffer(self._read(tensor), dtype=_numpy_dtype(tensor.data_type)).reshape(tuple(tensor.dims))
+        value = value.copy()
+        for s in self._rows.get(tensor.name, ()):
+            value *= s[:, None]  # as the scaled weight was computed and stored before: v * s, in float32
+        return value
+
+    def scale_rows(self, tensor, s: np.ndarray) -> None:
+        """`tensor` [K, N] with row k multiplied by s[k]: recorded and applied as it is read (`array`, `save`)."""
+        if not _external(tensor):
+            self.write(tensor, self.array(tensor) * s[:, None])
+        else:
+            self._rows.setdefault(tensor.name, []).append(np.asarray(s, dtype=np.float32))
 
     def write(self, tensor, value: np.ndarray) -> None:
-        """`tensor` given `value` (its dtype kept): in place when it is as large, else appended."""
+        """`tensor` given `value` (its dtype kept): in the scratch file, in place where it lies there already and
+        is as large, else appended (the export's file is never written)."""
         from onnx import numpy_helper
 
         value = np.ascontiguousarray(value, dtype=_numpy_dtype(tensor.data_type))
@@ -84,8 +101,9 @@ class WeightFile:
             else:
                 tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
             return
-        offset, length = self._span(tensor)
-        if value.nbytes == length:
+        self._rows.pop(tensor.name, None)
+        where, offset, length = self._span(tensor)
+        if where == SCRATCH and value.nbytes == length:
             with open(self.path, "r+b") as f:
                 f.seek(offset)
                 f.write(value.tobytes())
@@ -114,6 +132,7 @@ class WeightFile:
         """`tensor`'s bytes into the proto (a small graph saved inline)."""
         if _external(tensor):
             raw = self.array(tensor).tobytes()
+            self._rows.pop(tensor.name, None)
             del tensor.external_data[:]
             tensor.data_location = 0  # TensorProto.DEFAULT
             tensor.raw_data = raw
@@ -129,16 +148,16 @@ class WeightFile:
             graph.initializer.remove(tensor)
         if not self.external:
             return save_model(self.model, out_dir, external_threshold)
-        total = sum(self._span(t)[1] if _external(t) else len(t.raw_data) for t in graph.initializer)
+        total = sum(self._span(t)[2] if _external(t) else len(t.raw_data) for t in graph.initializer)
         if total <= external_threshold:
             for tensor in graph.initializer:
                 self.inline(tensor)
             return save_model(self.model, out_dir, external_threshold)
         data = out_dir / EXTERNAL_DATA_NAME
-        with open(self.path, "rb") as src, open(data, "wb") as dst:
+        with open(data, "wb") as dst:
             for tensor in graph.initializer:
                 if _external(tensor):
-                    raw = self._read(src, tensor)
+                    raw = self.array(tensor).tobytes() if tensor.name in self._rows else self._read(tensor)
                 elif tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
                     raw = tensor.raw_data
                     tensor.ClearField("raw_data")
@@ -151,15 +170,19 @@ class WeightFile:
         shutil.copymode(out_dir / ONNX_NAME, data)
         return True
 
-    def _span(self, tensor) -> tuple[int, int]:
-        """(offset, length) of an external `tensor` in the scratch file."""
-        return external_span(tensor, self.path, SCRATCH)
+    def _span(self, tensor) -> tuple[str, int, int]:
+        """(location, offset, length) of an external `tensor`: the export's data file or the scratch file."""
+        where = next((e.value for e in tensor.external_data if e.key == "location"), None)
+        if where not in self.files:
+            raise ExportError(f"{tensor.name} is stored in {where!r}, not in {' or '.join(map(repr, self.files))}")
+        return (where, *external_span(tensor, self.files[where], where))
 
-    def _read(self, f, tensor) -> bytes:
-        """An external `tensor`'s bytes from the open scratch file `f`."""
-        offset, length = self._span(tensor)
-        f.seek(offset)
-        return f.read(length)
+    def _read(self, tensor) -> bytes:
+        """An external `tensor`'s bytes, as stored (no row scales)."""
+        where, offset, length = self._span(tensor)
+        with open(self.files[where], "rb") as f:
+            f.seek(offset)
+            return f.read(length)
 
     def _append(self, value: np.ndarray) -> int:
         with open(self.path, "r+b") as f:

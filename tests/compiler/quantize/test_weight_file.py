@@ -44,7 +44,7 @@ def test_quantizing_from_the_data_file_makes_the_in_memory_graph(paged_export, t
     a = quantize(exported, folder, tmp_path / "a", spec, tokenizer, inputs_hash="h", num_threads=1)
     b = quantize(exported, external, tmp_path / "b", spec, tokenizer, inputs_hash="h", num_threads=1,
                  external_threshold=0)
-    assert hashlib.sha256(data.read_bytes()).hexdigest() == before  # scaled in a scratch copy, not in the export
+    assert hashlib.sha256(data.read_bytes()).hexdigest() == before  # the export is read, never written
     assert (tmp_path / "b" / EXTERNAL_DATA_NAME).is_file() and not (tmp_path / "a" / EXTERNAL_DATA_NAME).exists()
     (nodes_a, tensors_a), (nodes_b, tensors_b) = _graph(tmp_path / "a"), _graph(tmp_path / "b")
     assert nodes_a == nodes_b and tensors_a.keys() == tensors_b.keys()
@@ -76,3 +76,31 @@ def test_writes_go_in_place_or_at_the_end_and_reads_come_back(tmp_path):
     assert weights.save(out, external_threshold=0)
     saved = {t.name: numpy_helper.to_array(t) for t in load_graph(out / "model.onnx").graph.initializer}
     assert saved["w"].sum() == 1200 and saved["v"].sum() == 768
+
+
+def test_row_scales_are_applied_as_read_and_the_export_is_neither_copied_nor_written(tmp_path):
+    """AWQ scales every linear weight's rows: recorded, not written back, so the scratch file holds only what was
+    written or added (at 8B the scaled copy was 30 GB), and every read and the saved graph see the scaled value."""
+    value = np.arange(600, dtype=np.float32).reshape(20, 30)
+    graph = onnx.helper.make_graph([], "g", [], [onnx.helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, None)],
+                                   [numpy_helper.from_array(value, "w")])
+    src = tmp_path / "src"
+    src.mkdir()
+    save_model(onnx.helper.make_model(graph), src, external_threshold=0)
+    before = hashlib.sha256((src / EXTERNAL_DATA_NAME).read_bytes()).hexdigest()
+    (tmp_path / "work").mkdir()
+    weights = WeightFile.open(src / "model.onnx", tmp_path / "work")
+    w = weights.initializers()["w"]
+    s, t = np.linspace(0.5, 2.0, 20).astype(np.float32), np.full(20, 3.0, np.float32)
+    weights.scale_rows(w, s)
+    weights.scale_rows(w, t)
+    expected = value * s[:, None] * t[:, None]
+    np.testing.assert_array_equal(weights.array(w), expected)
+    assert (tmp_path / "work" / "weights.data").stat().st_size == 0  # nothing copied, nothing written
+    out = tmp_path / "out"
+    out.mkdir()
+    assert weights.save(out, external_threshold=0)
+    np.testing.assert_array_equal(numpy_helper.to_array(load_graph(out / "model.onnx").graph.initializer[0]), expected)
+    weights.write(w, np.ones((20, 30), np.float32))  # a value given outright: the scales recorded before are gone
+    np.testing.assert_array_equal(weights.array(w), np.ones((20, 30), np.float32))
+    assert hashlib.sha256((src / EXTERNAL_DATA_NAME).read_bytes()).hexdigest() == before
