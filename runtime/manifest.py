@@ -13,6 +13,7 @@ from typing import ClassVar, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmc.runtime.layout import KVLayout
+from llmc.runtime.lora.sites import Site
 
 
 def rank_folder(rank: int, ranks: int) -> str:
@@ -122,6 +123,31 @@ class ExecutionEnvInfo(BaseModel):
     interpreter: str  # the container's path the archive's bin/python3 links to
 
 
+class AdapterInfo(BaseModel):
+    """One LoRA adapter the build packaged: its identity and its file (runtime/lora/files.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    digest: str  # sha256 over its PEFT config and tensors: with the name, its identity
+    file: str  # in the version folder (adapters/<name>.safetensors)
+    rank: int = Field(ge=1)  # its highest rank
+
+
+class LoraConfig(BaseModel):
+    """The LoRA graph beside the base graph, its sites, the adapters and their limits (docs/lora.md). A step with no
+    adapter token runs `model_file`; one with any runs `lora_file` (the same weights file, more inputs)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lora_file: str  # the graph with a branch beside each site, in the version folder
+    sites: list[Site]
+    adapters: list[AdapterInfo]
+    max_slots: int = Field(ge=1)  # distinct adapters a step carries
+    max_rank: int = Field(ge=1)
+    max_host_adapters: int = Field(ge=1)  # adapters held in host memory: an LRU feeding the slots
+
+
 class RepositoryManifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -144,6 +170,7 @@ class RepositoryManifest(BaseModel):
     speculative: SpeculativeConfig | None = None  # paged graphs only; none: every row decodes one token a step
     execution_env: ExecutionEnvInfo | None = None  # none: the serving Python has the requirements installed
     tensor_parallel: int = Field(1, ge=1)  # ranks the model is split over: each rank's graph is rank{r}/<model_file>
+    lora: LoraConfig | None = None  # LoRA adapters served (paged graphs; docs/lora.md); none: the base model alone
 
     def graphs(self, folder: Path) -> list[Path]:
         """Each rank's graph in the version folder `folder`, in rank order (one without a split)."""

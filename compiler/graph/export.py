@@ -290,13 +290,8 @@ def _summary(done: Located[ExportedModel]) -> str:
 
 
 def _check(spec: BuildSpec, source) -> None:
-    """A mixture of experts on a lowering without an expert op, a split the model's heads do not allow, and
-    adapters (read and checked by compiler/lora, not yet built into the graph or served) are refused before
-    anything loads."""
-    if spec.adapters:
-        raise UnsupportedError(f"adapters: {', '.join(spec.adapters)}: LoRA adapters are read and checked "
-                               "(compiler/lora) but not yet built into the served model (docs/lora.md); remove the "
-                               "`adapters:` section to build the base model")
+    """A mixture of experts on a lowering without an expert op and a split the model's heads do not allow are refused
+    before anything loads (adapters are checked by the package stage's check: compiler/lora/package.py)."""
     if spec.parallel.tensor > 1:
         from llmc.compiler.models.config import read_config
         from llmc.compiler.models.parallel.heads import check_split

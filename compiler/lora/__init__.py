@@ -1,10 +1,11 @@
-"""LoRA adapters served on one base model (issue 54, docs/lora.md): the first slice, the compiler's side.
+"""LoRA adapters served on one base model (issue 54, docs/lora.md): the compiler's side (the runtime's: runtime/lora/).
 
     adapter.py    a PEFT adapter read and checked (PEFT's scaling, rank_pattern/alpha_pattern, refusals naming
                   the field), its identity (name + content digest), checks against the base model
     sites.py      where a branch goes: each layer projection of an exported graph and the PEFT modules in it
     graph.py      the stacked-slot branch beside each projection, a pass over an exported (or quantized) graph
-    stacks.py     a step's adapters laid out as the branch's inputs (NumPy)
+    stacks.py     a PEFT adapter laid out per site as the runtime stacks it (runtime/lora/stacks.py)
+    package.py    the spec's adapters checked before the build works, and packaged into the model repository
     reference.py  the branch's PyTorch reference (shrink, then expand, over the active slots)
 """
 

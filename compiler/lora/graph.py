@@ -2,7 +2,7 @@
 (sites.py), the deltas of the adapters a step's tokens use. The projection itself (fp32 MatMul, Gemm, or int8/int4
 MatMulNBits after weight-only quantization) is not touched: only its output gains an Add.
 
-New graph inputs (names: `SLOTS`, `a_name(site)`, `b_name(site)`):
+New graph inputs (names: `SLOTS`, `a_name(site)`, `b_name(site)`, from runtime/lora/sites.py: the runtime binds them):
 
     lora_slots      int64 [N]              each token's slot, -1 for none (N: the tokens of x flattened, so
                                            `num_tokens` in the paged graph)
@@ -38,18 +38,9 @@ from __future__ import annotations
 import numpy as np
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
-from llmc.compiler.lora.sites import Site
+from llmc.runtime.lora.sites import SLOTS, Site, a_name, b_name
 
-SLOTS = "lora_slots"
 _PREFIX = "lora"  # every value and node this pass adds is named lora/...
-
-
-def a_name(site: Site) -> str:
-    return f"lora.{site.name}.a"
-
-
-def b_name(site: Site) -> str:
-    return f"lora.{site.name}.b"
 
 
 def rank_dim(site: Site) -> str:

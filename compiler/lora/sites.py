@@ -7,7 +7,8 @@ Layers stamped from a traced one (compiler/graph/stamp.py) carry layer p's scope
 `<name>.layer{j}`, so the layer index comes from that suffix when present. The decoder (compiler/models)
 reuses the HF model's modules, so a decoder path maps to an HF module name by identity; the one module it
 makes itself is the fused q/k/v projection (`decoder.qkv.{i}`, base.py's `concat_linears`), whose output
-columns are q_proj's, k_proj's and v_proj's side by side (checked against their weights here, not assumed).
+columns are q_proj's, k_proj's and v_proj's side by side (checked against their weights here, not assumed; by
+shape on a model built on the meta device, as the package stage builds it: compiler/lora/package.py).
 Phi-3's `qkv_proj` and GPT-2's `c_attn` are the checkpoint's own fused modules: one PEFT module, one site.
 
 A site's `y` is the projection's whole output (its bias Add included, so a later fold of MatMulNBits + bias
@@ -21,29 +22,11 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass
+
+from llmc.runtime.lora.sites import Member, Site
 
 _LAYERWISE = re.compile(r"^decoder\.(layers|qkv)\.(\d+)(\..+)?$")
 _STAMPED = re.compile(r"\.layer(\d+)$")
-
-
-@dataclass(frozen=True)
-class Member:
-    """One PEFT module's share of a site's output: columns offset .. offset + width."""
-
-    module: str
-    offset: int
-    width: int
-
-
-@dataclass(frozen=True)
-class Site:
-    name: str  # the decoder's module path without `decoder.`: `qkv.0`, `layers.0.mlp.down_proj`
-    x: str  # the activation tensor the projection reads
-    y: str  # the tensor holding its output (bias included)
-    in_features: int
-    out_features: int
-    members: tuple[Member, ...]
 
 
 def module_members(hf_model) -> dict[str, tuple[Member, ...]]:
@@ -69,13 +52,23 @@ def module_members(hf_model) -> dict[str, tuple[Member, ...]]:
         layer = int(path.split(".")[1])
         attn = decoder.attention_module(decoder.layers[layer])
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-        if not torch.equal(module.weight, torch.cat([p.weight for p in parts])):
+        if not _side_by_side(module.weight, [p.weight for p in parts]):
             raise ValueError(f"decoder.{path} is no module of the checkpoint nor its q/k/v projections side by side")
         offsets = [0, *torch.cumsum(torch.tensor([p.out_features for p in parts]), 0).tolist()]
         members[path] = tuple(Member(hf_names[id(p)], offsets[k], p.out_features) for k, p in enumerate(parts))
         fused.update(id(p) for p in parts)
     fused_names = {hf_names[i] for i in fused}
     return {path: m for path, m in members.items() if not (len(m) == 1 and m[0].module in fused_names)}
+
+
+def _side_by_side(weight, parts) -> bool:
+    """Whether `weight` is `parts` concatenated over rows: by value, or by shape for a model built on the meta device
+    (the package stage's, from the config alone: the decoder's own concat_linears put them in this order)."""
+    import torch
+
+    if weight.is_meta or any(p.is_meta for p in parts):
+        return weight.shape[0] == sum(p.shape[0] for p in parts) and all(p.shape[1:] == weight.shape[1:] for p in parts)
+    return torch.equal(weight, torch.cat(parts))
 
 
 def find_sites(model, hf_model) -> list[Site]:

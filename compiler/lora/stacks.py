@@ -1,10 +1,10 @@
-"""A step's LoRA inputs: the adapters in its slots laid out as the branch's stacks (graph.py), and each token's
-slot. NumPy arithmetic only: what the runtime will do every step it changes the slots (docs/lora.md: the next
-slice moves this beside the runner, which imports no compiler, with the input names and the site table).
+"""A PEFT adapter (adapter.py) laid out per site as the runtime stacks it (runtime/lora/stacks.py): what the build
+writes into the model repository for each adapter, and what the tests stack straight from PEFT's adapters.
 
-Slot s of site t holds adapter s's modules of that site: module m (the site's m-th PEFT module, at output
-columns offset .. offset + width) at rank columns m*R .. m*R + r of A (lora_A transposed: [in, r]) and the
-same rows of B (lora_B transposed, times PEFT's scaling: [r, width]) in m's columns only; everything else 0.
+Site t of an adapter whose highest rank is r: module m of the site (the site's m-th PEFT module, at output columns
+offset .. offset + width) at columns m*r .. m*r + its rank of a (lora_A transposed: [in, M*r]) and the same rows
+of b (lora_B transposed, times PEFT's scaling: [M*r, out]) in m's columns only; everything else 0. A site none of
+whose modules the adapter targets is left out.
 """
 
 from __future__ import annotations
@@ -14,42 +14,37 @@ from typing import Sequence
 import numpy as np
 
 from llmc.compiler.lora.adapter import Adapter
-from llmc.compiler.lora.graph import SLOTS, a_name, b_name
-from llmc.compiler.lora.sites import Site
+from llmc.runtime.lora import stacks
+from llmc.runtime.lora.sites import SLOTS, Site
+from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights, token_slots
 
 
-def stack_slots(sites: list[Site], adapters: Sequence[Adapter], rank: int | None = None) -> dict[str, np.ndarray]:
-    """The stacks of every site for `adapters` in slots 0, 1, ... (at least one); `rank`: the R the stacks are
-    padded to (default: the highest rank among the adapters). A module of an adapter that no site computes is an
-    error (check_against refuses such adapters before they reach a slot)."""
-    if not adapters:
-        raise ValueError("a step with LoRA inputs has at least one slot; run the base graph when it has none")
-    r_max = max(a.max_rank for a in adapters) if rank is None else rank
+def site_arrays(sites: Sequence[Site], adapter: Adapter) -> AdapterWeights:
+    """`adapter` per site, ready to stack. A module no site computes is an error (check_against refuses such
+    adapters before they get here)."""
     placed = {m.module: (site, k) for site in sites for k, m in enumerate(site.members)}
-    for adapter in adapters:
-        unknown = sorted(set(adapter.modules) - set(placed))
-        if unknown:
-            raise ValueError(f"adapter {adapter.name!r}: no site computes {', '.join(unknown)}")
-        if adapter.max_rank > r_max:
-            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.max_rank}, above the stacks' {r_max}")
-    feeds = {}
-    for site in sites:
-        width = len(site.members) * r_max
-        feeds[a_name(site)] = np.zeros((len(adapters), site.in_features, width), np.float32)
-        feeds[b_name(site)] = np.zeros((len(adapters), width, site.out_features), np.float32)
-    for s, adapter in enumerate(adapters):
-        for module, lora in adapter.modules.items():
-            site, k = placed[module]
-            member, r = site.members[k], lora.rank
-            feeds[a_name(site)][s, :, k * r_max:k * r_max + r] = lora.a.T
-            feeds[b_name(site)][s, k * r_max:k * r_max + r, member.offset:member.offset + member.width] = \
-                lora.scaling * lora.b.T
-    return feeds
+    unknown = sorted(set(adapter.modules) - set(placed))
+    if unknown:
+        raise ValueError(f"adapter {adapter.name!r}: no site computes {', '.join(unknown)}")
+    r = adapter.max_rank
+    arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for module, lora in adapter.modules.items():
+        site, k = placed[module]
+        if site.name not in arrays:
+            width = len(site.members) * r
+            arrays[site.name] = (np.zeros((site.in_features, width), np.float32),
+                                 np.zeros((width, site.out_features), np.float32))
+        a, b = arrays[site.name]
+        member = site.members[k]
+        a[:, k * r:k * r + lora.rank] = lora.a.T
+        b[k * r:k * r + lora.rank, member.offset:member.offset + member.width] = lora.scaling * lora.b.T
+    return AdapterWeights(AdapterRef(adapter.name, adapter.digest), r, arrays)
 
 
-def token_slots(rows: Sequence[tuple[int, int]]) -> np.ndarray:
-    """`lora_slots` for a step's rows given as (tokens, slot or -1), in the order the step packs them."""
-    return np.concatenate([np.full(n, slot, np.int64) for n, slot in rows]) if rows else np.zeros(0, np.int64)
+def stack_slots(sites: Sequence[Site], adapters: Sequence[Adapter], rank: int | None = None) -> dict[str, np.ndarray]:
+    """The stacks of every site for `adapters` (PEFT adapters read by adapter.py) in slots 0, 1, ...: the runtime's
+    stacking (runtime/lora/stacks.py) of their per-site arrays."""
+    return stacks.stack_slots(sites, [site_arrays(sites, a) for a in adapters], rank)
 
 
-__all__ = ["SLOTS", "stack_slots", "token_slots"]
+__all__ = ["SLOTS", "site_arrays", "stack_slots", "token_slots"]

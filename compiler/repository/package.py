@@ -11,6 +11,9 @@
                                                          texts and the chat template (repository/tokenizer.py)
     <output>/model_repository/<name>/1/serving_env.tar.gz  execution_env: the serving packages for the container's
                                                          Python (a link to the environment stage's archive)
+    <output>/model_repository/<name>/1/model_lora.onnx   adapters: the graph with a LoRA branch beside each projection,
+    <output>/model_repository/<name>/1/adapters/         naming the base graph's weights file, and each adapter per
+                                                         site (compiler/lora/package.py, docs/lora.md)
     <output>/model_repository/<name>/1/manifest.json     RepositoryManifest: what the runtime reads
     <output>/model_repository/<name>/1/llmc/             llmc.runtime copied whole (no torch, no transformers)
     <output>/model_repository/<name>/requirements.txt    what the serving Python needs
@@ -29,6 +32,7 @@ from typing import Mapping
 
 import llmc
 from llmc.compiler.artifacts import DraftArtifact, EngineModel, ExecutionEnvironment, ExportedModel, QuantizedModel
+from llmc.compiler.lora.package import check_adapters_spec, package_adapters
 from llmc.compiler.output import link_or_copy
 from llmc.compiler.repository.chat_template import find_chat_template
 from llmc.compiler.repository.tokenizer import write_tokenizer
@@ -63,11 +67,12 @@ def requirements(tensorrt_version: str | None = None) -> list[str]:
 
 def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | QuantizedModel | EngineModel,
             engine_dir: Path, source: SourceInfo, repo_dir: Path, draft: Located | None = None,
-            environment: "Located[ExecutionEnvironment] | None" = None) -> RepositoryManifest:
+            environment: "Located[ExecutionEnvironment] | None" = None,
+            export_dir: Path | None = None) -> RepositoryManifest:
     """Write the repository for `engine` (the export, its quantized form, or the TensorRT engine
     built from either) found in `engine_dir`. `spec` has its limits filled in (BuildSpec.with_model_limits;
     the build's BuildResult.spec). `draft` is the draft stage's DraftArtifact and folder
-    (speculative.method draft)."""
+    (speculative.method draft). `export_dir`: the export's folder, where the LoRA sites are found (spec.adapters)."""
     assert spec.limits.max_seq_len is not None and spec.serving.default_max_tokens is not None, "unresolved limits"
     model_dir = repo_dir / spec.name
     version_dir = model_dir / VERSION
@@ -81,6 +86,11 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
                     chat_template=chat.model_dump() if chat else None, check=spec.verify.enabled)
     draft_model = _copy_draft(draft, version_dir / DRAFT_DIR) if draft is not None else None
     env = _link_environment(environment, version_dir) if environment is not None else None
+    lora = None
+    if spec.adapters:
+        assert export_dir is not None, "adapters are packaged with the export's folder (the sites' graph)"
+        lora = package_adapters(spec, source, export_dir / exported.onnx, engine_dir / engine.model_file,
+                                engine.model_file, version_dir)
     copy_runtime(version_dir / "llmc")
     shutil.copyfile(importlib.resources.files("llmc.model_repository") / "model.py", version_dir / "model.py")
     tensorrt = engine.tensorrt if isinstance(engine, EngineModel) else None
@@ -88,7 +98,7 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
     (model_dir / "config.pbtxt").write_text(render(model_config(
         spec.name, gpu=tensorrt is not None and exported.tensor_parallel == 1,
         chat_template=chat.model_dump_json() if chat else None,
-        max_beam_width=spec.serving.max_beam_width,
+        max_beam_width=spec.serving.max_beam_width, adapters=[a.name for a in lora.adapters] if lora else None,
         execution_env=f"{VERSION}/{env.archive}" if env is not None else None)))
     (model_dir / "requirements.txt").write_text(
         "\n".join(requirements(tensorrt.version if tensorrt else None)) + "\n")
@@ -98,7 +108,7 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
         tokenizer=TOKENIZER_FILE, kv_layout=engine.kv_layout, vocab_size=exported.model.vocab_size,
         end_ids=exported.model.eos_token_ids, source_hash=exported.source_hash, tensorrt=tensorrt, chat_template=chat,
         speculative=SpeculativeConfig(**spec.speculative.model_dump(mode="json", exclude={"draft"}), draft=draft_model)
-        if spec.speculative else None, execution_env=env, tensor_parallel=exported.tensor_parallel,
+        if spec.speculative else None, execution_env=env, tensor_parallel=exported.tensor_parallel, lora=lora,
         limits=ServingLimits(max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
                              max_num_tokens=limits.max_num_tokens, max_queue_size=serving.max_queue_size,
                              default_max_tokens=serving.default_max_tokens, max_stop_words=serving.max_stop_words,
@@ -165,7 +175,8 @@ def _run(engine: Located, spec: BuildSpec, ctx: Context) -> RepositoryManifest:
     """The engine, else the quantized graph, else the export; the export's model, the draft and the
     environment stages' files (declared in `takes` and `reads`)."""
     return package(spec, ctx.done["export"].artifact, engine.artifact, engine.folder, ctx.source, ctx.out,
-                   draft=ctx.done.get("draft"), environment=ctx.done.get("environment"))
+                   draft=ctx.done.get("draft"), environment=ctx.done.get("environment"),
+                   export_dir=ctx.done["export"].folder)
 
 
 def _summary(done: Located[RepositoryManifest]) -> str:
@@ -178,9 +189,10 @@ def _summary(done: Located[RepositoryManifest]) -> str:
     drafting = f", draft {spec.draft.model_file}" if spec and spec.draft else ""
     speculating = f", speculative {spec.method} (k {spec.num_tokens}, up to {spec.max_batch} rows{drafting})" \
         if spec else ""
-    return f"{REPOSITORY_DIR}/{m.name}: {kv}, queue {limits.max_queue_size}{speculating}"
+    adapters = f", {len(m.lora.adapters)} LoRA adapters ({m.lora.lora_file})" if m.lora else ""
+    return f"{REPOSITORY_DIR}/{m.name}: {kv}, queue {limits.max_queue_size}{speculating}{adapters}"
 
 
 PACKAGE = Stage("package", describe=lambda spec: "writing the Triton model repository",
                 takes=("tensorrt", "quantize", "export"), reads=("draft", "environment"), folder=REPOSITORY_DIR,
-                skip=_skip, run=_run, summary=_summary)
+                check=check_adapters_spec, skip=_skip, run=_run, summary=_summary)

@@ -9,7 +9,9 @@ batching is off (`max_batch_size: 0`, scalars have shape [1]).
 
 from __future__ import annotations
 
-from llmc.runtime.serving.tensors import OUTPUTS, SCALARS, TEXTS
+import json
+
+from llmc.runtime.serving.tensors import ADAPTERS_PARAMETER, OUTPUTS, SCALARS, TEXTS
 
 _TYPES = {"BYTES": "TYPE_STRING", "INT32": "TYPE_INT32", "UINT64": "TYPE_UINT64", "FP32": "TYPE_FP32",
           "BOOL": "TYPE_BOOL"}
@@ -19,12 +21,13 @@ EXECUTION_ENV = "EXECUTION_ENV_PATH"  # the Python backend's parameter naming a 
 
 
 def model_config(name: str, *, instances: int = 1, gpu: bool = False, chat_template: str | None = None,
-                 max_beam_width: int = 1, execution_env: str | None = None):
+                 max_beam_width: int = 1, execution_env: str | None = None, adapters: list[str] | None = None):
     """`chat_template`: the recorded template as JSON, carried as the `chat_template` parameter so the
     OpenAI frontend reads it over gRPC (llmc/chat_template.py). `max_beam_width` is carried as
     TensorRT-LLM's parameter of that name (a string, as TensorRT-LLM's config.pbtxt has it).
     `execution_env`: the packed environment's path in the version folder (`1/serving_env.tar.gz`),
-    given to Triton through $$TRITON_MODEL_DIRECTORY, its local copy of the model."""
+    given to Triton through $$TRITON_MODEL_DIRECTORY, its local copy of the model. `adapters`: the LoRA adapters'
+    names as a JSON list, the `lora_adapters` parameter the OpenAI frontend lists them from (docs/lora.md)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
@@ -42,6 +45,8 @@ def model_config(name: str, *, instances: int = 1, gpu: bool = False, chat_templ
     if chat_template is not None:
         cfg.parameters["chat_template"].string_value = chat_template
     cfg.parameters["max_beam_width"].string_value = str(max_beam_width)
+    if adapters:
+        cfg.parameters[ADAPTERS_PARAMETER].string_value = json.dumps(sorted(adapters))
     if execution_env is not None:
         cfg.parameters[EXECUTION_ENV].string_value = f"$$TRITON_MODEL_DIRECTORY/{execution_env}"
     return cfg

@@ -77,6 +77,7 @@ def generate(
     guide_type: Annotated[Optional[str], typer.Option(help="Structured output: json (any JSON object), json_schema, regex, ebnf_grammar (GBNF or Lark), lark_grammar or choice (a JSON list of strings); the guide is --guide or --guide-file.", show_default=False)] = None,
     guide: Annotated[Optional[str], typer.Option(help="The guide's text: a JSON schema, regex, grammar or JSON list of choices.", show_default=False)] = None,
     guide_file: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="Read the guide's text from this file instead.", show_default=False)] = None,
+    lora_name: Annotated[Optional[str], typer.Option(help="Run under this LoRA adapter of the model (its `adapters:` name; docs/lora.md).", show_default=False)] = None,
 ) -> None:
     """Generate text from a served model, printing tokens as they arrive (gRPC streaming)."""
     from llmc.serve import generate_to
@@ -84,7 +85,7 @@ def generate(
     params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                   repetition_penalty=repetition_penalty, seed=seed, stop_words=stop or None, beam_width=beam_width,
                   length_penalty=length_penalty, early_stopping=early_stopping, guided_decoding_guide_type=guide_type,
-                  guided_decoding_guide=guide_file.read_text() if guide_file else guide)
+                  guided_decoding_guide=guide_file.read_text() if guide_file else guide, lora_name=lora_name)
     generate_to(sys.stdout, prompt, url=url, model=model, stream=not no_stream, chat=chat, **params)
 
 

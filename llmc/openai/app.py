@@ -1,7 +1,8 @@
 """The OpenAI-compatible API as a FastAPI app over the Triton servers in a `Pool`.
 
     GET  /health                 200 when a server is reachable, else 503
-    GET  /v1/models              the models READY on the reachable servers
+    GET  /v1/models              the models READY on the reachable servers, and the LoRA adapters each serves
+                                 (an adapter's `parent` is its model; a request names an adapter as its `model`)
     POST /v1/completions         prompt (string or list) -> text; streamed as SSE with stream: true
     POST /v1/chat/completions    messages -> the model's chat template -> text; 400 without a template
 
@@ -30,6 +31,7 @@ from llmc.openai.responses import (CompletionLogprobs, Reply, chat_choice, chat_
 from llmc.openai.streaming import Choices, EventStream, Job, stream_events, usage_of
 from llmc.openai.structured import Guided, guide_of, tool_calls
 from llmc.openai.tool_parsers import default_messages
+from llmc.runtime.serving.tensors import LORA_NAME
 
 MAX_BODY_SIZE = 4 * 1024 * 1024  # bytes
 DISCONNECT_POLL = 0.5  # seconds between checks for a client gone before its stream started
@@ -60,8 +62,10 @@ def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: in
 
     @router.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llmc"}
-                                           for name in sorted(pool.models())]}
+        adapters = pool.adapters()
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llmc",
+                                            **({"parent": adapters[name]} if name in adapters else {})}
+                                           for name in sorted([*pool.models(), *adapters])]}
 
     @router.post("/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -73,13 +77,16 @@ def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: in
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"prompt: {len(prompts)} prompts x n {req.n} is above {MAX_CHOICES} choices a request",
                               "prompt")
-        jobs = [Job(i * req.n + j, p, _inputs(req, j, guided)) for i, p in enumerate(prompts) for j in range(req.n)]
-        return await _answer(pool, req, request, Reply(req.model, chat=False), jobs, "completions", guided)
+        model, adapter = pool.resolve(req.model)
+        jobs = [Job(i * req.n + j, p, _inputs(req, j, guided, adapter=adapter)) for i, p in enumerate(prompts)
+                for j in range(req.n)]
+        return await _answer(pool, model, req, request, Reply(req.model, chat=False), jobs, "completions", guided)
 
     @router.post("/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         refuse_unsupported(req)
-        info = pool.info(req.model)
+        model, adapter = pool.resolve(req.model)
+        info = pool.info(model)
         if info.chat_template is None:
             raise OpenAIError(400, str(NoChatTemplate(req.model)), "messages", "model_has_no_chat_template")
         guided = guide_of(req, info.chat_template["template"], info.chat_template.get("tool_call_format"))
@@ -90,8 +97,8 @@ def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: in
             prompt = render(info.chat_template, messages, tools=req.tools)
         except ChatTemplateError as err:
             raise OpenAIError(400, str(err), "messages") from None
-        jobs = [Job(j, prompt, _inputs(req, j, guided, info)) for j in range(req.n)]
-        return await _answer(pool, req, request, Reply(req.model, chat=True), jobs, "chat", guided)
+        jobs = [Job(j, prompt, _inputs(req, j, guided, info, adapter)) for j in range(req.n)]
+        return await _answer(pool, model, req, request, Reply(req.model, chat=True), jobs, "chat", guided)
 
     app.include_router(router)
     return app
@@ -111,17 +118,20 @@ async def _started(choices: Choices, request: Request) -> None:
         first.cancel()
 
 
-def _inputs(req, choice: int, guided: Guided | None, info: ModelInfo | None = None) -> dict:
+def _inputs(req, choice: int, guided: Guided | None, info: ModelInfo | None = None, adapter: str | None = None) -> dict:
     inputs = {**model_inputs(req, choice), **(guided.inputs() if guided is not None else {})}
+    if adapter is not None:
+        inputs[LORA_NAME] = adapter
     if info is not None and info.inputs is not None and "add_special_tokens" not in info.inputs:
         inputs.pop("add_special_tokens", None)  # a model built before that input: it adds them, as it always did
     return inputs
 
 
-async def _answer(pool: Pool, req, request: Request, reply: Reply, jobs: list[Job], endpoint: str,
+async def _answer(pool: Pool, model: str, req, request: Request, reply: Reply, jobs: list[Job], endpoint: str,
                   guided: Guided | None):
+    """`model`: the served model the jobs go to (req.model's, or the model serving the adapter req.model names)."""
     logprobs = num_top_logprobs(req) is not None
-    choices = Choices(pool, req.model, jobs, req.stream, endpoint, guided.param if guided else None)
+    choices = Choices(pool, model, jobs, req.stream, endpoint, guided.param if guided else None)
     echo = getattr(req, "echo", False)
     calls = guided if guided is not None and guided.parses_calls else None
     if req.stream:

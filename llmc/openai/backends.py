@@ -8,13 +8,16 @@ in flight.
   the one picked least often). A stream stays on its server; nothing is retried silently: a
   server that fails mid-request answers 503.
 - The models are those READY on the healthy servers; each model's chat template comes from its
-  config.pbtxt parameter (llmc/chat_template.py), read once per model version.
+  config.pbtxt parameter (llmc/chat_template.py), read once per model version, and so do the LoRA adapters it
+  serves (the `lora_adapters` parameter, docs/lora.md): a request names one as its `model` and goes to the model
+  that serves it with `lora_name` (`resolve`). A model's own name wins over an adapter of another model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -24,6 +27,7 @@ import numpy as np
 from llmc.chat_template import PARAMETER, parse_parameter
 from llmc.client import Generation, Unreachable, make_inputs
 from llmc.client.stream import responses
+from llmc.runtime.serving.tensors import ADAPTERS_PARAMETER as ADAPTERS
 from llmc.openai.protocol import OpenAIError
 
 HEALTH_INTERVAL = 2.0  # seconds between health checks
@@ -36,6 +40,7 @@ class ModelInfo:
     version: str
     chat_template: dict | None
     inputs: frozenset[str] | None = None  # the input tensors the model declares (None: not known)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it serves (config.pbtxt's lora_adapters parameter)
 
 
 class ChoiceGeneration(Generation):
@@ -129,12 +134,23 @@ class Backend:
                     config = (await grpc.get_model_config(entry.name, client_timeout=HEALTH_TIMEOUT)).config
                     value = config.parameters[PARAMETER].string_value if PARAMETER in config.parameters else None
                     known = ModelInfo(entry.name, entry.version, parse_parameter(value),
-                                      frozenset(i.name for i in config.input))
+                                      frozenset(i.name for i in config.input), _adapters(config))
                 models[entry.name] = known
         except Exception:
             self.healthy = False
             return
         self.models, self.healthy = models, bool(ready)
+
+
+def _adapters(config) -> tuple[str, ...]:
+    """The adapter names a model's config lists (none when it lists none, or not as a JSON list of names)."""
+    if ADAPTERS not in config.parameters:
+        return ()
+    try:
+        names = json.loads(config.parameters[ADAPTERS].string_value)
+    except ValueError:
+        return ()
+    return tuple(n for n in names if isinstance(n, str)) if isinstance(names, list) else ()
 
 
 class Pool:
@@ -177,6 +193,20 @@ class Pool:
     def models(self) -> dict[str, ModelInfo]:
         return {name: info for b in reversed(self.healthy) for name, info in b.models.items()}
 
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters on the reachable servers: adapter name -> the model serving it (its parent)."""
+        models = self.models()
+        return {a: name for name, info in models.items() for a in info.adapters if a not in models}
+
+    def resolve(self, model: str) -> tuple[str, str | None]:
+        """(the served model, the adapter or None) a request's `model` names: a model, or an adapter of one (404
+        when neither, 503 when no server is reachable)."""
+        if model not in self.models():
+            parent = self.adapters().get(model)
+            if parent is not None:
+                return parent, model
+        return self._serving(model)[0].models[model].name, None
+
     def info(self, model: str) -> ModelInfo:
         """What a reachable server says of `model`: 503 when none is reachable, 404 when none serves it."""
         return self._serving(model)[0].models[model]
@@ -194,7 +224,7 @@ class Pool:
                               None, "service_unavailable")
         serving = [b for b in healthy if model in b.models]
         if not serving:
-            known = ", ".join(sorted(self.models())) or "none"
+            known = ", ".join(sorted([*self.models(), *self.adapters()])) or "none"
             raise OpenAIError(404, f"the model {model!r} does not exist (served: {known})", "model", "model_not_found")
         return serving
 

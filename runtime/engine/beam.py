@@ -60,6 +60,7 @@ class BeamRow:
     num_cached: int
     score: np.float32
     long_rope: bool = False  # its KV were computed with LongRoPE's long factors (its request's, longrope.py)
+    adapter_key: bytes | None = None  # its request's LoRA adapter's prefix-cache key (prefix_keys.py)
 
     @property
     def num_tokens(self) -> int:
@@ -130,7 +131,8 @@ class BeamSearch:
         self.done = self._is_done(running[keep[0]], length) or bool(ends.all())
         rows = [] if self.done else [
             BeamRow(parents[parent[i]].token_ids + [int(token[i])], blocks.fork(parents[parent[i]].block_ids),
-                    parents[parent[i]].num_tokens, running[i], parents[parent[i]].long_rope) for i in keep]
+                    parents[parent[i]].num_tokens, running[i], parents[parent[i]].long_rope,
+                    parents[parent[i]].adapter_key) for i in keep]
         for row in {id(p): p for p in parents}.values():  # forks first: a shared block never drops to 0
             blocks.free(row)
         self.rows = rows
@@ -195,7 +197,8 @@ def advance(seq: "Sequence", logits: np.ndarray, blocks: "BlockManager") -> None
     search = seq.beam
     parents = search.rows
     if not parents:  # the prompt's blocks pass to the first beams
-        parents = [BeamRow(list(seq.prompt_ids), seq.block_ids, seq.num_cached, np.float32(0.0), seq.long_rope)]
+        parents = [BeamRow(list(seq.prompt_ids), seq.block_ids, seq.num_cached, np.float32(0.0), seq.long_rope,
+                           seq.adapter_key)]
         seq.block_ids = []
     search.step(logits, parents, blocks)
     if search.done:

@@ -17,6 +17,8 @@ The last prompt token is always computed (its logits are the first sample), so a
 never written. A LongRoPE model's KV depend on which side of its switch the sequence's length is
 (runtime/engine/longrope.py): a sequence's blocks are keyed in a chain of their own for the long
 factors (`long_rope`, set when it is given blocks), so short-factor blocks never serve a long prompt.
+A sequence under a LoRA adapter keys its blocks in that adapter's chain (`adapter_key`: its name and content
+digest, prefix_keys.py), so no hit crosses adapters, nor the base and an adapter.
 A block no sequence holds keeps its key and stays reusable until the pool needs it: free blocks are
 handed out first, then cached ones, least recently released first (LRU).
 
@@ -48,6 +50,7 @@ class Blocked(Protocol):
     num_cached: int  # tokens whose KV is in the sequence's blocks
     num_tokens: int  # prompt and output
     long_rope: bool  # its KV were computed with LongRoPE's long factors
+    adapter_key: bytes | None  # its LoRA adapter's identity key (None: the base model)
 
     def all_token_ids(self) -> Sequence[int]: ...
 
@@ -65,7 +68,7 @@ class BlockManager:
         self._free = list(range(num_blocks - 1, -1, -1))  # never used, or released without a key; pop() = lowest
         self._cached: OrderedDict[int, None] = OrderedDict()  # released with a key, oldest first
         self._by_key: dict[bytes, int] = {}  # prefix hash -> block id
-        self._memo: tuple[list[int], bool, list[bytes]] = ([], False, [])  # _prefix_keys': the last lookup
+        self._memo: tuple[list[int], bytes | None, list[bytes]] = ([], None, [])  # _prefix_keys': the last lookup
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found, since start
 
     # the pool's state (metrics)
@@ -96,29 +99,30 @@ class BlockManager:
         keyed = self._keyed[block]
         return keyed is not None and keyed.parent == parent and keyed.tokens == tokens
 
-    def _prefix_keys(self, tokens: Sequence[int], long: bool) -> Iterator[bytes]:
-        """The keys of the full blocks of `tokens` before the last token, in order (`long`: under
-        LongRoPE's long factors), computed as they are asked for and remembered for the same tokens
-        asked again (can_allocate, then allocate; the request at the head of the queue, every step it waits)."""
-        memo_tokens, memo_long, keys = self._memo
-        if memo_tokens != tokens or memo_long != long:
+    def _prefix_keys(self, tokens: Sequence[int], start: bytes | None) -> Iterator[bytes]:
+        """The keys of the full blocks of `tokens` before the last token, in order, chained from `start`
+        (prefix_keys.seed: the base's, LongRoPE's long factors', an adapter's), computed as they are asked for and
+        remembered for the same tokens asked again (can_allocate, then allocate; the request at the head of the
+        queue, every step it waits)."""
+        memo_tokens, memo_start, keys = self._memo
+        if memo_tokens != tokens or memo_start != start:
             keys = []
-            self._memo = (list(tokens), long, keys)
+            self._memo = (list(tokens), start, keys)
         for index in range((len(tokens) - 1) // self.block_size):
             if index == len(keys):
-                keys.append(block_hash(keys[-1] if keys else seed(long), self._block_tokens(tokens, index)))
+                keys.append(block_hash(keys[-1] if keys else start, self._block_tokens(tokens, index)))
             yield keys[index]
 
     def is_long(self, seq: Blocked) -> bool:
         """Whether `seq`'s tokens, computed now, take LongRoPE's long factors (runtime/engine/longrope.py)."""
         return longrope.is_long(self.longrope_switch, seq.num_tokens)
 
-    def _cached_prefix(self, tokens: Sequence[int], long: bool) -> list[int]:
+    def _cached_prefix(self, tokens: Sequence[int], long: bool, adapter: bytes | None) -> list[int]:
         """The cached blocks of the longest cached prefix, never reaching the last token."""
         if not self.prefix_caching:
             return []
-        found, parent = [], root(long)
-        for index, key in enumerate(self._prefix_keys(tokens, long)):
+        found, parent = [], root(long, adapter)
+        for index, key in enumerate(self._prefix_keys(tokens, seed(long, adapter))):
             block = self._by_key.get(key)
             if block is None or not self._holds(block, parent, self._block_tokens(tokens, index)):
                 break  # not cached, or a collision: another prefix's block under this key
@@ -128,7 +132,7 @@ class BlockManager:
 
     def can_allocate(self, seq: Blocked) -> bool:
         tokens = seq.all_token_ids()
-        hits = self._cached_prefix(tokens, self.is_long(seq))
+        hits = self._cached_prefix(tokens, self.is_long(seq), seq.adapter_key)
         reusable = sum(1 for b in hits if self.ref_counts[b] == 0)  # hits now counted as available
         return self.blocks_for(len(tokens)) - len(hits) <= self.num_available - reusable
 
@@ -138,7 +142,7 @@ class BlockManager:
         assert not seq.block_ids, "allocate() is for a sequence that holds no blocks"
         tokens = seq.all_token_ids()
         seq.long_rope = self.is_long(seq)
-        hits = self._cached_prefix(tokens, seq.long_rope)
+        hits = self._cached_prefix(tokens, seq.long_rope, seq.adapter_key)
         if self.prefix_caching:
             self.prefix_queries += len(tokens)
             self.prefix_hits += len(hits) * self.block_size
@@ -181,7 +185,7 @@ class BlockManager:
         start = full
         while start > 0 and self.keys[seq.block_ids[start - 1]] is None:
             start -= 1
-        key, parent = seed(seq.long_rope), root(seq.long_rope)
+        key, parent = seed(seq.long_rope, seq.adapter_key), root(seq.long_rope, seq.adapter_key)
         if start:
             last = seq.block_ids[start - 1]
             key, parent = self.keys[last], self._keyed[last].serial

@@ -26,6 +26,7 @@ from llmc.runtime.decoding.grammar import GuideMatcher
 from llmc.runtime.decoding.logprobs import LogprobRecorder, Logprobs
 from llmc.runtime.decoding.sampling import SamplingParams, sample_guided
 from llmc.runtime.engine.sequence import FinishReason, Sequence
+from llmc.runtime.lora.stacks import AdapterRef
 
 
 class QueueFull(Exception):
@@ -98,7 +99,8 @@ class Engine(Protocol):
     def end_ids(self) -> tuple[int, ...]: ...
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    logprobs: int | None = None, guide: GuideMatcher | None = None) -> Sequence: ...
+                    logprobs: int | None = None, guide: GuideMatcher | None = None,
+                    adapter: str | None = None) -> Sequence: ...
     def cancel(self, request_id: str) -> None: ...
     def abort_all(self) -> None: ...
     def step(self) -> list[StepOutput]: ...
@@ -118,10 +120,12 @@ class EngineCore:
         self._cancelled: list[Sequence] = []
 
     def sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 logprobs: int | None = None, guide: GuideMatcher | None = None) -> Sequence:
+                 logprobs: int | None = None, guide: GuideMatcher | None = None,
+                 adapter: AdapterRef | None = None) -> Sequence:
         """A new request's sequence, not queued yet; ValueError for one that cannot run. `logprobs`:
         record the log probabilities of its tokens, with that many alternatives each (logprobs.py);
-        `guide`: its compiled grammar's matcher (grammar.py), which every token it samples obeys."""
+        `guide`: its compiled grammar's matcher (grammar.py), which every token it samples obeys;
+        `adapter`: the LoRA adapter it runs under (the engine resolved its name)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.capacity:
@@ -137,7 +141,8 @@ class EngineCore:
             params = params.model_copy(update={"end_ids": self.end_ids})
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
         recorder = LogprobRecorder(logprobs) if logprobs is not None else None
-        return Sequence(request_id, list(prompt_ids), params, detokenizer=detok, logprobs=recorder, guide=guide)
+        return Sequence(request_id, list(prompt_ids), params, detokenizer=detok, logprobs=recorder, guide=guide,
+                        adapter=adapter)
 
     def queue(self, seq: Sequence) -> Sequence:
         """Hand `seq` to the scheduler; ValueError for an id already running, QueueFull when busy."""

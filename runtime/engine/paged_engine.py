@@ -20,6 +20,11 @@ follow the same distribution (and with prompt lookup are the same tokens for a s
 A guided row whose grammar forces its next tokens feeds them the same way, verified as proposals
 (`fast_forward`, token_scheduler.py), with or without `speculative`.
 
+With `lora` (lora_slots.py: the adapter store and lora.max_slots) a request may name a LoRA adapter: an unknown
+name is refused before anything runs; the scheduler caps a step's distinct adapters, and each row carries its
+sequence's adapter weights to the runner, which runs the LoRA graph for a step with any adapter token and the base
+graph otherwise (runtime/runners/paged_lora.py).
+
 A request with `beam_width` W > 1 (up to `max_beam_width`, serving.max_beam_width) runs beam
 search (runtime/engine/beam.py): its prompt prefills as one row, then its W beams decode as W rows of
 every step, sharing their blocks copy-on-write; its beams come out once, when it finishes.
@@ -39,11 +44,13 @@ from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine import beam, longrope
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.core import CacheState, EngineCore, StepOutput
+from llmc.runtime.engine.lora_slots import LoraSlots
 from llmc.runtime.engine.speculation.draft import DraftProposer
 from llmc.runtime.engine.sequence import FinishReason, Sequence
 from llmc.runtime.engine.speculation.speculator import Speculator
 from llmc.runtime.engine.step_cost import StepCost
 from llmc.runtime.engine.token_scheduler import TokenScheduler
+from llmc.runtime.lora.store import UnknownAdapter
 from llmc.runtime.manifest import SpeculativeConfig
 from llmc.runtime.runners.paged import PagedRunner
 
@@ -52,7 +59,8 @@ class PagedEngine:
     def __init__(self, runner: PagedRunner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_rows: int,
                  max_seq_len: int, max_num_tokens: int, max_queue_size: int = 256, prefix_caching: bool = True,
                  itl_ratio: float | None = None, speculative: SpeculativeConfig | None = None,
-                 draft: PagedRunner | None = None, max_beam_width: int = 1, fast_forward: bool = True):
+                 draft: PagedRunner | None = None, max_beam_width: int = 1, fast_forward: bool = True,
+                 lora: LoraSlots | None = None):
         if not 1 <= max_beam_width <= max_rows:
             raise ValueError(f"max_beam_width ({max_beam_width}) must be between 1 and max_rows ({max_rows}): a beam "
                              f"request's beams are rows of one step")
@@ -61,6 +69,10 @@ class PagedEngine:
         if draft is not None and (draft.num_blocks, draft.block_size) != (runner.num_blocks, runner.block_size):
             raise ValueError(f"the draft's pools ({draft.num_blocks} blocks of {draft.block_size}) must match the "
                              f"target's ({runner.num_blocks} of {runner.block_size}): they share its block tables")
+        if lora is not None and (runner.lora is None or speculative is not None):
+            raise ValueError("LoRA adapters need a runner with the LoRA graph, and no speculative decoding (not yet "
+                             "served with adapters)")
+        self.lora = lora
         self.runner = runner
         switch = runner.layout.longrope_switch  # LongRoPE models only (longrope.py)
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching, switch)
@@ -70,7 +82,7 @@ class PagedEngine:
         self.drafter = DraftProposer(draft, runner.vocab_size, end_ids) if draft is not None else None
         self.scheduler = TokenScheduler(self.blocks, max_rows=max_rows, max_num_tokens=max_num_tokens,
                                         max_queue_size=max_queue_size, capacity=max_seq_len,
-                                        speculator=self.speculator, fast_forward=fast_forward)
+                                        speculator=self.speculator, fast_forward=fast_forward, lora=lora)
         self.core = EngineCore(self.scheduler, tokenizer, end_ids=end_ids, capacity=max_seq_len,
                                max_beam_width=max_beam_width)
 
@@ -83,18 +95,23 @@ class PagedEngine:
         return self.core.has_work
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    logprobs: int | None = None, guide: GuideMatcher | None = None) -> Sequence:
+                    logprobs: int | None = None, guide: GuideMatcher | None = None,
+                    adapter: str | None = None) -> Sequence:
         """Queue a request; raises ValueError for a request that cannot run (the core's checks, and a
-        prompt the KV pool cannot hold at all: a full pool only queues it) and QueueFull when busy.
-        `logprobs`: record its tokens' log probabilities with that many alternatives (logprobs.py);
-        `guide`: constrain its tokens to a compiled grammar (grammar.py)."""
+        prompt the KV pool cannot hold at all: a full pool only queues it; UnknownAdapter for an adapter the model
+        does not serve) and QueueFull when busy. `logprobs`: record its tokens' log probabilities with that many
+        alternatives (logprobs.py); `guide`: constrain its tokens to a compiled grammar (grammar.py); `adapter`: the
+        name of the LoRA adapter it runs under (None: the base model)."""
+        if adapter is not None and self.lora is None:
+            raise UnknownAdapter(f"lora_name: this model serves no LoRA adapters (got {adapter!r})")
+        ref = self.lora.store.resolve(adapter) if adapter is not None else None
         # a beam request's first step: its prompt's blocks, and at most one more block per beam
         needed = self.blocks.blocks_for(len(prompt_ids) + 1) if params.beam_width == 1 else \
             self.blocks.blocks_for(len(prompt_ids)) + params.beam_width
         if needed > self.blocks.num_blocks:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; with room for one more it needs {needed} KV "
                              f"blocks and the whole pool has {self.blocks.num_blocks} (limits.kv_cache_tokens)")
-        seq = self.core.sequence(request_id, prompt_ids, params, logprobs, guide)
+        seq = self.core.sequence(request_id, prompt_ids, params, logprobs, guide, ref)
         if seq.params.beam_width > 1:  # its search, before it is queued
             beam.start(seq, self.core.capacity)
             longrope.check_beams(self.blocks.longrope_switch, len(prompt_ids), seq.beam.max_new_tokens)

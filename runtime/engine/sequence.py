@@ -12,6 +12,7 @@ from llmc.runtime.decoding.tokenizer import IncrementalDetokenizer, StopMatcher
 from llmc.runtime.decoding.grammar import GuideMatcher
 from llmc.runtime.decoding.logprobs import LogprobRecorder
 from llmc.runtime.decoding.sampling import SamplingParams
+from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights
 
 if TYPE_CHECKING:
     from llmc.runtime.engine.beam import BeamSearch
@@ -47,6 +48,8 @@ class Sequence:
     logprobs: LogprobRecorder | None = None  # set when the request asked for log probabilities
     beam: "BeamSearch | None" = None  # beam_width > 1: its beams are rows of their own (runtime/engine/beam.py)
     guide: GuideMatcher | None = None  # structured output: its grammar's state (decoding/grammar.py)
+    adapter: AdapterRef | None = None  # its LoRA adapter (None: the base model)
+    lora: AdapterWeights | None = None  # that adapter's weights, held while it runs (engine/lora_slots.py)
     text: str = ""  # everything emitted so far
     _pending: str = ""  # emitted by the last step, not yet taken by the caller
 
@@ -54,6 +57,7 @@ class Sequence:
         self.rng = self.params.make_rng()
         self.stops = StopMatcher(self.params.stop_words)
         self._prompt = np.asarray(self.prompt_ids, dtype=np.int64)
+        self.adapter_key = self.adapter.key if self.adapter is not None else None  # its blocks' key chain
 
     @property
     def is_finished(self) -> bool:

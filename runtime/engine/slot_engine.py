@@ -29,6 +29,7 @@ from llmc.runtime.engine import longrope
 from llmc.runtime.engine.core import CacheState, EngineCore, StepOutput
 from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
 from llmc.runtime.engine.slot_scheduler import Scheduler
+from llmc.runtime.lora.store import UnknownAdapter
 from llmc.runtime.runners.protocol import Runner
 
 
@@ -50,10 +51,13 @@ class SlotEngine:
         return self.core.has_work
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    logprobs: int | None = None, guide: GuideMatcher | None = None) -> Sequence:
+                    logprobs: int | None = None, guide: GuideMatcher | None = None,
+                    adapter: str | None = None) -> Sequence:
         """Queue a request; raises ValueError for a request that cannot run and QueueFull when busy.
         `logprobs`: record its tokens' log probabilities with that many alternatives (logprobs.py);
-        `guide`: constrain its tokens to a compiled grammar (grammar.py)."""
+        `guide`: constrain its tokens to a compiled grammar (grammar.py); `adapter`: a slot graph serves none."""
+        if adapter is not None:
+            raise UnknownAdapter(f"lora_name: this model serves no LoRA adapters (got {adapter!r})")
         return self.core.queue(self.core.sequence(request_id, prompt_ids, params, logprobs, guide))
 
     def cancel(self, request_id: str) -> None:

@@ -95,9 +95,9 @@ class StepPlan:
     def row_steps(self) -> list[RowStep]:
         """The graph's rows: one logits row per chunk (the graph's minimum; a chunk that ends
         mid-prompt ignores it), and one more per proposal; each with its sequence's (or beam's) whole
-        length, which a LongRoPE graph's table switch reads (longrope.py)."""
+        length, which a LongRoPE graph's table switch reads (longrope.py), and its sequence's LoRA adapter."""
         return [RowStep(c.token_ids, c.past_len, c.block_ids, 1 + len(c.proposals),
-                        (c.seq if c.row is None else c.row).num_tokens) for c in self.chunks]
+                        (c.seq if c.row is None else c.row).num_tokens, c.seq.lora) for c in self.chunks]
 
     @property
     def num_decode_rows(self) -> int:

@@ -27,6 +27,10 @@ preemption (runtime/engine/longrope.py).
 Fast-forward (`fast_forward`, on by default) and speculation add proposals after decode rows' last tokens
 once every decode row has its blocks (speculation/proposals.py).
 
+With LoRA adapters (`lora`, lora_slots.py) a waiting request is admitted only while the running sequences' distinct
+adapters stay within `max_slots` (every step carries them all); one that does not fit waits, and the requests behind
+it that fit are admitted past it. A running sequence holds its adapter's weights until it stops running.
+
 A beam request (runtime/engine/beam.py) is one sequence here that counts `beam_width` rows from its
 admission on: it prefills its prompt as one row, then its beams decode as rows of their own, all
 of them in the same step or none (they are scheduled together, with the blocks copy-on-write needs
@@ -44,6 +48,7 @@ import numpy as np
 from llmc.runtime.engine import beam, longrope
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.core import WaitingQueue
+from llmc.runtime.engine.lora_slots import LoraSlots
 from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
 from llmc.runtime.engine.speculation import proposals
 from llmc.runtime.engine.speculation.speculator import Speculator, logit_rows, verify
@@ -55,8 +60,10 @@ if TYPE_CHECKING:
 
 class TokenScheduler(WaitingQueue):
     def __init__(self, blocks: BlockManager, *, max_rows: int, max_num_tokens: int, max_queue_size: int,
-                 capacity: int, speculator: Speculator | None = None, fast_forward: bool = True):
+                 capacity: int, speculator: Speculator | None = None, fast_forward: bool = True,
+                 lora: LoraSlots | None = None):
         super().__init__(max_queue_size)
+        self.lora = lora
         self.blocks, self.max_rows, self.max_num_tokens = blocks, max_rows, max_num_tokens
         self.capacity, self.speculator, self.fast_forward = capacity, speculator, fast_forward
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
@@ -80,15 +87,21 @@ class TokenScheduler(WaitingQueue):
                 break
             if seq.num_tokens - seq.num_cached > 1 and not _forked(seq):
                 budget -= self._chunk(seq, budget, chunks)
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        at = 0  # the first waiting sequence not passed over (without adapters: always the head)
+        while at < len(self.waiting) and budget > 0:
+            seq = self.waiting[at]
             if seq.is_finished:  # cancelled while waiting
-                self.waiting.popleft()
+                del self.waiting[at]
+                continue
+            if self.lora is not None and not self.lora.fits(seq, self.running):
+                at += 1  # its adapter waits for a slot; those behind it may fit
                 continue
             if self.num_rows + seq.params.beam_width > self.max_rows or not self.blocks.can_allocate(seq):
                 break
-            self.waiting.popleft()
+            del self.waiting[at]
             self.blocks.allocate(seq)
+            if self.lora is not None:
+                self.lora.hold(seq)
             seq.status = Status.prefilling
             self.running.append(seq)
             budget -= self._chunk(seq, budget, chunks)
@@ -163,6 +176,8 @@ class TokenScheduler(WaitingQueue):
         """`seq` gives its blocks back and goes to the front of the queue, to prefill all its tokens again."""
         self.blocks.free(seq)
         self.running.remove(seq)
+        if self.lora is not None:
+            self.lora.drop(seq)
         seq.status, seq.draft_cached = Status.waiting, 0
         self.waiting.appendleft(seq)
 
@@ -179,6 +194,8 @@ class TokenScheduler(WaitingQueue):
         self.blocks.commit(written)
 
     def release(self, seq: Sequence) -> None:
+        if self.lora is not None:
+            self.lora.drop(seq)
         if seq in self.running:
             self.running.remove(seq)
             if seq.beam is not None:

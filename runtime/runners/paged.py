@@ -37,7 +37,10 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from llmc.runtime.layout import KVLayout, PAGED_INPUTS, SEQUENCE_LENGTHS
+from llmc.runtime.lora.sites import Site
+from llmc.runtime.lora.stacks import AdapterWeights
 from llmc.runtime.runners.ort import make_session
+from llmc.runtime.runners.paged_lora import LoraGraph
 from llmc.runtime.runners.protocol import RunnerClosed
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class RowStep:
     block_ids: Sequence[int]
     num_logits: int = 1
     seq_len: int | None = None  # LongRoPE graphs: the sequence's whole length (None: past_len + len(token_ids))
+    adapter: AdapterWeights | None = None  # the LoRA adapter its tokens run under (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -145,9 +149,11 @@ class PagedRunner:
     """A paged graph and its block pools: `step(rows) -> logits [sum(num_logits), vocab]`."""
 
     def __init__(self, onnx_path: Path, layout: KVLayout, *, num_blocks: int, max_num_tokens: int,
-                 num_threads: int = 0, spin_after_run: bool = True, group: str | None = None, prepack: bool = True):
+                 num_threads: int = 0, spin_after_run: bool = True, group: str | None = None, prepack: bool = True,
+                 lora: tuple[Path, Sequence[Site]] | None = None):
         """`group`: the collective group of a tensor-parallel rank's graph (runtime/runners/parallel/ort_group.py);
-        `prepack`: make_session's (False: a build's own check of a big fp32 graph reads it from the mapped file)."""
+        `prepack`: make_session's (False: a build's own check of a big fp32 graph reads it from the mapped file);
+        `lora`: the LoRA graph and its sites (paged_lora.py), run for the steps whose rows carry an adapter."""
         if not layout.paged:
             raise ValueError("PagedRunner runs paged graphs (kv_layout.paged); this layout is the slot form")
         if num_blocks < 1 or max_num_tokens < 1:
@@ -166,7 +172,12 @@ class PagedRunner:
         self.vocab_size = int(self.session.get_outputs()[0].shape[-1])
         shape = layout.block_shape(num_blocks)
         self.pools = [np.zeros(shape, dtype=layout.dtype) for _ in range(2 * layout.num_layers)]
-        self._binding = self._bind_pools()  # the small inputs and the logits are rebound each step
+        self._binding = self._bind_pools(self.session)  # the small inputs and the logits are rebound each step
+        self.lora = None
+        if lora is not None:  # it takes turns with the base session: its threads stop spinning after its runs
+            session = make_session(lora[0], num_threads, spin_after_run=False, group=group, prepack=prepack)
+            self.lora = LoraGraph(session, lora[1], expected, lora[0])
+            self.lora.binding = self._bind_pools(session)
 
     @property
     def block_size(self) -> int:
@@ -179,6 +190,8 @@ class PagedRunner:
     def close(self) -> None:
         """Drop the session, its bindings and the pools."""
         self.session, self.pools, self._binding = None, None, None
+        if self.lora is not None:
+            self.lora.close()
 
     def step(self, rows: Sequence[RowStep]) -> np.ndarray:
         """Run the rows in one call; the logits of each row's last `num_logits` tokens, in row order."""
@@ -187,10 +200,14 @@ class PagedRunner:
         packed = pack(rows, block_size=self.block_size, num_blocks=self.num_blocks, max_num_tokens=self.max_num_tokens,
                       vocab_size=self.vocab_size, sequence_lengths=bool(self.layout.step_inputs))
         logits = np.empty((len(packed.logits_indices), self.vocab_size), dtype=np.float32)
+        session, binding = self.session, self._binding
+        if self.lora is not None and any(row.adapter is not None for row in rows):
+            session, binding = self.lora.session, self.lora.binding
+            self.lora.bind([row.adapter for row in rows], [len(row.token_ids) for row in rows])
         for name, value in packed.feeds().items():
-            self._binding.bind_cpu_input(name, value)
-        self._binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        self.session.run_with_iobinding(self._binding)
+            binding.bind_cpu_input(name, value)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        session.run_with_iobinding(binding)
         return logits
 
     def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
@@ -202,9 +219,9 @@ class PagedRunner:
             for pool in self.pools:
                 pool[dst] = pool[src]
 
-    def _bind_pools(self):
-        """A new IO binding with every pool as both its past input and its present output."""
-        binding = self.session.io_binding()
+    def _bind_pools(self, session):
+        """A new IO binding of `session` with every pool as both its past input and its present output."""
+        binding = session.io_binding()
         for past, present, pool in zip(self.layout.past_names(), self.layout.present_names(), self.pools):
             assert pool.flags.c_contiguous  # a strided view would be copied by ONNX Runtime and the writes lost
             args = ("cpu", 0, pool.dtype.type, list(pool.shape), pool.ctypes.data)

@@ -3,7 +3,8 @@ tokenizer and the limits requests are checked against. The only place that knows
 and engine class; `ServingLoop.from_manifest` (loop.py) serves what it loads.
 
     paged graph (kv_layout.paged)   PagedEngine over a PagedRunner (and a draft's, with speculative.draft), or over
-                                    a TensorParallelRunner when the model is split over ranks
+                                    a TensorParallelRunner when the model is split over ranks; with `lora`, the
+                                    runner also holds the LoRA graph and the engine the adapters (lora_engine_parts)
     tensorrt                        SlotEngine over a TrtRunner, or over a TrtTensorParallelRunner (one GPU a rank)
                                     when the model is split over ranks
     onnxruntime                     SlotEngine over an OrtRunner
@@ -64,6 +65,7 @@ def paged_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
     lim = m.limits
     num_blocks = -(-lim.kv_cache_tokens // m.kv_layout.block_size)
     spec = m.speculative
+    lora_graph, slots = lora_parts(folder, m)
     drafting = spec is not None and spec.draft is not None  # two sessions in turn: neither spins after its run
     if m.tensor_parallel > 1:
         from llmc.runtime.runners.parallel.ort_group import TensorParallelRunner
@@ -73,11 +75,35 @@ def paged_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
                                       num_threads=max(1, lim.num_threads // m.tensor_parallel) if lim.num_threads else 0)
     else:
         runner = PagedRunner(folder / m.model_file, m.kv_layout, num_blocks=num_blocks, max_num_tokens=lim.max_num_tokens,
-                             num_threads=lim.num_threads, spin_after_run=not drafting)
+                             num_threads=lim.num_threads, spin_after_run=not drafting, lora=lora_graph)
     draft = PagedRunner(folder / spec.draft.model_file, spec.draft.kv_layout, num_blocks=num_blocks,
                         max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads, spin_after_run=False) \
         if drafting else None
     return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
                        max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
                        max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching, itl_ratio=lim.itl_ratio,
-                       speculative=spec, draft=draft, max_beam_width=lim.max_beam_width)
+                       speculative=spec, draft=draft, max_beam_width=lim.max_beam_width, lora=slots)
+
+
+class LoraNotServed(RuntimeError):
+    """A manifest with adapters this runtime cannot serve them with (speculative decoding, tensor parallelism)."""
+
+
+def lora_parts(folder: Path, m: RepositoryManifest):
+    """The LoRA graph and sites for the runner and the adapter slots for the engine, or (None, None) without
+    adapters; refuses what adapters are not served with yet, naming it."""
+    if m.lora is None:
+        return None, None
+    from llmc.runtime.engine.lora_slots import LoraSlots
+    from llmc.runtime.lora.stacks import AdapterRef
+    from llmc.runtime.lora.store import AdapterStore
+
+    for field, on in (("speculative", m.speculative is not None), ("tensor_parallel", m.tensor_parallel > 1),
+                      ("target", m.target != "onnxruntime")):
+        if on:
+            raise LoraNotServed(f"{folder}: lora: adapters are not served with {field} "
+                                f"({getattr(m, field)!r}) yet; rebuild without one or the other (docs/lora.md)")
+    store = AdapterStore(m.lora.max_host_adapters)
+    for adapter in m.lora.adapters:
+        store.register(AdapterRef(adapter.name, adapter.digest), folder / adapter.file)
+    return (folder / m.lora.lora_file, m.lora.sites), LoraSlots(store, m.lora.max_slots)

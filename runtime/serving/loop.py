@@ -46,6 +46,7 @@ from llmc.runtime.decoding.logprobs import Logprobs
 from llmc.runtime.decoding.tokenizer import encode
 from llmc.runtime.engine.core import Engine, QueueFull, StepOutput
 from llmc.runtime.engine.sequence import FinishReason
+from llmc.runtime.lora.store import UnknownAdapter
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.runners.protocol import RunnerBroken
 from llmc.runtime.serving.metrics import ServingMetrics, null_metrics
@@ -121,7 +122,7 @@ class ServingLoop:
                 self._live[rid] = LiveRequest(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id,
                                         logprobs=[Logprobs.empty(top)] if top is not None else None)
                 if request.guide is None:
-                    self.engine.add_request(rid, prompt_ids, request.params, logprobs=top)
+                    self.engine.add_request(rid, prompt_ids, request.params, logprobs=top, adapter=request.lora_name)
         except (RequestError, ValueError, QueueFull) as err:
             self._refuse(rid, sink, err)
             return
@@ -146,7 +147,8 @@ class ServingLoop:
                 self._send(rid, entry, FinishReason.cancelled)
                 return
             with self._lock:
-                self.engine.add_request(rid, prompt_ids, entry.request.params, logprobs=top, guide=compiled.result())
+                self.engine.add_request(rid, prompt_ids, entry.request.params, logprobs=top, guide=compiled.result(),
+                                        adapter=entry.request.lora_name)
         except (RequestError, ValueError, QueueFull) as err:
             self._refuse(rid, entry.sink, err)
             return
@@ -162,7 +164,7 @@ class ServingLoop:
         message = str(err)
         if isinstance(err, QueueFull):
             message = f"busy, retry: {err}"
-        elif not isinstance(err, RequestError) and not message.startswith("guided_decoding_guide"):
+        elif not isinstance(err, (RequestError, UnknownAdapter)) and not message.startswith("guided_decoding_guide"):
             message = f"text_input: {err}"
         self.metrics.failed()
         call(sink.error, message)

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from llmc.runtime.decoding.grammar import GUIDE_TYPES, Guide
 from llmc.runtime.decoding.logprobs import MAX_TOP_LOGPROBS
 from llmc.runtime.decoding.sampling import SamplingParams
-from llmc.runtime.serving.tensors import SCALARS, TEXTS
+from llmc.runtime.serving.tensors import GUIDE_TEXTS, LORA_NAME, SCALARS
 
 
 class RequestError(ValueError):
@@ -46,6 +46,7 @@ class Request:
     num_top_logprobs: int = 0  # with return_log_probs: the N most likely alternatives per token
     add_special_tokens: bool = True  # false for a prompt rendered from a chat template (decoding/tokenizer.py)
     guide: Guide | None = None  # structured output: compiled off the engine thread (loop.py)
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model); the engine resolves it
 
 
 def _text(value, name: str) -> str:
@@ -116,18 +117,32 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits) -> Request:
         raise RequestError(f"num_top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS} (got {top})")
     if top and not flags.get("return_log_probs"):
         raise RequestError("num_top_logprobs: needs return_log_probs true")
-    return Request(prompt=prompt, params=params, num_top_logprobs=top, guide=_guide(inputs, width), **flags)
+    return Request(prompt=prompt, params=params, num_top_logprobs=top, guide=_guide(inputs, width),
+                   lora_name=_lora_name(inputs), **flags)
+
+
+def _one_text(inputs: Mapping[str, np.ndarray], name: str) -> str | None:
+    if name not in inputs:
+        return None
+    array = np.asarray(inputs[name])
+    if array.size != 1 or array.dtype.kind not in "OSU":
+        raise RequestError(f"{name}: expected one BYTES value, got {array.dtype} of shape {list(array.shape)}")
+    return _text(array.reshape(()).item(), name)
+
+
+def _lora_name(inputs: Mapping[str, np.ndarray]) -> str | None:
+    """The adapter the request names (lora_name), or None; an empty name is refused (leave the input out for the
+    base model)."""
+    name = _one_text(inputs, LORA_NAME)
+    if name is not None and not name:
+        raise RequestError(f"{LORA_NAME}: empty; name an adapter of this model, or leave {LORA_NAME} out for the base "
+                           "model")
+    return name
 
 
 def _guide(inputs: Mapping[str, np.ndarray], beam_width: int) -> Guide | None:
     """The request's guide (guided_decoding_guide_type and guided_decoding_guide), or None."""
-    texts = {}
-    for name in TEXTS:
-        if name in inputs:
-            array = np.asarray(inputs[name])
-            if array.size != 1 or array.dtype.kind not in "OSU":
-                raise RequestError(f"{name}: expected one BYTES value, got {array.dtype} of shape {list(array.shape)}")
-            texts[name] = _text(array.reshape(()).item(), name)
+    texts = {name: text for name in GUIDE_TEXTS if (text := _one_text(inputs, name)) is not None}
     kind, guide = texts.get("guided_decoding_guide_type"), texts.get("guided_decoding_guide")
     if kind is None:
         if guide is not None:

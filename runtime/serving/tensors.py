@@ -30,7 +30,12 @@ SCALARS: dict[str, tuple[str, str | None]] = {
 # The served model's optional text inputs (BYTES [1]). Structured output (runtime/decoding/grammar.py), as
 # TensorRT-LLM's backend names it: the guide's type (json, json_schema, regex, ebnf_grammar, lark_grammar,
 # choice) and the guide itself (a schema, regex, grammar or JSON list of choices; none for json).
-TEXTS: tuple[str, ...] = ("guided_decoding_guide_type", "guided_decoding_guide")
+GUIDE_TEXTS: tuple[str, ...] = ("guided_decoding_guide_type", "guided_decoding_guide")
+# The LoRA adapter a request runs under, by name, as Triton's vLLM backend names it (docs/lora.md); unset: the base.
+LORA_NAME = "lora_name"
+TEXTS: tuple[str, ...] = (*GUIDE_TEXTS, LORA_NAME)
+# config.pbtxt's parameter listing the adapters a request may name, as a JSON list (the OpenAI frontend reads it)
+ADAPTERS_PARAMETER = "lora_adapters"
 # outputs: name -> (Triton datatype, dims). A beam request (beam_width W > 1) gets TensorRT-LLM's
 # shapes in its one final response: text_output [W], output_ids [W, longest] (padded with the end id),
 # sequence_length [W], cum_log_probs [W]; output_ids is declared [-1] for the plain requests' [len]

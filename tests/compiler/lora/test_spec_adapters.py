@@ -42,14 +42,16 @@ def test_errors_name_the_field(fields, message):
     assert message in str(err.value)
 
 
-def test_a_build_with_adapters_is_refused_until_they_are_served(tmp_path, tiny_checkpoints):
+def test_a_build_with_an_unreadable_adapter_is_refused_before_any_stage_works(tmp_path, tiny_checkpoints):
+    """The package stage's check reads every adapter right after the source stage (compiler/lora/package.py): a
+    folder without PEFT's files fails the build before the export runs."""
+    from llmc.compiler.lora import AdapterError
     from llmc.compiler.pipeline.run import build
     from llmc.compiler.spec import parse_spec
-    from llmc.errors import UnsupportedError
 
     adapter = tmp_path / "fr"
     adapter.mkdir()
     spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), "adapters": {"fr": str(adapter)}})
-    with pytest.raises(UnsupportedError, match="adapters: fr: .*not yet built into the served model"):
+    with pytest.raises(AdapterError, match="adapter 'fr': .*adapter_config.json is missing"):
         build(spec, output=tmp_path / "out")
     assert not (tmp_path / "out").exists()

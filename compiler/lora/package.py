@@ -1,0 +1,115 @@
+"""The spec's adapters into the model repository (the package stage, compiler/repository/package.py): checked against
+the base before any stage works (`check_adapters_spec`), then packaged (`package_adapters`):
+
+    <version>/model_lora.onnx               the served graph with a branch beside each site (graph.py): the same
+                                            initializers as the base graph, whose weights file it names, so both
+                                            sessions map one data file
+    <version>/adapters/<name>.safetensors   each adapter per site, ready to stack (stacks.py, runtime/lora/files.py),
+                                            its name and digest in the header
+    manifest.json `lora`                    the LoRA graph, the site table, each adapter's identity and file, the limits
+
+Both steps read the base model's modules from a model built from the checkpoint's config on the meta device (no
+weights: the package stage runs after the PyTorch weights have left, and a streamed build never held them whole).
+The sites come from the fp32 export's graph (its node scopes); the branch goes into the graph that is served (the
+export, or its weight-only form: quantization keeps the sites' tensor names).
+
+What is not served yet is refused here, naming the field: AWQ and SmoothQuant bases (they scale the activation a
+branch reads: docs/lora.md), Q/DQ graphs, TensorRT, the slot lowerings, speculative decoding, tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmc.compiler.lora.adapter import Adapter, BaseLinears, check_against, read_adapter
+from llmc.compiler.lora.graph import add_lora_branches
+from llmc.compiler.lora.sites import find_sites, module_members
+from llmc.compiler.lora.stacks import site_arrays
+from llmc.errors import UnsupportedError
+from llmc.runtime.lora.files import write_adapter_file
+from llmc.runtime.manifest import AdapterInfo, LoraConfig
+
+ADAPTERS_DIR = "adapters"  # in the version folder
+
+
+def lora_file(model_file: str) -> str:
+    """The LoRA graph's file beside the base graph's: model.onnx -> model_lora.onnx."""
+    path = Path(model_file)
+    return str(path.with_name(f"{path.stem}_lora{path.suffix}"))
+
+
+def refusal(spec) -> str | None:
+    """Why `spec`'s adapters cannot be served by this llmc (None: they can), naming the field."""
+    from llmc.compiler.spec.sections import QuantMode, Target, WeightOnlyAlgorithm
+
+    q = spec.quantization
+    if spec.target is not Target.onnxruntime:
+        return "target: tensorrt does not serve adapters yet; build with target: onnxruntime"
+    if spec.attention_lowering != "paged":
+        return (f"export.attention: {spec.attention_lowering}: adapters are served on the paged graph only "
+                f"(export.attention: paged, the default)")
+    if q.weight_only and q.algorithm is WeightOnlyAlgorithm.awq:
+        return (f"quantization.algorithm: awq (the default for {q.mode.value}) divides the activations the adapters "
+                f"read by per-channel scales, so their deltas would be wrong; set quantization.algorithm: rtn, or "
+                f"quantization.mode: none")
+    if q.mode in (QuantMode.int8, QuantMode.fp8):
+        return (f"quantization.mode: {q.mode.value}: adapters are not served on Q/DQ graphs yet; use mode none, or "
+                f"int8-weight-only / int4-weight-only with algorithm: rtn")
+    if spec.speculative is not None:
+        return "speculative: speculative decoding is not served with adapters yet; remove `speculative:`"
+    if spec.parallel.tensor > 1:
+        return "parallel.tensor: tensor parallelism is not served with adapters yet; set parallel.tensor: 1"
+    return None
+
+
+def meta_model(source):
+    """The checkpoint's transformers model built from its config on the meta device: its modules, no weights."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from llmc.compiler.models.config import read_config
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(read_config(source), dtype=torch.float32)
+
+
+def checked_adapters(spec, hf_model) -> list[Adapter]:
+    """Each adapter of `spec` read (PEFT's semantics, lora.max_rank) and checked against the base `hf_model`."""
+    if refusal(spec) is not None:
+        raise UnsupportedError(f"adapters: {', '.join(spec.adapters)}: {refusal(spec)}")
+    served = {m.module for members in module_members(hf_model).values() for m in members}
+    base = BaseLinears.of(hf_model)
+    adapters = [read_adapter(name, folder, max_rank=spec.lora.max_rank) for name, folder in spec.adapters.items()]
+    for adapter in adapters:
+        check_against(adapter, base, served)
+    return adapters
+
+
+def check_adapters_spec(spec, source) -> None:
+    """The package stage's precondition, checked before any stage works: the spec's adapters can be served."""
+    if spec.adapters:
+        checked_adapters(spec, meta_model(source))
+
+
+def package_adapters(spec, source, export_graph: Path, served_graph: Path, model_file: str,
+                     version_dir: Path) -> LoraConfig:
+    """The LoRA graph, the adapters' files and the manifest's `lora` section for `spec`'s adapters; `export_graph`:
+    the fp32 export (where the sites are found), `served_graph`: the graph the base serves (its `model_file`)."""
+    import onnx
+
+    hf_model = meta_model(source)
+    adapters = checked_adapters(spec, hf_model)
+    sites = find_sites(onnx.load(str(export_graph), load_external_data=False), hf_model)
+    graph = onnx.load(str(served_graph), load_external_data=False)  # its weights stay in the data file it names
+    add_lora_branches(graph, sites)
+    name = lora_file(model_file)
+    onnx.save(graph, str(version_dir / name))
+    (version_dir / ADAPTERS_DIR).mkdir()
+    infos = []
+    for adapter in adapters:
+        file = f"{ADAPTERS_DIR}/{adapter.name}.safetensors"
+        write_adapter_file(version_dir / file, site_arrays(sites, adapter))
+        infos.append(AdapterInfo(name=adapter.name, digest=adapter.digest, file=file, rank=adapter.max_rank))
+    return LoraConfig(lora_file=name, sites=sites, adapters=infos, max_slots=spec.lora.max_slots,
+                      max_rank=spec.lora.max_rank, max_host_adapters=spec.lora.max_host_adapters)

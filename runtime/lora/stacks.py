@@ -1,0 +1,82 @@
+"""A step's LoRA inputs: the adapters in its slots laid out as the branch's stacks (sites.py), and each token's slot.
+NumPy only; the runner (runtime/runners/paged_lora.py) stacks a step's adapters when the set it binds changes.
+
+An adapter is held as the build wrote it (files.py), per site and ready to stack: `AdapterWeights.sites[site]` is
+(a [in, M*r], b [M*r, out]) for the adapter's own rank r (its highest), module m of the site in columns (rows of b)
+m*r .. m*r + its rank, zeros beyond; b with PEFT's scaling folded in and written only into m's output columns.
+A site the adapter does not target is absent. Stacking for a step whose highest rank is R copies each module's
+block to m*R in slot s; everything else stays 0, so a token adds exactly (x A[slot]) B[slot].
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from llmc.runtime.lora.sites import Site, a_name, b_name
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """An adapter's identity: its name and the sha256 of its contents (the build's digest over its config and
+    tensors). An adapter reloaded under the same name with other weights is another adapter."""
+
+    name: str
+    digest: str
+
+    @property
+    def key(self) -> bytes:
+        """What the prefix cache's key chain of this adapter's blocks starts from (runtime/engine/prefix_keys.py)."""
+        return hashlib.sha256(b"llmc: lora\0" + self.name.encode() + b"\0" + self.digest.encode()).digest()
+
+
+@dataclass(frozen=True, eq=False)
+class AdapterWeights:
+    ref: AdapterRef
+    rank: int  # the adapter's highest rank: r of its per-site arrays
+    sites: dict[str, tuple[np.ndarray, np.ndarray]] = field(repr=False)  # site -> (a [in, M*r], b [M*r, out])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.sites.values())
+
+
+def stack_slots(sites: Sequence[Site], adapters: Sequence[AdapterWeights], rank: int | None = None
+                ) -> dict[str, np.ndarray]:
+    """The stacks of every site for `adapters` in slots 0, 1, ... (at least one); `rank`: the R the stacks are padded
+    to (default: the highest rank among the adapters)."""
+    if not adapters:
+        raise ValueError("a step with LoRA inputs has at least one slot; run the base graph when it has none")
+    r_max = max(a.rank for a in adapters) if rank is None else rank
+    known = {site.name for site in sites}
+    for adapter in adapters:
+        unknown = sorted(set(adapter.sites) - known)
+        if unknown:
+            raise ValueError(f"adapter {adapter.ref.name!r}: no site {', '.join(unknown)} in this graph")
+        if adapter.rank > r_max:
+            raise ValueError(f"adapter {adapter.ref.name!r} has rank {adapter.rank}, above the stacks' {r_max}")
+    feeds = {}
+    for site in sites:
+        m_count, width = len(site.members), len(site.members) * r_max
+        a_stack = feeds[a_name(site)] = np.zeros((len(adapters), site.in_features, width), np.float32)
+        b_stack = feeds[b_name(site)] = np.zeros((len(adapters), width, site.out_features), np.float32)
+        for s, adapter in enumerate(adapters):
+            pair = adapter.sites.get(site.name)
+            if pair is None:
+                continue
+            a, b, r = pair[0], pair[1], adapter.rank
+            if r == r_max:
+                a_stack[s], b_stack[s] = a, b
+                continue
+            for m in range(m_count):
+                a_stack[s, :, m * r_max:m * r_max + r] = a[:, m * r:(m + 1) * r]
+                b_stack[s, m * r_max:m * r_max + r] = b[m * r:(m + 1) * r]
+    return feeds
+
+
+def token_slots(rows: Sequence[tuple[int, int]]) -> np.ndarray:
+    """`lora_slots` for a step's rows given as (tokens, slot or -1), in the order the step packs them."""
+    return np.concatenate([np.full(n, slot, np.int64) for n, slot in rows]) if rows else np.zeros(0, np.int64)

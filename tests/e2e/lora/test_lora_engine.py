@@ -1,0 +1,142 @@
+"""LoRA adapters served end to end below Triton, against PEFT itself: the tiny Llama built with two adapters
+(lora_build.py), its repository loaded as Triton's model loads it (runtime/serving/loader.py). Each adapter's greedy
+tokens equal PEFT's generate, a mixed batch (base, A, B) equals each request alone, a base-only step runs the base
+graph, the prefix cache never hits across adapters, an unknown adapter is refused before anything runs, and what is
+not served yet is refused before a build works."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lora_build import SPEC, lora_build, make_adapter, peft_greedy
+
+PROMPTS = [[5, 17, 99, 3, 42, 200, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [11, 12, 13, 14, 60, 61]]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def built(tiny_checkpoints, tmp_path_factory):
+    return lora_build(tmp_path_factory, tiny_checkpoints["llama"])
+
+
+@pytest.fixture(scope="module")
+def engine(built):
+    from llmc.runtime.serving.loader import load
+
+    engine = load(built[0])[0]
+    yield engine
+    engine.close()
+
+
+def generate(engine, requests: list[tuple[list[int], str | None]]) -> list[list[int]]:
+    from llmc.runtime.decoding.sampling import SamplingParams
+
+    start = len(engine.core._active)
+    assert start == 0
+    out: dict[str, list[int]] = {}
+    for i, (ids, name) in enumerate(requests):
+        engine.add_request(f"q{i}", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), adapter=name)
+    while engine.has_work:
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return [out[f"q{i}"] for i in range(len(requests))]
+
+
+def test_the_repository_holds_the_lora_graph_sites_and_adapters(built):
+    from llmc.compiler.repository.triton_config import parse
+    from llmc.runtime.manifest import RepositoryManifest
+
+    version, _ = built
+    m = RepositoryManifest.load(version)
+    assert m.lora.lora_file == "model_lora.onnx" and (version / m.lora.lora_file).is_file()
+    assert [(a.name, a.rank, len(a.digest)) for a in m.lora.adapters] == [("a", 4, 64), ("b", 8, 64)]
+    assert len(m.lora.sites) == 2 * 5 and all((version / a.file).is_file() for a in m.lora.adapters)
+    assert (m.lora.max_slots, m.lora.max_rank, m.lora.max_host_adapters) == (2, 16, 2)
+    config = parse((version.parent / "config.pbtxt").read_text())
+    assert "lora_name" in {i.name for i in config.input}
+    assert json.loads(config.parameters["lora_adapters"].string_value) == ["a", "b"]
+
+
+def test_each_adapter_equals_peft_and_a_mixed_batch_equals_each_alone(built, engine, tiny_checkpoints):
+    _, adapters = built
+    runs = [(PROMPTS[0], None), (PROMPTS[0], "a"), (PROMPTS[0], "b"), (PROMPTS[1], "b")]
+    want = peft_greedy(tiny_checkpoints["llama"], adapters, runs, MAX_TOKENS)
+    assert len({tuple(w) for w in want[:3]}) == 3  # the adapters change the tokens, each its own way
+    assert generate(engine, runs) == want  # one batch: base, A, B (another rank, rsLoRA) and B again
+    assert [generate(engine, [run])[0] for run in runs] == want
+
+
+def test_a_base_only_step_runs_the_base_graph(engine):
+    lora = engine.runner.lora
+    calls = []
+    bind = lora.bind
+    lora.bind = lambda *args: (calls.append(args), bind(*args))[1]
+    try:
+        generate(engine, [(PROMPTS[1], None), (PROMPTS[0], None)])
+        assert calls == []
+        generate(engine, [(PROMPTS[1], None), (PROMPTS[0], "a")])
+        assert calls and all(None in adapters for adapters, _ in calls)  # one step: the base row rides along
+    finally:
+        lora.bind = bind
+
+
+def test_the_prefix_cache_never_hits_across_adapters(engine):
+    prompt = list(range(40, 80))  # several full blocks
+    blocks = engine.blocks
+
+    def hits(name):
+        before = blocks.prefix_hits
+        generate(engine, [(prompt, name)])
+        return blocks.prefix_hits - before
+
+    assert hits("a") == 0 and hits("b") == 0 and hits(None) == 0
+    assert hits("a") > 0 and hits("b") > 0 and hits(None) > 0  # each its own blocks, found again
+
+
+def test_an_unknown_adapter_is_refused_and_nothing_runs(engine, built):
+    from serving_rig import RecordingSink
+
+    from llmc.runtime.decoding.tokenizer import load as load_tokenizer
+    from llmc.runtime.lora.store import UnknownAdapter
+    from llmc.runtime.serving.loop import ServingLoop
+    from llmc.runtime.serving.request import Limits
+
+    with pytest.raises(UnknownAdapter, match=r"lora_name: this model serves no adapter 'c' \(its adapters: a, b\)"):
+        generate(engine, [(PROMPTS[1], "c")])
+    assert not engine.has_work and engine.scheduler.num_waiting == 0
+    loop = ServingLoop(engine, load_tokenizer(built[0] / "tokenizer.json"), Limits(128, 16, 4))
+    sink = RecordingSink()
+    loop.submit({"text_input": np.array([b"hi"], dtype=object), "lora_name": np.array([b"c"], dtype=object)}, sink)
+    assert sink.wait().errors == ["lora_name: this model serves no adapter 'c' (its adapters: a, b)"]
+    assert not loop.num_in_flight and not engine.has_work
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"quantization": {"mode": "int4-weight-only"}}, "quantization.algorithm: awq .* set quantization.algorithm: rtn"),
+    ({"speculative": {"method": "ngram", "num_tokens": 2}}, "speculative: speculative decoding is not served"),
+])
+def test_what_is_not_served_yet_is_refused_before_the_build_works(fields, message, built, tiny_checkpoints, tmp_path):
+    from llmc.compiler import build
+    from llmc.compiler.spec import parse_spec
+    from llmc.errors import UnsupportedError
+
+    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), **fields,
+                       "adapters": {k: str(v) for k, v in built[1].items()}})
+    with pytest.raises(UnsupportedError, match=message):
+        build(spec, output=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_for_another_base_is_refused_before_the_build_works(tiny_checkpoints, tmp_path):
+    from llmc.compiler import build
+    from llmc.compiler.lora import AdapterError
+    from llmc.compiler.spec import parse_spec
+
+    other = make_adapter(tiny_checkpoints["qwen3"], tmp_path / "q", 3, r=2, lora_alpha=4, target_modules=["q_proj"])
+    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["llama"]), **SPEC, "adapters": {"q": str(other)}})
+    with pytest.raises(AdapterError, match="adapter 'q': .*q_proj maps .* the adapter was made for another base"):
+        build(spec, output=tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,115 @@
+"""The runtime's LoRA parts without a graph: an adapter's file (written and read back, refused when it is not the
+adapter the manifest names), the adapter store (an LRU with reference counts: a held adapter is never evicted nor
+unloaded), the prefix cache's key chains per adapter identity, and the scheduler's cap on a step's distinct
+adapters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmc.runtime.decoding.sampling import SamplingParams
+from llmc.runtime.engine.block_manager import BlockManager
+from llmc.runtime.engine.lora_slots import LoraSlots
+from llmc.runtime.engine.sequence import Sequence
+from llmc.runtime.engine.token_scheduler import TokenScheduler
+from llmc.runtime.lora.files import AdapterFileError, read_adapter_file, write_adapter_file
+from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights
+from llmc.runtime.lora.store import AdapterInUse, AdapterStore, UnknownAdapter
+
+
+def weights(name: str, digest: str = "d0", rank: int = 2) -> AdapterWeights:
+    rng = np.random.default_rng(len(name) + rank)
+    return AdapterWeights(AdapterRef(name, digest), rank, {"qkv.0": (rng.standard_normal((4, 3 * rank), np.float32),
+                                                                     rng.standard_normal((3 * rank, 8), np.float32))})
+
+
+def test_an_adapter_file_reads_back_and_must_be_the_manifests_adapter(tmp_path):
+    w = weights("fr", "abc", rank=3)
+    write_adapter_file(tmp_path / "fr.safetensors", w)
+    back = read_adapter_file(w.ref, tmp_path / "fr.safetensors")
+    assert back.ref == w.ref and back.rank == 3 and back.sites.keys() == w.sites.keys()
+    assert all(np.array_equal(x, y) for x, y in zip(back.sites["qkv.0"], w.sites["qkv.0"]))
+    with pytest.raises(AdapterFileError, match="holds adapter 'fr' with digest abc, not the manifest's other"):
+        read_adapter_file(AdapterRef("fr", "other"), tmp_path / "fr.safetensors")
+    (tmp_path / "bad").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(AdapterFileError, match="not a readable adapter file|not an llmc adapter file"):
+        read_adapter_file(w.ref, tmp_path / "bad")
+
+
+def store_of(capacity: int, *names: str) -> tuple[AdapterStore, list[str]]:
+    loads: list[str] = []
+    store = AdapterStore(capacity, load=lambda ref, path: (loads.append(ref.name), weights(ref.name, ref.digest))[1])
+    for name in names:
+        store.register(AdapterRef(name, "d0"), f"/nowhere/{name}")
+    return store, loads
+
+
+def test_the_store_evicts_the_least_recently_released_adapter_no_request_holds():
+    store, loads = store_of(2, "a", "b", "c")
+    a, b, c = (store.resolve(n) for n in "abc")
+    store.pin(a)
+    store.pin(b)
+    assert not store.can_pin(c)  # both held: c's requests wait
+    store.unpin(b)
+    store.pin(c)  # b is evicted, a (held) stays
+    assert store.resident == [a, c] and loads == ["a", "b", "c"]
+    store.unpin(c)
+    store.pin(c)  # in memory still: no load
+    assert loads == ["a", "b", "c"] and store.pins(c) == 1
+    with pytest.raises(UnknownAdapter, match=r"lora_name: this model serves no adapter 'd' \(its adapters: a, b, c\)"):
+        store.resolve("d")
+
+
+def test_an_adapter_in_use_is_not_unloaded_under_its_request():
+    store, _ = store_of(2, "a")
+    ref = store.resolve("a")
+    store.pin(ref)
+    with pytest.raises(AdapterInUse, match="adapter 'a': 1 running request"):
+        store.unload("a")
+    assert store.resident == [ref]
+    store.unpin(ref)
+    store.unload("a")
+    assert store.resident == [] and store.names == []
+
+
+def seq(rid: str, prompt: list[int], adapter: AdapterRef | None = None) -> Sequence:
+    return Sequence(rid, list(prompt), SamplingParams(max_tokens=4), adapter=adapter)
+
+
+def test_prefix_blocks_never_cross_adapters_nor_a_reload_under_the_same_name():
+    blocks = BlockManager(num_blocks=32, block_size=4)
+    prompt = list(range(13))
+    a, b, a_reloaded = AdapterRef("a", "d1"), AdapterRef("b", "d1"), AdapterRef("a", "d2")
+
+    def run(adapter):
+        s = seq("x", prompt, adapter)
+        blocks.allocate(s)
+        hit = s.num_cached
+        s.num_cached = len(prompt)
+        blocks.commit(s)
+        blocks.free(s)
+        return hit
+
+    assert run(a) == 0 and run(a) == 12  # the same adapter hits its own prefix
+    assert run(b) == 0 and run(a_reloaded) == 0 and run(None) == 0  # another adapter, other weights, the base
+    assert run(None) == 12 and run(b) == 12 and run(a) == 12
+
+
+def test_a_step_carries_at_most_max_slots_adapters_and_the_others_wait():
+    store, _ = store_of(2, "a", "b")
+    scheduler = TokenScheduler(BlockManager(64, 4), max_rows=4, max_num_tokens=64, max_queue_size=8, capacity=64,
+                               lora=LoraSlots(store, max_slots=1))
+    first, other, base, second = (seq("1", [1, 2, 3], store.resolve("a")), seq("2", [4, 5], store.resolve("b")),
+                                  seq("3", [6, 7]), seq("4", [8, 9], store.resolve("a")))
+    for s in (first, other, base, second):
+        scheduler.add(s)
+    plan = scheduler.schedule()
+    assert [c.seq.request_id for c in plan] == ["1", "3", "4"]  # b waits; the base and a's second pass it
+    assert [r.adapter for r in plan.row_steps()] == [first.lora, None, first.lora] and first.lora is second.lora
+    assert store.pins(store.resolve("a")) == 2 and list(scheduler.waiting) == [other]
+    for s in (first, second):
+        s.finish_reason = None
+        scheduler.release(s)
+    assert store.pins(store.resolve("a")) == 0
+    assert [c.seq.request_id for c in scheduler.schedule()] == ["3", "2"] and other.lora is not None
