@@ -1,9 +1,12 @@
 """Streamed builds: peak memory and time of `source.load: layers` against `whole`, at one width and two depths.
 
     .venv/bin/python -m llmc.bench streamed [--hidden 2048] [--intermediate 8192] [--vocab 49152]
-        [--layers 4,16] [--loads whole,layers] [--quantization none] [--out build/bench/streamed]
+        [--shape llama-3.1-8b] [--layers 4,16] [--loads whole,layers] [--quantization none]
+        [--out build/bench/streamed]
 
-A random Llama of the given width, bf16 in shards of 1 GB as checkpoints are published, is built (export, verify,
+A random Llama of the given width (or `--shape`: a published model's exact config, from
+llmc.bench.checkpoints.SHAPES, at the given depths), bf16 in shards as checkpoints are published (written a tensor
+at a time: an 8B checkpoint is made in the memory of its largest tensor), is built (export, verify,
 quantize when asked, package) once per depth and load, each in its own process: wall time and peak memory (the
 process tree's resident set, and its anonymous part, sampled every 50 ms: builds.timed_build), beside
 `--dry-run`'s estimate. Printed: each build, layers against whole at each depth, and the deepest against the
@@ -29,39 +32,86 @@ def add_arguments(p) -> None:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=8192)
     p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--shape", default=None, help="a published model's shape (llmc.bench.checkpoints.SHAPES), at the "
+                                                 "depths of --layers; overrides --hidden, --intermediate, --vocab")
     p.add_argument("--layers", default="4,16", help="depths, comma-separated")
     p.add_argument("--loads", default="whole,layers", help="source.load values, comma-separated")
     p.add_argument("--quantization", default="none", help="quantization.mode of the builds")
     p.add_argument("--out", type=Path, default=OUT)
 
 
-def checkpoint(root: Path, hidden: int, intermediate: int, vocab: int, layers: int) -> Path:
-    """A random Llama of that shape in bf16 shards (written once; norms away from 1)."""
-    out = root / f"llama-h{hidden}-i{intermediate}-v{vocab}-l{layers}"
+def checkpoint(root: Path, fields: dict, name: str) -> Path:
+    """A random checkpoint of the config `fields` (config.json's, with `model_type`) in bf16 shards of at most
+    2 GB, written once under `root/name`: each tensor drawn (seed 0: N(0, 0.02), norms U(0.5, 1.5), away from 1)
+    and written as its shard fills, so no more than a shard is ever in memory."""
+    out = root / name
     if (out / "config.json").is_file():
         return out
     import torch
     import transformers
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
 
-    heads = max(hidden // 64, 1)
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, vocab_size=vocab,
-                                      num_hidden_layers=layers, num_attention_heads=heads,
-                                      num_key_value_heads=max(heads // 4, 1), head_dim=64, tie_word_embeddings=True,
-                                      max_position_embeddings=8192, rms_norm_eps=1e-5)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    partial = root / f".{out.name}.partial"
+    from llmc.bench.checkpoints import config as make_config
+
+    cfg = make_config(name, fields)
+    with init_empty_weights():
+        skeleton = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    partial = root / f".{name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, max_shard_size="1GB")
-    (partial / "tokenizer.json").write_text(json.dumps(grown_tokenizer(vocab)))
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(TOKENIZER / name, partial / name)
+    partial.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(0)
+    shards: list[dict] = [{}]
+    held = 0
+
+    def flush() -> None:
+        index = len(shards)
+        save_file(shards[-1], partial / f"model-{index:05d}.safetensors", metadata={"format": "pt"})
+        shards[-1] = {n: f"model-{index:05d}.safetensors" for n in shards[-1]}
+
+    for pname, p in skeleton.state_dict().items():
+        if cfg.tie_word_embeddings and pname == "lm_head.weight":
+            continue
+        if held and held + p.numel() * 2 > 2 * 10**9:
+            flush()
+            shards.append({})
+            held = 0
+        if "norm" in pname:
+            value = torch.rand(p.shape, generator=generator) + 0.5
+        else:
+            value = torch.randn(p.shape, generator=generator) * 0.02
+        shards[-1][pname] = value.to(torch.bfloat16)
+        held += p.numel() * 2
+    flush()
+    count = len(shards)
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        final = f"model-{i:05d}-of-{count:05d}.safetensors"
+        (partial / f"model-{i:05d}.safetensors").rename(partial / final)
+        weight_map.update({n: final for n in shard})
+    (partial / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg.save_pretrained(partial)
+    (partial / "tokenizer.json").write_text(json.dumps(grown_tokenizer(cfg.vocab_size)))
+    for file in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TOKENIZER / file, partial / file)
     partial.rename(out)
     return out
+
+
+def shape_fields(args, layers: int) -> tuple[dict, str]:
+    """The config fields of the benchmark's model at `layers` layers, and its checkpoint's name."""
+    from llmc.bench.checkpoints import SHAPES
+
+    if args.shape:
+        if args.shape not in SHAPES:
+            raise SystemExit(f"--shape {args.shape}: not one of {', '.join(sorted(SHAPES))}")
+        return {**SHAPES[args.shape], "num_hidden_layers": layers}, f"{args.shape}-l{layers}"
+    heads = max(args.hidden // 64, 1)
+    return ({"model_type": "llama", "hidden_size": args.hidden, "intermediate_size": args.intermediate,
+             "vocab_size": args.vocab, "num_hidden_layers": layers, "num_attention_heads": heads,
+             "num_key_value_heads": max(heads // 4, 1), "head_dim": 64, "tie_word_embeddings": True,
+             "max_position_embeddings": 8192, "rms_norm_eps": 1e-5},
+            f"llama-h{args.hidden}-i{args.intermediate}-v{args.vocab}-l{layers}")
 
 
 def measured_build(source: Path, load: str, quantization: str, root: Path) -> dict:
@@ -77,11 +127,30 @@ def measured_build(source: Path, load: str, quantization: str, root: Path) -> di
     log = root / f"{name}.log"
     wall, peak, anonymous = timed_build([sys.executable, "-m", "llmc.bench.sizes.streamed", str(spec),
                                          str(root / name)], log)
+    built = _built(root / name)
     shutil.rmtree(root / name, ignore_errors=True)  # the graphs: GBs each
     stages = next(json.loads(line[len(STAGES):]) for line in log.read_text().splitlines() if line.startswith(STAGES))
     return {"load": load, "build_s": wall, "peak_gib": peak / GiB, "peak_anonymous_gib": anonymous / GiB,
             "estimate_gib": plan.build_peak_bytes / GiB, "stages": stages,
-            "stage_estimates_gib": {s: b / GiB for s, b in plan.stage_peak_bytes.items()}}
+            "stage_estimates_gib": {s: b / GiB for s, b in plan.stage_peak_bytes.items()},
+            "stage_estimates_s": plan.stage_seconds, **built}
+
+
+def _built(out: Path) -> dict:
+    """What the build's own reports say of the model it made: verify's verdict, and the quantized graph's quality
+    and batch-1 decode speed (the quality report measures it on this host)."""
+    from llmc.compiler.artifacts import QuantizedModel, VerifyReport
+
+    found = {}
+    if (out / "verify" / VerifyReport.filename).is_file():
+        report = VerifyReport.load(out / "verify")
+        found["verify"] = {"passed": report.passed, "max_abs_logit_diff": report.max_abs_logit_diff,
+                           "token_agreement": min(c.token_agreement for c in report.cases)}
+    if (out / "quantize" / QuantizedModel.filename).is_file():
+        r = QuantizedModel.load(out / "quantize").report
+        found["quality"] = {"perplexity_increase": r.perplexity_increase, "token_agreement": r.token_agreement,
+                            "decode_tok_s": r.decode_tok_s_quantized, "size_mib": r.size_quantized_mib}
+    return found
 
 
 STAGES = "STAGES "  # the build process's last line: each stage's seconds and peak resident memory
@@ -121,14 +190,19 @@ def run(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     for depth in depths:
-        source = checkpoint(args.out / "checkpoints", args.hidden, args.intermediate, args.vocab, depth)
+        source = checkpoint(args.out / "checkpoints", *shape_fields(args, depth))
         for load in loads:
             r = results.setdefault(str(depth), {})[load] = measured_build(source, load, args.quantization, args.out)
-            print(f"{depth} layers, load {load}: {r['build_s']:.0f} s, peak {r['peak_gib']:.2f} GiB "
+            quality = r.get("quality")
+            print(f"{depth} layers, load {load}: {r['build_s']:.0f} s (dry run "
+                  f"{sum(r['stage_estimates_s'].values()):.0f}), peak {r['peak_gib']:.2f} GiB "
                   f"(anonymous {r['peak_anonymous_gib']:.2f}; dry run {r['estimate_gib']:.2f}); by stage: "
                   + ", ".join(f"{name} {st['peak_gib']:.2f} GiB (dry run "
                               f"{r['stage_estimates_gib'].get(name, 0):.2f}) {st['seconds']:.0f} s"
-                              for name, st in r["stages"].items() if st["status"] == "ran"), flush=True)
+                              for name, st in r["stages"].items() if st["status"] == "ran")
+                  + (f"; verify {'passed' if r['verify']['passed'] else 'FAILED'}" if "verify" in r else "")
+                  + (f"; quantized perplexity {quality['perplexity_increase']:+.1%}, batch-1 decode "
+                     f"{quality['decode_tok_s']:.1f} tok/s" if quality else ""), flush=True)
     ratios = {}
     for depth, by_load in results.items():
         if {"whole", "layers"} <= set(by_load):
@@ -140,8 +214,8 @@ def run(args) -> int:
             ratios[f"{load}: {max(depths)} / {min(depths)} layers peak"] = deep["peak_gib"] / shallow["peak_gib"]
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
-    write_json(args.out / "streamed.json", {"shape": {"hidden": args.hidden, "intermediate": args.intermediate,
-                                                      "vocab": args.vocab}, "quantization": args.quantization,
+    shape = args.shape or {"hidden": args.hidden, "intermediate": args.intermediate, "vocab": args.vocab}
+    write_json(args.out / "streamed.json", {"shape": shape, "quantization": args.quantization,
                                             "builds": results, "ratios": ratios})
     return 0
 
