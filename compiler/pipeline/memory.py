@@ -1,7 +1,7 @@
 """The machine's memory, and the check that refuses a build whose largest stage cannot fit in it.
 
 A build's stages hold the whole model, or with `source.load: layers` a layer of it beside what stays loaded
-(plan.BUILD_PEAK and plan.STREAM_PEAK hold their peaks); a build that cannot fit is killed by the kernel's OOM
+(plan.BUILD_PEAK and plan.stage_peaks hold their peaks); a build that cannot fit is killed by the kernel's OOM
 killer minutes or hours in, so `llmc build` (and `--dry-run`) refuse it up front.
 """
 

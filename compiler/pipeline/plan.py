@@ -37,18 +37,19 @@ BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # graph's weights; verify the model and ONNX Runtime's session, which reads the graph's mapped weights without
 # prepacking a copy; weight-only quantize reads and writes the weights a tensor at a time (weight_file.py), and
 # its calibration and quality sessions read mapped weights, but it starts where the whole model left the process.
-# Reading it a layer at a time (STREAM_PEAK, (R, L, W, U)): R is what stays loaded (embeddings, final norm and LM
-# head at fp32), L one decoder layer at fp32; export holds them and the traced period, flat in depth; verify the
-# ONNX Runtime session's mapped fp32 graph. Fitted to a random Llama (hidden 2048, intermediate 8192, vocabulary
-# 49,152: U at one vocabulary size only) at 4 and 16 layers, int4-weight-only with AWQ, each stage within 5%:
-# whole export 3.69 / 9.35 GiB, verify 3.50 / 9.26, quantize 4.34 / 10.45; layers export 1.77 / 1.95, verify
-# 3.23 / 6.19, quantize 4.17 / 7.23. A mixture's experts (X) cost more on top: the export's interleaved copy of
-# gate/up for the expert op, the quantizer's expert statistics and codes (its weights loaded whole); X's
-# coefficients were fitted to one 0.37B mixture (`python -m llmc.bench moe`) before the quantizer read weights a
-# tensor at a time, and are an upper bound now.
+# Reading it a layer at a time (STREAM_PEAK): with R the embedding table(s) the streamed model keeps at fp32
+# (embeddings and an untied LM head), L one decoder layer and W the whole, at fp32: export holds R, the traced period
+# and a layer: (1.2, 1.0, 0.07) of (R, L, W). Verify and quantize run the fp32 graph a segment of weights at a time
+# (graph/segments.py): verify's candidate holds its largest segment (SEGMENT_BYTES, or the LM head's: a tied head is
+# the table and ONNX Runtime's transposed copy of it), then its reference R and a layer; quantize reads, searches and
+# packs the largest weight (the LM head) one at a time, about three tables at once, beside the quantized graph's
+# session and a segment. Both grow a little with depth (STREAM_DEPTH of W). Fitted to the streamed benchmark's
+# int4 AWQ builds (random Llamas: hidden 2048 at 4 and 16 layers, Llama-3.2-1B, Llama-3.1-8B at 4 and 32 layers).
 BASE = 2**30
 BUILD_PEAK = {"export": (2.08, 0.0, 1.7), "verify": (2.07, 0.0, 0.0), "quantize": (2.25, 1.23, 2.6)}
-STREAM_PEAK = {"export": (1.2, 1.0, 0.07, 0.0), "verify": (1.0, 2.0, 1.09, 0.0), "quantize": (0.0, 0.0, 1.125, 4.6)}
+STREAM_PEAK = ("export", "verify", "quantize")  # the stages whose peak reading a layer at a time is its own
+STREAM_EXPORT = (1.2, 1.0, 0.07)  # export's multiples of (R, L, W)
+STREAM_DEPTH, STREAM_MISC, HEAD_COPIES = 0.05, 0.4 * 2**30, 3.0
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
                 QuantMode.int4_weight_only: 0.5}
 
@@ -117,17 +118,27 @@ class BuildPlan:
         return rows
 
 
-def stage_peaks(dims: Dims, stages: list[str], untied: int, load: str) -> dict[str, int]:
-    """Each stage's peak memory for `load` ("whole" or "layers"), of the stages in BUILD_PEAK that run."""
+def stage_peaks(dims: Dims, stages: list[str], untied: int, load: str, weight_only: bool = True) -> dict[str, int]:
+    """Each stage's peak memory for `load` ("whole" or "layers"), of the stages in BUILD_PEAK that run;
+    `weight_only`: the quantize stage's mode is a weight-only one (the static Q/DQ modes' calibration and ModelOpt
+    run the whole graph, streamed or not)."""
     fp32 = 4 * (dims.linear_params + dims.other_params)
     peaks = {stage: int(BASE + w * fp32 + u * 4 * untied + x * 4 * dims.expert_params)
              for stage, (w, u, x) in BUILD_PEAK.items() if stage in stages}
     if load == "layers":
-        resident = 4 * dims.vocab_size * dims.hidden_size * (1 if dims.tied_embeddings else 2)
+        from llmc.compiler.graph.segments import SEGMENT_BYTES
+
+        table = 4 * dims.vocab_size * dims.hidden_size
+        resident = table * (1 if dims.tied_embeddings else 2)
         layer = max(fp32 - resident, 0) // max(dims.num_layers, 1)
-        streamed = {stage: int(BASE + r * resident + l * layer + w * fp32 + u * 4 * untied)
-                    for stage, (r, l, w, u) in STREAM_PEAK.items() if stage in stages}
-        if dims.expert_params:  # a mixture's quantizer loads its weights whole
+        segment = max(min(SEGMENT_BYTES, fp32), table * (2 if dims.tied_embeddings else 1))
+        r, l, w = STREAM_EXPORT
+        grown = STREAM_DEPTH * fp32 + STREAM_MISC
+        streamed = {"export": BASE + r * resident + l * layer + w * fp32,
+                    "verify": BASE + max(segment, resident + layer) + grown,
+                    "quantize": BASE + HEAD_COPIES * table + grown}
+        streamed = {stage: int(peak) for stage, peak in streamed.items() if stage in stages}
+        if dims.expert_params or not weight_only:  # a mixture's quantizer and the Q/DQ modes read the graph whole
             streamed.pop("quantize", None)
         peaks.update(streamed)
     return peaks
@@ -190,7 +201,8 @@ def build_plan(spec: BuildSpec, dims: Dims, info=None) -> BuildPlan:
             checkpoint_bytes = sum(f.stat().st_size for f in info.hashed_files) or None
         except OSError:
             pass
-    whole, streamed = (stage_peaks(dims, stages, untied, load) for load in ("whole", "layers"))
+    weight_only = q.mode in (QuantMode.int8_weight_only, QuantMode.int4_weight_only)
+    whole, streamed = (stage_peaks(dims, stages, untied, load, weight_only) for load in ("whole", "layers"))
     load, load_reason = choose_load(spec, whole, available, refusal)
     peaks = streamed if load == "layers" else whole
     seconds = timing.stage_seconds(spec, dims, stages, load, checkpoint_bytes)

@@ -14,6 +14,7 @@ searched per expert on the calibration tokens routed to it, and its routers stay
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +41,7 @@ class WeightCodes:
     """The untied (and AWQ-scaled) graph with the codes chosen for it (None: ORT rounds), in words."""
 
     model: object  # onnx.ModelProto
-    codes: dict[str, BlockCodes] | None
+    codes: Mapping[str, BlockCodes] | None  # SearchedCodes: each searched as its node is packed
     windows: list[np.ndarray]
     kernel: str
     how: str
@@ -80,8 +81,8 @@ class WeightOnly:
         scaled = awq(model, layout, windows, bits, spec.block, symmetric=symmetric, num_threads=job.num_threads,
                      progress=job.progress, graph_file=job.source, weights=weights, segmented=job.segmented)
         alphas = scaled.alphas
-        codes = searched_codes(model, scaled.importance, bits, spec.block, symmetric=symmetric, progress=job.progress,
-                               weights=weights)
+        codes = SearchedCodes(model, scaled.importance, bits, spec.block, symmetric=symmetric, progress=job.progress,
+                              weights=weights)
         kernel = f"{bits}-bit " + ("symmetric weights" if symmetric else "asymmetric weights (uint8 zero points)")
         how = (f"AWQ scaling on {len(alphas)} layer inputs (alpha median {np.median(alphas):.1f}), then per-block "
                + ("scales" if symmetric else "scales and zero points")
@@ -119,7 +120,7 @@ class WeightOnly:
         return Quantized(model, f"{kernel}; {made.how}", note, weights=weights)
 
 
-def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] | None = None,
+def weight_only(model, bits: int, block_size: int, codes: Mapping[str, BlockCodes] | None = None,
                 exclude: list[str] | None = None, weights: WeightFile | None = None):
     """`model` (untied) with every constant-weight MatMul but those named in `exclude` replaced by ORT's
     MatMulNBits: rounded by ORT (symmetric) when `codes` is None, else with `codes` [weight name -> codes].
@@ -129,7 +130,8 @@ def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] 
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
-    kinds = {c.symmetric for c in codes.values()} if codes is not None else {True}
+    kinds = ({codes.symmetric} if isinstance(codes, SearchedCodes) else {c.symmetric for c in codes.values()}
+             if codes is not None else {True})
     if len(kinds) > 1:
         raise ValueError("codes mix symmetric and asymmetric weights; MatMulNBitsQuantizer takes one kind")
     quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=kinds.pop(),
@@ -141,7 +143,7 @@ def weight_only(model, bits: int, block_size: int, codes: dict[str, BlockCodes] 
     return quantizer.model.model
 
 
-def _preset_quantizer(config, codes: dict[str, BlockCodes] | None, weights: WeightFile | None = None):
+def _preset_quantizer(config, codes: Mapping[str, BlockCodes] | None, weights: WeightFile | None = None):
     """ORT's node quantizer (which rewrites MatMul -> MatMulNBits) taking its codes from `codes` (None: its own
     rounding), each weight read from `weights` for its node alone and its packed codes moved back out."""
     import onnx
@@ -162,7 +164,7 @@ def _preset_quantizer(config, codes: dict[str, BlockCodes] | None, weights: Weig
         def qbits_block_quant(self, fp32weight):
             if codes is None:
                 return super().qbits_block_quant(fp32weight)
-            q = codes[self.weight]
+            q = codes.of(self.weight, fp32weight) if isinstance(codes, SearchedCodes) else codes[self.weight]
             if fp32weight.shape[0] != q.k:
                 raise QuantizationError(f"{self.weight}: codes for K={q.k}, weight has K={fp32weight.shape[0]}")
             return pack(q)
@@ -189,21 +191,38 @@ def _matmul_nbits(node, tensor, quantized, config, weights: WeightFile):
                             name=f"{node.name}_Q{bits}" if node.name else "", domain="com.microsoft", **attrs)
 
 
-def searched_codes(model, importance: dict[str, np.ndarray], bits: int, block: int, *, symmetric: bool,
-                   progress, weights: WeightFile | None = None) -> dict[str, BlockCodes]:
-    """blockwise.search's codes for every linear layer of `model`, weighted by its input's E[x^2]
-    (`importance`, by input tensor: awq's); `weights`: where the weights lie (default: in the proto)."""
-    weights = weights or WeightFile.of(model.graph)
-    initializers = {t.name: t for t in model.graph.initializer}
-    layers = [(n.input[1], n.input[0]) for n in model.graph.node
-              if n.op_type == "MatMul" and n.input[1] in initializers and n.input[0] in importance]
-    codes = {}
-    for done, (weight, activation) in enumerate(layers, 1):
-        codes[weight] = search(weights.array(initializers[weight]), importance[activation], bits, block,
-                               symmetric)
-        if progress:
-            progress(done, len(layers), "block codes searched (weights)")
-    return codes
+class SearchedCodes(Mapping):
+    """blockwise.search's codes for every linear layer of `model` (weight name -> BlockCodes), weighted by its input's
+    E[x^2] (`importance`, by input tensor: awq's), each searched when asked (as the node quantizer packs that node)
+    and not kept: all held at once, they were a byte a weight (7 GB at 8B) until the last node was packed.
+    `weights`: where the weights lie (default: in the proto)."""
+
+    def __init__(self, model, importance: dict[str, np.ndarray], bits: int, block: int, *, symmetric: bool,
+                 progress, weights: WeightFile | None = None):
+        self.bits, self.block, self.symmetric, self.progress = bits, block, symmetric, progress
+        self.weights = weights or WeightFile.of(model.graph)
+        self.importance = importance
+        self._initializers = {t.name: t for t in model.graph.initializer}
+        self._inputs = {n.input[1]: n.input[0] for n in model.graph.node
+                        if n.op_type == "MatMul" and n.input[1] in self._initializers and n.input[0] in importance}
+        self._done = 0
+
+    def __getitem__(self, weight: str) -> BlockCodes:
+        return self.of(weight, self.weights.array(self._initializers[weight]))
+
+    def of(self, weight: str, value: np.ndarray) -> BlockCodes:
+        """The codes of `weight`, whose value (read by the caller for its node) is `value`."""
+        codes = search(value, self.importance[self._inputs[weight]], self.bits, self.block, self.symmetric)
+        self._done += 1
+        if self.progress:
+            self.progress(self._done, len(self._inputs), "block codes searched and packed (weights)")
+        return codes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._inputs)
+
+    def __len__(self) -> int:
+        return len(self._inputs)
 
 
 def cpu_kernel() -> str | None:

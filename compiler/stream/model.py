@@ -2,7 +2,8 @@
 
 The model is built from its config with its parameters on the meta device (accelerate's `init_empty_weights`;
 buffers such as RoPE's frequencies are computed for real). What every layer shares (embeddings, final norm, LM
-head) is read at once; a decoder layer's tensors are read from the checkpoint (tensors.py: a memory map) when
+head) is read with the first layer (at 8B, 3.9 GiB at fp32: a verify's candidate runs before any is needed); a
+decoder layer's tensors are read from the checkpoint (tensors.py: a memory map) when
 `load_layer` asks, and dropped back to meta by `release_layer`. Loading goes through transformers' own
 `convert_and_load_state_dict_in_model` with the model's own conversion mapping, so renames and conversions
 (a mixture's experts fused into one tensor) and the cast to float32 are transformers', applied to one layer's
@@ -63,8 +64,7 @@ class StreamedModel:
         if extra:
             raise SourceError(f"{info.path}: tensors of layer {extra[0]}, but the config has {len(self.layers)} layers")
         self.loaded: set[int] = set()
-        self._load(self._keys.get(None, []), self.model)
-        model.tie_weights()
+        self._shared = False
         self._meta = {i: _meta_state(self.layers[i]) for i in range(len(self.layers))}
 
     @property
@@ -75,7 +75,15 @@ class StreamedModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def load_shared(self) -> None:
+        """What every layer shares (embeddings, final norm, LM head), read once: before the first layer."""
+        if not self._shared:
+            self._load(self._keys.get(None, []), self.model)
+            self.model.tie_weights()
+            self._shared = True
+
     def load_layer(self, i: int) -> None:
+        self.load_shared()
         if i in self.loaded:
             return
         keys = self._keys.get(i, [])
@@ -105,6 +113,7 @@ class StreamedModel:
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
         """Inside, the model's forward reads each decoder layer before it runs and drops it after."""
+        self.load_shared()
         handles = []
         for i, layer in enumerate(self.layers):
             handles.append(layer.register_forward_pre_hook(lambda module, args, i=i: self.load_layer(i)))

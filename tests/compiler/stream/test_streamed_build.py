@@ -118,3 +118,24 @@ def test_a_tight_machine_is_told_that_layers_would_fit(tiny_checkpoints, monkeyp
     monkeypatch.setattr(plan_module.memory, "available_bytes", lambda: between)
     with pytest.raises(ResourceError, match="source.load: layers"):
         plan_module.check_plan_memory(plan_module.build_plan(spec, deep))
+
+
+def test_an_8b_int4_plan_reading_layers_fits_a_24_gb_runner_and_is_flat_in_depth():
+    """Llama-3.1-8B's shape (no weights: the plan reads the config alone): whole it needs a large host, a layer at
+    a time every stage fits in 12 GiB, and 4 layers of the same shape need within 1.3x of what 32 do."""
+    from llmc.compiler.models.config import Dims
+
+    def dims(layers: int) -> Dims:
+        per_layer = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336
+        return Dims(model_type="llama", num_layers=layers, hidden_size=4096, intermediate_size=14336, num_heads=32,
+                    num_kv_heads=8, head_dim=128, vocab_size=128256, tied_embeddings=False,
+                    max_position_embeddings=131072, linear_params=layers * per_layer + 128256 * 4096,
+                    other_params=128256 * 4096 + layers * 2 * 4096 + 4096)
+
+    stages = ["export", "verify", "quantize"]
+    whole = plan_module.stage_peaks(dims(32), stages, 0, "whole")
+    layers = plan_module.stage_peaks(dims(32), stages, 0, "layers")
+    shallow = plan_module.stage_peaks(dims(4), stages, 0, "layers")
+    assert dims(32).total_params == pytest.approx(8_030_261_248, rel=1e-3)
+    assert max(whole.values()) > 40 * 2**30 and max(layers.values()) <= 12 * 2**30
+    assert max(layers.values()) / max(shallow.values()) <= 1.3
