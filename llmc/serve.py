@@ -57,7 +57,7 @@ def _repository(location: Path | str) -> Path | str:
 
 
 def serve_forever(build_dir: Path, http_port: int, grpc_port: int, metrics_port: int, serving_env: Path | None, *,
-                  openai_port: int = 0, api_key: str | None = None) -> None:
+                  openai_port: int = 0, api_key: str | None = None, allow_lora_updates: bool = False) -> None:
     """Triton (and, with `openai_port`, the OpenAI-compatible API in front of it) until Ctrl-C."""
     from llmc.console import console
     from llmc.openai.server import start_beside
@@ -67,7 +67,8 @@ def serve_forever(build_dir: Path, http_port: int, grpc_port: int, metrics_port:
     server = start_server(build_dir, http_port, grpc_port, metrics_port, serving_env)
     frontend = None
     try:
-        frontend = start_beside(server.grpc_url, openai_port, api_key)
+        frontend = start_beside(server.grpc_url, openai_port, api_key, allow_lora_updates=allow_lora_updates,
+                                repository=str(server.repository))
         supervisor = Supervisor(server, log=lambda message: console.print(f"[yellow]{time.strftime('%H:%M:%S')}[/] {message}"))
         models = open_store(server.repository).models()
         console.print(f"[green]serving[/] {', '.join(models)} from {server.repository}")

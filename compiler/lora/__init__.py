@@ -6,6 +6,7 @@
     graph.py      the stacked-slot branch beside each projection, a pass over an exported (or quantized) graph
     stacks.py     a PEFT adapter laid out per site as the runtime stacks it (runtime/lora/stacks.py)
     package.py    the spec's adapters checked before the build works, and packaged into the model repository
+    convert.py    a PEFT adapter made into the file a served model loads at run time, checked against its sites
     reference.py  the branch's PyTorch reference (shrink, then expand, over the active slots)
 """
 

@@ -51,6 +51,7 @@ BENCHMARKS = (
     Benchmark("speculative", "engine", "engine.speculative"),
     Benchmark("draft", "engine", "engine.draft"),
     Benchmark("structured", "engine", "engine.structured"),
+    Benchmark("lora", "engine", "engine.lora"),
     Benchmark("paged", "serving", "serving.paged"),
     Benchmark("triton", "serving", "serving.triton"),
     Benchmark("openai", "serving", "serving.openai"),

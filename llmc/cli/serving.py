@@ -22,6 +22,7 @@ def serve(
     serving_env: Annotated[Optional[Path], typer.Option(help="The venv model.py runs in (default: $LLMC_SERVING_ENV or the .venv-serving made by scripts/setup.sh).")] = None,
     openai_port: Annotated[int, typer.Option(help="Port of the OpenAI-compatible API on 127.0.0.1 (0: none).")] = 9000,
     api_key: Annotated[Optional[str], typer.Option(envvar="LLMC_API_KEY", help="Require `Authorization: Bearer KEY` on the OpenAI API's /v1 routes.", show_default=False)] = None,
+    allow_lora_updates: Annotated[bool, typer.Option("--allow-lora-updates", envvar="LLMC_ALLOW_RUNTIME_LORA_UPDATING", help="The OpenAI API's /v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA adapters loaded into the repository's store and the server while it serves; docs/lora.md).")] = False,
 ) -> None:
     """Serve a build on a local Triton Inference Server (127.0.0.1) until Ctrl-C or SIGTERM, with the OpenAI-compatible API in front of it (--openai-port).
 
@@ -33,7 +34,7 @@ def serve(
     if (build_dir is None) == (repository is None):
         raise UnsupportedError("pass a BUILD_DIR, or --repository s3://... (not both)")
     serve_forever(build_dir or repository, http_port, grpc_port, metrics_port, serving_env, openai_port=openai_port,
-                  api_key=api_key)
+                  api_key=api_key, allow_lora_updates=allow_lora_updates)
 
 
 @app.command(name="openai")
@@ -43,6 +44,8 @@ def openai_api(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 9000,
     api_key: Annotated[Optional[str], typer.Option(envvar="LLMC_API_KEY", help="Require `Authorization: Bearer KEY` on every /v1 route.", show_default=False)] = None,
+    allow_lora_updates: Annotated[bool, typer.Option("--allow-lora-updates", envvar="LLMC_ALLOW_RUNTIME_LORA_UPDATING", help="/v1/load_lora_adapter and /v1/unload_lora_adapter (needs --repository).")] = False,
+    repository: Annotated[Optional[str], typer.Option(help="The servers' model repository (a folder or s3://...), where loaded LoRA adapters are kept.", show_default=False)] = None,
 ) -> None:
     """Run the OpenAI-compatible API alone, in front of one or more running Triton servers (a sidecar or gateway), until Ctrl-C.
 
@@ -52,7 +55,7 @@ def openai_api(
     from llmc.openai.server import run
 
     console.print(f"[green]OpenAI API[/] on http://{host}:{port}/v1 in front of {', '.join(url)}; Ctrl-C to stop")
-    run(url, host=host, port=port, api_key=api_key)
+    run(url, host=host, port=port, api_key=api_key, allow_lora_updates=allow_lora_updates, repository=repository)
 
 
 @app.command()

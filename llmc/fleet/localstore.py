@@ -41,15 +41,26 @@ class LocalStore:
         return sorted(int(d.name) for d in folder.iterdir() if d.is_dir() and d.name.isdigit())
 
     def read(self, model: str, name: str) -> str | None:
-        path = self.root / model / name
-        return path.read_text() if path.is_file() else None
+        data = self.read_bytes(model, name)
+        return data.decode() if data is not None else None
 
     def write(self, model: str, name: str, text: str) -> None:
+        self.write_bytes(model, name, text.encode())
+
+    def read_bytes(self, model: str, name: str) -> bytes | None:
+        """A file beside the versions (an adapter: llmc/fleet/adapters.py), or None."""
+        path = self.root / model / name
+        return path.read_bytes() if path.is_file() else None
+
+    def write_bytes(self, model: str, name: str, data: bytes) -> None:
         path = self.root / model / name
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
+
+    def delete(self, model: str, name: str) -> None:
+        (self.root / model / name).unlink(missing_ok=True)
 
     def upload_version(self, model: str, version: int, source: Path) -> None:
         from llmc.compiler.output import link_tree

@@ -125,6 +125,25 @@ class S3Store:
         self._do(f"write {model}/{name}", self.s3.put_object, Bucket=self.where.bucket,
                  Key=self.where.key(model, name), Body=text.encode(), ChecksumAlgorithm="SHA256")
 
+    def read_bytes(self, model: str, name: str) -> bytes | None:
+        """A file beside the versions (an adapter: llmc/fleet/adapters.py), or None."""
+        from botocore.exceptions import ClientError
+
+        key = self.where.key(model, name)
+        try:
+            return self.s3.get_object(Bucket=self.where.bucket, Key=key)["Body"].read()
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise self._error(err, f"read {key}") from None
+
+    def write_bytes(self, model: str, name: str, data: bytes) -> None:
+        self._do(f"write {model}/{name}", self.s3.put_object, Bucket=self.where.bucket,
+                 Key=self.where.key(model, name), Body=data, ChecksumAlgorithm="SHA256")
+
+    def delete(self, model: str, name: str) -> None:
+        self._remove([self.where.key(model, name)])
+
     def upload_version(self, model: str, version: int, source: Path) -> None:
         """Upload `source` as `<model>/<version>/`, then check every object against its file; on any
         failure remove what was written and raise StoreError."""

@@ -5,6 +5,7 @@
                                  (an adapter's `parent` is its model; a request names an adapter as its `model`)
     POST /v1/completions         prompt (string or list) -> text; streamed as SSE with stream: true
     POST /v1/chat/completions    messages -> the model's chat template -> text; 400 without a template
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   with allow_lora_updates only (adapters.py)
 
 Every error is OpenAI's body ({"error": {"message", "type", "param", "code"}}). With `api_key`, every
 /v1 route needs `Authorization: Bearer KEY` (401 otherwise); request bodies are capped at
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from llmc.chat_template import ChatTemplateError, NoChatTemplate, render
+from llmc.openai.adapters import add_routes, allowed
 from llmc.openai.backends import ModelInfo, Pool
 from llmc.openai.protocol import (MAX_CHOICES, ChatRequest, CompletionRequest, OpenAIError, model_inputs,
                                   num_top_logprobs, refuse_unsupported)
@@ -38,7 +40,10 @@ DISCONNECT_POLL = 0.5  # seconds between checks for a client gone before its str
 
 
 def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: int = MAX_BODY_SIZE,
-               health_interval: float = 2.0) -> FastAPI:
+               health_interval: float = 2.0, allow_lora_updates: bool = False, repository: str | None = None
+               ) -> FastAPI:
+    """`allow_lora_updates` (or LLMC_ALLOW_RUNTIME_LORA_UPDATING=1) with the servers' `repository`: the
+    /v1/load_lora_adapter and /v1/unload_lora_adapter routes (llmc/openai/adapters.py)."""
     pool = Pool(urls, health_interval)
 
     @asynccontextmanager
@@ -100,6 +105,11 @@ def create_app(urls: list[str], *, api_key: str | None = None, max_body_size: in
         jobs = [Job(j, prompt, _inputs(req, j, guided, info, adapter)) for j in range(req.n)]
         return await _answer(pool, model, req, request, Reply(req.model, chat=True), jobs, "chat", guided)
 
+    if allowed(allow_lora_updates):
+        if repository is None:
+            raise ValueError("runtime LoRA updates need the servers' model repository (--repository): the adapters "
+                             "go into its store, where every replica reads them")
+        add_routes(router, pool, repository)
     app.include_router(router)
     return app
 

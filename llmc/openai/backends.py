@@ -10,7 +10,9 @@ in flight.
 - The models are those READY on the healthy servers; each model's chat template comes from its
   config.pbtxt parameter (llmc/chat_template.py), read once per model version, and so do the LoRA adapters it
   serves (the `lora_adapters` parameter, docs/lora.md): a request names one as its `model` and goes to the model
-  that serves it with `lora_name` (`resolve`). A model's own name wins over an adapter of another model.
+  that serves it with `lora_name` (`resolve`). A model's own name wins over an adapter of another model. A model
+  serving adapters is asked for its current list at each check (adapters are loaded and unloaded while it serves:
+  llmc/openai/adapters.py).
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ import asyncio
 import contextlib
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import numpy as np
 
 from llmc.chat_template import PARAMETER, parse_parameter
 from llmc.client import Generation, Unreachable, make_inputs
+from llmc.client.adapters import AdapterControlError, control
 from llmc.client.stream import responses
 from llmc.runtime.serving.tensors import ADAPTERS_PARAMETER as ADAPTERS
+from llmc.runtime.serving.tensors import LORA_CONTROL
 from llmc.openai.protocol import OpenAIError
 
 HEALTH_INTERVAL = 2.0  # seconds between health checks
@@ -41,6 +45,7 @@ class ModelInfo:
     chat_template: dict | None
     inputs: frozenset[str] | None = None  # the input tensors the model declares (None: not known)
     adapters: tuple[str, ...] = ()  # the LoRA adapters it serves (config.pbtxt's lora_adapters parameter)
+    lora: bool = False  # it serves adapters: their list is asked for at each check (loaded at run time)
 
 
 class ChoiceGeneration(Generation):
@@ -134,12 +139,25 @@ class Backend:
                     config = (await grpc.get_model_config(entry.name, client_timeout=HEALTH_TIMEOUT)).config
                     value = config.parameters[PARAMETER].string_value if PARAMETER in config.parameters else None
                     known = ModelInfo(entry.name, entry.version, parse_parameter(value),
-                                      frozenset(i.name for i in config.input), _adapters(config))
+                                      frozenset(i.name for i in config.input), _adapters(config),
+                                      ADAPTERS in config.parameters)
                 models[entry.name] = known
+            for name, info in models.items():
+                if info.lora and LORA_CONTROL in (info.inputs or ()):
+                    models[name] = replace(info, adapters=await self._loaded(name, info.adapters))
         except Exception:
             self.healthy = False
             return
         self.models, self.healthy = models, bool(ready)
+
+
+    async def _loaded(self, model: str, built: tuple[str, ...]) -> tuple[str, ...]:
+        """The adapters `model` serves now (loaded and unloaded at run time: runtime/serving/lora_admin.py)."""
+        try:
+            answer = await asyncio.wait_for(control(self.client, model, {"op": "list"}), HEALTH_TIMEOUT)
+        except (AdapterControlError, asyncio.TimeoutError):
+            return built
+        return tuple(a["name"] for a in answer["adapters"] if not a.get("draining"))
 
 
 def _adapters(config) -> tuple[str, ...]:

@@ -54,22 +54,28 @@ def api_key_from_env(explicit: str | None) -> str | None:
     return explicit or os.environ.get(API_KEY_ENV) or None
 
 
-def run(urls: list[str], *, host: str, port: int, api_key: str | None) -> None:
-    """Serve in the foreground until Ctrl-C."""
+def run(urls: list[str], *, host: str, port: int, api_key: str | None, **app_options) -> None:
+    """Serve in the foreground until Ctrl-C (`app_options`: create_app's, e.g. allow_lora_updates, repository)."""
     import uvicorn
 
     from llmc.openai.app import create_app
 
-    uvicorn.run(create_app(urls, api_key=api_key), host=host, port=port, log_level="warning")
+    try:
+        app = create_app(urls, api_key=api_key, **app_options)
+    except ValueError as err:
+        from llmc.errors import ServingError
+
+        raise ServingError(str(err)) from None
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
-def start_beside(grpc_url: str, port: int, api_key: str | None) -> OpenAIServer | None:
+def start_beside(grpc_url: str, port: int, api_key: str | None, **app_options) -> OpenAIServer | None:
     """`llmc serve --openai-port`: the API in front of the Triton server just started (port 0: none)."""
     from llmc.errors import ServingError
 
     if not port:
         return None
     try:
-        return OpenAIServer([grpc_url], port=port, api_key=api_key_from_env(api_key)).start()
+        return OpenAIServer([grpc_url], port=port, api_key=api_key_from_env(api_key), **app_options).start()
     except (RuntimeError, OSError) as err:
         raise ServingError(f"--openai-port {port}: {err}") from None

@@ -19,11 +19,12 @@ from llmc.runtime.lora.store import AdapterStore
 
 
 class LoraSlots:
-    def __init__(self, store: AdapterStore, max_slots: int):
+    def __init__(self, store: AdapterStore, max_slots: int, max_rank: int = 64):
+        """`max_rank`: lora.max_rank, the highest rank an adapter loaded at run time may have."""
         if not 1 <= max_slots <= store.capacity:
             raise ValueError(f"max_slots ({max_slots}) must be between 1 and the store's capacity "
                              f"({store.capacity}, lora.max_host_adapters)")
-        self.store, self.max_slots = store, max_slots
+        self.store, self.max_slots, self.max_rank = store, max_slots, max_rank
 
     def fits(self, seq: Sequence, running: Iterable[Sequence]) -> bool:
         """Whether `seq` can join the running sequences without a step carrying more than `max_slots` adapters."""

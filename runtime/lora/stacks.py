@@ -60,21 +60,32 @@ def stack_slots(sites: Sequence[Site], adapters: Sequence[AdapterWeights], rank:
             raise ValueError(f"adapter {adapter.ref.name!r} has rank {adapter.rank}, above the stacks' {r_max}")
     feeds = {}
     for site in sites:
-        m_count, width = len(site.members), len(site.members) * r_max
-        a_stack = feeds[a_name(site)] = np.zeros((len(adapters), site.in_features, width), np.float32)
-        b_stack = feeds[b_name(site)] = np.zeros((len(adapters), width, site.out_features), np.float32)
-        for s, adapter in enumerate(adapters):
-            pair = adapter.sites.get(site.name)
-            if pair is None:
-                continue
-            a, b, r = pair[0], pair[1], adapter.rank
-            if r == r_max:
-                a_stack[s], b_stack[s] = a, b
-                continue
-            for m in range(m_count):
-                a_stack[s, :, m * r_max:m * r_max + r] = a[:, m * r:(m + 1) * r]
-                b_stack[s, m * r_max:m * r_max + r] = b[m * r:(m + 1) * r]
+        width = len(site.members) * r_max
+        feeds[a_name(site)] = np.zeros((len(adapters), site.in_features, width), np.float32)
+        feeds[b_name(site)] = np.zeros((len(adapters), width, site.out_features), np.float32)
+    for s, adapter in enumerate(adapters):
+        fill_slot(sites, feeds, s, adapter)
     return feeds
+
+
+def fill_slot(sites: Sequence[Site], feeds: dict[str, np.ndarray], s: int, adapter: AdapterWeights) -> None:
+    """Write `adapter` into slot `s` of stacks made by stack_slots (its rank within theirs), in place: a slot
+    replaced while the others stay costs one adapter's copy, not the step's."""
+    for site in sites:
+        a_stack, b_stack = feeds[a_name(site)], feeds[b_name(site)]
+        r_max = a_stack.shape[2] // len(site.members)
+        pair = adapter.sites.get(site.name)
+        if pair is None:
+            a_stack[s], b_stack[s] = 0.0, 0.0
+            continue
+        a, b, r = pair[0], pair[1], adapter.rank
+        if r == r_max:
+            a_stack[s], b_stack[s] = a, b
+            continue
+        a_stack[s], b_stack[s] = 0.0, 0.0
+        for m in range(len(site.members)):
+            a_stack[s, :, m * r_max:m * r_max + r] = a[:, m * r:(m + 1) * r]
+            b_stack[s, m * r_max:m * r_max + r] = b[m * r:(m + 1) * r]
 
 
 def token_slots(rows: Sequence[tuple[int, int]]) -> np.ndarray:

@@ -12,6 +12,7 @@ and engine class; `ServingLoop.from_manifest` (loop.py) serves what it loads.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from llmc.runtime.decoding.tokenizer import load as load_tokenizer
@@ -91,10 +92,14 @@ class LoraNotServed(RuntimeError):
 
 def lora_parts(folder: Path, m: RepositoryManifest):
     """The LoRA graph and sites for the runner and the adapter slots for the engine, or (None, None) without
-    adapters; refuses what adapters are not served with yet, naming it."""
+    adapters; refuses what adapters are not served with yet, naming it. The adapters are the build's and those of
+    the repository's store beside the versions (runtime/lora/index.py: loaded at run time, or unloaded)."""
     if m.lora is None:
         return None, None
     from llmc.runtime.engine.lora_slots import LoraSlots
+    from llmc.runtime.lora.check import AdapterRefused, check_shapes
+    from llmc.runtime.lora.files import AdapterFileError, read_header
+    from llmc.runtime.lora.index import DIR, read_index
     from llmc.runtime.lora.stacks import AdapterRef
     from llmc.runtime.lora.store import AdapterStore
 
@@ -104,6 +109,20 @@ def lora_parts(folder: Path, m: RepositoryManifest):
             raise LoraNotServed(f"{folder}: lora: adapters are not served with {field} "
                                 f"({getattr(m, field)!r}) yet; rebuild without one or the other (docs/lora.md)")
     store = AdapterStore(m.lora.max_host_adapters)
+    index = read_index(folder.parent)  # the store's adapters, beside the versions (runtime/lora/index.py)
     for adapter in m.lora.adapters:
-        store.register(AdapterRef(adapter.name, adapter.digest), folder / adapter.file)
-    return (folder / m.lora.lora_file, m.lora.sites), LoraSlots(store, m.lora.max_slots)
+        if adapter.name not in index.adapters and adapter.name not in index.removed:
+            store.register(AdapterRef(adapter.name, adapter.digest), folder / adapter.file)
+    for entry in index.adapters.values():
+        path = folder.parent / DIR / entry.file
+        try:
+            ref, rank, shapes = read_header(path)
+            if ref != AdapterRef(entry.name, entry.digest):
+                raise AdapterFileError(f"{path} holds {ref.name!r} {ref.digest[:12]}, not the index's "
+                                       f"{entry.name!r} {entry.digest[:12]}")
+            check_shapes(ref.name, rank, shapes, m.lora.sites, m.lora.max_rank)
+        except (AdapterFileError, AdapterRefused) as err:  # one bad adapter in the store does not stop the model
+            print(f"llmc: the repository's adapter {entry.name!r} is not served: {err}", file=sys.stderr)
+            continue
+        store.register(ref, path, task_id=entry.lora_task_id)
+    return (folder / m.lora.lora_file, m.lora.sites), LoraSlots(store, m.lora.max_slots, m.lora.max_rank)

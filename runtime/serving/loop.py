@@ -34,6 +34,7 @@ tokenizer come from the composition root (loader.py).
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ from llmc.runtime.lora.store import UnknownAdapter
 from llmc.runtime.manifest import RepositoryManifest
 from llmc.runtime.runners.protocol import RunnerBroken
 from llmc.runtime.serving.metrics import ServingMetrics, null_metrics
+from llmc.runtime.serving.lora_admin import LoraAdmin, is_control
 from llmc.runtime.serving.request import Limits, Request, RequestError, is_stop, parse_request
 from llmc.runtime.serving.responses import LiveRequest, Sink, bytes_tensor, call
 
@@ -70,6 +72,7 @@ class ServingLoop:
         self._last_cancel_check = 0.0
         # guides compile on the compiler's threads; a guided request joins the engine once its grammar is ready
         self.guides = GuideCompiler(tokenizer, engine.end_ids)
+        self.lora = LoraAdmin(engine, self._lock)  # adapters loaded and unloaded while serving (lora_admin.py)
 
     @classmethod
     def from_manifest(cls, folder: Path, metrics: ServingMetrics | None = None) -> "ServingLoop":
@@ -104,6 +107,7 @@ class ServingLoop:
         self.guides.close()
         if not self._thread.is_alive():  # no step can be running
             self.engine.close()
+        self.lora.close()
 
     def submit(self, inputs: Mapping[str, np.ndarray], sink: Sink, client_id: str = "") -> None:
         """Queue a request (never blocks); a request that cannot run is answered with an error at once.
@@ -111,6 +115,9 @@ class ServingLoop:
         request ends the live request with the same one and is answered at once."""
         rid = f"r{next(self._ids)}"
         try:
+            if is_control(inputs):  # a LoRA adapter loaded, unloaded or listed: answered once, maybe later
+                self.lora.handle(inputs, lambda result, error: self._answer_control(sink, result, error))
+                return
             if is_stop(inputs):
                 self._stop(client_id)
                 call(sink.send, {"text_output": bytes_tensor(""), "output_ids": np.zeros(0, dtype=np.int32)}, True)
@@ -122,7 +129,8 @@ class ServingLoop:
                 self._live[rid] = LiveRequest(request, sink, len(prompt_ids), time.monotonic(), client_id=client_id,
                                         logprobs=[Logprobs.empty(top)] if top is not None else None)
                 if request.guide is None:
-                    self.engine.add_request(rid, prompt_ids, request.params, logprobs=top, adapter=request.lora_name)
+                    self.engine.add_request(rid, prompt_ids, request.params, logprobs=top,
+                                            adapter=self.lora.adapter_of(request))
         except (RequestError, ValueError, QueueFull) as err:
             self._refuse(rid, sink, err)
             return
@@ -148,7 +156,7 @@ class ServingLoop:
                 return
             with self._lock:
                 self.engine.add_request(rid, prompt_ids, entry.request.params, logprobs=top, guide=compiled.result(),
-                                        adapter=entry.request.lora_name)
+                                        adapter=self.lora.adapter_of(entry.request))
         except (RequestError, ValueError, QueueFull) as err:
             self._refuse(rid, entry.sink, err)
             return
@@ -168,6 +176,13 @@ class ServingLoop:
             message = f"text_input: {err}"
         self.metrics.failed()
         call(sink.error, message)
+
+    @staticmethod
+    def _answer_control(sink: Sink, result: dict | None, error: str | None) -> None:
+        if error is not None:
+            call(sink.error, error)
+        else:
+            call(sink.send, {"text_output": bytes_tensor(json.dumps(result))}, True)
 
     def _stop(self, client_id: str) -> None:
         """Cancel the live request(s) sent under `client_id`; none (it already ended): nothing to do."""
@@ -215,6 +230,7 @@ class ServingLoop:
                 pass
             try:
                 self.engine = self._restart()
+                self.lora.engine = self.engine  # adapters loaded at run time are gone: the store's come back
                 self.metrics.restarted()
             except Exception as failure:  # noqa: BLE001 (the closed engine stays: its steps fail each request)
                 err = RuntimeError(f"{err}; restarting failed too: {failure!r}")

@@ -47,6 +47,7 @@ class Request:
     add_special_tokens: bool = True  # false for a prompt rendered from a chat template (decoding/tokenizer.py)
     guide: Guide | None = None  # structured output: compiled off the engine thread (loop.py)
     lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model); the engine resolves it
+    lora_task_id: int | None = None  # TensorRT-LLM's name for a loaded adapter (lora_admin.py resolves it)
 
 
 def _text(value, name: str) -> str:
@@ -118,7 +119,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits) -> Request:
     if top and not flags.get("return_log_probs"):
         raise RequestError("num_top_logprobs: needs return_log_probs true")
     return Request(prompt=prompt, params=params, num_top_logprobs=top, guide=_guide(inputs, width),
-                   lora_name=_lora_name(inputs), **flags)
+                   lora_name=_lora_name(inputs), lora_task_id=values.get("lora_task_id"), **flags)
 
 
 def _one_text(inputs: Mapping[str, np.ndarray], name: str) -> str | None:

@@ -26,6 +26,7 @@ SCALARS: dict[str, tuple[str, str | None]] = {
     # beam search (runtime/engine/beam.py), TensorRT-LLM's names and types: 1 = off, at most serving.max_beam_width
     "beam_width": ("INT32", "beam_width"), "length_penalty": ("FP32", "length_penalty"),
     "early_stopping": ("BOOL", "early_stopping"),
+    "lora_task_id": ("UINT64", None),  # TensorRT-LLM's: a loaded adapter by its task id (beside LORA_NAME below)
 }
 # The served model's optional text inputs (BYTES [1]). Structured output (runtime/decoding/grammar.py), as
 # TensorRT-LLM's backend names it: the guide's type (json, json_schema, regex, ebnf_grammar, lark_grammar,
@@ -33,7 +34,12 @@ SCALARS: dict[str, tuple[str, str | None]] = {
 GUIDE_TEXTS: tuple[str, ...] = ("guided_decoding_guide_type", "guided_decoding_guide")
 # The LoRA adapter a request runs under, by name, as Triton's vLLM backend names it (docs/lora.md); unset: the base.
 LORA_NAME = "lora_name"
-TEXTS: tuple[str, ...] = (*GUIDE_TEXTS, LORA_NAME)
+# Adapters loaded and unloaded while the model serves (runtime/serving/lora_admin.py): a control request carries
+# `lora_control` (JSON: {"op": "load" | "unload" | "list", ...}) and, to load, `lora_adapter` (an adapter file's
+# bytes, runtime/lora/files.py); it is answered with one JSON `text_output`. TensorRT-LLM's `lora_task_id` (UINT64,
+# in SCALARS) names an adapter loaded with one.
+LORA_CONTROL, LORA_ADAPTER, LORA_TASK_ID = "lora_control", "lora_adapter", "lora_task_id"
+TEXTS: tuple[str, ...] = (*GUIDE_TEXTS, LORA_NAME, LORA_CONTROL, LORA_ADAPTER)
 # config.pbtxt's parameter listing the adapters a request may name, as a JSON list (the OpenAI frontend reads it)
 ADAPTERS_PARAMETER = "lora_adapters"
 # outputs: name -> (Triton datatype, dims). A beam request (beam_width W > 1) gets TensorRT-LLM's

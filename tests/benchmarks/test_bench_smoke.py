@@ -188,6 +188,21 @@ def test_bench_sizes_on_a_tiny_checkpoint(monkeypatch, capsys, tiny_checkpoints,
     assert "| fp32 | llmc |" in out and "3 streams, 6 requests of 8 + 4 tokens" in out
 
 
+@smokes("lora")
+def test_bench_lora_tiny(monkeypatch, tiny_checkpoints, tmp_path):
+    """The LoRA benchmark's whole path on the tiny Llama: PEFT adapters made and built in, the four traffic mixes
+    timed against a runner without the LoRA graph, adapters loaded at run time and held, one loaded from disk."""
+    run_bench(monkeypatch, "lora", "--checkpoint", str(tiny_checkpoints["llama"]), "--passes", "1", "--streams", "3",
+              "--prompt-tokens", "8", "--new-tokens", "3", "--rank", "4", "--adapters", "2", "--held", "3",
+              "--threads", "1", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "lora.json").read_text())
+    assert set(result["tok_s"]) == {"base", "base_enabled", "one_adapter", "four_adapters"}
+    assert all(v > 0 for v in result["tok_s"].values()) and result["ratios"]["four_adapters/base"] > 0
+    assert result["held"] == 3 and result["held_bytes"] > 0
+    assert 0 < result["load_s"]["convert"] <= result["load_s"]["until_served"] < result["load_s"]["until_first_token"]
+    assert result["ttft_s"]["first_request"] > 0 and result["ttft_s"]["warm_adapter"] > 0
+
+
 @smokes("moe")
 def test_bench_moe_op_curve_tiny(monkeypatch, tmp_path):
     """The expert op's curve at a tiny width (fp32 MoE and llmc's int4 QMoE); its decode passes build and time

@@ -27,7 +27,7 @@ class _Engine:
     def __init__(self):
         self.prompts: list[list[int]] = []
 
-    def add_request(self, request_id, prompt_ids, params, logprobs=None):
+    def add_request(self, request_id, prompt_ids, params, logprobs=None, adapter=None):
         self.prompts.append(list(prompt_ids))
 
 
@@ -56,7 +56,7 @@ def _as_triton_hands_them(tensors) -> dict[str, np.ndarray]:
 
 
 class _InProcessPool:
-    """What app.py asks of its Pool for a chat request (info, pick, generate), with the model served
+    """What app.py asks of its Pool for a chat request (resolve, info, pick, generate), with the model served
     in process: the client's input tensors into the runtime's ServingLoop.submit."""
 
     def __init__(self, chat_template: dict, tokenizer):
@@ -68,6 +68,9 @@ class _InProcessPool:
         self.engine = _Engine()
         self.loop = ServingLoop(self.engine, tokenizer, Limits(max_seq_len=512, default_max_tokens=8,
                                                                 max_stop_words=4))
+
+    def resolve(self, model):
+        return model, None  # a model, never a LoRA adapter: this model serves none
 
     def info(self, model):
         return self.model

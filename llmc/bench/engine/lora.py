@@ -1,0 +1,207 @@
+"""LoRA adapters on SmolLM2 (issue 54's targets): rank-16 adapters on every attention and MLP projection, in process,
+the paged fp32 graph, 2 ONNX Runtime threads, greedy.
+
+One build with --adapters PEFT adapters (random A and B, made by PEFT on the checkpoint) and lora.max_host_adapters
+--held. Each pass runs every contender once, in an order that turns pass by pass (harness.in_turn); throughput is
+generated tokens over the wall time of --streams requests sent at once (--prompt-tokens + --new-tokens each, every
+prompt its own: no prefix hits); ratios are medians of per-pass ratios.
+
+    base           a runner without the LoRA graph (what a build without adapters serves), base-only traffic
+    base_enabled   the adapter-enabled engine, base-only traffic (target >= 0.95x base)
+    one_adapter    every request on the same adapter
+    four_adapters  every request on one of 4 adapters, round robin (target >= 0.8x base, <= 5% below one_adapter)
+
+Then, once: --held adapters loaded at run time through the serving loop's control requests (runtime/serving/
+lora_admin.py) and held in host memory at once (their bytes); one more adapter from its PEFT folder on disk until it
+serves (convert + load, target < 1 s at 0.5B rank 16), and the first request's TTFT on it against a warm adapter's
+(target <= 1.2x), medians over --passes.
+
+    .venv/bin/python -m llmc.bench lora [--passes 3] [--streams 16] [--held 32]
+Writes build/bench/lora.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from llmc.bench.builds import BENCH, SMOLLM2
+from llmc.bench.harness import Runs, environment, median, median_ratio, medians, passes, prompt_for, write_json
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CONTENDERS = ("base", "base_enabled", "one_adapter", "four_adapters")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", type=Path, default=SMOLLM2, help="the base model (default: SmolLM2-135M)")
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--adapters", type=int, default=4, help="adapters built in (the four_adapters traffic's)")
+    p.add_argument("--held", type=int, default=32, help="adapters loaded at run time and held at once")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=BENCH)
+
+
+def make_adapters(checkpoint: Path, folder: Path, count: int, rank: int) -> list[Path]:
+    """`count` PEFT adapters of `rank` on every projection, random A and B (made once)."""
+    paths = [folder / f"adapter{i}" for i in range(count)]
+    if all((p / "adapter_model.safetensors").is_file() for p in paths):
+        return paths
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoint)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+                                            init_lora_weights=False))
+    for i, path in enumerate(paths):
+        torch.manual_seed(i)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0, 0.02)
+        model.save_pretrained(path)
+    return paths
+
+
+def build(args, adapters: list[Path]) -> Path:
+    from llmc.compiler import build as run_build
+    from llmc.compiler.spec import parse_spec
+
+    streams = max(args.streams, 4)
+    spec = {"name": "smollm2", "source": str(args.checkpoint), "verify": {"enabled": False},
+            "export": {"attention": "paged"},
+            "limits": {"max_batch_size": streams, "max_seq_len": args.prompt_tokens + args.new_tokens + 64,
+                       "max_num_tokens": 512,
+                       "kv_cache_tokens": streams * (args.prompt_tokens + args.new_tokens + 32)},
+            "serving": {"num_threads": args.threads, "max_queue_size": 256},
+            "adapters": {f"a{i}": str(p) for i, p in enumerate(adapters)},
+            "lora": {"max_slots": 4, "max_rank": max(args.rank, 16), "max_host_adapters": args.held + 2}}
+    out = args.out / "lora" / f"build-{args.checkpoint.name}"
+    return run_build(parse_spec(spec), output=out).repository / "smollm2" / "1"
+
+
+def engines(version: Path):
+    """(the adapter-enabled engine, an engine over the same graph without the LoRA graph), tokenizer."""
+    from llmc.runtime.engine.paged_engine import PagedEngine
+    from llmc.runtime.manifest import RepositoryManifest
+    from llmc.runtime.runners.paged import PagedRunner
+    from llmc.runtime.serving.loader import load
+
+    enabled, tokenizer, _ = load(version)
+    m, lim = RepositoryManifest.load(version), RepositoryManifest.load(version).limits
+    runner = PagedRunner(version / m.model_file, m.kv_layout, num_blocks=enabled.runner.num_blocks,
+                         max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads)
+    plain = PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
+                        max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
+                        max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching,
+                        itl_ratio=lim.itl_ratio, max_beam_width=lim.max_beam_width)  # as loader.py makes it
+    return enabled, plain, tokenizer
+
+
+def throughput(engine, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> float:
+    from llmc.runtime.decoding.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0)
+    start, tokens = time.perf_counter(), 0
+    for i, (ids, name) in enumerate(zip(prompts, names)):
+        engine.add_request(f"r{i}-{start}", ids, params, adapter=name)
+    while engine.has_work:
+        tokens += sum(len(o.token_ids) for o in engine.step())
+    return tokens / (time.perf_counter() - start)
+
+
+def ttft(engine, ids: list[int], name: str | None) -> float:
+    from llmc.runtime.decoding.sampling import SamplingParams
+
+    start = time.perf_counter()
+    engine.add_request(f"t{start}", ids, SamplingParams(max_tokens=1, temperature=0.0), adapter=name)
+    first = None
+    while engine.has_work:
+        outs = engine.step()
+        if first is None and any(o.token_ids for o in outs):
+            first = time.perf_counter() - start
+    return first
+
+
+def run(args) -> dict:
+    from llmc.runtime.manifest import RepositoryManifest
+
+    print(environment())
+    folder = args.out / "lora" / f"adapters-{args.checkpoint.name}-r{args.rank}"
+    adapters = make_adapters(args.checkpoint, folder, args.adapters + 1, args.rank)
+    version = build(args, adapters[:args.adapters])
+    enabled, plain, tokenizer = engines(version)
+    seeds = iter(range(10**6))
+
+    def prompts(n):
+        return [prompt_for(tokenizer, args.prompt_tokens, next(seeds) * 7 + 1000)[1] for _ in range(n)]
+
+    names = [f"a{i}" for i in range(args.adapters)]
+    traffic = {"base": (plain, [None] * args.streams), "base_enabled": (enabled, [None] * args.streams),
+               "one_adapter": (enabled, [names[0]] * args.streams),
+               "four_adapters": (enabled, [names[i % min(4, len(names))] for i in range(args.streams)])}
+    throughput(enabled, prompts(2), [None, names[0]], 2)  # warm both sessions
+    runs = Runs("8.1f", 14)
+    found = passes({k: (lambda p, k=k: throughput(traffic[k][0], prompts(args.streams), traffic[k][1],
+                                                  args.new_tokens)) for k in CONTENDERS}, args.passes,
+                   lambda p, name, value: runs.record(f"{name} tok/s", value))
+    result = {"environment": environment(), "tok_s": medians(found),
+              "ratios": {"base_enabled/base": median_ratio(found["base_enabled"], found["base"]),
+                         "four_adapters/base": median_ratio(found["four_adapters"], found["base"]),
+                         "one_adapter/base": median_ratio(found["one_adapter"], found["base"]),
+                         "four_adapters/one_adapter": median_ratio(found["four_adapters"], found["one_adapter"])}}
+    plain.close()
+    result.update(held_and_loaded(args, enabled, version, adapters[-1], tokenizer, prompts))
+    enabled.close()
+    result["lora_session_stackings"] = enabled.runner.lora.num_stackings if enabled.runner.lora else None
+    result["manifest_sites"] = len(RepositoryManifest.load(version).lora.sites)
+    print(json.dumps(result, indent=1))
+    write_json(args.out / "lora.json", result)
+    return result
+
+
+def held_and_loaded(args, engine, version: Path, peft_folder: Path, tokenizer, prompts) -> dict:
+    """--held adapters loaded at run time and held at once; one more from disk until it serves; TTFTs."""
+    import numpy as np
+
+    from llmc.compiler.lora.convert import convert
+    from llmc.runtime.lora.files import adapter_bytes
+    from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights
+    from llmc.runtime.manifest import RepositoryManifest
+    from llmc.runtime.serving.lora_admin import LoraAdmin
+    import threading
+
+    lora = RepositoryManifest.load(version).lora
+    admin = LoraAdmin(engine, threading.Lock())
+    template = engine.lora.store.pin(engine.lora.store.resolve("a0"))
+    engine.lora.store.unpin(template.ref)
+    rng = np.random.default_rng(0)
+    for i in range(args.held):
+        sites = {s: (rng.standard_normal(a.shape, np.float32) * 0.02, rng.standard_normal(b.shape, np.float32) * 0.02)
+                 for s, (a, b) in template.sites.items()}
+        admin.load(adapter_bytes(AdapterWeights(AdapterRef(f"h{i}", f"{i:064x}"), template.rank, sites)), None)
+    store = engine.lora.store
+    held = [r for r in store.resident if r.name.startswith("h")]
+    out = {"held": len(held), "held_bytes": int(sum(store.pin(r).nbytes for r in held))}
+    for r in held:
+        store.unpin(r)
+    loads, cold, warm = [], [], []
+    for p in range(args.passes):
+        start = time.perf_counter()
+        data = convert(f"disk{p}", peft_folder, lora.sites, lora.max_rank)[0]
+        converted = time.perf_counter() - start
+        admin.load(data, None)
+        loads.append((converted, time.perf_counter() - start))
+        cold.append(ttft(engine, prompts(1)[0], f"disk{p}"))
+        warm.append(ttft(engine, prompts(1)[0], f"disk{p}"))
+    admin.close()
+    return {**out, "load_s": {"convert": median(c for c, _ in loads), "until_served": median(t for _, t in loads),
+                       "until_first_token": median(t + c for (_, t), c in zip(loads, cold))},
+            "ttft_s": {"first_request": median(cold), "warm_adapter": median(warm)},
+            "ttft_first/warm": median_ratio(cold, warm)}

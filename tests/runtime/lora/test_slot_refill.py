@@ -1,0 +1,53 @@
+"""The LoRA graph's stacks when a step's set of adapters changes (runtime/runners/paged_lora.py): the adapters that
+stay keep their slots and only the changed slot is rewritten, equal to stacking them afresh; a new highest rank or
+another count of adapters restacks every slot."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from llmc.runtime.lora.sites import SLOTS, Member, Site, a_name, b_name
+from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights, stack_slots
+from llmc.runtime.runners.paged_lora import LoraGraph
+
+SITE = Site("qkv.0", "x", "y", 4, 8, (Member("q", 0, 4), Member("k", 4, 2), Member("v", 6, 2)))
+
+
+def adapter(name: str, rank: int) -> AdapterWeights:
+    rng = np.random.default_rng(len(name) * 7 + rank)
+    return AdapterWeights(AdapterRef(name, "d"), rank, {SITE.name: (rng.standard_normal((4, 3 * rank), np.float32),
+                                                                    rng.standard_normal((3 * rank, 8), np.float32))})
+
+
+class Binding:
+    def __init__(self):
+        self.bound = {}
+
+    def bind_cpu_input(self, name, value):
+        self.bound[name] = value
+
+
+def graph() -> LoraGraph:
+    names = ["input_ids", SLOTS, a_name(SITE), b_name(SITE)]
+    session = SimpleNamespace(get_inputs=lambda: [SimpleNamespace(name=n) for n in names])
+    lora = LoraGraph(session, [SITE], ["input_ids"], "model_lora.onnx")
+    lora.binding = Binding()
+    return lora
+
+
+def test_a_changed_adapter_rewrites_its_slot_only_and_equals_a_fresh_stack():
+    lora, a, b, c, d = graph(), adapter("a", 4), adapter("b", 2), adapter("c", 3), adapter("d", 8)
+    lora.bind([a, b, None], [1, 1, 1])
+    assert (lora.num_stackings, lora.num_refills) == (1, 0) and list(lora.binding.bound[SLOTS]) == [0, 1, -1]
+    a_stack = lora.binding.bound[a_name(SITE)]
+    lora.bind([c, a], [2, 1])  # b's requests ended as c's began: a keeps slot 0, c takes b's
+    assert (lora.num_stackings, lora.num_refills) == (1, 1) and lora.binding.bound[a_name(SITE)] is a_stack
+    assert list(lora.binding.bound[SLOTS]) == [1, 1, 0]
+    fresh = stack_slots([SITE], [a, c], rank=4)
+    for name in (a_name(SITE), b_name(SITE)):
+        assert np.array_equal(lora.binding.bound[name], fresh[name])
+    lora.bind([d, a], [1, 1])  # a higher rank: every slot again
+    lora.bind([a], [1])  # fewer adapters: every slot again
+    assert (lora.num_stackings, lora.num_refills) == (3, 1) and lora.binding.bound[a_name(SITE)].shape == (1, 4, 12)
