@@ -39,17 +39,20 @@ BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # its calibration and quality sessions read mapped weights, but it starts where the whole model left the process.
 # Reading it a layer at a time (STREAM_PEAK): with R the embedding table(s) the streamed model keeps at fp32
 # (embeddings and an untied LM head), L one decoder layer and W the whole, at fp32: export holds R, the traced period
-# and a layer: (1.2, 1.0, 0.07) of (R, L, W). Verify and quantize run the fp32 graph a segment of weights at a time
+# and a layer: (1.2, 1.0, 0.04) of (R, L, W). Verify and quantize run the fp32 graph a segment of weights at a time
 # (graph/segments.py): verify's candidate holds its largest segment (SEGMENT_BYTES, or the LM head's: a tied head is
-# the table and ONNX Runtime's transposed copy of it), then its reference R and a layer; quantize reads, searches and
-# packs the largest weight (the LM head) one at a time, about three tables at once, beside the quantized graph's
-# session and a segment. Both grow a little with depth (STREAM_DEPTH of W). Fitted to the streamed benchmark's
-# int4 AWQ builds (random Llamas: hidden 2048 at 4 and 16 layers, Llama-3.2-1B, Llama-3.1-8B at 4 and 32 layers).
+# the table and ONNX Runtime's transposed copy of it) where the export's R is still in the heap, then its reference
+# R and a layer; quantize reads, searches and packs the largest weight (the LM head) one at a time, about three tables
+# at once (HEAD_COPIES; a tied head, copied out of the embedding first, four and a half), beside the quantized
+# graph's session and a segment. Both grow a little with depth (STREAM_DEPTH of W). Fitted to the streamed
+# benchmark's int4 AWQ builds (random Llamas: hidden 2048 at 4 and 16 layers, Llama-3.2-1B, Llama-3.1-8B at 4 and
+# 32 layers), each stage within 20%.
 BASE = 2**30
 BUILD_PEAK = {"export": (2.08, 0.0, 1.7), "verify": (2.07, 0.0, 0.0), "quantize": (2.25, 1.23, 2.6)}
 STREAM_PEAK = ("export", "verify", "quantize")  # the stages whose peak reading a layer at a time is its own
-STREAM_EXPORT = (1.2, 1.0, 0.07)  # export's multiples of (R, L, W)
-STREAM_DEPTH, STREAM_MISC, HEAD_COPIES = 0.05, 0.4 * 2**30, 3.0
+STREAM_EXPORT = (1.2, 1.0, 0.04)  # export's multiples of (R, L, W)
+STREAM_DEPTH, STREAM_MISC = 0.05, 0.4 * 2**30
+HEAD_COPIES = {False: 3.0, True: 4.5}  # quantize's tables at once, by tied embeddings
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
                 QuantMode.int4_weight_only: 0.5}
 
@@ -135,8 +138,8 @@ def stage_peaks(dims: Dims, stages: list[str], untied: int, load: str, weight_on
         r, l, w = STREAM_EXPORT
         grown = STREAM_DEPTH * fp32 + STREAM_MISC
         streamed = {"export": BASE + r * resident + l * layer + w * fp32,
-                    "verify": BASE + max(segment, resident + layer) + grown,
-                    "quantize": BASE + HEAD_COPIES * table + grown}
+                    "verify": BASE + resident + max(segment, layer) + grown,
+                    "quantize": BASE + HEAD_COPIES[dims.tied_embeddings] * table + grown}
         streamed = {stage: int(peak) for stage, peak in streamed.items() if stage in stages}
         if dims.expert_params or not weight_only:  # a mixture's quantizer and the Q/DQ modes read the graph whole
             streamed.pop("quantize", None)

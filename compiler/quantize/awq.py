@@ -91,19 +91,22 @@ def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: in
     (AWQ's second step, a per-block clipping search, is blockwise.search's job.)"""
     weights = weights or WeightFile.of(model.graph)
     sites = smoothable(model.graph)
-    acts, importance = activation_statistics(model, layout, windows, [s.tensor for s in sites], TOKENS,
-                                             num_threads=num_threads, graph_file=graph_file, progress=progress,
-                                             segmented=segmented)
     initializers = {t.name: t for t in model.graph.initializer}
-    scales, alphas = [], []
-    for done, site in enumerate(sites, 1):
-        s, alpha = search_scale(acts[site.tensor], [weights.array(initializers[r.input[1]]) for r in site.readers],
-                                bits, block, symmetric)
-        scales.append(s)
-        alphas.append(alpha)
-        if progress:
-            progress(done, len(sites), "AWQ scales searched (sites)")
-    apply_scales(model, sites, scales, weights)
+    found: dict[int, tuple[np.ndarray, float]] = {}  # site index -> (scale, alpha)
+
+    def search_sites(tensor: str, x: np.ndarray) -> None:  # a tensor's rows are in: its sites' scales, then drop x
+        for i, site in enumerate(sites):
+            if site.tensor == tensor:
+                found[i] = search_scale(x, [weights.array(initializers[r.input[1]]) for r in site.readers],
+                                        bits, block, symmetric)
+                if progress:
+                    progress(len(found), len(sites), "AWQ scales searched (sites)")
+
+    _, importance = activation_statistics(model, layout, windows, list(dict.fromkeys(s.tensor for s in sites)),
+                                          TOKENS, num_threads=num_threads, graph_file=graph_file, progress=progress,
+                                          segmented=segmented, complete=search_sites)
+    scales, alphas = zip(*(found[i] for i in range(len(sites)))) if sites else ((), ())
+    apply_scales(model, sites, list(scales), weights)
     for site, s in zip(sites, scales):
         importance[site.tensor] = importance[site.tensor] / np.square(s.astype(np.float64))
-    return Awq(alphas, importance)
+    return Awq(list(alphas), importance)

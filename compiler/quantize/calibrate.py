@@ -153,7 +153,8 @@ def calibrate(model, layout: KVLayout, windows: list[np.ndarray], method: str, *
 
 
 def activation_statistics(model, layout: KVLayout, windows: list[np.ndarray], rows_of: list[str], tokens: int, *,
-                          num_threads: int = 0, graph_file: Path | None = None, progress=None, segmented: bool = False
+                          num_threads: int = 0, graph_file: Path | None = None, progress=None, segmented: bool = False,
+                          complete: Callable[[str, np.ndarray], None] | None = None
                           ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """One calibration pass of `model` over `windows`, giving both what AWQ and the block search need:
     up to `tokens` rows [tokens, channels] of each tensor in `rows_of`, spread evenly over the windows
@@ -161,11 +162,15 @@ def activation_statistics(model, layout: KVLayout, windows: list[np.ndarray], ro
     input (the importance blockwise.search weighs rounding errors by). A session over a big graph costs
     more than the windows it runs (tens of seconds at 0.5B), so there is one pass, not one per use.
     `graph_file`: see run_tensors. `segmented`: the pass runs `graph_file` a segment of weights at a time
-    (graph/segments.py: a streamed build's, whose fp32 weights need not fit in memory at once)."""
+    (graph/segments.py: a streamed build's, whose fp32 weights need not fit in memory at once). `complete(name,
+    rows)`: given each tensor's rows as soon as every window has given them (segmented: as the segment making it
+    ends), which are then not kept or returned: AWQ searches a layer's scales while the pass goes on, where every
+    layer's rows held to the end grew with depth (0.9 GB at 8B)."""
     linear = weight_matmul_inputs(model.graph)
     per_window = max(1, tokens // len(windows))
     rows: dict[str, list[np.ndarray]] = {t: [] for t in rows_of}
     sums: dict[str, np.ndarray] = {}
+    seen = dict.fromkeys(rows_of, 0)
     tensors = list(dict.fromkeys([*linear, *rows_of]))
     passes = (_segmented_tensors(graph_file, layout, windows, tensors, num_threads, progress) if segmented else
               enumerate(run_tensors(model, layout, windows, tensors, num_threads, progress, graph_file=graph_file)))
@@ -178,6 +183,9 @@ def activation_statistics(model, layout: KVLayout, windows: list[np.ndarray], ro
                 value = values[name]
                 pick = np.linspace(0, len(value) - 1, min(per_window, len(value))).astype(int)
                 rows[name].append(value[pick].astype(np.float32))
+                seen[name] += 1
+                if complete is not None and seen[name] == len(windows):
+                    complete(name, np.concatenate(rows.pop(name))[:tokens])
     count = sum(map(len, windows))
     return ({name: np.concatenate(chunks)[:tokens] for name, chunks in rows.items()},
             {name: sums[name] / count for name in linear})
