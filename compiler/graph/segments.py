@@ -86,10 +86,12 @@ class SegmentedGraph:
         self._dir = Path(tempfile.mkdtemp(prefix="llmc-segments-"))
         data = graph_file.parent / EXTERNAL_DATA_NAME
         if data.is_file():  # the segments' weights keep their location: ONNX Runtime refuses a symbolic link out
-            try:  # of the model's folder, so a hard link (a copy across file systems)
+            try:  # of the model's folder, so a hard link
                 os.link(data, self._dir / EXTERNAL_DATA_NAME)
-            except OSError:
-                shutil.copyfile(data, self._dir / EXTERNAL_DATA_NAME)
+            except OSError:  # across file systems (a tmpfs /tmp): beside the graph, never a copy (30 GB at 8B)
+                shutil.rmtree(self._dir)
+                self._dir = Path(tempfile.mkdtemp(prefix=".llmc-segments-", dir=graph_file.parent))
+                os.link(data, self._dir / EXTERNAL_DATA_NAME)
         # the last segment reading each value, and which segment makes it (-1: a graph input)
         self._made = {n: -1 for n in (i.name for i in graph.input)}
         self._last: dict[str, int] = {}

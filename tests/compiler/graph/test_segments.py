@@ -1,6 +1,8 @@
 """An exported graph run a segment at a time (graph/segments.py) computes what its whole session computes: every
 value asked for, at every cut, for each family's paged and slot graphs, with segments of a layer or less."""
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -67,3 +69,26 @@ def test_an_unknown_value_is_named(paged_export, tmp_path):
     with SegmentedGraph(_external(folder, exported, tmp_path / "g")) as segmented:
         with pytest.raises(KeyError, match="no value nope"):
             next(segmented.run(1, lambda k: {}, ["nope"]))
+
+
+def test_across_file_systems_the_weights_are_linked_beside_the_graph_never_copied(paged_export, tmp_path, monkeypatch):
+    from llmc.compiler.graph import segments
+
+    folder, exported = paged_export("llama")
+    graph_file = _external(folder, exported, tmp_path / "g")
+    real_link, calls = segments.os.link, []
+
+    def link(src, dst):  # the first link (into the temporary folder) crosses file systems
+        calls.append(Path(dst))
+        if len(calls) == 1:
+            raise OSError(18, "Invalid cross-device link")
+        real_link(src, dst)
+
+    monkeypatch.setattr(segments.os, "link", link)
+    monkeypatch.setattr(segments.shutil, "copyfile", lambda *a: pytest.fail("the weights were copied"))
+    layout = exported.kv_layout
+    with SegmentedGraph(graph_file, num_threads=1) as segmented:
+        assert calls[-1].parent.parent == graph_file.parent and calls[-1].parent.name.startswith(".llmc-segments-")
+        (k, values), = list(segmented.run(1, lambda k: feeds(layout, np.arange(5)), ["logits"]))
+    assert values["logits"].shape[-1] == exported.model.vocab_size
+    assert not list(graph_file.parent.glob(".llmc-segments-*"))
