@@ -1,5 +1,5 @@
 """An exported graph run a segment at a time (graph/segments.py) computes what its whole session computes: every
-value asked for, at every cut, for each family's paged and slot graphs, with segments of a layer or less."""
+value asked for, at every cut, for three families' paged graphs, with segments of a layer or less."""
 
 from pathlib import Path
 
@@ -9,7 +9,7 @@ import pytest
 
 from llmc.compiler.graph.segments import SegmentedGraph, cut
 from llmc.compiler.quantize.calibrate import feeds, weight_matmul_inputs
-from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, load_graph, save_model
+from llmc.compiler.graph.files import load_graph, save_model
 from llmc.runtime.runners.ort import make_session
 
 
