@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from pydantic import ValidationError, ValidationInfo, field_validator, model_val
 from llmc.compiler.spec.sections import (
     DEFAULT_BLOCK, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, PAGED_MAX_NUM_TOKENS, SLOT_MAX_NUM_TOKENS, Arch,
     AttentionLowering, CalibrationMethod, CalibrationSpec, ExecutionEnvSpec, ExportSpec, HardwareCompatibility,
-    KVCacheDtype, LimitsSpec, ParallelSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceLoad,
+    KVCacheDtype, LimitsSpec, NAME_RE, ParallelSpec, Precision, QuantizationSpec, QuantMode, ServingSpec, SourceLoad,
     SourceSpec, StrictModel, Target, TensorRTSpec, VerifySpec, WeightOnlyAlgorithm)
 from llmc.compiler.spec.adapters import LoraSpec, check_adapters
 from llmc.compiler.spec.speculative import DraftSpec, SpeculativeMethod, SpeculativeSpec
@@ -34,7 +33,6 @@ __all__ = ["BuildSpec", "load_spec", "parse_spec", "DEFAULT_BLOCK", "DEFAULT_MAX
            "QuantizationSpec", "QuantMode", "ServingSpec", "SourceSpec", "SpeculativeMethod", "SpeculativeSpec",
            "Target", "TensorRTSpec", "VerifySpec", "WeightOnlyAlgorithm"]
 
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 class BuildSpec(StrictModel):
@@ -58,7 +56,7 @@ class BuildSpec(StrictModel):
     @field_validator("name")
     @classmethod
     def _name_is_a_model_name(cls, value: str) -> str:
-        if not _NAME_RE.fullmatch(value):
+        if not NAME_RE.fullmatch(value):
             raise ValueError(
                 "use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit "
                 "(it becomes the Triton model name and the output folder)"

@@ -13,17 +13,12 @@ each module readable; BuildSpec (spec/__init__.py) carries both and resolves the
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from llmc.compiler.spec.sections import StrictModel
-
-# an adapter's name is what a request names it by (Triton's `lora_name`, the OpenAI `model` field): the model
-# name's alphabet, so it needs no quoting anywhere
-ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+from llmc.compiler.spec.sections import NAME_RE, StrictModel
 
 
 class LoraSpec(StrictModel):
@@ -51,7 +46,7 @@ def check_adapters(adapters: dict[str, Path], model_name: str | None) -> None:
     """Refuse an adapter name a request could not name it by, or one that is the base model's own name (the
     OpenAI `model` field names either, so they must differ). Raises ValueError naming the entry."""
     for name in adapters:
-        if not ADAPTER_NAME_RE.fullmatch(name):
+        if not NAME_RE.fullmatch(name):
             raise ValueError(f"{name!r}: an adapter name is 1-64 letters, digits, '_', '.' or '-', starting "
                              f"with a letter or digit (requests name it: lora_name, the OpenAI model field)")
         if name == model_name:

@@ -12,6 +12,10 @@ from typing import Literal, Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+# a model's name and an adapter's: a path component, a Triton model name and an OpenAI `model` alike, quoted nowhere
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
 class StrictModel(BaseModel):
     """A spec section: unknown keys are errors, values are frozen."""
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from peft_adapters import make_adapter, peft_model  # noqa: F401 (make_adapter: the lora tests import it from here)
+
 # per family: adapter A's targets, and adapter B (another rank, rsLoRA, a rank_pattern whose regex key picks one
 # layer's module, an alpha_pattern) on fewer modules, so a fused site carries some modules' deltas and not others
 ADAPTERS = {
@@ -26,20 +28,6 @@ RANK_A = dict(r=4, lora_alpha=8)
 RANK_B = dict(r=8, lora_alpha=16, use_rslora=True)
 
 
-def make_adapter(checkpoint: Path, folder: Path, seed: int = 1, base=None, **config) -> Path:
-    """A PEFT LoRA adapter on `checkpoint` (or on the model `base`), saved into `folder`: PEFT's
-    `init_lora_weights=False` leaves A and B at nn.Linear's random init, so B is not zero."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = base if base is not None else AutoModelForCausalLM.from_pretrained(checkpoint)
-    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **config))
-    peft_model.save_pretrained(folder)
-    return folder
-
-
 def family_adapters(family: str, checkpoint: Path, root: Path) -> tuple[Path, Path]:
     a, b = ADAPTERS[family]
     return (make_adapter(checkpoint, root / "a", seed=1, **RANK_A, **a),
@@ -50,15 +38,8 @@ def peft_logits(checkpoint: Path, adapters: dict[str, Path], runs: list[tuple[li
     """PEFT's logits [tokens, vocab] for each (token ids, adapter name or None), the adapters loaded from their
     folders by PEFT (PeftModel.from_pretrained / load_adapter)."""
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    names = list(adapters)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapters[names[0]],
-                                      adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
-    model.eval()
+    model = peft_model(checkpoint, adapters)
     out = []
     with torch.no_grad():
         for ids, name in runs:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from peft_adapters import make_adapter, peft_model  # noqa: F401 (make_adapter: the lora tests import it from here)
 from shared_builds import exclusive, shared_dir
 
 ADAPTER_A = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -16,20 +17,6 @@ ADAPTER_B = dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", 
 SPEC = {"limits": {"max_batch_size": 4, "max_seq_len": 128, "max_num_tokens": 64},
         "serving": {"default_max_tokens": 16, "max_queue_size": 64},
         "lora": {"max_slots": 2, "max_rank": 16, "max_host_adapters": 2}}
-
-
-def make_adapter(checkpoint: Path, folder: Path, seed: int, **config) -> Path:
-    """A PEFT adapter on `checkpoint` saved into `folder`, A and B both random (PEFT's init_lora_weights=False), scaled
-    so that it visibly changes the tiny model's greedy tokens."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint), LoraConfig(init_lora_weights=False,
-                                                                                        **config))
-    model.save_pretrained(folder)
-    return folder
 
 
 def lora_build(tmp_path_factory, checkpoint: Path):
@@ -55,15 +42,8 @@ def peft_greedy(checkpoint: Path, adapters: dict[str, Path], runs: list[tuple[li
                 max_new_tokens: int) -> list[list[int]]:
     """PEFT's `generate` (greedy) for each (prompt ids, adapter name or None): its new tokens."""
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    names = list(adapters)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapters[names[0]],
-                                      adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
-    model.eval()
+    model = peft_model(checkpoint, adapters)
     out = []
     with torch.no_grad():
         for ids, name in runs:
