@@ -26,6 +26,7 @@ from llmc.bench.harness import write_json
 
 OUT = BENCH / "streamed"
 GiB = 2**30
+SHARD_BYTES = 2 * 10**9  # a written shard at most (published 8B checkpoints: 5 GB; 2 GB holds less while writing)
 
 
 def add_arguments(p) -> None:
@@ -61,34 +62,30 @@ def checkpoint(root: Path, fields: dict, name: str) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     generator = torch.Generator().manual_seed(0)
-    shards: list[dict] = [{}]
-    held = 0
+    written: list[list[str]] = []  # each shard's tensor names, as written
+    shard: dict = {}  # the shard filling
 
     def flush() -> None:
-        index = len(shards)
-        save_file(shards[-1], partial / f"model-{index:05d}.safetensors", metadata={"format": "pt"})
-        shards[-1] = {n: f"model-{index:05d}.safetensors" for n in shards[-1]}
+        save_file(shard, partial / f"model-{len(written) + 1:05d}.safetensors", metadata={"format": "pt"})
+        written.append(list(shard))
+        shard.clear()
 
     for pname, p in skeleton.state_dict().items():
         if cfg.tie_word_embeddings and pname == "lm_head.weight":
             continue
-        if held and held + p.numel() * 2 > 2 * 10**9:
+        if shard and sum(t.nbytes for t in shard.values()) + p.numel() * 2 > SHARD_BYTES:
             flush()
-            shards.append({})
-            held = 0
         if "norm" in pname:
             value = torch.rand(p.shape, generator=generator) + 0.5
         else:
             value = torch.randn(p.shape, generator=generator) * 0.02
-        shards[-1][pname] = value.to(torch.bfloat16)
-        held += p.numel() * 2
+        shard[pname] = value.to(torch.bfloat16)
     flush()
-    count = len(shards)
     weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        final = f"model-{i:05d}-of-{count:05d}.safetensors"
+    for i, names in enumerate(written, 1):
+        final = f"model-{i:05d}-of-{len(written):05d}.safetensors"
         (partial / f"model-{i:05d}.safetensors").rename(partial / final)
-        weight_map.update({n: final for n in shard})
+        weight_map.update({n: final for n in names})
     (partial / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     cfg.save_pretrained(partial)
     (partial / "tokenizer.json").write_text(json.dumps(grown_tokenizer(cfg.vocab_size)))
