@@ -45,6 +45,20 @@ A = TypeVar("A")
 Progress = Callable[..., None]
 
 
+def ticker(progress: Progress | None, total: int, what: str | None = None) -> Callable[[], None]:
+    """A tick for work counted in `total` units: each call reports one more done, as `what` (None: `progress` is
+    told the counts alone)."""
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total) if what is None else progress(done, total, what)
+
+    return tick
+
+
 @dataclass(frozen=True)
 class Located(Generic[A]):
     """An artifact and the folder its files are in."""

@@ -34,7 +34,7 @@ from llmc.compiler.graph.greedy import Decoded, paged_blocks, paged_greedy, runn
 from llmc.compiler.graph.segmented_candidate import continuations, forced_cases
 from llmc.compiler.spec import BuildSpec, VerifySpec
 from llmc.compiler.stream.model import StreamedModel
-from llmc.compiler.stage import Context, Located, Stage
+from llmc.compiler.stage import Context, Located, Stage, ticker
 from llmc.errors import UnsupportedError, VerifyError
 from llmc.plugins.op.lowering import Lowering
 from llmc.runtime.runners.ort import OrtRunner
@@ -160,19 +160,14 @@ def _decoded_cases(exported, export_dir: Path, layout, model, prompts, cases_in,
     """The cases with the candidate decoding greedily in one session over the whole graph."""
     drive, runner = _driver(exported.graphs(export_dir), layout, prompts, steps, num_threads)
     # ticks: one per reference step; one per candidate step (slot form) or per row's step (paged)
-    total, done = steps * sum(len(b) if layout.paged else 1 for _, b in cases_in), 0
+    total = steps * sum(len(b) if layout.paged else 1 for _, b in cases_in)
     if isinstance(model, StreamedModel):  # layers passed through
         total += reference.forwards(model, [p for _, batch in cases_in for p in batch], steps)
         counted = "ONNX Runtime's decode steps, then the reference's layers"
     else:  # steps decoded
         total += steps * len(prompts)
         counted = "decode steps, PyTorch's and ONNX Runtime's"
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total, counted)
+    tick = ticker(progress, total, counted)
 
     try:
         if isinstance(model, StreamedModel):
@@ -207,14 +202,7 @@ def _segmented_cases(graph_file: Path, layout, streamed: StreamedModel, prompts,
                          [None if len(b) == 1 else PAGED_CHUNK for b in batches], vocab_size, num_threads=num_threads,
                          progress=progress and (lambda done, total: progress(
                              done, total, "the graph's steps, a segment at a time (segments x steps)")))
-    total, done = reference.forwards(streamed, prompts, steps), 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total, "the reference's layers")
-
+    tick = ticker(progress, reference.forwards(streamed, prompts, steps), "the reference's layers")
     refs, margins = reference.teacher_forced(streamed, prompts, [fed[tuple(p)] for p in prompts], steps, tick)
     at = {tuple(p): i for i, p in enumerate(prompts)}
     cases = []

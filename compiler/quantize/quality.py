@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from llmc.compiler.artifacts import QualityReport
+from llmc.compiler.stage import ticker
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.runners.paged_slots import slot_runner
 from llmc.runtime.runners.protocol import Runner
@@ -108,13 +109,7 @@ def compare(reference: Path, quantized: Path, layout: KVLayout, *, windows: list
                            prepack=prepack)
                for p, opt, rows, prepack in ((reference, True, len(prompts), False),
                                              (quantized, optimize_quantized, 1, True))]
-    total, done = 2 * len(windows) + 1 + len(prompts), 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total, "quality report (windows and prompts)")
+    tick = ticker(progress, 2 * len(windows) + 1 + len(prompts), "quality report (windows and prompts)")
 
     ppl = [perplexity(r, windows, tick) for r in runners]
     agreed = 0
@@ -137,13 +132,8 @@ def _compare_segmented(reference: Path, quantized: Path, layout: KVLayout, *, wi
 
     runner = slot_runner(quantized, layout, max_batch=len(prompts), capacity=capacity, num_threads=num_threads,
                          optimize=optimize_quantized)
-    total, done = len(windows) + 1 + len(prompts), 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total, "quality report: the quantized graph (windows and prompts)")
+    tick = ticker(progress, len(windows) + 1 + len(prompts),
+                  "quality report: the quantized graph (windows and prompts)")
 
     ppl_quantized = perplexity(runner, windows, tick)
     tokens = greedy(runner, prompts, steps, tick)

@@ -21,6 +21,7 @@ from llmc.compiler.artifacts import ExportedModel, QuantizedModel, VerifyCase
 from llmc.compiler.graph.greedy import runner_greedy
 from llmc.compiler.graph.verify import compare
 from llmc.compiler.spec import BuildSpec
+from llmc.compiler.stage import ticker
 from llmc.errors import VerifyError
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.manifest import TensorRTInfo
@@ -101,14 +102,7 @@ def verify_engine(plans: list[Path], layout: KVLayout, info: TensorRTInfo, refer
     except BaseException:
         ort.close()
         raise
-    total, done = 2 * steps, 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total)
-
+    tick = ticker(progress, 2 * steps)
     try:
         case, accepted = compare_runners(ort, trt, prompts, steps, precision, tick=tick)
     finally:  # the engine's KV cache and contexts hold GPU memory the build's next steps may need
