@@ -77,3 +77,25 @@ def check_memory(stage_peaks: dict[str, int], available: int | None, *, ignore: 
     reason = memory_refusal(stage_peaks, available, other_fixes)
     if reason is not None:
         raise ResourceError(reason)
+
+
+def return_freed_memory() -> bool:
+    """Hand the memory a finished stage freed back to the system, so that the next stage starts from what is
+    still held. Python frees a stage's arrays into glibc's heaps, which keep freed chunks for reuse rather than
+    returning them (per thread: ONNX Runtime's and PyTorch's worker threads each have an arena), so a stage's
+    peak stays resident under the next one. `malloc_trim(0)` releases every arena's free pages. Written by hand
+    through ctypes: neither the standard library nor psutil exposes it. False where the C library has no
+    malloc_trim (musl, macOS): there freed memory stays as the allocator keeps it."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

@@ -21,6 +21,7 @@ from llmc.compiler import output as out
 from llmc.compiler.artifacts import Artifact
 from llmc.compiler.graph.files import EXTERNAL_THRESHOLD
 from llmc.compiler.hashing import code_hash, hash_json
+from llmc.compiler.pipeline.memory import return_freed_memory
 from llmc.compiler.pipeline.plan import BUILD_PEAK, check_plan_memory, plan_build
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.repository.package import REPOSITORY_DIR
@@ -120,6 +121,7 @@ def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package"
             run.stage(stage)
             if not any(later.loads_model for later in stages[i + 1:]):
                 run.model.release()  # the PyTorch weights (as large as the graph's) leave before quantize
+            return_freed_memory()  # what the stage freed leaves the process before the next one's peak
             if stage.opens:  # the checkpoint is known: the limits it decides, then every later check
                 run.source_found(run.result.artifacts[stage.name].artifact, stages[i + 1:])
         run.write_record()
