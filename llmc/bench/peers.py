@@ -148,19 +148,18 @@ PINNED_CONVERTER = (
 
 
 def llama_cpp_build(checkpoint: Path, mode: str, root: Path) -> dict:
-    """llama.cpp's converter at `mode` (F32 / Q8_0 as it writes them; Q4_0 requantized from F32 by
-    llama_cpp's `llama_model_quantize`), made once."""
+    """llama.cpp's converter at `mode` (F32 / Q8_0 as it writes them; Q4_0 requantized by llama_cpp's
+    `llama_model_quantize` from a GGUF in the checkpoint's own precision, which is deleted after: at 8B an F32
+    one is 32 GB), made once."""
     out = root / f"llama-cpp-{mode}.gguf"
     record = root / f"llama-cpp-{mode}.json"
     if not record.is_file():
         direct = mode != "int4"
-        target = out if direct else root / "llama-cpp-fp32.gguf"
-        wall, peak, anonymous = 0.0, 0, 0
-        if not target.is_file():
-            wall, peak, anonymous = timed_build([sys.executable, "-c", PINNED_CONVERTER, os.environ["LLAMA_CPP_CONVERT"],
-                                                 str(checkpoint), "--outfile", str(target),
-                                                 "--outtype", LLAMA_CPP_TYPE[mode if direct else "fp32"]],
-                                                root / f"llama-cpp-{mode}.log")
+        target = out if direct else root / "llama-cpp-int4-source.gguf"
+        outtype = LLAMA_CPP_TYPE[mode] if direct else _lossless_type(checkpoint)
+        wall, peak, anonymous = timed_build([sys.executable, "-c", PINNED_CONVERTER, os.environ["LLAMA_CPP_CONVERT"],
+                                             str(checkpoint), "--outfile", str(target), "--outtype", outtype],
+                                            root / f"llama-cpp-{mode}.log")
         if not direct:
             import llama_cpp
 
@@ -170,6 +169,7 @@ def llama_cpp_build(checkpoint: Path, mode: str, root: Path) -> dict:
             if llama_cpp.llama_model_quantize(str(target).encode(), str(out).encode(), params):
                 raise RuntimeError(f"llama.cpp could not quantize {target} to Q4_0")
             wall += time.perf_counter() - start
+            target.unlink()
         record.write_text(json.dumps({"build_s": wall, "peak_bytes": peak, "peak_anonymous_bytes": anonymous}))
     return {**json.loads(record.read_text()), "gguf": out}
 
@@ -189,6 +189,13 @@ TIMED_CHILD = (
     "    if produced == new - 1:\n"
     "        break\n"
     "print(json.dumps([ttft, time.perf_counter() - start, produced]))\n")
+
+
+def _lossless_type(checkpoint: Path) -> str:
+    """The converter's --outtype that keeps the checkpoint's weights exactly: its own dtype (bf16 or f16), else f32."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    dtype = config.get("torch_dtype") or config.get("dtype")  # transformers 5 writes `dtype`
+    return {"bfloat16": "bf16", "float16": "f16"}.get(dtype, "f32")
 
 
 def llama_cpp_timed(gguf: Path, prompt: list[int], new: int, threads: int) -> tuple[float, float, int]:

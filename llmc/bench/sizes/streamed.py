@@ -173,8 +173,11 @@ class _StagePeaks:
 
 def _build(spec: Path, out: Path) -> None:
     """The measured build, in this process: `python -m llmc.bench.sizes.streamed SPEC OUT`."""
+    import signal
+
     from llmc.compiler import build, load_spec
 
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run unwinds: no staging or segments left
     reporter = _StagePeaks()
     build(load_spec(spec), output=out, force={"export", "verify", "quantize", "package"}, reporter=reporter)
     print(STAGES + json.dumps(reporter.stages), flush=True)
