@@ -11,6 +11,7 @@ whose cleanup then stops the request on the server, which frees its KV slot.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -23,6 +24,7 @@ from llmc.openai.protocol import OpenAIError, model_error
 from llmc.openai.responses import CompletionLogprobs, Reply, chat_delta, chat_logprobs, completion_choice, usage
 from llmc.openai.structured import Guided, stream_for
 
+_log = logging.getLogger(__name__)
 _RUNNING: set[asyncio.Task] = set()  # workers are referenced until they end
 
 
@@ -79,6 +81,10 @@ class Choices:
             self._queue.put_nowait(Event("end", job, "", job.gen.take_logprobs()))
         except (Refused, OpenAIError) as err:
             self._queue.put_nowait(Event("error", job, error=err))
+        except Exception as err:  # a defect behind the pool: answered 500 (and logged), never left waiting
+            _log.exception("generating choice %d on %s failed", job.index, model)
+            self._queue.put_nowait(Event("error", job, error=OpenAIError(
+                500, f"the server failed generating this request: {type(err).__name__}: {err}", None, "server_error")))
 
     def error(self, event: Event) -> OpenAIError:
         if isinstance(event.error, OpenAIError):

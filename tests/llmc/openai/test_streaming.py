@@ -1,6 +1,7 @@
 """The SSE response (llmc/openai/streaming.py's EventStream) at the ASGI boundary: a client that
 disconnects while a chunk is being sent still has its body generator closed, whose cleanup stops the
-request's choices, without waiting for the garbage collector."""
+request's choices, without waiting for the garbage collector; and a failure no protocol anticipated is
+answered, not left waiting."""
 
 import asyncio
 import gc
@@ -57,3 +58,31 @@ def test_starlettes_own_streaming_response_leaves_it_open_there():
     """Why EventStream exists: this fails once Starlette closes the body itself (EventStream may go then)."""
     events = serve_until_disconnect(lambda body: StreamingResponse(body, media_type="text/event-stream"))
     assert events[:1] == ["returned"]
+
+
+class _FailingPool:
+    """A pool whose server fails in a way no protocol anticipated (a defect behind it)."""
+
+    def pick(self, model):
+        return object(), None
+
+    async def generate(self, backend, model, prompt, stream, gen, params):
+        yield "first "
+        raise RuntimeError("the backend died")
+
+
+def test_an_unexpected_failure_while_generating_answers_500_instead_of_hanging():
+    from llmc.openai.protocol import OpenAIError
+    from llmc.openai.streaming import Choices, Job
+
+    async def main():
+        choices = Choices(_FailingPool(), "m", [Job(0, "p", {})], stream=True, endpoint="completions")
+        await choices.started()
+        return [event.kind async for event in choices]
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 10))  # a TimeoutError: the request was left waiting
+    except OpenAIError as err:
+        assert err.status == 500 and "RuntimeError: the backend died" in err.message
+    else:
+        raise AssertionError("the failure was not answered")
