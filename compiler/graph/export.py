@@ -27,6 +27,7 @@ from llmc.compiler.graph.streamed_export import export_streamed
 from llmc.compiler.graph.tracing import quiet, trace, trace_stamped, traced
 from llmc.compiler.models import MIXTURE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, moe
 from llmc.compiler.models.config import attention_shape
+from llmc.compiler.models.parallel.heads import tensor_split
 from llmc.compiler.source import FoundSource
 from llmc.compiler.spec import BuildSpec, Target
 from llmc.compiler.spec.sections import KVCacheDtype
@@ -115,7 +116,7 @@ def export_onnx(model, info: ModelInfo, lowering: Lowering, out_dir: Path,
     if refusal is not None:
         raise UnsupportedError(f"export.attention: {lowering.value} cannot export {info.model_type}: {refusal}")
     if streamed is not None:
-        return _export_streamed(streamed, decoder, info, lowering, out_dir, kv_cache_dtype, ranks, progress)
+        return _export_streamed(streamed, decoder, info, lowering, out_dir, kv_cache_dtype, rank, ranks, progress)
     if ranks > 1:
         decoder = shard.shard(decoder, rank, ranks)
         info = info.model_copy(update={"num_heads": decoder.num_heads, "num_kv_heads": decoder.num_kv_heads})
@@ -160,17 +161,20 @@ def _check_graph(path: Path) -> None:
 
 
 def _export_streamed(streamed: StreamedModel, decoder, info: ModelInfo, lowering: Lowering, out_dir: Path,
-                     kv_cache_dtype: KVCacheDtype, ranks: int, progress) -> tuple[bool, KVLayout, int]:
+                     kv_cache_dtype: KVCacheDtype, rank: int, ranks: int, progress) -> tuple[bool, KVLayout, int]:
     """export_onnx for a streamed model (graph/streamed_export.py): the first period of layers loaded and traced,
-    every later layer read from the checkpoint as the graph's weights are written."""
+    every later layer read from the checkpoint as the graph's weights are written; split, rank `rank`'s share."""
     import onnx
 
-    if ranks > 1 or kv_cache_dtype is KVCacheDtype.int8:
-        what = "parallel.tensor > 1" if ranks > 1 else "export.kv_cache_dtype: int8 (its scales run the whole model)"
-        raise UnsupportedError(f"{what} cannot be built layer by layer yet; set `source.load: whole`")
+    if kv_cache_dtype is KVCacheDtype.int8:
+        raise UnsupportedError("export.kv_cache_dtype: int8 (its scales run the whole model) cannot be built layer "
+                               "by layer yet; set `source.load: whole`")
+    if ranks > 1:  # the rank's heads (shard.shard's split; the shard itself is cut in export_streamed)
+        split = tensor_split(info.num_heads, info.num_kv_heads, ranks)
+        info = info.model_copy(update={"num_heads": split.heads, "num_kv_heads": split.kv_heads})
     layout = kv_layout(info, lowering, kv_cache_dtype, decoder.rope.switch)
     table = translation_table(lowering, Heads(info.num_heads, info.num_kv_heads, info.head_dim))
-    proto, stamped = export_streamed(streamed, decoder, info, layout, table, OPSET, out_dir, progress)
+    proto, stamped = export_streamed(streamed, decoder, info, layout, table, OPSET, out_dir, progress, rank, ranks)
     _fuse(proto, lowering)
     onnx.save_model(proto, out_dir / ONNX_NAME)
     _check_graph(out_dir / ONNX_NAME)
@@ -198,7 +202,6 @@ def int8_scales(decoder, layout: KVLayout, tokenizer, vocab_size: int):
 def _split_int8_scales(model, info: ModelInfo, lowering: Lowering, tokenizer, ranks: int) -> list:
     """Each rank's int8 pool scales: the whole model's, measured once, cut to the rank's KV heads."""
     from llmc.compiler.models import decoder_for
-    from llmc.compiler.models.parallel.heads import tensor_split
 
     decoder = decoder_for(model)
     scales = int8_scales(decoder, kv_layout(info, lowering, KVCacheDtype.int8, decoder.rope.switch), tokenizer,
@@ -234,14 +237,16 @@ def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: 
            external_threshold: int = EXTERNAL_THRESHOLD, kv_cache_dtype: KVCacheDtype = KVCacheDtype.fp32,
            ranks: int = 1, progress=None) -> ExportedModel:
     """Export `model` (a PyTorch model, or a stream.model.StreamedModel read layer by layer) into `out_dir` with
-    attention lowered as `lowering` (split over `ranks`: one graph per rank, in rank{r}/), and describe the
-    result. `progress(done, total, what)`: a streamed export's layers read and written."""
+    attention lowered as `lowering` (split over `ranks`: one graph per rank, in rank{r}/; a streamed model's stream
+    read once per rank), and describe the result. `progress(done, total, what)`: a streamed export's layers read
+    and written."""
     import onnx
 
     info = model_info(model, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     files, scales, stamped = [], None, 0
-    if ranks > 1 and kv_cache_dtype is KVCacheDtype.int8:  # measured once on the whole model, each rank's heads cut
+    if ranks > 1 and kv_cache_dtype is KVCacheDtype.int8 and not isinstance(model, StreamedModel):
+        # measured once on the whole model, each rank's heads cut (a streamed model's export refuses int8)
         scales = _split_int8_scales(model, info, lowering, tokenizer, ranks)
     for rank in range(ranks):
         folder = rank_folder(rank, ranks)

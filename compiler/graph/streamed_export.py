@@ -28,14 +28,18 @@ _INDEX = re.compile(r"^[^.]+\.[^.]+\.(\d+)(?:\.|$)")  # `decoder.<per-layer cont
 
 
 class LayerTensors:
-    """The traced module's tensors of one layer at a time. `build(hf_model)` makes the module that was traced
-    (the decoder over the HF model, wrapped for its cache form); the period's layers stay loaded."""
+    """The traced module's tensors of one layer at a time. `build(hf_model, layer)` makes the module that was traced
+    (the decoder over the HF model, wrapped for its cache form), its tensors of `layer` real; the period's layers
+    stay loaded. A layer's vectors (norms, biases: a hidden size or a few) are kept once read: the exporter's
+    optimizer reads them by value (onnxscript's rewriter matching constants) on each of its passes, and each read
+    loaded their layer again; it still reads each layer's first, so a stamped layer is read twice."""
 
     def __init__(self, streamed: StreamedModel, build: Callable, period: int):
         self.streamed, self.build, self.period = streamed, build, period
         self._layer: int | None = None
         self._named: dict = {}
-        self.loads = 0  # layers read for the graph: one each when written in order
+        self._vectors: dict = {}  # name -> a copy, of every layer read so far
+        self.loads = 0  # layers read: once for the optimizer's first read of its vectors, once when written
 
     def lazy(self, name: str) -> Callable[[], object]:
         """A function returning the traced module's tensor `name` (a per-layer one), read when called."""
@@ -46,15 +50,19 @@ class LayerTensors:
         return lambda: self.get(name, layer)
 
     def get(self, name: str, layer: int):
+        if name in self._vectors:
+            return self._vectors[name]
         if self._layer != layer:
             if self._layer is not None and self._layer >= self.period:
                 self.streamed.release_layer(self._layer)
             self._named = {}
             self.streamed.load_layer(layer)
             self._layer, self.loads = layer, self.loads + 1
-            module = self.build(self.streamed.model)
+            module = self.build(self.streamed.model, layer)
             self._named = dict([*module.named_parameters(remove_duplicate=False),
                                 *module.named_buffers(remove_duplicate=False)])
+            self._vectors.update({n: t.detach().clone() for n, t in self._named.items() if t.dim() <= 1
+                                  and (m := _INDEX.match(n)) is not None and int(m[1]) == layer})
         return self._named[name].detach()
 
     @staticmethod
@@ -63,18 +71,23 @@ class LayerTensors:
         return fold_lazy_transposes(graph)
 
     def close(self) -> None:
-        self._named = {}
+        self._named, self._vectors = {}, {}
         if self._layer is not None and self._layer >= self.period:
             self.streamed.release_layer(self._layer)
         self._layer = None
 
 
 def export_streamed(streamed: StreamedModel, decoder, info, layout, table: dict, opset: int, out_dir: Path,
-                    progress=None):
+                    progress=None, rank: int = 0, ranks: int = 1):
     """The graph of `streamed` (its `decoder` built over the skeleton: shapes only) traced on its first period of
     layers, stamped, simplified and written to `out_dir`'s data file a layer at a time: (its proto, weights
-    referring to that file; how many layers were stamped). `progress(done, total, what)`: layers done."""
+    referring to that file; how many layers were stamped). `progress(done, total, what)`: layers done. With
+    `ranks` > 1, rank `rank`'s graph (`info` and `layout`: the rank's heads and pools)."""
     from llmc.compiler.models import decoder_for
+    from llmc.compiler.models.parallel import shard
+
+    def cut(decoder, layers=None):  # the rank's share: of every layer loaded, or of `layers` only
+        return decoder if ranks == 1 else shard.shard(decoder, rank, ranks, layers)
 
     period = stamp.layer_period(decoder)
     if period is None:
@@ -82,9 +95,10 @@ def export_streamed(streamed: StreamedModel, decoder, info, layout, table: dict,
                                "period of them and stamped; set `source.load: whole`")
     for i in range(period):
         streamed.load_layer(i)
-    layers = LayerTensors(streamed, lambda hf_model: traced(decoder_for(hf_model), info, layout)[0], period)
+    layers = LayerTensors(streamed, lambda hf_model, layer: traced(cut(decoder_for(hf_model), {layer}), info, layout)[0],
+                          period)
     try:
-        decoder = decoder_for(streamed.model)  # its period's derived tensors (fused QKV, experts) from loaded weights
+        decoder = cut(decoder_for(streamed.model))  # its period's derived tensors (fused QKV, experts, slices) loaded
         module, _, _, in_names = traced(decoder, info, layout)
         program, stamped = trace_stamped(decoder, period, module, info, layout, table, in_names,
                                          ["logits", *layout.present_names()], opset, layers=layers)
@@ -93,8 +107,9 @@ def export_streamed(streamed: StreamedModel, decoder, info, layout, table: dict,
                                    "cannot be stamped; set `source.load: whole`")
         with quiet()[0]:
             simplify(program.model)
+        what = "layers read and written" + (f" (rank {rank} of {ranks})" if ranks > 1 else "")
         written = None if progress is None else (
-            lambda done, total: progress(period + layers.loads, info.num_layers, "layers read and written"))
+            lambda done, total: progress(period + layers.loads, info.num_layers, what))
         return save_streamed(program.model, out_dir, EXTERNAL_DATA_NAME, written), stamped
     finally:
         layers.close()

@@ -46,13 +46,20 @@ BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # at once (HEAD_COPIES; a tied head, copied out of the embedding first, four and a half), beside the quantized
 # graph's session and a segment. Both grow a little with depth (STREAM_DEPTH of W). Fitted to the streamed
 # benchmark's int4 AWQ builds (random Llamas: hidden 2048 at 4 and 16 layers, Llama-3.2-1B, Llama-3.1-8B at 4 and
-# 32 layers), each stage within 20%.
+# 32 layers), each stage within 20%. A split (parallel.tensor: N) read a layer at a time exports once per rank: the
+# above, plus the rank's LM head slice (1/N of a table) and a layer's slice; its verify and quantize run every rank's
+# session at once (a process each), so together they hold the whole fp32 graph's weights on this host, however the
+# checkpoint is read: SPLIT_VERIFY and SPLIT_QUANTIZE of W (prepacked sessions; quantize beside N processes' BASE,
+# verify beside half a BASE and its streamed reference, R and a layer). Fitted to two int4 AWQ builds of 2 ranks
+# (random Llamas, hidden 1024, vocabulary 32,000, at 8 and 24 layers; every rank's process summed): each stage within
+# 3% of both, no other size measured.
 BASE = 2**30
 BUILD_PEAK = {"export": (2.08, 0.0, 1.7), "verify": (2.07, 0.0, 0.0), "quantize": (2.25, 1.23, 2.6)}
 STREAM_PEAK = ("export", "verify", "quantize")  # the stages whose peak reading a layer at a time is its own
 STREAM_EXPORT = (1.2, 1.0, 0.04)  # export's multiples of (R, L, W)
 STREAM_DEPTH, STREAM_MISC = 0.05, 0.4 * 2**30
 HEAD_COPIES = {False: 3.0, True: 4.5}  # quantize's tables at once, by tied embeddings
+SPLIT_VERIFY, SPLIT_QUANTIZE = 1.8, 1.7  # a streamed split's ranks together, multiples of W
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
                 QuantMode.int4_weight_only: 0.5}
 
@@ -121,10 +128,12 @@ class BuildPlan:
         return rows
 
 
-def stage_peaks(dims: Dims, stages: list[str], untied: int, load: str, weight_only: bool = True) -> dict[str, int]:
+def stage_peaks(dims: Dims, stages: list[str], untied: int, load: str, weight_only: bool = True,
+                ranks: int = 1) -> dict[str, int]:
     """Each stage's peak memory for `load` ("whole" or "layers"), of the stages in BUILD_PEAK that run;
     `weight_only`: the quantize stage's mode is a weight-only one (the static Q/DQ modes' calibration and ModelOpt
-    run the whole graph, streamed or not)."""
+    run the whole graph, streamed or not); `ranks`: parallel.tensor (read a layer at a time: every rank's process
+    on this host counted)."""
     fp32 = 4 * (dims.linear_params + dims.other_params)
     peaks = {stage: int(BASE + w * fp32 + u * 4 * untied + x * 4 * dims.expert_params)
              for stage, (w, u, x) in BUILD_PEAK.items() if stage in stages}
@@ -140,6 +149,10 @@ def stage_peaks(dims: Dims, stages: list[str], untied: int, load: str, weight_on
         streamed = {"export": BASE + r * resident + l * layer + w * fp32,
                     "verify": BASE + resident + max(segment, layer) + grown,
                     "quantize": BASE + HEAD_COPIES[dims.tied_embeddings] * table + grown}
+        if ranks > 1:  # the export once per rank; verify's and quantize's sessions every rank's at once
+            streamed = {"export": streamed["export"] + table / ranks + l * layer / ranks,
+                        "verify": BASE / 2 + SPLIT_VERIFY * fp32 + resident + layer,
+                        "quantize": ranks * BASE + SPLIT_QUANTIZE * fp32 + BUILD_PEAK["quantize"][1] * 4 * untied}
         streamed = {stage: int(peak) for stage, peak in streamed.items() if stage in stages}
         if dims.expert_params or not weight_only:  # a mixture's quantizer and the Q/DQ modes read the graph whole
             streamed.pop("quantize", None)
@@ -205,8 +218,13 @@ def build_plan(spec: BuildSpec, dims: Dims, info=None) -> BuildPlan:
         except OSError:
             pass
     weight_only = q.mode in (QuantMode.int8_weight_only, QuantMode.int4_weight_only)
-    whole, streamed = (stage_peaks(dims, stages, untied, load, weight_only) for load in ("whole", "layers"))
+    whole, streamed = (stage_peaks(dims, stages, untied, load, weight_only, ranks) for load in ("whole", "layers"))
     load, load_reason = choose_load(spec, whole, available, refusal)
+    if ranks > 1 and load == "layers":
+        notes.append(f"parallel.tensor {ranks}, read a layer at a time: the export reads the checkpoint once per "
+                     "rank, a layer and its slice at a time; verify and quantize run every rank's session at once on "
+                     "this host, together holding the whole fp32 graph's weights (their peaks count every rank's "
+                     "process): checking a split on one machine runs all of its ranks")
     peaks = streamed if load == "layers" else whole
     seconds = timing.stage_seconds(spec, dims, stages, load, checkpoint_bytes)
     draft = spec.speculative.draft if spec.speculative is not None else None

@@ -16,6 +16,10 @@ a row-parallel layer's blocks run along the rank's input channels, so when those
 (Qwen2.5-0.5B's 4,864 MLP channels over 2 ranks: 76 blocks of 32 each) the blocks fall on the rank boundaries, and
 otherwise each rank pads its last block as MatMulNBits does.
 
+A build that read the checkpoint a layer at a time (`source.load: layers`) quantizes its ranks the same way: each
+rank's sessions are over its whole graph, so the ranks together hold the whole model's weights on this host
+(compiler/pipeline/plan.py counts every rank's process).
+
 The result: `rank{r}/` holds rank r's quantized graph and its own record; the stage's record lists every rank's
 files, and its quality report is rank 0's (every rank computes the same logits) with the sizes summed over the
 ranks.
