@@ -3,18 +3,18 @@
     adapter.py    a PEFT adapter read and checked (PEFT's scaling, rank_pattern/alpha_pattern, refusals naming
                   the field), its identity (name + content digest), checks against the base model
     sites.py      where a branch goes: each layer projection of an exported graph and the PEFT modules in it
-    graph.py      the stacked-slot branch beside each projection, a pass over an exported (or quantized) graph
-    stacks.py     a PEFT adapter laid out per site as the runtime stacks it (runtime/lora/stacks.py)
+    graph.py      the flat-slot branch beside each projection (four nodes), a pass over an exported (or quantized) graph
+    stacks.py     a PEFT adapter laid out per site as the runtime stacks it (runtime/lora/stacks.py), a step's inputs
     package.py    the spec's adapters checked before the build works, and packaged into the model repository
     convert.py    a PEFT adapter made into the file a served model loads at run time, checked against its sites
     reference.py  the branch's PyTorch reference (shrink, then expand, over the active slots)
 """
 
 from llmc.compiler.lora.adapter import Adapter, AdapterError, BaseLinears, ModuleLora, check_against, read_adapter
-from llmc.compiler.lora.graph import SLOTS, a_name, add_lora_branches, b_name
+from llmc.compiler.lora.graph import a_name, add_lora_branches, b_name
 from llmc.compiler.lora.sites import Member, Site, find_sites
-from llmc.compiler.lora.stacks import stack_slots, token_slots
+from llmc.compiler.lora.stacks import slot_masks, stack_slots, step_inputs, token_slots
 
-__all__ = ["Adapter", "AdapterError", "BaseLinears", "Member", "ModuleLora", "SLOTS", "Site", "a_name",
-           "add_lora_branches", "b_name", "check_against", "find_sites", "read_adapter", "stack_slots",
+__all__ = ["Adapter", "AdapterError", "BaseLinears", "Member", "ModuleLora", "Site", "a_name", "add_lora_branches",
+           "b_name", "check_against", "find_sites", "read_adapter", "slot_masks", "stack_slots", "step_inputs",
            "token_slots"]

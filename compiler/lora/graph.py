@@ -1,33 +1,36 @@
-"""The stacked-slot LoRA branch: a graph pass over an exported llmc graph adding, beside each site's projection
+"""The flat-slot LoRA branch: a graph pass over an exported llmc graph adding, beside each site's projection
 (sites.py), the deltas of the adapters a step's tokens use. The projection itself (fp32 MatMul, Gemm, or int8/int4
 MatMulNBits after weight-only quantization) is not touched: only its output gains an Add.
 
-New graph inputs (names: `SLOTS`, `a_name(site)`, `b_name(site)`, from runtime/lora/sites.py: the runtime binds them):
+New graph inputs (names and layout: runtime/lora/sites.py; the runtime binds them, runtime/lora/stacks.py):
 
-    lora_slots      int64 [N]              each token's slot, -1 for none (N: the tokens of x flattened, so
-                                           `num_tokens` in the paged graph)
-    lora.<site>.a   fp32 [S, in, M*R]      slot s's A for the site; M = the site's PEFT modules (3 for a
-                                           Llama q/k/v projection, 1 elsewhere), module m in columns m*R ..
-    lora.<site>.b   fp32 [S, M*R, out]     slot s's B with PEFT's scaling folded in, module m's rows m*R ..
-                                           written only into m's output columns: block-diagonal
+    lora.<site>.a   fp32 [in, S*M*R]            the step's S slots' A side by side; M = the site's PEFT modules (3
+                                                for a Llama q/k/v projection, 1 elsewhere), slot s in columns
+                                                s*M*R .., module m of it at m*R ..
+    lora.<site>.b   fp32 [S*M*R, out]           the slots' B stacked the same way, PEFT's scaling folded in, module
+                                                m's rows written only into m's output columns: block-diagonal
+    lora_mask(_xM)  fp32 [num_tokens, S*M*R]    1 in the token's own slot's columns, else 0 (none: all 0)
 
-For each site, with one-hot(slot) as a mask [S, N, 1] shared by all sites:
+Each site is four nodes, no reshape, transpose or batched MatMul:
 
-    h  = MatMul(x [N, in], A [S, in, M*R])                    [S, N, M*R]   shrink: every slot at once
-    h  = h * mask                                             a token keeps its own slot's row only
-    d  = MatMul(Transpose(h) -> [N, S*M*R], B -> [S*M*R, out]) [N, out]     expand: the sum over slots is
-    y' = y + Reshape(d, Shape(y))                                           the token's slot's term alone
+    h  = MatMul(x, A)          [.., N, S*M*R]   shrink: every slot's columns at once, one GEMM
+    h' = Mul(h, mask)                           a token keeps its own slot's columns only
+    d  = MatMul(h', B)         [.., N, out]     expand: the sum over the columns is the token's slot's term alone
+    y' = Add(y, d)
 
-which is y = x W + (x A[slot]) B[slot] per token, and for a fused site each module's own x A_m B_m in its own
-columns (the block-diagonal B keeps q's delta out of k's and v's columns). A token with slot -1 gets exactly
-+0. S and R are dynamic: a step binds only the adapters its tokens use (S >= 1, the distinct ones) padded to
-the highest rank among them (R >= 1, zeros beyond a module's rank), not lora.max_slots x lora.max_rank.
+which is y = x W + (x A_slot) B_slot per token, and for a fused site each module's own x A_m B_m in its own
+columns (the block-diagonal B keeps q's delta out of k's and v's columns). A token with no slot gets exactly +0.
+x and y keep the projection's own shapes (the paged graph's tokens: [1, N, in] or [N, in]); the mask [N, S*M*R]
+broadcasts over the leading 1. S and R are dynamic: a step binds only the adapters its tokens use (S >= 1, the
+distinct ones) padded to the highest rank among them (R >= 1, zeros beyond a module's rank), not lora.max_slots x
+lora.max_rank. (The stacked-slot layout before it, [S, in, M*R] stacks and an int64 slot per token, was ten nodes a
+site: reshapes, a batched shrink, a transpose copy; docs/lora.md has what the change measured.)
 
 A step with no adapter costs what the base costs: the runtime keeps the graph without this pass beside the one
 with it (the same weights: the branch adds inputs, not initializers, so a second session can map the same data
-file) and runs the base graph whenever no token of the step has a slot. An `If` over "any slot >= 0" would keep
-one session, at the price of a subgraph per site (or the whole decoder inside one) and whatever ONNX Runtime
-charges for them; which is cheaper is the next slice's measurement (docs/lora.md).
+file) and runs the base graph whenever no token of the step has a slot. An `If` over "any slot" would keep one
+session, at the price of a subgraph per site (or the whole decoder inside one) and whatever ONNX Runtime charges for
+them.
 
 Written here by hand: onnx and onnx_ir have graph editing, not a LoRA rewrite, and ONNX Runtime's own
 adapters (onnxruntime-genai's og.Adapters) swap one adapter's weights per generator, not per token.
@@ -35,17 +38,18 @@ adapters (onnxruntime-genai's og.Adapters) swap one adapter's weights per genera
 
 from __future__ import annotations
 
-import numpy as np
-from onnx import ModelProto, TensorProto, helper, numpy_helper
+from onnx import ModelProto, TensorProto, helper
 
-from llmc.runtime.lora.sites import SLOTS, Site, a_name, b_name
+from llmc.runtime.lora.sites import OLD_SLOTS, Site, a_name, b_name, mask_name, mask_names
 
 _PREFIX = "lora"  # every value and node this pass adds is named lora/...
+BRANCH_OPS = ("MatMul", "Mul", "MatMul", "Add")  # a site's nodes, in order
 
 
-def rank_dim(site: Site) -> str:
-    """The symbolic rank dim of a site's stacks: `lora_rank`, times its modules when it has several."""
-    return "lora_rank" if len(site.members) == 1 else f"lora_rank_x{len(site.members)}"
+def cols_dim(members: int) -> str:
+    """The symbolic width of the flat stacks of a site with `members` PEFT modules: `lora_cols` (S*R), or
+    `lora_cols_x<M>` (S*M*R)."""
+    return "lora_cols" if members == 1 else f"lora_cols_x{members}"
 
 
 def add_lora_branches(model: ModelProto, sites: list[Site]) -> None:
@@ -54,8 +58,8 @@ def add_lora_branches(model: ModelProto, sites: list[Site]) -> None:
     graph = model.graph
     if not sites:
         raise ValueError("no sites: find_sites gives every layer projection of an exported graph")
-    if any(i.name == SLOTS for i in graph.input):
-        raise ValueError(f"the graph already has a {SLOTS} input: the LoRA pass ran on it before")
+    if any(i.name in (OLD_SLOTS, *mask_names(sites)) for i in graph.input):
+        raise ValueError("the graph already has LoRA inputs: the LoRA pass ran on it before")
     producers = {out: k for k, node in enumerate(graph.node) for out in node.output}  # tensor -> node index
     inputs = {i.name for i in graph.input}
     for site in sites:
@@ -63,23 +67,21 @@ def add_lora_branches(model: ModelProto, sites: list[Site]) -> None:
             missing = site.x if site.y in producers else site.y
             raise ValueError(f"site {site.name}: no tensor {missing} in the graph")
     tokens = _token_dim(graph)
-    graph.input.append(helper.make_tensor_value_info(SLOTS, TensorProto.INT64, [tokens]))
+    for members in sorted({len(site.members) for site in sites}):
+        graph.input.append(helper.make_tensor_value_info(mask_name(members), TensorProto.FLOAT,
+                                                         [tokens, cols_dim(members)]))
     for site in sites:
-        rank = rank_dim(site)
-        graph.input.append(helper.make_tensor_value_info(a_name(site), TensorProto.FLOAT,
-                                                         ["lora_num_slots", site.in_features, rank]))
-        graph.input.append(helper.make_tensor_value_info(b_name(site), TensorProto.FLOAT,
-                                                         ["lora_num_slots", rank, site.out_features]))
-    mask = f"{_PREFIX}/mask"
-    head = _mask_nodes(graph, a_name(sites[0]), mask)
+        cols = cols_dim(len(site.members))
+        graph.input.append(helper.make_tensor_value_info(a_name(site), TensorProto.FLOAT, [site.in_features, cols]))
+        graph.input.append(helper.make_tensor_value_info(b_name(site), TensorProto.FLOAT, [cols, site.out_features]))
     after: dict[int, list] = {}  # node index -> the branch nodes that follow it (one per output it is a site's y of)
     for site in sites:
         k = producers[site.y]
         producer = graph.node[k]
         base = f"{_PREFIX}/{site.name}/base"
         producer.output[list(producer.output).index(site.y)] = base
-        after.setdefault(k, []).extend(_branch_nodes(graph, site, base, mask))
-    nodes = list(head)
+        after.setdefault(k, []).extend(_branch_nodes(site, base))
+    nodes = []
     for k, node in enumerate(graph.node):
         nodes.append(node)
         nodes.extend(after.get(k, []))
@@ -88,48 +90,17 @@ def add_lora_branches(model: ModelProto, sites: list[Site]) -> None:
 
 
 def _token_dim(graph) -> str:
-    """The paged graph's token dim (input_ids is [num_tokens]); a slot graph's x is [batch, sequence] flattened."""
+    """The paged graph's token dim (input_ids is [num_tokens])."""
     ids = next((i for i in graph.input if i.name == "input_ids"), None)
     dims = list(ids.type.tensor_type.shape.dim) if ids is not None else []
     return dims[0].dim_param if len(dims) == 1 and dims[0].dim_param else "lora_tokens"
 
 
-def _const(graph, name: str, values) -> str:
-    graph.initializer.append(numpy_helper.from_array(np.asarray(values, dtype=np.int64), name))
-    return name
-
-
-def _mask_nodes(graph, first_a: str, mask: str) -> list:
-    """mask [S, N, 1] fp32: 1 where token n's slot is s. S is read off the first site's A stack."""
-    p = f"{_PREFIX}/mask"
-    zero, one = _const(graph, f"{p}/zero", 0), _const(graph, f"{p}/one", 1)
-    axis0, axis1, axis2 = (_const(graph, f"{p}/axis{k}", [k]) for k in range(3))
-    return [
-        helper.make_node("Shape", [first_a], [f"{p}/shape"], name=f"{p}/Shape", start=0, end=1),
-        helper.make_node("Squeeze", [f"{p}/shape", axis0], [f"{p}/num_slots"], name=f"{p}/Squeeze"),
-        helper.make_node("Range", [zero, f"{p}/num_slots", one], [f"{p}/slot_ids"], name=f"{p}/Range"),
-        helper.make_node("Unsqueeze", [f"{p}/slot_ids", axis1], [f"{p}/slot_col"], name=f"{p}/Unsqueeze_col"),
-        helper.make_node("Unsqueeze", [SLOTS, axis0], [f"{p}/token_row"], name=f"{p}/Unsqueeze_row"),
-        helper.make_node("Equal", [f"{p}/slot_col", f"{p}/token_row"], [f"{p}/hit"], name=f"{p}/Equal"),
-        helper.make_node("Cast", [f"{p}/hit"], [f"{p}/hit_f"], name=f"{p}/Cast", to=TensorProto.FLOAT),
-        helper.make_node("Unsqueeze", [f"{p}/hit_f", axis2], [mask], name=f"{p}/Unsqueeze_mask"),
-    ]
-
-
-def _branch_nodes(graph, site: Site, base: str, mask: str) -> list:
+def _branch_nodes(site: Site, base: str) -> list:
     p = f"{_PREFIX}/{site.name}"
-    x_shape = _const(graph, f"{p}/x_shape", [-1, site.in_features])
-    h_shape = _const(graph, f"{p}/h_shape", [0, -1])
-    b_shape = _const(graph, f"{p}/b_shape", [-1, site.out_features])
     return [
-        helper.make_node("Reshape", [site.x, x_shape], [f"{p}/x"], name=f"{p}/Reshape_x"),
-        helper.make_node("MatMul", [f"{p}/x", a_name(site)], [f"{p}/h"], name=f"{p}/shrink"),
-        helper.make_node("Mul", [f"{p}/h", mask], [f"{p}/h_own"], name=f"{p}/Mul_mask"),
-        helper.make_node("Transpose", [f"{p}/h_own"], [f"{p}/h_t"], name=f"{p}/Transpose", perm=[1, 0, 2]),
-        helper.make_node("Reshape", [f"{p}/h_t", h_shape], [f"{p}/h_flat"], name=f"{p}/Reshape_h"),
-        helper.make_node("Reshape", [b_name(site), b_shape], [f"{p}/b_flat"], name=f"{p}/Reshape_b"),
-        helper.make_node("MatMul", [f"{p}/h_flat", f"{p}/b_flat"], [f"{p}/delta"], name=f"{p}/expand"),
-        helper.make_node("Shape", [base], [f"{p}/y_shape"], name=f"{p}/Shape_y"),
-        helper.make_node("Reshape", [f"{p}/delta", f"{p}/y_shape"], [f"{p}/delta_y"], name=f"{p}/Reshape_delta"),
-        helper.make_node("Add", [base, f"{p}/delta_y"], [site.y], name=f"{p}/Add"),
+        helper.make_node("MatMul", [site.x, a_name(site)], [f"{p}/h"], name=f"{p}/shrink"),
+        helper.make_node("Mul", [f"{p}/h", mask_name(len(site.members))], [f"{p}/h_own"], name=f"{p}/Mul_mask"),
+        helper.make_node("MatMul", [f"{p}/h_own", b_name(site)], [f"{p}/delta"], name=f"{p}/expand"),
+        helper.make_node("Add", [base, f"{p}/delta"], [site.y], name=f"{p}/Add"),
     ]

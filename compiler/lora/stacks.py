@@ -15,8 +15,8 @@ import numpy as np
 
 from llmc.compiler.lora.adapter import Adapter
 from llmc.runtime.lora import stacks
-from llmc.runtime.lora.sites import SLOTS, Site
-from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights, token_slots
+from llmc.runtime.lora.sites import Site
+from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights, slot_masks, token_slots
 
 
 def site_arrays(sites: Sequence[Site], adapter: Adapter) -> AdapterWeights:
@@ -42,9 +42,17 @@ def site_arrays(sites: Sequence[Site], adapter: Adapter) -> AdapterWeights:
 
 
 def stack_slots(sites: Sequence[Site], adapters: Sequence[Adapter], rank: int | None = None) -> dict[str, np.ndarray]:
-    """The stacks of every site for `adapters` (PEFT adapters read by adapter.py) in slots 0, 1, ...: the runtime's
-    stacking (runtime/lora/stacks.py) of their per-site arrays."""
+    """The flat stacks of every site for `adapters` (PEFT adapters read by adapter.py) in slots 0, 1, ...: the
+    runtime's stacking (runtime/lora/stacks.py) of their per-site arrays."""
     return stacks.stack_slots(sites, [site_arrays(sites, a) for a in adapters], rank)
 
 
-__all__ = ["SLOTS", "site_arrays", "stack_slots", "token_slots"]
+def step_inputs(sites: Sequence[Site], adapters: Sequence[Adapter], rows: Sequence[tuple[int, int]]
+                ) -> dict[str, np.ndarray]:
+    """Every LoRA input of a step (the graph's, runtime/lora/sites.py) whose rows are (tokens, slot or -1) with
+    `adapters` in slots 0, 1, ...: the flat stacks at the highest rank among them and the column masks."""
+    rank = max(a.max_rank for a in adapters)
+    return {**stack_slots(sites, adapters, rank), **slot_masks(sites, token_slots(rows), len(adapters), rank)}
+
+
+__all__ = ["site_arrays", "slot_masks", "stack_slots", "step_inputs", "token_slots"]

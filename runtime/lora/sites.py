@@ -2,18 +2,26 @@
 into the manifest (compiler/lora/sites.py finds the sites, compiler/lora/graph.py adds the branches) and the runtime
 binds a step's adapters through (stacks.py). Plain data: the runtime imports no compiler.
 
-    lora_slots      int64 [num_tokens]      each token's slot, -1 for none
-    lora.<site>.a   fp32 [S, in, M*R]       slot s's A at the site; M = the site's PEFT modules, module m's
-                                            columns m*R .. m*R + its rank
-    lora.<site>.b   fp32 [S, M*R, out]      slot s's B, PEFT's scaling folded in, module m's rows written only into
-                                            m's output columns (block-diagonal)
+The flat-slot layout: a step's S adapters (slots), padded to one rank R, are concatenated along the rank axis, so a
+site's stacks are plain matrices and its branch is four nodes (MatMul, Mul, MatMul, Add). K = M*R is one slot's
+width at a site of M PEFT modules; slot s owns columns (of A; rows of B) s*K .. (s+1)*K, and within them module m
+owns m*R .. m*R + its rank.
+
+    lora.<site>.a   fp32 [in, S*K]          every slot's A side by side
+    lora.<site>.b   fp32 [S*K, out]         every slot's B stacked, PEFT's scaling folded in, module m's rows written
+                                            only into m's output columns (block-diagonal)
+    lora_mask       fp32 [num_tokens, S*R]  1 in the columns of the token's own slot, 0 elsewhere (a token with no
+    lora_mask_x<M>  fp32 [num_tokens, S*M*R] adapter: all 0); one per distinct M among the sites (Llama: 1 and 3)
+
+Graphs built before the flat layout read `lora_slots` (int64 [num_tokens]) and [S, in, K] / [S, K, out] stacks:
+the runtime refuses them, naming the rebuild (runtime/runners/paged_lora.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SLOTS = "lora_slots"
+OLD_SLOTS = "lora_slots"  # the stacked-slot layout's input: a graph that has it was built before the flat layout
 
 
 @dataclass(frozen=True)
@@ -41,3 +49,13 @@ def a_name(site: Site) -> str:
 
 def b_name(site: Site) -> str:
     return f"lora.{site.name}.b"
+
+
+def mask_name(members: int) -> str:
+    """The column mask of the sites with `members` PEFT modules."""
+    return "lora_mask" if members == 1 else f"lora_mask_x{members}"
+
+
+def mask_names(sites) -> list[str]:
+    """The masks a graph with `sites` reads, one per distinct module count, in order of that count."""
+    return [mask_name(m) for m in sorted({len(site.members) for site in sites})]

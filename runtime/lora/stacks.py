@@ -1,11 +1,13 @@
-"""A step's LoRA inputs: the adapters in its slots laid out as the branch's stacks (sites.py), and each token's slot.
+"""A step's LoRA inputs: the adapters in its slots laid out as the branch's flat stacks (sites.py), and the column
+masks that keep each token to its own slot.
 NumPy only; the runner (runtime/runners/paged_lora.py) stacks a step's adapters when the set it binds changes.
 
 An adapter is held as the build wrote it (files.py), per site and ready to stack: `AdapterWeights.sites[site]` is
 (a [in, M*r], b [M*r, out]) for the adapter's own rank r (its highest), module m of the site in columns (rows of b)
 m*r .. m*r + its rank, zeros beyond; b with PEFT's scaling folded in and written only into m's output columns.
 A site the adapter does not target is absent. Stacking for a step whose highest rank is R copies each module's
-block to m*R in slot s; everything else stays 0, so a token adds exactly (x A[slot]) B[slot].
+block to columns s*M*R + m*R of the flat A (rows of the flat B: sites.py); everything else stays 0, and the column
+mask keeps a token's own slot's columns only, so it adds exactly (x A_slot) B_slot.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from llmc.runtime.lora.sites import Site, a_name, b_name
+from llmc.runtime.lora.sites import Site, a_name, b_name, mask_name
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,8 @@ class AdapterWeights:
 
 def stack_slots(sites: Sequence[Site], adapters: Sequence[AdapterWeights], rank: int | None = None
                 ) -> dict[str, np.ndarray]:
-    """The stacks of every site for `adapters` in slots 0, 1, ... (at least one); `rank`: the R the stacks are padded
-    to (default: the highest rank among the adapters)."""
+    """The flat stacks of every site (sites.py) for `adapters` in slots 0, 1, ... (at least one); `rank`: the R the
+    slots are padded to (default: the highest rank among the adapters)."""
     if not adapters:
         raise ValueError("a step with LoRA inputs has at least one slot; run the base graph when it has none")
     r_max = max(a.rank for a in adapters) if rank is None else rank
@@ -60,34 +62,44 @@ def stack_slots(sites: Sequence[Site], adapters: Sequence[AdapterWeights], rank:
             raise ValueError(f"adapter {adapter.ref.name!r} has rank {adapter.rank}, above the stacks' {r_max}")
     feeds = {}
     for site in sites:
-        width = len(site.members) * r_max
-        feeds[a_name(site)] = np.zeros((len(adapters), site.in_features, width), np.float32)
-        feeds[b_name(site)] = np.zeros((len(adapters), width, site.out_features), np.float32)
+        width = len(adapters) * len(site.members) * r_max
+        feeds[a_name(site)] = np.zeros((site.in_features, width), np.float32)
+        feeds[b_name(site)] = np.zeros((width, site.out_features), np.float32)
     for s, adapter in enumerate(adapters):
-        fill_slot(sites, feeds, s, adapter)
+        fill_slot(sites, feeds, s, adapter, r_max)
     return feeds
 
 
-def fill_slot(sites: Sequence[Site], feeds: dict[str, np.ndarray], s: int, adapter: AdapterWeights) -> None:
-    """Write `adapter` into slot `s` of stacks made by stack_slots (its rank within theirs), in place: a slot
-    replaced while the others stay costs one adapter's copy, not the step's."""
+def fill_slot(sites: Sequence[Site], feeds: dict[str, np.ndarray], s: int, adapter: AdapterWeights,
+              rank: int) -> None:
+    """Write `adapter` into slot `s` of flat stacks made by stack_slots at `rank` (the adapter's within it), in place:
+    its columns of each A and rows of each B only, so a slot replaced while the others stay costs one adapter's copy."""
     for site in sites:
         a_stack, b_stack = feeds[a_name(site)], feeds[b_name(site)]
-        r_max = a_stack.shape[2] // len(site.members)
+        k = len(site.members) * rank
+        a_slot, b_slot = a_stack[:, s * k:(s + 1) * k], b_stack[s * k:(s + 1) * k]  # views into the stacks
         pair = adapter.sites.get(site.name)
         if pair is None:
-            a_stack[s], b_stack[s] = 0.0, 0.0
+            a_slot[...], b_slot[...] = 0.0, 0.0
             continue
         a, b, r = pair[0], pair[1], adapter.rank
-        if r == r_max:
-            a_stack[s], b_stack[s] = a, b
+        if r == rank:
+            a_slot[...], b_slot[...] = a, b
             continue
-        a_stack[s], b_stack[s] = 0.0, 0.0
+        a_slot[...], b_slot[...] = 0.0, 0.0
         for m in range(len(site.members)):
-            a_stack[s, :, m * r_max:m * r_max + r] = a[:, m * r:(m + 1) * r]
-            b_stack[s, m * r_max:m * r_max + r] = b[m * r:(m + 1) * r]
+            a_slot[:, m * rank:m * rank + r] = a[:, m * r:(m + 1) * r]
+            b_slot[m * rank:m * rank + r] = b[m * r:(m + 1) * r]
+
+
+def slot_masks(sites: Sequence[Site], slots: np.ndarray, num_slots: int, rank: int) -> dict[str, np.ndarray]:
+    """The column masks (sites.py) for tokens in `slots` (int64 [num_tokens], -1: none) under stacks of `num_slots`
+    slots at `rank`: token n's row is 1 in its own slot's columns, so its delta is its own adapter's alone."""
+    own = (np.asarray(slots)[:, None] == np.arange(num_slots)[None, :]).astype(np.float32)  # [num_tokens, S]
+    return {mask_name(m): np.repeat(own, m * rank, axis=1) for m in sorted({len(site.members) for site in sites})}
 
 
 def token_slots(rows: Sequence[tuple[int, int]]) -> np.ndarray:
-    """`lora_slots` for a step's rows given as (tokens, slot or -1), in the order the step packs them."""
+    """Each token's slot (-1: none) for a step's rows given as (tokens, slot or -1), in the order the step packs
+    them."""
     return np.concatenate([np.full(n, slot, np.int64) for n, slot in rows]) if rows else np.zeros(0, np.int64)

@@ -2,12 +2,15 @@
 step when any of its tokens has an adapter (a step with none runs the base graph, at the base graph's cost).
 
 The LoRA graph is the base graph with a branch beside each projection (compiler/lora/graph.py), naming the base
-graph's weights file: its extra inputs are `lora_slots` and each site's A and B stacks (runtime/lora/sites.py). A step
-binds the distinct adapters its rows use, one slot each in a fixed order (name, then digest), padded to the highest
-rank among them. Stacking copies every site's A and B (tens of MB for a 135M model at rank 16), so the stacks bound
-are kept and rebound only when the step's set of adapters changes: steady decoding over the same requests binds
-only `lora_slots`. When the set changes but keeps its size and rank (one adapter's requests end as another's
-begin), the adapters that stay keep their slots and only the new one's slot is rewritten.
+graph's weights file: its extra inputs are each site's flat A and B stacks and the column masks (runtime/lora/
+sites.py). A step binds the distinct adapters its rows use, one slot each in a fixed order (name, then digest),
+padded to the highest rank among them. Stacking copies every site's A and B (tens of MB for a 135M model at rank 16),
+so the stacks bound are kept and rebound only when the step's set of adapters changes: steady decoding over the same
+requests binds only the masks, and not even those while its rows' slots stay the same. When the set changes but
+keeps its size and rank (one adapter's requests end as another's begin), the adapters that stay keep their slots and
+only the new one's columns of each A and rows of each B are rewritten.
+
+A LoRA graph built before the flat layout (its `lora_slots` input) is refused, naming the rebuild.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from llmc.runtime.lora.sites import SLOTS, Site, a_name, b_name
-from llmc.runtime.lora.stacks import AdapterWeights, fill_slot, stack_slots
+from llmc.runtime.lora.sites import OLD_SLOTS, Site, a_name, b_name, mask_names
+from llmc.runtime.lora.stacks import AdapterWeights, fill_slot, slot_masks, stack_slots
 
 
 class LoraGraph:
@@ -27,48 +30,66 @@ class LoraGraph:
         which the LoRA graph must begin with."""
         self.session, self.sites = session, list(sites)
         got = [i.name for i in session.get_inputs()]
-        extra = {SLOTS, *(a_name(s) for s in sites), *(b_name(s) for s in sites)}
+        if OLD_SLOTS in got:
+            raise ValueError(f"{path} was built by an earlier llmc with the stacked-slot LoRA layout (its {OLD_SLOTS} "
+                             f"input, [S, in, M*R] stacks); this llmc binds flat slots (docs/lora.md): rebuild the "
+                             f"model with `llmc build`")
+        extra = {*mask_names(sites), *(a_name(s) for s in sites), *(b_name(s) for s in sites)}
         if got[:len(base_inputs)] != base_inputs or set(got[len(base_inputs):]) != extra:
             missing = sorted(extra - set(got))[:3]
             raise ValueError(f"{path} is not the base graph with the manifest's LoRA sites: its inputs "
                              f"{'lack ' + ', '.join(missing) if missing else 'differ from the base graph and sites'}")
         self.binding = None  # the runner's: its pools bound as past and present
         self._bound: tuple = ()  # the adapters whose stacks are bound, in slot order
+        self._rank = 0  # the rank their slots are padded to
         self._stacks: dict[str, np.ndarray] = {}  # kept alive while bound
+        self._slots_key: bytes | None = None  # the token slots whose masks are bound (None: none bound)
+        self._masks: dict[str, np.ndarray] = {}
+        self.token_slots = np.zeros(0, np.int64)
         self.num_stackings = 0  # times the step's set of adapters changed and the stacks were rebuilt
         self.num_refills = 0  # times it changed and only the changed slots were rewritten
 
     def bind(self, adapters: Sequence[AdapterWeights | None], lengths: Sequence[int]) -> None:
         """Bind a step's LoRA inputs: row i brings `lengths[i]` tokens under `adapters[i]` (None: the base)."""
         distinct = {a.ref: a for a in adapters if a is not None}
+        if not distinct:
+            raise ValueError("a step with no adapter runs the base graph, not the LoRA graph")
         if set(distinct) != set(self._bound):
             self._restack(distinct)
         slot = {ref: s for s, ref in enumerate(self._bound)}
         slots = np.repeat(np.array([-1 if a is None else slot[a.ref] for a in adapters], dtype=np.int64),
                           np.asarray(lengths, dtype=np.int64))
-        self.binding.bind_cpu_input(SLOTS, slots)
+        key = slots.tobytes()
+        if key != self._slots_key:
+            self._masks = slot_masks(self.sites, slots, len(self._bound), self._rank)
+            for name, value in self._masks.items():
+                self.binding.bind_cpu_input(name, value)
+            self._slots_key = key
+        self.token_slots = slots  # each token's slot (-1: none), as the masks bound have it
 
     def _restack(self, distinct: dict) -> None:
         """Stacks for the step's adapters. When as many as before come in at no higher rank, the adapters that stay
         keep their slots and only the slots of those that changed are rewritten (a request for another adapter
         replacing a finished one costs that adapter's copy); otherwise every slot is stacked, in a fixed order."""
-        rank = self._stacks[a_name(self.sites[0])].shape[2] // len(self.sites[0].members) if self._stacks else 0
-        if len(distinct) == len(self._bound) and max(a.rank for a in distinct.values()) <= rank:
+        if len(distinct) == len(self._bound) and max(a.rank for a in distinct.values()) <= self._rank:
             order = [ref if ref in distinct else None for ref in self._bound]
             incoming = iter(sorted((r for r in distinct if r not in self._bound), key=lambda r: (r.name, r.digest)))
             for s, ref in enumerate(order):
                 if ref is None:
                     order[s] = next(incoming)
-                    fill_slot(self.sites, self._stacks, s, distinct[order[s]])
+                    fill_slot(self.sites, self._stacks, s, distinct[order[s]], self._rank)
             self._bound = tuple(order)
             self.num_refills += 1
-        else:
-            ordered = sorted(distinct.values(), key=lambda a: (a.ref.name, a.ref.digest))
-            self._stacks = stack_slots(self.sites, ordered)
-            self._bound = tuple(a.ref for a in ordered)
-            self.num_stackings += 1
+            self._slots_key = None  # the same slot numbers may name other adapters now: rebind the masks
+            return  # the stacks were rewritten in place: their binding stands
+        ordered = sorted(distinct.values(), key=lambda a: (a.ref.name, a.ref.digest))
+        self._rank = max(a.rank for a in ordered)
+        self._stacks = stack_slots(self.sites, ordered, self._rank)
+        self._bound = tuple(a.ref for a in ordered)
+        self._slots_key = None
+        self.num_stackings += 1
         for name, value in self._stacks.items():
             self.binding.bind_cpu_input(name, value)
 
     def close(self) -> None:
-        self.session, self.binding, self._stacks, self._bound = None, None, {}, ()
+        self.session, self.binding, self._stacks, self._bound, self._masks = None, None, {}, (), {}

@@ -11,6 +11,12 @@ prompt its own: no prefix hits); ratios are medians of per-pass ratios.
     one_adapter    every request on the same adapter
     four_adapters  every request on one of 4 adapters, round robin (target >= 0.8x base, <= 5% below one_adapter)
 
+On a host whose load swings (single passes of one contender 45-167 tok/s on a shared 2-core host), passes a
+contender apart do not compare; so each pass also runs the base engine in lockstep with the adapter-enabled engine
+under each other contender's traffic (`lockstep`): both engines' requests sent at once, then one step of each in
+turn, each engine's tok/s over its own steps' time. A load change then slows both alike, and the ratios
+(`lockstep.ratios`) are medians of per-pass ratios over steps interleaved within milliseconds.
+
 Then, once: --held adapters loaded at run time through the serving loop's control requests (runtime/serving/
 lora_admin.py) and held in host memory at once (their bytes); one more adapter from its PEFT folder on disk until it
 serves (convert + load, target < 1 s at 0.5B rank 16), and the first request's TTFT on it against a warm adapter's
@@ -129,6 +135,47 @@ def ttft(engine, ids: list[int], name: str | None) -> float:
     return first
 
 
+def lockstep(runs: list[tuple], new_tokens: int) -> list[float]:
+    """tok/s of each (engine, prompts, adapter names), every request sent at once, then one step of each engine in
+    turn until all are done, over that engine's own steps' time. A pause before each step lets the previous engine's
+    ONNX Runtime threads stop spinning (a base session spins after its run: ~35 ms of CPU on this host), so no step
+    shares the cores with another session's spin-wait."""
+    from llmc.runtime.decoding.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0)
+    start = time.perf_counter()
+    for k, (engine, prompts, names) in enumerate(runs):
+        for i, (ids, name) in enumerate(zip(prompts, names)):
+            engine.add_request(f"l{k}-{i}-{start}", ids, params, adapter=name)
+    spent, tokens = [0.0] * len(runs), [0] * len(runs)
+    while any(engine.has_work for engine, _, _ in runs):
+        for k, (engine, _, _) in enumerate(runs):
+            if engine.has_work:
+                time.sleep(0.1)
+                begin = time.perf_counter()
+                tokens[k] += sum(len(o.token_ids) for o in engine.step())
+                spent[k] += time.perf_counter() - begin
+    return [t / s for t, s in zip(tokens, spent)]
+
+
+def lockstep_passes(args, traffic: dict, prompts) -> dict:
+    """Each pass: the base engine (base traffic) in lockstep with the enabled engine under each other contender's
+    traffic, the pairs in an order that turns pass by pass; ratios to the base engine's tok/s in the same pair."""
+    plain = traffic["base"][0]
+    pairs = {k: (lambda p, k=k: lockstep([(plain, prompts(args.streams), [None] * args.streams),
+                                          (traffic[k][0], prompts(args.streams), traffic[k][1])], args.new_tokens))
+             for k in CONTENDERS[1:]}
+    runs = Runs("8.3f", 30)
+    found = passes(pairs, args.passes, lambda p, name, v: runs.record(f"lockstep {name} / base", v[1] / v[0]))
+    ratio = {k: [v[1] / v[0] for v in found[k]] for k in found}
+    return {"tok_s": {k: {"base": median(v[0] for v in found[k]), k: median(v[1] for v in found[k])} for k in found},
+            "ratios": {"base_enabled/base": median(ratio["base_enabled"]),
+                       "four_adapters/base": median(ratio["four_adapters"]),
+                       "one_adapter/base": median(ratio["one_adapter"]),
+                       "four_adapters/one_adapter": median_ratio(ratio["four_adapters"], ratio["one_adapter"])},
+            "per_pass": ratio}
+
+
 def run(args) -> dict:
     from llmc.runtime.manifest import RepositoryManifest
 
@@ -156,6 +203,7 @@ def run(args) -> dict:
                          "four_adapters/base": median_ratio(found["four_adapters"], found["base"]),
                          "one_adapter/base": median_ratio(found["one_adapter"], found["base"]),
                          "four_adapters/one_adapter": median_ratio(found["four_adapters"], found["one_adapter"])}}
+    result["lockstep"] = lockstep_passes(args, traffic, prompts)
     plain.close()
     result.update(held_and_loaded(args, enabled, version, adapters[-1], tokenizer, prompts))
     enabled.close()

@@ -1,6 +1,7 @@
-"""The stacked-slot branch (compiler/lora/graph.py) on a small graph of its own against the PyTorch reference
-(reference.py): random stacks of any slot count and rank, tokens in any slot or none; and stack_slots' layout
-for a fused site, where each PEFT module's delta must land in its own output columns and nowhere else."""
+"""The flat-slot branch (compiler/lora/graph.py) on a small graph of its own against the PyTorch reference
+(reference.py): random stacks of any slot count and rank, tokens in any slot or none; stack_slots' layout for a
+fused site, where each PEFT module's delta must land in its own output columns and nowhere else; and the branch's
+shape: four nodes a site, no reshape, transpose or batched MatMul."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _session(model):
 
 @pytest.mark.parametrize("slots_count, rank", [(1, 1), (3, 4), (5, 2)])
 def test_branch_equals_the_reference(slots_count, rank):
-    from llmc.compiler.lora import SLOTS, a_name, add_lora_branches, b_name
+    from llmc.compiler.lora import a_name, add_lora_branches, b_name, slot_masks
     from llmc.compiler.lora.reference import lora_delta
 
     model, sites, w, w2 = _graph()
@@ -55,27 +56,52 @@ def test_branch_equals_the_reference(slots_count, rank):
     x = rng.normal(size=(1, n, IN)).astype(np.float32)
     slots = rng.integers(-1, slots_count, size=n).astype(np.int64)
     slots[:2] = [-1, slots_count - 1]  # a token with none, and one in the last slot
-    feeds = {"input_ids": np.zeros(n, np.int64), "x": x, SLOTS: slots}
+    feeds = {"input_ids": np.zeros(n, np.int64), "x": x, **slot_masks(sites, slots, slots_count, rank)}
     for site in sites:
-        width = rank * len(site.members)
-        feeds[a_name(site)] = rng.normal(size=(slots_count, site.in_features, width)).astype(np.float32)
-        feeds[b_name(site)] = rng.normal(size=(slots_count, width, site.out_features)).astype(np.float32)
+        width = slots_count * rank * len(site.members)
+        feeds[a_name(site)] = rng.normal(size=(site.in_features, width)).astype(np.float32)
+        feeds[b_name(site)] = rng.normal(size=(width, site.out_features)).astype(np.float32)
     z, y = session.run(["z", "y"], feeds)
 
     t = {k: torch.from_numpy(v) for k, v in feeds.items()}
     q, k = sites
-    want_y = x[0] @ w + lora_delta(t["x"][0], t[SLOTS], t[a_name(q)], t[b_name(q)]).numpy()
-    want_z = want_y @ w2 + lora_delta(torch.from_numpy(want_y), t[SLOTS], t[a_name(k)], t[b_name(k)]).numpy()
+    s = torch.from_numpy(slots)
+    want_y = x[0] @ w + lora_delta(t["x"][0], s, t[a_name(q)], t[b_name(q)], slots_count).numpy()
+    want_z = want_y @ w2 + lora_delta(torch.from_numpy(want_y), s, t[a_name(k)], t[b_name(k)], slots_count).numpy()
     assert np.allclose(y[0], want_y, rtol=1e-5, atol=1e-4) and np.allclose(z[0], want_z, rtol=1e-5, atol=1e-3)
     none = slots == -1
     assert np.array_equal(y[0][none], (x[0] @ w)[none] + 0)  # no slot: exactly the base projection's output
     assert np.abs(y[0][~none] - (x[0] @ w)[~none]).max() > 1.0
 
 
+def test_a_site_is_four_nodes():
+    """Each site's branch is MatMul (shrink), Mul (the mask), MatMul (expand), Add, reading the site's x and its
+    flat stacks, and the pass adds no other node: a layout change that brings back reshapes, a transpose copy or a
+    batched MatMul fails here."""
+    from llmc.compiler.lora import a_name, add_lora_branches, b_name
+    from llmc.compiler.lora.graph import BRANCH_OPS
+    from llmc.runtime.lora.sites import mask_name
+
+    model, sites, _, _ = _graph()
+    before = len(model.graph.node)
+    add_lora_branches(model, sites)
+    assert len(model.graph.node) == before + 4 * len(sites) and BRANCH_OPS == ("MatMul", "Mul", "MatMul", "Add")
+    for site in sites:
+        nodes = [n for n in model.graph.node if n.name.startswith(f"lora/{site.name}/")]
+        assert [n.op_type for n in nodes] == list(BRANCH_OPS), site.name
+        shrink, mask, expand, add = nodes
+        assert list(shrink.input) == [site.x, a_name(site)] and list(expand.input)[1] == b_name(site)
+        assert list(mask.input)[1] == mask_name(len(site.members)) and list(add.output) == [site.y]
+    shapes = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert shapes["lora.qkv.0.a"] == [IN, "lora_cols_x3"] and shapes["lora.qkv.0.b"] == ["lora_cols_x3", Q + 2 * KV]
+    assert shapes["lora_mask"] == ["num_tokens", "lora_cols"]
+    assert shapes["lora_mask_x3"] == ["num_tokens", "lora_cols_x3"]
+
+
 def test_fused_site_keeps_each_module_in_its_columns():
     """A slot holding only k_proj's pair (rank 3 under stacks of rank 5): q's and v's columns get exactly
     nothing, k's get scaling * x A^T B^T; another slot's q_proj pair lands in q's columns only."""
-    from llmc.compiler.lora import SLOTS, Adapter, ModuleLora, add_lora_branches, stack_slots, token_slots
+    from llmc.compiler.lora import Adapter, ModuleLora, add_lora_branches, step_inputs
 
     model, sites, w, _ = _graph()
     add_lora_branches(model, sites)
@@ -87,11 +113,11 @@ def test_fused_site_keeps_each_module_in_its_columns():
 
     only_k = Adapter("k", None, "0", {"k_proj": pair("k_proj", 3, KV)})
     only_q = Adapter("q", None, "1", {"q_proj": pair("q_proj", 5, Q)})
-    feeds = stack_slots(sites, [only_k, only_q])
-    assert feeds["lora.qkv.0.a"].shape == (2, IN, 3 * 5) and feeds["lora.qkv.0.b"].shape == (2, 15, Q + 2 * KV)
+    feeds = step_inputs(sites, [only_k, only_q], [(2, 0), (1, 1), (1, -1)])
+    assert feeds["lora.qkv.0.a"].shape == (IN, 2 * 3 * 5) and feeds["lora.qkv.0.b"].shape == (30, Q + 2 * KV)
+    assert feeds["lora_mask_x3"].tolist() == [[1.0] * 15 + [0.0] * 15] * 2 + [[0.0] * 15 + [1.0] * 15, [0.0] * 30]
     x = rng.normal(size=(1, 4, IN)).astype(np.float32)
-    y, = _session(model).run(["y"], {"input_ids": np.zeros(4, np.int64), "x": x, **feeds,
-                                     SLOTS: token_slots([(2, 0), (1, 1), (1, -1)])})
+    y, = _session(model).run(["y"], {"input_ids": np.zeros(4, np.int64), "x": x, **feeds})
     delta = y[0] - x[0] @ w
     k, q = only_k.modules["k_proj"], only_q.modules["q_proj"]
     assert not delta[:2, :Q].any() and not delta[:2, Q + KV:].any()

@@ -1,6 +1,6 @@
 """The LoRA branch on exported paged graphs against PEFT itself: adapters made by PEFT on the tiny checkpoints,
-read by llmc, stacked into slots of one step that mixes adapter A, adapter B (another rank, rsLoRA, rank_pattern,
-alpha_pattern), and no adapter; every row's logits equal PEFT's for that row within fp32 tolerance, and equal the
+read by llmc, stacked into the flat slots of one step that mixes adapter A, adapter B (another rank, rsLoRA,
+rank_pattern, alpha_pattern), and no adapter; every row's logits equal PEFT's for that row within fp32 tolerance, and equal the
 row run alone. Llama (q/k/v fused by the exporter), Phi-3 (qkv_proj and gate_up_proj fused in the checkpoint) and
 GPT-2 (Conv1D, weights transposed relative to nn.Linear)."""
 
@@ -37,7 +37,7 @@ def _lora_graph(folder, exported, checkpoint, tmp_path, adapters):
 
 @pytest.mark.parametrize("family", ["llama", "phi3", "gpt2"])
 def test_mixed_step_equals_peft_and_each_row_alone(family, paged_export, tiny_checkpoints, tmp_path):
-    from llmc.compiler.lora import SLOTS, stack_slots, token_slots
+    from llmc.compiler.lora import step_inputs
 
     folder, exported = paged_export(family)
     checkpoint = tiny_checkpoints[family]
@@ -48,13 +48,12 @@ def test_mixed_step_equals_peft_and_each_row_alone(family, paged_export, tiny_ch
 
     # one step: the same prompt under A, B and none, and another prompt under B; then a decode step for each row
     rows = [(0, PROMPT, 0), (1, PROMPT, 1), (2, PROMPT, -1), (3, OTHER, 1)]
-    stacks = stack_slots(sites, [a, b])
     steps = PagedSteps(graph, exported.kv_layout)
     mixed = steps.step([(r, ids) for r, ids, _ in rows],
-                       {**stacks, SLOTS: token_slots([(len(ids), s) for _, ids, s in rows])})
+                       step_inputs(sites, [a, b], [(len(ids), s) for _, ids, s in rows]))
     nxt = [[int(np.argmax(logits[-1]))] for logits in mixed]
     decode = steps.step([(r, t) for (r, _, _), t in zip(rows, nxt)],
-                        {**stacks, SLOTS: token_slots([(1, s) for _, _, s in rows])})
+                        step_inputs(sites, [a, b], [(1, s) for _, _, s in rows]))
 
     name = {0: "a", 1: "b", -1: None}
     want = peft_logits(checkpoint, paths, [(ids + t, name[s]) for (_, ids, s), t in zip(rows, nxt)])
@@ -71,7 +70,7 @@ def test_mixed_step_equals_peft_and_each_row_alone(family, paged_export, tiny_ch
             alone = PagedSteps(folder / exported.onnx, exported.kv_layout).step([(0, ids)])[0]
         else:
             alone = PagedSteps(graph, exported.kv_layout).step(
-                [(0, ids)], {**stack_slots(sites, [(a, b)[s]]), SLOTS: token_slots([(len(ids), 0)])})[0]
+                [(0, ids)], step_inputs(sites, [(a, b)[s]], [(len(ids), 0)]))[0]
         assert np.abs(alone - mixed[r]).max() < 1e-5, f"row {r} run alone differs from its row in the mixed step"
 
 
@@ -84,7 +83,7 @@ def test_weight_only_graph_keeps_its_projections(tiny_checkpoints, tmp_path_fact
     import torch
     from shared_builds import build_reusing_export
 
-    from llmc.compiler.lora import SLOTS, add_lora_branches, find_sites, read_adapter, stack_slots, token_slots
+    from llmc.compiler.lora import add_lora_branches, find_sites, read_adapter, step_inputs, token_slots
     from llmc.compiler.lora.graph import a_name, b_name
     from llmc.compiler.lora.reference import lora_delta
     from llmc.compiler.spec import parse_spec
@@ -113,9 +112,10 @@ def test_weight_only_graph_keeps_its_projections(tiny_checkpoints, tmp_path_fact
     onnx.save(quantized, str(tmp_path / "lora_q.onnx"))
 
     adapter = read_adapter("a", family_adapters("llama", checkpoint, tmp_path)[0], max_rank=16)
-    stacks, slots = stack_slots(sites, [adapter]), token_slots([(len(PROMPT), 0), (len(PROMPT), -1)])
+    rows = [(len(PROMPT), 0), (len(PROMPT), -1)]
+    stacks, slots = step_inputs(sites, [adapter], rows), token_slots(rows)
     steps = PagedSteps(tmp_path / "lora_q.onnx", exported.kv_layout)
-    got = steps.step([(0, PROMPT), (1, PROMPT)], {**stacks, SLOTS: slots})
+    got = steps.step([(0, PROMPT), (1, PROMPT)], stacks)
     base_q = PagedSteps(quantized_path, exported.kv_layout).step([(0, PROMPT)])[0]
     assert np.abs(got[1] - base_q).max() < 1e-6
     assert np.abs(got[0] - base_q).max() > 0.5
@@ -123,7 +123,7 @@ def test_weight_only_graph_keeps_its_projections(tiny_checkpoints, tmp_path_fact
     for site in sites:
         x = torch.from_numpy(out[site.x]).reshape(-1, site.in_features)
         want = lora_delta(x, torch.from_numpy(slots), torch.from_numpy(stacks[a_name(site)]),
-                          torch.from_numpy(stacks[b_name(site)])).numpy()
+                          torch.from_numpy(stacks[b_name(site)]), 1).numpy()
         delta = (out[site.y] - out[f"lora/{site.name}/base"]).reshape(want.shape)
         assert np.abs(delta - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), site.name
         assert np.abs(want[:len(PROMPT)]).max() > 0.1 and not want[len(PROMPT):].any()

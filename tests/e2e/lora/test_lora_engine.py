@@ -69,6 +69,18 @@ def test_each_adapter_equals_peft_and_a_mixed_batch_equals_each_alone(built, eng
     assert [generate(engine, [run])[0] for run in runs] == want
 
 
+def test_a_slot_rewritten_in_place_serves_the_new_adapter(built, engine, tiny_checkpoints):
+    """B (rank 8) then A (rank 4) alone: A's step keeps B's stacks and rewrites its slot in place (the bound arrays
+    ONNX Runtime reads), and A's tokens still equal PEFT's."""
+    _, adapters = built
+    lora = engine.runner.lora
+    want = peft_greedy(tiny_checkpoints["llama"], adapters, [(PROMPTS[1], "b"), (PROMPTS[1], "a")], MAX_TOKENS)
+    assert generate(engine, [(PROMPTS[1], "b")])[0] == want[0]
+    refills = lora.num_refills
+    assert generate(engine, [(PROMPTS[1], "a")])[0] == want[1]
+    assert lora.num_refills == refills + 1
+
+
 def test_a_base_only_step_runs_the_base_graph(engine):
     lora = engine.runner.lora
     calls = []

@@ -1,14 +1,15 @@
 """The LoRA graph's stacks when a step's set of adapters changes (runtime/runners/paged_lora.py): the adapters that
 stay keep their slots and only the changed slot is rewritten, equal to stacking them afresh; a new highest rank or
-another count of adapters restacks every slot."""
+another count of adapters restacks every slot. A LoRA graph of the layout before the flat one is refused."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
-from llmc.runtime.lora.sites import SLOTS, Member, Site, a_name, b_name
+from llmc.runtime.lora.sites import OLD_SLOTS, Member, Site, a_name, b_name, mask_name
 from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights, stack_slots
 from llmc.runtime.runners.paged_lora import LoraGraph
 
@@ -30,7 +31,7 @@ class Binding:
 
 
 def graph() -> LoraGraph:
-    names = ["input_ids", SLOTS, a_name(SITE), b_name(SITE)]
+    names = ["input_ids", mask_name(3), a_name(SITE), b_name(SITE)]
     session = SimpleNamespace(get_inputs=lambda: [SimpleNamespace(name=n) for n in names])
     lora = LoraGraph(session, [SITE], ["input_ids"], "model_lora.onnx")
     lora.binding = Binding()
@@ -40,14 +41,28 @@ def graph() -> LoraGraph:
 def test_a_changed_adapter_rewrites_its_slot_only_and_equals_a_fresh_stack():
     lora, a, b, c, d = graph(), adapter("a", 4), adapter("b", 2), adapter("c", 3), adapter("d", 8)
     lora.bind([a, b, None], [1, 1, 1])
-    assert (lora.num_stackings, lora.num_refills) == (1, 0) and list(lora.binding.bound[SLOTS]) == [0, 1, -1]
+    assert (lora.num_stackings, lora.num_refills) == (1, 0) and list(lora.token_slots) == [0, 1, -1]
+    assert lora.binding.bound[mask_name(3)].tolist() == [[1.0] * 12 + [0.0] * 12, [0.0] * 12 + [1.0] * 12, [0.0] * 24]
     a_stack = lora.binding.bound[a_name(SITE)]
+    before = {name: lora.binding.bound[name].copy() for name in (a_name(SITE), b_name(SITE))}
     lora.bind([c, a], [2, 1])  # b's requests ended as c's began: a keeps slot 0, c takes b's
     assert (lora.num_stackings, lora.num_refills) == (1, 1) and lora.binding.bound[a_name(SITE)] is a_stack
-    assert list(lora.binding.bound[SLOTS]) == [1, 1, 0]
+    assert list(lora.token_slots) == [1, 1, 0]
+    assert lora.binding.bound[mask_name(3)].tolist() == [[0.0] * 12 + [1.0] * 12] * 2 + [[1.0] * 12 + [0.0] * 12]
+    k = 3 * 4  # a slot's width: 3 modules at rank 4; slot 0 (a) kept its columns of A and rows of B untouched
+    assert np.array_equal(a_stack[:, :k], before[a_name(SITE)][:, :k])
+    assert np.array_equal(lora.binding.bound[b_name(SITE)][:k], before[b_name(SITE)][:k])
     fresh = stack_slots([SITE], [a, c], rank=4)
     for name in (a_name(SITE), b_name(SITE)):
         assert np.array_equal(lora.binding.bound[name], fresh[name])
     lora.bind([d, a], [1, 1])  # a higher rank: every slot again
     lora.bind([a], [1])  # fewer adapters: every slot again
-    assert (lora.num_stackings, lora.num_refills) == (3, 1) and lora.binding.bound[a_name(SITE)].shape == (1, 4, 12)
+    assert (lora.num_stackings, lora.num_refills) == (3, 1) and lora.binding.bound[a_name(SITE)].shape == (4, 12)
+
+
+def test_a_graph_of_the_stacked_slot_layout_is_refused_naming_the_rebuild():
+    names = ["input_ids", OLD_SLOTS, a_name(SITE), b_name(SITE)]
+    session = SimpleNamespace(get_inputs=lambda: [SimpleNamespace(name=n) for n in names])
+    with pytest.raises(ValueError, match=r"model_lora.onnx was built by an earlier llmc with the stacked-slot LoRA "
+                                         r"layout .* rebuild the model with `llmc build`"):
+        LoraGraph(session, [SITE], ["input_ids"], "model_lora.onnx")
