@@ -16,7 +16,6 @@ the same on sm_80 and sm_90):
     one-launch (fresh), 3 stages   67584     135168    270336
                         2 stages   38912      77824    155648
                         1 stage    10240      20480     40960
-    prefill, 3 stages              19456      37888     74752
     paged (two-launch), 3 stages   11520      21760     42240
     (the split-KV forms, split_kv.py: the same figures, same configurations)
 
@@ -33,7 +32,6 @@ from dataclasses import dataclass
 import triton
 
 BLOCK_M, BLOCK_N = 16, 32  # queries (or (token, head) pairs) per program, keys per inner step
-DECODE_BLOCK = 32  # the split decode kernel's keys per inner step
 # The fewest keys a split of the one-launch and paged kernels gets: its fixed cost (the query tile, a partial of
 # BLOCK_M x (D + 2) fp32 written and read back: 8 KiB at D 128) stays ~6% of the 128 KiB of fp16 keys and
 # values it reads. A guess, not measured yet.
@@ -42,7 +40,7 @@ NUM_WARPS = 4
 SHARED_LIMITS = {80: 166912, 90: 232448}  # bytes of shared memory one block may opt in to, by capability
 # The widest tile row (bytes) each kernel kind keeps 3 stages for; past it, fewer stages (attention_config)
 FRESH_ROW_BYTES = 256  # one-launch kernels: fp16 up to BLOCK_D 128 (135168 bytes at 3 stages)
-CACHED_ROW_BYTES = 512  # kernels reading only the cache: fp16 up to BLOCK_D 256 (prefill: 74752 bytes)
+CACHED_ROW_BYTES = 512  # kernels reading only the cache: fp16 up to BLOCK_D 256 (paged: 42240 bytes)
 
 
 @dataclass(frozen=True)
@@ -85,8 +83,28 @@ def decode_splits(batch: int, kv_heads: int, context: int, num_sms: int = 132, m
     return 1 << (want.bit_length() - 1)
 
 
+# The prefill kernel's tiles (plugins/gpu/prefill.py: FlashAttention-2's loop, one query head a program), per GPU
+# generation, in order of preference: FlashAttention-2's and Triton's fused-attention tutorial's choices for A100
+# (sm_80: 128 x 64, 4 warps) and H100 (sm_90: 128 x 128 or 128 x 64, 8 warps, more stages), then smaller
+# ones. Not every one fits every head size and type: prefill.fitting_configs drops those whose compiled shared
+# memory passes the generation's limit (compiling for the target, as the resource test does), and on a GPU
+# triton.autotune picks among the rest. The last of each list fits every head size up to 256 in fp32.
+PREFILL_CONFIGS = {
+    80: (KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3), KernelConfig(64, 32, 4, 2),
+         KernelConfig(32, 32, 4, 1)),
+    90: (KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 3),
+         KernelConfig(32, 32, 4, 1)),
+}
+
+
+def generation(capability: int) -> int:
+    """The configuration list a GPU of compute capability `capability` (as 80, 86, 90, 100) takes: Hopper's from
+    90 on, Ampere's below (Ada, 89, has Ampere's shared memory per block: 99 KiB, under sm_80's 163 KiB; the
+    compiled figure decides there too)."""
+    return 90 if capability >= 90 else 80
+
+
 def default_config() -> KernelConfig:
-    """The kernels that buffer nothing of size, with Triton's defaults: the split decode kernel (one query row
-    and no dot: 2048 bytes at fp32 BLOCK_D 256, 32 keys a step), its merge, and the rotary / cache writes
-    (no loop over keys)."""
-    return KernelConfig(1, DECODE_BLOCK, NUM_WARPS, 3)
+    """The kernels that buffer nothing of size, with Triton's defaults: the paged cache write (no loop over keys;
+    block sizes unused)."""
+    return KernelConfig(1, BLOCK_N, NUM_WARPS, 3)

@@ -1,7 +1,7 @@
 """The attention kernels compiled ahead of time to PTX, without a GPU: for the TensorRT plugin (`plugin_kernel`:
 one_launch.py's kernel, the whole op in one launch, cut to TensorRT's calling convention) and for inspection
-and the resource test (`kernel_sources`, `compile_ptx`: every kernel of kernels.py and one_launch.py, the
-one-launch kernel with and without key splits).
+and the resource test (`kernel_sources`, `compile_ptx`: the one-launch kernel with and without key splits,
+over a 16-bit or an fp8 cache).
 
 The plugin's kernel has no key splits (SPLITS = 1): a split kernel needs a workspace and counters that persist
 between launches, which an ahead-of-time plugin cannot get from TensorRT (docs/tensorrt.md).
@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from llmc.plugins.gpu.configs import DECODE_BLOCK, attention_config, default_config
-from llmc.plugins.gpu.kernels import _decode_reduce, _decode_split, _prefill, _rope_write
+from llmc.plugins.gpu.configs import attention_config
 from llmc.plugins.gpu.one_launch import _attention_one_launch, one_launch_attention  # noqa: F401  (API)
 from llmc.plugins.gpu.ptx import PTX_ISA, entry_params, plain_target, trim_params  # noqa: F401  (entry_params: API)
 
@@ -24,7 +23,10 @@ _TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "
 PLUGIN_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "pos_ptr", "cos_ptr", "sin_ptr", "sink_ptr")
 PLUGIN_SCALARS = ("S", "C")
 PLUGIN_OUTPUTS = ("o_ptr", "kc_out", "vc_out")
-SPLIT_BUFFERS = {"part_ptr": "*fp32", "lock_ptr": "*i32"}  # after the outputs; read only with SPLITS > 1
+# after the outputs: the split workspace and counters, read only with SPLITS > 1, then an fp8 cache's per-KV-head
+# scales, read only with FP8_KV; a plugin's PTX drops them with Triton's scratch pointers (trim_params)
+SPLIT_BUFFERS = {"part_ptr": "*fp32", "lock_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+CACHES = ("kc_ptr", "vc_ptr", "kc_out", "vc_out")
 SHARED_MEM_LIMIT = 48 * 1024  # what a kernel launch gets without opting in to more
 
 
@@ -81,16 +83,17 @@ _ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 def _one_launch_source(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, t: str, rotary: bool,
                        position_type: str, rotary_dim: int | None = None, softcap: float = 0.0, window: int = -1,
-                       sinks: bool = False, splits: int = 1):
+                       sinks: bool = False, splits: int = 1, fp8_kv: bool = False):
     config = attention_config(head_dim, _ITEMSIZE[t], fresh=True)
     signature = {**{n: f"*{t}" for n in PLUGIN_INPUTS + PLUGIN_OUTPUTS}, "pos_ptr": f"*{position_type}",
-                 **{n: "i32" for n in PLUGIN_SCALARS}, **SPLIT_BUFFERS}
+                 **{n: "i32" for n in PLUGIN_SCALARS}, **SPLIT_BUFFERS,
+                 **({n: "*u8" for n in CACHES} if fp8_kv else {})}  # an fp8 cache as bytes (fp8.py)
     constexprs = {"SCALE": float(scale), "H": num_heads, "KVH": num_kv_heads, "D": head_dim,
                   "HALF": (rotary_dim or head_dim) // 2 if rotary else 1,
                   "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": triton.next_power_of_2(head_dim),
                   "ROTARY": rotary, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "UPCAST": False,
                   "SOFTCAP": float(softcap), "WINDOW": int(window), "SINKS": bool(sinks),
-                  "SPLITS": splits}
+                  "SPLITS": splits, "FP8_KV": fp8_kv}
     return signature, constexprs, config
 
 
@@ -114,42 +117,20 @@ def plugin_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float
 
 def kernel_sources(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, rotary: bool,
                    splits: int = 8, position_type: str = "i32", scale: float = 0.125, rotary_dim: int | None = None,
-                   softcap: float = 0.0, window: int = -1, sinks: bool = False) -> dict[str, tuple]:
-    """Every kernel of this module for one model's shapes and attention features, as (fn, signature,
-    constexprs, config): what compile_ptx compiles and the resource test checks."""
+                   softcap: float = 0.0, window: int = -1, sinks: bool = False, fp8_kv: bool = False) -> dict[str, tuple]:
+    """The slot cache's kernel for one model's shapes and attention features, unsplit (the plugin's) and split `splits`
+    ways (its PyTorch launch's at a small batch), as (fn, signature, constexprs, config): what compile_ptx compiles
+    and the resource test checks. `fp8_kv`: over an fp8 cache (bytes, per-KV-head scales: fp8.py)."""
     t = _TRITON_TYPES[dtype]
-    block_d = triton.next_power_of_2(head_dim)
-    heads = {"H": num_heads, "KVH": num_kv_heads, "D": head_dim}
-    features = {"SOFTCAP": float(softcap), "WINDOW": int(window)}
-    prefill = attention_config(head_dim, _ITEMSIZE[t], fresh=False)
     return {
-        "rope_write": (_rope_write, {**{n: f"*{t}" for n in ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "qo_ptr",
-                                                             "cos_ptr", "sin_ptr")},
-                                     "pos_ptr": f"*{position_type}", "S": "i32", "C": "i32"},
-                       {**heads, "HALF": (rotary_dim or head_dim) // 2, "BLOCK_D": block_d, "ROTARY": rotary},
-                       default_config()),  # no loop over keys: Triton's defaults, as its PyTorch launch uses
-        "prefill": (_prefill, {**{n: f"*{t}" for n in ("q_ptr", "kc_ptr", "vc_ptr", "o_ptr", "sink_ptr")},
-                               "pos_ptr": f"*{position_type}", "scale": "fp32", "S": "i32", "C": "i32"},
-                    {**heads, "BLOCK_M": prefill.block_m, "BLOCK_N": prefill.block_n, "BLOCK_D": block_d,
-                     "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "UPCAST": False, **features,
-                     "SINKS": sinks}, prefill),
-        "decode_split": (_decode_split, {**{n: f"*{t}" for n in ("q_ptr", "kc_ptr", "vc_ptr")},
-                                         **{n: "*fp32" for n in ("part_acc", "part_m", "part_l")},
-                                         "pos_ptr": f"*{position_type}", "scale": "fp32", "C": "i32",
-                                         "keys_per_split": "i32"},
-                         {**heads, "SPLITS": splits, "BLOCK_N": DECODE_BLOCK, "BLOCK_D": block_d, **features},
-                         default_config()),
-        "decode_reduce": (_decode_reduce, {**{n: "*fp32" for n in ("part_acc", "part_m", "part_l")},
-                                           **{n: f"*{t}" for n in ("o_ptr", "sink_ptr")}},
-                          {"H": num_heads, "D": head_dim, "SPLITS": splits, "BLOCK_D": block_d, "SINKS": sinks},
-                          default_config()),
         "attention_one_launch": (_attention_one_launch,
                                  *_one_launch_source(num_heads, num_kv_heads, head_dim, scale, t, rotary,
-                                                     position_type, rotary_dim, softcap, window, sinks)),
+                                                     position_type, rotary_dim, softcap, window, sinks,
+                                                     fp8_kv=fp8_kv)),
         "attention_one_launch_split": (_attention_one_launch,  # the PyTorch launch's form at a small batch
                                        *_one_launch_source(num_heads, num_kv_heads, head_dim, scale, t, rotary,
                                                            position_type, rotary_dim, softcap, window, sinks,
-                                                           splits)),
+                                                           splits, fp8_kv)),
     }
 
 

@@ -26,17 +26,19 @@ import triton
 import triton.language as tl
 
 from llmc.plugins.gpu.configs import attention_config, decode_splits
+from llmc.plugins.gpu.fp8 import as_stored, head_scale, in_type, kv_scales, kv_view, load_kv, store_kv
 from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
 from llmc.plugins.gpu.split_kv import merge_splits, num_sms, split_keys, split_workspace, tile_and_split
 
 
 @triton.jit
 def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr, sin_ptr, sink_ptr, S, C,
-                          o_ptr, kc_out, vc_out, part_ptr, lock_ptr,
+                          o_ptr, kc_out, vc_out, part_ptr, lock_ptr, ks_ptr, vs_ptr,
                           SCALE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                          SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, SPLITS: tl.constexpr):
+                          SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, SPLITS: tl.constexpr,
+                          FP8_KV: tl.constexpr = False):
     """One program per (query-row block, b * KVH + kv head, key split); rows are (new token s, query head of
     the group) pairs. Keys before the row's position come from the cache, the new ones straight from
     the inputs (rotated on the fly over the tables' 2 * HALF channels).
@@ -46,7 +48,8 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
     its output tensors (output, k_cache', v_cache' — the caches aliased to the inputs, so the same
     memory); the softmax scale, softcap and window are compile-time constants (AOT extra arguments are
     integers only), SINKS says whether head_sink is read (else it is a placeholder). After them the split
-    workspace and counters (split_kv.py), read only when SPLITS > 1."""
+    workspace and counters (split_kv.py), read only when SPLITS > 1, and the fp8 caches' per-KV-head scales
+    (fp8.py), read only with FP8_KV (the caches then hold e4m3 bytes)."""
     start_m = tl.program_id(0) * BLOCK_M
     bk = tl.program_id(1)
     b = bk // KVH
@@ -65,6 +68,7 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
         q = rotated(q_ptr, q_off, d, q_mask, pos + s, cos_ptr, sin_ptr, HALF, False)
     else:
         q = tl.load(q_ptr + q_off + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    q = in_type(q, q_ptr, UPCAST)  # the op rotates queries in their own type (reference_attention)
     if not UPCAST:
         q = q.to(q_ptr.dtype.element_ty)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -77,6 +81,8 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
     if SPLITS > 1:  # this program's slice of them
         first, last, active = split_keys(first, last, SPLITS, BLOCK_N)
     cache = (b * KVH + kv) * C * D
+    k_scale = head_scale(ks_ptr, kv, FP8_KV)
+    v_scale = head_scale(vs_ptr, kv, FP8_KV)
     for start_n in range(first, last, BLOCK_N):
         n = start_n + tl.arange(0, BLOCK_N)
         ours = n < last  # a block past a split's end belongs to the next split
@@ -86,19 +92,20 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
         mask_old = old[:, None] & d_ok[None, :]
         mask_new = fresh[:, None] & d_ok[None, :]
         new_off = ((b * S + new_s) * KVH + kv)[:, None] * D
-        k = tl.load(kc_ptr + cache + n[:, None] * D + d[None, :], mask=mask_old, other=0.0).to(tl.float32)
+        k = load_kv(kc_ptr, cache + n[:, None] * D + d[None, :], mask_old, k_scale, FP8_KV)
         if ROTARY:
             k_new = rotated(k_ptr, new_off, d, mask_new, n, cos_ptr, sin_ptr, HALF, False)
         else:
             k_new = tl.load(k_ptr + new_off + d[None, :], mask=mask_new, other=0.0).to(tl.float32)
-        k = tl.where(mask_new, k_new.to(kc_ptr.dtype.element_ty).to(tl.float32), k)  # as the cache will hold it
-        v = tl.load(vc_ptr + cache + n[:, None] * D + d[None, :], mask=mask_old, other=0.0)
-        v = tl.where(mask_new, tl.load(v_ptr + new_off + d[None, :], mask=mask_new, other=0.0), v)
+        if FP8_KV:  # the op rotates keys in the inputs' type, then stores them (reference_attention)
+            k_new = in_type(k_new, k_ptr, UPCAST)
+        k = tl.where(mask_new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)  # as the cache will hold it
+        v = load_kv(vc_ptr, cache + n[:, None] * D + d[None, :], mask_old, v_scale, FP8_KV)
+        v_new = tl.load(v_ptr + new_off + d[None, :], mask=mask_new, other=0.0).to(tl.float32)
+        v = tl.where(mask_new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
         if not UPCAST:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        else:
-            v = v.to(tl.float32)
         scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE, SOFTCAP)
         visible = (n[None, :] <= (pos + s)[:, None]) & row_ok[:, None] & ours[None, :]
         if WINDOW > 0:
@@ -126,8 +133,8 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
     else:
         k_w = tl.load(k_ptr + kv_off + d[None, :], mask=w_mask, other=0.0).to(tl.float32)
     slot = cache + (pos + s)[:, None] * D + d[None, :]
-    tl.store(kc_out + slot, k_w.to(kc_out.dtype.element_ty), mask=w_mask)
-    tl.store(vc_out + slot, tl.load(v_ptr + kv_off + d[None, :], mask=w_mask, other=0.0), mask=w_mask)
+    store_kv(kc_out, slot, in_type(k_w, k_ptr, UPCAST), w_mask, k_scale, FP8_KV)
+    store_kv(vc_out, slot, tl.load(v_ptr + kv_off + d[None, :], mask=w_mask, other=0.0), w_mask, v_scale, FP8_KV)
 
 
 def one_launch_grid(tokens, batch, num_heads: int, num_kv_heads: int, block_m: int, splits: int = 1,
@@ -137,14 +144,17 @@ def one_launch_grid(tokens, batch, num_heads: int, num_kv_heads: int, block_m: i
 
 
 def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, scale, cos_cache=None, sin_cache=None,
-                         head_sink=None, softcap: float = 0.0, local_window_size: int = -1, splits: int | None = None):
+                         head_sink=None, softcap: float = 0.0, local_window_size: int = -1, splits: int | None = None,
+                         *, k_scale=None, v_scale=None):
     """`llmc::attention` in one kernel launch (the TensorRT plugin's kernel), caches updated in place. `splits`:
-    ways to split each tile's keys (default: decode_splits from the shapes and the GPU's SMs; 1: none)."""
+    ways to split each tile's keys (default: decode_splits from the shapes and the GPU's SMs; 1: none). fp8
+    (float8_e4m3fn) caches take `k_scale` / `v_scale`, fp32 [KVH] (fp8.py; `reference_attention`'s)."""
     b, s, h, d = query.shape
     kvh, capacity = key.shape[2], k_cache.shape[2]
     assert h % kvh == 0 and k_cache.shape == v_cache.shape == (b, kvh, capacity, d), (query.shape, k_cache.shape)
     assert head_sink is None or head_sink.shape == (h,), f"head_sink is not [num_heads {h}]"
     rotary = cos_cache is not None
+    fp8, k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale, kvh, query)
     out = torch.empty_like(query)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
@@ -154,11 +164,12 @@ def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, sc
     grid = one_launch_grid(s, b, h, kvh, config.block_m, splits)
     part, counters = split_workspace(query.device, tiles * b * kvh, splits, config.block_m, d) if splits > 1 else (
         query, query)  # placeholders the kernel never reads without splits
-    _attention_one_launch[grid](query, key, value, k_cache, v_cache, cache_position,
+    kc, vc = kv_view(k_cache), kv_view(v_cache)
+    _attention_one_launch[grid](query, key, value, kc, vc, cache_position,
                                 cos_cache if rotary else query, sin_cache if rotary else query,
                                 head_sink.contiguous() if head_sink is not None else query, s, capacity,
-                                out, k_cache, v_cache, part, counters, float(scale), h, kvh, d,
+                                out, kc, vc, part, counters, k_scale, v_scale, float(scale), h, kvh, d,
                                 cos_cache.shape[1] if rotary else 1, config.block_m, config.block_n,
                                 triton.next_power_of_2(d), rotary, precision, upcast, float(softcap),
-                                int(local_window_size), head_sink is not None, splits, **config.launch())
+                                int(local_window_size), head_sink is not None, splits, fp8, **config.launch())
     return out

@@ -34,15 +34,16 @@ fp16, bf16 and fp32; accumulation in fp32. Runs on CPU under `TRITON_INTERPRET=1
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 # (token, head) pairs per program, keys per inner step, and the stages by head size: configs.py
-from llmc.plugins.gpu.configs import BLOCK_M, BLOCK_N, attention_config, decode_splits
+from llmc.plugins.gpu.configs import BLOCK_M, attention_config, decode_splits
+from llmc.plugins.gpu.fp8 import as_stored, head_scale, kv_scales, kv_view, load_kv, store_kv
 from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
+# the launches' argument handling, shared with paged_kernels_aot.py and prefill.py
+from llmc.plugins.gpu.paged_launch import int32, kernel_options, sinks, split_packed  # noqa: F401  (API)
 from llmc.plugins.gpu.split_kv import merge_splits, num_sms, split_keys, split_workspace, tile_and_split
 
 
@@ -64,17 +65,17 @@ def find_row(cu_ptr, B, target, G: tl.constexpr, BLOCK_M: tl.constexpr, PER_BLOC
 
 
 @triton.jit
-def write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, src, dst, d, mask, positions, cos_ptr, sin_ptr, HALF: tl.constexpr,
-             ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr):
+def write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, src, dst, d, mask, positions, cos_ptr, sin_ptr, k_scale, v_scale,
+             HALF: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, FP8_KV: tl.constexpr):
     """New keys (rotated at `positions` when ROTARY) and values, read from the inputs at row offsets `src`,
-    stored into the block pools at `dst`: the separate write kernel's and the one-launch kernel's step."""
+    stored into the block pools at `dst` (with FP8_KV as e4m3 bytes under the heads' scales): the separate
+    write kernel's and the one-launch kernel's step."""
     if ROTARY:
         k = rotated(k_ptr, src, d, mask, positions, cos_ptr, sin_ptr, HALF, INTERLEAVED)
     else:
         k = tl.load(k_ptr + src + d[None, :], mask=mask, other=0.0)
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, tl.load(v_ptr + src + d[None, :], mask=mask, other=0.0).to(vc_ptr.dtype.element_ty),
-             mask=mask)
+    store_kv(kc_ptr, dst, k, mask, k_scale, FP8_KV)
+    store_kv(vc_ptr, dst, tl.load(v_ptr + src + d[None, :], mask=mask, other=0.0), mask, v_scale, FP8_KV)
 
 
 @triton.jit
@@ -89,8 +90,9 @@ def slot_of(table_ptr, b, positions, valid, MB, NB, BS):
 
 @triton.jit
 def _paged_write(k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, slots_ptr, cos_ptr, sin_ptr,
-                 B, MB, NB, BS, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_KVH: tl.constexpr,
-                 BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, SLOTS: tl.constexpr):
+                 B, MB, NB, BS, ks_ptr, vs_ptr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_KVH: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 SLOTS: tl.constexpr, FP8_KV: tl.constexpr = False):
     """One program per packed token: its keys (rotated) and values into its cache slot, all KV heads."""
     t = tl.program_id(0)
     b = find_row(cu_ptr, B, t, 1, 1, False)
@@ -107,21 +109,27 @@ def _paged_write(k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, slot
     mask = ok[:, None] & (d < D)[None, :]
     src = (t * KVH + g).to(tl.int64)[:, None] * D
     dst = (slot * KVH + g)[:, None] * D + d[None, :]
-    write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, src, dst, d, mask, positions, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
+    k_scale = head_scale(ks_ptr, tl.minimum(g, KVH - 1), FP8_KV)  # one per KV head
+    v_scale = head_scale(vs_ptr, tl.minimum(g, KVH - 1), FP8_KV)
+    if FP8_KV:
+        k_scale, v_scale = k_scale[:, None], v_scale[:, None]
+    write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, src, dst, d, mask, positions, cos_ptr, sin_ptr, k_scale, v_scale, HALF,
+             ROTARY, INTERLEAVED, FP8_KV)
 
 
 @triton.jit
-def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped, past, start, kv, d_ok, d,
-                KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr,
-                INTERLEAVED: tl.constexpr, FRESH: tl.constexpr):
-    """One block of keys and values (fp32) at positions n: from the cache, or with FRESH those at or past
-    the row's cached length `past` from the new-token inputs (rotated, rounded as the cache holds them)."""
+def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped, past, start, kv, d_ok, d, k_scale,
+                v_scale, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr,
+                INTERLEAVED: tl.constexpr, FRESH: tl.constexpr, FP8_KV: tl.constexpr):
+    """One block of keys and values (fp32) at positions n: from the cache (fp8 entries times the head's scales
+    with FP8_KV), or with FRESH those at or past the row's cached length `past` from the new-token inputs
+    (rotated, rounded as the cache holds them)."""
     cached = mapped
     if FRESH:
         cached = mapped & (n < past)
     at = (slot * KVH + kv)[:, None] * D + d[None, :]
-    k = tl.load(kc_ptr + at, mask=cached[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    v = tl.load(vc_ptr + at, mask=cached[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    k = load_kv(kc_ptr, at, cached[:, None] & d_ok[None, :], k_scale, FP8_KV)
+    v = load_kv(vc_ptr, at, cached[:, None] & d_ok[None, :], v_scale, FP8_KV)
     if FRESH:
         new = (mapped & (n >= past))[:, None] & d_ok[None, :]
         src = ((start + n - past).to(tl.int64) * KVH + kv)[:, None] * D
@@ -129,23 +137,24 @@ def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped,
             k_new = rotated(k_ptr, src, d, new, n, cos_ptr, sin_ptr, HALF, INTERLEAVED)
         else:
             k_new = tl.load(k_ptr + src + d[None, :], mask=new, other=0.0).to(tl.float32)
-        k = tl.where(new, k_new.to(kc_ptr.dtype.element_ty).to(tl.float32), k)
-        v_new = tl.load(v_ptr + src + d[None, :], mask=new, other=0.0)
-        v = tl.where(new, v_new.to(vc_ptr.dtype.element_ty).to(tl.float32), v)
+        k = tl.where(new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)
+        v_new = tl.load(v_ptr + src + d[None, :], mask=new, other=0.0).to(tl.float32)
+        v = tl.where(new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
     return k, v
 
 
 @triton.jit
 def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, cos_ptr, sin_ptr, sink_ptr,
-                     B, MB, NB, BS, o_ptr, kc_out, vc_out, part_ptr, lock_ptr,
+                     B, MB, NB, BS, o_ptr, kc_out, vc_out, part_ptr, lock_ptr, ks_ptr, vs_ptr,
                      SCALE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr,
                      INTERLEAVED: tl.constexpr, FRESH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SINKS: tl.constexpr,
-                     SPLITS: tl.constexpr):
+                     SPLITS: tl.constexpr, FP8_KV: tl.constexpr = False):
     """One program per (block of a row's (token, group head) pairs, KV head, key split). Parameters in
     TensorRT's AOT-plugin order: input tensors, int32 scalars, output tensors (the caches aliased to the
-    inputs); then the split workspace and counters, read only when SPLITS > 1.
+    inputs); then the split workspace and counters, read only when SPLITS > 1, and the fp8 caches' per-KV-head
+    scales, read only with FP8_KV (fp8.py: the caches then hold e4m3 bytes).
     UPCAST: tiles reach the dots as fp32 (under the interpreter for bf16, which NumPy lacks)."""
     G: tl.constexpr = H // KVH
     kv = tl.program_id(1)
@@ -178,13 +187,15 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_scale = head_scale(ks_ptr, kv, FP8_KV)
+    v_scale = head_scale(vs_ptr, kv, FP8_KV)
     # counted from 0: Triton 3.9 buffers 3 of this loop's 9 loads when it starts at a runtime bound (a key split's
     # or a window's start: 13568 bytes of shared memory against 21760 at fp16 head 128), all 9 from a trip count
     for step in range(0, tl.cdiv(hi - lo, BLOCK_N)):
         n = lo + step * BLOCK_N + tl.arange(0, BLOCK_N)
         slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS)
         k, v = _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped, past, start, kv, d_ok, d,
-                           KVH, D, HALF, ROTARY, INTERLEAVED, FRESH)
+                           k_scale, v_scale, KVH, D, HALF, ROTARY, INTERLEAVED, FRESH, FP8_KV)
         if not UPCAST:
             k, v = k.to(q.dtype), v.to(q.dtype)
         scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE, SOFTCAP)
@@ -211,7 +222,8 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
         w_mask = mapped[:, None] & d_ok[None, :]
         src = ((start + s).to(tl.int64) * KVH + kv)[:, None] * D
         dst = (slot * KVH + kv)[:, None] * D + d[None, :]
-        write_kv(k_ptr, v_ptr, kc_out, vc_out, src, dst, d, w_mask, pos, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
+        write_kv(k_ptr, v_ptr, kc_out, vc_out, src, dst, d, w_mask, pos, cos_ptr, sin_ptr, k_scale, v_scale, HALF,
+                 ROTARY, INTERLEAVED, FP8_KV)
 
 
 def attention_grid(tokens, rows, num_heads: int, num_kv_heads: int, block_m: int = BLOCK_M, cdiv=triton.cdiv,
@@ -219,38 +231,6 @@ def attention_grid(tokens, rows, num_heads: int, num_kv_heads: int, block_m: int
     """(programs over the rows' packed (token, head) pairs, KV heads, key splits): enough for any split of
     `tokens` among `rows`; works on ints and on TensorRT's symbolic shape expressions (pass `trtp.cdiv`)."""
     return cdiv(tokens * (num_heads // num_kv_heads), block_m) + rows, num_kv_heads, splits
-
-
-def split_packed(query, key, value, num_heads: int, kv_num_heads: int):
-    """Query, key and value as separate contiguous [T, width] tensors (the contract's packed QKV split)."""
-    if key is None:
-        head_size = query.shape[1] // (num_heads + 2 * kv_num_heads)
-        query, key, value = query.split([num_heads * head_size, kv_num_heads * head_size,
-                                         kv_num_heads * head_size], dim=1)
-    return query.contiguous(), key.contiguous(), value.contiguous()
-
-
-def kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, rotary_interleaved, softcap,
-                   local_window_size, is_causal, head_sink=None, splits: int = 1) -> dict:
-    """The attention kernel's compile-time constants for these tensors and attributes."""
-    head_size = query.shape[1] // num_heads
-    assert num_heads % kv_num_heads == 0 and key_cache.shape[2:] == (kv_num_heads, head_size), key_cache.shape
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return {"SCALE": float(scale or head_size ** -0.5), "H": num_heads, "KVH": kv_num_heads, "D": head_size,
-            "HALF": cos_cache.shape[1] if cos_cache is not None else 1, "SOFTCAP": float(softcap),
-            "WINDOW": int(local_window_size), "CAUSAL": bool(is_causal), "ROTARY": cos_cache is not None,
-            "INTERLEAVED": bool(rotary_interleaved), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-            "BLOCK_D": max(16, triton.next_power_of_2(head_size)),
-            "DOT_PRECISION": "ieee" if query.dtype == torch.float32 else "tf32",
-            "UPCAST": query.dtype == torch.bfloat16 and interpreted, "SINKS": head_sink is not None, "SPLITS": splits}
-
-
-def sinks(head_sink, num_heads: int, placeholder):
-    """head_sink as the kernel reads it (contiguous [num_heads]), or a placeholder it never reads."""
-    if head_sink is None:
-        return placeholder
-    assert head_sink.shape == (num_heads,), f"head_sink is not [num_heads {num_heads}]"
-    return head_sink.contiguous()
 
 
 def split_buffers(query, grid_x: int, kv_num_heads: int, context: int, head_size: int, splits: int | None):
@@ -263,17 +243,15 @@ def split_buffers(query, grid_x: int, kv_num_heads: int, context: int, head_size
     return splits, *split_workspace(query.device, grid_x * kv_num_heads, splits, BLOCK_M, head_size)
 
 
-def int32(*tensors):
-    return [t.to(torch.int32).contiguous() for t in tensors]
-
-
 def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
                     num_heads: int, kv_num_heads: int, scale: float = 0.0, cos_cache=None, sin_cache=None, *,
                     slot_mapping=None, rotary_interleaved: bool = False, softcap: float = 0.0,
-                    local_window_size: int = -1, is_causal: bool = True, head_sink=None, splits: int | None = None):
+                    local_window_size: int = -1, is_causal: bool = True, head_sink=None, splits: int | None = None,
+                    k_scale=None, v_scale=None):
     """`reference_paged_attention` on the GPU kernels: the new keys and values written into the caches
     (in place), then attention; returns (output [T, H*D], key_cache, value_cache). `splits`: ways to split
-    each program's keys (default: from the shapes and the GPU, split_buffers; 1: none)."""
+    each program's keys (default: from the shapes and the GPU, split_buffers; 1: none). fp8 (float8_e4m3fn)
+    caches take `k_scale` / `v_scale`, fp32 [KVH] (fp8.py)."""
     query, key, value = split_packed(query, key, value, num_heads, kv_num_heads)
     assert key_cache.is_contiguous() and value_cache.is_contiguous(), "contiguous caches expected"
     options = kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, rotary_interleaved,
@@ -283,17 +261,20 @@ def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequen
     scalars = (rows, table.shape[1], num_blocks, block_size)
     cos, sin = (cos_cache.contiguous(), sin_cache.contiguous()) if cos_cache is not None else (query, query)
     slots = slot_mapping.to(torch.int64).contiguous() if slot_mapping is not None else cu
+    fp8, k_scale, v_scale = kv_scales(key_cache, k_scale, v_scale, kv_num_heads, query)
+    kc, vc = kv_view(key_cache), kv_view(value_cache)
     if tokens:
-        _paged_write[(tokens,)](key, value, key_cache, value_cache, cu, past, table, slots, cos, sin, *scalars,
+        _paged_write[(tokens,)](key, value, kc, vc, cu, past, table, slots, cos, sin, *scalars, k_scale, v_scale,
                                 kv_num_heads, options["D"], options["HALF"], triton.next_power_of_2(kv_num_heads),
-                                options["BLOCK_D"], options["ROTARY"], options["INTERLEAVED"], slot_mapping is not None)
+                                options["BLOCK_D"], options["ROTARY"], options["INTERLEAVED"], slot_mapping is not None,
+                                fp8)
     out = torch.empty_like(query)
     if tokens:
         grid_x = attention_grid(tokens, rows, num_heads, kv_num_heads)[0]
         options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads, table.shape[1] * block_size,
                                                           options["D"], splits)
         _paged_attention[attention_grid(tokens, rows, num_heads, kv_num_heads, splits=options["SPLITS"])](
-            query, key, value, key_cache, value_cache, cu, past, table, cos, sin, sinks(head_sink, num_heads, query),
-            *scalars, out, key_cache, value_cache, part, counters, FRESH=False, **options,
+            query, key, value, kc, vc, cu, past, table, cos, sin, sinks(head_sink, num_heads, query),
+            *scalars, out, kc, vc, part, counters, k_scale, v_scale, FRESH=False, **options,
             **attention_config(options["D"], query.element_size(), fresh=False).launch())
     return out, key_cache, value_cache

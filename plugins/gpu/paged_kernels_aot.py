@@ -19,7 +19,8 @@ import torch
 import triton
 
 from llmc.plugins.gpu.configs import attention_config, block_d, default_config
-from llmc.plugins.gpu.kernels_aot import SPLIT_BUFFERS, _TRITON_TYPES, _compile, compile_for_plugin
+from llmc.plugins.gpu.fp8 import FP8, kv_scales, kv_view
+from llmc.plugins.gpu.kernels_aot import CACHES, SPLIT_BUFFERS, _TRITON_TYPES, _compile, compile_for_plugin
 from llmc.plugins.gpu.ptx import PTX_ISA, plain_target, trim_params
 from llmc.plugins.gpu.paged_kernels import (_paged_attention, _paged_write, attention_grid, int32, kernel_options,
                                             sinks, split_buffers, split_packed)
@@ -35,9 +36,9 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
                                block_table, num_heads: int, kv_num_heads: int, scale: float = 0.0, cos_cache=None,
                                sin_cache=None, *, slot_mapping=None, rotary_interleaved: bool = False,
                                softcap: float = 0.0, local_window_size: int = -1, is_causal: bool = True,
-                               head_sink=None, splits: int | None = None):
+                               head_sink=None, splits: int | None = None, k_scale=None, v_scale=None):
     """`reference_paged_attention` in one launch (the TensorRT plugin's kernel), caches updated in place;
-    `splits` as paged_attention's."""
+    `splits`, and `k_scale` / `v_scale` of an fp8 cache, as paged_attention's."""
     if slot_mapping is not None:
         raise ValueError("the one-launch paged kernel reads the new keys where block_table puts them: "
                          "no slot_mapping (use paged_kernels.paged_attention)")
@@ -46,6 +47,8 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
                              softcap, local_window_size, is_causal, head_sink)
     cu, past, table = int32(cumulative_sequence_length, past_seqlens, block_table)
     cos, sin = (cos_cache.contiguous(), sin_cache.contiguous()) if cos_cache is not None else (query, query)
+    _, k_scale, v_scale = kv_scales(key_cache, k_scale, v_scale, kv_num_heads, query)
+    kc, vc = kv_view(key_cache), kv_view(value_cache)
     out = torch.empty_like(query)
     if query.shape[0]:
         grid_x = attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads)[0]
@@ -53,9 +56,9 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
                                                           table.shape[1] * key_cache.shape[1], options["D"], splits)
         _paged_attention[attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads,
                                         splits=options["SPLITS"])](
-            query, key, value, key_cache, value_cache, cu, past, table, cos, sin, sinks(head_sink, num_heads, query),
-            past.shape[0], table.shape[1], key_cache.shape[0], key_cache.shape[1], out, key_cache, value_cache, part,
-            counters, FRESH=True, **options, **attention_config(options["D"], query.element_size(),
+            query, key, value, kc, vc, cu, past, table, cos, sin, sinks(head_sink, num_heads, query),
+            past.shape[0], table.shape[1], key_cache.shape[0], key_cache.shape[1], out, kc, vc, part,
+            counters, k_scale, v_scale, FRESH=True, **options, **attention_config(options["D"], query.element_size(),
                                                                          fresh=True).launch())
     return out, key_cache, value_cache
 
@@ -78,12 +81,12 @@ class PagedPluginKernel:
 
 def _attention_source(num_heads: int, num_kv_heads: int, head_size: int, scale: float, t: str, *, rotary_dim: int,
                       interleaved: bool, softcap: float, window: int, fresh: bool, causal: bool = True,
-                      sinks: bool = False, splits: int = 1):
+                      sinks: bool = False, splits: int = 1, fp8_kv: bool = False):
     names = PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_OUTPUTS
     signature = {**{n: "*i32" if n in _INTS else f"*{t}" for n in names}, **{n: "i32" for n in PAGED_PLUGIN_SCALARS},
-                 **SPLIT_BUFFERS}
+                 **SPLIT_BUFFERS, **({n: "*u8" for n in CACHES} if fp8_kv else {})}  # an fp8 cache as bytes
     dtype = {v: k for k, v in _TRITON_TYPES.items()}[t]
-    cache = torch.empty((1, 1, num_kv_heads, head_size), dtype=dtype)
+    cache = torch.empty((1, 1, num_kv_heads, head_size), dtype=FP8 if fp8_kv else dtype)
     cos = torch.empty((1, rotary_dim // 2)) if rotary_dim else None
     constexprs = kernel_options(torch.empty((1, num_heads * head_size), dtype=dtype), cache, num_heads, num_kv_heads,
                                 scale, cos, interleaved, softcap, window, causal,
@@ -110,17 +113,20 @@ def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale
 
 def paged_kernel_sources(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, *, rotary_dim: int,
                          softcap: float = 0.0, window: int = -1, sinks: bool = False,
-                         splits: int = 8) -> dict[str, tuple]:
+                         splits: int = 8, fp8_kv: bool = False) -> dict[str, tuple]:
     """The paged kernels (cache write, attention over the cache, the one-launch form, both attention forms also
     with `splits` key splits, as their PyTorch launches get at a small batch) for one model's shapes and
     attention features, as (fn, signature, constexprs, config): what compile_paged_ptx compiles and the
-    resource test checks."""
+    resource test checks. `fp8_kv`: over fp8 caches (bytes, with per-KV-head scales: fp8.py)."""
     t = _TRITON_TYPES[dtype]
-    write_signature = {**{n: f"*{t}" for n in ("k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr")},
-                       **{n: "*i32" for n in _INTS}, "slots_ptr": "*i64", **{n: "i32" for n in PAGED_PLUGIN_SCALARS}}
+    cache_type = "*u8" if fp8_kv else f"*{t}"
+    write_signature = {**{n: f"*{t}" for n in ("k_ptr", "v_ptr", "cos_ptr", "sin_ptr")},
+                       **{n: cache_type for n in ("kc_ptr", "vc_ptr")}, **{n: "*i32" for n in _INTS},
+                       "slots_ptr": "*i64", **{n: "i32" for n in PAGED_PLUGIN_SCALARS},
+                       "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
     write_constexprs = {"KVH": num_kv_heads, "D": head_size, "HALF": max(rotary_dim // 2, 1),
                         "BLOCK_KVH": triton.next_power_of_2(num_kv_heads), "BLOCK_D": block_d(head_size),
-                        "ROTARY": rotary_dim > 0, "INTERLEAVED": False, "SLOTS": False}
+                        "ROTARY": rotary_dim > 0, "INTERLEAVED": False, "SLOTS": False, "FP8_KV": fp8_kv}
     kernels = {"paged_write": (_paged_write, write_signature, write_constexprs, default_config())}  # no key loop
     for name, fresh, split in (("paged_attention", False, 1), ("paged_attention_one_launch", True, 1),
                                ("paged_attention_split", False, splits),
@@ -128,7 +134,7 @@ def paged_kernel_sources(num_heads: int, num_kv_heads: int, head_size: int, dtyp
         kernels[name] = (_paged_attention, *_attention_source(num_heads, num_kv_heads, head_size, 0.125, t,
                                                               rotary_dim=rotary_dim, interleaved=False,
                                                               softcap=softcap, window=window, fresh=fresh,
-                                                              sinks=sinks, splits=split))
+                                                              sinks=sinks, splits=split, fp8_kv=fp8_kv))
     return kernels
 
 

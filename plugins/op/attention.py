@@ -86,8 +86,11 @@ def softmax_with_sink(logits: Tensor, head_sink: Tensor | None, head_dim: int) -
 def reference_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                         cache_position: Tensor, scale: float, cos_cache: Tensor | None = None,
                         sin_cache: Tensor | None = None, head_sink: Tensor | None = None, softcap: float = 0.0,
-                        local_window_size: int = -1) -> tuple[Tensor, Tensor, Tensor]:
-    """Plain PyTorch semantics of the op: the definition every lowering and kernel is tested against."""
+                        local_window_size: int = -1, *, k_scale: Tensor | None = None,
+                        v_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Plain PyTorch semantics of the op: the definition every lowering and kernel is tested against. An fp8
+    cache (float8_e4m3fn; the GPU kernels' fp8 KV) takes `k_scale` / `v_scale` ([KVH] or [1]): entries are
+    stored as fp8(x / scale) (saturated at +-448) and read back as float(stored) * scale."""
     _check(query, key, value, k_cache, v_cache, cache_position)
     b, s, h, d = query.shape
     kvh, capacity = key.shape[2], k_cache.shape[2]
@@ -99,13 +102,13 @@ def reference_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tens
         assert cos_cache.shape == sin_cache.shape and cos_cache.shape[1] * 2 <= d, (cos_cache.shape, d)
         query, key = rotate(query, cos_cache, sin_cache, positions), rotate(key, cos_cache, sin_cache, positions)
     index = positions[:, None, :, None].expand(b, kvh, s, d)
-    k_out = k_cache.scatter(2, index, key.transpose(1, 2).to(k_cache.dtype))
-    v_out = v_cache.scatter(2, index, value.transpose(1, 2).to(v_cache.dtype))
+    k_out = _scatter(k_cache, index, key, k_scale)
+    v_out = _scatter(v_cache, index, value, v_scale)
 
     group = h // kvh
     q = query.transpose(1, 2).float()  # [B, H, S, D]
-    k = k_out.float().repeat_interleave(group, dim=1)  # [B, H, C, D]
-    v = v_out.float().repeat_interleave(group, dim=1)
+    k = _read(k_out, k_scale).repeat_interleave(group, dim=1)  # [B, H, C, D]
+    v = _read(v_out, v_scale).repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, S, C]
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
@@ -116,6 +119,22 @@ def reference_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tens
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     out = torch.matmul(softmax_with_sink(scores, head_sink, 1), v)  # [B, H, S, D]
     return out.transpose(1, 2).to(query.dtype).contiguous(), k_out, v_out
+
+
+def _scatter(cache: Tensor, index: Tensor, new: Tensor, scale: Tensor | None) -> Tensor:
+    """The slot cache [B, KVH, C, D] with `new` [B, S, KVH, D] stored at `index` (as _encode stores it; an fp8
+    cache scattered as bytes: PyTorch's CPU scatter has no float8)."""
+    b, s, kvh, d = new.shape
+    codes = _encode(new.reshape(b * s, kvh, d), cache.dtype, scale).reshape(b, s, kvh, d).transpose(1, 2)
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8).scatter(2, index, codes.view(torch.uint8)).view(cache.dtype)
+    return cache.scatter(2, index, codes)
+
+
+def _read(cache: Tensor, scale: Tensor | None) -> Tensor:
+    """The slot cache [B, KVH, C, D] as float32 values (_decode's)."""
+    b, kvh, c, d = cache.shape
+    return _decode(cache.transpose(1, 2).reshape(b * c, kvh, d), scale).reshape(b, c, kvh, d).transpose(1, 2)
 
 
 @torch.library.custom_op("llmc::attention", mutates_args=())
@@ -134,14 +153,24 @@ def _attention_fake(query, key, value, k_cache, v_cache, cache_position, scale, 
     return torch.empty_like(query), torch.empty_like(k_cache), torch.empty_like(v_cache)
 
 
+FP8_MAX = 448.0  # e4m3fn's largest finite value: fp8 cache entries saturate there
+
+
 def _channel_scales(scale: Tensor, kv_heads: int, head_size: int) -> Tensor:
-    """A cache scale ([1] or [KVH, 1, D]) as [KVH, D]."""
-    return scale.float().reshape(-1, head_size).expand(kv_heads, head_size) if scale.numel() > 1 else \
-        scale.float().reshape(1, 1).expand(kv_heads, head_size)
+    """A cache scale ([1], [KVH]: one per KV head, or [KVH, 1, D]) as [KVH, D]."""
+    if scale.numel() == 1:
+        return scale.float().reshape(1, 1).expand(kv_heads, head_size)
+    if scale.numel() == kv_heads:
+        return scale.float().reshape(kv_heads, 1).expand(kv_heads, head_size)
+    return scale.float().reshape(-1, head_size).expand(kv_heads, head_size)
 
 
 def _encode(x: Tensor, dtype: torch.dtype, scale: Tensor | None) -> Tensor:
-    """[N, KVH, D] float values as a cache stores them: cast, or int8 codes under `scale`."""
+    """[N, KVH, D] float values as a cache stores them: cast, int8 codes under `scale`, or fp8 (e4m3fn) of
+    x / scale, saturated at +-448 and rounded to nearest even."""
+    if dtype == torch.float8_e4m3fn:
+        scaled = x.float() / _channel_scales(scale, x.shape[1], x.shape[2]) if scale is not None else x.float()
+        return scaled.clamp(-FP8_MAX, FP8_MAX).to(dtype)
     if dtype != torch.int8:
         return x.to(dtype)
     codes = torch.round(x / _channel_scales(scale, x.shape[1], x.shape[2]))
@@ -149,8 +178,8 @@ def _encode(x: Tensor, dtype: torch.dtype, scale: Tensor | None) -> Tensor:
 
 
 def _decode(x: Tensor, scale: Tensor | None) -> Tensor:
-    """[N, KVH, D] cache entries as float32: int8 codes times their scales."""
-    if x.dtype != torch.int8:
+    """[N, KVH, D] cache entries as float32: int8 codes or fp8 values times their scales."""
+    if x.dtype not in (torch.int8, torch.float8_e4m3fn) or scale is None:
         return x.float()
     return x.float() * _channel_scales(scale, x.shape[1], x.shape[2])
 
@@ -178,7 +207,8 @@ def reference_paged_attention(query: Tensor, key: Tensor | None, value: Tensor |
     x into softcap * tanh(x / softcap); scale 0 means 1 / sqrt(D); `head_sink` [H] adds one logit per
     head to each softmax's denominator. A query with nothing to attend to (and no sink) gets zeros. int8 caches take `k_scale`/`v_scale`, the contract's dequantization scales ([1]:
     PER_TENSOR, [KVH, 1, D]: PER_CHANNEL): x is stored as round(x / scale) (to nearest even) saturated to
-    [-128, 127] and read back as code * scale."""
+    [-128, 127] and read back as code * scale. fp8 caches (float8_e4m3fn, the GPU kernels' fp8 KV: scales
+    [KVH], one per KV head, or [1]) store fp8(x / scale), saturated at +-448, read back as float(stored) * scale."""
     tokens = query.shape[0]
     if key is None:
         head_size = query.shape[1] // (num_heads + 2 * kv_num_heads)

@@ -29,6 +29,11 @@ pytest.importorskip("triton", reason="the kernels need OpenAI Triton (installed 
 from llmc.plugins.gpu.configs import SHARED_LIMITS, attention_config, block_d  # noqa: E402
 
 HEAD_SIZES = (64, 80, 96, 128, 256)
+# the kernels that read an fp8 cache (plugins/gpu/fp8.py), compiled over one too: the configurations are the
+# queries' (an fp8 cache's tiles take half the bytes of fp16's, so this bounds nothing new unless the
+# conversions cost shared memory, which the compiled figure would show)
+FP8_KERNELS = ("attention_one_launch", "attention_one_launch_split", "paged_write", "paged_attention",
+               "paged_attention_split", "paged_attention_one_launch", "paged_attention_one_launch_split")
 PLUGIN_LIMIT = 48 * 1024
 
 CHILD = r"""
@@ -43,6 +48,11 @@ for head in HEAD_SIZES:
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         kernels = {**kernel_sources(32, 8, head, dtype, rotary=True),
                    **paged_kernel_sources(32, 8, head, dtype, rotary_dim=head)}
+        if head == 256 and dtype != torch.bfloat16:  # over fp8 caches (bytes; per-KV-head scales), where shared
+            # memory is largest (head 256; fp16 and fp32 queries): the kernels that read them
+            fp8 = {**kernel_sources(32, 8, head, dtype, rotary=True, fp8_kv=True),
+                   **paged_kernel_sources(32, 8, head, dtype, rotary_dim=head, fp8_kv=True)}
+            kernels.update({name + " fp8": fp8[name] for name in FP8_KERNELS})
         for name, (fn, signature, constexprs, config) in kernels.items():
             row = block_d(head) * dtype.itemsize
             if (name, config) not in widest or row > widest[name, config][0]:
@@ -75,14 +85,14 @@ def test_stages_never_grow_as_tile_rows_widen():
 
 def test_every_kernel_fits_sm80_and_sm90_shared_memory_at_every_head_size():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"HEAD_SIZES = {HEAD_SIZES!r}\n" + CHILD
+    code = f"HEAD_SIZES = {HEAD_SIZES!r}\nFP8_KERNELS = {FP8_KERNELS!r}\n" + CHILD
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     kernels = {r["kernel"] for r in results}
     splits = {"attention_one_launch_split", "paged_attention_split", "paged_attention_one_launch_split"}
-    assert {"prefill", "decode_split", "attention_one_launch", "paged_attention",
-            "paged_attention_one_launch"} | splits <= kernels, kernels
+    fp8 = {name + " fp8" for name in FP8_KERNELS}
+    assert {"attention_one_launch", "paged_attention", "paged_attention_one_launch"} | splits | fp8 <= kernels, kernels
     over = [r for r in results if r["shared"] > (PLUGIN_LIMIT if r["kernel"].startswith("plugin")
                                                  else SHARED_LIMITS[r["capability"]])]
     assert not over, over
@@ -94,3 +104,42 @@ def test_every_kernel_fits_sm80_and_sm90_shared_memory_at_every_head_size():
                                                                               (90, 256, "torch.float32")}, results
     print("\n".join(f"{r['capability']} {r['kernel']} stages={r.get('stages', '-')} head={r['head']} {r['dtype']}: "
                     f"{r['shared']}" for r in results))
+
+
+PREFILL_CHILD = r"""
+import json
+import torch
+from llmc.plugins.gpu.configs import PREFILL_CONFIGS
+from llmc.plugins.gpu.prefill import compiled_shared, fitting_configs
+
+# shared memory grows with the head at a fixed configuration, and head 256 is where the lists meet the limits:
+# fp16 there on both generations, an fp8 cache on Hopper's list, and fp32 (which takes the last tile only)
+for capability, dtype, fp8 in ((80, torch.float16, False), (90, torch.float16, False), (90, torch.float16, True),
+                               (80, torch.float32, False), (90, torch.float32, False)):
+    kept = fitting_configs(capability, 256, dtype, fp8)
+    configs = PREFILL_CONFIGS[capability][-1:] if dtype == torch.float32 else PREFILL_CONFIGS[capability]
+    for config in configs:
+        print(json.dumps({"capability": capability, "dtype": str(dtype), "fp8": fp8,
+                          "config": list(config.__dict__.values()), "kept": config in kept,
+                          "shared": compiled_shared(capability, 256, dtype, fp8, config)}), flush=True)
+"""
+
+
+def test_prefill_configurations_are_pruned_by_the_shared_memory_they_compile_to():
+    """Each generation's prefill tiles (configs.PREFILL_CONFIGS) compiled for that target at head 256 (to PTX:
+    prefill.compiled_shared): fitting_configs keeps exactly those within the limit, keeps one at least in every
+    case (the last of each list), and drops Hopper's 128 x 128 (329,728 bytes at fp16)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", PREFILL_CHILD], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 3 * 4 + 2, results
+    for r in results:
+        assert r["kept"] == (r["shared"] <= SHARED_LIMITS[r["capability"]]), r
+    cases = {(r["capability"], r["dtype"], r["fp8"]) for r in results}
+    for case in cases:
+        assert [r for r in results if (r["capability"], r["dtype"], r["fp8"]) == case][-1]["kept"], case
+    assert [r["kept"] for r in results if r["capability"] == 90 and r["dtype"] == "torch.float16"
+            and not r["fp8"] and r["config"][:2] == [128, 128]] == [False]
+    print("\n".join(f"sm_{r['capability']} prefill {r['config']} head=256 {r['dtype']}{' fp8 KV' if r['fp8'] else ''}"
+                    f": {r['shared']}{'' if r['kept'] else ' (pruned)'}" for r in results))

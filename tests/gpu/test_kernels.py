@@ -1,6 +1,6 @@
-"""The OpenAI Triton attention kernels (plugins/gpu/kernels.py) against the op's reference semantics: on
-CPU under TRITON_INTERPRET=1, compiled to PTX for sm_80/sm_90 without a GPU, and on a GPU where one
-exists (marked `cuda`)."""
+"""The slot cache's OpenAI Triton attention kernel (plugins/gpu/one_launch.py, the whole op in one launch) against
+the op's reference semantics: on CPU under TRITON_INTERPRET=1, compiled to PTX for sm_80/sm_90 without a GPU, and
+on a GPU where one exists (marked `cuda`)."""
 
 import os
 import subprocess
@@ -15,7 +15,6 @@ import torch  # noqa: E402
 
 from helpers import all_pairs  # noqa: E402
 from llmc.plugins.op.attention import reference_attention  # noqa: E402
-from llmc.plugins.gpu.kernels import decode_splits, fused_attention  # noqa: E402
 from llmc.plugins.gpu.kernels_aot import PluginKernel, entry_params, one_launch_attention, trim_params  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -37,7 +36,7 @@ def _case(batch, new, heads, kv_heads, head_dim, capacity, positions, dtype, rot
     return q, k, v, kc, vc, torch.tensor(positions, dtype=torch.int64, device=device), cos, sin
 
 
-KERNELS = {"three launches": fused_attention, "one launch": one_launch_attention}
+KERNELS = {"one launch": one_launch_attention}
 # each interpreted case costs seconds: the sweeps over these take every pair of values (all_pairs), not the product
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 GQA = [(4, 4), (6, 2), (8, 1)]  # (heads, kv_heads): GQA ratios 1, 3, 8
@@ -52,7 +51,7 @@ def _compiled(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return run
 
 
-def _check(case, scale, kernel=fused_attention, features=(), **kwargs):
+def _check(case, scale, kernel=one_launch_attention, features=(), **kwargs):
     """features: (head_sink, softcap, local_window_size), the op's attention features."""
     q, k, v, kc, vc, pos, cos, sin = case
     ref_out, ref_k, ref_v = reference_attention(q, k, v, kc, vc, pos, scale, cos, sin, *features)
@@ -91,14 +90,13 @@ FEATURES = {  # (sinks, softcap, window, rotary_dim of head_dim 16)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_features_match_the_reference(feature, new, positions, kernel):
     """Sinks (spread over [-3, 5], from no share to most of a softmax), softcap, a window of 7 shorter than the
-    prompt and than the decode rows (three-launch decode over 4 key splits: the early ones fall outside it),
+    prompt and than the decode rows (decode over 4 key splits: the early ones fall outside it),
     partial rotary, all together; GQA 3:1, rows at different positions."""
     sinks, softcap, window, rotary_dim = FEATURES[feature]
     case = _case(len(positions), new, 6, 2, 16, 100, positions, torch.float32, rotary=True, seed=4,
                  rotary_dim=rotary_dim)
     head_sink = torch.rand(6, generator=torch.Generator().manual_seed(5)) * 8 - 3 if sinks else None
-    splits = {"splits": 4} if kernel == "three launches" and new == 1 else {}
-    _check(case, 0.3, KERNELS[kernel], (head_sink, softcap, window), **splits)
+    _check(case, 0.3, KERNELS[kernel], (head_sink, softcap, window), splits=4 if new == 1 else None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -130,15 +128,6 @@ def test_decode_steps_after_prefill_equal_one_prefill(kernel):
     torch.testing.assert_close(torch.cat(steps, 1), whole[:, 5:], atol=1e-5, rtol=1e-5)
 
 
-def test_split_count_fills_a_gpu_but_never_slices_below_a_key_block():
-    """The three-launch decode's count (one program per query head, slices of at least one 32-key block)."""
-    assert decode_splits(32, 32, 4096, min_keys=32) == 1  # already 1024 programs
-    assert decode_splits(1, 8, 4096, min_keys=32) == 32  # 8 x 32 = 256 programs
-    assert decode_splits(1, 8, 40, min_keys=32) == 1  # 40 keys: one block
-    assert all(decode_splits(b, 1, n, min_keys=32) & (decode_splits(b, 1, n, min_keys=32) - 1) == 0
-               for b in (1, 3, 9) for n in (1, 100, 5000))
-
-
 @pytest.mark.parametrize("capability", [80, 90])
 def test_kernels_compile_to_ptx_without_a_gpu(capability):
     code = (
@@ -159,8 +148,7 @@ def test_kernels_compile_to_ptx_without_a_gpu(capability):
         "print('ok', sorted(ptx))\n"
     )
     run = _compiled(code)
-    assert ("ok ['attention_one_launch', 'attention_one_launch_split', 'decode_reduce', 'decode_split', 'prefill', "
-            "'rope_write']") in run.stdout
+    assert "ok ['attention_one_launch', 'attention_one_launch_split']" in run.stdout
 
 
 def test_plugin_kernel_has_tensorrt_aot_calling_convention():
@@ -221,7 +209,6 @@ def test_kernels_on_the_gpu_match_the_reference():
     code = (  # a fresh process: this module put the kernels in interpreter mode
         "import torch\n"
         "from llmc.plugins.op.attention import reference_attention\n"
-        "from llmc.plugins.gpu.kernels import fused_attention\n"
         "from llmc.plugins.gpu.kernels_aot import one_launch_attention\n"
         "torch.manual_seed(0)\n"
         "for dtype in (torch.float16, torch.bfloat16):\n"
@@ -231,7 +218,7 @@ def test_kernels_on_the_gpu_match_the_reference():
         "        kc, vc = (torch.randn(2, 8, 4096, 128, device='cuda', dtype=dtype) for _ in range(2))\n"
         "        p = torch.tensor(pos, device='cuda')\n"
         "        ref = reference_attention(q, k, v, kc, vc, p, 128 ** -0.5)[0]\n"
-        "        for kernel, splits in ((fused_attention, {}), (one_launch_attention, {}),  # decode: 16 splits\n"
+        "        for kernel, splits in ((one_launch_attention, {}),  # decode: 16 splits\n"
         "                               (one_launch_attention, {'splits': 1}),\n"
         "                               (one_launch_attention, {'splits': 5})):\n"
         "            out = kernel(q, k, v, kc.clone(), vc.clone(), p, 128 ** -0.5, **splits)\n"

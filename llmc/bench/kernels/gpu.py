@@ -1,10 +1,15 @@
-"""GPU decode attention: llmc's slot and paged Triton kernels against torch SDPA, ratios from one run.
+"""GPU attention: llmc's slot and paged Triton kernels against torch SDPA, ratios from one run.
 
-    .venv/bin/python -m llmc.bench gpu-kernels [--batch 32] [--context 4096] [--heads 32] [--kv-heads 8]
-                                               [--head-dim 128] [--dtype fp16] [--passes 5]
+    .venv/bin/python -m llmc.bench gpu-kernels [--kind decode|prefill|all] [--batch 32] [--context 4096]
+                                               [--tokens 2048] [--cached 0] [--heads 32] [--kv-heads 8]
+                                               [--head-dim 128] [--dtype fp16|bf16] [--passes 5] [--sweep]
+                                               [--out FILE]
 
-One decode step (one new token per row, every row at `context - 1` cached tokens) of:
-  - llmc three launches (plugins/gpu/kernels.py: rope/cache write + split-KV decode + merge),
+`--kind prefill` (gpu_prefill.py): one causal prefill of `--tokens` after `--cached` tokens through the paged
+prefill kernel, fp16/bf16 and fp8 KV, in TFLOP/s against SDPA; `--sweep` there runs 2k/8k/32k fresh and a 2k
+chunk after 2k/8k/32k cached, at head_dim 128 and 256.
+
+Decode (the default kind): one decode step (one new token per row, every row at `context - 1` cached tokens) of:
   - llmc one launch (plugins/gpu/one_launch.py: the TensorRT plugin's kernel),
   - llmc paged, two launches (plugins/gpu/paged_kernels.py: block write + attention) and one launch
     (plugins/gpu/paged_kernels_aot.py), over the same cache laid out as blocks of `--block-size`
@@ -12,6 +17,8 @@ One decode step (one new token per row, every row at `context - 1` cached tokens
   - the one-launch and paged kernels each twice: without key splits (what the TensorRT plugin compiles) and
     with the split-KV count their PyTorch launch picks from the shapes and the GPU's SMs
     (configs.decode_splits; `--splits N` forces N), merged in the same launch (plugins/gpu/split_kv.py),
+  - the split forms again over an fp8 (e4m3) cache with per-KV-head scales (plugins/gpu/fp8.py), whose rows give
+    their speed against the same kernel's over the fp16/bf16 cache (`vs_16bit`; their TB/s count fp8 bytes),
   - torch SDPA over the same cache (`enable_gqa`; the new token already written, so SDPA does
     less work than the kernels, which also write the cache).
 Each is timed with CUDA events (median of `--passes` x 50 steps after warm-up); the achieved memory
@@ -26,6 +33,7 @@ import argparse
 from pathlib import Path
 
 from llmc.bench.harness import UsageError, median, write_json
+from llmc.bench.kernels.gpu_prefill import PREFILL_SWEEP, measure_prefill, peak_tflops
 
 
 def _time(fn, torch, passes: int, steps: int = 50) -> float:
@@ -44,8 +52,11 @@ def _time(fn, torch, passes: int, steps: int = 50) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kind", choices=("decode", "prefill", "all"), default="decode")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=2048, help="prefill: the prompt (or chunk) length")
+    p.add_argument("--cached", type=int, default=0, help="prefill: tokens already in the cache")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -53,8 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--splits", type=int, default=None, help="key splits of the split forms (default: their own)")
-    p.add_argument("--sweep", action="store_true", help="issue 55's shapes: batch x context 32 x 4k, 8 x 32k, "
-                   "64 x 8k and 1 x 128k, each at head_dim 128 and 256 (--batch, --context, --head-dim ignored)")
+    p.add_argument("--sweep", action="store_true", help="issue 55's shapes: decode batch x context 32 x 4k, 8 x "
+                   "32k, 64 x 8k and 1 x 128k; prefill 2k/8k/32k fresh and a 2k chunk after 2k/8k/32k cached; each "
+                   "at head_dim 128 and 256 (--batch, --context, --tokens, --cached, --head-dim ignored)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here too")
 
 
@@ -67,11 +79,24 @@ def run(args: argparse.Namespace) -> None:
 
     if not torch.cuda.is_available():
         raise UsageError("needs an NVIDIA GPU (CUDA); none is visible here")
-    shapes = SWEEP if args.sweep else [(args.batch, args.context, args.head_dim)]
-    results = [measure(args, b, c, d) for b, c, d in shapes]
+    decode, prefill = plan(args)
+    results = [measure(args, b, c, d) for b, c, d in decode]
+    prefills = [measure_prefill(args, t, c, d, _time) for t, c, d in prefill]
     if args.out:
-        device = torch.cuda.get_device_name()
-        write_json(args.out, {"device": device, "peak_tb_s": peak_bandwidth(device), "runs": results})
+        write_json(args.out, report(torch.cuda.get_device_name(), args, results, prefills))
+
+
+def plan(args: argparse.Namespace) -> tuple[list, list]:
+    """The decode shapes (batch, context, head_dim) and prefill shapes (tokens, cached, head_dim) to run."""
+    decode = SWEEP if args.sweep else [(args.batch, args.context, args.head_dim)]
+    prefill = PREFILL_SWEEP if args.sweep else [(args.tokens, args.cached, args.head_dim)]
+    return (decode if args.kind in ("decode", "all") else [], prefill if args.kind in ("prefill", "all") else [])
+
+
+def report(device: str, args: argparse.Namespace, runs: list[dict], prefill: list[dict]) -> dict:
+    """The JSON `--out` writes: the GPU and its data-sheet peaks, the decode runs and the prefill runs."""
+    return {"device": device, "peak_tb_s": peak_bandwidth(device), "peak_tflops": peak_tflops(device),
+            "dtype": args.dtype, "kind": args.kind, "runs": runs, "prefill": prefill}
 
 
 def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
@@ -79,7 +104,6 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
     import torch
 
     from llmc.plugins.op.attention import reference_attention
-    from llmc.plugins.gpu.kernels import fused_attention
     from llmc.plugins.gpu.configs import BLOCK_M, SPLIT_KEYS, decode_splits
     from llmc.plugins.gpu.one_launch import one_launch_attention
     from llmc.plugins.gpu.paged_kernels import paged_attention
@@ -102,8 +126,7 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
     slot_splits = args.splits or decode_splits(b * -(-group // BLOCK_M), kvh, c, sms)
     paged_splits = args.splits or decode_splits(-(-b * group // BLOCK_M) + b, kvh, c, sms)
     print(f"key splits (min {SPLIT_KEYS} keys each, {sms} SMs): slot {slot_splits}, paged {paged_splits}")
-    kernels = {"llmc three launches": lambda: fused_attention(q, k, v, kc, vc, pos, scale),
-               "llmc one launch": lambda: one_launch_attention(q, k, v, kc, vc, pos, scale, splits=1),
+    kernels = {"llmc one launch": lambda: one_launch_attention(q, k, v, kc, vc, pos, scale, splits=1),
                f"llmc one launch, {slot_splits} splits": lambda: one_launch_attention(q, k, v, kc, vc, pos, scale,
                                                                                       splits=slot_splits)}
     # the same cache as block pools: row r's position t lives in block table[r, t // bs] at offset t % bs
@@ -130,9 +153,26 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
         kernels[name] = (lambda kernel=kernel, splits=splits: kernel(
             **flat, key_cache=kp, value_cache=vp, cumulative_sequence_length=cu, past_seqlens=past, block_table=table,
             num_heads=h, kv_num_heads=kvh, scale=scale, splits=splits)[0].view(b, 1, h, d))
+    # the same caches in fp8 (e4m3) with one scale per KV head: the split forms, against their 16-bit rows
+    scales = torch.full((kvh,), 1 / 64, device="cuda")  # randn / (1/64) stays within e4m3's 448
+    kc8, vc8 = ((t.float() / scales.view(1, -1, 1, 1)).to(torch.float8_e4m3fn) for t in (kc, vc))  # [B, KVH, C, D]
+    kp8, vp8 = ((t.float() / scales.view(1, 1, -1, 1)).to(torch.float8_e4m3fn) for t in (kp, vp))  # [N, bs, KVH, D]
+    ref8 = reference_attention(q, k, v, kc8.clone(), vc8.clone(), pos, scale, k_scale=scales, v_scale=scales)[0].float()
+    fp8 = {f"llmc one launch, {slot_splits} splits, fp8 KV": (f"llmc one launch, {slot_splits} splits", lambda:
+           one_launch_attention(q, k, v, kc8, vc8, pos, scale, splits=slot_splits, k_scale=scales, v_scale=scales))}
+    for name, kernel in ((f"llmc paged two launches, {paged_splits} splits", paged_attention),
+                         (f"llmc paged one launch, {paged_splits} splits", paged_attention_one_launch)):
+        fp8[name + ", fp8 KV"] = (name, lambda kernel=kernel: kernel(
+            **flat, key_cache=kp8, value_cache=vp8, cumulative_sequence_length=cu, past_seqlens=past,
+            block_table=table, num_heads=h, kv_num_heads=kvh, scale=scale, splits=paged_splits, k_scale=scales,
+            v_scale=scales)[0].view(b, 1, h, d))
     for name, run in kernels.items():
         err = (run().float() - ref).abs().max().item()
         print(f"{name}: max |error| vs reference {err:.2e}")
+    for name, (_, run) in fp8.items():
+        err = (run().float() - ref8).abs().max().item()
+        print(f"{name}: max |error| vs reference over the same fp8 cache {err:.2e}")
+    kernels.update({name: run for name, (_, run) in fp8.items()})
     qs = q.transpose(1, 2)  # [B, H, 1, D]; SDPA over the full cache, GQA read once per KV head
 
     def sdpa():
@@ -143,7 +183,9 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
         timings[name] = _time(run, torch, args.passes)
     kv_bytes = 2 * b * kvh * c * d * q.element_size()
     device = torch.cuda.get_device_name()
-    rows = summarize(timings, kv_bytes, device)
+    rows = summarize(timings, kv_bytes, device, {name: kv_bytes // q.element_size() for name in fp8})
+    for name, (same, _) in fp8.items():
+        rows[name]["vs_16bit"] = rows[same]["ms"] / rows[name]["ms"]
     print(f"\ndecode step, batch {b}, context {c}, heads {h}/{kvh}, head_dim {d}, {args.dtype} on {device}")
     print(f"{'kernel':36} {'ms/step':>8} {'TB/s (KV read)':>15} {'of peak':>8} {'vs SDPA':>8}")
     for name, row in rows.items():
@@ -167,13 +209,15 @@ def peak_bandwidth(device: str) -> float | None:
     return PEAK_TB_S[max(found, key=len)] if found else None
 
 
-def summarize(timings: dict[str, float], kv_bytes: int, device: str) -> dict[str, dict]:
-    """Each kernel's ms a step, the KV bytes a step must read over that time (TB/s), its share of the GPU's peak
-    bandwidth (None for an unknown GPU) and its speed against torch SDPA's from the same run."""
+def summarize(timings: dict[str, float], kv_bytes: int, device: str,
+              bytes_by_name: dict[str, int] | None = None) -> dict[str, dict]:
+    """Each kernel's ms a step, the KV bytes a step must read over that time (TB/s; `bytes_by_name` for kernels
+    reading other than `kv_bytes`: an fp8 cache), its share of the GPU's peak bandwidth (None for an unknown GPU)
+    and its speed against torch SDPA's from the same run."""
     peak = peak_bandwidth(device)
     sdpa = timings["torch SDPA"]
     out = {}
     for name, ms in timings.items():
-        tb_s = kv_bytes / (ms * 1e-3) / 1e12
+        tb_s = (bytes_by_name or {}).get(name, kv_bytes) / (ms * 1e-3) / 1e12
         out[name] = {"ms": ms, "tb_s": tb_s, "peak_share": tb_s / peak if peak else None, "vs_sdpa": sdpa / ms}
     return out

@@ -1,0 +1,122 @@
+"""FP8 (e4m3) KV caches in the attention kernels: a cache entry is stored as fp8(x / scale) and read back as
+float(stored) * scale, with one scale per KV head for keys and one for values (`k_scale`, `v_scale`: fp32 [KVH]),
+as TensorRT-LLM and vLLM keep an fp8 KV cache. The format is e4m3 with no infinities (OCP "e4m3fn",
+`torch.float8_e4m3fn`): largest finite 448, values past it saturate to +-448, rounding to nearest even. The
+reference (plugins/op/attention.py `_encode` / `_decode`) defines the same.
+
+Written by hand, because no library does it for every GPU these kernels compile for: Triton refuses its own
+e4m3 type (`fp8e4nv`) below capability 89 ("type fp8e4nv not supported in this architecture"), so an A100
+(sm_80) cannot compile a kernel that converts to or from it, and the interpreter's fp32 -> fp8 conversion drops
+the carry of a rounding that overflows the mantissa. So the kernels see an fp8 cache as bytes (the PyTorch
+launches pass `cache.view(torch.uint8)`, the ahead-of-time compiles a `*u8` pointer), and convert with the
+integer operations below: the same bits on sm_80, sm_90 and the interpreter, equal to PyTorch's cast
+(tests/gpu/test_fp8_kv.py checks every code and the rounding ties).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@triton.jit
+def fp8_encode(x):
+    """fp32 -> e4m3fn byte (uint8), to nearest even, saturating at +-448. Normal results (|x| >= 2^-6): the fp32
+    bit pattern's mantissa rounded to 3 bits by adding half an ulp less one plus the kept lowest bit (a carry
+    moves into the exponent, as it should), then the exponent rebiased from 127 to 7. Subnormal results: |x| in
+    multiples of 2^-9, rounded to nearest even by the fp32 adder (adding then subtracting 2^23)."""
+    sign = ((x.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint32)
+    a = tl.minimum(tl.abs(x), 448.0)
+    bits = a.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - 960  # 960 = (127 - 7) << 3
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
+    return (tl.where(a < 0.015625, sub, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def fp8_decode(code):
+    """e4m3fn byte (uint8) -> fp32, exactly: its bits moved into an fp16's (sign, exponent and mantissa shifted
+    by 7; subnormals land on fp16 subnormals), whose exponent bias (15) is 8 more than e4m3's (7): times 2^8."""
+    c = code.to(tl.uint16)
+    half = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
+    return half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def bf16_rounded(x):
+    """fp32 `x` rounded to bfloat16 (to nearest even) and kept in fp32: what `.to(tl.bfloat16)` does on a GPU, by
+    hand for the interpreter's bf16 paths (UPCAST), whose cast truncates instead."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def in_type(x, ptr, UPCAST: tl.constexpr):
+    """fp32 `x` rounded to the element type of `ptr` and back to fp32 (bfloat16 under UPCAST, by hand)."""
+    if UPCAST:  # (one return after the branches: Triton types every return of a function alike)
+        y = bf16_rounded(x)
+    else:
+        y = x.to(ptr.dtype.element_ty).to(tl.float32)
+    return y
+
+
+@triton.jit
+def load_kv(ptr, offsets, mask, scale, FP8_KV: tl.constexpr):
+    """Cache entries at `offsets` as fp32: with FP8_KV, e4m3 bytes times the head's `scale`."""
+    if FP8_KV:
+        x = fp8_decode(tl.load(ptr + offsets, mask=mask, other=0)) * scale
+    else:
+        x = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def store_kv(ptr, offsets, x, mask, scale, FP8_KV: tl.constexpr):
+    """`x` into the cache at `offsets`: the cache's type, or with FP8_KV e4m3 bytes of x / scale (an IEEE
+    division, as the reference's: an approximate one would move ties)."""
+    if FP8_KV:
+        tl.store(ptr + offsets, fp8_encode(tl.div_rn(x.to(tl.float32), scale)), mask=mask)
+    else:
+        tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def as_stored(x, ptr, scale, FP8_KV: tl.constexpr):
+    """`x` (fp32) as the cache will hold it, read back: what a later step reads of it (the one-launch kernels
+    attend to the new keys from their inputs, so they round them like the cache first)."""
+    if FP8_KV:
+        y = fp8_decode(fp8_encode(tl.div_rn(x, scale))) * scale
+    else:
+        y = x.to(ptr.dtype.element_ty).to(tl.float32)
+    return y
+
+
+@triton.jit
+def head_scale(scale_ptr, head, FP8_KV: tl.constexpr):
+    """The fp8 scale of KV head(s) `head` (1.0 without FP8_KV: the placeholder pointer is never read)."""
+    if FP8_KV:
+        scale = tl.load(scale_ptr + head)
+    else:
+        scale = 1.0
+    return scale
+
+
+def kv_view(cache: torch.Tensor) -> torch.Tensor:
+    """A cache as the kernels take it: an fp8 one as its bytes (see the module's note), others as they are."""
+    return cache.view(torch.uint8) if cache.dtype == FP8 else cache
+
+
+def kv_scales(cache: torch.Tensor, k_scale, v_scale, kv_heads: int, placeholder):
+    """(FP8_KV, k_scale, v_scale) for a launch: fp32 [KVH] scales for an fp8 cache (required), placeholders the
+    kernel never reads otherwise."""
+    if cache.dtype != FP8:
+        assert k_scale is None and v_scale is None, "k_scale / v_scale are for an fp8 (float8_e4m3fn) cache"
+        return False, placeholder, placeholder
+    assert k_scale is not None and v_scale is not None, "an fp8 KV cache needs k_scale and v_scale ([kv_heads])"
+    scales = [s.to(device=cache.device, dtype=torch.float32).reshape(-1).contiguous() for s in (k_scale, v_scale)]
+    assert all(s.numel() == kv_heads for s in scales), f"k_scale / v_scale are one per KV head ({kv_heads})"
+    return True, *scales
