@@ -87,6 +87,8 @@ def checkpoint(root: Path, fields: dict, name: str) -> Path:
         (partial / f"model-{i:05d}.safetensors").rename(partial / final)
         weight_map.update({n: final for n in names})
     (partial / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg.architectures = [type(skeleton).__name__]  # as a published config.json names it (llama.cpp's converter
+    # reads the architecture from it; a model's save_pretrained writes it, a config's alone does not)
     cfg.save_pretrained(partial)
     (partial / "tokenizer.json").write_text(json.dumps(grown_tokenizer(cfg.vocab_size)))
     for file in ("tokenizer_config.json", "chat_template.jinja"):
