@@ -128,6 +128,8 @@ def llama_cpp_missing() -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return ("llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp from its sdist; "
                 "its converter, convert_hf_to_gguf.py, is in the sdist's vendor/llama.cpp)")
+    if importlib.util.find_spec("diskcache") is None:  # llama_cpp imports it, and its sdist does not install it
+        return "llama-cpp-python needs diskcache, which its sdist does not install (pip install diskcache)"
     if not os.environ.get("LLAMA_CPP_CONVERT"):
         return "LLAMA_CPP_CONVERT is not set to the sdist's vendor/llama.cpp/convert_hf_to_gguf.py"
     return None
