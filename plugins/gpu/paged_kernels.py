@@ -34,6 +34,8 @@ fp16, bf16 and fp32; accumulation in fp32. Runs on CPU under `TRITON_INTERPRET=1
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import triton
 import triton.language as tl
@@ -243,15 +245,12 @@ def split_buffers(query, grid_x: int, kv_num_heads: int, context: int, head_size
     return splits, *split_workspace(query.device, grid_x * kv_num_heads, splits, BLOCK_M, head_size)
 
 
-def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
-                    num_heads: int, kv_num_heads: int, scale: float = 0.0, cos_cache=None, sin_cache=None, *,
-                    slot_mapping=None, rotary_interleaved: bool = False, softcap: float = 0.0,
-                    local_window_size: int = -1, is_causal: bool = True, head_sink=None, splits: int | None = None,
-                    k_scale=None, v_scale=None):
-    """`reference_paged_attention` on the GPU kernels: the new keys and values written into the caches
-    (in place), then attention; returns (output [T, H*D], key_cache, value_cache). `splits`: ways to split
-    each program's keys (default: from the shapes and the GPU, split_buffers; 1: none). fp8 (float8_e4m3fn)
-    caches take `k_scale` / `v_scale`, fp32 [KVH] (fp8.py)."""
+def write_new_kv(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
+                 num_heads, kv_num_heads, scale, cos_cache, sin_cache, slot_mapping, rotary_interleaved, softcap,
+                 local_window_size, is_causal, head_sink, k_scale, v_scale) -> SimpleNamespace:
+    """What a paged call (paged_attention, prefill.paged_prefill) prepares before attention, its new keys and values
+    written into the caches (in place) by `_paged_write`: the split query, key and value, the kernels' options, the
+    int32 row tensors, the block scalars, rotary tables, fp8 scales and the caches' views."""
     query, key, value = split_packed(query, key, value, num_heads, kv_num_heads)
     assert key_cache.is_contiguous() and value_cache.is_contiguous(), "contiguous caches expected"
     options = kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, rotary_interleaved,
@@ -268,13 +267,31 @@ def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequen
                                 kv_num_heads, options["D"], options["HALF"], triton.next_power_of_2(kv_num_heads),
                                 options["BLOCK_D"], options["ROTARY"], options["INTERLEAVED"], slot_mapping is not None,
                                 fp8)
+    return SimpleNamespace(query=query, key=key, value=value, options=options, cu=cu, past=past, table=table,
+                           tokens=tokens, rows=rows, block_size=block_size, scalars=scalars, cos=cos, sin=sin,
+                           k_scale=k_scale, v_scale=v_scale, kc=kc, vc=vc)
+
+
+def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
+                    num_heads: int, kv_num_heads: int, scale: float = 0.0, cos_cache=None, sin_cache=None, *,
+                    slot_mapping=None, rotary_interleaved: bool = False, softcap: float = 0.0,
+                    local_window_size: int = -1, is_causal: bool = True, head_sink=None, splits: int | None = None,
+                    k_scale=None, v_scale=None):
+    """`reference_paged_attention` on the GPU kernels: the new keys and values written into the caches
+    (in place), then attention; returns (output [T, H*D], key_cache, value_cache). `splits`: ways to split
+    each program's keys (default: from the shapes and the GPU, split_buffers; 1: none). fp8 (float8_e4m3fn)
+    caches take `k_scale` / `v_scale`, fp32 [KVH] (fp8.py)."""
+    w = write_new_kv(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
+                     num_heads, kv_num_heads, scale, cos_cache, sin_cache, slot_mapping, rotary_interleaved, softcap,
+                     local_window_size, is_causal, head_sink, k_scale, v_scale)
+    query, options, tokens, rows = w.query, w.options, w.tokens, w.rows
     out = torch.empty_like(query)
     if tokens:
         grid_x = attention_grid(tokens, rows, num_heads, kv_num_heads)[0]
-        options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads, table.shape[1] * block_size,
-                                                          options["D"], splits)
+        options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads,
+                                                          w.table.shape[1] * w.block_size, options["D"], splits)
         _paged_attention[attention_grid(tokens, rows, num_heads, kv_num_heads, splits=options["SPLITS"])](
-            query, key, value, kc, vc, cu, past, table, cos, sin, sinks(head_sink, num_heads, query),
-            *scalars, out, kc, vc, part, counters, k_scale, v_scale, FRESH=False, **options,
+            query, w.key, w.value, w.kc, w.vc, w.cu, w.past, w.table, w.cos, w.sin, sinks(head_sink, num_heads, query),
+            *w.scalars, out, w.kc, w.vc, part, counters, w.k_scale, w.v_scale, FRESH=False, **options,
             **attention_config(options["D"], query.element_size(), fresh=False).launch())
     return out, key_cache, value_cache

@@ -34,10 +34,9 @@ import triton
 import triton.language as tl
 
 from llmc.plugins.gpu.configs import PREFILL_CONFIGS, SHARED_LIMITS, KernelConfig, generation
-from llmc.plugins.gpu.fp8 import head_scale, kv_scales, kv_view, load_kv
+from llmc.plugins.gpu.fp8 import head_scale, load_kv
 from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
-from llmc.plugins.gpu.paged_kernels import (_paged_write, find_row, int32, kernel_options, sinks, slot_of,
-                                            split_packed)
+from llmc.plugins.gpu.paged_kernels import find_row, kernel_options, sinks, slot_of, write_new_kv
 
 
 @triton.jit
@@ -238,26 +237,16 @@ def paged_prefill(query, key, value, key_cache, value_cache, cumulative_sequence
     values written into the blocks (in place), then FlashAttention-2 tiles over them; returns (output [T, H*D],
     key_cache, value_cache). `config`: the tiles (default: autotuned on a GPU, configs.PREFILL_CONFIGS[90][0]'s
     128 x 128 under the interpreter)."""
-    query, key, value = split_packed(query, key, value, num_heads, kv_num_heads)
-    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "contiguous caches expected"
-    options = kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, rotary_interleaved,
-                             softcap, local_window_size, is_causal, head_sink)
-    cu, past, table = int32(cumulative_sequence_length, past_seqlens, block_table)
-    tokens, rows, num_blocks, block_size = query.shape[0], past.shape[0], key_cache.shape[0], key_cache.shape[1]
-    scalars = (rows, table.shape[1], num_blocks, block_size)
-    cos, sin = (cos_cache.contiguous(), sin_cache.contiguous()) if cos_cache is not None else (query, query)
-    slots = slot_mapping.to(torch.int64).contiguous() if slot_mapping is not None else cu
-    fp8, k_scale, v_scale = kv_scales(key_cache, k_scale, v_scale, kv_num_heads, query)
-    kc, vc = kv_view(key_cache), kv_view(value_cache)
+    w = write_new_kv(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
+                     num_heads, kv_num_heads, scale, cos_cache, sin_cache, slot_mapping, rotary_interleaved, softcap,
+                     local_window_size, is_causal, head_sink, k_scale, v_scale)
+    query, options, tokens, rows = w.query, w.options, w.tokens, w.rows
     out = torch.empty_like(query)
     if not tokens:
         return out, key_cache, value_cache
-    _paged_write[(tokens,)](key, value, kc, vc, cu, past, table, slots, cos, sin, *scalars, k_scale, v_scale,
-                            kv_num_heads, options["D"], options["HALF"], triton.next_power_of_2(kv_num_heads),
-                            options["BLOCK_D"], options["ROTARY"], options["INTERLEAVED"], slot_mapping is not None, fp8)
     constexprs = {n: v for n, v in options.items() if n in _paged_prefill.arg_names and n not in ("BLOCK_M", "BLOCK_N")}
-    args = (query, kc, vc, cu, past, table, cos, sin, sinks(head_sink, num_heads, query), k_scale, v_scale, out,
-            *scalars)
+    args = (query, w.kc, w.vc, w.cu, w.past, w.table, w.cos, w.sin, sinks(head_sink, num_heads, query), w.k_scale,
+            w.v_scale, out, *w.scalars)
     if config is None and query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         _TUNED[lambda meta: prefill_grid(tokens, rows, num_heads, meta["BLOCK_M"])](*args, **constexprs)
     else:
