@@ -24,6 +24,10 @@ from llmc.triton_server import TritonServer, assemble, free_port
 from s3_server import CREDENTIALS, bucket_server
 
 pytestmark = pytest.mark.triton
+# Traffic kept in flight through a deploy: two streaming clients a replica, half a second between a client's
+# requests. With 0.1 s (four clients saturating the 2 cores) each replica's load took 17 s instead of 6 and the
+# deploy 40 s; with 0.5 s it takes 20 s and each replica still completes ~80 requests during it.
+DEPLOY_LOAD = {"workers": 2, "max_tokens": 16, "pause": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +97,7 @@ def test_deploy_v2_under_streaming_load_on_every_replica(tiny_build, cluster):
     assert (first.version, first.previous, first.replicas) == (1, None, tuple(urls))
     assert _served_versions(servers) == [["1"]] * 2
 
-    loads = [BackgroundLoad(u, workers=2, max_tokens=16, pause=0.1) for u in urls]
+    loads = [BackgroundLoad(u, **DEPLOY_LOAD) for u in urls]
     for load in loads:
         load.__enter__()
     try:
@@ -125,7 +129,7 @@ def test_a_load_failing_on_one_replica_rolls_every_replica_back(tiny_build, clus
     model_py.write_text(  # fails only in the second replica's stubs (their parent is that server)
         f"import os\nif os.getppid() == {servers[1].process.pid}:\n"
         "    raise RuntimeError('injected load failure on this replica')\n" + model_py.read_text())
-    with BackgroundLoad([s.grpc_url for s in servers], workers=2, max_tokens=16, pause=0.1) as load:
+    with BackgroundLoad([s.grpc_url for s in servers], **DEPLOY_LOAD) as load:
         with pytest.raises(DeployError) as failed:
             deploy(broken, url, [s.grpc_url for s in servers], timeout=60)
         after = time.monotonic()
