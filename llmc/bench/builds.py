@@ -173,24 +173,31 @@ def timed_build(cmd: list[str], log: Path) -> tuple[float, int, int]:
     return wall, peak, anonymous
 
 
-def sized_build(checkpoint: Path, mode: str, root: Path) -> dict:
-    """An llmc build of `checkpoint` in `mode` (made once): its version folder, build time, peak memory
-    and the dry run's estimate of that memory."""
-    out = root / f"llmc-{mode}"
-    spec = root / f"llmc-{mode}.yaml"
-    root.mkdir(parents=True, exist_ok=True)
+def sized_spec(checkpoint: Path, mode: str, block: int | None = None) -> str:
+    """The spec (YAML) sized_build builds `checkpoint` with in `mode`, int4 and int8 in blocks of `block`."""
     lines = [f"name: {checkpoint.name}-{mode}", f"source: {checkpoint}", "target: onnxruntime", "precision: fp32",
              "limits:", f"  max_batch_size: {STREAM_ROWS}"]
     if LLMC_MODE[mode]:
-        lines += ["quantization:", f"  mode: {LLMC_MODE[mode]}"]
-    spec.write_text("\n".join(lines) + "\n")
-    record = root / f"llmc-{mode}.json"
+        lines += ["quantization:", f"  mode: {LLMC_MODE[mode]}"] + ([f"  block_size: {block}"] if block else [])
+    return "\n".join(lines) + "\n"
+
+
+def sized_build(checkpoint: Path, mode: str, root: Path, block: int | None = None) -> dict:
+    """An llmc build of `checkpoint` in `mode` (made once): its version folder, build time, peak memory
+    and the dry run's estimate of that memory. `block`: the weight-only modes' `quantization.block_size` (unset:
+    the mode's default), in the build's name when set."""
+    name = f"llmc-{mode}" + (f"-b{block}" if block else "")
+    out = root / name
+    spec = root / f"{name}.yaml"
+    root.mkdir(parents=True, exist_ok=True)
+    spec.write_text(sized_spec(checkpoint, mode, block))
+    record = root / f"{name}.json"
     if not record.is_file():
         from llmc.compiler import load_spec, plan_build
 
         llmc = [sys.executable, "-m", "llmc.cli"]
         estimate = plan_build(load_spec(spec)).build_peak_bytes  # what `llmc build --dry-run` says
-        wall, peak, anonymous = timed_build([*llmc, "build", str(spec), "-o", str(out)], root / f"llmc-{mode}.log")
+        wall, peak, anonymous = timed_build([*llmc, "build", str(spec), "-o", str(out)], root / f"{name}.log")
         record.write_text(json.dumps({"build_s": wall, "peak_bytes": peak, "peak_anonymous_bytes": anonymous,
                                       "estimate_bytes": estimate}))
     return {**json.loads(record.read_text()), "version": next((out / "model_repository").glob("*/[0-9]*"))}

@@ -102,3 +102,44 @@ def test_the_gpu_kernels_figures_are_bandwidth_shares_and_ratios_from_one_run():
     assert rows["torch SDPA"]["peak_share"] == pytest.approx(rows["torch SDPA"]["tb_s"] / 4.8)
     assert rows["llmc paged one launch"]["vs_sdpa"] == pytest.approx(0.5)
     assert summarize({"torch SDPA": 1.0}, kv, "a GPU nobody listed")["torch SDPA"]["peak_share"] is None
+
+
+def test_a_sized_build_names_its_block_size_in_the_spec(tmp_path):
+    """sizes --int4-block: llmc's int4 build is made with that quantization.block_size; unset, the mode's default."""
+    import yaml
+
+    from llmc.bench.builds import sized_spec
+    from llmc.compiler.spec import parse_spec
+
+    def quantization(mode, block=None):
+        return parse_spec(yaml.safe_load(sized_spec(tmp_path / "ckpt", mode, block))).quantization
+
+    assert quantization("int4", 128).block == 128 and quantization("int4").block == 32
+    assert quantization("int8", 64).block == 64 and not quantization("fp32").weight_only
+
+
+def test_a_streamed_build_from_a_gguf_names_what_is_missing(monkeypatch, tmp_path):
+    """streamed --gguf converts with llama.cpp: where it cannot, the run stops naming why, before any build."""
+    from llmc.bench.sizes import streamed
+
+    monkeypatch.setattr(peers, "llama_cpp_missing", lambda: "llama-cpp-python is not installed")
+    with pytest.raises(SystemExit, match="--gguf q8_0: llama-cpp-python is not installed"):
+        streamed.gguf_source(tmp_path / "ckpt", "q8_0")
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_streamed_build_reads_a_gguf_llama_cpp_wrote(monkeypatch, capsys, tmp_path):
+    """streamed --gguf q8_0 on a tiny width: the checkpoint converted by llama.cpp's own converter, then built
+    reading its layers from the GGUF (dequantized a tensor at a time) and verified against the GGUF's model."""
+    from llmc.bench.__main__ import main as bench_main
+
+    if missing := peers.llama_cpp_missing():
+        pytest.skip(f"llama.cpp: {missing}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    bench_main(["streamed", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--loads", "layers",
+                "--gguf", "q8_0", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "streamed.json").read_text())
+    build = result["builds"]["2"]["layers"]
+    assert result["gguf"] == "q8_0" and build["verify"]["passed"] and build["peak_gib"] > 0
+    assert (tmp_path / "checkpoints" / "llama-h64-i128-v49152-l2-gguf" / "llama-cpp-int8.gguf").is_file()
+    assert "2 layers, load layers" in capsys.readouterr().out

@@ -2,8 +2,8 @@
 checkpoints with the exact shapes of real models, every ratio measured within one run:
 
     .venv/bin/python -m llmc.bench sizes [--shapes qwen2.5-0.5b,llama-3.2-1b | --checkpoint DIR]
-        [--modes fp32,int8,int4] [--peers genai,llama.cpp] [--passes 3] [--threads 2] [--new-tokens 32]
-        [--prefill-tokens 512] [--streams 16] [--out build/bench/sizes]
+        [--modes fp32,int8,int4] [--peers genai,llama.cpp] [--int4-block 128] [--passes 3] [--threads 2]
+        [--new-tokens 32] [--prefill-tokens 512] [--streams 16] [--out build/bench/sizes]
 
 Random weights read and multiply as fast as trained ones, and need no download: the checkpoint is the
 model's config (checkpoints.py's SHAPES: hidden size, layers, heads, vocabulary, tied embeddings, RoPE)
@@ -11,7 +11,8 @@ with seeded random weights and SmolLM2's tokenizer grown to the model's vocabula
 past its own 49,152), written once under OUT/checkpoints/. `--checkpoint DIR` measures any checkpoint instead.
 
 For each shape and mode (fp32, int8 and int4 weight-only) it builds (builds.py and peers.py):
-  - llmc: `llmc build` of a spec with the mode (AWQ, searched codes and the quality report included);
+  - llmc: `llmc build` of a spec with the mode (AWQ, searched codes and the quality report included); int4 in
+    blocks of `--int4-block` weights a scale when given (AWQ's own default is 128; llmc's int4 default, 32);
   - onnxruntime-genai: its model builder at the same precision (round to nearest, blocks of 32);
   - llama.cpp (F32, Q8_0, Q4_0): only where `llama_cpp` (llama-cpp-python) and its converter are
     installed; where they are not, the run says why (on stderr and in sizes.json). It generates in a
@@ -43,7 +44,7 @@ import time
 from pathlib import Path
 
 from llmc.bench import checkpoints
-from llmc.bench.builds import BENCH, MODES, STREAM_ROWS
+from llmc.bench.builds import BENCH, MODES, STREAM_ROWS, sized_build
 from llmc.bench.harness import UsageError, in_turn, median, median_ratio, prompt_for, write_json
 from llmc.bench.peers import PEERS
 
@@ -102,6 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a checkpoint folder to measure instead of the shapes (repeatable)")
     p.add_argument("--peers", default="genai,llama.cpp", help="comma-separated: genai, llama.cpp, or none")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: fp32, int8, int4")
+    p.add_argument("--int4-block", type=int, choices=(16, 32, 64, 128, 256), default=None,
+                   help="llmc's int4 builds with this quantization.block_size (default: the mode's, 32)")
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -132,7 +135,8 @@ def run(args: argparse.Namespace) -> None:
     if no_llama_cpp:
         print(f"llama.cpp: not measured: {no_llama_cpp}", file=sys.stderr)
     engines = ["llmc", *(["genai"] if "genai" in peers else []), *([] if no_llama_cpp else ["llama.cpp"])]
-    results = {"threads": args.threads, "llama_cpp": no_llama_cpp or "measured", "shapes": {}}
+    results = {"threads": args.threads, "llama_cpp": no_llama_cpp or "measured", "int4_block": args.int4_block,
+               "shapes": {}}
     checkpoint_dirs = {c.name: c for c in args.checkpoint} or {
         shape: checkpoints.checkpoint(shape, args.out / "checkpoints") for shape in shapes}
     for shape, checkpoint in checkpoint_dirs.items():
@@ -141,7 +145,10 @@ def run(args: argparse.Namespace) -> None:
         for mode in modes:
             print(f"{shape} {mode}: building ...", file=sys.stderr)
             for engine in engines:
-                builds[(engine, mode)] = PEERS[engine].build(checkpoint, mode, root, args.threads)
+                if engine == "llmc" and mode == "int4" and args.int4_block:
+                    builds[(engine, mode)] = sized_build(checkpoint, mode, root, block=args.int4_block)
+                else:
+                    builds[(engine, mode)] = PEERS[engine].build(checkpoint, mode, root, args.threads)
         bw = bandwidth(args.threads)
         tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         runs = _passes(shape, builds, tokenizer, args, results)

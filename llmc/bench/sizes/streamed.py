@@ -2,15 +2,17 @@
 
     .venv/bin/python -m llmc.bench streamed [--hidden 2048] [--intermediate 8192] [--vocab 49152]
         [--shape llama-3.1-8b] [--layers 4,16] [--loads whole,layers] [--quantization none]
-        [--out build/bench/streamed]
+        [--gguf q8_0|q4_0] [--out build/bench/streamed]
 
 A random Llama of the given width (or `--shape`: a published model's exact config, from
 llmc.bench.checkpoints.SHAPES, at the given depths), bf16 in shards as checkpoints are published (written a tensor
 at a time: an 8B checkpoint is made in the memory of its largest tensor), is built (export, verify,
 quantize when asked, package) once per depth and load, each in its own process: wall time and peak memory (the
 process tree's resident set, and its anonymous part, sampled every 50 ms: builds.timed_build), beside
-`--dry-run`'s estimate. Printed: each build, layers against whole at each depth, and the deepest against the
-shallowest for each load (1.0: flat in depth). Writes OUT/streamed.json.
+`--dry-run`'s estimate. `--gguf TYPE`: the builds read a GGUF of that checkpoint instead, converted by llama.cpp
+(llama-cpp-python and its sdist's converter, LLAMA_CPP_CONVERT: peers.llama_cpp_build, made once beside the
+checkpoint), as a user building from a published GGUF would. Printed: each build, layers against whole at each
+depth, and the deepest against the shallowest for each load (1.0: flat in depth). Writes OUT/streamed.json.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from llmc.bench.harness import write_json
 
 OUT = BENCH / "streamed"
 GiB = 2**30
+GGUF_TYPES = {"q8_0": "int8", "q4_0": "int4"}  # --gguf: peers.llama_cpp_build's mode that writes it
 SHARD_BYTES = 2 * 10**9  # a written shard at most (published 8B checkpoints: 5 GB; 2 GB holds less while writing)
 
 
@@ -38,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--layers", default="4,16", help="depths, comma-separated")
     p.add_argument("--loads", default="whole,layers", help="source.load values, comma-separated")
     p.add_argument("--quantization", default="none", help="quantization.mode of the builds")
+    p.add_argument("--gguf", choices=sorted(GGUF_TYPES), default=None,
+                   help="build from the checkpoint converted to a GGUF of this type by llama.cpp (needs "
+                        "llama-cpp-python and LLAMA_CPP_CONVERT), not from its safetensors")
     p.add_argument("--out", type=Path, default=OUT)
 
 
@@ -113,10 +119,24 @@ def shape_fields(args, layers: int) -> tuple[dict, str]:
             f"llama-h{args.hidden}-i{args.intermediate}-v{args.vocab}-l{layers}")
 
 
-def measured_build(source: Path, load: str, quantization: str, root: Path) -> dict:
+def gguf_source(checkpoint: Path, kind: str) -> Path:
+    """`checkpoint` as a GGUF of `kind` (GGUF_TYPES), written by llama.cpp beside it once."""
+    from llmc.bench.peers import llama_cpp_build, llama_cpp_missing
+
+    missing = llama_cpp_missing()
+    if missing:
+        raise SystemExit(f"--gguf {kind}: {missing}")
+    root = checkpoint.parent / f"{checkpoint.name}-gguf"
+    root.mkdir(exist_ok=True)
+    return llama_cpp_build(checkpoint, GGUF_TYPES[kind], root)["gguf"]
+
+
+def measured_build(source: Path, load: str, quantization: str, root: Path, label: str | None = None) -> dict:
+    """`source` built with `load` and `quantization` in a process of its own (named `label`, default the source's
+    name), measured; its graphs deleted after."""
     from llmc.compiler import load_spec, plan_build
 
-    name = f"{source.name}-{load}-{quantization}"
+    name = f"{label or source.name}-{load}-{quantization}"
     spec = root / f"{name}.yaml"
     lines = [f"name: {name}", "source:", f"  path: {source}", f"  load: {load}", "limits:", "  max_batch_size: 4"]
     if quantization != "none":
@@ -193,8 +213,12 @@ def run(args) -> int:
     results: dict[str, dict] = {}
     for depth in depths:
         source = checkpoint(args.out / "checkpoints", *shape_fields(args, depth))
+        label = source.name
+        if args.gguf:
+            source, label = gguf_source(source, args.gguf), f"{label}-{args.gguf}"
         for load in loads:
-            r = results.setdefault(str(depth), {})[load] = measured_build(source, load, args.quantization, args.out)
+            r = results.setdefault(str(depth), {})[load] = measured_build(source, load, args.quantization, args.out,
+                                                                          label)
             quality = r.get("quality")
             print(f"{depth} layers, load {load}: {r['build_s']:.0f} s (dry run "
                   f"{sum(r['stage_estimates_s'].values()):.0f}), peak {r['peak_gib']:.2f} GiB "
@@ -217,7 +241,7 @@ def run(args) -> int:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
     shape = args.shape or {"hidden": args.hidden, "intermediate": args.intermediate, "vocab": args.vocab}
-    write_json(args.out / "streamed.json", {"shape": shape, "quantization": args.quantization,
+    write_json(args.out / "streamed.json", {"shape": shape, "quantization": args.quantization, "gguf": args.gguf,
                                             "builds": results, "ratios": ratios})
     return 0
 
