@@ -143,3 +143,38 @@ def test_a_streamed_build_reads_a_gguf_llama_cpp_wrote(monkeypatch, capsys, tmp_
     assert result["gguf"] == "q8_0" and build["verify"]["passed"] and build["peak_gib"] > 0
     assert (tmp_path / "checkpoints" / "llama-h64-i128-v49152-l2-gguf" / "llama-cpp-int8.gguf").is_file()
     assert "2 layers, load layers" in capsys.readouterr().out
+
+
+def test_llama_cpp_perplexity_is_the_checkpoints_own_on_the_held_out_windows(tmp_path):
+    """quantization --llama-cpp: a GGUF's perplexity on the quality report's held-out windows. An F32 GGUF of a
+    tiny random Llama (SmolLM2's tokenizer) reads as the checkpoint's own PyTorch model does, to 1e-3. Its
+    embeddings are scaled up so that its predictions are far from uniform: a window read one token off would not
+    agree."""
+    import math
+    import shutil
+
+    import torch
+    import transformers
+
+    from llmc.bench.compare.quantization import heldout_windows, llama_cpp_perplexity, perplexity
+    from llmc.bench.sizes import streamed
+
+    if missing := peers.llama_cpp_missing():
+        pytest.skip(f"llama.cpp: {missing}")
+    fields = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "vocab_size": 49152,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+              "tie_word_embeddings": True, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5}
+    random = streamed.checkpoint(tmp_path, fields, "random")
+    model = transformers.AutoModelForCausalLM.from_pretrained(random, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(10.0)
+    checkpoint = tmp_path / "sharp"
+    model.save_pretrained(checkpoint)
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(random / file, checkpoint / file)
+    gguf = peers.llama_cpp_build(checkpoint, "fp32", tmp_path / "gguf")["gguf"]
+    with torch.no_grad():
+        expected = perplexity(heldout_windows(checkpoint), lambda ids: model(torch.tensor(ids)[None]).logits[0])
+    got = llama_cpp_perplexity(gguf, checkpoint, threads=1)
+    assert got == pytest.approx(expected, rel=1e-3)
+    assert abs(math.log(expected / 49152)) > 1, expected  # far from uniform (a uniform guess's is the vocabulary)

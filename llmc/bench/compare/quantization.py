@@ -1,7 +1,7 @@
 """Quantization benchmark, every ratio measured within one run:
 
-    .venv/bin/python -m llmc.bench quantization [--threads 2] [--passes 3] [--static]
-        [--model models/smollm2] [--out build/bench] [--prompt-tokens 128] [--new-tokens 64]
+    .venv/bin/python -m llmc.bench quantization [--threads 2] [--passes 3] [--static] [--int4-blocks 64,128]
+        [--llama-cpp] [--model models/smollm2] [--out build/bench] [--prompt-tokens 128] [--new-tokens 64]
 
 Batch-1 decode tokens/s of SmolLM2 through llmc's runner (same prompt of 128 tokens, 64 new
 tokens, greedy) for llmc's fp32, int8-weight-only and int4-weight-only builds of the example's
@@ -12,7 +12,9 @@ pass measures everything once (llmc/genai order alternating); ratios are medians
 ratios. Perplexity increases come from each llmc build's quality report, and for onnxruntime-genai's
 builds from the same held-out windows (relative to llmc's fp32 graph). Builds go to build/bench/
 and are reused while unchanged. Writes build/bench/quantization.json. `--static` adds the quality
-reports of the TensorRT Q/DQ modes (int8 with SmoothQuant, fp8), built after the timed passes.
+reports of the TensorRT Q/DQ modes (int8 with SmoothQuant, fp8), built after the timed passes; `--int4-blocks`
+those of llmc's int4 at other block sizes; `--llama-cpp` the perplexity of llama.cpp's Q8_0 and Q4_0 of the
+checkpoint on the same windows (quality at matched bits: what a speed ratio against llama.cpp is worth).
 """
 
 from __future__ import annotations
@@ -53,30 +55,65 @@ def llmc_quantized(mode: str, threads: int, source: Path = SMOLLM2, out: Path = 
     return (folder / "quantize" / q.onnx, q.kv_layout), q.report
 
 
-def genai_perplexity(model_dir: Path, source: Path = SMOLLM2) -> float:
-    """Perplexity of an onnxruntime-genai build on the held-out windows llmc's quality report uses."""
-    import math
-
-    import onnxruntime_genai as og
+def heldout_windows(source: Path = SMOLLM2) -> list[np.ndarray]:
+    """The held-out token windows llmc's quality report measures perplexity on, tokenized by `source`'s tokenizer."""
     from transformers import AutoTokenizer
 
     from llmc.compiler.quantize import EVAL_SEQ_LEN, EVAL_WINDOWS
     from llmc.compiler.textdata import builtin_documents, token_windows
 
     tokenizer = AutoTokenizer.from_pretrained(source)
-    windows = token_windows(tokenizer, builtin_documents("heldout"), EVAL_SEQ_LEN, EVAL_WINDOWS, "eval", "held-out")
-    model, nll, count = og.Model(str(model_dir)), 0.0, 0
+    return token_windows(tokenizer, builtin_documents("heldout"), EVAL_SEQ_LEN, EVAL_WINDOWS, "eval", "held-out")
+
+
+def perplexity(windows: list[np.ndarray], logits_of) -> float:
+    """exp(mean negative log-likelihood of each window's next tokens), `logits_of(ids)` giving [tokens, vocab]."""
+    import math
+
+    nll, count = 0.0, 0
     for ids in windows:
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(ids) + 1, do_sample=False)
-        gen = og.Generator(model, params)
-        gen.append_tokens(ids[None].astype(np.int32))
-        logits = np.asarray(gen.get_output("logits"))[0].astype(np.float64)  # [tokens, vocab] after the prefill
+        logits = np.asarray(logits_of(ids), dtype=np.float64)[: len(ids)]
         logits -= logits.max(-1, keepdims=True)
         logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         nll -= logprobs[np.arange(len(ids) - 1), ids[1:]].sum()
         count += len(ids) - 1
     return math.exp(nll / count)
+
+
+def genai_perplexity(model_dir: Path, source: Path = SMOLLM2) -> float:
+    """Perplexity of an onnxruntime-genai build on the held-out windows llmc's quality report uses."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(model_dir))
+
+    def logits_of(ids):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + 1, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(ids[None].astype(np.int32))
+        return np.asarray(gen.get_output("logits"))[0]  # [tokens, vocab] after the prefill
+
+    return perplexity(heldout_windows(source), logits_of)
+
+
+def llama_cpp_perplexity(gguf: Path, source: Path = SMOLLM2, threads: int = 2) -> float:
+    """Perplexity of a llama.cpp GGUF (llama-cpp-python, every position's logits) on the same held-out windows."""
+    import llama_cpp
+
+    windows = heldout_windows(source)
+    context = max(len(w) for w in windows) + 8
+    llm = llama_cpp.Llama(str(gguf), n_ctx=context, n_batch=context, n_ubatch=context, logits_all=True,
+                          n_threads=threads, verbose=False)
+
+    def logits_of(ids):
+        llm.reset()
+        llm.eval([int(i) for i in ids])
+        return llm.scores
+
+    try:
+        return perplexity(windows, logits_of)
+    finally:
+        llm.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--static", action="store_true",
                         help="also build the TensorRT Q/DQ modes (int8 with SmoothQuant, fp8) and print their quality "
                              "reports (ONNX Runtime runs them only as a reference path, so no speed targets)")
+    parser.add_argument("--int4-blocks", default="",
+                        help="also build llmc's int4 in these blocks (comma-separated, e.g. 64,128) and print their "
+                             "quality reports")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also convert the checkpoint with llama.cpp (Q8_0, Q4_0; needs llama-cpp-python and "
+                             "LLAMA_CPP_CONVERT) and print their perplexity on the same held-out windows")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -125,6 +168,10 @@ def run(args: argparse.Namespace) -> None:
     rows = {bits: _targets(bits, runs, reports[bits], genai.get(bits), src) for bits in TARGETS}
     if args.static:
         rows |= _static(t, src, out)
+    if args.int4_blocks:
+        rows |= _int4_blocks([int(b) for b in args.int4_blocks.split(",")], t, src, out)
+    if args.llama_cpp:
+        rows |= _llama_cpp_quality(src, out, t, reports["int4"].perplexity_reference)
     write_json(args.json or out / "quantization.json",
                {"graph": graph, "threads": t, "passes": runs, "medians": med, "ratios": rows})
 
@@ -159,4 +206,33 @@ def _static(threads: int, src: Path, out: Path) -> dict:
         print(f"  {mode} ({', '.join(f'{k} {v}' for k, v in extra.items()) or 'max calibration'}): perplexity "
               f"{r.perplexity_reference:.2f} -> {r.perplexity_quantized:.2f} ({r.perplexity_increase:+.1%}), greedy "
               f"agreement {r.token_agreement:.0%}, {r.size_reference_mib:.0f} -> {r.size_quantized_mib:.0f} MiB")
+    return rows
+
+
+def _int4_blocks(blocks: list[int], threads: int, src: Path, out: Path) -> dict:
+    """--int4-blocks: llmc's int4 quality report at each block size, printed; their rows."""
+    rows = {}
+    for block in blocks:
+        r = llmc_quantized("int4-weight-only", threads, src, out / f"int4-b{block}", block_size=block)[1]
+        rows[f"int4 b{block}"] = {"perplexity increase": r.perplexity_increase, "greedy agreement": r.token_agreement,
+                                  "size MiB": r.size_quantized_mib}
+        print(f"  int4-weight-only in blocks of {block}: perplexity {r.perplexity_increase:+.1%}, greedy agreement "
+              f"{r.token_agreement:.0%}, {r.size_quantized_mib:.0f} MiB")
+    return rows
+
+
+def _llama_cpp_quality(src: Path, out: Path, threads: int, reference: float) -> dict:
+    """--llama-cpp: llama.cpp's Q8_0 and Q4_0 of the checkpoint, perplexity on the held-out windows relative to
+    llmc's fp32 graph's there, printed; their rows."""
+    from llmc.bench.peers import llama_cpp_build, llama_cpp_missing
+
+    if missing := llama_cpp_missing():
+        print(f"  llama.cpp: not measured: {missing}")
+        return {}
+    rows = {}
+    for mode, kind in (("int8", "Q8_0"), ("int4", "Q4_0")):
+        gguf = llama_cpp_build(src, mode, out / "llama-cpp")["gguf"]
+        increase = llama_cpp_perplexity(gguf, src, threads) / reference - 1.0
+        rows[f"llama.cpp {kind}"] = {"perplexity increase": increase, "size MiB": gguf.stat().st_size / 2**20}
+        print(f"  llama.cpp {kind}: perplexity {increase:+.1%}, {gguf.stat().st_size / 2**20:.0f} MiB")
     return rows
