@@ -44,9 +44,15 @@ SHAPES = {
                      "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    # Llama 3.1's shape before its RoPE scaling: the 8B a GGUF source can be (llama.cpp stores 3.1's scaling as a
+    # rope_freqs tensor, which transformers' GGUF reader drops, so compiler/gguf.py refuses such a file)
+    "llama-3-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+                   "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                   "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
 }
 PARAMETERS = {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920, "llama-3.2-1b": 1_235_814_400,
-              "llama-3.1-8b": 8_030_261_248}
+              "llama-3.1-8b": 8_030_261_248, "llama-3-8b": 8_030_261_248}
 
 
 def config(shape: str, fields: dict | None = None):
