@@ -11,8 +11,10 @@ quantize when asked, package) once per depth and load, each in its own process: 
 process tree's resident set, and its anonymous part, sampled every 50 ms: builds.timed_build), beside
 `--dry-run`'s estimate. `--gguf TYPE`: the builds read a GGUF of that checkpoint instead, converted by llama.cpp
 (llama-cpp-python and its sdist's converter, LLAMA_CPP_CONVERT: peers.llama_cpp_build, made once beside the
-checkpoint), as a user building from a published GGUF would. Printed: each build, layers against whole at each
-depth, and the deepest against the shallowest for each load (1.0: flat in depth). Writes OUT/streamed.json.
+checkpoint), as a user building from a published GGUF would (at 8B: `--shape llama-3-8b`; llmc refuses a Llama 3.1
+GGUF, whose RoPE scaling llama.cpp stores as a tensor transformers' reader drops). Printed: each build, layers
+against whole at each depth, and the deepest against the shallowest for each load (1.0: flat in depth). Writes
+OUT/streamed.json.
 """
 
 from __future__ import annotations
