@@ -76,17 +76,33 @@ class GGUFTensors:
 
         tensor, _ = self._where[key]
         try:
-            weights = gguf.dequantize(tensor.data, tensor.tensor_type)  # as load_gguf_checkpoint calls it
-        except Exception as err:
-            raise SourceError(f"{self.path}: could not dequantize tensor {tensor.name} "
-                              f"({tensor.tensor_type.name}) for {key} ({err})") from None
-        value = self._run(tensor, weights).get(key)
-        if value is None:  # the processor named it otherwise with real values than with the stand-in
-            raise SourceError(f"{self.path}: transformers' {type(self._processor).__name__} gave tensor "
-                              f"{tensor.name} no name {key} when read")
-        if not isinstance(value, torch.Tensor):
-            value = torch.from_numpy(np.copy(value))  # as load_gguf_checkpoint: a copy, off the read-only map
-        return value.to(torch.float32)
+            try:
+                weights = gguf.dequantize(tensor.data, tensor.tensor_type)  # as load_gguf_checkpoint calls it
+            except Exception as err:
+                raise SourceError(f"{self.path}: could not dequantize tensor {tensor.name} "
+                                  f"({tensor.tensor_type.name}) for {key} ({err})") from None
+            value = self._run(tensor, weights).get(key)
+            if value is None:  # the processor named it otherwise with real values than with the stand-in
+                raise SourceError(f"{self.path}: transformers' {type(self._processor).__name__} gave tensor "
+                                  f"{tensor.name} no name {key} when read")
+            if not isinstance(value, torch.Tensor):
+                value = torch.from_numpy(np.copy(value))  # as load_gguf_checkpoint: a copy, off the read-only map
+            return value.to(torch.float32)
+        finally:  # after the copy: an F32 or F16 tensor "dequantizes" to a view of the map itself
+            self._release(tensor)
+
+    def _release(self, tensor) -> None:
+        """Take the tensor's pages of the file out of this process's resident set once read (madvise DONTNEED on
+        its range of the map; they stay in the page cache, and a later read faults them back in). The map is the
+        whole file and lives as long as the build: without this every tensor ever read stays resident, at 8B a
+        Q8_0 file's 8.5 GB on top of the build (measured: 14.9 GiB resident, 9.2 of it anonymous)."""
+        import mmap
+
+        raw = getattr(self._reader.data, "_mmap", None)  # numpy's memmap keeps its mmap.mmap there
+        if raw is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE  # madvise takes whole pages
+        raw.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
     def _run(self, tensor, weights) -> dict:
         """What `load_gguf_checkpoint`'s loop keeps of one GGUF tensor, {HF name: weights}: the processor's result
