@@ -37,12 +37,12 @@ SPEED_PROMPT, SPEED_STEPS = 64, 24
 def perplexity(runner: Runner, windows: list[np.ndarray], tick: Callable[[], None]) -> float:
     nll = 0.0
     for ids in windows:
-        nll += _nll(runner.step(ids[None], np.zeros(1, dtype=np.int64))[0], ids)
+        nll += next_token_nll(runner.step(ids[None], np.zeros(1, dtype=np.int64))[0], ids)
         tick()
     return math.exp(nll / sum(len(ids) - 1 for ids in windows))
 
 
-def _nll(logits: np.ndarray, ids: np.ndarray) -> float:
+def next_token_nll(logits: np.ndarray, ids: np.ndarray) -> float:
     """The summed next-token negative log-likelihood of `ids` under `logits` [len(ids), V]."""
     logits = logits[:-1]
     top = logits.max(-1)
@@ -152,7 +152,7 @@ def _compare_segmented(reference: Path, quantized: Path, layout: KVLayout, *, wi
         for k, values in graph.run(len(inputs), lambda k: feeds(layout, inputs[k]), ["logits"], ticks):
             logits = values["logits"].reshape(len(inputs[k]), -1)
             if k < len(windows):
-                nll += _nll(logits, inputs[k])
+                nll += next_token_nll(logits, inputs[k])
             else:
                 prompt = prompts[k - len(windows)]
                 agreed += int((logits[len(prompt) - 1:].argmax(-1) == picks[k - len(windows)]).sum())

@@ -67,17 +67,14 @@ def heldout_windows(source: Path = SMOLLM2) -> list[np.ndarray]:
 
 
 def perplexity(windows: list[np.ndarray], logits_of) -> float:
-    """exp(mean negative log-likelihood of each window's next tokens), `logits_of(ids)` giving [tokens, vocab]."""
+    """exp(mean next-token negative log-likelihood over the windows), `logits_of(ids)` giving at least [len(ids),
+    vocab]: as the quality report computes it (quality.next_token_nll)."""
     import math
 
-    nll, count = 0.0, 0
-    for ids in windows:
-        logits = np.asarray(logits_of(ids), dtype=np.float64)[: len(ids)]
-        logits -= logits.max(-1, keepdims=True)
-        logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        nll -= logprobs[np.arange(len(ids) - 1), ids[1:]].sum()
-        count += len(ids) - 1
-    return math.exp(nll / count)
+    from llmc.compiler.quantize.quality import next_token_nll
+
+    nll = sum(next_token_nll(np.asarray(logits_of(ids))[: len(ids)], ids) for ids in windows)
+    return math.exp(nll / sum(len(ids) - 1 for ids in windows))
 
 
 def genai_perplexity(model_dir: Path, source: Path = SMOLLM2) -> float:
