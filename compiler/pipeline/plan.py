@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from llmc.compiler.draft import inspect_draft
 from llmc.compiler.graph.kv_cache import ELEMENT
 from llmc.compiler.pipeline import memory, timing
+from llmc.compiler.pipeline.disk import DiskPlan, plan_disk
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.models.config import Dims, read_dims
 from llmc.compiler.models.parallel.heads import tensor_split
@@ -91,6 +92,7 @@ class BuildPlan:
     rank_weights_bytes: int = 0  # what each rank holds (its slices, the replicated embeddings and norms)
     rank_kv_cache_bytes: int = 0  # each rank's pools: its KV heads
     split: str = ""  # how the heads split
+    disk: DiskPlan | None = None  # what the build writes, beside the output's free disk (disk.py)
     notes: list[str] = field(default_factory=list)
 
     def rows(self) -> list[tuple[str, str]]:
@@ -121,6 +123,7 @@ class BuildPlan:
             rows.append(("build: total time (estimate)", f"{sum(self.stage_seconds.values()):.0f} s on "
                          f"{self.build_threads} threads" + (f", without {', '.join(untimed)} (not estimated)"
                                                             if untimed else "")))
+        rows += self.disk.rows() if self.disk is not None else []
         if self.ranks > 1:
             rows.append(("tensor parallelism", f"{self.ranks} ranks, {self.split}; each rank: weights "
                                                f"{gib(self.rank_weights_bytes)}, KV cache {gib(self.rank_kv_cache_bytes)}"))
@@ -176,7 +179,9 @@ def choose_load(spec: BuildSpec, whole: dict[str, int], available: int | None,
     return "layers", "auto: the whole model's stages would not fit in memory"
 
 
-def build_plan(spec: BuildSpec, dims: Dims, info=None) -> BuildPlan:
+def build_plan(spec: BuildSpec, dims: Dims, info=None, output=None) -> BuildPlan:
+    """The plan of `spec` for a checkpoint of `dims` (`info`: its files), built into `output` (default: the
+    spec's output_dir)."""
     spec, notes = spec.with_model_limits(dims.max_position_embeddings)
     q = spec.quantization
     tensorrt = spec.target is Target.tensorrt
@@ -263,6 +268,7 @@ def build_plan(spec: BuildSpec, dims: Dims, info=None) -> BuildPlan:
                      available_bytes=available, stage_seconds=seconds, build_threads=timing.threads(spec),
                      total_params=dims.total_params, active_params=dims.active_params,
                      expert_bytes=int(dims.expert_params * linear_bytes), notes=notes,
+                     disk=plan_disk(dims, stages, q, output or spec.output_dir),
                      **({} if split is None else dict(
                          ranks=ranks, rank_weights_bytes=rank_weights, rank_kv_cache_bytes=rank_kv,
                          split=f"{split.heads} query and {split.kv_heads} KV heads each"
@@ -270,10 +276,10 @@ def build_plan(spec: BuildSpec, dims: Dims, info=None) -> BuildPlan:
                                   else ""))))
 
 
-def plan_build(spec: BuildSpec) -> BuildPlan:
-    """The plan for `spec` (reads the checkpoint's config only)."""
+def plan_build(spec: BuildSpec, output=None) -> BuildPlan:
+    """The plan for `spec` built into `output` (default: its output_dir); reads the checkpoint's config only."""
     info = inspect_source(spec.source)
-    return build_plan(spec, read_dims(info), info)
+    return build_plan(spec, read_dims(info), info, output)
 
 
 def check_plan_memory(plan: BuildPlan, stages: list[str] | None = None, *, ignore: bool = False) -> None:

@@ -21,6 +21,7 @@ from llmc.compiler import output as out
 from llmc.compiler.artifacts import Artifact
 from llmc.compiler.graph.files import EXTERNAL_THRESHOLD
 from llmc.compiler.hashing import code_hash, hash_json
+from llmc.compiler.pipeline.disk import DiskPlan, check_disk
 from llmc.compiler.pipeline.memory import return_freed_memory
 from llmc.compiler.pipeline.plan import BUILD_PEAK, check_plan_memory, plan_build
 from llmc.compiler.pipeline.stages import STAGES
@@ -100,22 +101,28 @@ class _Model:
 
 def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package", force: set[str] | None = None,
           reporter: Reporter | None = None, external_threshold: int | None = None,
-          ignore_memory_check: bool = False) -> BuildResult:
+          ignore_memory_check: bool = False, ignore_disk_check: bool = False) -> BuildResult:
     """Build `spec` into `output` (default: the spec's). Stages after `until` are not run; stages
     named in `force` run even when cached. A build whose largest stage cannot fit this machine's memory
-    is refused before any work (ResourceError) unless `ignore_memory_check`."""
+    is refused before any work (ResourceError) unless `ignore_memory_check`; one that cannot fit the output's
+    file system (disk.py: a fresh output before any work, else each stage that runs as it starts) unless
+    `ignore_disk_check`."""
     assert until in STAGE_NAMES, until
     output = Path(output or spec.output_dir).absolute()
     stages = [s for s in STAGES[:STAGE_NAMES.index(until) + 1]
               if s.applies(spec) and (until == STAGE_NAMES[-1] or not s.for_package)]
     names = [s.name for s in stages]
-    layers = spec.source.load is SourceLoad.layers
+    layers, disk = spec.source.load is SourceLoad.layers, None
     if any(name in BUILD_PEAK for name in names):  # from the config alone: before hashing or loading weights
-        plan = plan_build(spec)
+        plan = plan_build(spec, output)
         check_plan_memory(plan, names, ignore=ignore_memory_check)
         layers = plan.load == "layers"
+        disk = None if ignore_disk_check else replace(plan.disk, stages={
+            name: s for name, s in plan.disk.stages.items() if name in names})
+        if disk is not None and disk.fresh:
+            check_disk(disk.stages, disk.folder)
     run = _Run(spec, output, reporter or NullReporter(), set(force or ()), external_threshold or EXTERNAL_THRESHOLD,
-               layers)
+               layers, disk)
     try:
         for i, stage in enumerate(stages):
             run.stage(stage)
@@ -138,8 +145,8 @@ class _Run:
     """One build in progress: the staging folder, the stages done so far and their report."""
 
     def __init__(self, spec: BuildSpec, output: Path, reporter: Reporter, force: set[str], external_threshold: int,
-                 layers: bool = False):
-        self.output, self.reporter, self.force = output, reporter, force
+                 layers: bool = False, disk: DiskPlan | None = None):
+        self.output, self.reporter, self.force, self.disk = output, reporter, force, disk
         self.external_threshold = external_threshold
         self.model = _Model(layers)
         self.found: FoundSource | None = None
@@ -190,6 +197,8 @@ class _Run:
                 out.link_tree(ctx.previous, ctx.out)
                 status = "cached"
         if art is None:
+            if self.disk is not None and stage.name in self.disk.stages:  # its own peak, on the disk as it is now
+                check_disk({stage.name: self.disk.stages[stage.name]}, self.disk.folder)
             art = stage.run(taken, stage.section(self.spec), ctx)
         stage.accept(art, self.spec)
         return status, Located(art, ctx.out)

@@ -157,24 +157,11 @@ def apply_scales(model, sites: list[Site], scales: list[np.ndarray], weights=Non
             node.input[slot] = copy
         return node.input[slot]
 
-    def update(name: str, fn) -> None:
-        tensor = initializers[name]
-        weights.write(tensor, fn(weights.array(tensor)).astype(np.float32, copy=False))
-
     for site, s in zip(sites, scales):
         for node, slot, axis, start in site.divide:
-            update(own(node, slot), lambda v: _divide(v, s, axis, start))
+            weights.divide(initializers[own(node, slot)], s, axis, start)
         for reader in site.readers:
             weights.scale_rows(initializers[own(reader, 1)], s)
-
-
-def _divide(value: np.ndarray, s: np.ndarray, axis: int, start: int) -> np.ndarray:
-    """`value` with its entries start..start+len(s) along `axis` (0 for a vector) divided by s."""
-    out = value.astype(np.float32, copy=True)
-    index = [slice(None)] * out.ndim
-    index[axis if out.ndim > 1 else 0] = slice(start, start + len(s))
-    out[tuple(index)] /= s if axis == 0 or out.ndim == 1 else s[None, :]
-    return out
 
 
 def smooth(model, layout: KVLayout, windows: list[np.ndarray], alpha: float, *, num_threads: int = 0,

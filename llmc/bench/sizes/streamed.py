@@ -8,8 +8,9 @@ A random Llama of the given width (or `--shape`: a published model's exact confi
 llmc.bench.checkpoints.SHAPES, at the given depths), bf16 in shards as checkpoints are published (written a tensor
 at a time: an 8B checkpoint is made in the memory of its largest tensor), is built (export, verify,
 quantize when asked, package) once per depth and load, each in its own process: wall time and peak memory (the
-process tree's resident set, and its anonymous part, sampled every 50 ms: builds.timed_build), beside
-`--dry-run`'s estimate. `--gguf TYPE`: the builds read a GGUF of that checkpoint instead, converted by llama.cpp
+process tree's resident set, and its anonymous part, sampled every 50 ms: builds.timed_build) and its disk (the
+output file system's free space taken at the most, sampled as often, the build's and each stage's: run it on a
+disk nothing else writes to), beside `--dry-run`'s estimates. `--gguf TYPE`: the builds read a GGUF of that checkpoint instead, converted by llama.cpp
 (llama-cpp-python and its sdist's converter, LLAMA_CPP_CONVERT: peers.llama_cpp_build, made once beside the
 checkpoint), as a user building from a published GGUF would (at 8B: `--shape llama-3-8b`; llmc refuses a Llama 3.1
 GGUF, whose RoPE scaling llama.cpp stores as a tensor transformers' reader drops). Printed: each build, layers
@@ -144,17 +145,31 @@ def measured_build(source: Path, load: str, quantization: str, root: Path, label
     if quantization != "none":
         lines += ["quantization:", f"  mode: {quantization}"]
     spec.write_text("\n".join(lines) + "\n")
-    plan = plan_build(load_spec(spec))
+    plan = plan_build(load_spec(spec), root / name)
     log = root / f"{name}.log"
-    wall, peak, anonymous = timed_build([sys.executable, "-m", "llmc.bench.sizes.streamed", str(spec),
-                                         str(root / name)], log)
+    wall, peak, anonymous, disk = timed_build([sys.executable, "-m", "llmc.bench.sizes.streamed", str(spec),
+                                               str(root / name)], log, disk=root)
     built = _built(root / name)
+    kept = _kept(root / name)
     shutil.rmtree(root / name, ignore_errors=True)  # the graphs: GBs each
     stages = next(json.loads(line[len(STAGES):]) for line in log.read_text().splitlines() if line.startswith(STAGES))
     return {"load": load, "build_s": wall, "peak_gib": peak / GiB, "peak_anonymous_gib": anonymous / GiB,
             "estimate_gib": plan.build_peak_bytes / GiB, "stages": stages,
             "stage_estimates_gib": {s: b / GiB for s, b in plan.stage_peak_bytes.items()},
-            "stage_estimates_s": plan.stage_seconds, **built}
+            "stage_estimates_s": plan.stage_seconds, "disk_gib": disk / GiB,
+            "disk_estimate_gib": plan.disk.peak_bytes / GiB, "disk_kept_gib": kept / GiB,
+            "disk_kept_estimate_gib": plan.disk.kept_bytes / GiB, **built}
+
+
+def _kept(out: Path) -> int:
+    """The bytes a build left in its output (each file once: the repository hard-links the graph it serves)."""
+    seen, total = set(), 0
+    for path in out.rglob("*"):
+        st = path.lstat()
+        if path.is_file() and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
 
 
 def _built(out: Path) -> dict:
@@ -179,20 +194,38 @@ STAGES = "STAGES "  # the build process's last line: each stage's seconds and pe
 
 class _StagePeaks:
     """A build's reporter recording each stage's own peak resident memory: the process's high-water mark
-    (VmHWM) reset as the stage starts (Linux: /proc/self/clear_refs) and read as it ends."""
+    (VmHWM) reset as the stage starts (Linux: /proc/self/clear_refs) and read as it ends; and the disk the build
+    holds at each stage's most (the free space of `disk`'s file system taken since the build started, sampled
+    every 50 ms)."""
 
-    def __init__(self) -> None:
+    def __init__(self, disk: Path) -> None:
+        import threading
+
         self.stages: dict[str, dict] = {}
+        self._disk, self._start = disk, shutil.disk_usage(disk).free
+        self._taken, self._done = 0, threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.05):
+            self._taken = max(self._taken, self._start - shutil.disk_usage(self._disk).free)
 
     def stage_started(self, name: str, description: str) -> None:
         Path("/proc/self/clear_refs").write_text("5")
+        self._taken = self._start - shutil.disk_usage(self._disk).free
 
     def stage_progress(self, done: int, total: int, what: str = "") -> None: ...
 
     def stage_finished(self, result) -> None:
         status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
         self.stages[result.name] = {"status": result.status, "seconds": round(result.seconds, 1),
-                                    "peak_gib": int(status["VmHWM"].split()[0]) * 1024 / GiB}
+                                    "peak_gib": int(status["VmHWM"].split()[0]) * 1024 / GiB,
+                                    "disk_gib": self._taken / GiB}
+
+    def close(self) -> None:
+        self._done.set()
+        self._sampler.join()
 
 
 def _build(spec: Path, out: Path) -> None:
@@ -202,8 +235,11 @@ def _build(spec: Path, out: Path) -> None:
     from llmc.compiler import build, load_spec
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run unwinds: no staging or segments left
-    reporter = _StagePeaks()
-    build(load_spec(spec), output=out, force={"export", "verify", "quantize", "package"}, reporter=reporter)
+    reporter = _StagePeaks(out.parent)
+    try:
+        build(load_spec(spec), output=out, force={"export", "verify", "quantize", "package"}, reporter=reporter)
+    finally:
+        reporter.close()
     print(STAGES + json.dumps(reporter.stages), flush=True)
 
 
@@ -228,6 +264,9 @@ def run(args) -> int:
                   + ", ".join(f"{name} {st['peak_gib']:.2f} GiB (dry run "
                               f"{r['stage_estimates_gib'].get(name, 0):.2f}) {st['seconds']:.0f} s"
                               for name, st in r["stages"].items() if st["status"] == "ran")
+                  + f"; disk {r['disk_gib']:.2f} GiB at the peak (dry run {r['disk_estimate_gib']:.2f}), "
+                  f"{r['disk_kept_gib']:.2f} left (dry run {r['disk_kept_estimate_gib']:.2f}); by stage: "
+                  + ", ".join(f"{name} {st['disk_gib']:.2f}" for name, st in r["stages"].items() if st["status"] == "ran")
                   + (f"; verify {'passed' if r['verify']['passed'] else 'FAILED'}" if "verify" in r else "")
                   + (f"; quantized perplexity {quality['perplexity_increase']:+.1%}, batch-1 decode "
                      f"{quality['decode_tok_s']:.1f} tok/s" if quality else ""), flush=True)

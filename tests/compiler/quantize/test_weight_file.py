@@ -13,6 +13,7 @@ from onnx import numpy_helper
 
 from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, load_graph, save_model
 from llmc.compiler.quantize import quantize
+from llmc.compiler.quantize import weight_file
 from llmc.compiler.quantize.weight_file import WeightFile
 from llmc.compiler.source import inspect_source, load_tokenizer
 from llmc.compiler.spec import SourceSpec, parse_spec
@@ -78,9 +79,11 @@ def test_writes_go_in_place_or_at_the_end_and_reads_come_back(tmp_path):
     assert saved["w"].sum() == 1200 and saved["v"].sum() == 768
 
 
-def test_row_scales_are_applied_as_read_and_the_export_is_neither_copied_nor_written(tmp_path):
-    """AWQ scales every linear weight's rows: recorded, not written back, so the scratch file holds only what was
-    written or added (at 8B the scaled copy was 30 GB), and every read and the saved graph see the scaled value."""
+def test_rescaling_is_applied_as_read_and_the_export_is_neither_copied_nor_written(tmp_path):
+    """AWQ scales every linear weight's rows and divides its producer's columns (up_proj's, for down_proj's scales):
+    recorded, not written back, so the scratch file holds only what was written or added (at 8B the scaled copies
+    were 30 GB of rows and 7.5 GB of up_proj), and every read and the saved graph see the rescaled value, rounded
+    in the order the rescalings were made."""
     value = np.arange(600, dtype=np.float32).reshape(20, 30)
     graph = onnx.helper.make_graph([], "g", [], [onnx.helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, None)],
                                    [numpy_helper.from_array(value, "w")])
@@ -92,9 +95,14 @@ def test_row_scales_are_applied_as_read_and_the_export_is_neither_copied_nor_wri
     weights = WeightFile.open(src / "model.onnx", tmp_path / "work")
     w = weights.initializers()["w"]
     s, t = np.linspace(0.5, 2.0, 20).astype(np.float32), np.full(20, 3.0, np.float32)
+    c = np.linspace(1.5, 0.25, 10).astype(np.float32)
     weights.scale_rows(w, s)
+    weights.divide(w, c, 1, 5)  # columns 5 .. 14
     weights.scale_rows(w, t)
-    expected = value * s[:, None] * t[:, None]
+    expected = value * s[:, None]
+    expected[:, 5:15] /= c[None, :]
+    expected *= t[:, None]
+    assert not np.array_equal(expected, value * s[:, None] * t[:, None])
     np.testing.assert_array_equal(weights.array(w), expected)
     assert (tmp_path / "work" / "weights.data").stat().st_size == 0  # nothing copied, nothing written
     out = tmp_path / "out"
@@ -104,3 +112,37 @@ def test_row_scales_are_applied_as_read_and_the_export_is_neither_copied_nor_wri
     weights.write(w, np.ones((20, 30), np.float32))  # a value given outright: the scales recorded before are gone
     np.testing.assert_array_equal(weights.array(w), np.ones((20, 30), np.float32))
     assert hashlib.sha256((src / EXTERNAL_DATA_NAME).read_bytes()).hexdigest() == before
+
+
+def test_saving_gives_the_scratch_files_blocks_back_as_the_graph_is_written(tmp_path, monkeypatch):
+    """The scratch file holds what quantize wrote or added; saved, its tensors are copied into the graph's own data
+    file, so its blocks go (the dead ones first: a tensor no node reads), and the two are never whole on disk at
+    once. The values saved are the scratch's."""
+    value = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    graph = onnx.helper.make_graph([], "g", [], [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
+                                                 for n in ("w", "kept")], [numpy_helper.from_array(value, "w")])
+    src, out, work = tmp_path / "src", tmp_path / "out", tmp_path / "work"
+    for folder in (src, out, work):
+        folder.mkdir()
+    save_model(onnx.helper.make_model(graph), src, external_threshold=0)
+    weights = WeightFile.open(src / "model.onnx", work)
+    weights.add("dead", np.ones((256, 256), np.float32))  # read by nothing: dropped by save
+    kept = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    weights.add("kept", kept)
+    weights.write(weights.initializers()["w"], value * 2)
+    scratch, data = work / "weights.data", out / EXTERNAL_DATA_NAME
+    size = scratch.stat().st_size
+    assert scratch.stat().st_blocks * 512 >= size - 4096
+    released = []  # (bytes released, the graph's data file's size then)
+    release = weight_file._release_blocks
+    monkeypatch.setattr(weight_file, "_release_blocks", lambda path, ranges: released.append(
+        (sum(n for _, n in ranges), data.stat().st_size if data.exists() else 0)) or release(path, ranges))
+    assert weights.save(out, external_threshold=0)
+    saved = {t.name: numpy_helper.to_array(t) for t in load_graph(out / "model.onnx").graph.initializer}
+    np.testing.assert_array_equal(saved["w"], value * 2)
+    np.testing.assert_array_equal(saved["kept"], kept)
+    assert released[0] == (256 * 256 * 4, 0)  # the dead tensor's, before anything is copied
+    assert sum(n for n, _ in released) >= size - 64 * 3  # then everything but the alignment, each once copied
+    assert scratch.stat().st_size == size
+    if scratch.stat().st_blocks * 512 > 8192:
+        pytest.skip("this file system keeps a file's blocks when asked to punch holes (fallocate)")
