@@ -32,6 +32,10 @@ file) and runs the base graph whenever no token of the step has a slot. An `If` 
 session, at the price of a subgraph per site (or the whole decoder inside one) and whatever ONNX Runtime charges for
 them.
 
+Where llmc's CPU kernels run, the session fuses each site's four nodes into one `llmc.LoraDelta` that reads only each
+token's own slot (runtime/kernels/lora_fusion.py matches the node names and op types written here: `lora/<site>/
+shrink`, `Mul_mask`, `expand`, `Add`; renaming them leaves the branch unfused, and its tests fail).
+
 Written here by hand: onnx and onnx_ir have graph editing, not a LoRA rewrite, and ONNX Runtime's own
 adapters (onnxruntime-genai's og.Adapters) swap one adapter's weights per generator, not per token.
 """

@@ -1,6 +1,6 @@
 """The LoRA branch's reference in PyTorch: what graph.py's branch must compute, written the way an op of llmc's
 own would run it (shrink, then expand, over the active slots only: the tokens of each slot gathered, multiplied
-by that slot's A then B, scattered back), so it is also the oracle a future fused kernel is tested against. It reads
+by that slot's A then B, scattered back), so it is also the oracle llmc's fused op (llmc.LoraDelta, runtime/kernels/lora_delta/) is tested against. It reads
 the flat stacks the runtime binds (runtime/lora/sites.py): slot s's A in columns s*K .. (s+1)*K, its B in those rows.
 
     lora_delta(x [N, in], slots int64 [N], a [in, S*K], b [S*K, out], num_slots S) -> [N, out]

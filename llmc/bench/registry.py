@@ -43,6 +43,7 @@ BENCHMARKS = (
     Benchmark("paged-attention", "kernels", "kernels.paged_attention"),
     Benchmark("collective", "kernels", "kernels.collective"),
     Benchmark("sampling", "kernels", "kernels.sampling"),
+    Benchmark("lora-delta", "kernels", "kernels.lora_delta"),
     Benchmark("gpu-kernels", "kernels", "kernels.gpu", needs_gpu=True),
     Benchmark("attention", "engine", "engine.attention"),
     Benchmark("paged-graph", "engine", "engine.paged_graph"),

@@ -19,6 +19,11 @@
  * memory (collective/collective.h: the segment, the barrier; collective_op.c: the ops), float32 and float16;
  * plain C, so registered whatever the CPU, like PagedAttention.
  *
+ * llmc.LoraDelta: one LoRA site's four-node branch (compiler/lora/graph.py) as one op that reads each token's own
+ * adapter slot only (lora_delta/: lora_delta.c the kernel, lora_delta_op.c the op); runtime/kernels/lora_fusion.py
+ * swaps it in when a session opens. Portable C besides AVX2 and AVX512 builds of the same loops, so registered
+ * whatever the CPU.
+ *
  * ONNX Runtime's C ABI, the parts used: ort_abi.h, written by hand (the wheel ships no headers).
  */
 #include <pthread.h>
@@ -30,6 +35,7 @@
 #include <unistd.h>
 
 #include "collective_op.h"
+#include "lora_delta_op.h"
 #include "matmul_nbits4.h"
 #include "ort_abi.h"
 #include "paged_attention_op.h"
@@ -278,6 +284,7 @@ static void make_domain(void) {
     status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &paged_attention_ops[i]);
   for (int i = 0; !status && i < COLLECTIVE_OPS; i++)
     status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &collective_ops[i]);
+  if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &lora_delta_op);
   domain_failed = status != NULL; /* ONNX Runtime owns a returned status: report a fresh one each call */
   if (status) CALL(ReleaseStatus, fn_release_status, status);
 }

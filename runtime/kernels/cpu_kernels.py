@@ -20,6 +20,12 @@ Stored graphs keep the standard op, so they run on any ONNX Runtime and in onnxr
 `make_session` swaps the op type in memory when `library()` is available here (graph_edits.py, which
 also folds an Add of a bias after a swapped node into it), and otherwise the graph runs as stored.
 
+`LoraDelta` (domain `llmc`, lora_delta/) is one LoRA site's four-node branch (compiler/lora/graph.py) as one op that
+reads each token's own adapter slot only, where the branch multiplies every token by every bound slot. Stored LoRA
+graphs keep the branch; `make_session` fuses it in memory (lora_fusion.py) under the same condition as the 4-bit
+swap (`library()` available: `LLMC_CPU_KERNELS=0` turns it off with the others), and `LLMC_LORA_FUSION=0` turns off
+this fusion alone (the four-node branch then runs as stored; llmc's other kernels stay on).
+
 `library()` finds or builds the shared library: a prebuilt copy next to this module (what a packaged
 model repository carries, so a serving host needs no compiler), else one in the cache
 (`$LLMC_CACHE_DIR`, default `~/.cache/llmc`), else it compiles the C files with `$CC` (default `cc`)
@@ -43,11 +49,14 @@ from typing import NamedTuple
 
 from llmc.runtime.kernels.collective import GROUP_ENV
 from llmc.runtime.kernels.graph_edits import COLLECTIVE_OPS, PAGED_OP, accelerate, configure_collective, configure_paged
+from llmc.runtime.kernels.lora_fusion import enabled as lora_fusion_enabled
+from llmc.runtime.kernels.lora_fusion import fuse_lora
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "cpu_kernels.c"  # the ops' registration; it includes each kernel's header
 # Each kernel has its folder (its own C files and headers); the library is one compile of them all.
-INCLUDE_DIRS = (HERE, HERE / "matmul_nbits4", HERE / "paged_attention", HERE / "collective")
+INCLUDE_DIRS = (HERE, HERE / "matmul_nbits4", HERE / "paged_attention", HERE / "collective",
+                HERE / "lora_delta")
 SOURCES = tuple(HERE / name for name in (
     "cpu_kernels.c", "ort_abi.h", "matmul_nbits4/matmul_nbits4.h", "matmul_nbits4/matmul_nbits4.c",
     "matmul_nbits4/matmul_nbits4_isa.h", "matmul_nbits4/matmul_nbits4_avx512.c", "matmul_nbits4/matmul_nbits4_avx2.c",
@@ -57,7 +66,8 @@ SOURCES = tuple(HERE / name for name in (
     "paged_attention/paged_attention_checks.c", "paged_attention/paged_attention_op.h",
     "paged_attention/paged_attention_op.c", "collective/collective.h", "collective/collective.c",
     "collective/collective_data.h", "collective/collective_data.c", "collective/collective_op.h",
-    "collective/collective_op.c"))
+    "collective/collective_op.c", "lora_delta/lora_delta.h", "lora_delta/lora_delta.c",
+    "lora_delta/lora_delta_isa.c", "lora_delta/lora_delta_op.h", "lora_delta/lora_delta_op.c"))
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 LIBS = ["-lm", "-lpthread", "-lrt"]  # -lrt: shm_open, in libc itself only from glibc 2.34
 SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels; an instruction set's name pins it
@@ -194,9 +204,16 @@ def _check_sequential(options) -> None:
                          "ExecutionMode.ORT_SEQUENTIAL (the default), not ORT_PARALLEL")
 
 
+def fuses_lora() -> bool:
+    """Whether `prepare` fuses a LoRA graph's sites into llmc.LoraDelta here (lora_fusion.py), which reads each
+    token's own slot only: the runtime may then leave stale adapters in their slots, at no cost a step."""
+    return lora_fusion_enabled() and load() is not None
+
+
 def prepare(onnx_path: Path, options, *, group: str | None = None) -> str | bytes:
     """What to open an ONNX Runtime session on: the graph with llmc's 4-bit kernel swapped in where this host
-    has it and the graph has nodes it takes, and with the library registered on `options` (its
+    has it and the graph has nodes it takes, each LoRA site's branch fused into llmc.LoraDelta (lora_fusion.py;
+    the same condition, and `LLMC_LORA_FUSION` not "0"), and with the library registered on `options` (its
     llmc.PagedAttention nodes given the thread count, its llmc.AllReduce / AllGather nodes the rank
     `group`'s name, by default the process's: collective.GROUP_ENV) when any of those ops is there; else the
     file's path as it is. A graph with
@@ -210,14 +227,16 @@ def prepare(onnx_path: Path, options, *, group: str | None = None) -> str | byte
     with open(onnx_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         mentions_q4, mentions_paged = data.find(b"MatMulNBits") >= 0, data.find(PAGED_OP.encode()) >= 0
         mentions_collective = any(data.find(op.encode()) >= 0 for op in COLLECTIVE_OPS)
-    kernels = load() if mentions_q4 else None  # no parse for graphs with none of the ops
+        mentions_lora = lora_fusion_enabled() and data.find(b"lora_mask") >= 0
+    kernels = load() if mentions_q4 or mentions_lora else None  # no parse for graphs with none of the ops
     if kernels is None and not mentions_paged and not mentions_collective:
         return str(onnx_path)
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     threads = options.intra_op_num_threads or os.cpu_count() or 1
-    swapped = accelerate(model, threads, kernels.isa) if kernels else 0
+    swapped = accelerate(model, threads, kernels.isa) if kernels and mentions_q4 else 0
+    swapped += fuse_lora(model, threads) if kernels and mentions_lora else 0
     paged = configure_paged(model, threads)
     collective = configure_collective(model, group or os.environ.get(GROUP_ENV))
     if collective:

@@ -3,7 +3,8 @@
   `llmc.MatMulNBits4` for the session's thread count and instruction set (`accelerate`), and an Add of a
   bias after a swapped node is folded into it (`fold_bias`);
 - `llmc.PagedAttention` nodes get the session's thread count (`configure_paged`);
-- `llmc.AllReduce` / `llmc.AllGather` nodes get their rank group's name (`configure_collective`).
+- `llmc.AllReduce` / `llmc.AllGather` nodes get their rank group's name (`configure_collective`);
+- each LoRA site's four-node branch becomes `llmc.LoraDelta` (lora_fusion.py, a module of its own).
 Stored graphs keep the standard ops; only the session's copy is edited."""
 
 from __future__ import annotations

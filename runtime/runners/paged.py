@@ -36,6 +36,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from llmc.runtime.kernels import cpu_kernels
 from llmc.runtime.layout import KVLayout, PAGED_INPUTS, SEQUENCE_LENGTHS
 from llmc.runtime.lora.sites import Site
 from llmc.runtime.lora.stacks import AdapterWeights
@@ -176,7 +177,7 @@ class PagedRunner:
         self.lora = None
         if lora is not None:  # it takes turns with the base session: its threads stop spinning after its runs
             session = make_session(lora[0], num_threads, spin_after_run=False, group=group, prepack=prepack)
-            self.lora = LoraGraph(session, lora[1], expected, lora[0])
+            self.lora = LoraGraph(session, lora[1], expected, lora[0], keep_stale=cpu_kernels.fuses_lora())
             self.lora.binding = self._bind_pools(session)
 
     @property

@@ -8,7 +8,11 @@ padded to the highest rank among them. Stacking copies every site's A and B (ten
 so the stacks bound are kept and rebound only when the step's set of adapters changes: steady decoding over the same
 requests binds only the masks, and not even those while its rows' slots stay the same. When the set changes but
 keeps its size and rank (one adapter's requests end as another's begin), the adapters that stay keep their slots and
-only the new one's columns of each A and rows of each B are rewritten.
+only the new one's columns of each A and rows of each B are rewritten. Where the session runs each site as
+llmc.LoraDelta (runtime/kernels/lora_fusion.py: `keep_stale`), a step reads its tokens' own slots only, so an adapter
+whose requests ended keeps its slot, unread, until a new adapter takes it: a step whose adapters are a subset of
+those bound restacks nothing, and a new adapter fills a stale slot. The four-node branch multiplies every token by
+every bound slot, so there the stacks follow the step's set exactly.
 
 A LoRA graph built before the flat layout (its `lora_slots` input) is refused, naming the rebuild.
 """
@@ -25,9 +29,10 @@ from llmc.runtime.lora.stacks import AdapterWeights, fill_slot, slot_masks, stac
 
 
 class LoraGraph:
-    def __init__(self, session, sites: Sequence[Site], base_inputs: list[str], path: Path):
+    def __init__(self, session, sites: Sequence[Site], base_inputs: list[str], path: Path, keep_stale: bool = False):
         """`session`: ONNX Runtime's over the LoRA graph at `path`; `base_inputs`: the base graph's inputs, in order,
-        which the LoRA graph must begin with."""
+        which the LoRA graph must begin with; `keep_stale`: its sites read only their tokens' own slots (llmc.LoraDelta),
+        so slots of adapters a step does not use may stay bound."""
         self.session, self.sites = session, list(sites)
         got = [i.name for i in session.get_inputs()]
         if OLD_SLOTS in got:
@@ -40,6 +45,7 @@ class LoraGraph:
             raise ValueError(f"{path} is not the base graph with the manifest's LoRA sites: its inputs "
                              f"{'lack ' + ', '.join(missing) if missing else 'differ from the base graph and sites'}")
         self.binding = None  # the runner's: its pools bound as past and present
+        self.keep_stale = keep_stale
         self._bound: tuple = ()  # the adapters whose stacks are bound, in slot order
         self._rank = 0  # the rank their slots are padded to
         self._stacks: dict[str, np.ndarray] = {}  # kept alive while bound
@@ -54,7 +60,7 @@ class LoraGraph:
         distinct = {a.ref: a for a in adapters if a is not None}
         if not distinct:
             raise ValueError("a step with no adapter runs the base graph, not the LoRA graph")
-        if set(distinct) != set(self._bound):
+        if not (set(distinct) <= set(self._bound) if self.keep_stale else set(distinct) == set(self._bound)):
             self._restack(distinct)
         slot = {ref: s for s, ref in enumerate(self._bound)}
         slots = np.repeat(np.array([-1 if a is None else slot[a.ref] for a in adapters], dtype=np.int64),
@@ -70,13 +76,20 @@ class LoraGraph:
     def _restack(self, distinct: dict) -> None:
         """Stacks for the step's adapters. When as many as before come in at no higher rank, the adapters that stay
         keep their slots and only the slots of those that changed are rewritten (a request for another adapter
-        replacing a finished one costs that adapter's copy); otherwise every slot is stacked, in a fixed order."""
-        if len(distinct) == len(self._bound) and max(a.rank for a in distinct.values()) <= self._rank:
+        replacing a finished one costs that adapter's copy); with `keep_stale`, as many new ones as there are slots of
+        adapters the step does not use. Otherwise every slot is stacked, in a fixed order."""
+        free = sum(ref not in distinct for ref in self._bound)
+        new = sum(ref not in self._bound for ref in distinct)
+        if (free >= new if self.keep_stale else len(distinct) == len(self._bound)) and \
+                max(a.rank for a in distinct.values()) <= self._rank:
             order = [ref if ref in distinct else None for ref in self._bound]
             incoming = iter(sorted((r for r in distinct if r not in self._bound), key=lambda r: (r.name, r.digest)))
             for s, ref in enumerate(order):
                 if ref is None:
-                    order[s] = next(incoming)
+                    order[s] = next(incoming, None)
+                    if order[s] is None:  # a stale slot no new adapter takes: it stays as it was, unread
+                        order[s] = self._bound[s]
+                        continue
                     fill_slot(self.sites, self._stacks, s, distinct[order[s]], self._rank)
             self._bound = tuple(order)
             self.num_refills += 1

@@ -121,6 +121,15 @@ def test_bench_paged_attention(monkeypatch, capsys):
     assert out.count("llmc PagedAttention") >= 2  # the decode and the prefill ratio
 
 
+@smokes("lora-delta")
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="llmc's CPU kernels do not run on this host")
+def test_bench_lora_delta(monkeypatch, capsys):
+    run_bench(monkeypatch, "lora-delta", "--tokens", "3", "--slots", "2", "--rank", "2", "--runs", "1",
+              "--threads", "1", "--isas")
+    out = capsys.readouterr().out
+    assert out.count("branch ") == 4 and out.count("fused ") >= 8  # each site: the branch, fused and per-ISA ratios
+
+
 @smokes("gpu-kernels")
 def test_bench_gpu_kernels(monkeypatch, capsys):
     """Run tiny on a GPU; without one, refused with its message (a usage error, exit 2)."""

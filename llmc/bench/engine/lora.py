@@ -23,7 +23,8 @@ serves (convert + load, target < 1 s at 0.5B rank 16), and the first request's T
 (target <= 1.2x), medians over --passes.
 
     .venv/bin/python -m llmc.bench lora [--passes 3] [--streams 16] [--held 32]
-Writes build/bench/lora.json.
+    LLMC_LORA_FUSION=0 .venv/bin/python -m llmc.bench lora ...   # the four-node branch instead of llmc.LoraDelta
+Writes build/bench/lora.json (`lora_fusion`: whether the LoRA graph's sites ran fused).
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def lockstep_passes(args, traffic: dict, prompts) -> dict:
 
 
 def run(args) -> dict:
+    from llmc.runtime.kernels import cpu_kernels
     from llmc.runtime.manifest import RepositoryManifest
 
     print(environment())
@@ -208,7 +210,9 @@ def run(args) -> dict:
     result.update(held_and_loaded(args, enabled, version, adapters[-1], tokenizer, prompts))
     enabled.close()
     result["lora_session_stackings"] = enabled.runner.lora.num_stackings if enabled.runner.lora else None
+    result["lora_session_refills"] = enabled.runner.lora.num_refills if enabled.runner.lora else None
     result["manifest_sites"] = len(RepositoryManifest.load(version).lora.sites)
+    result["lora_fusion"] = cpu_kernels.fuses_lora()  # LLMC_LORA_FUSION=0: the four-node branch
     print(json.dumps(result, indent=1))
     write_json(args.out / "lora.json", result)
     return result

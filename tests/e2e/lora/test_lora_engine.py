@@ -69,16 +69,24 @@ def test_each_adapter_equals_peft_and_a_mixed_batch_equals_each_alone(built, eng
     assert [generate(engine, [run])[0] for run in runs] == want
 
 
-def test_a_slot_rewritten_in_place_serves_the_new_adapter(built, engine, tiny_checkpoints):
+@pytest.mark.parametrize("keep_stale", [False, True])
+def test_a_slot_rewritten_in_place_serves_the_new_adapter(built, engine, tiny_checkpoints, keep_stale):
     """B (rank 8) then A (rank 4) alone: A's step keeps B's stacks and rewrites its slot in place (the bound arrays
-    ONNX Runtime reads), and A's tokens still equal PEFT's."""
+    ONNX Runtime reads), and A's tokens still equal PEFT's. Where the session reads each token's own slot only
+    (llmc.LoraDelta), B's slot stays bound beside A's, unread, and A's tokens are PEFT's all the same."""
     _, adapters = built
     lora = engine.runner.lora
     want = peft_greedy(tiny_checkpoints["llama"], adapters, [(PROMPTS[1], "b"), (PROMPTS[1], "a")], MAX_TOKENS)
-    assert generate(engine, [(PROMPTS[1], "b")])[0] == want[0]
-    refills = lora.num_refills
-    assert generate(engine, [(PROMPTS[1], "a")])[0] == want[1]
-    assert lora.num_refills == refills + 1
+    kept, lora.keep_stale = lora.keep_stale, keep_stale
+    try:
+        if keep_stale:
+            generate(engine, [(PROMPTS[1], "a"), (PROMPTS[1], "b")])  # both bound
+        assert generate(engine, [(PROMPTS[1], "b")])[0] == want[0]
+        refills, stackings = lora.num_refills, lora.num_stackings
+        assert generate(engine, [(PROMPTS[1], "a")])[0] == want[1]
+        assert (lora.num_refills, lora.num_stackings) == ((refills, stackings) if keep_stale else (refills + 1, stackings))
+    finally:
+        lora.keep_stale = kept
 
 
 def test_a_base_only_step_runs_the_base_graph(engine):
