@@ -21,7 +21,6 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -87,6 +86,13 @@ def feeds(layout: KVLayout, ids: np.ndarray) -> dict[str, np.ndarray]:
             **{name: empty for name in layout.past_names()}, **({SEQUENCE_LENGTHS: lengths} if lengths is not None else {})}
 
 
+def _same_file_system(a: Path, b: Path) -> bool:
+    try:
+        return a.stat().st_dev == b.stat().st_dev
+    except OSError:
+        return False
+
+
 def run_tensors(model, layout: KVLayout, windows: list[np.ndarray], tensors: list[str], num_threads: int,
                 progress: Callable[[int, int], None] | None, *, graph_file: Path | None = None):
     """Yield, per window, {tensor: value [tokens, channels]} for the named tensors of `model` (an
@@ -107,14 +113,15 @@ def run_tensors(model, layout: KVLayout, windows: list[np.ndarray], tensors: lis
         augmented.CopyFrom(model)
     del augmented.graph.output[:]
     augmented.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in tensors)
-    with tempfile.TemporaryDirectory(prefix="llmc-calibrate-") as tmp:
-        if linked:  # the tensors keep their location, model.onnx.data: the export's, hard-linked (ONNX Runtime
-            # refuses a symbolic link out of the model's folder), or copied across file systems
+    # the tensors keep their location, model.onnx.data: the export's, hard-linked (ONNX Runtime refuses a symbolic
+    # link out of the model's folder); where the system temp folder is another file system (a tmpfs /tmp), the
+    # folder goes beside the graph, never a copy of its weights (30 GB at 8B, into memory on a tmpfs)
+    where = None if not linked or _same_file_system(graph_file.parent, Path(tempfile.gettempdir())) \
+        else graph_file.parent
+    with tempfile.TemporaryDirectory(prefix=".llmc-calibrate-" if where else "llmc-calibrate-", dir=where) as tmp:
+        if linked:
             onnx.save(augmented, str(Path(tmp) / "model.onnx"))
-            try:
-                os.link(graph_file.parent / EXTERNAL_DATA_NAME, Path(tmp) / EXTERNAL_DATA_NAME)
-            except OSError:
-                shutil.copyfile(graph_file.parent / EXTERNAL_DATA_NAME, Path(tmp) / EXTERNAL_DATA_NAME)
+            os.link(graph_file.parent / EXTERNAL_DATA_NAME, Path(tmp) / EXTERNAL_DATA_NAME)
         else:
             save_model(augmented, Path(tmp))
         del augmented

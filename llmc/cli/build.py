@@ -31,7 +31,7 @@ def build(
     spec: SpecArg,
     output: OutputOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Run every stage, even unchanged ones.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the build plan (stages, precision, attention, TensorRT profiles, serving memory, the build's own peak memory and time, stage by stage) from the spec and the checkpoint's config, and exit; needs no GPU.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the build plan (stages, precision, attention, TensorRT profiles, serving memory, the build's own peak memory, time and disk, stage by stage) from the spec and the checkpoint's config, and exit; needs no GPU.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: print the plan as JSON (byte counts).")] = False,
     ignore_memory_check: IgnoreMemoryOpt = False,
     ignore_disk_check: IgnoreDiskOpt = False,

@@ -229,6 +229,17 @@ def test_awq_keeps_the_fp32_function(int4_build):
     assert "AWQ scaling on 7 layer inputs" in int4_build.quantized.method
 
 
+def _external_export(build, tmp_path):
+    """The build's export saved with its weights in an external data file (the layout a large export has), and the
+    graph loaded whole."""
+    source = build.output / "export" / "model.onnx"
+    external = tmp_path / "external"
+    external.mkdir()
+    onnx.save_model(onnx.load(str(source)), str(external / "model.onnx"), save_as_external_data=True,
+                    location="model.onnx.data", size_threshold=0)
+    return external, onnx.load(str(source))
+
+
 def test_calibration_over_the_linked_export_measures_what_the_untied_copy_does(int4_build, tmp_path):
     """A graph with external weights is calibrated through its own file (graph rewritten, weights linked,
     no prepacked copy), not by serializing the untied model: the same rows and mean squares."""
@@ -236,12 +247,7 @@ def test_calibration_over_the_linked_export_measures_what_the_untied_copy_does(i
     from llmc.compiler.quantize.smoothquant import smoothable
 
     layout = int4_build.exported.kv_layout
-    source = int4_build.output / "export" / "model.onnx"
-    external = tmp_path / "external"
-    external.mkdir()
-    onnx.save_model(onnx.load(str(source)), str(external / "model.onnx"), save_as_external_data=True,
-                    location="model.onnx.data", size_threshold=0)
-    model = onnx.load(str(source))
+    external, model = _external_export(int4_build, tmp_path)
     untie_lm_head(model.graph)
     windows = [np.random.default_rng(3).integers(0, 250, 20) for _ in range(2)]
     sites = [s.tensor for s in smoothable(model.graph)]
@@ -252,6 +258,27 @@ def test_calibration_over_the_linked_export_measures_what_the_untied_copy_does(i
         for name in a:
             np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6)
     assert (external / "model.onnx.data").stat().st_nlink == 1  # the link went with the calibration's folder
+
+
+def test_across_file_systems_calibration_links_the_weights_beside_the_graph_never_copies_them(int4_build, tmp_path,
+                                                                                             monkeypatch):
+    """Where the system temp folder is another file system (a tmpfs /tmp), the calibration's folder goes beside the
+    graph: a link, where a copy would put the fp32 weights (30 GB at 8B) on the temp file system, or in memory."""
+    from llmc.compiler.quantize import calibrate
+    from llmc.compiler.quantize.smoothquant import smoothable
+
+    external, model = _external_export(int4_build, tmp_path)
+    links = []
+    real_link = calibrate.os.link
+    monkeypatch.setattr(calibrate, "_same_file_system", lambda a, b: False)
+    monkeypatch.setattr(calibrate.os, "link", lambda src, dst: (links.append(Path(dst)), real_link(src, dst))[1])
+    windows = [np.random.default_rng(3).integers(0, 250, 20)]
+    sites = [s.tensor for s in smoothable(model.graph)]
+    found = calibrate.activation_statistics(model, int4_build.exported.kv_layout, windows, sites, 16,
+                                            graph_file=external / "model.onnx")
+    assert found[0] and len(links) == 1
+    assert links[0].parent.parent == external and links[0].parent.name.startswith(".llmc-calibrate-")
+    assert not list(external.glob(".llmc-calibrate-*")) and (external / "model.onnx.data").stat().st_nlink == 1
 
 
 def test_a_4bit_repository_carries_the_cpu_kernel_for_hosts_without_a_compiler(int4_build, tmp_path):
