@@ -236,3 +236,28 @@ class VerifyReport(Artifact):
 
     def __bool__(self) -> bool:
         return self.passed
+
+
+def tensor_infos(values) -> list[TensorInfo]:
+    """The name, dtype and shape (symbolic dims by name) of ONNX value infos: a graph's inputs or outputs."""
+    from onnx import helper
+
+    infos = []
+    for v in values:
+        t = v.type.tensor_type
+        dims = [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
+        infos.append(TensorInfo(name=v.name, dtype=helper.tensor_dtype_to_np_dtype(t.elem_type).name, shape=dims))
+    return infos
+
+
+def tool_versions() -> dict[str, str]:
+    """The versions of the tools a graph was made with, as the artifacts record them."""
+    import onnx
+    import onnxscript
+    import torch
+    import transformers
+
+    import llmc
+
+    return {"llmc": llmc.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "onnx": onnx.__version__, "onnxscript": onnxscript.__version__}

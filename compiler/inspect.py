@@ -78,7 +78,7 @@ def quantized_sections(art: QuantizedModel, folder: Path) -> list[Section]:
 def onnx_sections(path: Path) -> list[Section]:
     import onnx
 
-    from llmc.compiler.graph.export import tensor_infos
+    from llmc.compiler.artifacts import tensor_infos
 
     try:
         proto = onnx.load(str(path), load_external_data=False)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.compiler.artifacts import ExportedModel, ModelInfo, TensorInfo, hash_outputs
+from llmc.compiler.artifacts import ExportedModel, ModelInfo, hash_outputs, tensor_infos, tool_versions
 from llmc.compiler.graph import stamp
 from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, EXTERNAL_THRESHOLD, ONNX_NAME, save_model
 from llmc.compiler.graph.passes import fuse_skip_rms_norm, simplify
@@ -208,29 +208,6 @@ def _split_int8_scales(model, info: ModelInfo, lowering: Lowering, tokenizer, ra
                          info.vocab_size)
     split = tensor_split(info.num_heads, info.num_kv_heads, ranks)
     return [scales[:, :, list(split.kv_range(r))] for r in range(ranks)]
-
-
-def tensor_infos(values) -> list[TensorInfo]:
-    from onnx import helper
-
-    infos = []
-    for v in values:
-        t = v.type.tensor_type
-        dims = [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
-        infos.append(TensorInfo(name=v.name, dtype=helper.tensor_dtype_to_np_dtype(t.elem_type).name, shape=dims))
-    return infos
-
-
-def tool_versions() -> dict[str, str]:
-    import onnx
-    import onnxscript
-    import torch
-    import transformers
-
-    import llmc
-
-    return {"llmc": llmc.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "onnx": onnx.__version__, "onnxscript": onnxscript.__version__}
 
 
 def export(model, tokenizer, out_dir: Path, *, lowering: Lowering, source_hash: str, inputs_hash: str,

@@ -20,8 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
-from llmc.compiler.artifacts import ExportedModel, QualityReport, QuantizedModel, hash_outputs
-from llmc.compiler.graph.export import tool_versions
+from llmc.compiler.artifacts import ExportedModel, QualityReport, QuantizedModel, hash_outputs, tool_versions
 from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, EXTERNAL_THRESHOLD, ONNX_NAME, save_model
 from llmc.compiler.graph.verify import PROMPTS
 from llmc.compiler.quantize.handler import Job, QuantHandler, calibration_windows
