@@ -252,9 +252,12 @@ def test_bench_tensor_parallel_tiny(monkeypatch, capsys, tiny_checkpoints, tmp_p
 def test_bench_streamed_tiny(monkeypatch, capsys, tmp_path):
     """One tiny bf16 checkpoint in shards, built reading its layers, measured beside the dry run's estimate."""
     run_bench(monkeypatch, "streamed", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--loads", "layers",
-              "--out", str(tmp_path))
+              "--quantization", "int4-weight-only", "--algorithm", "rtn", "--out", str(tmp_path))
     result = json.loads((tmp_path / "streamed.json").read_text())
     build = result["builds"]["2"]["layers"]
     assert build["build_s"] > 0 and build["peak_gib"] > 0 and build["estimate_gib"] > 0
-    assert {"export", "verify"} <= set(build["stages"]) and all(s["peak_gib"] > 0 for s in build["stages"].values())
+    assert {"export", "verify", "quantize"} <= set(build["stages"])
+    assert all(s["peak_gib"] > 0 and "disk_gib" in s for s in build["stages"].values())
+    assert build["disk_kept_gib"] > 0 and build["disk_kept_estimate_gib"] > 0 and build["disk_estimate_gib"] > 0
+    assert result["algorithm"] == "rtn" and "quality" in build  # the quantize stage ran, round to nearest
     assert "2 layers, load layers" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """Streamed builds: peak memory and time of `source.load: layers` against `whole`, at one width and two depths.
 
     .venv/bin/python -m llmc.bench streamed [--hidden 2048] [--intermediate 8192] [--vocab 49152]
-        [--shape llama-3.1-8b] [--layers 4,16] [--loads whole,layers] [--quantization none]
+        [--shape llama-3.1-8b] [--layers 4,16] [--loads whole,layers] [--quantization none] [--algorithm awq]
         [--gguf q8_0|q4_0] [--out build/bench/streamed]
 
 A random Llama of the given width (or `--shape`: a published model's exact config, from
@@ -44,6 +44,8 @@ def add_arguments(p) -> None:
     p.add_argument("--layers", default="4,16", help="depths, comma-separated")
     p.add_argument("--loads", default="whole,layers", help="source.load values, comma-separated")
     p.add_argument("--quantization", default="none", help="quantization.mode of the builds")
+    p.add_argument("--algorithm", choices=("awq", "rtn"), default="awq",
+                   help="quantization.algorithm of the weight-only builds (rtn: round to nearest, no calibration)")
     p.add_argument("--gguf", choices=sorted(GGUF_TYPES), default=None,
                    help="build from the checkpoint converted to a GGUF of this type by llama.cpp (needs "
                         "llama-cpp-python and LLAMA_CPP_CONVERT), not from its safetensors")
@@ -134,16 +136,17 @@ def gguf_source(checkpoint: Path, kind: str) -> Path:
     return llama_cpp_build(checkpoint, GGUF_TYPES[kind], root)["gguf"]
 
 
-def measured_build(source: Path, load: str, quantization: str, root: Path, label: str | None = None) -> dict:
-    """`source` built with `load` and `quantization` in a process of its own (named `label`, default the source's
-    name), measured; its graphs deleted after."""
+def measured_build(source: Path, load: str, quantization: str, root: Path, label: str | None = None,
+                   algorithm: str = "awq") -> dict:
+    """`source` built with `load` and `quantization` (weight-only: by `algorithm`) in a process of its own (named
+    `label`, default the source's name), measured; its graphs deleted after."""
     from llmc.compiler import load_spec, plan_build
 
-    name = f"{label or source.name}-{load}-{quantization}"
+    name = f"{label or source.name}-{load}-{quantization}" + (f"-{algorithm}" if algorithm != "awq" else "")
     spec = root / f"{name}.yaml"
     lines = [f"name: {name}", "source:", f"  path: {source}", f"  load: {load}", "limits:", "  max_batch_size: 4"]
     if quantization != "none":
-        lines += ["quantization:", f"  mode: {quantization}"]
+        lines += ["quantization:", f"  mode: {quantization}"] + ([f"  algorithm: {algorithm}"] if algorithm != "awq" else [])
     spec.write_text("\n".join(lines) + "\n")
     plan = plan_build(load_spec(spec), root / name)
     log = root / f"{name}.log"
@@ -256,7 +259,7 @@ def run(args) -> int:
             source, label = gguf_source(source, args.gguf), f"{label}-{args.gguf}"
         for load in loads:
             r = results.setdefault(str(depth), {})[load] = measured_build(source, load, args.quantization, args.out,
-                                                                          label)
+                                                                          label, args.algorithm)
             quality = r.get("quality")
             print(f"{depth} layers, load {load}: {r['build_s']:.0f} s (dry run "
                   f"{sum(r['stage_estimates_s'].values()):.0f}), peak {r['peak_gib']:.2f} GiB "
@@ -282,7 +285,8 @@ def run(args) -> int:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
     shape = args.shape or {"hidden": args.hidden, "intermediate": args.intermediate, "vocab": args.vocab}
-    write_json(args.out / "streamed.json", {"shape": shape, "quantization": args.quantization, "gguf": args.gguf,
+    write_json(args.out / "streamed.json", {"shape": shape, "quantization": args.quantization,
+                                            "algorithm": args.algorithm, "gguf": args.gguf,
                                             "builds": results, "ratios": ratios})
     return 0
 
