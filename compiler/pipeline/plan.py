@@ -20,6 +20,7 @@ from llmc.compiler.draft import inspect_draft
 from llmc.compiler.graph.kv_cache import ELEMENT
 from llmc.compiler.pipeline import memory, timing
 from llmc.compiler.pipeline.disk import DiskPlan, plan_disk
+from llmc.compiler.pipeline.disk import linear_bytes as disk_linear_bytes
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.models.config import Dims, read_dims
 from llmc.compiler.models.parallel.heads import tensor_split
@@ -45,7 +46,9 @@ BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # the table and ONNX Runtime's transposed copy of it) where the export's R is still in the heap, then its reference
 # R and a layer; quantize reads, searches and packs the largest weight (the LM head) one at a time, about three tables
 # at once (HEAD_COPIES; a tied head, copied out of the embedding first, four and a half), beside the quantized
-# graph's session and a segment. Both grow a little with depth (STREAM_DEPTH of W). Fitted to the streamed
+# graph's session and a segment; or, where more, the quality report's session over the quantized graph, whose
+# kernels pack its codes and scales again in memory (PACKED times their bytes on disk: fitted to the 8B int8 build,
+# 12.1 GiB; int4's head tables stay larger). Both grow a little with depth (STREAM_DEPTH of W). Fitted to the streamed
 # benchmark's int4 AWQ builds (random Llamas: hidden 2048 at 4 and 16 layers, Llama-3.2-1B, Llama-3.1-8B at 4 and
 # 32 layers), each stage within 20%. A split (parallel.tensor: N) read a layer at a time exports once per rank: the
 # above, plus the rank's LM head slice (1/N of a table) and a layer's slice; its verify and quantize run every rank's
@@ -60,6 +63,7 @@ STREAM_PEAK = ("export", "verify", "quantize")  # the stages whose peak reading 
 STREAM_EXPORT = (1.2, 1.0, 0.04)  # export's multiples of (R, L, W)
 STREAM_DEPTH, STREAM_MISC = 0.05, 0.4 * 2**30
 HEAD_COPIES = {False: 3.0, True: 4.5}  # quantize's tables at once, by tied embeddings
+PACKED = 1.27  # the quality report's quantized session: its packed weights, multiples of their bytes on disk
 SPLIT_VERIFY, SPLIT_QUANTIZE = 1.8, 1.7  # a streamed split's ranks together, multiples of W
 LINEAR_BYTES = {QuantMode.int8: 1.0, QuantMode.fp8: 1.0, QuantMode.int8_weight_only: 1.0,
                 QuantMode.int4_weight_only: 0.5}
@@ -132,11 +136,11 @@ class BuildPlan:
 
 
 def stage_peaks(dims: Dims, stages: list[str], untied: int, load: str, weight_only: bool = True,
-                ranks: int = 1) -> dict[str, int]:
+                ranks: int = 1, packed: float = 0.0) -> dict[str, int]:
     """Each stage's peak memory for `load` ("whole" or "layers"), of the stages in BUILD_PEAK that run;
     `weight_only`: the quantize stage's mode is a weight-only one (the static Q/DQ modes' calibration and ModelOpt
     run the whole graph, streamed or not); `ranks`: parallel.tensor (read a layer at a time: every rank's process
-    on this host counted)."""
+    on this host counted); `packed`: a quantized linear weight's bytes a parameter on disk (disk.linear_bytes)."""
     fp32 = 4 * (dims.linear_params + dims.other_params)
     peaks = {stage: int(BASE + w * fp32 + u * 4 * untied + x * 4 * dims.expert_params)
              for stage, (w, u, x) in BUILD_PEAK.items() if stage in stages}
@@ -151,7 +155,8 @@ def stage_peaks(dims: Dims, stages: list[str], untied: int, load: str, weight_on
         grown = STREAM_DEPTH * fp32 + STREAM_MISC
         streamed = {"export": BASE + r * resident + l * layer + w * fp32,
                     "verify": BASE + resident + max(segment, layer) + grown,
-                    "quantize": BASE + HEAD_COPIES[dims.tied_embeddings] * table + grown}
+                    "quantize": BASE + grown + max(HEAD_COPIES[dims.tied_embeddings] * table,
+                                                   PACKED * packed * (dims.linear_params + untied))}
         if ranks > 1:  # the export once per rank; verify's and quantize's sessions every rank's at once
             streamed = {"export": streamed["export"] + table / ranks + l * layer / ranks,
                         "verify": BASE / 2 + SPLIT_VERIFY * fp32 + resident + layer,
@@ -223,7 +228,9 @@ def build_plan(spec: BuildSpec, dims: Dims, info=None, output=None) -> BuildPlan
         except OSError:
             pass
     weight_only = q.mode in (QuantMode.int8_weight_only, QuantMode.int4_weight_only)
-    whole, streamed = (stage_peaks(dims, stages, untied, load, weight_only, ranks) for load in ("whole", "layers"))
+    packed = disk_linear_bytes(q) if q.mode is not QuantMode.none else 0.0
+    whole, streamed = (stage_peaks(dims, stages, untied, load, weight_only, ranks, packed)
+                       for load in ("whole", "layers"))
     load, load_reason = choose_load(spec, whole, available, refusal)
     if ranks > 1 and load == "layers":
         notes.append(f"parallel.tensor {ranks}, read a layer at a time: the export reads the checkpoint once per "
