@@ -10,9 +10,9 @@ there already and as large). AWQ's and SmoothQuant's rescaling is recorded and a
 a reader's rows multiplied (`scale_rows`), a producer's entries divided (`divide`: up_proj's columns for down_proj's
 scales, v_proj's for o_proj's, a norm's weight). Every such weight is rescaled and then only read to be rounded, and
 written back it was the fp32 model again on disk (30 GB at 8B, beside the export's own: the rows), or its MLP's up
-projections (7.5 GB at 8B: the columns, measured at 4 layers of a 1B width as 256 of the scratch's 932 MiB). `save` writes the graph the runtime runs, its
-weights copied a tensor at a time. A graph whose weights are inline (under the export's external-data threshold)
-stays as it was: in memory.
+projections (7.5 GB at 8B: the columns, measured at 4 layers of a 1B width as 256 of the scratch's 932 MiB).
+`save` writes the graph the runtime runs, its weights copied a tensor at a time. A graph whose weights are inline
+(under the export's external-data threshold) stays as it was: in memory.
 
 Written here because onnx and onnx_ir read external data only whole (onnx.load_external_data_for_model) or
 as read-only maps (onnx_ir's ExternalTensor), and neither writes a tensor back into its file.

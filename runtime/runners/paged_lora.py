@@ -31,8 +31,8 @@ from llmc.runtime.lora.stacks import AdapterWeights, fill_slot, slot_masks, stac
 class LoraGraph:
     def __init__(self, session, sites: Sequence[Site], base_inputs: list[str], path: Path, keep_stale: bool = False):
         """`session`: ONNX Runtime's over the LoRA graph at `path`; `base_inputs`: the base graph's inputs, in order,
-        which the LoRA graph must begin with; `keep_stale`: its sites read only their tokens' own slots (llmc.LoraDelta),
-        so slots of adapters a step does not use may stay bound."""
+        which the LoRA graph must begin with; `keep_stale`: its sites read only their tokens' own slots
+        (llmc.LoraDelta), so slots of adapters a step does not use may stay bound."""
         self.session, self.sites = session, list(sites)
         got = [i.name for i in session.get_inputs()]
         if OLD_SLOTS in got:

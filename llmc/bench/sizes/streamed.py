@@ -6,16 +6,16 @@
 
 A random Llama of the given width (or `--shape`: a published model's exact config, from
 llmc.bench.checkpoints.SHAPES, at the given depths), bf16 in shards as checkpoints are published (written a tensor
-at a time: an 8B checkpoint is made in the memory of its largest tensor), is built (export, verify,
-quantize when asked, package) once per depth and load, each in its own process: wall time and peak memory (the
-process tree's resident set, and its anonymous part, sampled every 50 ms: builds.timed_build) and its disk (the
-output file system's free space taken at the most, sampled as often, the build's and each stage's: run it on a
-disk nothing else writes to), beside `--dry-run`'s estimates. `--gguf TYPE`: the builds read a GGUF of that checkpoint instead, converted by llama.cpp
-(llama-cpp-python and its sdist's converter, LLAMA_CPP_CONVERT: peers.llama_cpp_build, made once beside the
-checkpoint), as a user building from a published GGUF would (at 8B: `--shape llama-3-8b`; llmc refuses a Llama 3.1
-GGUF, whose RoPE scaling llama.cpp stores as a tensor transformers' reader drops). Printed: each build, layers
-against whole at each depth, and the deepest against the shallowest for each load (1.0: flat in depth). Writes
-OUT/streamed.json.
+at a time: an 8B checkpoint is made in the memory of its largest tensor), is built (export, verify, quantize when
+asked, package) once per depth and load, each in its own process: wall time and peak memory (the process tree's
+resident set, and its anonymous part, sampled every 50 ms: builds.timed_build) and its disk (the output file
+system's free space taken at the most, sampled as often, the build's and each stage's: run it on a disk nothing else
+writes to), beside `--dry-run`'s estimates. `--gguf TYPE`: the builds read a GGUF of that checkpoint instead,
+converted by llama.cpp (llama-cpp-python and its sdist's converter, LLAMA_CPP_CONVERT: peers.llama_cpp_build, made
+once beside the checkpoint), as a user building from a published GGUF would (at 8B: `--shape llama-3-8b`; llmc
+refuses a Llama 3.1 GGUF, whose RoPE scaling llama.cpp stores as a tensor transformers' reader drops). Printed: each
+build, layers against whole at each depth, and the deepest against the shallowest for each load (1.0: flat in
+depth). Writes OUT/streamed.json.
 """
 
 from __future__ import annotations
