@@ -15,9 +15,10 @@ What a stage holds on disk (fp32 = 4 bytes a parameter of the checkpoint):
 - verify: nothing kept (its candidate and segments hard-link the export's weights);
 - quantize, weight-only: its graph (the linear weights' codes, scales and zero points, the rest at fp32) and, while
   it runs, a scratch file of what it wrote: the codes and scales, a tied LM head's fp32 copy (untied to be
-  quantized), and the LM head's codes a second time (measured: the scratch of a 4-layer random Llama of width 2048
-  held 676 MiB against 594 of those tensors). `WeightFile.save` gives the scratch's blocks back as it copies them, so
-  the stage's peak is the larger of the two, not their sum;
+  quantized), and codes left dead there, counted as one embedding table's worth (measured: the scratch of a 4-layer
+  random Llama of width 2048 held 676 MiB, 82 more than those tensors, about its gate and up projections' codes,
+  which merging the two into one node adds again). `WeightFile.save` gives the scratch's blocks back as it copies
+  them, dead ones first, so the stage's peak is the larger of the two, not their sum;
 - package: hard links to the graph it serves, the runtime's code and the tokenizer (a few MB).
 Measured with `python -m llmc.bench streamed`, which samples the file system's free space during each build.
 Not estimated (a note says so): the static Q/DQ modes' ModelOpt graph (written to the system temp folder), a
