@@ -172,12 +172,13 @@ class WeightFile:
         # the scratch file's disk blocks go as the graph's data file grows: first what no saved tensor reads (a
         # tied LM head's fp32 copy, once it is quantized), then each tensor once copied, the scratch's first;
         # else the two files are whole on disk at once (the quantize stage's peak: 6 GB more at 8B)
-        scratch = {t.name: self._span(t)[1:] for t in graph.initializer if _external(t) and self._span(t)[0] == SCRATCH}
-        _release_blocks(self.path, _gaps(sorted(scratch.values()), self.path.stat().st_size))
+        spans = {t.name: self._span(t) for t in graph.initializer if _external(t)}
+        scratch = sorted((offset, length) for where, offset, length in spans.values() if where == SCRATCH)
+        _release_blocks(self.path, _gaps(scratch, self.path.stat().st_size))
         with open(data, "wb") as dst:
-            for tensor in sorted(graph.initializer, key=lambda t: t.name not in scratch):
+            for tensor in sorted(graph.initializer, key=lambda t: spans.get(t.name, ("",))[0] != SCRATCH):
                 if _external(tensor):
-                    where, start, length = self._span(tensor)
+                    where, start, length = spans[tensor.name]
                     raw = self.array(tensor).tobytes() if tensor.name in self._scales else self._read(tensor)
                 elif tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
                     where, raw = None, tensor.raw_data

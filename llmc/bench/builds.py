@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]  # llmc/bench/builds.py: the checkout the benchmarks run in
 BENCH = REPO / "build" / "bench"
@@ -129,16 +128,12 @@ def _flatten(data: dict, prefix: str = "") -> list[tuple[str, str]]:
 class PeakMemory:
     """The largest resident set of a process and its children, sampled every `interval` seconds: in all
     (`peak`), and its anonymous part (`peak_anonymous`: the resident set less the file-backed and shared
-    pages, such as a session's mapped weights file, which the kernel can drop and read again); with `disk` (a
-    folder), also the most of its file system's free space taken since the start (`peak_disk`: what the process
-    wrote there at its peak, and whatever else wrote there meanwhile)."""
+    pages, such as a session's mapped weights file, which the kernel can drop and read again)."""
 
-    def __init__(self, pid: int, interval: float = 0.05, disk: Path | None = None):
+    def __init__(self, pid: int, interval: float = 0.05):
         import psutil
 
-        self.peak = self.peak_anonymous = self.peak_disk = 0
-        self._disk = disk
-        self._free = shutil.disk_usage(disk).free if disk is not None else 0
+        self.peak = self.peak_anonymous = 0
         self._stop = threading.Event()
         self._root = psutil.Process(pid)
         self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
@@ -152,9 +147,7 @@ class PeakMemory:
                 infos = [p.memory_info() for p in (self._root, *self._root.children(recursive=True))]
                 self.peak = max(self.peak, sum(i.rss for i in infos))
                 self.peak_anonymous = max(self.peak_anonymous, sum(i.rss - i.shared for i in infos))
-                if self._disk is not None:
-                    self.peak_disk = max(self.peak_disk, self._free - shutil.disk_usage(self._disk).free)
-            except (psutil.Error, OSError):
+            except psutil.Error:
                 pass
             self._stop.wait(interval)
 
@@ -164,26 +157,20 @@ class PeakMemory:
         return self.peak, self.peak_anonymous
 
 
-class Measured(NamedTuple):
-    wall: float  # seconds
-    peak: int  # resident bytes of the process tree
-    anonymous: int  # of which anonymous
-    disk: int  # bytes of the disk folder's file system taken at the most (0 without one)
-
-
-def timed_build(cmd: list[str], log: Path, disk: Path | None = None) -> Measured:
-    """Run a build command, its output to `log`, measured (PeakMemory; `disk`: the folder it writes to)."""
+def timed_build(cmd: list[str], log: Path) -> tuple[float, int, int]:
+    """Run a build command: (wall seconds, peak resident bytes of its process tree, peak anonymous bytes);
+    its output to `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-        memory = PeakMemory(proc.pid, disk=disk)
+        memory = PeakMemory(proc.pid)
         code = proc.wait()
         wall, (peak, anonymous) = time.perf_counter() - start, memory.stop()
     if code:
         raise RuntimeError(f"{cmd[0]} ... failed (exit {code}); see {log}")
-    return Measured(wall, peak, anonymous, memory.peak_disk)
+    return wall, peak, anonymous
 
 
 def sized_spec(checkpoint: Path, mode: str, block: int | None = None) -> str:
@@ -210,7 +197,7 @@ def sized_build(checkpoint: Path, mode: str, root: Path, block: int | None = Non
 
         llmc = [sys.executable, "-m", "llmc.cli"]
         estimate = plan_build(load_spec(spec)).build_peak_bytes  # what `llmc build --dry-run` says
-        wall, peak, anonymous, _ = timed_build([*llmc, "build", str(spec), "-o", str(out)], root / f"{name}.log")
+        wall, peak, anonymous = timed_build([*llmc, "build", str(spec), "-o", str(out)], root / f"{name}.log")
         record.write_text(json.dumps({"build_s": wall, "peak_bytes": peak, "peak_anonymous_bytes": anonymous,
                                       "estimate_bytes": estimate}))
     return {**json.loads(record.read_text()), "version": next((out / "model_repository").glob("*/[0-9]*"))}

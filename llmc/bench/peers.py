@@ -44,7 +44,7 @@ def genai_build(checkpoint: Path, mode: str, root: Path, threads: int) -> dict:
     out = root / f"genai-{mode}"
     record = root / f"genai-{mode}.json"
     if not record.is_file():
-        wall, peak, anonymous, _ = timed_build([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
+        wall, peak, anonymous = timed_build([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
                                              str(checkpoint), "-o", str(out), "-p", mode, "-e", "cpu"],
                                             root / f"genai-{mode}.log")
         record.write_text(json.dumps({"build_s": wall, "peak_bytes": peak, "peak_anonymous_bytes": anonymous}))
@@ -159,7 +159,7 @@ def llama_cpp_build(checkpoint: Path, mode: str, root: Path) -> dict:
         direct = mode != "int4"
         target = out if direct else root / "llama-cpp-int4-source.gguf"
         outtype = LLAMA_CPP_TYPE[mode] if direct else _lossless_type(checkpoint)
-        wall, peak, anonymous, _ = timed_build([sys.executable, "-c", PINNED_CONVERTER, os.environ["LLAMA_CPP_CONVERT"],
+        wall, peak, anonymous = timed_build([sys.executable, "-c", PINNED_CONVERTER, os.environ["LLAMA_CPP_CONVERT"],
                                              str(checkpoint), "--outfile", str(target), "--outtype", outtype],
                                             root / f"llama-cpp-{mode}.log")
         if not direct:

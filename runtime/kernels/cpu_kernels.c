@@ -44,13 +44,7 @@
 static char isa_names[64];
 static pthread_once_t isa_names_once = PTHREAD_ONCE_INIT;
 
-static void list_isas(void) {
-  for (int isa = 0; isa < Q4_ISA_COUNT; isa++) {
-    if (!q4_isa_supported(isa)) continue;
-    if (*isa_names) strcat(isa_names, ",");
-    strcat(isa_names, q4_isa_name(isa));
-  }
-}
+static void list_isas(void) { llmc_list_isas(isa_names, Q4_ISA_COUNT, q4_isa_supported, q4_isa_name); }
 
 /* the instruction sets this CPU runs the kernel on, best first, comma-separated ("" for none) */
 const char *llmc_cpu_kernels_isas(void) {

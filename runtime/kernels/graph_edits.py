@@ -61,6 +61,15 @@ def accelerate(model, threads: int, isa: str) -> int:
     return len(nodes)
 
 
+def readers_of(graph) -> dict[str, list]:
+    """Each value of `graph` (a GraphProto) -> the nodes that read it, in the graph's order."""
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    return readers
+
+
 def fold_bias(model, nodes: list) -> int:
     """Each of `nodes` (MatMulNBits4, swapped in) whose output only an Add of a float [N] initializer reads
     takes that initializer as its bias (input 5) and the Add's output, and the Add goes: the kernel adds the
@@ -70,10 +79,7 @@ def fold_bias(model, nodes: list) -> int:
     from onnx import TensorProto
 
     floats = {t.name: list(t.dims) for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
-    readers: dict[str, list] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = readers_of(model.graph)
     graph_outputs = {o.name for o in model.graph.output}
     gone: set[str] = set()  # the swapped nodes' own outputs, which no node reads once their Adds go
     for node in nodes:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import re
 
+from llmc.runtime.kernels.graph_edits import readers_of
+
 DOMAIN, LORA_OP = "llmc", "LoraDelta"
 SWITCH = "LLMC_LORA_FUSION"  # "0" keeps the four-node branch (llmc's other kernels stay on)
 _MASK = re.compile(r"lora_mask(_x[0-9]+)?")
@@ -71,10 +73,7 @@ def fuse_lora(model, threads: int) -> int:
 
     graph = model.graph
     producers = {out: node for node in graph.node for out in node.output}
-    readers: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = readers_of(graph)
     inputs = {i.name for i in graph.input}
     outputs = {o.name for o in graph.output}
     gone: set[int] = set()  # id() of the nodes fused away

@@ -1,4 +1,5 @@
-/* The few parts of ONNX Runtime's C ABI llmc's custom ops use (cpu_kernels.c, paged_attention_op.c),
+/* The few parts of ONNX Runtime's C ABI llmc's custom ops use (cpu_kernels.c, the ops' *_op.c files), and the
+ * attribute readers and instruction-set listing those ops share (at the end),
  * written by hand because ONNX Runtime's headers are not installed with its wheel: OrtApiBase, the
  * OrtApi function-table slots called, and the OrtCustomOp struct up to KernelComputeV2 (version 16).
  * The table is append-only and versioned, so the slot numbers hold for every release at or above the
@@ -98,5 +99,35 @@ typedef OrtStatus *(*fn_parallel_for)(const OrtKernelContext *, void (*)(void *,
 
 /* an error status ONNX Runtime reports (it copies the message) */
 static inline OrtStatus *llmc_fail(int code, const char *msg) { return CALL(CreateStatus, fn_create_status, code, msg); }
+
+/* ---- what llmc's ops share besides the ABI ---- */
+#include <stdio.h>
+#include <string.h>
+
+/* the node's int attribute, or fallback when it has none */
+static inline int64_t llmc_attr_int(const OrtKernelInfo *info, const char *name, int64_t fallback) {
+  int64_t value;
+  OrtStatus *status = CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, name, &value);
+  if (!status) return value;
+  CALL(ReleaseStatus, fn_release_status, status);
+  return fallback;
+}
+
+/* the node's string attribute (truncated to `size` - 1), or fallback when it has none */
+static inline void llmc_attr_string(const OrtKernelInfo *info, const char *name, char *out, size_t size,
+                                    const char *fallback) {
+  size_t needed = 0;
+  OrtStatus *status = CALL(KernelInfoGetAttribute_string, fn_attr_string, info, name, NULL, &needed);
+  if (!status && needed <= size) status = CALL(KernelInfoGetAttribute_string, fn_attr_string, info, name, out, &needed);
+  else if (!status) snprintf(out, size, "%s", "(too long)");
+  if (status) snprintf(out, size, "%s", fallback);
+  if (status) CALL(ReleaseStatus, fn_release_status, status);
+}
+
+/* a kernel's instruction sets this CPU runs, best first, comma-separated into `out` ("" for none) */
+static inline void llmc_list_isas(char *out, int count, int (*supported)(int), const char *(*name)(int)) {
+  for (int isa = 0; isa < count; isa++)
+    if (supported(isa)) strcat(strcat(out, *out ? "," : ""), name(isa));
+}
 
 #endif

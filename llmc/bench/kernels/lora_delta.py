@@ -43,9 +43,9 @@ def branch_model(lead=(1, "n")):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def fused_model(threads: int, isa: str = "", lead=(1, "n")):
+def fused_model(threads: int, isa: str = "", lead=(1, "n"), site: str = "bench"):
     node = helper.make_node("LoraDelta", ["y_base", "x", "a", "mask", "b"], ["y"], domain="llmc", threads=threads,
-                            isa=isa, site="bench")
+                            isa=isa, site=site)
     graph = helper.make_graph([node], "fused", _inputs(lead),
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "out"])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("llmc", 1)])

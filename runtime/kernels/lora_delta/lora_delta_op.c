@@ -36,10 +36,7 @@ typedef struct {
 
 static char isa_names[64];
 static pthread_once_t isa_names_once = PTHREAD_ONCE_INIT;
-static void list_isas(void) {
-  for (int isa = 0; isa < LORA_ISA_COUNT; isa++)
-    if (lora_isa_supported(isa)) strcat(strcat(isa_names, *isa_names ? "," : ""), lora_isa_name(isa));
-}
+static void list_isas(void) { llmc_list_isas(isa_names, LORA_ISA_COUNT, lora_isa_supported, lora_isa_name); }
 const char *llmc_lora_delta_isas(void) {
   pthread_once(&isa_names_once, list_isas);
   return isa_names;
@@ -51,25 +48,13 @@ static OrtStatus *bad(const char *site, const char *text) {
   return llmc_fail(ORT_INVALID_ARGUMENT, message);
 }
 
-/* the string attribute's value (truncated to `size` - 1), or fallback when the node has none */
-static void attr_string(const OrtKernelInfo *info, const char *name, char *out, size_t size, const char *fallback) {
-  size_t needed = 0;
-  OrtStatus *status = CALL(KernelInfoGetAttribute_string, fn_attr_string, info, name, NULL, &needed);
-  if (!status && needed <= size) status = CALL(KernelInfoGetAttribute_string, fn_attr_string, info, name, out, &needed);
-  else if (!status) snprintf(out, size, "%s", "(too long)");
-  if (status) snprintf(out, size, "%s", fallback);
-  if (status) CALL(ReleaseStatus, fn_release_status, status);
-}
-
 static OrtStatus *create_kernel(const OrtCustomOp *custom, OrtApiTable table, const OrtKernelInfo *info, void **out) {
   (void)custom, (void)table;
-  LoraOp op = {1, 0, ""};
-  attr_string(info, "site", op.site, sizeof op.site, "");
-  OrtStatus *status = CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "threads", &op.threads);
-  if (status) CALL(ReleaseStatus, fn_release_status, status), op.threads = 1;
+  LoraOp op = {llmc_attr_int(info, "threads", 1), 0, ""};
+  llmc_attr_string(info, "site", op.site, sizeof op.site, "");
   if (op.threads < 1) return bad(op.site, "threads must be at least 1");
   char isa[32];
-  attr_string(info, "isa", isa, sizeof isa, "");
+  llmc_attr_string(info, "isa", isa, sizeof isa, "");
   for (op.isa = 0; op.isa < LORA_ISA_COUNT; op.isa++)
     if ((!*isa || !strcmp(isa, lora_isa_name(op.isa))) && lora_isa_supported(op.isa)) break;
   if (op.isa == LORA_ISA_COUNT) {

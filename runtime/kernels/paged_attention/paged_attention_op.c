@@ -22,21 +22,10 @@
 
 static char isa_names[64];
 static pthread_once_t isa_names_once = PTHREAD_ONCE_INIT;
-static void list_isas(void) {
-  for (int isa = 0; isa < PAGED_ISA_COUNT; isa++)
-    if (paged_isa_supported(isa)) strcat(strcat(isa_names, *isa_names ? "," : ""), paged_isa_name(isa));
-}
+static void list_isas(void) { llmc_list_isas(isa_names, PAGED_ISA_COUNT, paged_isa_supported, paged_isa_name); }
 const char *llmc_paged_attention_isas(void) {
   pthread_once(&isa_names_once, list_isas);
   return isa_names;
-}
-
-static int64_t attr_int(const OrtKernelInfo *info, const char *name, int64_t fallback) {
-  int64_t value;
-  OrtStatus *status = CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, name, &value);
-  if (!status) return value;
-  CALL(ReleaseStatus, fn_release_status, status);
-  return fallback;
 }
 
 static float attr_float(const OrtKernelInfo *info, const char *name, float fallback) {
@@ -47,22 +36,12 @@ static float attr_float(const OrtKernelInfo *info, const char *name, float fallb
   return fallback;
 }
 
-/* the attribute's value (truncated to `size` - 1), or fallback when the node has none */
-static void attr_string(const OrtKernelInfo *info, const char *name, char *out, size_t size, const char *fallback) {
-  size_t needed = 0;
-  OrtStatus *status = CALL(KernelInfoGetAttribute_string, fn_attr_string, info, name, NULL, &needed);
-  if (!status && needed <= size) status = CALL(KernelInfoGetAttribute_string, fn_attr_string, info, name, out, &needed);
-  else if (!status) snprintf(out, size, "%s", "(too long)");
-  if (status) snprintf(out, size, "%s", fallback);
-  if (status) CALL(ReleaseStatus, fn_release_status, status);
-}
-
 /* the quant types: NONE for float caches; PER_TENSOR or PER_CHANNEL for int8 ones (per_channel set) */
 static OrtStatus *quant_types(const OrtKernelInfo *info, PagedOp *op) {
   char text[64];
   const char *names[] = {"k_quant_type", "v_quant_type"};
   for (int i = 0; i < 2; i++) {
-    attr_string(info, names[i], text, sizeof text, "NONE");
+    llmc_attr_string(info, names[i], text, sizeof text, "NONE");
     op->per_channel[i] = !strcmp(text, "PER_CHANNEL");
     if (op->cache != PAGED_CACHE_I8 && strcmp(text, "NONE"))
       return paged_bad("%s '%s' needs an int8 cache (this one holds %s)", names[i], text, paged_cache_names[op->cache]);
@@ -74,13 +53,13 @@ static OrtStatus *quant_types(const OrtKernelInfo *info, PagedOp *op) {
 
 static OrtStatus *refuse_unsupported(const OrtKernelInfo *info, PagedOp *op) {
   char text[64];
-  attr_string(info, "kv_cache_layout", text, sizeof text, "SEPARATE");
+  llmc_attr_string(info, "kv_cache_layout", text, sizeof text, "SEPARATE");
   if (strcmp(text, "SEPARATE"))
     return paged_bad("kv_cache_layout '%s' is not implemented on CPU (only SEPARATE: MLA's LATENT layout is not)", text);
-  if (attr_int(info, "v_head_size", 0)) return paged_bad("v_head_size (MLA) is not implemented on CPU");
+  if (llmc_attr_int(info, "v_head_size", 0)) return paged_bad("v_head_size (MLA) is not implemented on CPU");
   TRY(quant_types(info, op));
   for (const char *const *name = (const char *const[]){"k_cache_dtype", "v_cache_dtype", NULL}; *name; name++) {
-    attr_string(info, *name, text, sizeof text, "");
+    llmc_attr_string(info, *name, text, sizeof text, "");
     if (*text && (op->cache == PAGED_CACHE_F32 || strcmp(text, paged_cache_names[op->cache])))
       return paged_bad("%s '%s' does not name this cache's element type (%s)", *name, text, paged_cache_names[op->cache]);
   }
@@ -99,16 +78,16 @@ static OrtStatus *create_kernel(const OrtCustomOp *custom, OrtApiTable table, co
   TRY(refuse_unsupported(info, &op));
   op.scale = attr_float(info, "scale", 0.f);
   op.softcap = attr_float(info, "softcap", 0.f);
-  op.window = attr_int(info, "local_window_size", -1);
-  op.do_rotary = attr_int(info, "do_rotary", 0) == 1;
-  op.interleaved = attr_int(info, "rotary_interleaved", 0) == 1;
-  op.causal = attr_int(info, "is_causal", 1) == 1;
-  op.rotary_offset = attr_int(info, "rotary_offset", 0);
+  op.window = llmc_attr_int(info, "local_window_size", -1);
+  op.do_rotary = llmc_attr_int(info, "do_rotary", 0) == 1;
+  op.interleaved = llmc_attr_int(info, "rotary_interleaved", 0) == 1;
+  op.causal = llmc_attr_int(info, "is_causal", 1) == 1;
+  op.rotary_offset = llmc_attr_int(info, "rotary_offset", 0);
   if (op.rotary_offset < 0 || op.rotary_offset % 8)
     return paged_bad("rotary_offset (%lld) must be a non-negative multiple of 8", (long long)op.rotary_offset);
-  op.threads = attr_int(info, "threads", sysconf(_SC_NPROCESSORS_ONLN));
+  op.threads = llmc_attr_int(info, "threads", sysconf(_SC_NPROCESSORS_ONLN));
   char isa[32];
-  attr_string(info, "isa", isa, sizeof isa, "");
+  llmc_attr_string(info, "isa", isa, sizeof isa, "");
   for (op.isa = 0; op.isa < PAGED_ISA_COUNT; op.isa++)
     if ((!*isa || !strcmp(isa, paged_isa_name(op.isa))) && paged_isa_supported(op.isa)) break;
   if (op.isa == PAGED_ISA_COUNT)

@@ -17,7 +17,7 @@ from llmc.compiler.pipeline.plan import plan_build
 from llmc.compiler.spec import parse_spec
 from llmc.errors import ResourceError
 
-from tests.compiler.pipeline.test_memory_check import LLAMA_70B, _spec
+from tests.compiler.pipeline.test_memory_check import LLAMA_70B, _spec, config_checkpoint
 
 GiB = 2**30
 LLAMA_8B = {**LLAMA_70B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -26,12 +26,8 @@ LLAMA_8B = {**LLAMA_70B, "hidden_size": 4096, "intermediate_size": 14336, "num_h
 
 @pytest.fixture
 def llama_8b(tmp_path):
-    """A config-only checkpoint of Llama-3.1-8B's shape: the plan reads config.json alone."""
-    ckpt = tmp_path / "llama-3.1-8b"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(LLAMA_8B))
-    (ckpt / "model.safetensors").write_bytes(b"")
-    return ckpt
+    """Llama-3.1-8B's shape, config only."""
+    return config_checkpoint(tmp_path / "llama-3.1-8b", LLAMA_8B)
 
 
 @pytest.fixture

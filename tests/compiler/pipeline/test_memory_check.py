@@ -33,14 +33,17 @@ def _spec(ckpt, **extra):
                        **extra})
 
 
+def config_checkpoint(folder: Path, config: dict) -> Path:
+    """A config-only checkpoint: the plan reads config.json; the weights file only has to be there."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
 @pytest.fixture
 def llama_70b(tmp_path):
-    """A config-only checkpoint: the plan reads config.json; the weights file only has to be there."""
-    ckpt = tmp_path / "llama-3.1-70b"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(LLAMA_70B))
-    (ckpt / "model.safetensors").write_bytes(b"")
-    return ckpt
+    return config_checkpoint(tmp_path / "llama-3.1-70b", LLAMA_70B)
 
 
 @pytest.fixture

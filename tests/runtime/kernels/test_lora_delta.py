@@ -15,6 +15,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from llmc.compiler.lora import Member, Site, add_lora_branches, slot_masks
+from llmc.bench.kernels.lora_delta import branch_model, fused_model
 from llmc.compiler.lora.reference import lora_delta
 from llmc.runtime.kernels import cpu_kernels, lora_fusion
 from llmc.runtime.lora.sites import a_name, b_name, mask_name
@@ -32,33 +33,17 @@ def _isas() -> list[str]:
     return listing().decode().split(",")
 
 
+def _lead(x_rank: int) -> tuple:
+    return ("n",) if x_rank == 2 else (1, "n")
+
+
 def _op_model(x_rank: int, threads: int, isa: str, site: str = "layers.0.q") -> onnx.ModelProto:
-    lead = ["n"] if x_rank == 2 else [1, "n"]
-    node = helper.make_node("LoraDelta", ["y_base", "x", "a", "mask", "b"], ["y"], domain="llmc", threads=threads,
-                            isa=isa, site=site)
-    graph = helper.make_graph([node], "g", [
-        helper.make_tensor_value_info("y_base", TensorProto.FLOAT, [*lead, "out"]),
-        helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, "in"]),
-        helper.make_tensor_value_info("a", TensorProto.FLOAT, ["in", "w"]),
-        helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["n", "w"]),
-        helper.make_tensor_value_info("b", TensorProto.FLOAT, ["w", "out"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "out"])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("llmc", 1)])
+    return fused_model(threads, isa, _lead(x_rank), site)
 
 
 def _branch_model(x_rank: int) -> onnx.ModelProto:
     """The four-node branch graph.py writes, as a graph of its own (y_base an input)."""
-    lead = ["n"] if x_rank == 2 else [1, "n"]
-    nodes = [helper.make_node("MatMul", ["x", "a"], ["h"]), helper.make_node("Mul", ["h", "mask"], ["h_own"]),
-             helper.make_node("MatMul", ["h_own", "b"], ["delta"]), helper.make_node("Add", ["y_base", "delta"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [
-        helper.make_tensor_value_info("y_base", TensorProto.FLOAT, [*lead, "out"]),
-        helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, "in"]),
-        helper.make_tensor_value_info("a", TensorProto.FLOAT, ["in", "w"]),
-        helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["n", "w"]),
-        helper.make_tensor_value_info("b", TensorProto.FLOAT, ["w", "out"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "out"])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return branch_model(_lead(x_rank))
 
 
 def _session(model: onnx.ModelProto, threads: int = 2) -> ort.InferenceSession:
