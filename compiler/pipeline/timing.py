@@ -13,10 +13,12 @@ seconds per billion parameters (P), fp32 weights the stages read at once:
 - verify: ONNX Runtime's candidate decoding verify.decode_steps steps (batch 1, then 3 prompts), and, reading the
   model whole, PyTorch's greedy reference decoding each prompt alone; reading it a layer at a time, one
   teacher-forced forward with each layer read once instead;
-- quantize: the codes (untie, block search, writing: per quantized weight), the quality report (perplexity,
-  greedy agreement, decode speed: per P), AWQ's scale search (per quantized weight) and the calibration pass
-  (per P and calibration token: num_samples x seq_len, or as many windows of seq_len as `builtin`'s ~1,250
-  calibration tokens hold);
+- quantize: the codes (untie, round, pack, write: per quantized weight, what `algorithm: rtn` pays alone), AWQ's
+  search (its scales and each block's searched codes: per quantized weight), the quality report (perplexity,
+  greedy agreement, decode speed: per P, by source.load: read whole, its fp32 reference decodes and times its
+  decode too; a layer at a time, the reference runs a graph segment at a time over the windows and prompts only)
+  and the calibration pass (per P and calibration token: num_samples x seq_len, or as many windows of seq_len as
+  `builtin`'s ~1,250 calibration tokens hold);
 - package: a fixed cost and the tokenizer's checks (per 100k vocabulary).
 
 Fitted to the build times llmc measured on the shared 2-core AVX512-VNNI host (docs/changelog.md, every figure
@@ -29,11 +31,31 @@ measured, each build with verify and the spec's defaults (`llmc.bench sizes`: fp
     Qwen2.5-0.5B's stages: export 17-19 s: 19 (within); verify 18-22: 24 (+10%); int4 quantize 75-85: 90 (+5%)
     Llama-3.2-1B's int4 quantize stage 245 s (before the stamping, which changed only the export): 221 (-10%)
     llmc.bench streamed (hidden 2048, vocabulary 49,152, bf16 shards, fp32): 4 layers whole 32 s: 36 (+11%),
-    layers 28: 32 (+13%); 16 layers whole 117: 88 (-25%), layers 77: 76 (-2%; export ~35: 35, verify ~35: 34)
+    layers 28: 30 (+6%); 16 layers whole 117: 88 (-25%), layers 77: 69 (-10%; export ~35: 35, verify ~35: 27,
+    -22%, where the 16-layer int4 builds' logs read 19-30 s)
+    llmc.bench streamed --shape llama-3.1-8b, 32 layers, `layers` (docs/build.md; held within 20%, a quiet host):
+    int4 round to nearest 708 s (11.8 min): 730 (+3%; export 192: 216, verify 176: 194, quantize 298: 299);
+    int8-weight-only AWQ 1218 (20.3 min): 1192 (-2%; export 231: 216, verify 187: 194, quantize 761: 761)
+    The same, int4 AWQ, on a host shared with test runs: 32 layers 1410 s (23.5 min): 1192 (-15%); 4 layers
+    346: 271 (-22%)
 
-Worst: -25% (16 layers read whole, measured on a slower day than the larger 1B fp32 build). Not measured: other
-core counts (the scaling is an assumption), static int8/fp8 (the codes and the calibration pass, no AWQ search),
-TensorRT's engine, the draft and environment stages (no estimate: plan.py names them).
+The 8B builds set these terms (the estimate was 1304 s for round to nearest, +84%, and 1856 for int8, +52%; its
+quantize +176% and +80%, verify +31-39%). Round to nearest's quantize, 298 s, is the codes and the report read a
+layer at a time alone, so the codes no longer hold the block search (16 s per quantized P: 120 s) and the streamed
+report is the rest (22 s per P: 177 s). AWQ's search is int8's 761 s less that and its calibration pass (131 s):
+44 s per quantized P with the block search, where the scale search alone was fitted at 56. The builds read whole
+keep the sum they were fitted to (codes, search and report: 36 s serial + 125 parallel per P), the report
+taking what the codes and search gave up: read whole, its fp32 reference decodes (greedy, then timed) in one
+session, where the segments run the windows and prompts once (a calibration pass over the 16-layer export: 20 s
+in segments, 41 in one session). Verify's reference a layer at a time: 6 s per P (was 12.3), fitted to the 8B
+verify, 176-187 s. The streamed report's rate rests on the 8B builds alone: the 1B int4 build read a layer at a
+time, 303 s on a host at load 2-4 (where the 16-layer streamed int4 build took 341 s against 209-229 on quieter
+ones), estimates at 202 (-33%), not fitted.
+
+Worst fitted: -25% (16 layers read whole, measured on a slower day than the larger 1B fp32 build). Not measured:
+other core counts (the scaling is an assumption), round to nearest read whole, static int8/fp8 (the codes and
+the calibration pass, no AWQ search), TensorRT's engine, the draft and environment stages (no estimate: plan.py
+names them).
 """
 
 from __future__ import annotations
@@ -48,13 +70,14 @@ MAX_THREADS = 8  # past this, more cores are taken to gain nothing
 BUILTIN_CALIBRATION_TOKENS = 1250  # compiler/textdata/corpus.txt's calibration half, in SmolLM2's tokens
 # Seconds on the 2-core host. Fixed costs, the source's hash and the export are serial (the export: fixed, per
 # decoder layer, per P by source.load); verify's and quantize's parts are (serial, parallel) seconds per P, the
-# parallel part scaled by threads: verify's at 32 decode steps, the calibration pass's per 1,000 tokens.
+# parallel part scaled by threads: verify's at 32 decode steps, the calibration pass's per 1,000 tokens; verify's
+# "layers" and quantize's "report_layers" replace "reference" and "report" when source.load is `layers`.
 STARTUP = 3.0  # the process's start: Python, torch, the spec and the checkpoint's config
 HASH_PER_GB = 1.0  # the checkpoint's files, sha256
 EXPORT = {"fixed": 5.0, "per_layer": 0.15, "whole": 21.0, "layers": 25.7}
-VERIFY = {"fixed": 1.5, "candidate": (6.0, 12.0), "reference": (0.0, 28.0), "layers": (4.3, 8.0)}
-QUANTIZE = {"fixed": 2.0, "codes": (20.0, 25.0), "report": (10.0, 50.0), "search": (6.0, 50.0),
-            "calibration": (0.0, 16.0)}
+VERIFY = {"fixed": 1.5, "candidate": (6.0, 12.0), "reference": (0.0, 28.0), "layers": (2.0, 4.0)}
+QUANTIZE = {"fixed": 2.0, "codes": (8.0, 8.0), "search": (8.0, 36.0), "report": (20.0, 81.0),
+            "report_layers": (4.0, 18.0), "calibration": (0.0, 16.0)}
 PACKAGE = {"fixed": 1.5, "per_100k_vocab": 0.5}
 TIMED = ("source", "export", "verify", "quantize", "package")
 
@@ -101,7 +124,8 @@ def stage_seconds(spec: BuildSpec, dims: Dims, stages: list[str], load: str = "w
                "export": EXPORT["fixed"] + EXPORT["per_layer"] * dims.num_layers + EXPORT[load] * p}
     reference = cost(VERIFY["reference"], p * steps) if load == "whole" else cost(VERIFY["layers"], p)
     seconds["verify"] = VERIFY["fixed"] + cost(VERIFY["candidate"], p * steps) + reference
-    quantize = QUANTIZE["fixed"] + cost(QUANTIZE["codes"], pq) + cost(QUANTIZE["report"], p)
+    report = QUANTIZE["report"] if load == "whole" else QUANTIZE["report_layers"]
+    quantize = QUANTIZE["fixed"] + cost(QUANTIZE["codes"], pq) + cost(report, p)
     if q.weight_only and q.algorithm is WeightOnlyAlgorithm.awq:
         quantize += cost(QUANTIZE["search"], pq)
     if q.static or (q.weight_only and q.algorithm is WeightOnlyAlgorithm.awq):

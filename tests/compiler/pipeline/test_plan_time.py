@@ -12,12 +12,13 @@ from llmc.compiler.pipeline.plan import plan_build
 from llmc.compiler.spec import parse_spec
 
 TOLERANCE = 0.30  # timing.py's docstring: the worst fitted figure is -25%
+TOLERANCE_8B = 0.20  # the 8B builds on a quiet host (issue 53: the plan said 22 min for an 11.8-minute build)
 
 
-def _dims(layers, hidden, intermediate, vocab, linear, other, model_type="llama"):
+def _dims(layers, hidden, intermediate, vocab, linear, other, model_type="llama", tied=True):
     return Dims(model_type=model_type, num_layers=layers, hidden_size=hidden, intermediate_size=intermediate,
                 num_heads=hidden // 64, num_kv_heads=max(hidden // 256, 1), head_dim=64, vocab_size=vocab,
-                tied_embeddings=True, max_position_embeddings=8192, linear_params=linear, other_params=other)
+                tied_embeddings=tied, max_position_embeddings=8192, linear_params=linear, other_params=other)
 
 
 # read_dims of each shape (llmc/bench/checkpoints.py's SHAPES, llmc.bench streamed's Llama, models/smollm2)
@@ -26,10 +27,14 @@ LLAMA_1B = _dims(16, 2048, 8192, 128256, 973_078_528, 262_735_872)
 SMOLLM2 = _dims(30, 576, 1536, 49152, 106_168_320, 28_346_688)
 STREAMED = {4: _dims(4, 2048, 8192, 49152, 243_269_632, 100_681_728),
             16: _dims(16, 2048, 8192, 49152, 973_078_528, 100_730_880)}
-MODES = {"fp32": None, "int4": "int4-weight-only", "int8": "int8-weight-only"}
+# llmc.bench streamed --shape llama-3.1-8b (LM head untied, in linear_params)
+LLAMA_8B = {4: _dims(4, 4096, 14336, 128256, 1_397_751_808, 525_373_440, tied=False),
+            32: _dims(32, 4096, 14336, 128256, 7_504_658_432, 525_602_816, tied=False)}
+MODES = {"fp32": None, "int4": "int4-weight-only", "int8": "int8-weight-only", "int4-rtn": "int4-weight-only"}
 # (what, dims, mode, source.load, checkpoint bytes a parameter, measured build seconds (low, high)): docs/changelog.md
 # (`python -m llmc.bench sizes`: fp32 safetensors, max_batch_size 16; after the export began stamping layers),
-# docs/build.md (the example, SmolLM2: cold build) and `python -m llmc.bench streamed` (bf16 shards, fp32, verify)
+# docs/build.md (the example, SmolLM2: cold build) and `python -m llmc.bench streamed` (bf16 shards, verify; fp32,
+# or at the 8B shape quantized, max_batch_size 4)
 FITTED = [
     ("Qwen2.5-0.5B fp32", QWEN_05B, "fp32", "whole", 4, (50, 58)),
     ("Qwen2.5-0.5B int4", QWEN_05B, "int4", "whole", 4, (137, 155)),
@@ -41,9 +46,18 @@ FITTED = [
     ("streamed 4 layers, layers", STREAMED[4], "fp32", "layers", 2, (28, 28)),
     ("streamed 16 layers, whole", STREAMED[16], "fp32", "whole", 2, (117, 117)),
     ("streamed 16 layers, layers", STREAMED[16], "fp32", "layers", 2, (77, 77)),
+    # int4 AWQ at the 8B shape, on a host shared with test runs (docs/build.md: 23.5 min)
+    ("8B int4, layers, busy host", LLAMA_8B[32], "int4", "layers", 2, (1410, 1410)),
+    ("8B shape 4 layers int4, layers, busy host", LLAMA_8B[4], "int4", "layers", 2, (346, 346)),
+]
+# the 8B builds on a quiet host (docs/build.md, docs/benchmarks.md), held within TOLERANCE_8B: int4 round to
+# nearest 11.8 min, int8-weight-only (AWQ) 20.3 min
+FITTED_8B = [
+    ("8B int4 round to nearest", LLAMA_8B[32], "int4-rtn", "layers", 2, (708, 708)),
+    ("8B int8-weight-only", LLAMA_8B[32], "int8", "layers", 2, (1218, 1218)),
 ]
 # stages measured within such builds: (what, dims, mode, source.load, stage, seconds (low, high)); the 1B quantize
-# stage's from the build before the stamping, which changed the export only
+# stage's from the build before the stamping, which changed the export only; the 8B's from docs/build.md
 FITTED_STAGES = [("SmolLM2", SMOLLM2, "fp32", "whole", "export", (15, 15)),
                  ("SmolLM2", SMOLLM2, "fp32", "whole", "verify", (8, 8)),
                  ("Qwen2.5-0.5B", QWEN_05B, "fp32", "whole", "export", (17, 19)),
@@ -51,13 +65,20 @@ FITTED_STAGES = [("SmolLM2", SMOLLM2, "fp32", "whole", "export", (15, 15)),
                  ("Qwen2.5-0.5B", QWEN_05B, "int4", "whole", "quantize", (75, 85)),
                  ("Llama-3.2-1B", LLAMA_1B, "int4", "whole", "quantize", (245, 245)),
                  ("streamed 16 layers", STREAMED[16], "fp32", "layers", "export", (35, 35)),
-                 ("streamed 16 layers", STREAMED[16], "fp32", "layers", "verify", (35, 35))]
+                 ("streamed 16 layers", STREAMED[16], "fp32", "layers", "verify", (35, 35)),
+                 ("8B round to nearest", LLAMA_8B[32], "int4-rtn", "layers", "export", (192, 192)),
+                 ("8B round to nearest", LLAMA_8B[32], "int4-rtn", "layers", "verify", (176, 176)),
+                 ("8B round to nearest", LLAMA_8B[32], "int4-rtn", "layers", "quantize", (298, 298)),
+                 ("8B int8-weight-only", LLAMA_8B[32], "int8", "layers", "export", (231, 231)),
+                 ("8B int8-weight-only", LLAMA_8B[32], "int8", "layers", "verify", (187, 187)),
+                 ("8B int8-weight-only", LLAMA_8B[32], "int8", "layers", "quantize", (761, 761))]
 
 def _spec(path, mode="fp32", **extra):
     data = {"name": "t", "source": str(path), "target": "onnxruntime", "precision": "fp32",
             "limits": {"max_batch_size": 16, "max_seq_len": 2048}, **extra}
     if MODES[mode]:
-        data["quantization"] = {"mode": MODES[mode], **data.get("quantization", {})}
+        data["quantization"] = {"mode": MODES[mode], **({"algorithm": "rtn"} if mode.endswith("-rtn") else {}),
+                                **data.get("quantization", {})}
     return parse_spec(data)
 
 
@@ -89,6 +110,12 @@ def test_the_estimate_lands_within_its_tolerance_of_each_measured_build(ckpt, wh
                                                                         measured):
     estimate = _total(ckpt, dims, mode, load, per_param * dims.total_params)
     assert _error(estimate, measured) <= TOLERANCE, f"{what}: estimate {estimate:.0f} s, measured {measured} s"
+
+
+@pytest.mark.parametrize("what, dims, mode, load, per_param, measured", FITTED_8B, ids=[f[0] for f in FITTED_8B])
+def test_the_estimate_lands_within_20_percent_of_each_8b_build(ckpt, what, dims, mode, load, per_param, measured):
+    estimate = _total(ckpt, dims, mode, load, per_param * dims.total_params)
+    assert _error(estimate, measured) <= TOLERANCE_8B, f"{what}: estimate {estimate:.0f} s, measured {measured} s"
 
 
 @pytest.mark.parametrize("what, dims, mode, load, stage, measured", FITTED_STAGES,
