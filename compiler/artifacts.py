@@ -155,6 +155,9 @@ class QuantizedModel(Artifact):
     kv_layout: KVLayout
     report: QualityReport
     versions: dict[str, str]
+    # what AWQ's scaling did to the activations (quantize/channel_scales.py), for the adapters' branches; None: no
+    # scaling, or one no branch can be served on (SmoothQuant's Q/DQ graphs)
+    channel_scales: str | None = None
 
     @property
     def model_file(self) -> str:

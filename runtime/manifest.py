@@ -146,6 +146,9 @@ class LoraConfig(BaseModel):
     max_slots: int = Field(ge=1)  # distinct adapters a step carries
     max_rank: int = Field(ge=1)
     max_host_adapters: int = Field(ge=1)  # adapters held in host memory: an LRU feeding the slots
+    # a base AWQ scaled: per site, what an adapter's arrays are multiplied by (compiler/lora/fold.py), in the
+    # version folder; the files in adapters/ have it folded in already, an adapter loaded at run time gets it then
+    scales_file: str | None = None
 
 
 class RepositoryManifest(BaseModel):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from llmc.compiler.lora.adapter import Adapter, AdapterError, read_adapter
+from llmc.compiler.lora.fold import Fold
 from llmc.compiler.lora.stacks import site_arrays
 from llmc.runtime.lora.check import NAME
 from llmc.runtime.lora.files import adapter_bytes
@@ -36,11 +37,13 @@ def check_against_sites(adapter: Adapter, sites: Sequence[Site]) -> None:
                                f"{want[0]} -> {want[1]}: the adapter was made for another base")
 
 
-def convert(name: str, folder: Path, sites: Sequence[Site], max_rank: int) -> tuple[bytes, AdapterWeights]:
-    """The adapter file's bytes for the PEFT adapter in `folder` served as `name`, and its weights."""
+def convert(name: str, folder: Path, sites: Sequence[Site], max_rank: int,
+            fold: Fold | None = None) -> tuple[bytes, AdapterWeights]:
+    """The adapter file's bytes for the PEFT adapter in `folder` served as `name`, and its weights; `fold`: the
+    served base's AWQ scaling (fold.py, the manifest's `lora.scales_file`), folded in."""
     if not NAME.fullmatch(name):
         raise AdapterError(f"lora_name: {name!r} is not an adapter name (letters, digits, _ . -, at most 64)")
     adapter = read_adapter(name, Path(folder), max_rank=max_rank)
     check_against_sites(adapter, sites)
-    weights = site_arrays(sites, adapter)
+    weights = site_arrays(sites, adapter, fold)
     return adapter_bytes(weights), weights

@@ -13,8 +13,11 @@ weights: the package stage runs after the PyTorch weights have left, and a strea
 The sites come from the fp32 export's graph (its node scopes); the branch goes into the graph that is served (the
 export, or its weight-only form: quantization keeps the sites' tensor names).
 
-What is not served yet is refused here, naming the field: AWQ and SmoothQuant bases (they scale the activation a
-branch reads: docs/lora.md), Q/DQ graphs, TensorRT, the slot lowerings, speculative decoding, tensor parallelism.
+    <version>/lora_scales.safetensors       a base AWQ scaled (weight-only modes' default): per site, what an adapter's
+                                            arrays are multiplied by (fold.py), folded into the files above already
+
+What is not served yet is refused here, naming the field: Q/DQ graphs (SmoothQuant's int8, fp8), TensorRT, the slot
+lowerings, speculative decoding, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmc.compiler.lora.adapter import Adapter, BaseLinears, check_against, read_adapter
+from llmc.compiler.lora.fold import FILENAME as FOLD_FILE
+from llmc.compiler.lora.fold import Fold
 from llmc.compiler.lora.graph import add_lora_branches
 from llmc.compiler.lora.sites import find_sites, module_members
 from llmc.compiler.lora.stacks import site_arrays
+from llmc.compiler.quantize.channel_scales import ChannelScales
 from llmc.errors import UnsupportedError
 from llmc.runtime.lora.files import write_adapter_file
 from llmc.runtime.manifest import AdapterInfo, LoraConfig
@@ -40,21 +46,17 @@ def lora_file(model_file: str) -> str:
 
 def refusal(spec) -> str | None:
     """Why `spec`'s adapters cannot be served by this llmc (None: they can), naming the field."""
-    from llmc.compiler.spec.sections import QuantMode, Target, WeightOnlyAlgorithm
+    from llmc.compiler.spec.sections import QuantMode, Target
 
     q = spec.quantization
     if spec.target is not Target.onnxruntime:
         return "target: tensorrt does not serve adapters yet; build with target: onnxruntime"
+    if q.mode in (QuantMode.int8, QuantMode.fp8):  # before the lowering: these modes need the reference one
+        return (f"quantization.mode: {q.mode.value}: adapters are not served on Q/DQ graphs yet; use mode none, "
+                f"int8-weight-only or int4-weight-only")
     if spec.attention_lowering != "paged":
         return (f"export.attention: {spec.attention_lowering}: adapters are served on the paged graph only "
                 f"(export.attention: paged, the default)")
-    if q.weight_only and q.algorithm is WeightOnlyAlgorithm.awq:
-        return (f"quantization.algorithm: awq (the default for {q.mode.value}) divides the activations the adapters "
-                f"read by per-channel scales, so their deltas would be wrong; set quantization.algorithm: rtn, or "
-                f"quantization.mode: none")
-    if q.mode in (QuantMode.int8, QuantMode.fp8):
-        return (f"quantization.mode: {q.mode.value}: adapters are not served on Q/DQ graphs yet; use mode none, or "
-                f"int8-weight-only / int4-weight-only with algorithm: rtn")
     if spec.speculative is not None:
         return "speculative: speculative decoding is not served with adapters yet; remove `speculative:`"
     if spec.parallel.tensor > 1:
@@ -93,14 +95,20 @@ def check_adapters_spec(spec, source) -> None:
 
 
 def package_adapters(spec, source, export_graph: Path, served_graph: Path, model_file: str,
-                     version_dir: Path) -> LoraConfig:
+                     version_dir: Path, channel_scales: Path | None = None) -> LoraConfig:
     """The LoRA graph, the adapters' files and the manifest's `lora` section for `spec`'s adapters; `export_graph`:
-    the fp32 export (where the sites are found), `served_graph`: the graph the base serves (its `model_file`)."""
+    the fp32 export (where the sites are found), `served_graph`: the graph the base serves (its `model_file`),
+    `channel_scales`: what AWQ's scaling did to the served graph's activations (quantize/channel_scales.py)."""
     import onnx
 
     hf_model = meta_model(source)
     adapters = checked_adapters(spec, hf_model)
     sites = find_sites(onnx.load(str(export_graph), load_external_data=False), hf_model)
+    fold = Fold.of(sites, ChannelScales.load(channel_scales)) if channel_scales is not None else Fold()
+    scales_file = None
+    if fold:
+        scales_file = FOLD_FILE
+        (version_dir / scales_file).write_bytes(fold.to_bytes())
     graph = onnx.load(str(served_graph), load_external_data=False)  # its weights stay in the data file it names
     add_lora_branches(graph, sites)
     name = lora_file(model_file)
@@ -109,7 +117,8 @@ def package_adapters(spec, source, export_graph: Path, served_graph: Path, model
     infos = []
     for adapter in adapters:
         file = f"{ADAPTERS_DIR}/{adapter.name}.safetensors"
-        write_adapter_file(version_dir / file, site_arrays(sites, adapter))
+        write_adapter_file(version_dir / file, site_arrays(sites, adapter, fold))
         infos.append(AdapterInfo(name=adapter.name, digest=adapter.digest, file=file, rank=adapter.max_rank))
     return LoraConfig(lora_file=name, sites=sites, adapters=infos, max_slots=spec.lora.max_slots,
-                      max_rank=spec.lora.max_rank, max_host_adapters=spec.lora.max_host_adapters)
+                      max_rank=spec.lora.max_rank, max_host_adapters=spec.lora.max_host_adapters,
+                      scales_file=scales_file)

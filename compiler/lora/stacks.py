@@ -14,14 +14,15 @@ from typing import Sequence
 import numpy as np
 
 from llmc.compiler.lora.adapter import Adapter
+from llmc.compiler.lora.fold import Fold
 from llmc.runtime.lora import stacks
 from llmc.runtime.lora.sites import Site
 from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights, slot_masks, token_slots
 
 
-def site_arrays(sites: Sequence[Site], adapter: Adapter) -> AdapterWeights:
-    """`adapter` per site, ready to stack. A module no site computes is an error (check_against refuses such
-    adapters before they get here)."""
+def site_arrays(sites: Sequence[Site], adapter: Adapter, fold: Fold | None = None) -> AdapterWeights:
+    """`adapter` per site, ready to stack, with `fold` (a base AWQ scaled: fold.py) folded in. A module no site
+    computes is an error (check_against refuses such adapters before they get here)."""
     placed = {m.module: (site, k) for site in sites for k, m in enumerate(site.members)}
     unknown = sorted(set(adapter.modules) - set(placed))
     if unknown:
@@ -38,21 +39,24 @@ def site_arrays(sites: Sequence[Site], adapter: Adapter) -> AdapterWeights:
         member = site.members[k]
         a[:, k * r:k * r + lora.rank] = lora.a.T
         b[k * r:k * r + lora.rank, member.offset:member.offset + member.width] = lora.scaling * lora.b.T
+    for name, (a, b) in arrays.items() if fold else ():
+        fold.apply(name, a, b)
     return AdapterWeights(AdapterRef(adapter.name, adapter.digest), r, arrays)
 
 
-def stack_slots(sites: Sequence[Site], adapters: Sequence[Adapter], rank: int | None = None) -> dict[str, np.ndarray]:
+def stack_slots(sites: Sequence[Site], adapters: Sequence[Adapter], rank: int | None = None,
+                fold: Fold | None = None) -> dict[str, np.ndarray]:
     """The flat stacks of every site for `adapters` (PEFT adapters read by adapter.py) in slots 0, 1, ...: the
     runtime's stacking (runtime/lora/stacks.py) of their per-site arrays."""
-    return stacks.stack_slots(sites, [site_arrays(sites, a) for a in adapters], rank)
+    return stacks.stack_slots(sites, [site_arrays(sites, a, fold) for a in adapters], rank)
 
 
-def step_inputs(sites: Sequence[Site], adapters: Sequence[Adapter], rows: Sequence[tuple[int, int]]
-                ) -> dict[str, np.ndarray]:
+def step_inputs(sites: Sequence[Site], adapters: Sequence[Adapter], rows: Sequence[tuple[int, int]],
+                fold: Fold | None = None) -> dict[str, np.ndarray]:
     """Every LoRA input of a step (the graph's, runtime/lora/sites.py) whose rows are (tokens, slot or -1) with
     `adapters` in slots 0, 1, ...: the flat stacks at the highest rank among them and the column masks."""
     rank = max(a.max_rank for a in adapters)
-    return {**stack_slots(sites, adapters, rank), **slot_masks(sites, token_slots(rows), len(adapters), rank)}
+    return {**stack_slots(sites, adapters, rank, fold), **slot_masks(sites, token_slots(rows), len(adapters), rank)}
 
 
 __all__ = ["site_arrays", "slot_masks", "stack_slots", "step_inputs", "token_slots"]

@@ -85,6 +85,7 @@ def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: Qua
         result.model = result.weights = None
     if result.calibration is not None:
         result.calibration.save(out_dir)
+    scales = result.channel_scales.save(out_dir) if result.channel_scales else None
     files = [ONNX_NAME] + ([EXTERNAL_DATA_NAME] if external else [])
     report = _measure(source, out_dir, exported, tokenizer, optimize=result.optimize, num_threads=num_threads,
                       progress=progress, segmented=segmented, sizes=(sum((export_dir / f).stat().st_size for f in exported.files),
@@ -92,7 +93,7 @@ def quantize(exported: ExportedModel, export_dir: Path, out_dir: Path, spec: Qua
     art = QuantizedModel(
         inputs_hash=inputs_hash, files=hash_outputs(out_dir, files), onnx=ONNX_NAME, mode=spec.mode,
         bits=handler.bits, method=result.method, calibration=result.calibration_note, kv_layout=exported.kv_layout,
-        report=report, versions=tool_versions())
+        report=report, versions=tool_versions(), channel_scales=scales)
     art.save(out_dir)
     return art
 

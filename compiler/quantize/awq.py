@@ -23,6 +23,7 @@ import numpy as np
 
 from llmc.compiler.quantize.blockwise import fake_quantize
 from llmc.compiler.quantize.calibrate import activation_statistics
+from llmc.compiler.quantize.channel_scales import ChannelScales
 from llmc.compiler.quantize.smoothquant import apply_scales, smoothable
 from llmc.compiler.quantize.weight_file import WeightFile
 from llmc.runtime.layout import KVLayout
@@ -77,6 +78,7 @@ def sampled_columns(w: np.ndarray, columns: int) -> tuple[np.ndarray, float]:
 class Awq:
     alphas: list[float]  # the alpha chosen per site
     importance: dict[str, np.ndarray]  # E[x_k^2] of every linear layer's input, as the scaled model sees it
+    scales: ChannelScales  # what the scaling did to the activations (a LoRA branch reads them so)
 
 
 def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: int, *, symmetric: bool = False,
@@ -106,7 +108,7 @@ def awq(model, layout: KVLayout, windows: list[np.ndarray], bits: int, block: in
                                           TOKENS, num_threads=num_threads, graph_file=graph_file, progress=progress,
                                           segmented=segmented, complete=search_sites)
     scales, alphas = zip(*(found[i] for i in range(len(sites)))) if sites else ((), ())
-    apply_scales(model, sites, list(scales), weights)
+    done = apply_scales(model, sites, list(scales), weights)
     for site, s in zip(sites, scales):
         importance[site.tensor] = importance[site.tensor] / np.square(s.astype(np.float64))
-    return Awq(list(alphas), importance)
+    return Awq(list(alphas), importance, done)

@@ -17,6 +17,7 @@ import numpy as np
 
 from llmc.compiler.artifacts import ExportedModel
 from llmc.compiler.quantize.calibrate import Calibration
+from llmc.compiler.quantize.channel_scales import ChannelScales
 from llmc.compiler.quantize.weight_file import WeightFile
 from llmc.compiler.textdata import load_documents, token_windows
 from llmc.compiler.spec import QuantizationSpec
@@ -48,6 +49,7 @@ class Quantized:
     calibration: Calibration | None = None  # written next to the graph, reused by the next build
     optimize: bool = True  # whether the quality report runs it with ONNX Runtime's graph optimizations
     weights: WeightFile | None = None  # where `model`'s weights lie, when not all in the proto
+    channel_scales: ChannelScales | None = None  # what a per-channel scaling did to the activations (LoRA reads it)
 
 
 class QuantHandler(Protocol):

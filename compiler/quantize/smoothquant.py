@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from llmc.compiler.quantize.calibrate import run_tensors
+from llmc.compiler.quantize.channel_scales import ChannelScales
 from llmc.runtime.layout import KVLayout
 
 # normalizations and the input slots of their per-channel constants (scale, bias); output 0 is normalized
@@ -132,8 +133,9 @@ def channel_amax(model, layout: KVLayout, windows: list[np.ndarray], tensors: li
     return amax
 
 
-def apply_scales(model, sites: list[Site], scales: list[np.ndarray], weights=None) -> None:
-    """Multiply each site's readers' weight rows by s and divide its producer constants by s (in place).
+def apply_scales(model, sites: list[Site], scales: list[np.ndarray], weights=None) -> ChannelScales:
+    """Multiply each site's readers' weight rows by s and divide its producer constants by s (in place); returns
+    what that did to the graph's activations (channel_scales.py: what a LoRA branch must read them by).
     A constant read by other nodes too (the export deduplicates equal tensors, e.g. norm weights
     that are all ones) is copied first, so only this site's readers see the change. `weights`: where the
     weights lie (quantize/weight_file.py: read and written a tensor at a time); default: in the proto."""
@@ -157,11 +159,16 @@ def apply_scales(model, sites: list[Site], scales: list[np.ndarray], weights=Non
             node.input[slot] = copy
         return node.input[slot]
 
+    done = ChannelScales()
     for site, s in zip(sites, scales):
         for node, slot, axis, start in site.divide:
             weights.divide(initializers[own(node, slot)], s, axis, start)
+            if node.op_type == "MatMul":  # a linear layer's output columns (up_columns): its reader took the s
+                done.outputs[node.output[0]] = (start, s)
         for reader in site.readers:
             weights.scale_rows(initializers[own(reader, 1)], s)
+        done.inputs[site.tensor] = s
+    return done
 
 
 def smooth(model, layout: KVLayout, windows: list[np.ndarray], alpha: float, *, num_threads: int = 0,

@@ -22,6 +22,7 @@ import numpy as np
 from llmc.compiler.graph.passes import merge_sibling_matmul_nbits
 from llmc.compiler.quantize.awq import awq
 from llmc.compiler.quantize.blockwise import BlockCodes, pack, search
+from llmc.compiler.quantize.channel_scales import ChannelScales
 from llmc.compiler.quantize.experts import (ExpertStatistics, expert_block, expert_statistics, moe_nodes,
                                            quantize_experts, routers)
 from llmc.compiler.quantize.handler import Job, Quantized, calibration_windows, gemms_as_matmuls, untie_lm_head
@@ -47,6 +48,7 @@ class WeightCodes:
     how: str
     experts: ExpertStatistics | None = None  # a mixture's, from the calibration tokens routed to each expert
     weights: WeightFile | None = None  # where `model`'s weights lie (WeightOnly.make_quantized always says)
+    channel_scales: ChannelScales | None = None  # AWQ's, on the activations (channel_scales.py)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class WeightOnly:
             how += (f"; experts' codes searched against the calibration tokens routed to each (no AWQ scaling: "
                     f"their input is the router's too), {experts.unreached} of {experts.experts} expert(s) "
                     f"reached by no token rounded to nearest")
-        return WeightCodes(model, codes, windows, kernel, how, experts, weights)
+        return WeightCodes(model, codes, windows, kernel, how, experts, weights, scaled.scales)
 
     def convert_for_runtime(self, made: WeightCodes, job: Job) -> Quantized:
         spec = job.spec
@@ -117,7 +119,7 @@ class WeightOnly:
         windows = made.windows
         note = (f"{spec.algorithm.value} over {len(windows)} sample(s) of {len(windows[0])} tokens from "
                 f"{spec.calibration.data}" if windows else "none (round to nearest needs no calibration data)")
-        return Quantized(model, f"{kernel}; {made.how}", note, weights=weights)
+        return Quantized(model, f"{kernel}; {made.how}", note, weights=weights, channel_scales=made.channel_scales)
 
 
 def weight_only(model, bits: int, block_size: int, codes: Mapping[str, BlockCodes] | None = None,

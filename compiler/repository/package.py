@@ -13,7 +13,8 @@
                                                          Python (a link to the environment stage's archive)
     <output>/model_repository/<name>/1/model_lora.onnx   adapters: the graph with a LoRA branch beside each projection,
     <output>/model_repository/<name>/1/adapters/         naming the base graph's weights file, and each adapter per
-                                                         site (compiler/lora/package.py, docs/lora.md)
+                                                         site (compiler/lora/package.py, docs/lora.md); with
+                                                         lora_scales.safetensors where AWQ scaled the base
     <output>/model_repository/<name>/1/manifest.json     RepositoryManifest: what the runtime reads
     <output>/model_repository/<name>/1/llmc/             llmc.runtime copied whole (no torch, no transformers)
     <output>/model_repository/<name>/requirements.txt    what the serving Python needs
@@ -89,8 +90,9 @@ def package(spec: BuildSpec, exported: ExportedModel, engine: ExportedModel | Qu
     lora = None
     if spec.adapters:
         assert export_dir is not None, "adapters are packaged with the export's folder (the sites' graph)"
+        scales = engine.channel_scales if isinstance(engine, QuantizedModel) else None  # AWQ's, when it scaled
         lora = package_adapters(spec, source, export_dir / exported.onnx, engine_dir / engine.model_file,
-                                engine.model_file, version_dir)
+                                engine.model_file, version_dir, engine_dir / scales if scales else None)
     copy_runtime(version_dir / "llmc")
     shutil.copyfile(importlib.resources.files("llmc.model_repository") / "model.py", version_dir / "model.py")
     tensorrt = engine.tensorrt if isinstance(engine, EngineModel) else None

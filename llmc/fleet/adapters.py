@@ -115,12 +115,23 @@ def convert(served: Served, name: str, folder) -> bytes:
     """A PEFT adapter folder as the served model's adapter file (PEFT and torch: the operator's side)."""
     from llmc.compiler.lora.adapter import AdapterError
     from llmc.compiler.lora.convert import convert as to_file
+    from llmc.compiler.lora.fold import Fold
 
     if name == served.model:
         raise AdapterUpdateError(f"lora_name: {name!r} is the model's own name; name the adapter otherwise")
     lora = served.manifest.lora
+    fold = None
+    if lora.scales_file:  # the base was AWQ scaled: the adapter's arrays take its scales (compiler/lora/fold.py)
+        data = served.store.read_bytes(served.model, f"{served.version}/{lora.scales_file}")
+        where = f"{served.store.url}/{served.model}/{served.version}/{lora.scales_file}"
+        if data is None:
+            raise AdapterUpdateError(f"{where}: missing (the manifest names it)")
+        try:
+            fold = Fold.from_bytes(data, where)
+        except ValueError as err:
+            raise AdapterUpdateError(str(err)) from None
     try:
-        return to_file(name, folder, lora.sites, lora.max_rank)[0]
+        return to_file(name, folder, lora.sites, lora.max_rank, fold)[0]
     except AdapterError as err:
         raise AdapterUpdateError(f"lora_adapter: {err}") from None
 

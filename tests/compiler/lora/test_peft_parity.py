@@ -79,7 +79,7 @@ def test_weight_only_graph_keeps_its_projections(tiny_checkpoints, tmp_path_fact
     is left as it was (gate/up merged into one node and split back: two sites on one Split), each branch reads
     the activation its MatMulNBits reads, a row without an adapter gets exactly the quantized graph's logits, and
     at every site the branch adds exactly the reference's delta (reference.py) on the graph's own activations.
-    (PEFT over the dequantized weights is the next slice's: MatMulNBits' int8 activations are not fp32.)"""
+    (PEFT over the dequantized weights: test_peft_dequantized.py.)"""
     import torch
     from shared_builds import build_reusing_export
 

@@ -135,7 +135,8 @@ def test_an_unknown_adapter_is_refused_and_nothing_runs(engine, built):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"quantization": {"mode": "int4-weight-only"}}, "quantization.algorithm: awq .* set quantization.algorithm: rtn"),
+    ({"quantization": {"mode": "int8"}}, "quantization.mode: int8: adapters are not served on Q/DQ graphs"),
+    ({"parallel": {"tensor": 2}}, "parallel.tensor: tensor parallelism is not served with adapters"),
     ({"speculative": {"method": "ngram", "num_tokens": 2}}, "speculative: speculative decoding is not served"),
 ])
 def test_what_is_not_served_yet_is_refused_before_the_build_works(fields, message, built, tiny_checkpoints, tmp_path):
