@@ -149,6 +149,9 @@ class LoraConfig(BaseModel):
     # a base AWQ scaled: per site, what an adapter's arrays are multiplied by (compiler/lora/fold.py), in the
     # version folder; the files in adapters/ have it folded in already, an adapter loaded at run time gets it then
     scales_file: str | None = None
+    # the untied LM head's weight digest (compiler/lora/adapter.py: weight_digest), which an adapter's saved copy of
+    # the head must match to be served (None: no untied head)
+    head_digest: str | None = None
 
 
 class RepositoryManifest(BaseModel):

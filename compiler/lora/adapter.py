@@ -12,6 +12,11 @@ What llmc does not serve is refused at load, naming the field: DoRA, `modules_to
 the other PEFT variants whose forward is not the plain one above (REFUSED). The checks against the base model
 (shapes, the modules it has, a tied LM head) are `check_against`; the rank limit is the caller's.
 
+An adapter on the LM head carries a copy of the head's weight (PEFT's `save_embedding_layers`, on by default when
+`lm_head` is a target), which PEFT loads in place of the base's. llmc shares the base's weights, so it serves such
+an adapter only when the copy is the base's own: each copy's `weight_digest` (its values as float32, so a bf16 copy
+of a bf16 checkpoint loaded in fp32 matches) is checked against the base head's.
+
 An adapter's identity is its name and `digest`: a sha256 over its config and its tensors (names, dtypes,
 shapes, bytes), so an adapter reloaded under the same name with other weights is another adapter.
 Written here: PEFT has no validation pass short of building the whole PeftModel on the base.
@@ -23,7 +28,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +83,7 @@ class Adapter:
     folder: Path
     digest: str  # sha256 over the config and the tensors: with the name, the adapter's identity
     modules: dict[str, ModuleLora]
+    copies: dict[str, str] = field(default_factory=dict)  # module -> weight_digest of its saved base weight
 
     @property
     def identity(self) -> tuple[str, str]:
@@ -113,13 +119,13 @@ def read_adapter(name: str, folder: Path, *, max_rank: int) -> Adapter:
     tensors = load_peft_weights(str(folder), device="cpu")
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    copies: dict[str, str] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         base_layer = _BASE_LAYER.match(key)
         if base_layer is not None:  # PEFT's save_embedding_layers: a targeted (or resized) embedding or LM head
-            raise AdapterError(f"adapter {name!r}: tensor {key} is a copy of the base's {base_layer['module']} "
-                               f"weight (PEFT saves one when the embeddings or the LM head are targeted or resized); "
-                               f"llmc serves adapters that share the base's weights, and none on the LM head")
+            copies[base_layer["module"]] = weight_digest(tensor)  # served only as the base's own (check_against)
+            continue
         if match is None:
             raise AdapterError(f"adapter {name!r}: tensor {key} is not a LoRA A/B weight (embedding LoRA, DoRA "
                                f"magnitudes and trained biases are not served)")
@@ -149,7 +155,24 @@ def read_adapter(name: str, folder: Path, *, max_rank: int) -> Adapter:
                                f"({max_rank}); raise lora.max_rank or use a smaller adapter")
         scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
         modules[module] = ModuleLora(module, a.float().numpy(), b.float().numpy(), float(scaling))
-    return Adapter(name, folder, _digest(folder, tensors), modules)
+    unpaired = sorted(set(copies) - set(modules))
+    if unpaired:
+        raise AdapterError(f"adapter {name!r}: tensor base_model.model.{unpaired[0]}.base_layer.weight is a copy of "
+                           f"the base's {unpaired[0]} weight, which has no LoRA pair here (a resized or retrained "
+                           f"embedding); llmc serves adapters that share the base's weights")
+    return Adapter(name, folder, _digest(folder, tensors), modules, copies)
+
+
+def weight_digest(tensor) -> str:
+    """sha256 over a weight's values as float32 (C order, little-endian), a block of rows at a time: equal for
+    equal values whatever dtype each copy was saved in, where float32 holds them exactly (bf16, fp16)."""
+    import torch
+
+    h = hashlib.sha256(f"{tuple(tensor.shape)}".encode())
+    flat = tensor.detach().reshape(tensor.shape[0] if tensor.ndim else 1, -1)
+    for start in range(0, flat.shape[0], 4096):
+        h.update(flat[start:start + 4096].to(torch.float32).contiguous().numpy().astype("<f4", copy=False).tobytes())
+    return h.hexdigest()
 
 
 def _refuse_variants(name: str, config) -> None:
@@ -177,14 +200,18 @@ def _digest(folder: Path, tensors) -> str:
 
 @dataclass(frozen=True)
 class BaseLinears:
-    """The base model's linear modules an adapter may name: module name -> (in, out), and the LM head's name
-    when it is tied to the input embeddings (None otherwise)."""
+    """The base model's linear modules an adapter may name: module name -> (in, out); the LM head's name when it
+    is tied to the input embeddings (None otherwise); and the digest of an untied head's weight (weight_digest),
+    which an adapter's copy of it must match (None: not known, and no copy is served)."""
 
     shapes: dict[str, tuple[int, int]]
     tied_head: str | None
+    head_digest: str | None = None
 
     @classmethod
-    def of(cls, hf_model) -> "BaseLinears":
+    def of(cls, hf_model, head_digest: str | None = None) -> "BaseLinears":
+        """`hf_model`'s linears; `head_digest`: its untied head's, when its weights are not here (the meta device),
+        else computed from them."""
         from torch import nn
         from transformers.pytorch_utils import Conv1D
 
@@ -197,7 +224,9 @@ class BaseLinears:
         head = hf_model.get_output_embeddings()
         tied = head is not None and head.weight is hf_model.get_input_embeddings().weight
         head_name = next((n for n, m in hf_model.named_modules() if m is head), None) if tied else None
-        return cls(shapes, head_name)
+        if head_digest is None and head is not None and not tied and not head.weight.is_meta:
+            head_digest = weight_digest(head.weight)
+        return cls(shapes, head_name, head_digest)
 
 
 def check_against(adapter: Adapter, base: BaseLinears, served: set[str]) -> None:
@@ -217,4 +246,21 @@ def check_against(adapter: Adapter, base: BaseLinears, served: set[str]) -> None
                                f"{module} {want_in} -> {want_out}: the adapter was made for another base")
         if module not in served:
             raise AdapterError(f"adapter {adapter.name!r}: target module {module} has no LoRA site in the graph "
-                               f"(llmc serves adapters on the attention and MLP projections of dense layers)")
+                               f"(llmc serves adapters on the attention and MLP projections of dense layers, and "
+                               f"on an untied LM head)")
+    check_copies(adapter, base.head_digest)
+
+
+def check_copies(adapter: Adapter, head_digest: str | None) -> None:
+    """Refuse an adapter whose saved copy of a base weight is not the base's own LM head weight (`head_digest`:
+    the served base's untied head's weight_digest; None: there is none, or it is not known)."""
+    for module, digest in sorted(adapter.copies.items()):
+        if head_digest is None:
+            raise AdapterError(f"adapter {adapter.name!r}: it holds a copy of the base's {module} weight, and this "
+                               f"model has no untied LM head to check it against; llmc serves adapters that share "
+                               f"the base's weights")
+        if digest != head_digest:
+            raise AdapterError(f"adapter {adapter.name!r}: its copy of {module}'s weight (base_layer.weight) differs "
+                               f"from this base's; PEFT would load that copy in place of the base's head, and llmc "
+                               f"shares the base's weights (the adapter was made for another base, or retrained "
+                               f"the head)")

@@ -12,38 +12,43 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from llmc.compiler.lora.adapter import Adapter, AdapterError, read_adapter
+from llmc.compiler.lora.adapter import Adapter, AdapterError, check_copies, read_adapter
 from llmc.compiler.lora.fold import Fold
 from llmc.compiler.lora.stacks import site_arrays
 from llmc.runtime.lora.check import NAME
 from llmc.runtime.lora.files import adapter_bytes
 from llmc.runtime.lora.sites import Site
 from llmc.runtime.lora.stacks import AdapterWeights
+from llmc.runtime.manifest import LoraConfig
 
 
-def check_against_sites(adapter: Adapter, sites: Sequence[Site]) -> None:
+def check_against_sites(adapter: Adapter, sites: Sequence[Site], head_digest: str | None = None) -> None:
     """Refuse, naming the module, an adapter whose target modules are not the sites' members or whose shapes differ
-    from theirs (an adapter made for another base, or on a module llmc serves no adapter on)."""
+    from theirs (an adapter made for another base, or on a module llmc serves no adapter on), or whose copy of the
+    LM head's weight is not the served base's (`head_digest`: the manifest's)."""
     members = {m.module: (site, m) for site in sites for m in site.members}
     for module, lora in sorted(adapter.modules.items()):
         if module not in members:
             raise AdapterError(f"adapter {adapter.name!r}: target module {module} has no LoRA site in this model "
                                f"(the adapter was made for another base, or targets a module llmc serves no "
-                               f"adapter on: the LM head, experts)")
+                               f"adapter on: a tied LM head, experts)")
         site, member = members[module]
         got, want = (lora.a.shape[1], lora.b.shape[0]), (site.in_features, member.width)
         if got != want:
             raise AdapterError(f"adapter {adapter.name!r}: {module} maps {got[0]} -> {got[1]} features, this model's "
                                f"{want[0]} -> {want[1]}: the adapter was made for another base")
+    check_copies(adapter, head_digest)
 
 
-def convert(name: str, folder: Path, sites: Sequence[Site], max_rank: int,
-            fold: Fold | None = None) -> tuple[bytes, AdapterWeights]:
-    """The adapter file's bytes for the PEFT adapter in `folder` served as `name`, and its weights; `fold`: the
-    served base's AWQ scaling (fold.py, the manifest's `lora.scales_file`), folded in."""
+def convert(name: str, folder: Path, lora: LoraConfig, fold: Fold | None = None) -> tuple[bytes, AdapterWeights]:
+    """The adapter file's bytes for the PEFT adapter in `folder` served as `name`, and its weights, for the served
+    model whose manifest's LoRA section is `lora` (its sites, rank limit and LM head's digest); `fold`: its base's AWQ
+    scaling (fold.py, read from `lora.scales_file`), folded in."""
     if not NAME.fullmatch(name):
         raise AdapterError(f"lora_name: {name!r} is not an adapter name (letters, digits, _ . -, at most 64)")
-    adapter = read_adapter(name, Path(folder), max_rank=max_rank)
-    check_against_sites(adapter, sites)
-    weights = site_arrays(sites, adapter, fold)
+    if lora.scales_file and not fold:
+        raise ValueError(f"the served base was AWQ scaled ({lora.scales_file}): pass its fold")
+    adapter = read_adapter(name, Path(folder), max_rank=lora.max_rank)
+    check_against_sites(adapter, lora.sites, lora.head_digest)
+    weights = site_arrays(lora.sites, adapter, fold)
     return adapter_bytes(weights), weights

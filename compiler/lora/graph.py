@@ -20,6 +20,8 @@ Each site is four nodes, no reshape, transpose or batched MatMul:
 
 which is y = x W + (x A_slot) B_slot per token, and for a fused site each module's own x A_m B_m in its own
 columns (the block-diagonal B keeps q's delta out of k's and v's columns). A token with no slot gets exactly +0.
+A site that sees only some tokens' rows (the LM head: `rows` = logits_indices) reads the token mask gathered by
+that input, one node before its branch: `lora/<site>/mask` = Gather(mask, logits_indices), [L, S*M*R].
 x and y keep the projection's own shapes (the paged graph's tokens: [1, N, in] or [N, in]); the mask [N, S*M*R]
 broadcasts over the leading 1. S and R are dynamic: a step binds only the adapters its tokens use (S >= 1, the
 distinct ones) padded to the highest rank among them (R >= 1, zeros beyond a module's rank), not lora.max_slots x
@@ -70,6 +72,8 @@ def add_lora_branches(model: ModelProto, sites: list[Site]) -> None:
         if site.x not in producers and site.x not in inputs or site.y not in producers:
             missing = site.x if site.y in producers else site.y
             raise ValueError(f"site {site.name}: no tensor {missing} in the graph")
+        if site.rows is not None and site.rows not in inputs:
+            raise ValueError(f"site {site.name}: no graph input {site.rows} picking its rows")
     tokens = _token_dim(graph)
     for members in sorted({len(site.members) for site in sites}):
         graph.input.append(helper.make_tensor_value_info(mask_name(members), TensorProto.FLOAT,
@@ -85,7 +89,8 @@ def add_lora_branches(model: ModelProto, sites: list[Site]) -> None:
         base = f"{_PREFIX}/{site.name}/base"
         producer.output[list(producer.output).index(site.y)] = base
         after.setdefault(k, []).extend(_branch_nodes(site, base))
-    nodes = []
+    nodes = [helper.make_node("Gather", [mask_name(len(site.members)), site.rows], [site_mask(site)], axis=0,
+                              name=f"{_PREFIX}/{site.name}/Gather_mask") for site in sites if site.rows is not None]
     for k, node in enumerate(graph.node):
         nodes.append(node)
         nodes.extend(after.get(k, []))
@@ -100,11 +105,16 @@ def _token_dim(graph) -> str:
     return dims[0].dim_param if len(dims) == 1 and dims[0].dim_param else "lora_tokens"
 
 
+def site_mask(site: Site) -> str:
+    """The mask `site`'s branch reads: the token mask, or its rows gathered (`lora/<site>/mask`, a `rows` site)."""
+    return mask_name(len(site.members)) if site.rows is None else f"{_PREFIX}/{site.name}/mask"
+
+
 def _branch_nodes(site: Site, base: str) -> list:
     p = f"{_PREFIX}/{site.name}"
     return [
         helper.make_node("MatMul", [site.x, a_name(site)], [f"{p}/h"], name=f"{p}/shrink"),
-        helper.make_node("Mul", [f"{p}/h", mask_name(len(site.members))], [f"{p}/h_own"], name=f"{p}/Mul_mask"),
+        helper.make_node("Mul", [f"{p}/h", site_mask(site)], [f"{p}/h_own"], name=f"{p}/Mul_mask"),
         helper.make_node("MatMul", [f"{p}/h_own", b_name(site)], [f"{p}/delta"], name=f"{p}/expand"),
         helper.make_node("Add", [base, f"{p}/delta"], [site.y], name=f"{p}/Add"),
     ]

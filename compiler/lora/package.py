@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.compiler.lora.adapter import Adapter, BaseLinears, check_against, read_adapter
+from llmc.compiler.lora.adapter import Adapter, BaseLinears, check_against, read_adapter, weight_digest
 from llmc.compiler.lora.fold import FILENAME as FOLD_FILE
 from llmc.compiler.lora.fold import Fold
 from llmc.compiler.lora.graph import add_lora_branches
-from llmc.compiler.lora.sites import find_sites, module_members
+from llmc.compiler.lora.sites import HEAD, find_sites, module_members
 from llmc.compiler.lora.stacks import site_arrays
 from llmc.compiler.quantize.channel_scales import ChannelScales
 from llmc.errors import UnsupportedError
@@ -76,22 +76,41 @@ def meta_model(source):
         return AutoModelForCausalLM.from_config(read_config(source), dtype=torch.float32)
 
 
-def checked_adapters(spec, hf_model) -> list[Adapter]:
-    """Each adapter of `spec` read (PEFT's semantics, lora.max_rank) and checked against the base `hf_model`."""
+def head_digest(source, hf_model) -> str | None:
+    """The weight_digest of the checkpoint's untied LM head (None: tied, or no head), read from its files alone."""
+    from llmc.compiler.stream.tensors import checkpoint_tensors
+
+    head = hf_model.get_output_embeddings()
+    if head is None or head.weight is hf_model.get_input_embeddings().weight:
+        return None
+    name = next(n for n, m in hf_model.named_modules() if m is head)
+    tensors = checkpoint_tensors(source)
+    keys = [k for k in tensors.keys() if k == f"{name}.weight" or k.endswith(f".{name}.weight")]
+    if len(keys) != 1:
+        raise UnsupportedError(f"{source.path}: no single tensor {name}.weight for the untied LM head "
+                               f"(found {keys or 'none'}); adapters on it cannot be checked")
+    return weight_digest(tensors.load(keys[0]))
+
+
+def checked_adapters(spec, source, hf_model) -> tuple[list[Adapter], str | None]:
+    """Each adapter of `spec` read (PEFT's semantics, lora.max_rank) and checked against the base `hf_model`, and
+    the untied LM head's weight digest (read from `source`: an adapter's copy of the head is checked against it, and
+    the manifest keeps it for adapters loaded at run time)."""
     if refusal(spec) is not None:
         raise UnsupportedError(f"adapters: {', '.join(spec.adapters)}: {refusal(spec)}")
     served = {m.module for members in module_members(hf_model).values() for m in members}
-    base = BaseLinears.of(hf_model)
     adapters = [read_adapter(name, folder, max_rank=spec.lora.max_rank) for name, folder in spec.adapters.items()]
+    digest = head_digest(source, hf_model) if HEAD in served or any(a.copies for a in adapters) else None
+    base = BaseLinears.of(hf_model, digest)
     for adapter in adapters:
         check_against(adapter, base, served)
-    return adapters
+    return adapters, digest
 
 
 def check_adapters_spec(spec, source) -> None:
     """The package stage's precondition, checked before any stage works: the spec's adapters can be served."""
     if spec.adapters:
-        checked_adapters(spec, meta_model(source))
+        checked_adapters(spec, source, meta_model(source))
 
 
 def package_adapters(spec, source, export_graph: Path, served_graph: Path, model_file: str,
@@ -102,7 +121,7 @@ def package_adapters(spec, source, export_graph: Path, served_graph: Path, model
     import onnx
 
     hf_model = meta_model(source)
-    adapters = checked_adapters(spec, hf_model)
+    adapters, digest = checked_adapters(spec, source, hf_model)
     sites = find_sites(onnx.load(str(export_graph), load_external_data=False), hf_model)
     fold = Fold.of(sites, ChannelScales.load(channel_scales)) if channel_scales is not None else Fold()
     scales_file = None
@@ -121,4 +140,4 @@ def package_adapters(spec, source, export_graph: Path, served_graph: Path, model
         infos.append(AdapterInfo(name=adapter.name, digest=adapter.digest, file=file, rank=adapter.max_rank))
     return LoraConfig(lora_file=name, sites=sites, adapters=infos, max_slots=spec.lora.max_slots,
                       max_rank=spec.lora.max_rank, max_host_adapters=spec.lora.max_host_adapters,
-                      scales_file=scales_file)
+                      scales_file=scales_file, head_digest=digest)

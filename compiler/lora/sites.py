@@ -11,6 +11,9 @@ columns are q_proj's, k_proj's and v_proj's side by side (checked against their 
 shape on a model built on the meta device, as the package stage builds it: compiler/lora/package.py).
 Phi-3's `qkv_proj` and GPT-2's `c_attn` are the checkpoint's own fused modules: one PEFT module, one site.
 
+An untied LM head is a site too (`lm_head`): it sees only the rows `logits_indices` picks, so its `rows` names that
+input and the branch gathers the token mask by it (graph.py). A tied head is the input embeddings as well: not served.
+
 A site's `y` is the projection's whole output (its bias Add included, so a later fold of MatMulNBits + bias
 still matches) and `x` its input activation. Quantization keeps both names (MatMulNBits reads the same input
 and writes the same output; merged siblings split back into their outputs), so sites found on the fp32 export
@@ -26,12 +29,14 @@ import re
 from llmc.runtime.lora.sites import Member, Site
 
 _LAYERWISE = re.compile(r"^decoder\.(layers|qkv)\.(\d+)(\..+)?$")
+HEAD = "lm_head"  # the LM head's decoder path (base.py: decoder.lm_head), and its site's name
+HEAD_ROWS = "logits_indices"  # the paged graph's input picking the rows the head sees (compiler/paged_decoder.py)
 _STAMPED = re.compile(r"\.layer(\d+)$")
 
 
 def module_members(hf_model) -> dict[str, tuple[Member, ...]]:
     """Decoder module path -> the PEFT modules computing its output columns, for every linear projection of the
-    decoder's layers (the LM head and experts excluded)."""
+    decoder's layers (experts excluded) and an untied LM head (`lm_head`; a tied one is the embeddings too)."""
     import torch
     from torch import nn
     from transformers.pytorch_utils import Conv1D
@@ -57,6 +62,10 @@ def module_members(hf_model) -> dict[str, tuple[Member, ...]]:
         offsets = [0, *torch.cumsum(torch.tensor([p.out_features for p in parts]), 0).tolist()]
         members[path] = tuple(Member(hf_names[id(p)], offsets[k], p.out_features) for k, p in enumerate(parts))
         fused.update(id(p) for p in parts)
+    head = hf_model.get_output_embeddings()
+    if head is not None and head.weight is not hf_model.get_input_embeddings().weight and id(head) in hf_names \
+            and decoder.lm_head is head:
+        members[HEAD] = (Member(hf_names[id(head)], 0, head.out_features),)
     fused_names = {hf_names[i] for i in fused}
     return {path: m for path, m in members.items() if not (len(m) == 1 and m[0].module in fused_names)}
 
@@ -100,7 +109,7 @@ def find_sites(model, hf_model) -> list[Site]:
         width = sum(m.width for m in members[path])
         if n != width:
             raise ValueError(f"decoder.{path}: the graph's weight is {weight} but its modules give {width} outputs")
-        sites[path] = Site(path, node.input[0], y, int(k), int(n), members[path])
+        sites[path] = Site(path, node.input[0], y, int(k), int(n), members[path], HEAD_ROWS if path == HEAD else None)
     missing = sorted({m.module for ms in members.values() for m in ms} -
                      {m.module for site in sites.values() for m in site.members})
     if missing:
@@ -115,6 +124,8 @@ def _module_path(node, members) -> str | None:
         return None
     stamped = _STAMPED.search(node.output[0])
     for scope in reversed(ast.literal_eval(scopes)):
+        if scope == f"decoder.{HEAD}" and HEAD in members:
+            return HEAD
         match = _LAYERWISE.match(scope)
         if match is None:
             continue

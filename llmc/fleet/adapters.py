@@ -131,7 +131,7 @@ def convert(served: Served, name: str, folder) -> bytes:
         except ValueError as err:
             raise AdapterUpdateError(str(err)) from None
     try:
-        return to_file(name, folder, lora.sites, lora.max_rank, fold)[0]
+        return to_file(name, folder, lora, fold)[0]
     except AdapterError as err:
         raise AdapterUpdateError(f"lora_adapter: {err}") from None
 

@@ -10,6 +10,7 @@ The branch graph.py writes, for a site named <site> (x, y_base, A, B and the mas
     lora/<site>/expand    MatMul(lora/<site>/h_own, lora.<site>.b)  -> lora/<site>/delta
     lora/<site>/Add       Add(lora/<site>/base, lora/<site>/delta)  -> y
 
+(the LM head's mask is `lora/<site>/mask`, the token mask gathered by the rows it sees: `lora/<site>/Gather_mask`)
 becomes `lora/<site>/LoraDelta` = llmc.LoraDelta(lora/<site>/base, x, A, mask, B) -> y, where the Add was (every
 input it reads is computed before the Add, x before the shrink). The op finds each token's slot from its mask row,
 so it needs neither S nor R (both dynamic), only the session's thread count (`threads`) and the site's name (`site`,
@@ -57,13 +58,24 @@ def _branch(add, producers: dict, readers: dict, inputs: set[str], outputs: set[
         if (node is None or node.name != f"{p}/{name}" or node.op_type != op or node.domain not in ("", "ai.onnx")
                 or list(node.output) != [value] or value in outputs or len(readers.get(value, ())) != 1):
             return None
-        if second is not None and node.input[1:] != [second] or len(node.input) != 2 or node.input[1] not in inputs:
+        if second is not None and node.input[1:] != [second] or len(node.input) != 2:
+            return None
+        if node.input[1] not in inputs and not (name == "Mul_mask" and _gathered_mask(node.input[1], p, producers, inputs)):
             return None
         nodes.append(node)
     expand, mul, shrink = nodes
-    if list(expand.input)[0] != f"{p}/h_own" or list(mul.input)[0] != f"{p}/h" or not _MASK.fullmatch(mul.input[1]):
+    if list(expand.input)[0] != f"{p}/h_own" or list(mul.input)[0] != f"{p}/h" or \
+            not (_MASK.fullmatch(mul.input[1]) or mul.input[1] == f"{p}/mask"):
         return None
     return site, (shrink, mul, expand, add)
+
+
+def _gathered_mask(value: str, p: str, producers: dict, inputs: set[str]) -> bool:
+    """Whether `value` is a site's token mask gathered by the rows it sees (graph.py: the LM head's
+    `lora/<site>/mask` = Gather(lora_mask, logits_indices)): the op reads it as it reads a mask input."""
+    node = producers.get(value)
+    return (value == f"{p}/mask" and node is not None and node.op_type == "Gather" and
+            node.name == f"{p}/Gather_mask" and node.input[0] in inputs and bool(_MASK.fullmatch(node.input[0])))
 
 
 def fuse_lora(model, threads: int) -> int:

@@ -41,6 +41,9 @@ class Site:
     in_features: int
     out_features: int
     members: tuple[Member, ...]
+    # the graph input picking the token rows the projection sees, when not every token's: the LM head's
+    # `logits_indices` (its mask is the token mask gathered by it, in the graph: compiler/lora/graph.py)
+    rows: str | None = None
 
 
 def a_name(site: Site) -> str:

@@ -246,7 +246,7 @@ def held_and_loaded(args, engine, version: Path, peft_folder: Path, tokenizer, p
     loads, cold, warm = [], [], []
     for p in range(args.passes):
         start = time.perf_counter()
-        data = convert(f"disk{p}", peft_folder, lora.sites, lora.max_rank)[0]
+        data = convert(f"disk{p}", peft_folder, lora)[0]
         converted = time.perf_counter() - start
         admin.load(data, None)
         loads.append((converted, time.perf_counter() - start))

@@ -13,7 +13,8 @@ from peft_adapters import make_adapter, peft_model  # noqa: F401 (make_adapter: 
 # per family: adapter A's targets, and adapter B (another rank, rsLoRA, a rank_pattern whose regex key picks one
 # layer's module, an alpha_pattern) on fewer modules, so a fused site carries some modules' deltas and not others
 ADAPTERS = {
-    "llama": (dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "llama": (dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                   "lm_head"]),  # untied: PEFT saves a copy of the head's weight beside the pair
               dict(target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
                    rank_pattern={"down_proj": 2, r"layers\.1\.self_attn\.q_proj": 6}, alpha_pattern={"v_proj": 4})),
     "phi3": (dict(target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),

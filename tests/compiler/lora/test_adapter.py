@@ -77,6 +77,14 @@ def _edit_config(folder, **fields):
     (folder / "adapter_config.json").write_text(json.dumps({**config, **fields}))
 
 
+def _scale_tensor(folder, suffix, factor):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "adapter_model.safetensors")
+    key = next(k for k in tensors if k.endswith(suffix))
+    save_file({**tensors, key: tensors[key] * factor}, folder / "adapter_model.safetensors")
+
+
 def _drop_tensor(folder, suffix):
     from safetensors.torch import load_file, save_file
 
@@ -151,18 +159,32 @@ def test_refused_against_the_base(tiny_checkpoints, tmp_path):
     make_adapter(gpt2, tmp_path / "gpt2", r=4, target_modules=["c_attn"], fan_in_fan_out=True)
     with pytest.raises(AdapterError, match="no linear layer of this base model"):
         check_against(read_adapter("gpt2", tmp_path / "gpt2", max_rank=16), linears, served)
-    # a LoRA on the LM head: PEFT saves the head's weight beside it (refused at load); without that copy (PEFT's
-    # save_embedding_layers=False) it is refused against the base: tied here, untied but without a site in Llama
+    # a LoRA on the LM head: PEFT saves the head's weight beside it. A tied head is refused, with or without the copy
     gpt2_linears = BaseLinears.of(AutoModelForCausalLM.from_pretrained(gpt2))
-    assert gpt2_linears.tied_head == "lm_head"
+    assert gpt2_linears.tied_head == "lm_head" and gpt2_linears.head_digest is None
     make_adapter(gpt2, tmp_path / "head", r=4, target_modules=["c_attn", "lm_head"])
-    with pytest.raises(AdapterError, match="lm_head.base_layer.weight is a copy of the base's lm_head weight"):
-        read_adapter("head", tmp_path / "head", max_rank=16)
-    _drop_tensor(tmp_path / "head", "base_layer.weight")
-    with pytest.raises(AdapterError, match="lm_head, the LM head, which this model ties"):
-        check_against(read_adapter("head", tmp_path / "head", max_rank=16), gpt2_linears, set(gpt2_linears.shapes))
+    assert set(read_adapter("head", tmp_path / "head", max_rank=16).copies) == {"lm_head"}
+    for copy in (True, False):
+        if not copy:
+            _drop_tensor(tmp_path / "head", "base_layer.weight")
+        with pytest.raises(AdapterError, match="lm_head, the LM head, which this model ties"):
+            check_against(read_adapter("head", tmp_path / "head", max_rank=16), gpt2_linears, set(gpt2_linears.shapes))
 
+    # Llama's head is untied: served where the graph has its site, its copy checked against the base's weight
     make_adapter(llama, tmp_path / "untied_head", r=4, target_modules=["q_proj", "lm_head"])
-    _drop_tensor(tmp_path / "untied_head", "base_layer.weight")
+    head = read_adapter("untied_head", tmp_path / "untied_head", max_rank=16)
+    assert head.copies == {"lm_head": linears.head_digest} and linears.head_digest is not None
+    check_against(head, linears, served | {"lm_head"})
     with pytest.raises(AdapterError, match="target module lm_head has no LoRA site"):
-        check_against(read_adapter("untied_head", tmp_path / "untied_head", max_rank=16), linears, served)
+        check_against(head, linears, served)
+    _scale_tensor(tmp_path / "untied_head", "lm_head.base_layer.weight", 1.001)
+    with pytest.raises(AdapterError, match=r"its copy of lm_head's weight \(base_layer.weight\) differs from this base's"):
+        check_against(read_adapter("untied_head", tmp_path / "untied_head", max_rank=16), linears, served | {"lm_head"})
+    with pytest.raises(AdapterError, match="no untied LM head to check it against"):
+        check_against(read_adapter("untied_head", tmp_path / "untied_head", max_rank=16),
+                      BaseLinears(linears.shapes, None), served | {"lm_head"})
+    for which in "AB":
+        _drop_tensor(tmp_path / "untied_head", f"lm_head.lora_{which}.weight")
+    with pytest.raises(AdapterError, match="lm_head.base_layer.weight is a copy of the base's lm_head weight, which "
+                                           "has no LoRA pair"):
+        read_adapter("untied_head", tmp_path / "untied_head", max_rank=16)

@@ -7,8 +7,8 @@ test's copy runs them at accuracy_level 0 (ONNX Runtime dequantizes to fp32; llm
 only), so the base is exactly its dequantized weights. Those weights are read from the graph itself, not from the
 quantizer: each site's projection (MatMulNBits, and the Split of a merged gate/up) is cut out of the graph and run on
 the identity. AWQ's recorded scales map them back to the checkpoint's coordinates (rows over the input's scale, the
-up projection's columns times its output's), and they replace the checkpoint's weights, the LM head's too, in the
-model PEFT wraps. A step mixing adapter A, adapter B and no adapter then equals PEFT row for row at fp32 tolerance;
+up projection's columns times its output's), and they replace the weights of the model PEFT wraps, the LM head's too
+(adapter A targets it: PEFT loads A's copy of the head's weight, replaced after the load). A step mixing adapter A, adapter B and no adapter then equals PEFT row for row at fp32 tolerance;
 the base row checks the reading of the weights itself."""
 
 from __future__ import annotations
@@ -67,28 +67,29 @@ def test_adapters_over_an_int4_base_equal_peft_over_its_dequantized_weights(algo
     exact = tmp_path / "exact.onnx"
     onnx.save(model, str(exact))
 
-    # the checkpoint's model with the served weights in its own coordinates
-    with torch.no_grad():
-        for site in sites:
-            w, bias = served_map(exact, site.x, site.y, site.in_features)
-            if site.name in fold.a_rows:
-                w = w / fold.a_rows[site.name][:, None]
-            if site.name in fold.b_columns:
-                w, bias = w / fold.b_columns[site.name], bias / fold.b_columns[site.name]
-            for m in site.members:
-                module = hf.get_submodule(m.module)
-                module.weight.copy_(torch.from_numpy(w[:, m.offset:m.offset + m.width].T.copy()))
-                if module.bias is not None:
-                    module.bias.copy_(torch.from_numpy(bias[m.offset:m.offset + m.width].copy()))
-        head = next(n for n in nbits if n.input[0] not in {s.x for s in sites})  # untied and quantized
-        w, _ = served_map(exact, head.input[0], head.output[0], hf.config.hidden_size)
-        w = w / scales.inputs[head.input[0]][:, None] if head.input[0] in scales.inputs else w
-        hf.lm_head.weight = torch.nn.Parameter(torch.from_numpy(w.T.copy()))
+    # the checkpoint's model with the served weights in its own coordinates (the LM head is a site: untied)
+    served = {}
+    for site in sites:
+        w, bias = served_map(exact, site.x, site.y, site.in_features)
+        if site.name in fold.a_rows:
+            w = w / fold.a_rows[site.name][:, None]
+        if site.name in fold.b_columns:
+            w, bias = w / fold.b_columns[site.name], bias / fold.b_columns[site.name]
+        served.update({m.module: (w[:, m.offset:m.offset + m.width], bias[m.offset:m.offset + m.width])
+                       for m in site.members})
+    assert "lm_head" in served and len(served) == 2 * 7 + 1
     paths = dict(zip("ab", family_adapters("llama", checkpoint, tmp_path)))
     peft = PeftModel.from_pretrained(hf, paths["a"], adapter_name="a")
     peft.load_adapter(paths["b"], adapter_name="b")
     peft.eval()
-    assert torch.equal(peft.base_model.model.lm_head.weight, hf.lm_head.weight)  # PEFT kept the served head
+    # after PEFT's loads: adapter A's copy of the head's weight (the checkpoint's, fp32) went in place of the base's
+    with torch.no_grad():
+        for name, (w, bias) in served.items():
+            module = peft.base_model.model.get_submodule(name)
+            module = getattr(module, "base_layer", module)
+            module.weight.copy_(torch.from_numpy(w.T.copy()))
+            if module.bias is not None:
+                module.bias.copy_(torch.from_numpy(bias.copy()))
     want = []
     with torch.no_grad():
         for name in ("a", "b", None):

@@ -1,6 +1,7 @@
 """The LoRA serving tests' shared build: the tiny Llama with two PEFT adapters made by PEFT itself (A: rank 4 on
 every projection; B: rank 8 with rsLoRA, a rank_pattern and an alpha_pattern, on fewer modules), built once per test
 run into a folder every xdist worker sees (shared_builds.py's pattern), and PEFT's own greedy tokens to compare with.
+A also targets the untied LM head (PEFT saves a copy of its weight, which must be the base's).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from peft_adapters import make_adapter, peft_model  # noqa: F401 (make_adapter: 
 from shared_builds import exclusive, shared_dir
 
 ADAPTER_A = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                    "down_proj"])
+                                                    "down_proj", "lm_head"])  # the untied head: a copy saved too
 ADAPTER_B = dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
                  rank_pattern={"down_proj": 2, r"layers\.1\.self_attn\.q_proj": 6}, alpha_pattern={"v_proj": 4})
 SPEC = {"limits": {"max_batch_size": 4, "max_seq_len": 128, "max_num_tokens": 64},

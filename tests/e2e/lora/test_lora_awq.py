@@ -44,8 +44,9 @@ def test_the_recorded_scales_are_the_graphs_and_fold_every_adapter_file(awq_buil
     fold = Fold.from_bytes((version / lora.scales_file).read_bytes(), lora.scales_file)
     recorded = Fold.of(lora.sites, ChannelScales.load(out / "quantize" / FILENAME))
     assert fold.a_rows.keys() == recorded.a_rows.keys() and fold.b_columns.keys() == recorded.b_columns.keys()
-    # the tiny Llama's 2 layers: q/k/v and gate/up read the norms' outputs, down the up projection's scaled columns
-    assert len(fold.a_rows) == 2 * 4 and len(fold.b_columns) == 2
+    # the tiny Llama's 2 layers: q/k/v and gate/up read the norms' outputs, down the up projection's scaled columns;
+    # the untied LM head (adapter A targets it) the final norm's
+    assert len(fold.a_rows) == 2 * 4 + 1 and "lm_head" in fold.a_rows and len(fold.b_columns) == 2
 
     export = onnx.load(str(out / "export" / "model.onnx"))
     served = onnx.load(str(out / "quantize" / "model.onnx"))
@@ -60,7 +61,7 @@ def test_the_recorded_scales_are_the_graphs_and_fold_every_adapter_file(awq_buil
             ratio = before[export_nodes[node.name].input[slot]] / after[node.input[slot]]
             assert np.allclose(ratio, fold.a_rows[by_x[node.output[0]]], rtol=1e-5), node.name
             checked += 1
-    assert checked == 2 * 2  # each layer's two norms: attention's and the MLP's
+    assert checked == 2 * 2 + 1  # each layer's two norms (attention's and the MLP's) and the final norm
 
     file = parse_adapter((version / lora.adapters[0].file).read_bytes(), "a")
     want = site_arrays(lora.sites, read_adapter("a", folder, max_rank=lora.max_rank), fold)

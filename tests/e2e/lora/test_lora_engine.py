@@ -53,7 +53,8 @@ def test_the_repository_holds_the_lora_graph_sites_and_adapters(built):
     m = RepositoryManifest.load(version)
     assert m.lora.lora_file == "model_lora.onnx" and (version / m.lora.lora_file).is_file()
     assert [(a.name, a.rank, len(a.digest)) for a in m.lora.adapters] == [("a", 4, 64), ("b", 8, 64)]
-    assert len(m.lora.sites) == 2 * 5 and all((version / a.file).is_file() for a in m.lora.adapters)
+    assert len(m.lora.sites) == 2 * 5 + 1 and all((version / a.file).is_file() for a in m.lora.adapters)
+    assert [s.rows for s in m.lora.sites if s.name == "lm_head"] == ["logits_indices"] and m.lora.head_digest
     assert (m.lora.max_slots, m.lora.max_rank, m.lora.max_host_adapters) == (2, 16, 2)
     config = parse((version.parent / "config.pbtxt").read_text())
     assert "lora_name" in {i.name for i in config.input}

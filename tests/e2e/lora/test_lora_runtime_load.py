@@ -69,7 +69,7 @@ def converted(built, folder) -> bytes:
     from llmc.runtime.manifest import RepositoryManifest
 
     lora = RepositoryManifest.load(built[0]).lora
-    return convert("c", folder, lora.sites, lora.max_rank)[0]
+    return convert("c", folder, lora)[0]
 
 
 def served(loop) -> dict:
@@ -157,3 +157,22 @@ def without_tensor(data: bytes, name: str) -> bytes:
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (size - len(text))
     return data[:8] + text + data[8 + size:]
+
+
+def test_an_adapter_whose_copy_of_the_head_is_not_the_bases_is_refused_at_conversion(built, peft_c, tmp_path):
+    """Adapter c targets the untied LM head, so PEFT saved a copy of the head's weight; one that differs from the
+    served base's (the manifest's digest) would have PEFT serve another head: refused before anything is written."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from llmc.compiler.lora import AdapterError
+
+    folder = tmp_path / "c"
+    shutil.copytree(peft_c[0], folder)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    key = "base_model.model.lm_head.base_layer.weight"
+    assert key in tensors and converted(built, peft_c[0])
+    save_file({**tensors, key: tensors[key] * 1.01}, folder / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=r"its copy of lm_head's weight \(base_layer.weight\) differs"):
+        converted(built, folder)
