@@ -222,11 +222,21 @@ class BaseLinears:
             elif isinstance(module, Conv1D):  # GPT-2's: weight [in, out], the transpose of nn.Linear's
                 shapes[module_name] = tuple(module.weight.shape)
         head = hf_model.get_output_embeddings()
-        tied = head is not None and head.weight is hf_model.get_input_embeddings().weight
+        tied = tied_head(hf_model)
         head_name = next((n for n, m in hf_model.named_modules() if m is head), None) if tied else None
         if head_digest is None and head is not None and not tied and not head.weight.is_meta:
             head_digest = weight_digest(head.weight)
         return cls(shapes, head_name, head_digest)
+
+
+def tied_head(hf_model) -> bool:
+    """Whether `hf_model`'s LM head is its input embeddings: the same parameter, or (a model built on the meta
+    device, where transformers does not tie them) a config that ties them."""
+    head, embeddings = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
+    if head is None or embeddings is None:
+        return False
+    config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
+    return head.weight is embeddings.weight or bool(getattr(config, "tie_word_embeddings", False))
 
 
 def check_against(adapter: Adapter, base: BaseLinears, served: set[str]) -> None:

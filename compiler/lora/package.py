@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.compiler.lora.adapter import Adapter, BaseLinears, check_against, read_adapter, weight_digest
+from llmc.compiler.lora.adapter import Adapter, BaseLinears, check_against, read_adapter, tied_head, weight_digest
 from llmc.compiler.lora.fold import FILENAME as FOLD_FILE
 from llmc.compiler.lora.fold import Fold
 from llmc.compiler.lora.graph import add_lora_branches
@@ -81,7 +81,7 @@ def head_digest(source, hf_model) -> str | None:
     from llmc.compiler.stream.tensors import checkpoint_tensors
 
     head = hf_model.get_output_embeddings()
-    if head is None or head.weight is hf_model.get_input_embeddings().weight:
+    if head is None or tied_head(hf_model):
         return None
     name = next(n for n, m in hf_model.named_modules() if m is head)
     tensors = checkpoint_tensors(source)

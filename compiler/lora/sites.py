@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import re
 
+from llmc.compiler.lora.adapter import tied_head
 from llmc.runtime.lora.sites import Member, Site
 
 _LAYERWISE = re.compile(r"^decoder\.(layers|qkv)\.(\d+)(\..+)?$")
@@ -63,8 +64,7 @@ def module_members(hf_model) -> dict[str, tuple[Member, ...]]:
         members[path] = tuple(Member(hf_names[id(p)], offsets[k], p.out_features) for k, p in enumerate(parts))
         fused.update(id(p) for p in parts)
     head = hf_model.get_output_embeddings()
-    if head is not None and head.weight is not hf_model.get_input_embeddings().weight and id(head) in hf_names \
-            and decoder.lm_head is head:
+    if head is not None and not tied_head(hf_model) and id(head) in hf_names and decoder.lm_head is head:
         members[HEAD] = (Member(hf_names[id(head)], 0, head.out_features),)
     fused_names = {hf_names[i] for i in fused}
     return {path: m for path, m in members.items() if not (len(m) == 1 and m[0].module in fused_names)}

@@ -60,7 +60,8 @@ def _branch(add, producers: dict, readers: dict, inputs: set[str], outputs: set[
             return None
         if second is not None and node.input[1:] != [second] or len(node.input) != 2:
             return None
-        if node.input[1] not in inputs and not (name == "Mul_mask" and _gathered_mask(node.input[1], p, producers, inputs)):
+        gathered = name == "Mul_mask" and _gathered_mask(node.input[1], p, producers, inputs)
+        if node.input[1] not in inputs and not gathered:
             return None
         nodes.append(node)
     expand, mul, shrink = nodes

@@ -8,8 +8,9 @@ only), so the base is exactly its dequantized weights. Those weights are read fr
 quantizer: each site's projection (MatMulNBits, and the Split of a merged gate/up) is cut out of the graph and run on
 the identity. AWQ's recorded scales map them back to the checkpoint's coordinates (rows over the input's scale, the
 up projection's columns times its output's), and they replace the weights of the model PEFT wraps, the LM head's too
-(adapter A targets it: PEFT loads A's copy of the head's weight, replaced after the load). A step mixing adapter A, adapter B and no adapter then equals PEFT row for row at fp32 tolerance;
-the base row checks the reading of the weights itself."""
+(adapter A targets it: PEFT loads A's copy of the head's weight, replaced after the load). A step mixing adapter A,
+adapter B and no adapter then equals PEFT row for row at fp32 tolerance; the base row checks the reading of the
+weights itself."""
 
 from __future__ import annotations
 

@@ -55,3 +55,35 @@ def test_a_build_with_an_unreadable_adapter_is_refused_before_any_stage_works(tm
     with pytest.raises(AdapterError, match="adapter 'fr': .*adapter_config.json is missing"):
         build(spec, output=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family, tied", [("gpt2", True), ("llama", False)])
+def test_the_build_check_reads_the_head_from_the_config_alone(family, tied, tmp_path, tiny_checkpoints):
+    """The package stage's check builds the base on the meta device, where transformers does not tie the head to the
+    embeddings: a tied head is known by the config (an adapter on it refused, no head site, no head tensor read), an
+    untied one is a site whose weight digest comes from the checkpoint's tensor."""
+    from peft_adapters import make_adapter
+
+    from llmc.compiler.lora import AdapterError
+    from llmc.compiler.lora.adapter import weight_digest
+    from llmc.compiler.lora.package import checked_adapters, meta_model
+    from llmc.compiler.lora.sites import module_members
+    from llmc.compiler.source import inspect_source
+    from llmc.compiler.spec import parse_spec
+
+    checkpoint = tiny_checkpoints[family]
+    targets = ["c_attn", "lm_head"] if family == "gpt2" else ["q_proj", "lm_head"]
+    folder = make_adapter(checkpoint, tmp_path / "h", r=2, lora_alpha=4, target_modules=targets,
+                          **({"fan_in_fan_out": True} if family == "gpt2" else {}))
+    spec = parse_spec({"name": "t", "source": str(checkpoint), "adapters": {"h": str(folder)}})
+    source, meta = inspect_source(spec.source), meta_model(inspect_source(spec.source))
+    assert ("lm_head" in module_members(meta)) == (not tied)
+    if tied:
+        with pytest.raises(AdapterError, match="lm_head, the LM head, which this model ties"):
+            checked_adapters(spec, source, meta)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        adapters, digest = checked_adapters(spec, source, meta)
+        assert digest == weight_digest(AutoModelForCausalLM.from_pretrained(checkpoint).lm_head.weight)
+        assert adapters[0].copies == {"lm_head": digest}
