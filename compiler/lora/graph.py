@@ -28,11 +28,11 @@ distinct ones) padded to the highest rank among them (R >= 1, zeros beyond a mod
 lora.max_rank. (The stacked-slot layout before it, [S, in, M*R] stacks and an int64 slot per token, was ten nodes a
 site: reshapes, a batched shrink, a transpose copy; docs/lora.md has what the change measured.)
 
-A step with no adapter costs what the base costs: the runtime keeps the graph without this pass beside the one
-with it (the same weights: the branch adds inputs, not initializers, so a second session can map the same data
-file) and runs the base graph whenever no token of the step has a slot. An `If` over "any slot" would keep one
-session, at the price of a subgraph per site (or the whole decoder inside one) and whatever ONNX Runtime charges for
-them.
+The branch adds inputs, not initializers: the LoRA graph names the base graph's data file. Where the session fuses
+each site into llmc.LoraDelta, a step with no adapter runs this graph too (every mask row 0: no slot read); where the
+four nodes run as they are, the runtime keeps a session over the graph without this pass beside this one and runs
+that for a step no token of which has a slot (runtime/runners/paged.py). An `If` over "any slot" would keep one
+session there, at the price of a subgraph per site (or the whole decoder inside one).
 
 Where llmc's CPU kernels run, the session fuses each site's four nodes into one `llmc.LoraDelta` that reads only each
 token's own slot (runtime/kernels/lora_fusion.py matches the node names and op types written here: `lora/<site>/

@@ -265,7 +265,7 @@ static const OrtCustomOp matmul_nbits4 = {
 };
 
 static OrtCustomOpDomain *domain;
-static int domain_failed;
+static int domain_failed, in_place; /* in_place: this ONNX Runtime has API 18 (custom ops' MayInplace) */
 static pthread_once_t domain_once = PTHREAD_ONCE_INIT;
 typedef OrtStatus *(*fn_create_domain)(const char *, OrtCustomOpDomain **);
 typedef OrtStatus *(*fn_domain_add)(OrtCustomOpDomain *, const OrtCustomOp *);
@@ -278,7 +278,7 @@ static void make_domain(void) {
     status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &paged_attention_ops[i]);
   for (int i = 0; !status && i < COLLECTIVE_OPS; i++)
     status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &collective_ops[i]);
-  if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &lora_delta_op);
+  if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, in_place ? &lora_delta_op : &lora_delta_op_v16);
   domain_failed = status != NULL; /* ONNX Runtime owns a returned status: report a fresh one each call */
   if (status) CALL(ReleaseStatus, fn_release_status, status);
 }
@@ -288,6 +288,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
   OrtApiTable table = base->GetApi(ORT_API_VERSION_USED);
   if (!table) return NULL; /* older than 1.17: nothing registered (cpu_kernels.py checks the version first) */
   llmc_ort_api = table;
+  in_place = base->GetApi(18) != NULL; /* read by make_domain, once */
   pthread_once(&domain_once, make_domain);
   if (domain_failed) return fail(ORT_FAIL, "llmc: could not create the custom-op domain");
   return CALL(AddCustomOpDomain, fn_add_domain, options, domain);

@@ -1,7 +1,8 @@
 /* The few parts of ONNX Runtime's C ABI llmc's custom ops use (cpu_kernels.c, the ops' *_op.c files), and the
  * attribute readers and instruction-set listing those ops share (at the end),
  * written by hand because ONNX Runtime's headers are not installed with its wheel: OrtApiBase, the
- * OrtApi function-table slots called, and the OrtCustomOp struct up to KernelComputeV2 (version 16).
+ * OrtApi function-table slots called, and the OrtCustomOp struct up to ReleaseAliasMap (version 18; the ops that
+ * declare 16 end at KernelComputeV2 as far as ONNX Runtime reads).
  * The table is append-only and versioned, so the slot numbers hold for every release at or above the
  * version asked for (17, ONNX Runtime 1.17). */
 #ifndef LLMC_ORT_ABI_H
@@ -70,6 +71,14 @@ typedef struct OrtCustomOp {
   int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp *);
   OrtStatus *(*CreateKernelV2)(const struct OrtCustomOp *, OrtApiTable, const OrtKernelInfo *, void **);
   OrtStatus *(*KernelComputeV2)(void *, OrtKernelContext *);
+  /* version 18 (ONNX Runtime reads these past KernelComputeV2 only from an op declaring it; NULL: not given) */
+  void *InferOutputShapeFn;
+  int (*GetStartVersion)(const struct OrtCustomOp *);
+  int (*GetEndVersion)(const struct OrtCustomOp *);
+  size_t (*GetMayInplace)(int **input_index, int **output_index); /* output i may take input j's buffer */
+  void (*ReleaseMayInplace)(int *input_index, int *output_index);
+  size_t (*GetAliasMap)(int **input_index, int **output_index);
+  void (*ReleaseAliasMap)(int *input_index, int *output_index);
 } OrtCustomOp;
 
 extern OrtApiTable llmc_ort_api; /* set by RegisterCustomOps (cpu_kernels.c) */

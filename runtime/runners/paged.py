@@ -151,22 +151,26 @@ class PagedRunner:
 
     def __init__(self, onnx_path: Path, layout: KVLayout, *, num_blocks: int, max_num_tokens: int,
                  num_threads: int = 0, spin_after_run: bool = True, group: str | None = None, prepack: bool = True,
-                 lora: tuple[Path, Sequence[Site]] | None = None):
+                 lora: tuple[Path, Sequence[Site]] | None = None, share_lora_session: bool | None = None):
         """`group`: the collective group of a tensor-parallel rank's graph (runtime/runners/parallel/ort_group.py);
         `prepack`: make_session's (False: a build's own check of a big fp32 graph reads it from the mapped file);
-        `lora`: the LoRA graph and its sites (paged_lora.py), run for the steps whose rows carry an adapter."""
+        `lora`: the LoRA graph and its sites (paged_lora.py), run for the steps whose rows carry an adapter;
+        `share_lora_session`: the LoRA graph's session runs base-only steps too, and no session is opened over the
+        base graph (ONNX Runtime packs a session's weights for itself: two sessions hold two packed copies of the
+        base). Default: where the sites run fused (llmc.LoraDelta, whose rows without a slot read no adapter)."""
         if not layout.paged:
             raise ValueError("PagedRunner runs paged graphs (kv_layout.paged); this layout is the slot form")
         if num_blocks < 1 or max_num_tokens < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and max_num_tokens ({max_num_tokens}) must be at least 1")
         self.layout, self.num_blocks, self.max_num_tokens = layout, num_blocks, max_num_tokens
-        self.session = make_session(onnx_path, num_threads, spin_after_run=spin_after_run, group=group,
-                                    prepack=prepack)
+        shared = lora is not None and (cpu_kernels.fuses_lora() if share_lora_session is None else share_lora_session)
+        opened = lora[0] if shared else onnx_path
+        self.session = make_session(opened, num_threads, spin_after_run=spin_after_run, group=group, prepack=prepack)
         expected = ["input_ids", layout.positions, *PAGED_INPUTS, *layout.past_names(), *layout.step_inputs]
-        got = [i.name for i in self.session.get_inputs()]
+        got = [i.name for i in self.session.get_inputs()][:len(expected) if shared else None]  # LoRA inputs follow
         if got != expected:
             at = next(i for i, (g, e) in enumerate(zip([*got, None], [*expected, None])) if g != e)
-            raise ValueError(f"{onnx_path} is not the paged graph kv_layout describes: its input {at} is "
+            raise ValueError(f"{opened} is not the paged graph kv_layout describes: its input {at} is "
                              f"{got[at] if at < len(got) else 'missing'!r}, expected "
                              f"{expected[at] if at < len(expected) else 'none'!r} (kv_layout.longrope_switch "
                              f"{layout.longrope_switch}: the LongRoPE input {'expected' if layout.step_inputs else 'none'})")
@@ -175,7 +179,10 @@ class PagedRunner:
         self.pools = [np.zeros(shape, dtype=layout.dtype) for _ in range(2 * layout.num_layers)]
         self._binding = self._bind_pools(self.session)  # the small inputs and the logits are rebound each step
         self.lora = None
-        if lora is not None:  # it takes turns with the base session: its threads stop spinning after its runs
+        if shared:
+            self.lora = LoraGraph(self.session, lora[1], expected, lora[0], keep_stale=True, shared=True)
+            self.lora.binding = self._binding
+        elif lora is not None:  # it takes turns with the base session: its threads stop spinning after its runs
             session = make_session(lora[0], num_threads, spin_after_run=False, group=group, prepack=prepack)
             self.lora = LoraGraph(session, lora[1], expected, lora[0], keep_stale=cpu_kernels.fuses_lora())
             self.lora.binding = self._bind_pools(session)
@@ -202,7 +209,7 @@ class PagedRunner:
                       vocab_size=self.vocab_size, sequence_lengths=bool(self.layout.step_inputs))
         logits = np.empty((len(packed.logits_indices), self.vocab_size), dtype=np.float32)
         session, binding = self.session, self._binding
-        if self.lora is not None and any(row.adapter is not None for row in rows):
+        if self.lora is not None and (self.lora.shared or any(row.adapter is not None for row in rows)):
             session, binding = self.lora.session, self.lora.binding
             self.lora.bind([row.adapter for row in rows], [len(row.token_ids) for row in rows])
         for name, value in packed.feeds().items():

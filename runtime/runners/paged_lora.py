@@ -1,5 +1,8 @@
-"""The LoRA graph of a paged runner (runtime/runners/paged.py): a second session over the same block pools, run for a
-step when any of its tokens has an adapter (a step with none runs the base graph, at the base graph's cost).
+"""The LoRA graph of a paged runner (runtime/runners/paged.py). Where its sites run fused (llmc.LoraDelta), it is the
+runner's one session and runs every step: a base-only step's mask rows are all 0, so no site reads an adapter, and
+the logits are the base graph's bit for bit (`shared`: the base graph gets no session, whose packed weights would be
+a second copy of the base). Otherwise it is a second session over the same block pools, run for a step when any of
+its tokens has an adapter (a step with none runs the base graph, at the base graph's cost).
 
 The LoRA graph is the base graph with a branch beside each projection (compiler/lora/graph.py), naming the base
 graph's weights file: its extra inputs are each site's flat A and B stacks and the column masks (runtime/lora/
@@ -29,10 +32,12 @@ from llmc.runtime.lora.stacks import AdapterWeights, fill_slot, slot_masks, stac
 
 
 class LoraGraph:
-    def __init__(self, session, sites: Sequence[Site], base_inputs: list[str], path: Path, keep_stale: bool = False):
+    def __init__(self, session, sites: Sequence[Site], base_inputs: list[str], path: Path, keep_stale: bool = False,
+                 shared: bool = False):
         """`session`: ONNX Runtime's over the LoRA graph at `path`; `base_inputs`: the base graph's inputs, in order,
         which the LoRA graph must begin with; `keep_stale`: its sites read only their tokens' own slots
-        (llmc.LoraDelta), so slots of adapters a step does not use may stay bound."""
+        (llmc.LoraDelta), so slots of adapters a step does not use may stay bound; `shared`: this session runs the
+        base-only steps too (their rows' masks all 0: no slot read), there being no base session."""
         self.session, self.sites = session, list(sites)
         got = [i.name for i in session.get_inputs()]
         if OLD_SLOTS in got:
@@ -45,7 +50,7 @@ class LoraGraph:
             raise ValueError(f"{path} is not the base graph with the manifest's LoRA sites: its inputs "
                              f"{'lack ' + ', '.join(missing) if missing else 'differ from the base graph and sites'}")
         self.binding = None  # the runner's: its pools bound as past and present
-        self.keep_stale = keep_stale
+        self.keep_stale, self.shared = keep_stale, shared
         self._bound: tuple = ()  # the adapters whose stacks are bound, in slot order
         self._rank = 0  # the rank their slots are padded to
         self._stacks: dict[str, np.ndarray] = {}  # kept alive while bound
@@ -58,9 +63,15 @@ class LoraGraph:
     def bind(self, adapters: Sequence[AdapterWeights | None], lengths: Sequence[int]) -> None:
         """Bind a step's LoRA inputs: row i brings `lengths[i]` tokens under `adapters[i]` (None: the base)."""
         distinct = {a.ref: a for a in adapters if a is not None}
-        if not distinct:
+        if not distinct and not self.shared:
             raise ValueError("a step with no adapter runs the base graph, not the LoRA graph")
-        if not (set(distinct) <= set(self._bound) if self.keep_stale else set(distinct) == set(self._bound)):
+        if not distinct and not self._stacks:  # the first step, base-only: stacks of no slot at all
+            self._stacks = {name: np.zeros((site.in_features, 0) if name == a_name(site) else (0, site.out_features),
+                                           np.float32) for site in self.sites for name in (a_name(site), b_name(site))}
+            for name, value in self._stacks.items():
+                self.binding.bind_cpu_input(name, value)
+        elif distinct and not (set(distinct) <= set(self._bound) if self.keep_stale else
+                               set(distinct) == set(self._bound)):
             self._restack(distinct)
         slot = {ref: s for s, ref in enumerate(self._bound)}
         slots = np.repeat(np.array([-1 if a is None else slot[a.ref] for a in adapters], dtype=np.int64),

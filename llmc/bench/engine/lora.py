@@ -7,6 +7,8 @@ generated tokens over the wall time of --streams requests sent at once (--prompt
 prompt its own: no prefix hits); ratios are medians of per-pass ratios.
 
     base           a runner without the LoRA graph (what a build without adapters serves), base-only traffic
+                   (`resident_at_open`: what each engine added to the resident set when it opened, and the enabled
+                   engine's sessions: one where the sites run fused, two otherwise)
     base_enabled   the adapter-enabled engine, base-only traffic (target >= 0.95x base)
     one_adapter    every request on the same adapter
     four_adapters  every request on one of 4 adapters, round robin (target >= 0.8x base, <= 5% below one_adapter)
@@ -93,22 +95,35 @@ def build(args, adapters: list[Path]) -> Path:
     return run_build(parse_spec(spec), output=out).repository / "smollm2" / "1"
 
 
+def resident() -> int:
+    """This process's resident set, in bytes (Linux /proc)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def engines(version: Path):
-    """(the adapter-enabled engine, an engine over the same graph without the LoRA graph), tokenizer."""
+    """(the adapter-enabled engine, an engine over the same graph without the LoRA graph), tokenizer, and what each
+    added to the resident set when it was opened (its sessions' packed weights, mainly; bytes)."""
     from llmc.runtime.engine.paged_engine import PagedEngine
     from llmc.runtime.manifest import RepositoryManifest
     from llmc.runtime.runners.paged import PagedRunner
     from llmc.runtime.serving.loader import load
 
+    before = resident()
     enabled, tokenizer, _ = load(version)
     m, lim = RepositoryManifest.load(version), RepositoryManifest.load(version).limits
+    between = resident()
     runner = PagedRunner(version / m.model_file, m.kv_layout, num_blocks=enabled.runner.num_blocks,
                          max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads)
+    memory = {"enabled_bytes": between - before, "base_bytes": resident() - between,
+              "enabled_sessions": 1 if enabled.runner.lora.shared else 2}
     plain = PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
                         max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
                         max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching,
                         itl_ratio=lim.itl_ratio, max_beam_width=lim.max_beam_width)  # as loader.py makes it
-    return enabled, plain, tokenizer
+    return enabled, plain, tokenizer, memory
 
 
 def throughput(engine, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> float:
@@ -185,7 +200,7 @@ def run(args) -> dict:
     folder = args.out / "lora" / f"adapters-{args.checkpoint.name}-r{args.rank}"
     adapters = make_adapters(args.checkpoint, folder, args.adapters + 1, args.rank)
     version = build(args, adapters[:args.adapters])
-    enabled, plain, tokenizer = engines(version)
+    enabled, plain, tokenizer, memory = engines(version)
     seeds = iter(range(10**6))
 
     def prompts(n):
@@ -200,7 +215,7 @@ def run(args) -> dict:
     found = passes({k: (lambda p, k=k: throughput(traffic[k][0], prompts(args.streams), traffic[k][1],
                                                   args.new_tokens)) for k in CONTENDERS}, args.passes,
                    lambda p, name, value: runs.record(f"{name} tok/s", value))
-    result = {"environment": environment(), "tok_s": medians(found),
+    result = {"environment": environment(), "tok_s": medians(found), "resident_at_open": memory,
               "ratios": {"base_enabled/base": median_ratio(found["base_enabled"], found["base"]),
                          "four_adapters/base": median_ratio(found["four_adapters"], found["base"]),
                          "one_adapter/base": median_ratio(found["one_adapter"], found["base"]),

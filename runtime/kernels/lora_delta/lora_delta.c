@@ -5,7 +5,8 @@
  * adapter's weights per generator, not per token.
  *
  * lora_prepare scans each row's mask for its first and last nonzero column (its slot's block: K = M*R columns, but
- * neither S nor R is an input, so the run itself says where and how wide), copies y_base to y for rows with none,
+ * neither S nor R is an input, so the run itself says where and how wide), copies y_base to y for rows with none
+ * (unless ONNX Runtime runs the op in place: y is then y_base, lora_delta_op.c),
  * and sorts the others by their run, so the rows of one slot form a group. A group is cut into tiles of up to TILE
  * rows. Then two parallel passes:
  *   lora_shrink  one task a tile: h = (x A[:, run]) * mask[run], [tile rows, K], into a scratch buffer;
@@ -66,8 +67,8 @@ LoraCall *lora_prepare(const LoraArgs *args, size_t *shrinks, size_t *expands) {
     const float *m = a->mask + (r % a->mask_rows) * a->width;
     int64_t c0 = 0, c1 = a->width;
     while (c0 < a->width && m[c0] == 0.f) c0++;
-    if (c0 == a->width) { /* no slot: y_base as it is (the branch's + 0 would turn a -0 into +0) */
-      memcpy(a->y + r * a->out, a->y_base + r * a->out, (size_t)a->out * sizeof(float));
+    if (c0 == a->width) { /* no slot: y_base as it is (the branch's + 0 would turn a -0 into +0); in place, nothing */
+      if (a->y != a->y_base) memcpy(a->y + r * a->out, a->y_base + r * a->out, (size_t)a->out * sizeof(float));
       continue;
     }
     while (m[c1 - 1] == 0.f) c1--;

@@ -90,18 +90,48 @@ def test_a_slot_rewritten_in_place_serves_the_new_adapter(built, engine, tiny_ch
         lora.keep_stale = kept
 
 
-def test_a_base_only_step_runs_the_base_graph(engine):
-    lora = engine.runner.lora
-    calls = []
-    bind = lora.bind
-    lora.bind = lambda *args: (calls.append(args), bind(*args))[1]
+@pytest.mark.parametrize("shared", [True, False])
+def test_base_only_steps_on_one_session_or_two(built, shared):
+    """Where the sites run fused (the default), the LoRA graph's session runs base-only steps too and no session
+    is opened over the base graph (each would hold its own packed copy of the weights); a base-only step there reads
+    no adapter (zero-width stacks until an adapter comes, then every mask row 0) and gives the base graph's logits
+    bit for bit. With two sessions, a base-only step never touches the LoRA graph. Either way a mixed step's base
+    row equals the base graph's."""
+    from llmc.runtime.kernels import cpu_kernels
+    from llmc.runtime.lora.files import parse_adapter
+    from llmc.runtime.manifest import RepositoryManifest
+    from llmc.runtime.runners.paged import PagedRunner, RowStep
+
+    if shared and not cpu_kernels.fuses_lora():
+        pytest.skip("llmc's CPU kernels are not built on this host: the LoRA graph's sites run unfused")
+    version = built[0]
+    m = RepositoryManifest.load(version)
+    adapter = parse_adapter((version / m.lora.adapters[0].file).read_bytes(), "a")
+
+    def runner(lora):
+        return PagedRunner(version / m.model_file, m.kv_layout, num_blocks=16, max_num_tokens=64, num_threads=2,
+                           lora=(version / m.lora.lora_file, m.lora.sites) if lora else None, share_lora_session=shared)
+
+    plain, with_lora = runner(False), runner(True)
     try:
-        generate(engine, [(PROMPTS[1], None), (PROMPTS[0], None)])
-        assert calls == []
-        generate(engine, [(PROMPTS[1], None), (PROMPTS[0], "a")])
-        assert calls and all(None in adapters for adapters, _ in calls)  # one step: the base row rides along
+        assert (with_lora.session is with_lora.lora.session) == shared
+        calls = []
+        bind = with_lora.lora.bind
+        with_lora.lora.bind = lambda *args: (calls.append(args), bind(*args))[1]
+        rows = [RowStep(PROMPTS[0], 0, [0, 1]), RowStep(PROMPTS[1], 0, [2, 3])]
+        base = plain.step(rows)
+        assert np.array_equal(with_lora.step(rows), base)
+        assert bool(calls) == shared and with_lora.lora.num_stackings == 0
+        decode = [RowStep([7], len(PROMPTS[0]), [0, 1]), RowStep([9], len(PROMPTS[1]), [2, 3], adapter=adapter)]
+        mixed = with_lora.step(decode)
+        want = plain.step(decode[:1] + [RowStep([9], len(PROMPTS[1]), [2, 3])])
+        assert np.array_equal(mixed[0], want[0]) and np.abs(mixed[1] - want[1]).max() > 1e-3
+        assert with_lora.lora.num_stackings == 1
+        again = [RowStep([8], len(PROMPTS[0]) + 1, [0, 1]), RowStep([10], 0, [4])]  # base-only again
+        assert np.array_equal(with_lora.step(again), plain.step(again))  # the adapter's slot stays bound, unread
     finally:
-        lora.bind = bind
+        plain.close()
+        with_lora.close()
 
 
 def test_the_prefix_cache_never_hits_across_adapters(engine):
