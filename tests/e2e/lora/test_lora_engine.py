@@ -103,7 +103,7 @@ def test_base_only_steps_on_one_session_or_two(built, shared):
     from llmc.runtime.runners.paged import PagedRunner, RowStep
 
     if shared and not cpu_kernels.fuses_lora():
-        pytest.skip("llmc's CPU kernels are not built on this host: the LoRA graph's sites run unfused")
+        pytest.skip("the LoRA graph's sites run unfused here (no llmc CPU kernels, or LLMC_LORA_FUSION=0)")
     version = built[0]
     m = RepositoryManifest.load(version)
     adapter = parse_adapter((version / m.lora.adapters[0].file).read_bytes(), "a")
