@@ -40,8 +40,8 @@ class Fold:
     def of(cls, sites: Sequence[Site], scales: ChannelScales) -> "Fold":
         """The fold of every site that `scales` touched: its input divided (by its own tensor's name), or its output
         columns divided (the up projection's; its y is the MatMul's output, since the division needs the Mul or
-        Split to read that output directly). Scales on tensors no site reads or writes (the final norm before the LM
-        head) are not a branch's business."""
+        Split to read that output directly). Scales on tensors no site reads or writes (the final norm before a tied
+        LM head, which has no site) are not a branch's business."""
         fold = cls()
         for site in sites:
             if site.x in scales.inputs:
