@@ -20,14 +20,15 @@ def make_adapter(checkpoint: Path, folder: Path, seed: int = 1, base=None, **con
     return folder
 
 
-def peft_model(checkpoint: Path, adapters: dict[str, Path]):
-    """`checkpoint`'s model with every adapter loaded by PEFT from its folder, under its name, in eval mode."""
+def peft_model(checkpoint: Path, adapters: dict[str, Path], base=None):
+    """`checkpoint`'s model (or the model `base`) with every adapter loaded by PEFT from its folder, under its name,
+    in eval mode."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     names = list(adapters)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapters[names[0]],
-                                      adapter_name=names[0])
+    base = base if base is not None else AutoModelForCausalLM.from_pretrained(checkpoint)
+    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(adapters[name], adapter_name=name)
     return model.eval()

@@ -92,15 +92,16 @@ def head_digest(source, hf_model) -> str | None:
     return weight_digest(tensors.load(keys[0]))
 
 
-def checked_adapters(spec, source, hf_model) -> tuple[list[Adapter], str | None]:
+def checked_adapters(spec, source, hf_model, for_manifest: bool = False) -> tuple[list[Adapter], str | None]:
     """Each adapter of `spec` read (PEFT's semantics, lora.max_rank) and checked against the base `hf_model`, and
-    the untied LM head's weight digest (read from `source`: an adapter's copy of the head is checked against it, and
-    the manifest keeps it for adapters loaded at run time)."""
+    the untied LM head's weight digest, read from `source` when an adapter's copy of the head is checked against it
+    or, `for_manifest`, for the manifest to keep for adapters loaded at run time (None when not read)."""
     if refusal(spec) is not None:
         raise UnsupportedError(f"adapters: {', '.join(spec.adapters)}: {refusal(spec)}")
     served = {m.module for members in module_members(hf_model).values() for m in members}
     adapters = [read_adapter(name, folder, max_rank=spec.lora.max_rank) for name, folder in spec.adapters.items()]
-    digest = head_digest(source, hf_model) if HEAD in served or any(a.copies for a in adapters) else None
+    wanted = any(a.copies for a in adapters) or (for_manifest and HEAD in served)
+    digest = head_digest(source, hf_model) if wanted else None
     base = BaseLinears.of(hf_model, digest)
     for adapter in adapters:
         check_against(adapter, base, served)
@@ -121,7 +122,7 @@ def package_adapters(spec, source, export_graph: Path, served_graph: Path, model
     import onnx
 
     hf_model = meta_model(source)
-    adapters, digest = checked_adapters(spec, source, hf_model)
+    adapters, digest = checked_adapters(spec, source, hf_model, for_manifest=True)
     sites = find_sites(onnx.load(str(export_graph), load_external_data=False), hf_model)
     fold = Fold.of(sites, ChannelScales.load(channel_scales)) if channel_scales is not None else Fold()
     scales_file = None

@@ -66,8 +66,9 @@ class LoraGraph:
         if not distinct and not self.shared:
             raise ValueError("a step with no adapter runs the base graph, not the LoRA graph")
         if not distinct and not self._stacks:  # the first step, base-only: stacks of no slot at all
-            self._stacks = {name: np.zeros((site.in_features, 0) if name == a_name(site) else (0, site.out_features),
-                                           np.float32) for site in self.sites for name in (a_name(site), b_name(site))}
+            for site in self.sites:
+                self._stacks[a_name(site)] = np.zeros((site.in_features, 0), np.float32)
+                self._stacks[b_name(site)] = np.zeros((0, site.out_features), np.float32)
             for name, value in self._stacks.items():
                 self.binding.bind_cpu_input(name, value)
         elif distinct and not (set(distinct) <= set(self._bound) if self.keep_stale else

@@ -38,9 +38,13 @@ def family_adapters(family: str, checkpoint: Path, root: Path) -> tuple[Path, Pa
 def peft_logits(checkpoint: Path, adapters: dict[str, Path], runs: list[tuple[list[int], str | None]]) -> list:
     """PEFT's logits [tokens, vocab] for each (token ids, adapter name or None), the adapters loaded from their
     folders by PEFT (PeftModel.from_pretrained / load_adapter)."""
+    return model_logits(peft_model(checkpoint, adapters), runs)
+
+
+def model_logits(model, runs: list[tuple[list[int], str | None]]) -> list:
+    """A PEFT model's logits [tokens, vocab] for each (token ids, adapter name or None: its adapters disabled)."""
     import torch
 
-    model = peft_model(checkpoint, adapters)
     out = []
     with torch.no_grad():
         for ids, name in runs:

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import pytest
 
-from lora_cases import PagedSteps, family_adapters
+from lora_cases import PagedSteps, family_adapters, model_logits, peft_model
 
 PROMPT = [5, 17, 99, 3, 42, 200, 7]
 TOL = 1e-4
@@ -42,7 +42,6 @@ def served_map(path, x: str, y: str, width: int) -> tuple[np.ndarray, np.ndarray
 def test_adapters_over_an_int4_base_equal_peft_over_its_dequantized_weights(algorithm, tiny_checkpoints,
                                                                              tmp_path_factory, tmp_path):
     import torch
-    from peft import PeftModel
     from shared_builds import build_reusing_export
     from transformers import AutoModelForCausalLM
 
@@ -80,9 +79,7 @@ def test_adapters_over_an_int4_base_equal_peft_over_its_dequantized_weights(algo
                        for m in site.members})
     assert "lm_head" in served and len(served) == 2 * 7 + 1
     paths = dict(zip("ab", family_adapters("llama", checkpoint, tmp_path)))
-    peft = PeftModel.from_pretrained(hf, paths["a"], adapter_name="a")
-    peft.load_adapter(paths["b"], adapter_name="b")
-    peft.eval()
+    peft = peft_model(checkpoint, paths, base=hf)
     # after PEFT's loads: adapter A's copy of the head's weight (the checkpoint's, fp32) went in place of the base's
     with torch.no_grad():
         for name, (w, bias) in served.items():
@@ -91,15 +88,7 @@ def test_adapters_over_an_int4_base_equal_peft_over_its_dequantized_weights(algo
             module.weight.copy_(torch.from_numpy(w.T.copy()))
             if module.bias is not None:
                 module.bias.copy_(torch.from_numpy(bias.copy()))
-    want = []
-    with torch.no_grad():
-        for name in ("a", "b", None):
-            if name is None:
-                with peft.disable_adapter():
-                    want.append(peft(torch.tensor([PROMPT])).logits[0].numpy())
-            else:
-                peft.set_adapter(name)
-                want.append(peft(torch.tensor([PROMPT])).logits[0].numpy())
+    want = model_logits(peft, [(PROMPT, "a"), (PROMPT, "b"), (PROMPT, None)])
 
     add_lora_branches(model, sites)
     onnx.save(model, str(tmp_path / "exact_lora.onnx"))
