@@ -10,12 +10,16 @@ tensors with its `load_peft_weights`, once the files are known to be there (both
 
 What llmc does not serve is refused at load, naming the field: DoRA, `modules_to_save`, trained biases, and
 the other PEFT variants whose forward is not the plain one above (REFUSED). The checks against the base model
-(shapes, the modules it has, a tied LM head) are `check_against`; the rank limit is the caller's.
+(shapes, the modules it has, a tied LM head) are base.py's; the rank limit is the caller's.
 
 An adapter on the LM head carries a copy of the head's weight (PEFT's `save_embedding_layers`, on by default when
 `lm_head` is a target), which PEFT loads in place of the base's. llmc shares the base's weights, so it serves such
 an adapter only when the copy is the base's own: each copy's `weight_digest` (its values as float32, so a bf16 copy
 of a bf16 checkpoint loaded in fp32 matches) is checked against the base head's.
+
+`target_parameters` on a mixture's 3-D expert weights (experts.py) nests one wrapper per parameter on the experts
+module (keys `...mlp.experts[.base_layer]*.lora_A.weight`); its pairs are read against the base's expert parameters
+into one ModuleLora per parameter, every expert's pair in it.
 
 An adapter's identity is its name and `digest`: a sha256 over its config and its tensors (names, dtypes,
 shapes, bytes), so an adapter reloaded under the same name with other weights is another adapter.
@@ -45,8 +49,6 @@ REFUSED = {
     "modules_to_save": "modules_to_save replaces whole base modules per adapter; llmc shares the base's weights",
     "lora_bias": "lora_bias adds a trained bias to lora_B",
     "trainable_token_indices": "trainable_token_indices retrains embedding rows",
-    "target_parameters": "target_parameters puts LoRA on raw parameters (mixture-of-experts weights), "
-                         "not on linear modules",
     "layer_replication": "layer_replication duplicates base layers",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) switches on mid-sequence",
     "use_qalora": "QA-LoRA pools the input by groups",
@@ -57,6 +59,7 @@ REFUSED = {
     "monteclora_config": "MonteCLoRA samples the LoRA weights",
 }
 _BASE_LAYER = re.compile(r"^base_model\.model\.(?P<module>.+)\.base_layer\.weight$")
+_WRAPPED = re.compile(r"(\.base_layer)+$")  # PEFT's nesting of parameter wrappers on one module (experts)
 
 
 class AdapterError(SourceError):
@@ -65,16 +68,17 @@ class AdapterError(SourceError):
 
 @dataclass(frozen=True)
 class ModuleLora:
-    """One target module's pair as PEFT stores it: a [r, in], b [out, r]; its delta is scaling * x a^T b^T."""
+    """One target module's pair as PEFT stores it: a [r, in], b [out, r]; its delta is scaling * x a^T b^T. An expert
+    parameter's (experts.py) has every expert's pair: a [E, r, in], b [E, out, r]."""
 
-    module: str  # the base model's module name, as PEFT keys it (model.layers.0.self_attn.q_proj)
+    module: str  # the base model's module name, as PEFT keys it (model.layers.0.self_attn.q_proj), or parameter's
     a: np.ndarray
     b: np.ndarray
     scaling: float
 
     @property
     def rank(self) -> int:
-        return self.a.shape[0]
+        return self.a.shape[-2]
 
 
 @dataclass(frozen=True)
@@ -94,11 +98,11 @@ class Adapter:
         return max(m.rank for m in self.modules.values())
 
 
-def read_adapter(name: str, folder: Path, *, max_rank: int) -> Adapter:
-    """The adapter in `folder`, its config and tensors checked (not yet against a base: check_against)."""
+def read_adapter(name: str, folder: Path, *, max_rank: int, experts: dict | None = None) -> Adapter:
+    """The adapter in `folder`, its config and tensors checked (not yet against a base: base.check_against). `experts`:
+    the base's expert parameters (experts.expert_params), which an adapter with `target_parameters` is read against."""
     import torch
     from peft import PeftConfig
-    from peft.utils.other import get_pattern_key
     from peft.utils.save_and_load import load_peft_weights
 
     folder = Path(folder)
@@ -124,7 +128,7 @@ def read_adapter(name: str, folder: Path, *, max_rank: int) -> Adapter:
         match = _KEY.match(key)
         base_layer = _BASE_LAYER.match(key)
         if base_layer is not None:  # PEFT's save_embedding_layers: a targeted (or resized) embedding or LM head
-            copies[base_layer["module"]] = weight_digest(tensor)  # served only as the base's own (check_against)
+            copies[base_layer["module"]] = weight_digest(tensor)  # served only as the base's own (base.py)
             continue
         if match is None:
             raise AdapterError(f"adapter {name!r}: tensor {key} is not a LoRA A/B weight (embedding LoRA, DoRA "
@@ -133,8 +137,11 @@ def read_adapter(name: str, folder: Path, *, max_rank: int) -> Adapter:
     if not pairs:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} holds no lora_A/lora_B weights")
 
-    modules = {}
+    wrapped = {m: p for m, p in pairs.items() if _WRAPPED.search(m) or m in (experts or {})}
+    modules = _expert_loras(name, config, wrapped, experts or {}, max_rank)
     for module, pair in sorted(pairs.items()):
+        if module in wrapped:
+            continue
         for which in "AB":
             if which not in pair:
                 raise AdapterError(f"adapter {name!r}: tensor base_model.model.{module}.lora_{which}.weight is "
@@ -143,17 +150,7 @@ def read_adapter(name: str, folder: Path, *, max_rank: int) -> Adapter:
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise AdapterError(f"adapter {name!r}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
                                f"are not a [r, in], [out, r] pair")
-        # PEFT's own rule for this module's rank and alpha (peft/tuners/lora/model.py: _create_and_replace)
-        r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
-        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
-        field = "rank_pattern" if r != config.r else "r"
-        if a.shape[0] != r:
-            raise AdapterError(f"adapter {name!r}: {module} has rank {a.shape[0]} in its tensors but {field} "
-                               f"gives it {r}")
-        if r > max_rank:
-            raise AdapterError(f"adapter {name!r}: {module} has rank {r} ({field}), above lora.max_rank "
-                               f"({max_rank}); raise lora.max_rank or use a smaller adapter")
-        scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
+        scaling = _scaling(name, config, module, a.shape[0], max_rank)
         modules[module] = ModuleLora(module, a.float().numpy(), b.float().numpy(), float(scaling))
     unpaired = sorted(set(copies) - set(modules))
     if unpaired:
@@ -161,6 +158,63 @@ def read_adapter(name: str, folder: Path, *, max_rank: int) -> Adapter:
                            f"the base's {unpaired[0]} weight, which has no LoRA pair here (a resized or retrained "
                            f"embedding); llmc serves adapters that share the base's weights")
     return Adapter(name, folder, _digest(folder, tensors), modules, copies)
+
+
+def _expert_loras(name: str, config, wrapped: dict, experts: dict, max_rank: int) -> dict[str, ModuleLora]:
+    """The pairs PEFT's `target_parameters` put on expert parameters, each an expert parameter's (a [E, r, in], b
+    [E, out, r]). PEFT wraps the parameters of one module it matches in that module's order, each wrapper around the
+    last, so the first is the innermost: its keys carry the most `.base_layer` (peft/tuners/tuners_utils.py:
+    _inject_parameters); of n matched, the i-th is at depth n - 1 - i."""
+    by_module: dict[str, dict[int, dict]] = {}
+    for key, pair in wrapped.items():
+        match = _WRAPPED.search(key)
+        depth = (len(match[0]) // len(".base_layer")) if match else 0
+        by_module.setdefault(_WRAPPED.sub("", key), {})[depth] = pair
+    targets = sorted(set(config.target_parameters or ()))
+    loras = {}
+    for module, nested in sorted(by_module.items()):
+        if module not in experts:
+            raise AdapterError(f"adapter {name!r}: tensors base_model.model.{module}.lora_A/B are on no expert "
+                               f"parameters of this base (target_parameters {targets}: llmc serves LoRA on a "
+                               f"mixture's experts.gate_up_proj and experts.down_proj)")
+        matched = [p for p in sorted(experts[module], key=lambda p: p.order)
+                   if p.key in targets or any(p.key.endswith(f".{t}") for t in targets)]
+        if sorted(nested) != list(range(len(matched))):
+            raise AdapterError(f"adapter {name!r}: {module} holds {len(nested)} wrapped LoRA pairs, but "
+                               f"target_parameters {targets} match {[p.key for p in matched] or 'none'} of its "
+                               f"expert parameters (a parameter llmc serves no LoRA on, or another base)")
+        for i, param in enumerate(matched):
+            pair = nested[len(matched) - 1 - i]
+            if set(pair) != {"A", "B"}:
+                raise AdapterError(f"adapter {name!r}: {param.key}: lora_A or lora_B is missing")
+            a, b, e = pair["A"], pair["B"], param.experts
+            r = a.shape[0] // e
+            if a.ndim != 2 or b.ndim != 2 or a.shape != (r * e, param.in_features) or \
+                    b.shape != (param.out_features, r * e) or r < 1:
+                raise AdapterError(f"adapter {name!r}: {param.key}: lora_A {tuple(a.shape)} and lora_B "
+                                   f"{tuple(b.shape)} are not the pair of {e} experts mapping {param.in_features} -> "
+                                   f"{param.out_features} ([E*r, in], [out, r*E]): the adapter was made for another "
+                                   f"base")
+            loras[param.key] = ModuleLora(param.key, a.float().reshape(e, r, -1).numpy(),
+                                          b.float().reshape(b.shape[0], r, e).permute(2, 0, 1).numpy(),
+                                          _scaling(name, config, param.key, r, max_rank))
+    return loras
+
+
+def _scaling(name: str, config, module: str, rank: int, max_rank: int) -> float:
+    """PEFT's scaling of `module`'s pair (peft/tuners/lora/model.py: _create_and_replace), its rank checked against
+    the config's and `max_rank`."""
+    from peft.utils.other import get_pattern_key
+
+    r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
+    alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+    field = "rank_pattern" if r != config.r else "r"
+    if rank != r:
+        raise AdapterError(f"adapter {name!r}: {module} has rank {rank} in its tensors but {field} gives it {r}")
+    if r > max_rank:
+        raise AdapterError(f"adapter {name!r}: {module} has rank {r} ({field}), above lora.max_rank "
+                           f"({max_rank}); raise lora.max_rank or use a smaller adapter")
+    return alpha / math.sqrt(r) if config.use_rslora else alpha / r
 
 
 def weight_digest(tensor) -> str:
@@ -196,81 +250,3 @@ def _digest(folder: Path, tensors) -> str:
         h.update(f"\n{key} {t.dtype} {tuple(t.shape)}\n".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
-
-
-@dataclass(frozen=True)
-class BaseLinears:
-    """The base model's linear modules an adapter may name: module name -> (in, out); the LM head's name when it
-    is tied to the input embeddings (None otherwise); and the digest of an untied head's weight (weight_digest),
-    which an adapter's copy of it must match (None: not known, and no copy is served)."""
-
-    shapes: dict[str, tuple[int, int]]
-    tied_head: str | None
-    head_digest: str | None = None
-
-    @classmethod
-    def of(cls, hf_model, head_digest: str | None = None) -> "BaseLinears":
-        """`hf_model`'s linears; `head_digest`: its untied head's, when its weights are not here (the meta device),
-        else computed from them."""
-        from torch import nn
-        from transformers.pytorch_utils import Conv1D
-
-        shapes = {}
-        for module_name, module in hf_model.named_modules():
-            if isinstance(module, nn.Linear):
-                shapes[module_name] = (module.in_features, module.out_features)
-            elif isinstance(module, Conv1D):  # GPT-2's: weight [in, out], the transpose of nn.Linear's
-                shapes[module_name] = tuple(module.weight.shape)
-        head = hf_model.get_output_embeddings()
-        tied = tied_head(hf_model)
-        head_name = next((n for n, m in hf_model.named_modules() if m is head), None) if tied else None
-        if head_digest is None and head is not None and not tied and not head.weight.is_meta:
-            head_digest = weight_digest(head.weight)
-        return cls(shapes, head_name, head_digest)
-
-
-def tied_head(hf_model) -> bool:
-    """Whether `hf_model`'s LM head is its input embeddings: the same parameter, or (a model built on the meta
-    device, where transformers does not tie them) a config that ties them."""
-    head, embeddings = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
-    if head is None or embeddings is None:
-        return False
-    config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
-    return head.weight is embeddings.weight or bool(getattr(config, "tie_word_embeddings", False))
-
-
-def check_against(adapter: Adapter, base: BaseLinears, served: set[str]) -> None:
-    """Refuse an adapter made for another base (a module it lacks, a shape that differs), one on a tied LM
-    head, and one on a module the graph has no LoRA site for (`served`: the modules the sites cover)."""
-    for module, lora in adapter.modules.items():
-        if base.tied_head is not None and module == base.tied_head:
-            raise AdapterError(f"adapter {adapter.name!r}: target_modules includes {module}, the LM head, which this "
-                               f"model ties to its input embeddings; an adapter on a tied lm_head is not served")
-        if module not in base.shapes:
-            raise AdapterError(f"adapter {adapter.name!r}: target module {module} is no linear layer of this base "
-                               f"model: the adapter was made for another base")
-        want_in, want_out = base.shapes[module]
-        got_in, got_out = lora.a.shape[1], lora.b.shape[0]
-        if (got_in, got_out) != (want_in, want_out):
-            raise AdapterError(f"adapter {adapter.name!r}: {module} maps {got_in} -> {got_out} features, the base's "
-                               f"{module} {want_in} -> {want_out}: the adapter was made for another base")
-        if module not in served:
-            raise AdapterError(f"adapter {adapter.name!r}: target module {module} has no LoRA site in the graph "
-                               f"(llmc serves adapters on the attention and MLP projections of dense layers, and "
-                               f"on an untied LM head)")
-    check_copies(adapter, base.head_digest)
-
-
-def check_copies(adapter: Adapter, head_digest: str | None) -> None:
-    """Refuse an adapter whose saved copy of a base weight is not the base's own LM head weight (`head_digest`:
-    the served base's untied head's weight_digest; None: there is none, or it is not known)."""
-    for module, digest in sorted(adapter.copies.items()):
-        if head_digest is None:
-            raise AdapterError(f"adapter {adapter.name!r}: it holds a copy of the base's {module} weight, and this "
-                               f"model has no untied LM head to check it against; llmc serves adapters that share "
-                               f"the base's weights")
-        if digest != head_digest:
-            raise AdapterError(f"adapter {adapter.name!r}: its copy of {module}'s weight (base_layer.weight) differs "
-                               f"from this base's; PEFT would load that copy in place of the base's head, and llmc "
-                               f"shares the base's weights (the adapter was made for another base, or retrained "
-                               f"the head)")

@@ -12,7 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from llmc.compiler.lora.adapter import Adapter, AdapterError, check_copies, read_adapter
+from llmc.compiler.lora.adapter import Adapter, AdapterError, read_adapter
+from llmc.compiler.lora.base import check_copies
+from llmc.compiler.lora.experts import params_of_sites
 from llmc.compiler.lora.fold import Fold
 from llmc.compiler.lora.stacks import site_arrays
 from llmc.runtime.lora.check import NAME
@@ -31,10 +33,10 @@ def check_against_sites(adapter: Adapter, sites: Sequence[Site], head_digest: st
         if module not in members:
             raise AdapterError(f"adapter {adapter.name!r}: target module {module} has no LoRA site in this model "
                                f"(the adapter was made for another base, or targets a module llmc serves no "
-                               f"adapter on: a tied LM head, experts)")
+                               f"adapter on: a tied LM head, quantized experts)")
         site, member = members[module]
-        got, want = (lora.a.shape[1], lora.b.shape[0]), (site.in_features, member.width)
-        if got != want:
+        got, want = (lora.a.shape[-1], lora.b.shape[-2]), (site.in_features, member.width)
+        if got != want or lora.a.shape[:-2] != ((site.experts,) if site.experts else ()):
             raise AdapterError(f"adapter {adapter.name!r}: {module} maps {got[0]} -> {got[1]} features, this model's "
                                f"{want[0]} -> {want[1]}: the adapter was made for another base")
     check_copies(adapter, head_digest)
@@ -48,7 +50,7 @@ def convert(name: str, folder: Path, lora: LoraConfig, fold: Fold | None = None)
         raise AdapterError(f"lora_name: {name!r} is not an adapter name (letters, digits, _ . -, at most 64)")
     if lora.scales_file and not fold:
         raise ValueError(f"the served base was AWQ scaled ({lora.scales_file}): pass its fold")
-    adapter = read_adapter(name, Path(folder), max_rank=lora.max_rank)
+    adapter = read_adapter(name, Path(folder), max_rank=lora.max_rank, experts=params_of_sites(lora.sites))
     check_against_sites(adapter, lora.sites, lora.head_digest)
     weights = site_arrays(lora.sites, adapter, fold)
     return adapter_bytes(weights), weights

@@ -34,6 +34,9 @@ four nodes run as they are, the runtime keeps a session over the graph without t
 that for a step no token of which has a slot (runtime/runners/paged.py). An `If` over "any slot" would keep one
 session there, at the price of a subgraph per site (or the whole decoder inside one).
 
+A mixture layer's expert sites (runtime/lora/sites.py: `experts`) get one branch over its MoE node instead, which
+recomputes the layer for the step's adapter tokens (experts.py).
+
 Where llmc's CPU kernels run, the session fuses each site's four nodes into one `llmc.LoraDelta` that reads only each
 token's own slot (runtime/kernels/lora_fusion.py matches the node names and op types written here: `lora/<site>/
 shrink`, `Mul_mask`, `expand`, `Add`; renaming them leaves the branch unfused, and its tests fail).
@@ -46,7 +49,8 @@ from __future__ import annotations
 
 from onnx import ModelProto, TensorProto, helper
 
-from llmc.runtime.lora.sites import OLD_SLOTS, Site, a_name, b_name, mask_name, mask_names
+from llmc.compiler.lora import experts
+from llmc.runtime.lora.sites import OLD_SLOTS, Site, a_name, b_name, mask_name, mask_names, stack_shapes
 
 _PREFIX = "lora"  # every value and node this pass adds is named lora/...
 BRANCH_OPS = ("MatMul", "Mul", "MatMul", "Add")  # a site's nodes, in order
@@ -74,21 +78,32 @@ def add_lora_branches(model: ModelProto, sites: list[Site]) -> None:
             raise ValueError(f"site {site.name}: no tensor {missing} in the graph")
         if site.rows is not None and site.rows not in inputs:
             raise ValueError(f"site {site.name}: no graph input {site.rows} picking its rows")
+    fp32_weights = {t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT}
     tokens = _token_dim(graph)
     for members in sorted({len(site.members) for site in sites}):
         graph.input.append(helper.make_tensor_value_info(mask_name(members), TensorProto.FLOAT,
                                                          [tokens, cols_dim(members)]))
     for site in sites:
         cols = cols_dim(len(site.members))
-        graph.input.append(helper.make_tensor_value_info(a_name(site), TensorProto.FLOAT, [site.in_features, cols]))
-        graph.input.append(helper.make_tensor_value_info(b_name(site), TensorProto.FLOAT, [cols, site.out_features]))
+        a_shape, b_shape = stack_shapes(site, cols)
+        graph.input.append(helper.make_tensor_value_info(a_name(site), TensorProto.FLOAT, list(a_shape)))
+        graph.input.append(helper.make_tensor_value_info(b_name(site), TensorProto.FLOAT, list(b_shape)))
     after: dict[int, list] = {}  # node index -> the branch nodes that follow it (one per output it is a site's y of)
-    for site in sites:
+    for site in (s for s in sites if not s.experts):
         k = producers[site.y]
         producer = graph.node[k]
         base = f"{_PREFIX}/{site.name}/base"
         producer.output[list(producer.output).index(site.y)] = base
         after.setdefault(k, []).extend(_branch_nodes(site, base))
+    for fc1, fc2 in _expert_pairs(sites):  # a mixture layer's fc1 and fc2 sites: one branch over its MoE node
+        k = producers[fc1.y]
+        moe = graph.node[k]
+        if (moe.op_type, moe.domain) != ("MoE", experts.MICROSOFT) or moe.input[2] not in fp32_weights:
+            raise ValueError(f"site {fc1.name}: {fc1.y} is not made by a com.microsoft.MoE node over fp32 experts "
+                             f"(quantized experts serve no expert LoRA)")
+        base = f"{_PREFIX}/{fc1.name.rpartition('.')[0]}/base"
+        moe.output[0] = base
+        after.setdefault(k, []).extend(experts.branch_nodes(moe, fc1, fc2, base))
     nodes = [helper.make_node("Gather", [mask_name(len(site.members)), site.rows], [site_mask(site)], axis=0,
                               name=f"{_PREFIX}/{site.name}/Gather_mask") for site in sites if site.rows is not None]
     for k, node in enumerate(graph.node):
@@ -96,6 +111,17 @@ def add_lora_branches(model: ModelProto, sites: list[Site]) -> None:
         nodes.extend(after.get(k, []))
     del graph.node[:]
     graph.node.extend(nodes)
+
+
+def _expert_pairs(sites: list[Site]) -> list[tuple[Site, Site]]:
+    """The expert sites as (fc1, fc2) of each MoE node (both come from it: experts.find_expert_sites)."""
+    by_y: dict[str, dict[str, Site]] = {}
+    for site in (s for s in sites if s.experts):
+        by_y.setdefault(site.y, {})[site.name.rpartition(".")[2]] = site
+    for y, pair in by_y.items():
+        if set(pair) != {"fc1", "fc2"}:
+            raise ValueError(f"the expert sites of {y} are {sorted(pair)}, not its fc1 and fc2")
+    return [(pair["fc1"], pair["fc2"]) for pair in by_y.values()]
 
 
 def _token_dim(graph) -> str:

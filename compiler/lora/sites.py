@@ -10,6 +10,7 @@ makes itself is the fused q/k/v projection (`decoder.qkv.{i}`, base.py's `concat
 columns are q_proj's, k_proj's and v_proj's side by side (checked against their weights here, not assumed; by
 shape on a model built on the meta device, as the package stage builds it: compiler/lora/package.py).
 Phi-3's `qkv_proj` and GPT-2's `c_attn` are the checkpoint's own fused modules: one PEFT module, one site.
+A mixture's experts are sites of another kind (experts.py): PEFT targets their 3-D parameters, not modules.
 
 An untied LM head is a site too (`lm_head`): it sees only the rows `logits_indices` picks, so its `rows` names that
 input and the branch gathers the token mask by it (graph.py). A tied head is the input embeddings as well: not served.
@@ -26,7 +27,8 @@ from __future__ import annotations
 import ast
 import re
 
-from llmc.compiler.lora.adapter import tied_head
+from llmc.compiler.lora.base import tied_head
+from llmc.compiler.lora.experts import find_expert_sites
 from llmc.runtime.lora.sites import Member, Site
 
 _LAYERWISE = re.compile(r"^decoder\.(layers|qkv)\.(\d+)(\..+)?$")
@@ -82,7 +84,8 @@ def _side_by_side(weight, parts) -> bool:
 
 def find_sites(model, hf_model) -> list[Site]:
     """The sites of `model` (an exported llmc graph, onnx.ModelProto) for `hf_model`, its checkpoint's model;
-    every layer projection must be found exactly once."""
+    every layer projection must be found exactly once. A mixture's full-precision experts add their expert sites
+    (experts.py) after the projections'."""
     members = module_members(hf_model)
     initializers = {t.name: t for t in model.graph.initializer}
     consumers: dict[str, list] = {}
@@ -114,7 +117,7 @@ def find_sites(model, hf_model) -> list[Site]:
                      {m.module for site in sites.values() for m in site.members})
     if missing:
         raise ValueError(f"no projection in the graph for {', '.join(missing)}")
-    return [sites[path] for path in sorted(sites, key=_natural)]
+    return [sites[path] for path in sorted(sites, key=_natural)] + find_expert_sites(model, hf_model)
 
 
 def _module_path(node, members) -> str | None:

@@ -4,7 +4,7 @@ writes into the model repository for each adapter, and what the tests stack stra
 Site t of an adapter whose highest rank is r: module m of the site (the site's m-th PEFT module, at output columns
 offset .. offset + width) at columns m*r .. m*r + its rank of a (lora_A transposed: [in, M*r]) and the same rows
 of b (lora_B transposed, times PEFT's scaling: [M*r, out]) in m's columns only; everything else 0. A site none of
-whose modules the adapter targets is left out.
+whose modules the adapter targets is left out. An expert site's are every expert's: a [E, in, r], b [E, r, out].
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from typing import Sequence
 import numpy as np
 
 from llmc.compiler.lora.adapter import Adapter
+from llmc.compiler.lora.experts import op_rows
 from llmc.compiler.lora.fold import Fold
 from llmc.runtime.lora import stacks
-from llmc.runtime.lora.sites import Site
+from llmc.runtime.lora.sites import Site, stack_shapes
 from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights, slot_masks, token_slots
 
 
@@ -31,6 +32,12 @@ def site_arrays(sites: Sequence[Site], adapter: Adapter, fold: Fold | None = Non
     arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for module, lora in adapter.modules.items():
         site, k = placed[module]
+        if site.experts:  # every expert's pair: a [E, in, r], b [E, r, out] in the op's output order (experts.py)
+            a, b = (np.zeros(shape, np.float32) for shape in stack_shapes(site, r))
+            a[..., :lora.rank] = lora.a.transpose(0, 2, 1)
+            b[:, :lora.rank] = lora.scaling * op_rows(lora.b.transpose(0, 2, 1), site.interleave)
+            arrays[site.name] = a, b
+            continue
         if site.name not in arrays:
             width = len(site.members) * r
             arrays[site.name] = (np.zeros((site.in_features, width), np.float32),

@@ -98,6 +98,9 @@ class MoEDecoder:
     run it through `llmc::moe` (the base's `feed_forward` hook); dense layers keep their own MLP."""
 
     LAYERWISE = (*Decoder.LAYERWISE, "experts")
+    # whether the checkpoint's gate_up_proj has gate and up interleaved already (gpt-oss), or as [gate | up]: where
+    # a LoRA delta on it (PEFT's output rows) goes in the op's fc1 (compiler/lora/experts.py)
+    GATE_UP_INTERLEAVED = False
 
     def __init__(self, hf_model):
         super().__init__(hf_model)

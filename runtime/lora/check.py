@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from llmc.runtime.lora.sites import Site
+from llmc.runtime.lora.sites import Site, stack_shapes
 from llmc.runtime.lora.stacks import AdapterWeights
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a model name's alphabet (compiler/spec/adapters.py)
@@ -45,11 +45,11 @@ def check_shapes(name: str, rank: int, shapes: Mapping[str, tuple[tuple, tuple]]
                              f"for another base, or for modules this model serves no adapter on)")
     for site_name, (a, b) in sorted(shapes.items()):
         site = by_name[site_name]
-        width = len(site.members) * rank
-        if tuple(a) != (site.in_features, width) or tuple(b) != (width, site.out_features):
+        want_a, want_b = stack_shapes(site, len(site.members) * rank)
+        if tuple(a) != want_a or tuple(b) != want_b:
             raise AdapterRefused(f"adapter {name!r}: site {site_name}'s stacks are a {list(a)}, b {list(b)}; this "
-                                 f"model's are a [{site.in_features}, {width}], b [{width}, {site.out_features}] at "
-                                 f"rank {rank} (the adapter was made for another base)")
+                                 f"model's are a {list(want_a)}, b {list(want_b)} at rank {rank} (the adapter was "
+                                 f"made for another base)")
 
 
 def check_weights(weights: AdapterWeights, sites: Sequence[Site], max_rank: int) -> None:

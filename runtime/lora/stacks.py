@@ -8,6 +8,8 @@ m*r .. m*r + its rank, zeros beyond; b with PEFT's scaling folded in and written
 A site the adapter does not target is absent. Stacking for a step whose highest rank is R copies each module's
 block to columns s*M*R + m*R of the flat A (rows of the flat B: sites.py); everything else stays 0, and the column
 mask keeps a token's own slot's columns only, so it adds exactly (x A_slot) B_slot.
+An expert site's arrays carry the experts in front (a [E, in, r], b [E, r, out]: sites.py), stacked the same way
+along their rank axis.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from llmc.runtime.lora.sites import Site, a_name, b_name, mask_name
+from llmc.runtime.lora.sites import Site, a_name, b_name, mask_name, stack_shapes
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,8 @@ class AdapterRef:
 class AdapterWeights:
     ref: AdapterRef
     rank: int  # the adapter's highest rank: r of its per-site arrays
-    sites: dict[str, tuple[np.ndarray, np.ndarray]] = field(repr=False)  # site -> (a [in, M*r], b [M*r, out])
+    # site -> (a [in, M*r], b [M*r, out]); an expert site's (a [E, in, r], b [E, r, out])
+    sites: dict[str, tuple[np.ndarray, np.ndarray]] = field(repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -62,9 +65,8 @@ def stack_slots(sites: Sequence[Site], adapters: Sequence[AdapterWeights], rank:
             raise ValueError(f"adapter {adapter.ref.name!r} has rank {adapter.rank}, above the stacks' {r_max}")
     feeds = {}
     for site in sites:
-        width = len(adapters) * len(site.members) * r_max
-        feeds[a_name(site)] = np.zeros((site.in_features, width), np.float32)
-        feeds[b_name(site)] = np.zeros((width, site.out_features), np.float32)
+        a_shape, b_shape = stack_shapes(site, len(adapters) * len(site.members) * r_max)
+        feeds[a_name(site)], feeds[b_name(site)] = np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)
     for s, adapter in enumerate(adapters):
         fill_slot(sites, feeds, s, adapter, r_max)
     return feeds
@@ -77,7 +79,7 @@ def fill_slot(sites: Sequence[Site], feeds: dict[str, np.ndarray], s: int, adapt
     for site in sites:
         a_stack, b_stack = feeds[a_name(site)], feeds[b_name(site)]
         k = len(site.members) * rank
-        a_slot, b_slot = a_stack[:, s * k:(s + 1) * k], b_stack[s * k:(s + 1) * k]  # views into the stacks
+        a_slot, b_slot = a_stack[..., s * k:(s + 1) * k], b_stack[..., s * k:(s + 1) * k, :]  # views into the stacks
         pair = adapter.sites.get(site.name)
         if pair is None:
             a_slot[...], b_slot[...] = 0.0, 0.0
@@ -88,8 +90,8 @@ def fill_slot(sites: Sequence[Site], feeds: dict[str, np.ndarray], s: int, adapt
             continue
         a_slot[...], b_slot[...] = 0.0, 0.0
         for m in range(len(site.members)):
-            a_slot[:, m * rank:m * rank + r] = a[:, m * r:(m + 1) * r]
-            b_slot[m * rank:m * rank + r] = b[m * r:(m + 1) * r]
+            a_slot[..., m * rank:m * rank + r] = a[..., m * r:(m + 1) * r]
+            b_slot[..., m * rank:m * rank + r, :] = b[..., m * r:(m + 1) * r, :]
 
 
 def slot_masks(sites: Sequence[Site], slots: np.ndarray, num_slots: int, rank: int) -> dict[str, np.ndarray]:

@@ -10,6 +10,8 @@ from llmc.compiler.models.moe import ExpertLayer, MoEDecoder, Routing
 
 
 class GptOssDecoder(MoEDecoder, Decoder):
+    GATE_UP_INTERLEAVED = True
+
     def expert_layer(self, layer):
         router, experts = layer.mlp.router, layer.mlp.experts
         routing = Routing(k=int(router.top_k), normalize=True, alpha=float(experts.alpha), beta=1.0,

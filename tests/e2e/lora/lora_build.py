@@ -49,7 +49,11 @@ def peft_greedy(checkpoint: Path, adapters: dict[str, Path], runs: list[tuple[li
     with torch.no_grad():
         for ids, name in runs:
             kwargs = dict(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                          adapter_names=[name or "__base__"])
-            out.append(model.generate(**kwargs)[0, len(ids):].tolist())
+                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            if name is None:  # set_adapter / disable_adapter, not adapter_names: PEFT's expert LoRA has no mixed batch
+                with model.disable_adapter():
+                    out.append(model.generate(**kwargs)[0, len(ids):].tolist())
+            else:
+                model.set_adapter(name)
+                out.append(model.generate(**kwargs)[0, len(ids):].tolist())
     return out
