@@ -24,6 +24,10 @@
  * swaps it in when a session opens. Portable C besides AVX2 and AVX512 builds of the same loops, so registered
  * whatever the CPU.
  *
+ * llmc.MoeLora: a mixture layer's expert-LoRA branch (compiler/lora/experts.py) as one op running each adapter token's
+ * routed experts only (moe_lora/: moe_lora.c the kernel, over lora_delta's loops; moe_lora_op.c the op);
+ * runtime/kernels/moe_lora_fusion.py swaps it in, registered whatever the CPU like LoraDelta.
+ *
  * ONNX Runtime's C ABI, the parts used: ort_abi.h, written by hand (the wheel ships no headers).
  */
 #include <pthread.h>
@@ -37,6 +41,7 @@
 #include "collective_op.h"
 #include "lora_delta_op.h"
 #include "matmul_nbits4.h"
+#include "moe_lora_op.h"
 #include "ort_abi.h"
 #include "paged_attention_op.h"
 
@@ -279,6 +284,7 @@ static void make_domain(void) {
   for (int i = 0; !status && i < COLLECTIVE_OPS; i++)
     status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &collective_ops[i]);
   if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, in_place ? &lora_delta_op : &lora_delta_op_v16);
+  if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, in_place ? &moe_lora_op : &moe_lora_op_v16);
   domain_failed = status != NULL; /* ONNX Runtime owns a returned status: report a fresh one each call */
   if (status) CALL(ReleaseStatus, fn_release_status, status);
 }

@@ -24,7 +24,9 @@ also folds an Add of a bias after a swapped node into it), and otherwise the gra
 reads each token's own adapter slot only, where the branch multiplies every token by every bound slot. Stored LoRA
 graphs keep the branch; `make_session` fuses it in memory (lora_fusion.py) under the same condition as the 4-bit
 swap (`library()` available: `LLMC_CPU_KERNELS=0` turns it off with the others), and `LLMC_LORA_FUSION=0` turns off
-this fusion alone (the four-node branch then runs as stored; llmc's other kernels stay on).
+this fusion alone (the four-node branch then runs as stored; llmc's other kernels stay on). `MoeLora` (moe_lora/) is
+a mixture layer's expert-LoRA branch (compiler/lora/experts.py) as one op over each adapter token's routed experts,
+fused the same way and under the same switches (moe_lora_fusion.py).
 
 `library()` finds or builds the shared library: a prebuilt copy next to this module (what a packaged
 model repository carries, so a serving host needs no compiler), else one in the cache
@@ -51,12 +53,13 @@ from llmc.runtime.kernels.collective import GROUP_ENV
 from llmc.runtime.kernels.graph_edits import COLLECTIVE_OPS, PAGED_OP, accelerate, configure_collective, configure_paged
 from llmc.runtime.kernels.lora_fusion import enabled as lora_fusion_enabled
 from llmc.runtime.kernels.lora_fusion import fuse_lora
+from llmc.runtime.kernels.moe_lora_fusion import fuse_experts
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "cpu_kernels.c"  # the ops' registration; it includes each kernel's header
 # Each kernel has its folder (its own C files and headers); the library is one compile of them all.
 INCLUDE_DIRS = (HERE, HERE / "matmul_nbits4", HERE / "paged_attention", HERE / "collective",
-                HERE / "lora_delta")
+                HERE / "lora_delta", HERE / "moe_lora")
 SOURCES = tuple(HERE / name for name in (
     "cpu_kernels.c", "ort_abi.h", "matmul_nbits4/matmul_nbits4.h", "matmul_nbits4/matmul_nbits4.c",
     "matmul_nbits4/matmul_nbits4_isa.h", "matmul_nbits4/matmul_nbits4_avx512.c", "matmul_nbits4/matmul_nbits4_avx2.c",
@@ -67,7 +70,8 @@ SOURCES = tuple(HERE / name for name in (
     "paged_attention/paged_attention_op.c", "collective/collective.h", "collective/collective.c",
     "collective/collective_data.h", "collective/collective_data.c", "collective/collective_op.h",
     "collective/collective_op.c", "lora_delta/lora_delta.h", "lora_delta/lora_delta.c",
-    "lora_delta/lora_delta_isa.c", "lora_delta/lora_delta_op.h", "lora_delta/lora_delta_op.c"))
+    "lora_delta/lora_delta_isa.c", "lora_delta/lora_delta_op.h", "lora_delta/lora_delta_op.c",
+    "moe_lora/moe_lora.h", "moe_lora/moe_lora.c", "moe_lora/moe_lora_op.h", "moe_lora/moe_lora_op.c"))
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 LIBS = ["-lm", "-lpthread", "-lrt"]  # -lrt: shm_open, in libc itself only from glibc 2.34
 SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels; an instruction set's name pins it
@@ -236,7 +240,7 @@ def prepare(onnx_path: Path, options, *, group: str | None = None) -> str | byte
     model = onnx.load(str(onnx_path), load_external_data=False)
     threads = options.intra_op_num_threads or os.cpu_count() or 1
     swapped = accelerate(model, threads, kernels.isa) if kernels and mentions_q4 else 0
-    swapped += fuse_lora(model, threads) if kernels and mentions_lora else 0
+    swapped += fuse_lora(model, threads) + fuse_experts(model, threads) if kernels and mentions_lora else 0
     paged = configure_paged(model, threads)
     collective = configure_collective(model, group or os.environ.get(GROUP_ENV))
     if collective:

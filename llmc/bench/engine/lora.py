@@ -1,6 +1,10 @@
 """LoRA adapters on SmolLM2 (issue 54's targets): rank-16 adapters on every attention and MLP projection, in process,
 the paged fp32 graph, 2 ONNX Runtime threads, greedy.
 
+On a mixture (--checkpoint a Mixtral, Qwen3-MoE or gpt-oss) the adapters also target the experts' gate_up_proj and
+down_proj (PEFT's target_parameters), which the LoRA graph serves by recomputing each layer for the adapter tokens
+(compiler/lora/experts.py).
+
 One build with --adapters PEFT adapters (random A and B, made by PEFT on the checkpoint) and lora.max_host_adapters
 --held. Each pass runs every contender once, in an order that turns pass by pass (harness.in_turn); throughput is
 generated tokens over the wall time of --streams requests sent at once (--prompt-tokens + --new-tokens each, every
@@ -57,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_adapters(checkpoint: Path, folder: Path, count: int, rank: int) -> list[Path]:
-    """`count` PEFT adapters of `rank` on every projection, random A and B (made once)."""
+    """`count` PEFT adapters of `rank` on every projection (and a mixture's experts), random A and B (made once)."""
     paths = [folder / f"adapter{i}" for i in range(count)]
     if all((p / "adapter_model.safetensors").is_file() for p in paths):
         return paths
@@ -65,9 +69,12 @@ def make_adapters(checkpoint: Path, folder: Path, count: int, rank: int) -> list
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from llmc.compiler.lora.experts import FC, expert_params
+
     base = AutoModelForCausalLM.from_pretrained(checkpoint)
+    experts = [f"mlp.experts.{p}" for p in FC] if expert_params(base) else None  # a mixture: its experts too
     model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                            init_lora_weights=False))
+                                            target_parameters=experts, init_lora_weights=False))
     for i, path in enumerate(paths):
         torch.manual_seed(i)
         with torch.no_grad():

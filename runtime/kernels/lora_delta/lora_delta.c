@@ -21,7 +21,8 @@
 enum { TILE = 8, CHUNK = 256 }; /* rows a tile; output columns a chunk at most (a tile's chunk of B: 48 KB at K 48) */
 
 extern const LoraIsa lora_avx512, lora_avx2, lora_portable;
-static const LoraIsa *const ISAS[LORA_ISA_COUNT] = {&lora_avx512, &lora_avx2, &lora_portable};
+const LoraIsa *const lora_isas[LORA_ISA_COUNT] = {&lora_avx512, &lora_avx2, &lora_portable};
+#define ISAS lora_isas
 
 const char *lora_isa_name(int isa) { return isa >= 0 && isa < LORA_ISA_COUNT ? ISAS[isa]->name : NULL; }
 int lora_isa_supported(int isa) { return isa >= 0 && isa < LORA_ISA_COUNT && ISAS[isa]->supported(); }

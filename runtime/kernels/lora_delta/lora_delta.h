@@ -22,7 +22,12 @@ typedef struct {
   /* y_t[o] = base_t[o] + sum_j h[t*k + j] b[j*ldb + o] for o0 <= o < o1, t < n */
   void (*expand)(const float *h, int n, int64_t k, const float *b, int64_t ldb, const float *const *bases,
                  float *const *ys, int64_t o0, int64_t o1);
+  /* ys[t][o] = bias[o] (0 without) + sum_i w[o*ldw + i] xs[t][i] for o0 <= o < o1, t < n (moe_lora.c's experts) */
+  void (*dot_rows)(const float *w, int64_t ldw, int64_t o0, int64_t o1, const float *const *xs, int n, int64_t in,
+                   const float *bias, float *const *ys);
 } LoraIsa;
+
+extern const LoraIsa *const lora_isas[LORA_ISA_COUNT]; /* by isa: avx512, avx2, portable */
 
 const char *lora_isa_name(int isa);
 int lora_isa_supported(int isa);

@@ -9,10 +9,14 @@
  * registers over the whole input dimension. Columns beyond the last multiple of W (a slot width K = M*R not a multiple of W)
  * are summed one at a time.
  * expand: the same four tokens, W output columns at a time: each row of B's block loaded once for four, the four
- * deltas in registers over the slot's columns, then y = y_base + delta (the four-node branch's Add). */
+ * deltas in registers over the slot's columns, then y = y_base + delta (the four-node branch's Add).
+ * dot_rows (llmc.MoeLora's expert projections, moe_lora.c: weights [out, in] as ONNX Runtime's MoE keeps them): the
+ * same four tokens against each row of a block of w, W inputs a step, the four sums in registers over the row. */
 #include <string.h>
 
 #include "lora_delta.h"
+
+enum { DOT_BLOCK = 32 }; /* dot_rows: rows of w a block (32 rows of 4 KB: 128 KB, within L2) */
 
 /* aligned(4): loads and stores may be unaligned */
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
@@ -68,6 +72,32 @@ typedef float v4 __attribute__((vector_size(16), aligned(4)));
           ys[t][o] = bases[t][o] + d;                                                                              \
         }                                                                                                          \
     }                                                                                                              \
+  }                                                                                                                \
+  ATTR static void dot_rows_##S(const float *w, int64_t ldw, int64_t o0, int64_t o1, const float *const *xs, int n, \
+                                int64_t in, const float *bias, float *const *ys) {                                 \
+    for (int64_t ob = o0; ob < o1; ob += DOT_BLOCK) { /* a block of w's rows stays in cache for every token */     \
+      const int64_t oe = ob + DOT_BLOCK < o1 ? ob + DOT_BLOCK : o1;                                               \
+      for (int t0 = 0; t0 < n; t0 += 4) {                                                                          \
+        const int m = n - t0 < 4 ? n - t0 : 4;                                                                     \
+        const float *x0 = xs[t0], *x1 = xs[t0 + (m > 1)], *x2 = xs[t0 + (m > 2 ? 2 : 0)],                          \
+                    *x3 = xs[t0 + (m > 3 ? 3 : 0)];                                                                \
+        for (int64_t o = ob; o < oe; o++) {                                                                        \
+          const float *wo = w + o * ldw;                                                                           \
+          V s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                                              \
+          int64_t i = 0;                                                                                           \
+          for (; i + W <= in; i += W) {                                                                          \
+            const V wv = LOAD(wo + i);                                                                             \
+            s0 += wv * LOAD(x0 + i), s1 += wv * LOAD(x1 + i), s2 += wv * LOAD(x2 + i), s3 += wv * LOAD(x3 + i);    \
+          }                                                                                                        \
+          float r[4] = {0.f, 0.f, 0.f, 0.f};                                                                       \
+          for (int l = 0; l < W; l++) r[0] += s0[l], r[1] += s1[l], r[2] += s2[l], r[3] += s3[l];                  \
+          for (; i < in; i++) r[0] += wo[i] * x0[i], r[1] += wo[i] * x1[i], r[2] += wo[i] * x2[i],                 \
+                              r[3] += wo[i] * x3[i];                                                               \
+          const float b = bias ? bias[o] : 0.f;                                                                    \
+          for (int t = 0; t < m; t++) ys[t0 + t][o] = r[t] + b;                                                    \
+        }                                                                                                          \
+      }                                                                                                            \
+    }                                                                                                              \
   }
 
 #define V v16
@@ -90,6 +120,6 @@ static int has_avx512(void) {
 static int has_avx2(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 static int always(void) { return 1; }
 
-const LoraIsa lora_avx512 = {"avx512", has_avx512, shrink_avx512, expand_avx512};
-const LoraIsa lora_avx2 = {"avx2", has_avx2, shrink_avx2, expand_avx2};
-const LoraIsa lora_portable = {"portable", always, shrink_portable, expand_portable};
+const LoraIsa lora_avx512 = {"avx512", has_avx512, shrink_avx512, expand_avx512, dot_rows_avx512};
+const LoraIsa lora_avx2 = {"avx2", has_avx2, shrink_avx2, expand_avx2, dot_rows_avx2};
+const LoraIsa lora_portable = {"portable", always, shrink_portable, expand_portable, dot_rows_portable};
