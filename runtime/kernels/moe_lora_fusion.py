@@ -3,6 +3,10 @@ layer recomputed for the adapter tokens, every expert, in standard ops) becomes 
 (moe_lora/: the C op, each adapter token's routed experts only), in the in-memory copy `cpu_kernels.prepare` opens,
 beside lora_fusion.py's four-node sites and under the same switch (`LLMC_LORA_FUSION`).
 
+The MoE node itself then runs on the tokens without a slot only (its inputs gathered to them, its output scattered
+back into zeros: `lora/experts.<i>/base_rows/...`, the rows found once from `lora_mask`), so an adapter token's
+experts run once, in the op; a step without an adapter token gathers every row, a copy of the node's input and output.
+
 A layer's branch is every node named `lora/experts.<i>/...`, ending in `lora/experts.<i>/scatter` (ScatterND over
 `lora/experts.<i>/base`, the MoE node's output renamed). It is fused only when those nodes read nothing from outside
 but the MoE node's inputs and output, `lora_mask` and the layer's four stacks (`lora.experts.<i>.fc1.a`, ...), and
@@ -32,6 +36,50 @@ def _layer_inputs(layer: str, moe, inputs: set[str]) -> list[str] | None:
     return [f"lora/{layer}/base", x, logits, fc1, fc1_bias, fc2, fc2_bias, "lora_mask", *stacks]
 
 
+_ROWS = "lora/experts/base_rows"  # [Nb, 1] int64: the tokens without a slot (ScatterND's indices)
+_ROWS_FLAT = "lora/experts/base_rows_flat"  # [Nb] (Gather's)
+
+
+def _base_rows_nodes() -> list:
+    """The rows no slot column of `lora_mask` is set in, once for every layer."""
+    from onnx import TensorProto, helper
+
+    p = "lora/experts"
+    return [
+        helper.make_node("Constant", [], [f"{p}/columns"], name=f"{p}/columns",
+                         value=helper.make_tensor("columns", TensorProto.INT64, [1], [1])),
+        helper.make_node("Constant", [], [f"{p}/zero"], name=f"{p}/zero",
+                         value=helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])),
+        helper.make_node("Constant", [], [f"{p}/flat"], name=f"{p}/flat",
+                         value=helper.make_tensor("flat", TensorProto.INT64, [1], [-1])),
+        helper.make_node("ReduceMax", ["lora_mask", f"{p}/columns"], [f"{p}/any"], name=f"{p}/any", keepdims=0),
+        # not (any > 0), the stored branch's own test negated: a zero-width mask's ReduceMax is -inf, not 0
+        helper.make_node("Greater", [f"{p}/any", f"{p}/zero"], [f"{p}/slot"], name=f"{p}/slot"),
+        helper.make_node("Not", [f"{p}/slot"], [f"{p}/no_slot"], name=f"{p}/no_slot"),
+        helper.make_node("NonZero", [f"{p}/no_slot"], [f"{p}/nonzero"], name=f"{p}/nonzero"),
+        helper.make_node("Transpose", [f"{p}/nonzero"], [_ROWS], name=_ROWS, perm=[1, 0]),
+        helper.make_node("Reshape", [_ROWS, f"{p}/flat"], [_ROWS_FLAT], name=_ROWS_FLAT),
+    ]
+
+
+def _base_rows_only(moe, layer: str) -> tuple[list, list]:
+    """(nodes before, nodes after) the MoE node `moe`, rewired in place to run on the tokens without a slot only: its
+    x and logits gathered to them, its output scattered back into zeros of x's shape (llmc.MoeLora writes the
+    adapter tokens' rows), so an adapter token's experts run once, in the op, not also in the node."""
+    from onnx import helper
+
+    p = f"lora/{layer}/base_rows"
+    x, logits = moe.input[0], moe.input[1]
+    base = moe.output[0]
+    gathered = [helper.make_node("Gather", [name, _ROWS_FLAT], [f"{p}/{what}"], name=f"{p}/{what}", axis=0)
+                for name, what in ((x, "x"), (logits, "logits"))]
+    moe.input[0], moe.input[1], moe.output[0] = f"{p}/x", f"{p}/logits", f"{p}/moe"
+    after = [helper.make_node("Shape", [x], [f"{p}/shape"], name=f"{p}/shape"),
+             helper.make_node("ConstantOfShape", [f"{p}/shape"], [f"{p}/zeros"], name=f"{p}/zeros"),
+             helper.make_node("ScatterND", [f"{p}/zeros", _ROWS, f"{p}/moe"], [base], name=f"{p}/scatter")]
+    return gathered, after
+
+
 def fuse_experts(model, threads: int) -> int:
     """Replace every mixture layer's expert-LoRA branch of an ONNX ModelProto by one llmc.MoeLora node, in place, for
     a session of `threads` intra-op threads; returns how many layers were fused."""
@@ -48,7 +96,8 @@ def fuse_experts(model, threads: int) -> int:
     producers = {out: node for node in graph.node for out in node.output}
     readers = readers_of(graph)
     inputs, outputs = {i.name for i in graph.input}, {o.name for o in graph.output}
-    fused: dict[int, object] = {}  # id() of a branch's scatter -> the node in its place
+    fused: dict[int, list] = {}  # id() of a branch's scatter -> the op in its place; of its MoE node -> it and after
+    before: dict[int, list] = {}  # id() of a MoE node -> the nodes gathering its inputs' base rows
     gone: set[int] = set()
     dropped: set[str] = set()
     for layer, nodes in branches.items():
@@ -64,13 +113,19 @@ def fuse_experts(model, threads: int) -> int:
             continue
         moe = producers[wanted[0]]
         routing = {a.name: helper.get_attribute_value(a) for a in moe.attribute if a.name in _ROUTING}
-        fused[id(scatter)] = helper.make_node(MOE_LORA_OP, wanted, [scatter.output[0]], name=f"lora/{layer}/{MOE_LORA_OP}",
-                                              domain=DOMAIN, threads=max(1, threads), site=layer, **routing)
+        fused[id(scatter)] = [helper.make_node(
+            MOE_LORA_OP, wanted, [scatter.output[0]], name=f"lora/{layer}/{MOE_LORA_OP}", domain=DOMAIN,
+            threads=max(1, threads), site=layer, **routing)]
         gone.update(id(n) for n in nodes if n is not scatter)
         dropped.update(made - {scatter.output[0]})
+        before[id(moe)], after = _base_rows_only(moe, layer)
+        fused[id(moe)] = [moe, *after]
     if not fused:
         return 0
-    kept_nodes = [fused.get(id(n), n) for n in graph.node if id(n) not in gone]
+    kept_nodes = [*_base_rows_nodes()]
+    for n in graph.node:
+        if id(n) not in gone:
+            kept_nodes.extend([*before.get(id(n), []), *fused.get(id(n), [n])])
     del graph.node[:]
     graph.node.extend(kept_nodes)
     kept = [v for v in graph.value_info if v.name not in dropped]
@@ -78,4 +133,4 @@ def fuse_experts(model, threads: int) -> int:
     graph.value_info.extend(kept)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.add(domain=DOMAIN, version=1)
-    return len(fused)
+    return len(before)

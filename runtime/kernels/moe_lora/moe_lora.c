@@ -7,10 +7,11 @@
  *
  * moe_lora_prepare routes each adapter token (softmax, top k by selection, renormalized when asked: ties go to the
  * lower expert, as ONNX Runtime's and PyTorch's top-k keep them), makes one pair per (token, chosen expert), sorts the
- * pairs by (expert, slot columns), and cuts each run of one expert and one slot into tiles of up to TILE pairs.
+ * pairs by (expert, slot columns), and cuts each expert's run into tiles of up to TILE pairs, whatever their slots.
  * moe_lora_tile (one task a tile, in parallel) runs the tile's tokens through that expert: fc1 (dot_rows: each block
- * of the expert's rows read once for the tile), its slot's fc1 delta (LoRA's shrink and expand loops), the SwiGLU,
- * fc2 and its delta, into the pair's own output row. moe_lora_finish sums each token's pairs, weighed by the
+ * of the expert's rows read once for the whole tile), each slot's fc1 delta on its own tokens (LoRA's shrink and
+ * expand loops, a run of one slot at a time), the SwiGLU, fc2 and its deltas, into each pair's own output row.
+ * (Tiles of one expert and one slot read an expert's weights once a slot: four adapters ran 0.85x one adapter.) moe_lora_finish sums each token's pairs, weighed by the
  * routing, in expert-rank order. An expert no adapter token picked is never read. */
 #include "moe_lora.h"
 
@@ -109,7 +110,7 @@ MoeLoraCall *moe_lora_prepare(const MoeLoraArgs *args, size_t *tiles) {
     const Pair *p = &call->pairs[i];
     Tile *last = call->num_tiles ? &call->tiles[call->num_tiles - 1] : NULL;
     const Pair *head = last ? &call->pairs[last->first] : NULL;
-    if (last && last->count < TILE && head->expert == p->expert && head->c0 == p->c0 && head->c1 == p->c1)
+    if (last && last->count < TILE && head->expert == p->expert)
       last->count++;
     else
       call->tiles[call->num_tiles++] = (Tile){i, 1};
@@ -123,25 +124,37 @@ MoeLoraCall *moe_lora_prepare(const MoeLoraArgs *args, size_t *tiles) {
   return call;
 }
 
+/* the LoRA delta of each run of one slot within a tile: ys[t] += ((xs[t] A[:, c]) * mask) B[c, :] for its tokens */
+static void slot_deltas(const LoraIsa *isa, const Pair *first, int64_t n, const float *const *xs,
+                        const float *const *masks, const float *a, const float *b, int64_t in, int64_t out,
+                        int64_t w, float *u, float *const *ys) {
+  for (int64_t t0 = 0, t1; t0 < n; t0 = t1) {
+    const int64_t c0 = first[t0].c0, kk = first[t0].c1 - c0;
+    for (t1 = t0 + 1; t1 < n && first[t1].c0 == c0 && first[t1].c1 == first[t0].c1;) t1++;
+    isa->shrink(xs + t0, masks + t0, (int)(t1 - t0), a + c0, w, in, kk, u);
+    isa->expand(u, (int)(t1 - t0), kk, b + c0 * out, out, (const float *const *)ys + t0, ys + t0, 0, out);
+  }
+}
+
 void moe_lora_tile(void *state, size_t task) {
   const MoeLoraCall *call = (const MoeLoraCall *)state;
   const MoeLoraArgs *a = &call->a;
   const Tile *tile = &call->tiles[task];
   const Pair *first = &call->pairs[tile->first];
-  const int64_t e = first->expert, c0 = first->c0, kk = first->c1 - first->c0, n = tile->count;
+  const int64_t e = first->expert, n = tile->count;
   const int64_t h = a->hidden, i2 = 2 * a->inter, in = a->inter, w = a->width;
   float *g = call->scratch + tile->first * (i2 + in + w), *act = g + n * i2, *u = act + n * in;
   const float *xs[TILE], *masks[TILE], *acts[TILE];
   float *gs[TILE], *as[TILE], *os[TILE];
   for (int64_t t = 0; t < n; t++) {
     const Pair *p = &first[t];
-    xs[t] = a->x + p->row * h, masks[t] = a->mask + p->row * w + c0;
+    xs[t] = a->x + p->row * h, masks[t] = a->mask + p->row * w + p->c0;
     gs[t] = g + t * i2, as[t] = act + t * in, acts[t] = as[t], os[t] = call->out + p->pair * h;
   }
   const LoraIsa *isa = call->isa;
+  /* the expert's weights once for the whole tile, whatever slots its tokens are in; each slot's delta on its own */
   isa->dot_rows(a->fc1 + e * i2 * h, h, 0, i2, xs, (int)n, h, a->fc1_bias ? a->fc1_bias + e * i2 : NULL, gs);
-  isa->shrink(xs, masks, (int)n, a->a1 + e * h * w + c0, w, h, kk, u);
-  isa->expand(u, (int)n, kk, a->b1 + e * w * i2 + c0 * i2, i2, (const float *const *)gs, gs, 0, i2);
+  slot_deltas(isa, first, n, xs, masks, a->a1 + e * h * w, a->b1 + e * w * i2, h, i2, w, u, gs);
   for (int64_t t = 0; t < n; t++)
     for (int64_t j = 0; j < in; j++) {
       float gate = gs[t][2 * j], up = gs[t][2 * j + 1];
@@ -152,8 +165,7 @@ void moe_lora_tile(void *state, size_t task) {
       as[t][j] = gate / (1.f + expf(-a->alpha * gate)) * (up + a->beta);
     }
   isa->dot_rows(a->fc2 + e * h * in, in, 0, h, acts, (int)n, in, a->fc2_bias ? a->fc2_bias + e * h : NULL, os);
-  isa->shrink(acts, masks, (int)n, a->a2 + e * in * w + c0, w, in, kk, u);
-  isa->expand(u, (int)n, kk, a->b2 + e * w * h + c0 * h, h, (const float *const *)os, os, 0, h);
+  slot_deltas(isa, first, n, acts, masks, a->a2 + e * in * w, a->b2 + e * w * h, in, h, w, u, os);
 }
 
 void moe_lora_finish(MoeLoraCall *call) {
