@@ -3,7 +3,8 @@ PEFT itself, on the three mixture families' tiny checkpoints: Qwen3-MoE (a dense
 Mixtral (gate and up concatenated, interleaved for the op) and gpt-oss (transposed, already interleaved, biases and a
 clamped SwiGLU the tiny activations reach). Adapter A targets the attention projections and both expert parameters;
 adapter B, down_proj alone, with another rank, rsLoRA and a rank_pattern for one layer. One step mixes A, B and no
-adapter; every row's logits equal PEFT's, and a step without an adapter token equals the base graph's."""
+adapter; every row's logits equal PEFT's, and a step without an adapter token equals the base graph's: with the branch
+fused into llmc.MoeLora and as stored."""
 
 from __future__ import annotations
 
@@ -28,13 +29,16 @@ def _adapters(checkpoint, root):
     return {"a": a, "b": b}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_expert_lora_mixed_step_equals_peft(family, paged_export, tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("family, fusion", [("qwen3_moe", "1"), ("mixtral", "1"), ("gpt_oss", "1"), ("gpt_oss", "0")])
+def test_expert_lora_mixed_step_equals_peft(family, fusion, paged_export, tiny_checkpoints, tmp_path, monkeypatch):
+    """fusion "1": where llmc's kernels load, each layer's branch runs as llmc.MoeLora (runtime/kernels/
+    moe_lora_fusion.py); "0": the branch as stored, every expert for each adapter token."""
     from transformers import AutoModelForCausalLM
 
     from llmc.compiler.lora import BaseLinears, add_lora_branches, check_against, find_sites, read_adapter, step_inputs
     from llmc.compiler.lora.experts import expert_params
 
+    monkeypatch.setenv("LLMC_LORA_FUSION", fusion)
     folder, exported = paged_export(family)
     checkpoint = tiny_checkpoints[family]
     paths = _adapters(checkpoint, tmp_path)
