@@ -14,14 +14,13 @@ from llmc.compiler.lora.adapter import Adapter, AdapterError, weight_digest
 @dataclass(frozen=True)
 class BaseLinears:
     """The base model's linear modules an adapter may name: module name -> (in, out), a mixture's expert parameters
-    among them (`experts`: their names); the LM head's name when it is tied to the input embeddings (None
+    among them (by the parameter's name); the LM head's name when it is tied to the input embeddings (None
     otherwise); and the digest of an untied head's weight (weight_digest), which an adapter's copy of it must match
     (None: not known, and no copy is served)."""
 
     shapes: dict[str, tuple[int, int]]
     tied_head: str | None
     head_digest: str | None = None
-    experts: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, hf_model, head_digest: str | None = None) -> "BaseLinears":
@@ -44,7 +43,7 @@ class BaseLinears:
         head_name = next((n for n, m in hf_model.named_modules() if m is head), None) if tied else None
         if head_digest is None and head is not None and not tied and not head.weight.is_meta:
             head_digest = weight_digest(head.weight)
-        return cls(shapes, head_name, head_digest, frozenset(p.key for p in params))
+        return cls(shapes, head_name, head_digest)
 
 
 def tied_head(hf_model) -> bool:
@@ -72,10 +71,6 @@ def check_against(adapter: Adapter, base: BaseLinears, served: set[str]) -> None
         if (got_in, got_out) != (want_in, want_out):
             raise AdapterError(f"adapter {adapter.name!r}: {module} maps {got_in} -> {got_out} features, the base's "
                                f"{module} {want_in} -> {want_out}: the adapter was made for another base")
-        if module not in served and module in base.experts:
-            raise AdapterError(f"adapter {adapter.name!r}: target_parameters includes {module}, and this build's "
-                               f"experts are quantized (quantization.mode): LoRA on experts is served over "
-                               f"full-precision experts (mode none)")
         if module not in served:
             raise AdapterError(f"adapter {adapter.name!r}: target module {module} has no LoRA site in the graph "
                                f"(llmc serves adapters on the attention and MLP projections of dense layers, and "

@@ -35,7 +35,10 @@ that for a step no token of which has a slot (runtime/runners/paged.py). An `If`
 session there, at the price of a subgraph per site (or the whole decoder inside one).
 
 A mixture layer's expert sites (runtime/lora/sites.py: `experts`) get one branch over its MoE node instead, which
-recomputes the layer for the step's adapter tokens (experts.py).
+recomputes the layer for the step's adapter tokens (experts.py). Over a QMoE node (quantized experts) that branch is
+llmc's own op, `llmc.MoeLoraQ`, written here (runtime/kernels/moe_lora_fusion.py: quantized_branch), with the node
+rewired to the tokens without a slot: the standard ops cannot read QMoE's codes, and the paged graph needs llmc's
+kernel library anyway (its PagedAttention).
 
 Where llmc's CPU kernels run, the session fuses each site's four nodes into one `llmc.LoraDelta` that reads only each
 token's own slot (runtime/kernels/lora_fusion.py matches the node names and op types written here: `lora/<site>/
@@ -50,6 +53,7 @@ from __future__ import annotations
 from onnx import ModelProto, TensorProto, helper
 
 from llmc.compiler.lora import experts
+from llmc.runtime.kernels.moe_lora_fusion import base_rows_nodes, quantized_branch
 from llmc.runtime.lora.sites import OLD_SLOTS, Site, a_name, b_name, mask_name, mask_names, stack_shapes
 
 _PREFIX = "lora"  # every value and node this pass adds is named lora/...
@@ -95,18 +99,23 @@ def add_lora_branches(model: ModelProto, sites: list[Site]) -> None:
         base = f"{_PREFIX}/{site.name}/base"
         producer.output[list(producer.output).index(site.y)] = base
         after.setdefault(k, []).extend(_branch_nodes(site, base))
+    before: dict[int, list] = {}  # node index -> the nodes that go before it (a QMoE node's gathered inputs)
     for fc1, fc2 in _expert_pairs(sites):  # a mixture layer's fc1 and fc2 sites: one branch over its MoE node
         k = producers[fc1.y]
-        moe = graph.node[k]
+        moe, layer = graph.node[k], fc1.name.rpartition(".")[0]
+        if (moe.op_type, moe.domain) == ("QMoE", experts.MICROSOFT):  # codes the standard ops cannot read: llmc's op
+            before[k], after[k] = quantized_branch(moe, layer, [n(s) for s in (fc1, fc2) for n in (a_name, b_name)])
+            continue
         if (moe.op_type, moe.domain) != ("MoE", experts.MICROSOFT) or moe.input[2] not in fp32_weights:
-            raise ValueError(f"site {fc1.name}: {fc1.y} is not made by a com.microsoft.MoE node over fp32 experts "
-                             f"(quantized experts serve no expert LoRA)")
-        base = f"{_PREFIX}/{fc1.name.rpartition('.')[0]}/base"
+            raise ValueError(f"site {fc1.name}: {fc1.y} is not made by a com.microsoft.MoE or QMoE node")
+        base = f"{_PREFIX}/{layer}/base"
         moe.output[0] = base
         after.setdefault(k, []).extend(experts.branch_nodes(moe, fc1, fc2, base))
     nodes = [helper.make_node("Gather", [mask_name(len(site.members)), site.rows], [site_mask(site)], axis=0,
                               name=f"{_PREFIX}/{site.name}/Gather_mask") for site in sites if site.rows is not None]
+    nodes += base_rows_nodes() if before else []  # the tokens without a slot, found once for every QMoE node
     for k, node in enumerate(graph.node):
+        nodes.extend(before.get(k, []))
         nodes.append(node)
         nodes.extend(after.get(k, []))
     del graph.node[:]

@@ -66,14 +66,6 @@ def refusal(spec) -> str | None:
     return None
 
 
-def serves_experts(spec) -> bool:
-    """Whether a mixture's experts take LoRA in `spec`'s build: over full-precision experts only (the weight-only
-    modes make them QMoE, whose int4/int8 codes the branch cannot read: compiler/lora/experts.py)."""
-    from llmc.compiler.spec.sections import QuantMode
-
-    return spec.quantization.mode is QuantMode.none
-
-
 def meta_model(source):
     """The checkpoint's transformers model built from its config on the meta device: its modules, no weights."""
     import torch
@@ -110,8 +102,7 @@ def checked_adapters(spec, source, hf_model, for_manifest: bool = False) -> tupl
         raise UnsupportedError(f"adapters: {', '.join(spec.adapters)}: {refusal(spec)}")
     experts = expert_params(hf_model)
     served = {m.module for members in module_members(hf_model).values() for m in members}
-    if serves_experts(spec):
-        served |= {p.key for listed in experts.values() for p in listed}
+    served |= {p.key for listed in experts.values() for p in listed}
     adapters = [read_adapter(name, folder, max_rank=spec.lora.max_rank, experts=experts)
                 for name, folder in spec.adapters.items()]
     wanted = any(a.copies for a in adapters) or (for_manifest and HEAD in served)
@@ -138,7 +129,6 @@ def package_adapters(spec, source, export_graph: Path, served_graph: Path, model
     hf_model = meta_model(source)
     adapters, digest = checked_adapters(spec, source, hf_model, for_manifest=True)
     sites = find_sites(onnx.load(str(export_graph), load_external_data=False), hf_model)
-    sites = [s for s in sites if serves_experts(spec) or not s.experts]  # quantized experts: QMoE, no fp32 weights
     fold = Fold.of(sites, ChannelScales.load(channel_scales)) if channel_scales is not None else Fold()
     scales_file = None
     if fold:

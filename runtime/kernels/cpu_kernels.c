@@ -285,6 +285,7 @@ static void make_domain(void) {
     status = CALL(CustomOpDomain_Add, fn_domain_add, domain, &collective_ops[i]);
   if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, in_place ? &lora_delta_op : &lora_delta_op_v16);
   if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, in_place ? &moe_lora_op : &moe_lora_op_v16);
+  if (!status) status = CALL(CustomOpDomain_Add, fn_domain_add, domain, in_place ? &moe_lora_q_op : &moe_lora_q_op_v16);
   domain_failed = status != NULL; /* ONNX Runtime owns a returned status: report a fresh one each call */
   if (status) CALL(ReleaseStatus, fn_release_status, status);
 }

@@ -53,7 +53,7 @@ from llmc.runtime.kernels.collective import GROUP_ENV
 from llmc.runtime.kernels.graph_edits import COLLECTIVE_OPS, PAGED_OP, accelerate, configure_collective, configure_paged
 from llmc.runtime.kernels.lora_fusion import enabled as lora_fusion_enabled
 from llmc.runtime.kernels.lora_fusion import fuse_lora
-from llmc.runtime.kernels.moe_lora_fusion import fuse_experts
+from llmc.runtime.kernels.moe_lora_fusion import configure_experts, fuse_experts
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "cpu_kernels.c"  # the ops' registration; it includes each kernel's header
@@ -241,7 +241,7 @@ def prepare(onnx_path: Path, options, *, group: str | None = None) -> str | byte
     threads = options.intra_op_num_threads or os.cpu_count() or 1
     swapped = accelerate(model, threads, kernels.isa) if kernels and mentions_q4 else 0
     swapped += fuse_lora(model, threads) + fuse_experts(model, threads) if kernels and mentions_lora else 0
-    paged = configure_paged(model, threads)
+    paged = configure_paged(model, threads) + configure_experts(model, threads)  # both need the library
     collective = configure_collective(model, group or os.environ.get(GROUP_ENV))
     if collective:
         _check_sequential(options)

@@ -23,6 +23,7 @@ from llmc.runtime.kernels.graph_edits import readers_of
 from llmc.runtime.kernels.lora_fusion import DOMAIN
 
 MOE_LORA_OP = "MoeLora"
+MOE_LORA_Q_OP = "MoeLoraQ"  # over QMoE's quantized experts: written into the stored graph (quantized_branch)
 _LAYER = re.compile(r"^lora/(experts\.\d+)/")
 _ROUTING = ("k", "normalize_routing_weights", "activation_alpha", "activation_beta", "swiglu_limit")
 
@@ -40,7 +41,7 @@ _ROWS = "lora/experts/base_rows"  # [Nb, 1] int64: the tokens without a slot (Sc
 _ROWS_FLAT = "lora/experts/base_rows_flat"  # [Nb] (Gather's)
 
 
-def _base_rows_nodes() -> list:
+def base_rows_nodes() -> list:
     """The rows no slot column of `lora_mask` is set in, once for every layer."""
     from onnx import TensorProto, helper
 
@@ -62,7 +63,7 @@ def _base_rows_nodes() -> list:
     ]
 
 
-def _base_rows_only(moe, layer: str) -> tuple[list, list]:
+def base_rows_only(moe, layer: str) -> tuple[list, list]:
     """(nodes before, nodes after) the MoE node `moe`, rewired in place to run on the tokens without a slot only: its
     x and logits gathered to them, its output scattered back into zeros of x's shape (llmc.MoeLora writes the
     adapter tokens' rows), so an adapter token's experts run once, in the op, not also in the node."""
@@ -78,6 +79,41 @@ def _base_rows_only(moe, layer: str) -> tuple[list, list]:
              helper.make_node("ConstantOfShape", [f"{p}/shape"], [f"{p}/zeros"], name=f"{p}/zeros"),
              helper.make_node("ScatterND", [f"{p}/zeros", _ROWS, f"{p}/moe"], [base], name=f"{p}/scatter")]
     return gathered, after
+
+
+def quantized_branch(qmoe, layer: str, stacks: list[str]) -> tuple[list, list]:
+    """(nodes before, nodes after) the QMoE node `qmoe` (compiler/quantize/experts.py's) serving `layer`'s expert
+    LoRA, for the stored graph: the node rewired to run on the tokens without a slot (base_rows_only: the shared
+    row nodes, base_rows_nodes, go first in the graph), then one llmc.MoeLoraQ over its codes for the adapter
+    tokens. `stacks`: the layer's fc1.a, fc1.b, fc2.a, fc2.b inputs."""
+    from onnx import helper
+
+    if qmoe.op_type != "QMoE" or len(qmoe.input) < 7:
+        raise ValueError(f"{qmoe.name}: not a com.microsoft.QMoE node")
+    inputs = list(qmoe.input) + [""] * (13 - len(qmoe.input))
+    y = qmoe.output[0]
+    attrs = {a.name: helper.get_attribute_value(a) for a in qmoe.attribute}
+    before, after = base_rows_only(qmoe, layer)
+    base = after[-1].output[0] = f"lora/{layer}/base"  # the scatter writes the node's rows, which the op reads
+    op = helper.make_node(
+        MOE_LORA_Q_OP, [base, inputs[0], inputs[1], inputs[2], inputs[3], inputs[11], inputs[4], inputs[5],
+                        inputs[6], inputs[12], inputs[7], "lora_mask", *stacks], [y],
+        name=f"lora/{layer}/{MOE_LORA_Q_OP}", domain=DOMAIN, site=layer,
+        expert_weight_bits=int(attrs.get("expert_weight_bits", 4)), block_size=int(attrs.get("block_size", 0)),
+        **{a: v for a, v in attrs.items() if a in _ROUTING})
+    return before, [*after, op]
+
+
+def configure_experts(model, threads: int) -> int:
+    """Give the stored llmc.MoeLoraQ nodes of an ONNX ModelProto the session's intra-op thread count, in place;
+    returns how many (they need llmc's library, as PagedAttention does)."""
+    from onnx import helper
+
+    nodes = [n for n in model.graph.node if n.op_type == MOE_LORA_Q_OP and n.domain == DOMAIN]
+    for node in nodes:
+        if not any(a.name == "threads" for a in node.attribute):
+            node.attribute.append(helper.make_attribute("threads", max(1, threads)))
+    return len(nodes)
 
 
 def fuse_experts(model, threads: int) -> int:
@@ -118,11 +154,11 @@ def fuse_experts(model, threads: int) -> int:
             threads=max(1, threads), site=layer, **routing)]
         gone.update(id(n) for n in nodes if n is not scatter)
         dropped.update(made - {scatter.output[0]})
-        before[id(moe)], after = _base_rows_only(moe, layer)
+        before[id(moe)], after = base_rows_only(moe, layer)
         fused[id(moe)] = [moe, *after]
     if not fused:
         return 0
-    kept_nodes = [*_base_rows_nodes()]
+    kept_nodes = [*base_rows_nodes()]
     for n in graph.node:
         if id(n) not in gone:
             kept_nodes.extend([*before.get(id(n), []), *fused.get(id(n), [n])])

@@ -12,7 +12,8 @@
  * of the expert's rows read once for the whole tile), each slot's fc1 delta on its own tokens (LoRA's shrink and
  * expand loops, a run of one slot at a time), the SwiGLU, fc2 and its deltas, into each pair's own output row.
  * (Tiles of one expert and one slot read an expert's weights once a slot: four adapters ran 0.85x one adapter.) moe_lora_finish sums each token's pairs, weighed by the
- * routing, in expert-rank order. An expert no adapter token picked is never read. */
+ * routing, in expert-rank order. An expert no adapter token picked is never read. Quantized experts (QMoE's codes:
+ * llmc.MoeLoraQ) are dequantized DEQUANT_ROWS rows at a time within a tile, each block used for all its tokens. */
 #include "moe_lora.h"
 
 #include <math.h>
@@ -41,6 +42,7 @@ struct MoeLoraCall {
   float *out;       /* [active * k, hidden]: each pair's expert output */
   float *scratch;   /* per pair: its fc1 output [2I], SwiGLU [I] and shrunk [width], for its tile to use */
   int64_t num_active, num_pairs, num_tiles, multiply_adds;
+  volatile int failed; /* a task ran out of memory */
 };
 
 int64_t moe_lora_multiply_adds(const MoeLoraCall *call) { return call->multiply_adds; }
@@ -124,6 +126,54 @@ MoeLoraCall *moe_lora_prepare(const MoeLoraArgs *args, size_t *tiles) {
   return call;
 }
 
+/* rows o0 .. o1 of expert e's quantized weight [rows, cols], dequantized into out [o1 - o0, cols] */
+static void dequantize(const MoeQuantized *w, int64_t e, int64_t rows, int64_t cols, int64_t o0, int64_t o1,
+                       float *out) {
+  const int64_t block = w->block ? w->block : cols, blocks = cols / block, row_bytes = cols * w->bits / 8;
+  const int64_t zp_row = w->block ? (blocks * w->bits + 7) / 8 : 0, zp_expert = (rows * w->bits + 7) / 8;
+  const int center = 1 << (w->bits - 1);
+  for (int64_t o = o0; o < o1; o++) {
+    const int64_t r = e * rows + o;
+    const uint8_t *codes = w->codes + r * row_bytes;
+    float *dst = out + (o - o0) * cols;
+    for (int64_t b = 0; b < blocks; b++) {
+      const float scale = w->scales[w->block ? r * blocks + b : r];
+      int zero = center;
+      if (w->zero_points) {
+        const uint8_t *zp = w->block ? w->zero_points + r * zp_row : w->zero_points + e * zp_expert;
+        const int64_t at = w->block ? b : o; /* the block's (blockwise) or the row's (per channel) zero point */
+        zero = w->bits == 8 ? zp[at] : (zp[at / 2] >> (4 * (at & 1))) & 15;
+      }
+      for (int64_t c = b * block; c < (b + 1) * block; c++) {
+        const int code = w->bits == 8 ? codes[c] : (codes[c / 2] >> (4 * (c & 1))) & 15;
+        dst[c] = (float)(code - zero) * scale;
+      }
+    }
+  }
+}
+
+enum { DEQUANT_ROWS = 32 }; /* a quantized expert's rows dequantized a block at a time, reused for the whole tile */
+
+/* ys[t][o] = bias[o] + w[o] . xs[t] for every row o of expert e's weight (float or quantized) [rows, cols] */
+static int expert_rows(const LoraIsa *isa, const float *w, const MoeQuantized *q, int64_t e, int64_t rows,
+                       int64_t cols, const float *bias, const float *const *xs, int n, float *const *ys) {
+  if (w) {
+    isa->dot_rows(w + e * rows * cols, cols, 0, rows, xs, n, cols, bias, ys);
+    return 0;
+  }
+  float *block = (float *)malloc((size_t)DEQUANT_ROWS * (size_t)cols * sizeof(float));
+  if (!block) return -1;
+  float *shifted[TILE];
+  for (int64_t o0 = 0; o0 < rows; o0 += DEQUANT_ROWS) {
+    const int64_t o1 = o0 + DEQUANT_ROWS < rows ? o0 + DEQUANT_ROWS : rows;
+    dequantize(q, e, rows, cols, o0, o1, block);
+    for (int t = 0; t < n; t++) shifted[t] = ys[t] + o0;
+    isa->dot_rows(block, cols, 0, o1 - o0, xs, n, cols, bias ? bias + o0 : NULL, shifted);
+  }
+  free(block);
+  return 0;
+}
+
 /* the LoRA delta of each run of one slot within a tile: ys[t] += ((xs[t] A[:, c]) * mask) B[c, :] for its tokens */
 static void slot_deltas(const LoraIsa *isa, const Pair *first, int64_t n, const float *const *xs,
                         const float *const *masks, const float *a, const float *b, int64_t in, int64_t out,
@@ -153,7 +203,10 @@ void moe_lora_tile(void *state, size_t task) {
   }
   const LoraIsa *isa = call->isa;
   /* the expert's weights once for the whole tile, whatever slots its tokens are in; each slot's delta on its own */
-  isa->dot_rows(a->fc1 + e * i2 * h, h, 0, i2, xs, (int)n, h, a->fc1_bias ? a->fc1_bias + e * i2 : NULL, gs);
+  if (expert_rows(isa, a->fc1, &a->fc1_q, e, i2, h, a->fc1_bias ? a->fc1_bias + e * i2 : NULL, xs, (int)n, gs)) {
+    ((MoeLoraCall *)call)->failed = 1;
+    return;
+  }
   slot_deltas(isa, first, n, xs, masks, a->a1 + e * h * w, a->b1 + e * w * i2, h, i2, w, u, gs);
   for (int64_t t = 0; t < n; t++)
     for (int64_t j = 0; j < in; j++) {
@@ -164,12 +217,16 @@ void moe_lora_tile(void *state, size_t task) {
       }
       as[t][j] = gate / (1.f + expf(-a->alpha * gate)) * (up + a->beta);
     }
-  isa->dot_rows(a->fc2 + e * h * in, in, 0, h, acts, (int)n, in, a->fc2_bias ? a->fc2_bias + e * h : NULL, os);
+  if (expert_rows(isa, a->fc2, &a->fc2_q, e, h, in, a->fc2_bias ? a->fc2_bias + e * h : NULL, acts, (int)n, os)) {
+    ((MoeLoraCall *)call)->failed = 1;
+    return;
+  }
   slot_deltas(isa, first, n, acts, masks, a->a2 + e * in * w, a->b2 + e * w * h, in, h, w, u, os);
 }
 
-void moe_lora_finish(MoeLoraCall *call) {
+int moe_lora_finish(MoeLoraCall *call) {
   const MoeLoraArgs *a = &call->a;
+  if (call->failed) return -1;
   for (int64_t n = 0; n < call->num_active; n++) {
     float *y = a->y + call->active[n] * a->hidden;
     const float *weights = call->weights + n * a->k;
@@ -179,6 +236,7 @@ void moe_lora_finish(MoeLoraCall *call) {
       for (int64_t o = 0; o < a->hidden; o++) y[o] += weights[j] * out[o];
     }
   }
+  return 0;
 }
 
 void moe_lora_free(MoeLoraCall *call) {

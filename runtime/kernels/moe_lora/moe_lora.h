@@ -16,6 +16,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* An expert weight [experts, rows, cols] as ONNX Runtime's QMoE keeps it (compiler/quantize/experts.py): `bits`-bit
+ * codes (4: two a byte, the first in the low nibble) [experts, rows, cols * bits / 8], scales [experts, rows,
+ * cols / block] and zero points [experts, rows, ceil(cols / block * bits / 8)] (4 bits: two blocks a byte); `block`
+ * 0: one block a row, scales [experts, rows] and zero points [experts, ceil(rows * bits / 8)] (two rows a byte). No
+ * zero points: 2^(bits - 1). bits 0: not quantized (the float weight of MoeLoraArgs). */
+typedef struct {
+  const uint8_t *codes, *zero_points;
+  const float *scales;
+  int bits;
+  int64_t block;
+} MoeQuantized;
+
 typedef struct {
   const float *y_base, *x, *logits;   /* [rows, hidden], [rows, hidden], [rows, experts] */
   const float *fc1, *fc1_bias;        /* [experts, 2 * inter, hidden], [experts, 2 * inter] or NULL */
@@ -23,6 +35,7 @@ typedef struct {
   const float *mask;                  /* [rows, width] */
   const float *a1, *b1, *a2, *b2;     /* [experts, hidden, width], [experts, width, 2 * inter], [experts, inter,
                                          width], [experts, width, hidden] */
+  MoeQuantized fc1_q, fc2_q;          /* the experts' codes where fc1 / fc2 are NULL (llmc.MoeLoraQ) */
   float *y;                           /* [rows, hidden] */
   int64_t rows, hidden, inter, experts, width, k;
   int normalize;
@@ -37,7 +50,8 @@ typedef struct MoeLoraCall MoeLoraCall;
 MoeLoraCall *moe_lora_prepare(const MoeLoraArgs *args, size_t *tiles);
 int64_t moe_lora_multiply_adds(const MoeLoraCall *call);
 void moe_lora_tile(void *call, size_t task);
-void moe_lora_finish(MoeLoraCall *call);
+/* 0, or -1 when a task ran out of memory (its rows unwritten: the call failed) */
+int moe_lora_finish(MoeLoraCall *call);
 void moe_lora_free(MoeLoraCall *call);
 
 #endif

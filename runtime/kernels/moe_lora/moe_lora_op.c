@@ -8,7 +8,13 @@
  * Output y, y_base's shape; it may take y_base's buffer (MayInplace, as llmc.LoraDelta).
  * Attributes: the MoE node's routing (`k`, `normalize_routing_weights`, `activation_alpha`, `activation_beta`,
  * `swiglu_limit`), `threads` (the session's intra-op threads) and `site` (the layer, for error messages).
- * A bad shape is an error naming the layer and the input at fault. */
+ * A bad shape is an error naming the layer and the input at fault.
+ *
+ * llmc.MoeLoraQ: the same over QMoE's quantized experts (the quantized graph's node, compiler/lora/graph.py writes it
+ * into the stored graph: the branch in standard ops cannot read QMoE's codes). Its inputs put fc1's codes (uint8),
+ * scales and zero points (uint8, optional) where fc1 is, and fc2's likewise: y_base, x, logits, fc1, fc1_scales,
+ * fc1_zero_points, fc1_bias, fc2, fc2_scales, fc2_zero_points, fc2_bias, mask, A1, B1, A2, B2; attributes
+ * `expert_weight_bits` (4 or 8) and `block_size` (0 or absent: one block a row) as QMoE's (moe_lora.h). */
 #include "moe_lora_op.h"
 
 #include <stdio.h>
@@ -21,11 +27,14 @@
 enum { PARALLEL_WORK = 1 << 18 }; /* below this many multiply-adds a call runs inline (lora_delta_op.c's reason) */
 
 typedef struct {
-  int64_t threads, k, normalize;
+  int64_t threads, k, normalize, bits, block; /* bits 0: llmc.MoeLora (float experts); 4 or 8: llmc.MoeLoraQ */
   float alpha, beta, limit;
   int isa;
   char site[128];
 } MoeLoraOp;
+
+static const char *op_name(const OrtCustomOp *op);
+static const char *op_name_q(const OrtCustomOp *op);
 
 static OrtStatus *bad(const char *site, const char *text) {
   char message[720]; /* CreateStatus copies it */
@@ -43,12 +52,17 @@ static float attr_float(const OrtKernelInfo *info, const char *name, float fallb
 
 static OrtStatus *create_kernel(const OrtCustomOp *custom, OrtApiTable table, const OrtKernelInfo *info, void **out) {
   (void)custom, (void)table;
+  const int quantized = custom->GetName == op_name_q;
   MoeLoraOp op = {llmc_attr_int(info, "threads", 1), llmc_attr_int(info, "k", 0),
-                  llmc_attr_int(info, "normalize_routing_weights", 0), attr_float(info, "activation_alpha", 1.f),
-                  attr_float(info, "activation_beta", 0.f), attr_float(info, "swiglu_limit", 0.f), 0, ""};
+                  llmc_attr_int(info, "normalize_routing_weights", 0),
+                  quantized ? llmc_attr_int(info, "expert_weight_bits", 4) : 0, llmc_attr_int(info, "block_size", 0),
+                  attr_float(info, "activation_alpha", 1.f), attr_float(info, "activation_beta", 0.f),
+                  attr_float(info, "swiglu_limit", 0.f), 0, ""};
   llmc_attr_string(info, "site", op.site, sizeof op.site, "");
   if (op.threads < 1) return bad(op.site, "threads must be at least 1");
   if (op.k < 1) return bad(op.site, "k (experts a token picks) must be at least 1");
+  if (quantized && op.bits != 4 && op.bits != 8) return bad(op.site, "expert_weight_bits must be 4 or 8");
+  if (op.block < 0 || (op.block & (op.block - 1))) return bad(op.site, "block_size must be a power of two, or 0");
   while (op.isa < LORA_ISA_COUNT && !lora_isa_supported(op.isa)) op.isa++; /* the best this CPU runs */
   MoeLoraOp *kernel = (MoeLoraOp *)malloc(sizeof(MoeLoraOp));
   if (!kernel) return llmc_fail(ORT_FAIL, "llmc.MoeLora: out of memory");
@@ -57,15 +71,21 @@ static OrtStatus *create_kernel(const OrtCustomOp *custom, OrtApiTable table, co
   return NULL;
 }
 
+/* llmc.MoeLora's inputs; llmc.MoeLoraQ's put codes, scales and zero points where the weights are (Q_*) */
 enum { IN_Y_BASE, IN_X, IN_LOGITS, IN_FC1, IN_FC1_BIAS, IN_FC2, IN_FC2_BIAS, IN_MASK, IN_A1, IN_B1, IN_A2, IN_B2,
        IN_COUNT };
-static const char *const NAMES[IN_COUNT] = {"y_base", "x", "logits", "fc1", "fc1_bias", "fc2", "fc2_bias", "mask",
-                                            "A1", "B1", "A2", "B2"};
+enum { Q_FC1 = 3, Q_FC1_SCALES, Q_FC1_ZP, Q_FC1_BIAS, Q_FC2, Q_FC2_SCALES, Q_FC2_ZP, Q_FC2_BIAS, Q_MASK, Q_A1, Q_B1,
+       Q_A2, Q_B2, Q_COUNT };
+static const char *const NAMES[Q_COUNT] = {"y_base", "x", "logits", "fc1", "fc1_bias", "fc2", "fc2_bias", "mask",
+                                           "A1", "B1", "A2", "B2"};
+static const char *const Q_NAMES[Q_COUNT] = {"y_base", "x", "logits", "fc1", "fc1_scales", "fc1_zero_points",
+                                             "fc1_bias", "fc2", "fc2_scales", "fc2_zero_points", "fc2_bias", "mask",
+                                             "A1", "B1", "A2", "B2"};
 
 typedef struct {
   int64_t dims[3];
   size_t rank;
-  float *data; /* NULL: an optional input left out */
+  void *data; /* NULL: an optional input left out */
 } Input;
 
 static OrtStatus *input(OrtKernelContext *context, const MoeLoraOp *op, size_t index, Input *in) {
@@ -79,13 +99,13 @@ static OrtStatus *input(OrtKernelContext *context, const MoeLoraOp *op, size_t i
   if (!status && in->rank > 3) {
     CALL(ReleaseTensorTypeAndShapeInfo, fn_release_shape, shape);
     char text[80];
-    snprintf(text, sizeof text, "%s has more than 3 dimensions", NAMES[index]);
+    snprintf(text, sizeof text, "%s has more than 3 dimensions", (op->bits ? Q_NAMES : NAMES)[index]);
     return bad(op->site, text);
   }
   if (!status) status = CALL(GetDimensions, fn_dims, shape, in->dims, in->rank);
   CALL(ReleaseTensorTypeAndShapeInfo, fn_release_shape, shape);
   if (status) return status;
-  return CALL(GetTensorMutableData, fn_data, value, (void **)&in->data);
+  return CALL(GetTensorMutableData, fn_data, value, &in->data);
 }
 
 /* in's shape is {d0, d1[, d2]} (`rank` of them) */
@@ -93,47 +113,78 @@ static int is(const Input *in, size_t rank, int64_t d0, int64_t d1, int64_t d2) 
   return in->rank == rank && in->dims[0] == d0 && in->dims[1] == d1 && (rank < 3 || in->dims[2] == d2);
 }
 
+/* a shape check: input `index` is as `want` says, or `ok` is 0 */
+typedef struct {
+  int index, ok;
+  const char *want;
+} Check;
+
+static OrtStatus *failed_check(const MoeLoraOp *op, const Input *in, const Check *c, const MoeLoraArgs *a) {
+  const Input *bad_in = &in[c->index];
+  char text[320];
+  snprintf(text, sizeof text, "%s is [%lld, %lld, %lld] (rank %zu), not %s with N %lld, H %lld, E %lld, I %lld, "
+           "W %lld", (op->bits ? Q_NAMES : NAMES)[c->index], (long long)bad_in->dims[0], (long long)bad_in->dims[1],
+           (long long)(bad_in->rank > 2 ? bad_in->dims[2] : 0), bad_in->rank, c->want, (long long)a->rows,
+           (long long)a->hidden, (long long)a->experts, (long long)a->inter, (long long)a->width);
+  return bad(op->site, text);
+}
+
+/* N, H, E, W from y_base, logits and the mask; I from fc2 (its last dimension, codes unpacked) */
 static OrtStatus *check_shapes(const MoeLoraOp *op, const Input *in, MoeLoraArgs *a) {
-  const Input *y = &in[IN_Y_BASE], *fc1 = &in[IN_FC1], *m = &in[IN_MASK];
-  if (y->rank != 2 || fc1->rank != 3 || m->rank != 2 || fc1->dims[1] % 2)
-    return bad(op->site, "takes y_base [N, H], fc1 [E, 2I, H] and mask [N, W]");
-  a->rows = y->dims[0], a->hidden = y->dims[1], a->experts = fc1->dims[0], a->inter = fc1->dims[1] / 2;
-  a->width = m->dims[1];
+  const int q = op->bits != 0;
+  const Input *y = &in[IN_Y_BASE], *lg = &in[IN_LOGITS], *fc2 = &in[q ? Q_FC2 : IN_FC2], *m = &in[q ? Q_MASK : IN_MASK];
+  if (y->rank != 2 || lg->rank != 2 || fc2->rank != 3 || m->rank != 2)
+    return bad(op->site, "takes y_base [N, H], logits [N, E], fc2 [E, H, I] and mask [N, W]");
+  a->rows = y->dims[0], a->hidden = y->dims[1], a->experts = lg->dims[1], a->width = m->dims[1];
+  a->inter = q ? fc2->dims[2] * 8 / op->bits : fc2->dims[2];
   const int64_t n = a->rows, h = a->hidden, e = a->experts, i = a->inter, w = a->width;
-  const struct {
-    int index, ok;
-    const char *want;
-  } checks[] = {
+  const int at = q ? Q_MASK - IN_MASK : 0; /* where the mask and stacks moved to */
+  Check checks[16] = {
       {IN_X, is(&in[IN_X], 2, n, h, 0), "[N, H]"},
-      {IN_LOGITS, is(&in[IN_LOGITS], 2, n, e, 0), "[N, E]"},
-      {IN_FC1, fc1->dims[2] == h, "[E, 2I, H]"},
-      {IN_FC1_BIAS, !in[IN_FC1_BIAS].data || is(&in[IN_FC1_BIAS], 2, e, 2 * i, 0), "[E, 2I]"},
-      {IN_FC2, is(&in[IN_FC2], 3, e, h, i), "[E, H, I]"},
-      {IN_FC2_BIAS, !in[IN_FC2_BIAS].data || is(&in[IN_FC2_BIAS], 2, e, h, 0), "[E, H]"},
-      {IN_MASK, m->dims[0] == n, "[N, W]"},
-      {IN_A1, is(&in[IN_A1], 3, e, h, w), "[E, H, W]"},
-      {IN_B1, is(&in[IN_B1], 3, e, w, 2 * i), "[E, W, 2I]"},
-      {IN_A2, is(&in[IN_A2], 3, e, i, w), "[E, I, W]"},
-      {IN_B2, is(&in[IN_B2], 3, e, w, h), "[E, W, H]"},
+      {IN_LOGITS, lg->dims[0] == n, "[N, E]"},
+      {IN_MASK + at, m->dims[0] == n, "[N, W]"},
+      {IN_A1 + at, is(&in[IN_A1 + at], 3, e, h, w), "[E, H, W]"},
+      {IN_B1 + at, is(&in[IN_B1 + at], 3, e, w, 2 * i), "[E, W, 2I]"},
+      {IN_A2 + at, is(&in[IN_A2 + at], 3, e, i, w), "[E, I, W]"},
+      {IN_B2 + at, is(&in[IN_B2 + at], 3, e, w, h), "[E, W, H]"},
   };
-  for (size_t c = 0; c < sizeof checks / sizeof *checks; c++) {
-    if (checks[c].ok) continue;
-    const Input *bad_in = &in[checks[c].index];
-    char text[256];
-    snprintf(text, sizeof text, "%s is [%lld, %lld, %lld] (rank %zu), not %s with N %lld, H %lld, E %lld, I %lld, "
-             "W %lld", NAMES[checks[c].index], (long long)bad_in->dims[0], (long long)bad_in->dims[1],
-             (long long)(bad_in->rank > 2 ? bad_in->dims[2] : 0), bad_in->rank, checks[c].want, (long long)n,
-             (long long)h, (long long)e, (long long)i, (long long)w);
-    return bad(op->site, text);
+  int count = 7;
+  const int fc1_bias = q ? Q_FC1_BIAS : IN_FC1_BIAS, fc2_bias = q ? Q_FC2_BIAS : IN_FC2_BIAS;
+  checks[count++] = (Check){fc1_bias, !in[fc1_bias].data || is(&in[fc1_bias], 2, e, 2 * i, 0), "[E, 2I]"};
+  checks[count++] = (Check){fc2_bias, !in[fc2_bias].data || is(&in[fc2_bias], 2, e, h, 0), "[E, H]"};
+  if (!q) {
+    checks[count++] = (Check){IN_FC1, is(&in[IN_FC1], 3, e, 2 * i, h), "[E, 2I, H]"};
+    checks[count++] = (Check){IN_FC2, is(fc2, 3, e, h, i), "[E, H, I]"};
+  } else {
+    const int64_t b = op->block;
+    for (int f = 0; f < 2; f++) { /* fc1 [E, 2I, H], fc2 [E, H, I] as codes */
+      const int64_t rows = f ? h : 2 * i, cols = f ? i : h, base = f ? Q_FC2 : Q_FC1;
+      const int blockwise = b > 0, fits = !blockwise || cols % b == 0;
+      checks[count++] = (Check){(int)base, fits && is(&in[base], 3, e, rows, cols * op->bits / 8),
+                                f ? "codes [E, H, I * bits / 8], I a multiple of block_size"
+                                  : "codes [E, 2I, H * bits / 8], H a multiple of block_size"};
+      checks[count++] = (Check){(int)base + 1, blockwise ? is(&in[base + 1], 3, e, rows, fits ? cols / b : 0)
+                                                         : is(&in[base + 1], 2, e, rows, 0),
+                                blockwise ? "scales [E, rows, cols / block_size]" : "scales [E, rows]"};
+      const Input *zp = &in[base + 2];
+      checks[count++] = (Check){(int)base + 2, !zp->data || (blockwise
+                                    ? is(zp, 3, e, rows, fits ? (cols / b * op->bits + 7) / 8 : 0)
+                                    : is(zp, 2, e, (rows * op->bits + 7) / 8, 0)),
+                                blockwise ? "zero points [E, rows, ceil(blocks * bits / 8)]"
+                                          : "zero points [E, ceil(rows * bits / 8)]"};
+    }
   }
+  for (int c = 0; c < count; c++)
+    if (!checks[c].ok) return failed_check(op, in, &checks[c], a);
   if (op->k > e) return bad(op->site, "k is above the number of experts");
   return NULL;
 }
 
 static OrtStatus *compute(void *state, OrtKernelContext *context) {
   const MoeLoraOp *op = (const MoeLoraOp *)state;
-  Input in[IN_COUNT];
-  for (size_t i = 0; i < IN_COUNT; i++) TRY(input(context, op, i, &in[i]));
+  Input in[Q_COUNT];
+  const int q = op->bits != 0, at = q ? Q_MASK - IN_MASK : 0;
+  for (size_t i = 0; i < (size_t)(q ? Q_COUNT : IN_COUNT); i++) TRY(input(context, op, i, &in[i]));
   MoeLoraArgs a = {0};
   TRY(check_shapes(op, in, &a));
   OrtValue *output;
@@ -141,9 +192,16 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   TRY(CALL(GetTensorMutableData, fn_data, (const OrtValue *)output, (void **)&a.y));
   if (!a.rows || !a.hidden) return NULL;
   a.y_base = in[IN_Y_BASE].data, a.x = in[IN_X].data, a.logits = in[IN_LOGITS].data;
-  a.fc1 = in[IN_FC1].data, a.fc1_bias = in[IN_FC1_BIAS].data, a.fc2 = in[IN_FC2].data;
-  a.fc2_bias = in[IN_FC2_BIAS].data, a.mask = in[IN_MASK].data;
-  a.a1 = in[IN_A1].data, a.b1 = in[IN_B1].data, a.a2 = in[IN_A2].data, a.b2 = in[IN_B2].data;
+  if (!q) {
+    a.fc1 = in[IN_FC1].data, a.fc1_bias = in[IN_FC1_BIAS].data, a.fc2 = in[IN_FC2].data;
+    a.fc2_bias = in[IN_FC2_BIAS].data;
+  } else {
+    a.fc1_q = (MoeQuantized){in[Q_FC1].data, in[Q_FC1_ZP].data, in[Q_FC1_SCALES].data, (int)op->bits, op->block};
+    a.fc2_q = (MoeQuantized){in[Q_FC2].data, in[Q_FC2_ZP].data, in[Q_FC2_SCALES].data, (int)op->bits, op->block};
+    a.fc1_bias = in[Q_FC1_BIAS].data, a.fc2_bias = in[Q_FC2_BIAS].data;
+  }
+  a.mask = in[IN_MASK + at].data;
+  a.a1 = in[IN_A1 + at].data, a.b1 = in[IN_B1 + at].data, a.a2 = in[IN_A2 + at].data, a.b2 = in[IN_B2 + at].data;
   a.k = op->k, a.normalize = op->normalize != 0, a.alpha = op->alpha, a.beta = op->beta, a.limit = op->limit;
   a.isa = op->isa;
   size_t tiles;
@@ -155,16 +213,26 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   } else if (tiles) {
     status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, moe_lora_tile, tiles, 0, call);
   }
-  if (!status) moe_lora_finish(call);
+  if (!status && moe_lora_finish(call)) status = llmc_fail(ORT_FAIL, "llmc.MoeLora: out of memory");
   moe_lora_free(call);
   return status;
 }
 
 static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "MoeLora"; }
+static const char *op_name_q(const OrtCustomOp *op) { (void)op; return "MoeLoraQ"; }
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int float_type(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return TYPE_FLOAT; }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return IN_COUNT; }
+static size_t input_count_q(const OrtCustomOp *op) { (void)op; return Q_COUNT; }
+static int input_type_q(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == Q_FC1 || i == Q_FC1_ZP || i == Q_FC2 || i == Q_FC2_ZP ? TYPE_UINT8 : TYPE_FLOAT;
+}
+static int input_characteristic_q(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == Q_FC1_ZP || i == Q_FC1_BIAS || i == Q_FC2_ZP || i == Q_FC2_BIAS ? IO_OPTIONAL : IO_REQUIRED;
+}
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
 static int input_characteristic(const OrtCustomOp *op, size_t i) {
   (void)op;
@@ -188,9 +256,11 @@ static size_t may_inplace(int **inputs, int **outputs) {
 }
 static void release_inplace(int *inputs, int *outputs) { free(inputs), free(outputs); }
 
-#define MOE_LORA_OP(version)                                                                                     \
-  {version, NULL, op_name, op_provider, float_type, input_count, float_type, output_count, NULL, destroy_kernel,     \
-   input_characteristic, required, memory_type, min_arity, homogeneous, min_arity, homogeneous, create_kernel,       \
-   compute, NULL, NULL, NULL, may_inplace, release_inplace, NULL, NULL}
-const OrtCustomOp moe_lora_op = MOE_LORA_OP(18);
-const OrtCustomOp moe_lora_op_v16 = MOE_LORA_OP(16);
+#define MOE_LORA_OP(version, name, types, count, characteristic)                                                 \
+  {version, NULL, name, op_provider, types, count, float_type, output_count, NULL, destroy_kernel, characteristic,   \
+   required, memory_type, min_arity, homogeneous, min_arity, homogeneous, create_kernel, compute, NULL, NULL, NULL,  \
+   may_inplace, release_inplace, NULL, NULL}
+const OrtCustomOp moe_lora_op = MOE_LORA_OP(18, op_name, float_type, input_count, input_characteristic);
+const OrtCustomOp moe_lora_op_v16 = MOE_LORA_OP(16, op_name, float_type, input_count, input_characteristic);
+const OrtCustomOp moe_lora_q_op = MOE_LORA_OP(18, op_name_q, input_type_q, input_count_q, input_characteristic_q);
+const OrtCustomOp moe_lora_q_op_v16 = MOE_LORA_OP(16, op_name_q, input_type_q, input_count_q, input_characteristic_q);

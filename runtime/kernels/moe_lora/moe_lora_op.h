@@ -6,5 +6,7 @@
 
 extern const OrtCustomOp moe_lora_op;     /* version 18: y may take y_base's buffer (MayInplace) */
 extern const OrtCustomOp moe_lora_op_v16; /* the same op for an ONNX Runtime without API 18 */
+extern const OrtCustomOp moe_lora_q_op;     /* llmc.MoeLoraQ: over QMoE's quantized experts */
+extern const OrtCustomOp moe_lora_q_op_v16;
 
 #endif

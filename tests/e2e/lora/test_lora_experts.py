@@ -1,8 +1,8 @@
 """LoRA on a mixture's experts end to end: the tiny Qwen3-MoE built with two PEFT adapters (A: the attention
 projections and both expert parameters; B: down_proj's experts alone, another rank, rsLoRA, a rank_pattern), served
 by the engine as Triton's model loads it. Each adapter's greedy tokens equal PEFT's generate, a mixed batch equals
-each request alone, an adapter loaded at run time gets the build's bytes, and a weight-only build (experts quantized
-to QMoE) refuses an expert adapter before any stage works."""
+each request alone, an adapter loaded at run time gets the build's bytes, and an int4 build (experts quantized to
+QMoE) serves them too."""
 
 from __future__ import annotations
 
@@ -83,14 +83,31 @@ def test_an_expert_adapter_loaded_at_run_time_gets_the_builds_bytes(built):
             assert np.array_equal(loaded.sites[site][0], a) and np.array_equal(loaded.sites[site][1], b), site
 
 
-def test_quantized_experts_refuse_an_expert_adapter_before_the_build_works(built, tiny_checkpoints, tmp_path):
-    from llmc.compiler import build
-    from llmc.compiler.lora import AdapterError
-    from llmc.compiler.spec import parse_spec
+def test_an_int4_build_serves_expert_adapters_over_its_qmoe_experts(built, tiny_checkpoints, tmp_path):
+    """int4-weight-only (AWQ, the default) makes the experts QMoE: the LoRA graph runs llmc.MoeLoraQ over their codes
+    for the adapter tokens (the node on the rest), and a mixed batch equals each request alone, each adapter its own
+    tokens."""
+    import onnx
 
-    spec = parse_spec({"name": "t", "source": str(tiny_checkpoints["qwen3_moe"]), **SPEC,
-                       "quantization": {"mode": "int4-weight-only", "algorithm": "rtn"},
-                       "adapters": {"b": str(built[1]["b"])}})
-    with pytest.raises(AdapterError, match="adapter 'b': target_parameters includes .*experts are quantized"):
-        build(spec, output=tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    from llmc.compiler import build
+    from llmc.compiler.repository.package import VERSION
+    from llmc.compiler.spec import parse_spec
+    from llmc.runtime.manifest import RepositoryManifest
+    from llmc.runtime.serving.loader import load
+
+    spec = parse_spec({"name": "q", "source": str(tiny_checkpoints["qwen3_moe"]), **SPEC,
+                       "quantization": {"mode": "int4-weight-only"},  # AWQ: its dense layer's scaling folded
+                       "adapters": {k: str(v) for k, v in built[1].items()}})
+    build(spec, output=tmp_path / "out")
+    version = tmp_path / "out" / "model_repository" / "q" / VERSION
+    graph = onnx.load(str(version / RepositoryManifest.load(version).lora.lora_file), load_external_data=False)
+    assert [n.name for n in graph.graph.node if n.op_type == "MoeLoraQ"] == ["lora/experts.0/MoeLoraQ",
+                                                                        "lora/experts.2/MoeLoraQ"]
+    runs = [(PROMPTS[0], None), (PROMPTS[0], "a"), (PROMPTS[0], "b"), (PROMPTS[1], "b")]
+    engine = load(version)[0]
+    try:
+        mixed = _generate(engine, runs)
+        assert [_generate(engine, [run])[0] for run in runs] == mixed
+    finally:
+        engine.close()
+    assert len({tuple(m) for m in mixed[:3]}) == 3 and all(len(set(m)) > 1 for m in mixed)
