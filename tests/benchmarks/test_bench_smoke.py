@@ -199,12 +199,16 @@ def test_bench_sizes_on_a_tiny_checkpoint(monkeypatch, capsys, tiny_checkpoints,
 
 @smokes("lora")
 def test_bench_lora_tiny(monkeypatch, tiny_checkpoints, tmp_path):
-    """The LoRA benchmark's whole path on the tiny Llama: PEFT adapters made and built in, the four traffic mixes
-    timed against a runner without the LoRA graph, adapters loaded at run time and held, one loaded from disk."""
-    run_bench(monkeypatch, "lora", "--checkpoint", str(tiny_checkpoints["llama"]), "--passes", "1", "--streams", "3",
-              "--prompt-tokens", "8", "--new-tokens", "3", "--rank", "4", "--adapters", "2", "--held", "3",
-              "--threads", "1", "--out", str(tmp_path))
+    """The LoRA benchmark's whole path on the tiny Qwen3-MoE built int4: PEFT adapters made (on its experts too) and
+    built in, the four traffic mixes timed against a runner without the LoRA graph, adapters loaded at run time and
+    held, one loaded from disk."""
+    run_bench(monkeypatch, "lora", "--checkpoint", str(tiny_checkpoints["qwen3_moe"]), "--passes", "1", "--streams",
+              "3", "--prompt-tokens", "8", "--new-tokens", "3", "--rank", "4", "--adapters", "2", "--held", "3",
+              "--threads", "1", "--mode", "int4-weight-only", "--out", str(tmp_path))
     result = json.loads((tmp_path / "lora.json").read_text())
+    assert (result["checkpoint"], result["mode"]) == ("qwen3_moe", "int4-weight-only")
+    # q/k/v and o in each of 3 layers, the dense layer's MLP (3), the untied LM head, the 2 sparse layers' fc1 and fc2
+    assert result["manifest_sites"] == 3 * 2 + 3 + 1 + 2 * 2
     assert set(result["tok_s"]) == {"base", "base_enabled", "one_adapter", "four_adapters"}
     assert all(v > 0 for v in result["tok_s"].values()) and result["ratios"]["four_adapters/base"] > 0
     assert result["held"] == 3 and result["held_bytes"] > 0

@@ -28,7 +28,7 @@ lora_admin.py) and held in host memory at once (their bytes); one more adapter f
 serves (convert + load, target < 1 s at 0.5B rank 16), and the first request's TTFT on it against a warm adapter's
 (target <= 1.2x), medians over --passes.
 
-    .venv/bin/python -m llmc.bench lora [--passes 3] [--streams 16] [--held 32]
+    .venv/bin/python -m llmc.bench lora [--passes 3] [--streams 16] [--held 32] [--checkpoint DIR] [--mode int4-weight-only]
     LLMC_LORA_FUSION=0 .venv/bin/python -m llmc.bench lora ...   # the four-node branch instead of llmc.LoraDelta
 Writes build/bench/lora.json (`lora_fusion`: whether the LoRA graph's sites ran fused).
 """
@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapters", type=int, default=4, help="adapters built in (the four_adapters traffic's)")
     p.add_argument("--held", type=int, default=32, help="adapters loaded at run time and held at once")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--mode", default="none", choices=["none", "int8-weight-only", "int4-weight-only"],
+                   help="the base's quantization.mode (weight-only: a mixture's experts become QMoE)")
     p.add_argument("--out", type=Path, default=BENCH)
 
 
@@ -96,9 +98,10 @@ def build(args, adapters: list[Path]) -> Path:
                        "max_num_tokens": 512,
                        "kv_cache_tokens": streams * (args.prompt_tokens + args.new_tokens + 32)},
             "serving": {"num_threads": args.threads, "max_queue_size": 256},
+            "quantization": {"mode": args.mode},
             "adapters": {f"a{i}": str(p) for i, p in enumerate(adapters)},
             "lora": {"max_slots": 4, "max_rank": max(args.rank, 16), "max_host_adapters": args.held + 2}}
-    out = args.out / "lora" / f"build-{args.checkpoint.name}"
+    out = args.out / "lora" / f"build-{args.checkpoint.name}{'' if args.mode == 'none' else '-' + args.mode}"
     return run_build(parse_spec(spec), output=out).repository / "smollm2" / "1"
 
 
@@ -222,7 +225,8 @@ def run(args) -> dict:
     found = passes({k: (lambda p, k=k: throughput(traffic[k][0], prompts(args.streams), traffic[k][1],
                                                   args.new_tokens)) for k in CONTENDERS}, args.passes,
                    lambda p, name, value: runs.record(f"{name} tok/s", value))
-    result = {"environment": environment(), "tok_s": medians(found), "resident_at_open": memory,
+    result = {"environment": environment(), "checkpoint": args.checkpoint.name, "mode": args.mode,
+              "tok_s": medians(found), "resident_at_open": memory,
               "ratios": {"base_enabled/base": median_ratio(found["base_enabled"], found["base"]),
                          "four_adapters/base": median_ratio(found["four_adapters"], found["base"]),
                          "one_adapter/base": median_ratio(found["one_adapter"], found["base"]),
@@ -244,14 +248,14 @@ def held_and_loaded(args, engine, version: Path, peft_folder: Path, tokenizer, p
     """--held adapters loaded at run time and held at once; one more from disk until it serves; TTFTs."""
     import numpy as np
 
-    from llmc.compiler.lora.convert import convert
+    from llmc.fleet.adapters import Served, convert
+    from llmc.fleet.localstore import LocalStore
     from llmc.runtime.lora.files import adapter_bytes
     from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights
-    from llmc.runtime.manifest import RepositoryManifest
     from llmc.runtime.serving.lora_admin import LoraAdmin
     import threading
 
-    lora = RepositoryManifest.load(version).lora
+    served = Served.read(LocalStore(version.parents[1]), version.parent.name)  # as `llmc adapters load` reads it
     admin = LoraAdmin(engine, threading.Lock())
     template = engine.lora.store.pin(engine.lora.store.resolve("a0"))
     engine.lora.store.unpin(template.ref)
@@ -268,7 +272,7 @@ def held_and_loaded(args, engine, version: Path, peft_folder: Path, tokenizer, p
     loads, cold, warm = [], [], []
     for p in range(args.passes):
         start = time.perf_counter()
-        data = convert(f"disk{p}", peft_folder, lora)[0]
+        data = convert(served, f"disk{p}", peft_folder)  # an AWQ base's fold included
         converted = time.perf_counter() - start
         admin.load(data, None)
         loads.append((converted, time.perf_counter() - start))
