@@ -33,7 +33,7 @@ def check_against_sites(adapter: Adapter, sites: Sequence[Site], head_digest: st
         if module not in members:
             raise AdapterError(f"adapter {adapter.name!r}: target module {module} has no LoRA site in this model "
                                f"(the adapter was made for another base, or targets a module llmc serves no "
-                               f"adapter on: a tied LM head, quantized experts)")
+                               f"adapter on: a tied LM head)")
         site, member = members[module]
         got, want = (lora.a.shape[-1], lora.b.shape[-2]), (site.in_features, member.width)
         if got != want or lora.a.shape[:-2] != ((site.experts,) if site.experts else ()):

@@ -67,6 +67,8 @@ static void route(const float *logits, int64_t e, int64_t k, int normalize, floa
     int64_t best = -1;
     for (int64_t i = 0; i < e; i++)
       if (probs[i] >= 0.f && (best < 0 || probs[i] > probs[best])) best = i;
+    for (int64_t i = 0; best < 0 && i < e; i++) /* NaN logits: any expert not taken, never out of bounds */
+      if (probs[i] != -1.f) best = i;
     experts[j] = best, weights[j] = probs[best], kept += probs[best];
     probs[best] = -1.f; /* taken */
   }
@@ -144,9 +146,17 @@ static void dequantize(const MoeQuantized *w, int64_t e, int64_t rows, int64_t c
         const int64_t at = w->block ? b : o; /* the block's (blockwise) or the row's (per channel) zero point */
         zero = w->bits == 8 ? zp[at] : (zp[at / 2] >> (4 * (at & 1))) & 15;
       }
-      for (int64_t c = b * block; c < (b + 1) * block; c++) {
-        const int code = w->bits == 8 ? codes[c] : (codes[c / 2] >> (4 * (c & 1))) & 15;
-        dst[c] = (float)(code - zero) * scale;
+      const float offset = -(float)zero * scale; /* w = code * scale - zero * scale: no branch in the loops */
+      float *out_block = dst + b * block;
+      if (w->bits == 8) {
+        const uint8_t *in = codes + b * block;
+        for (int64_t c = 0; c < block; c++) out_block[c] = (float)in[c] * scale + offset;
+      } else { /* two codes a byte, the first in the low nibble (block is even: a power of two, or a whole row) */
+        const uint8_t *in = codes + b * block / 2;
+        for (int64_t c = 0; c < block / 2; c++) {
+          out_block[2 * c] = (float)(in[c] & 15) * scale + offset;
+          out_block[2 * c + 1] = (float)(in[c] >> 4) * scale + offset;
+        }
       }
     }
   }
