@@ -71,7 +71,8 @@ SOURCES = tuple(HERE / name for name in (
     "collective/collective_data.h", "collective/collective_data.c", "collective/collective_op.h",
     "collective/collective_op.c", "lora_delta/lora_delta.h", "lora_delta/lora_delta.c",
     "lora_delta/lora_delta_isa.c", "lora_delta/lora_delta_op.h", "lora_delta/lora_delta_op.c",
-    "moe_lora/moe_lora.h", "moe_lora/moe_lora.c", "moe_lora/moe_lora_op.h", "moe_lora/moe_lora_op.c"))
+    "moe_lora/moe_lora.h", "moe_lora/moe_lora.c", "moe_lora/moe_lora_q4.c", "moe_lora/moe_lora_op.h",
+    "moe_lora/moe_lora_op.c"))
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 LIBS = ["-lm", "-lpthread", "-lrt"]  # -lrt: shm_open, in libc itself only from glibc 2.34
 SWITCH = "LLMC_CPU_KERNELS"  # "0" keeps ONNX Runtime's own kernels; an instruction set's name pins it

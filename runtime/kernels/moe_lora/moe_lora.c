@@ -13,7 +13,9 @@
  * expand loops, a run of one slot at a time), the SwiGLU, fc2 and its deltas, into each pair's own output row.
  * (Tiles of one expert and one slot read an expert's weights once a slot: four adapters ran 0.85x one adapter.) moe_lora_finish sums each token's pairs, weighed by the
  * routing, in expert-rank order. An expert no adapter token picked is never read. Quantized experts (QMoE's codes:
- * llmc.MoeLoraQ) are dequantized DEQUANT_ROWS rows at a time within a tile, each block used for all its tokens. */
+ * llmc.MoeLoraQ): 4-bit codes go through moe_lora_q4.c's integer dots (int8 activations, AVX2); others, and the
+ * portable instruction set, are dequantized DEQUANT_ROWS rows at a time within a tile, each block used for all its
+ * tokens. */
 #include "moe_lora.h"
 
 #include <math.h>
@@ -171,6 +173,8 @@ static int expert_rows(const LoraIsa *isa, const float *w, const MoeQuantized *q
     isa->dot_rows(w + e * rows * cols, cols, 0, rows, xs, n, cols, bias, ys);
     return 0;
   }
+  if (isa != lora_isas[LORA_ISA_PORTABLE] && moe_lora_q4_usable(q, cols))
+    return moe_lora_q4_rows(q, e, rows, cols, bias, xs, n, ys);
   float *block = (float *)malloc((size_t)DEQUANT_ROWS * (size_t)cols * sizeof(float));
   if (!block) return -1;
   float *shifted[TILE];

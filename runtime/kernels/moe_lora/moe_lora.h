@@ -43,6 +43,13 @@ typedef struct {
   int isa; /* lora_delta.h's: the LoRA loops' instruction set, and the experts' */
 } MoeLoraArgs;
 
+/* moe_lora_q4.c: expert e's 4-bit rows against n <= 16 tokens with int8 activations (accuracy_level 4's), straight
+ * over the codes, on AVX2; usable where the codes are 4-bit, cols a multiple of 32 (and the block of 32) and the
+ * CPU has AVX2. -1 when out of memory. */
+int moe_lora_q4_usable(const MoeQuantized *w, int64_t cols);
+int moe_lora_q4_rows(const MoeQuantized *w, int64_t e, int64_t rows, int64_t cols, const float *bias,
+                     const float *const *xs, int n, float *const *ys);
+
 typedef struct MoeLoraCall MoeLoraCall;
 /* Route the adapter tokens, group their (token, expert) pairs by expert and slot into tiles (rows without a slot are
  * copied here); NULL when out of memory. Then run moe_lora_tile over `tiles` tasks (in parallel), then

@@ -7,7 +7,8 @@
  * token mask, lora_mask), A1 [E, H, W], B1 [E, W, 2I], A2 [E, I, W], B2 [E, W, H]: the expert sites' stacks (W = S*R).
  * Output y, y_base's shape; it may take y_base's buffer (MayInplace, as llmc.LoraDelta).
  * Attributes: the MoE node's routing (`k`, `normalize_routing_weights`, `activation_alpha`, `activation_beta`,
- * `swiglu_limit`), `threads` (the session's intra-op threads) and `site` (the layer, for error messages).
+ * `swiglu_limit`), `threads` (the session's intra-op threads), `site` (the layer, for error messages) and `isa`
+ * (as llmc.LoraDelta's: "portable" also keeps llmc.MoeLoraQ's 4-bit codes off moe_lora_q4.c's integer dots).
  * A bad shape is an error naming the layer and the input at fault.
  *
  * llmc.MoeLoraQ: the same over QMoE's quantized experts (the quantized graph's node, compiler/lora/graph.py writes it
@@ -63,7 +64,11 @@ static OrtStatus *create_kernel(const OrtCustomOp *custom, OrtApiTable table, co
   if (op.k < 1) return bad(op.site, "k (experts a token picks) must be at least 1");
   if (quantized && op.bits != 4 && op.bits != 8) return bad(op.site, "expert_weight_bits must be 4 or 8");
   if (op.block < 0 || (op.block & (op.block - 1))) return bad(op.site, "block_size must be a power of two, or 0");
-  while (op.isa < LORA_ISA_COUNT && !lora_isa_supported(op.isa)) op.isa++; /* the best this CPU runs */
+  char isa[32];
+  llmc_attr_string(info, "isa", isa, sizeof isa, "");
+  for (op.isa = 0; op.isa < LORA_ISA_COUNT; op.isa++) /* the one asked for, or the best this CPU runs */
+    if ((!*isa || !strcmp(isa, lora_isa_name(op.isa))) && lora_isa_supported(op.isa)) break;
+  if (op.isa == LORA_ISA_COUNT) return bad(op.site, "isa is not one this CPU runs (avx512, avx2, portable)");
   MoeLoraOp *kernel = (MoeLoraOp *)malloc(sizeof(MoeLoraOp));
   if (!kernel) return llmc_fail(ORT_FAIL, "llmc.MoeLora: out of memory");
   *kernel = op;

@@ -22,7 +22,7 @@ from llmc.runtime.lora.sites import Member, Site, a_name, b_name
 
 LIBRARY = cpu_kernels.library()
 pytestmark = pytest.mark.skipif(LIBRARY is None, reason="llmc's CPU kernel library is not available here (the log)")
-H, I, E = 48, 32, 6
+H, I, E = 64, 32, 6
 
 ROUTINGS = {  # Mixtral's (no biases, plain SiLU, renormalized), Qwen3-MoE's without renormalizing, gpt-oss's
     "mixtral": dict(k=2, normalize=True, alpha=1.0, beta=0.0, limit=0.0, bias=False),
@@ -156,8 +156,9 @@ def _bare_moe(routing: dict, weights: dict) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)])
 
 
-@pytest.mark.parametrize("bits, block, symmetric", [(4, 16, False), (4, 16, True), (4, 0, False), (8, 16, False)])
-def test_the_quantized_op_equals_the_float_op_on_the_dequantized_experts(bits, block, symmetric):
+@pytest.mark.parametrize("isa", ["portable", "best"])
+@pytest.mark.parametrize("bits, block, symmetric", [(4, 32, False), (4, 32, True), (4, 0, False), (8, 16, False)])
+def test_the_quantized_op_equals_the_float_op_on_the_dequantized_experts(bits, block, symmetric, isa):
     """llmc.MoeLoraQ over QMoE's codes (compiler/quantize/experts.py: blockwise, symmetric, per channel, 8 bits)
     against llmc.MoeLora over the same codes dequantized by the quantizer (BlockCodes.dequantize); the QMoE node, at
     accuracy_level 0 (fp32 activations), runs the rows without a slot and equals the MoE node over those weights."""
@@ -177,14 +178,19 @@ def test_the_quantized_op_equals_the_float_op_on_the_dequantized_experts(bits, b
     reference = _bare_moe(routing, dequantized)
     for model in (quantized, reference):
         add_lora_branches(model, list(_sites()))
-    assert [n.op_type for n in quantized.graph.node if n.domain == "llmc"] == ["MoeLoraQ"]
+    op = next(n for n in quantized.graph.node if n.domain == "llmc")
+    assert op.op_type == "MoeLoraQ"
+    if isa == "portable":  # the codes dequantized; "best": 4-bit codes through the integer dots on AVX2
+        op.attribute.append(helper.make_attribute("isa", "portable"))
     assert fuse_experts(reference, 2) == 1
     slots = [int(s) for s in rng.integers(-1, 2, 40)]
     feeds = _feeds(rng, 40, slots, 4, [4, 3])
     got, want = _run(quantized, feeds), _run(reference, feeds)
     scale = max(1.0, np.abs(want).max())
     some, none = [n for n, s in enumerate(slots) if s >= 0], [n for n, s in enumerate(slots) if s < 0]
-    assert np.abs(got[some] - want[some]).max() < 1e-4 * scale  # the op: exactly the quantizer's codes
+    # the op: the quantizer's codes exactly, or with int8 activations (accuracy_level 4's) on the integer dots
+    exact = isa == "portable" or bits == 8
+    assert np.abs(got[some] - want[some]).max() < (1e-4 if exact else 2e-2) * scale
     # the QMoE node's rows: ONNX Runtime 1.32's 8-bit QMoE sits up to 0.016 from the dequantized codes even at
     # accuracy_level 0 (its 4-bit path does not), which is the node's, not the op's
     assert np.abs(got[none] - want[none]).max() < (1e-4 if bits == 4 else 3e-2) * scale
