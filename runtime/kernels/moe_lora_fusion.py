@@ -13,6 +13,10 @@ but the MoE node's inputs and output, `lora_mask` and the layer's four stacks (`
 nothing outside reads any of their values but the scatter's output; else it runs as stored. The routing attributes
 are the MoE node's own. The names are experts.py's (the compiler's, which the runtime does not import:
 tests/runtime/kernels/test_moe_lora.py fuses a graph the compiler's pass wrote, so a renaming there fails it).
+
+Over a QMoE node (quantized experts) there is no stored branch to fuse: the standard ops cannot read its codes, so
+the compiler writes `llmc.MoeLoraQ` into the stored graph itself, with the same row gating (`quantized_branch`, over
+these helpers), and `configure_experts` gives it the session's threads.
 """
 
 from __future__ import annotations
