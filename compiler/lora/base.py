@@ -65,7 +65,8 @@ def check_against(adapter: Adapter, base: BaseLinears, served: set[str]) -> None
                                f"model ties to its input embeddings; an adapter on a tied lm_head is not served")
         if module not in base.shapes:
             raise AdapterError(f"adapter {adapter.name!r}: target module {module} is no linear layer of this base "
-                               f"model: the adapter was made for another base")
+                               f"model: the adapter was made for another base, or its target_parameters name a "
+                               f"parameter llmc serves no LoRA on (a router's weight)")
         want_in, want_out = base.shapes[module]
         got_in, got_out = lora.a.shape[-1], lora.b.shape[-2]
         if (got_in, got_out) != (want_in, want_out):

@@ -104,3 +104,18 @@ def test_expert_pairs_the_config_does_not_account_for_are_refused(tiny_checkpoin
     with pytest.raises(AdapterError, match="2 wrapped LoRA pairs, but target_parameters .* match "
                                            r"\['model.layers.0.mlp.experts.down_proj'\]"):
         read_adapter("a", folder, max_rank=16, experts=expert_params(hf))
+
+
+def test_an_adapter_on_a_routers_weight_is_refused_naming_it(tiny_checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from llmc.compiler.lora import AdapterError, BaseLinears, check_against, read_adapter
+    from llmc.compiler.lora.experts import expert_params
+
+    checkpoint = tiny_checkpoints["qwen3_moe"]
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint)
+    folder = make_adapter(checkpoint, tmp_path / "r", r=2, lora_alpha=4, target_parameters=["mlp.gate.weight"])
+    adapter = read_adapter("r", folder, max_rank=16, experts=expert_params(hf))
+    with pytest.raises(AdapterError, match=r"model.layers.0.mlp.gate is no linear layer .* target_parameters name a "
+                                           r"parameter llmc serves no LoRA on \(a router's weight\)"):
+        check_against(adapter, BaseLinears.of(hf), set())
