@@ -108,15 +108,15 @@ def params_of_sites(sites) -> dict[str, list[ExpertParam]]:
 def find_expert_sites(model, hf_model) -> list[Site]:
     """The expert sites of `model` (an exported graph): fc1 and fc2 of each full-precision com.microsoft.MoE node.
     A quantized node (QMoE) has none: the branch reads the experts' fp32 weights."""
-    params = {p.layer: p for listed in expert_params(hf_model).values() for p in listed if p.fc == "fc1"}
     by_site = {p.site: p for listed in expert_params(hf_model).values() for p in listed}
+    layers = {p.layer for p in by_site.values()}
     dims = {t.name: list(t.dims) for t in model.graph.initializer}
     sites = []
     for node in model.graph.node:
         if node.op_type != "MoE" or node.domain != MICROSOFT:
             continue
         layer = _layer(node)
-        if layer is None or layer not in params:
+        if layer is None or layer not in layers:
             raise ValueError(f"MoE node {node.name}: no experts module of the checkpoint for its layer ({layer})")
         for fc, weight in (("fc1", node.input[2]), ("fc2", node.input[4])):
             param = by_site[f"experts.{layer}.{fc}"]

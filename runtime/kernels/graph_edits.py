@@ -4,7 +4,8 @@
   bias after a swapped node is folded into it (`fold_bias`);
 - `llmc.PagedAttention` nodes get the session's thread count (`configure_paged`);
 - `llmc.AllReduce` / `llmc.AllGather` nodes get their rank group's name (`configure_collective`);
-- each LoRA site's four-node branch becomes `llmc.LoraDelta` (lora_fusion.py, a module of its own).
+- each LoRA site's four-node branch becomes `llmc.LoraDelta` (lora_fusion.py, a module of its own), each mixture
+  layer's expert branch `llmc.MoeLora` (moe_lora_fusion.py); both end in `replace_nodes`.
 Stored graphs keep the standard ops; only the session's copy is edited."""
 
 from __future__ import annotations
@@ -55,10 +56,33 @@ def accelerate(model, threads: int, isa: str) -> int:
     for node in nodes:
         node.op_type, node.domain = OP, DOMAIN
         node.attribute.extend([helper.make_attribute("threads", max(1, threads)), helper.make_attribute("isa", isa)])
-    if nodes and not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.add(domain=DOMAIN, version=1)
+    if nodes:
+        declare_domain(model)
     fold_bias(model, nodes)
     return len(nodes)
+
+
+def declare_domain(model) -> None:
+    """The ModelProto imports llmc's op domain (version 1), once."""
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.add(domain=DOMAIN, version=1)
+
+
+def drop_value_info(graph, names: set[str]) -> None:
+    """`graph`'s value_info without the entries of `names` (values an edit removed)."""
+    kept = [v for v in graph.value_info if v.name not in names]
+    if len(kept) != len(graph.value_info):
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
+
+
+def replace_nodes(model, nodes: list, dropped: set[str]) -> None:
+    """A fusion's last step: `nodes` become the graph's, the values in `dropped` lose their value_info, and the
+    model imports llmc's domain (the fused ops are in it)."""
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    drop_value_info(model.graph, dropped)
+    declare_domain(model)
 
 
 def readers_of(graph) -> dict[str, list]:
@@ -96,10 +120,7 @@ def fold_bias(model, nodes: list) -> int:
         node.output[0] = add.output[0]
         model.graph.node.remove(add)
         gone.add(out)
-    kept = [v for v in model.graph.value_info if v.name not in gone]
-    if len(kept) != len(model.graph.value_info):
-        del model.graph.value_info[:]
-        model.graph.value_info.extend(kept)
+    drop_value_info(model.graph, gone)
     return len(gone)
 
 

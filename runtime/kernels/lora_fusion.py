@@ -27,9 +27,9 @@ from __future__ import annotations
 import os
 import re
 
-from llmc.runtime.kernels.graph_edits import readers_of
+from llmc.runtime.kernels.graph_edits import DOMAIN, readers_of, replace_nodes
 
-DOMAIN, LORA_OP = "llmc", "LoraDelta"
+LORA_OP = "LoraDelta"
 SWITCH = "LLMC_LORA_FUSION"  # "0" keeps the four-node branch (llmc's other kernels stay on)
 _MASK = re.compile(r"lora_mask(_x[0-9]+)?")
 
@@ -104,12 +104,5 @@ def fuse_lora(model, threads: int) -> int:
         dropped.update(o for n in (shrink, mul, expand) for o in n.output)
     if not fused:
         return 0
-    nodes = [fused.get(id(n), n) for n in graph.node if id(n) not in gone]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    kept = [v for v in graph.value_info if v.name not in dropped]
-    del graph.value_info[:]
-    graph.value_info.extend(kept)
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.add(domain=DOMAIN, version=1)
+    replace_nodes(model, [fused.get(id(n), n) for n in graph.node if id(n) not in gone], dropped)
     return len(fused)

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import re
 
-from llmc.runtime.kernels.graph_edits import readers_of
-from llmc.runtime.kernels.lora_fusion import DOMAIN
+from llmc.runtime.kernels.graph_edits import DOMAIN, readers_of, replace_nodes
 
 MOE_LORA_OP = "MoeLora"
 MOE_LORA_Q_OP = "MoeLoraQ"  # over QMoE's quantized experts: written into the stored graph (quantized_branch)
@@ -162,15 +161,9 @@ def fuse_experts(model, threads: int) -> int:
         fused[id(moe)] = [moe, *after]
     if not fused:
         return 0
-    kept_nodes = [*base_rows_nodes()]
+    nodes = [*base_rows_nodes()]
     for n in graph.node:
         if id(n) not in gone:
-            kept_nodes.extend([*before.get(id(n), []), *fused.get(id(n), [n])])
-    del graph.node[:]
-    graph.node.extend(kept_nodes)
-    kept = [v for v in graph.value_info if v.name not in dropped]
-    del graph.value_info[:]
-    graph.value_info.extend(kept)
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.add(domain=DOMAIN, version=1)
+            nodes.extend([*before.get(id(n), []), *fused.get(id(n), [n])])
+    replace_nodes(model, nodes, dropped)
     return len(before)

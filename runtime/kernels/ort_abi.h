@@ -111,6 +111,7 @@ static inline OrtStatus *llmc_fail(int code, const char *msg) { return CALL(Crea
 
 /* ---- what llmc's ops share besides the ABI ---- */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* the node's int attribute, or fallback when it has none */
@@ -121,6 +122,28 @@ static inline int64_t llmc_attr_int(const OrtKernelInfo *info, const char *name,
   CALL(ReleaseStatus, fn_release_status, status);
   return fallback;
 }
+
+/* the node's float attribute, or fallback when it has none */
+static inline float llmc_attr_float(const OrtKernelInfo *info, const char *name, float fallback) {
+  float value;
+  OrtStatus *status = CALL(KernelInfoGetAttribute_float, fn_attr_float, info, name, &value);
+  if (!status) return value;
+  CALL(ReleaseStatus, fn_release_status, status);
+  return fallback;
+}
+
+/* OrtCustomOp's GetMayInplace for an op whose output 0 may take input 0's buffer (llmc.LoraDelta, llmc.MoeLora: y
+ * over y_base), and its ReleaseMayInplace */
+static inline size_t llmc_output_over_input0(int **inputs, int **outputs) {
+  *inputs = (int *)calloc(1, sizeof(int)), *outputs = (int *)calloc(1, sizeof(int));
+  if (!*inputs || !*outputs) {
+    free(*inputs), free(*outputs);
+    *inputs = *outputs = NULL;
+    return 0;
+  }
+  return 1;
+}
+static inline void llmc_release_inplace(int *inputs, int *outputs) { free(inputs), free(outputs); }
 
 /* the node's string attribute (truncated to `size` - 1), or fallback when it has none */
 static inline void llmc_attr_string(const OrtKernelInfo *info, const char *name, char *out, size_t size,

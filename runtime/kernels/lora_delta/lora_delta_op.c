@@ -179,21 +179,11 @@ static int homogeneous(const OrtCustomOp *op) { (void)op; return 1; }
 /* MayInplace (OrtCustomOp version 18): y may take y_base's buffer. ONNX Runtime's planner then runs the op in place
  * (y_base is the projection's output, read by the op alone), and a row without a slot costs nothing: what a
  * base-only step on a LoRA session (runtime/runners/paged.py) would otherwise pay in copies. The kernel reads each
- * element of y_base before it writes that element of y, so it is right either way. */
-static size_t may_inplace(int **inputs, int **outputs) {
-  *inputs = (int *)calloc(1, sizeof(int)), *outputs = (int *)calloc(1, sizeof(int));
-  if (!*inputs || !*outputs) {
-    free(*inputs), free(*outputs);
-    *inputs = *outputs = NULL;
-    return 0;
-  }
-  return 1; /* output 0 may take input 0's buffer (y_base) */
-}
-static void release_inplace(int *inputs, int *outputs) { free(inputs), free(outputs); }
+ * element of y_base before it writes that element of y, so it is right either way (llmc_output_over_input0). */
 
 #define LORA_DELTA_OP(version)                                                                                   \
   {version, NULL, op_name, op_provider, float_type, input_count, float_type, output_count, NULL, destroy_kernel,     \
    required, required, memory_type, min_arity, homogeneous, min_arity, homogeneous, create_kernel, compute, NULL,    \
-   NULL, NULL, may_inplace, release_inplace, NULL, NULL}
+   NULL, NULL, llmc_output_over_input0, llmc_release_inplace, NULL, NULL}
 const OrtCustomOp lora_delta_op = LORA_DELTA_OP(18);
 const OrtCustomOp lora_delta_op_v16 = LORA_DELTA_OP(16); /* an ONNX Runtime without API 18 reads none past compute */

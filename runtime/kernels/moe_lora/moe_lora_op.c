@@ -43,22 +43,14 @@ static OrtStatus *bad(const char *site, const char *text) {
   return llmc_fail(ORT_INVALID_ARGUMENT, message);
 }
 
-static float attr_float(const OrtKernelInfo *info, const char *name, float fallback) {
-  float value;
-  OrtStatus *status = CALL(KernelInfoGetAttribute_float, fn_attr_float, info, name, &value);
-  if (!status) return value;
-  CALL(ReleaseStatus, fn_release_status, status);
-  return fallback;
-}
-
 static OrtStatus *create_kernel(const OrtCustomOp *custom, OrtApiTable table, const OrtKernelInfo *info, void **out) {
   (void)custom, (void)table;
   const int quantized = custom->GetName == op_name_q;
   MoeLoraOp op = {llmc_attr_int(info, "threads", 1), llmc_attr_int(info, "k", 0),
                   llmc_attr_int(info, "normalize_routing_weights", 0),
                   quantized ? llmc_attr_int(info, "expert_weight_bits", 4) : 0, llmc_attr_int(info, "block_size", 0),
-                  attr_float(info, "activation_alpha", 1.f), attr_float(info, "activation_beta", 0.f),
-                  attr_float(info, "swiglu_limit", 0.f), 0, ""};
+                  llmc_attr_float(info, "activation_alpha", 1.f), llmc_attr_float(info, "activation_beta", 0.f),
+                  llmc_attr_float(info, "swiglu_limit", 0.f), 0, ""};
   llmc_attr_string(info, "site", op.site, sizeof op.site, "");
   if (op.threads < 1) return bad(op.site, "threads must be at least 1");
   if (op.k < 1) return bad(op.site, "k (experts a token picks) must be at least 1");
@@ -248,23 +240,14 @@ static int memory_type(const OrtCustomOp *op, size_t i) { (void)op, (void)i; ret
 static int min_arity(const OrtCustomOp *op) { (void)op; return 1; }
 static int homogeneous(const OrtCustomOp *op) { (void)op; return 1; }
 
-/* MayInplace: y may take y_base's buffer; moe_lora_prepare copies or leaves a row without a slot before any row is
- * written, and an adapter token's row is written by moe_lora_finish alone, from its own pairs' outputs. */
-static size_t may_inplace(int **inputs, int **outputs) {
-  *inputs = (int *)calloc(1, sizeof(int)), *outputs = (int *)calloc(1, sizeof(int));
-  if (!*inputs || !*outputs) {
-    free(*inputs), free(*outputs);
-    *inputs = *outputs = NULL;
-    return 0;
-  }
-  return 1;
-}
-static void release_inplace(int *inputs, int *outputs) { free(inputs), free(outputs); }
+/* MayInplace (llmc_output_over_input0): y may take y_base's buffer; moe_lora_prepare copies or leaves a row without a
+ * slot before any row is written, and an adapter token's row is written by moe_lora_finish alone, from its own
+ * pairs' outputs. */
 
 #define MOE_LORA_OP(version, name, types, count, characteristic)                                                 \
   {version, NULL, name, op_provider, types, count, float_type, output_count, NULL, destroy_kernel, characteristic,   \
    required, memory_type, min_arity, homogeneous, min_arity, homogeneous, create_kernel, compute, NULL, NULL, NULL,  \
-   may_inplace, release_inplace, NULL, NULL}
+   llmc_output_over_input0, llmc_release_inplace, NULL, NULL}
 const OrtCustomOp moe_lora_op = MOE_LORA_OP(18, op_name, float_type, input_count, input_characteristic);
 const OrtCustomOp moe_lora_op_v16 = MOE_LORA_OP(16, op_name, float_type, input_count, input_characteristic);
 const OrtCustomOp moe_lora_q_op = MOE_LORA_OP(18, op_name_q, input_type_q, input_count_q, input_characteristic_q);

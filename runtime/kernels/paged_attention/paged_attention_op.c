@@ -28,14 +28,6 @@ const char *llmc_paged_attention_isas(void) {
   return isa_names;
 }
 
-static float attr_float(const OrtKernelInfo *info, const char *name, float fallback) {
-  float value;
-  OrtStatus *status = CALL(KernelInfoGetAttribute_float, fn_attr_float, info, name, &value);
-  if (!status) return value;
-  CALL(ReleaseStatus, fn_release_status, status);
-  return fallback;
-}
-
 /* the quant types: NONE for float caches; PER_TENSOR or PER_CHANNEL for int8 ones (per_channel set) */
 static OrtStatus *quant_types(const OrtKernelInfo *info, PagedOp *op) {
   char text[64];
@@ -76,8 +68,8 @@ static OrtStatus *create_kernel(const OrtCustomOp *custom, OrtApiTable table, co
     return paged_bad("num_heads (%lld) must be a positive multiple of kv_num_heads (%lld)", (long long)op.heads,
                (long long)op.kv_heads);
   TRY(refuse_unsupported(info, &op));
-  op.scale = attr_float(info, "scale", 0.f);
-  op.softcap = attr_float(info, "softcap", 0.f);
+  op.scale = llmc_attr_float(info, "scale", 0.f);
+  op.softcap = llmc_attr_float(info, "softcap", 0.f);
   op.window = llmc_attr_int(info, "local_window_size", -1);
   op.do_rotary = llmc_attr_int(info, "do_rotary", 0) == 1;
   op.interleaved = llmc_attr_int(info, "rotary_interleaved", 0) == 1;

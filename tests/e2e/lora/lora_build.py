@@ -57,3 +57,18 @@ def peft_greedy(checkpoint: Path, adapters: dict[str, Path], runs: list[tuple[li
                 model.set_adapter(name)
                 out.append(model.generate(**kwargs)[0, len(ids):].tolist())
     return out
+
+
+def engine_greedy(engine, requests: list[tuple[list[int], str | None]], max_tokens: int) -> list[list[int]]:
+    """The engine's greedy tokens for each (prompt ids, adapter name or None), all sent at once into an idle engine
+    and stepped until done: one mixed batch."""
+    from llmc.runtime.decoding.sampling import SamplingParams
+
+    assert len(engine.core._active) == 0
+    out: dict[str, list[int]] = {}
+    for i, (ids, name) in enumerate(requests):
+        engine.add_request(f"q{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), adapter=name)
+    while engine.has_work:
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return [out[f"q{i}"] for i in range(len(requests))]

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from lora_build import SPEC, lora_build, make_adapter, peft_greedy
+from lora_build import SPEC, engine_greedy, lora_build, make_adapter, peft_greedy
 
 PROMPTS = [[5, 17, 99, 3, 42, 200, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [11, 12, 13, 14, 60, 61]]
 MAX_TOKENS = 12
@@ -32,17 +32,7 @@ def engine(built):
 
 
 def generate(engine, requests: list[tuple[list[int], str | None]]) -> list[list[int]]:
-    from llmc.runtime.decoding.sampling import SamplingParams
-
-    start = len(engine.core._active)
-    assert start == 0
-    out: dict[str, list[int]] = {}
-    for i, (ids, name) in enumerate(requests):
-        engine.add_request(f"q{i}", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), adapter=name)
-    while engine.has_work:
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    return [out[f"q{i}"] for i in range(len(requests))]
+    return engine_greedy(engine, requests, MAX_TOKENS)
 
 
 def test_the_repository_holds_the_lora_graph_sites_and_adapters(built):

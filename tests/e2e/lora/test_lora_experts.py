@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lora_build import SPEC, make_adapter, peft_greedy
+from lora_build import SPEC, engine_greedy, make_adapter, peft_greedy
 
 PROMPTS = [[5, 17, 99, 3, 42, 200, 7, 8, 9, 10, 11, 12], [11, 12, 13, 14, 60, 61]]
 MAX_TOKENS = 10
@@ -36,15 +36,7 @@ def built(tiny_checkpoints, tmp_path_factory):
 
 
 def _generate(engine, requests):
-    from llmc.runtime.decoding.sampling import SamplingParams
-
-    out: dict[str, list[int]] = {}
-    for i, (ids, name) in enumerate(requests):
-        engine.add_request(f"q{i}", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), adapter=name)
-    while engine.has_work:
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    return [out[f"q{i}"] for i in range(len(requests))]
+    return engine_greedy(engine, requests, MAX_TOKENS)
 
 
 def test_the_engine_serves_expert_adapters_as_peft_generates(built, tiny_checkpoints):
