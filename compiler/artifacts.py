@@ -241,6 +241,15 @@ class VerifyReport(Artifact):
         return self.passed
 
 
+class AdapterVerifyReport(VerifyReport):
+    """The spec's LoRA adapters verified as the base is (compiler/lora/verify.py): its cases are named after the
+    adapters their rows run under."""
+
+    filename: ClassVar[str] = "adapters_verify.json"
+
+    adapters: dict[str, str]  # each adapter's name -> its digest (its identity with the name)
+
+
 def tensor_infos(values) -> list[TensorInfo]:
     """The name, dtype and shape (symbolic dims by name) of ONNX value infos: a graph's inputs or outputs."""
     from onnx import helper

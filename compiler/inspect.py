@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmc.compiler.artifacts import ExportedModel, QuantizedModel, TensorInfo, VerifyReport
+from llmc.compiler.artifacts import AdapterVerifyReport, ExportedModel, QuantizedModel, TensorInfo, VerifyReport
 from llmc.errors import ArtifactError
 
 
@@ -49,13 +49,15 @@ def exported_sections(art: ExportedModel, folder: Path) -> list[Section]:
             Section("outputs", _io_rows(art.outputs, ("present.",)))]
 
 
-def verify_sections(report: VerifyReport) -> list[Section]:
+def verify_sections(report: VerifyReport, title: str = "verify") -> list[Section]:
     rows = [("result", "passed" if report.passed else "FAILED"), ("reference", report.reference),
             ("candidate", report.candidate), ("max |Δlogit|", f"{report.max_abs_logit_diff:.3e} (tolerance {report.tolerance:.0e})")]
     for c in report.cases:
         rows.append((c.name, f"prompts {c.prompt_lengths} tokens, {c.decode_steps} steps, "
                              f"{c.token_agreement:.1%} greedy tokens equal, max |Δlogit| {c.max_abs_logit_diff:.2e}"))
-    return [Section("verify", rows)]
+    if isinstance(report, AdapterVerifyReport):
+        rows += [(f"adapter {name}", f"digest {digest}") for name, digest in report.adapters.items()]
+    return [Section(title, rows)]
 
 
 def quantized_sections(art: QuantizedModel, folder: Path) -> list[Section]:
@@ -114,9 +116,13 @@ def inspect_path(path: Path) -> list[Section]:
     for folder in (path, path / "verify"):
         if (folder / VerifyReport.filename).is_file():
             sections += verify_sections(VerifyReport.load(folder))
+    for folder in (path, path / "verify-adapters"):
+        if (folder / AdapterVerifyReport.filename).is_file():
+            sections += verify_sections(AdapterVerifyReport.load(folder), "verify-adapters")
     for folder in (path, path / "quantize"):
         if (folder / QuantizedModel.filename).is_file():
             sections += quantized_sections(QuantizedModel.load(folder), folder)
     if not sections:
-        raise ArtifactError(f"{path}: holds no llmc artifact (build.json, exported.json, verify.json or quantized.json)")
+        raise ArtifactError(f"{path}: holds no llmc artifact (build.json, exported.json, verify.json, "
+                            f"adapters_verify.json or quantized.json)")
     return sections

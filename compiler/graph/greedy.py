@@ -12,12 +12,13 @@ engine check (compiler/tensorrt/verify_engine.py) and tests decode with them too
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from llmc.compiler.graph.routing import RoutingMargins
 from llmc.runtime.engine import longrope
+from llmc.runtime.lora.stacks import AdapterWeights
 from llmc.runtime.runners.paged import PagedRunner, RowStep
 from llmc.runtime.runners.protocol import Runner
 
@@ -67,35 +68,39 @@ def torch_greedy(model, prompt: list[int], steps: int, tick: Callable[[], None],
     return prefill, last
 
 
-def runner_greedy(runner: Runner, prompts: list[list[int]], steps: int, tick: Callable[[], None]) -> list[Decoded]:
+def runner_greedy(runner: Runner, prompts: list[list[int]], steps: int, tick: Callable[[], None],
+                  adapters: Sequence[AdapterWeights | None] | None = None) -> list[Decoded]:
     """Each prompt prefilled alone into slot r, then all rows decoded together at their own positions;
     a LongRoPE row that grows past the switch prefills its whole sequence again in its slot, as the
-    slot engine does (runtime/engine/longrope.py)."""
+    slot engine does (runtime/engine/longrope.py). `adapters`: row r's LoRA adapter (None: the base), for a runner
+    with a LoRA graph."""
     switch, prefills, lasts, seqs = runner.layout.longrope_switch, [], [], []
+    lora = (lambda rows: {"adapters": [adapters[r] for r in rows]}) if adapters is not None else (lambda rows: {})
     for row, prompt in enumerate(prompts):
-        logits = _prefill_slot(runner, row, list(prompt))
+        logits = _prefill_slot(runner, row, list(prompt), lora([row]))
         prefills.append(logits[0])
         lasts.append([logits[0, -1]])
         seqs.append(list(prompt))
     positions = np.array([len(p) for p in prompts], dtype=np.int64)
     for _ in range(steps - 1):
         tokens = np.array([[int(last[-1].argmax())] for last in lasts])
-        logits = runner.step(tokens, positions, first_row=0, sequence_lengths=positions + 1)
+        logits = runner.step(tokens, positions, first_row=0, sequence_lengths=positions + 1,
+                             **lora(range(len(prompts))))
         positions += 1
         for row, last in enumerate(lasts):
             seqs[row].append(int(tokens[row, 0]))
             if longrope.crossed(switch, len(seqs[row])):
-                logits[row] = _prefill_slot(runner, row, seqs[row])[0, -1:]
+                logits[row] = _prefill_slot(runner, row, seqs[row], lora([row]))[0, -1:]
             last.append(logits[row, -1])
         tick()
     tick()
     return list(zip(prefills, lasts))
 
 
-def _prefill_slot(runner: Runner, row: int, tokens: list[int]) -> np.ndarray:
+def _prefill_slot(runner: Runner, row: int, tokens: list[int], lora: dict) -> np.ndarray:
     """`tokens` as the whole sequence of slot `row`: logits [1, len(tokens), V]."""
     return runner.step(np.array([tokens]), np.zeros(1, dtype=np.int64), first_row=row,
-                       sequence_lengths=np.array([len(tokens)]))
+                       sequence_lengths=np.array([len(tokens)]), **lora)
 
 
 def paged_blocks(prompts: list[list[int]], steps: int, block_size: int, seed: int = 0) -> list[list[int]]:
@@ -107,11 +112,14 @@ def paged_blocks(prompts: list[list[int]], steps: int, block_size: int, seed: in
 
 
 def paged_greedy(runner: PagedRunner, prompts: list[list[int]], steps: int, tick: Callable[[], None],
-                 chunk: int | None = None, blocks: list[list[int]] | None = None) -> list[Decoded]:
+                 chunk: int | None = None, blocks: list[list[int]] | None = None,
+                 adapters: Sequence[AdapterWeights | None] | None = None) -> list[Decoded]:
     """Row r joins at step r and feeds its prompt `chunk` tokens a step (whole when None), asking for
     every prompt token's logits, then decodes greedily beside the others until it has `steps` tokens'
-    logits: steps mix decoding rows with prompt chunks, all in one call of the graph each (PagedSchedule)."""
-    schedule = PagedSchedule(prompts, steps, runner.block_size, runner.layout.longrope_switch, chunk, blocks)
+    logits: steps mix decoding rows with prompt chunks, all in one call of the graph each (PagedSchedule).
+    `adapters`: row r's LoRA adapter (None: the base), for a runner with a LoRA graph."""
+    schedule = PagedSchedule(prompts, steps, runner.block_size, runner.layout.longrope_switch, chunk, blocks,
+                             adapters)
     while not schedule.finished():
         schedule.take(runner.step(schedule.next_rows()), lambda r, k, out: int(out.argmax()), tick)
     return schedule.decoded()
@@ -123,11 +131,13 @@ class PagedSchedule:
     and a LongRoPE row that grows past the switch feeds its whole sequence again, as the paged engine does
     (runtime/engine/longrope.py). Which token a row feeds next is the caller's (`take`'s `choose`): its greedy
     choice, or a continuation fixed in advance (graph/segmented_candidate.py), whose steps are known before any
-    runs."""
+    runs. `adapters`: row r's LoRA adapter, carried by each of its RowSteps (None: the base model)."""
 
     def __init__(self, prompts: list[list[int]], steps: int, block_size: int, switch: int | None,
-                 chunk: int | None = None, blocks: list[list[int]] | None = None):
+                 chunk: int | None = None, blocks: list[list[int]] | None = None,
+                 adapters: Sequence[AdapterWeights | None] | None = None):
         self.prompts, self.steps, self.switch, self.chunk = prompts, steps, switch, chunk
+        self.adapters = list(adapters) if adapters is not None else [None] * len(prompts)
         self.blocks = blocks or paged_blocks(prompts, steps, block_size)
         self.prefills: list[list[np.ndarray]] = [[] for _ in prompts]
         self.lasts: list[list[np.ndarray]] = [[] for _ in prompts]
@@ -145,13 +155,15 @@ class PagedSchedule:
             if self.fed[r] < len(prompts[r]):
                 tokens = prompts[r][self.fed[r]:self.fed[r] + (self.chunk or len(prompts[r]))]
                 rows.append(RowStep(tokens, self.fed[r], self.blocks[r], num_logits=len(tokens),
-                                    seq_len=len(self.seqs[r])))
+                                    seq_len=len(self.seqs[r]), adapter=self.adapters[r]))
             elif longrope.must_recompute(self.switch, self.long[r], len(self.seqs[r])):
                 self.long[r] = True
                 # a copy: the row's list grows on, and a planned step (forced tokens) runs after the plan is made
-                rows.append(RowStep(list(self.seqs[r]), 0, self.blocks[r], seq_len=len(self.seqs[r])))
+                rows.append(RowStep(list(self.seqs[r]), 0, self.blocks[r], seq_len=len(self.seqs[r]),
+                                    adapter=self.adapters[r]))
             else:
-                rows.append(RowStep(self.seqs[r][-1:], self.fed[r], self.blocks[r], seq_len=len(self.seqs[r])))
+                rows.append(RowStep(self.seqs[r][-1:], self.fed[r], self.blocks[r], seq_len=len(self.seqs[r]),
+                                    adapter=self.adapters[r]))
         self._rows = rows
         return rows
 

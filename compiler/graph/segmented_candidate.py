@@ -15,14 +15,14 @@ arithmetic that the forced steps do not.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from llmc.compiler.graph.greedy import Decoded, PagedSchedule
 from llmc.compiler.graph.segments import SegmentedGraph
 from llmc.runtime.layout import KVLayout
-from llmc.runtime.runners.paged import pack
+from llmc.runtime.runners.paged import RowStep, pack
 
 
 def continuations(prompts: list[list[int]], steps: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -34,14 +34,20 @@ def continuations(prompts: list[list[int]], steps: int, vocab_size: int, seed: i
 
 def forced_cases(graph_file: Path, layout: KVLayout, cases: list[list[list[int]]], fed: list[list[list[int]]],
                  steps: int, chunks: list[int | None], vocab_size: int, *, num_threads: int = 0,
-                 progress: Callable[[int, int], None] | None = None) -> list[list[Decoded]]:
+                 progress: Callable[[int, int], None] | None = None,
+                 adapters: list[list | None] | None = None,
+                 extra: Callable[[int, Sequence[RowStep]], dict[str, np.ndarray]] | None = None
+                 ) -> list[list[Decoded]]:
     """Each case's rows (`cases[c]`: its prompts) decoded by `graph_file` (a paged graph) a segment at a time, row r
     of case c fed `fed[c][r]` after its prompt (continuations), its prompt in chunks of `chunks[c]` (None: whole):
-    per case, each row's Decoded as paged_greedy gives it."""
+    per case, each row's Decoded as paged_greedy gives it. A LoRA graph's: `adapters[c][r]`, row r's adapter in case c
+    (its RowSteps carry it), and `extra(c, rows)`, the LoRA inputs of case c's step of `rows` (compiler/lora/
+    verify.py)."""
     forced = lambda c: (lambda r, k, out: fed[c][r][k] if k < len(fed[c][r]) else 0)  # noqa: E731
     plans = []  # per case: its steps' rows, and its pool's size
     for c, (prompts, chunk) in enumerate(zip(cases, chunks)):
-        schedule = PagedSchedule(prompts, steps, layout.block_size, layout.longrope_switch, chunk)
+        schedule = PagedSchedule(prompts, steps, layout.block_size, layout.longrope_switch, chunk,
+                                 adapters=adapters[c] if adapters else None)
         rows = []
         while not schedule.finished():  # the steps are known before any runs: the tokens are
             rows.append(schedule.next_rows())
@@ -57,7 +63,7 @@ def forced_cases(graph_file: Path, layout: KVLayout, cases: list[list[list[int]]
                     sequence_lengths=bool(layout.step_inputs))
         # a pool apiece: the graph writes the step's entries into the pool it is given (layout.in_place)
         return {**step.feeds(), **{name: np.zeros(layout.block_shape(blocks), dtype=layout.dtype)
-                                   for name in layout.past_names()}}
+                                   for name in layout.past_names()}, **(extra(c, rows[t]) if extra else {})}
 
     logits: dict[int, np.ndarray] = {}
     with SegmentedGraph(graph_file, num_threads=num_threads) as graph:

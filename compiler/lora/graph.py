@@ -9,7 +9,8 @@ New graph inputs (names and layout: runtime/lora/sites.py; the runtime binds the
                                                 s*M*R .., module m of it at m*R ..
     lora.<site>.b   fp32 [S*M*R, out]           the slots' B stacked the same way, PEFT's scaling folded in, module
                                                 m's rows written only into m's output columns: block-diagonal
-    lora_mask(_xM)  fp32 [num_tokens, S*M*R]    1 in the token's own slot's columns, else 0 (none: all 0)
+    lora_mask(_xM)  fp32 [num_tokens, S*M*R]    1 in the token's own slot's columns, else 0 (none: all 0); a slot
+                                                graph's [batch, seq, S*M*R]
 
 Each site is four nodes, no reshape, transpose or batched MatMul:
 
@@ -23,7 +24,8 @@ columns (the block-diagonal B keeps q's delta out of k's and v's columns). A tok
 A site that sees only some tokens' rows (the LM head: `rows` = logits_indices) reads the token mask gathered by
 that input, one node before its branch: `lora/<site>/mask` = Gather(mask, logits_indices), [L, S*M*R].
 x and y keep the projection's own shapes (the paged graph's tokens: [1, N, in] or [N, in]); the mask [N, S*M*R]
-broadcasts over the leading 1. S and R are dynamic: a step binds only the adapters its tokens use (S >= 1, the
+broadcasts over the leading 1. A slot graph's (the TensorRT target's, and the fused and reference lowerings on ONNX
+Runtime) are [batch, seq, in], and its masks [batch, seq, S*M*R]: a row per token as well. S and R are dynamic: a step binds only the adapters its tokens use (S >= 1, the
 distinct ones) padded to the highest rank among them (R >= 1, zeros beyond a module's rank), not lora.max_slots x
 lora.max_rank. (The stacked-slot layout before it, [S, in, M*R] stacks and an int64 slot per token, was ten nodes a
 site: reshapes, a batched shrink, a transpose copy; docs/lora.md has what the change measured.)
@@ -83,10 +85,10 @@ def add_lora_branches(model: ModelProto, sites: list[Site]) -> None:
         if site.rows is not None and site.rows not in inputs:
             raise ValueError(f"site {site.name}: no graph input {site.rows} picking its rows")
     fp32_weights = {t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT}
-    tokens = _token_dim(graph)
+    tokens = _token_dims(graph)
     for members in sorted({len(site.members) for site in sites}):
         graph.input.append(helper.make_tensor_value_info(mask_name(members), TensorProto.FLOAT,
-                                                         [tokens, cols_dim(members)]))
+                                                         [*tokens, cols_dim(members)]))
     for site in sites:
         cols = cols_dim(len(site.members))
         a_shape, b_shape = stack_shapes(site, cols)
@@ -133,11 +135,13 @@ def _expert_pairs(sites: list[Site]) -> list[tuple[Site, Site]]:
     return [(pair["fc1"], pair["fc2"]) for pair in by_y.values()]
 
 
-def _token_dim(graph) -> str:
-    """The paged graph's token dim (input_ids is [num_tokens])."""
+def _token_dims(graph) -> list[str]:
+    """The dims a token mask has: input_ids' ([num_tokens] in a paged graph, [batch, seq] in a slot graph)."""
     ids = next((i for i in graph.input if i.name == "input_ids"), None)
     dims = list(ids.type.tensor_type.shape.dim) if ids is not None else []
-    return dims[0].dim_param if len(dims) == 1 and dims[0].dim_param else "lora_tokens"
+    if len(dims) == 2:
+        return [d.dim_param or f"lora_tokens_{k}" for k, d in enumerate(dims)]
+    return [dims[0].dim_param if len(dims) == 1 and dims[0].dim_param else "lora_tokens"]
 
 
 def site_mask(site: Site) -> str:

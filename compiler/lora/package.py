@@ -16,8 +16,9 @@ export, or its weight-only form: quantization keeps the sites' tensor names).
     <version>/lora_scales.safetensors       a base AWQ scaled (weight-only modes' default): per site, what an adapter's
                                             arrays are multiplied by (fold.py), folded into the files above already
 
-What is not served yet is refused here, naming the field: Q/DQ graphs (SmoothQuant's int8, fp8), TensorRT, the slot
-lowerings, speculative decoding, tensor parallelism.
+What is not served yet is refused here, naming the field: Q/DQ graphs (SmoothQuant's int8, fp8), TensorRT,
+speculative decoding, tensor parallelism. The slot lowerings (export.attention: fused or reference) are served by the
+slot engine, the paged graph by the paged engine.
 """
 
 from __future__ import annotations
@@ -56,9 +57,6 @@ def refusal(spec) -> str | None:
     if q.mode in (QuantMode.int8, QuantMode.fp8):  # before the lowering: these modes need the reference one
         return (f"quantization.mode: {q.mode.value}: adapters are not served on Q/DQ graphs yet; use mode none, "
                 f"int8-weight-only or int4-weight-only")
-    if spec.attention_lowering != "paged":
-        return (f"export.attention: {spec.attention_lowering}: adapters are served on the paged graph only "
-                f"(export.attention: paged, the default)")
     if spec.speculative is not None:
         return "speculative: speculative decoding is not served with adapters yet; remove `speculative:`"
     if spec.parallel.tensor > 1:

@@ -88,6 +88,7 @@ def find_sites(model, hf_model) -> list[Site]:
     (experts.py) after the projections'."""
     members = module_members(hf_model)
     initializers = {t.name: t for t in model.graph.initializer}
+    graph_inputs = {i.name for i in model.graph.input}
     consumers: dict[str, list] = {}
     for node in model.graph.node:
         for name in node.input:
@@ -112,7 +113,8 @@ def find_sites(model, hf_model) -> list[Site]:
         width = sum(m.width for m in members[path])
         if n != width:
             raise ValueError(f"decoder.{path}: the graph's weight is {weight} but its modules give {width} outputs")
-        sites[path] = Site(path, node.input[0], y, int(k), int(n), members[path], HEAD_ROWS if path == HEAD else None)
+        rows = HEAD_ROWS if path == HEAD and HEAD_ROWS in graph_inputs else None  # a slot graph's head sees all
+        sites[path] = Site(path, node.input[0], y, int(k), int(n), members[path], rows)
     missing = sorted({m.module for ms in members.values() for m in ms} -
                      {m.module for site in sites.values() for m in site.members})
     if missing:

@@ -12,7 +12,8 @@ minutes in), so the check comes first:
 
 What a stage holds on disk (fp32 = 4 bytes a parameter of the checkpoint):
 - export: its graph, the checkpoint's weights at fp32 (`model.onnx.data`);
-- verify: nothing kept (its candidate and segments hard-link the export's weights);
+- verify: nothing kept (its candidate and segments hard-link the export's weights); verify-adapters the same, its
+  report and, while it runs, the LoRA graph beside a hard link of the export's weights;
 - quantize, weight-only: its graph (the linear weights' codes, scales and zero points, the rest at fp32) and, while
   it runs, a scratch file of what it wrote: the codes and scales, a tied LM head's fp32 copy (untied to be
   quantized), and codes left dead there, counted as one embedding table's worth (measured: the scratch of a 4-layer
@@ -87,7 +88,8 @@ def stage_disk(dims: Dims, stages: list[str], q: QuantizationSpec) -> dict[str, 
     """What each estimated stage of `stages` keeps and peaks at on disk (module docstring)."""
     fp32 = 4 * (dims.linear_params + dims.other_params)
     table = dims.vocab_size * dims.hidden_size
-    found = {"export": StageDisk(fp32, fp32), "verify": StageDisk(0, 0), "package": StageDisk(SMALL, SMALL)}
+    found = {"export": StageDisk(fp32, fp32), "verify": StageDisk(0, 0), "verify-adapters": StageDisk(SMALL, SMALL),
+             "package": StageDisk(SMALL, SMALL)}
     if q.mode is not QuantMode.none:
         untied = table if dims.tied_embeddings else 0
         codes = (dims.linear_params + untied) * linear_bytes(q)

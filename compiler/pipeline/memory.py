@@ -59,7 +59,7 @@ def memory_refusal(stage_peaks: dict[str, int], available: int | None, other_fix
     if others <= available:
         if stage == "quantize":
             fixes.append(f"quantization.mode: none (the build's other stages peak at {others / GiB:.1f} GiB)")
-        elif stage == "verify":
+        elif stage in ("verify", "verify-adapters"):
             fixes.append(f"verify.enabled: false (the build's other stages peak at {others / GiB:.1f} GiB)")
     return (f"the {stage} stage needs about {peak / GiB:.1f} GiB (estimate), "
             f"but this machine has {available / GiB:.1f} GiB available; it would fit on "

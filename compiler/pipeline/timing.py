@@ -79,7 +79,10 @@ VERIFY = {"fixed": 1.5, "candidate": (6.0, 12.0), "reference": (0.0, 28.0), "lay
 QUANTIZE = {"fixed": 2.0, "codes": (8.0, 8.0), "search": (8.0, 36.0), "report": (20.0, 81.0),
             "report_layers": (4.0, 18.0), "calibration": (0.0, 16.0)}
 PACKAGE = {"fixed": 1.5, "per_100k_vocab": 0.5}
-TIMED = ("source", "export", "verify", "quantize", "package")
+# the adapters read and checked, the LoRA graph written and opened; the branch beside every projection and PEFT's
+# hooks slow both sides' steps: fitted to SmolLM2 with two rank-16 adapters on every projection (29.8 s: 26)
+LORA_VERIFY = {"fixed": 3.5, "scale": 1.5}
+TIMED = ("source", "export", "verify", "verify-adapters", "quantize", "package")
 
 
 def cores() -> int:
@@ -124,6 +127,13 @@ def stage_seconds(spec: BuildSpec, dims: Dims, stages: list[str], load: str = "w
                "export": EXPORT["fixed"] + EXPORT["per_layer"] * dims.num_layers + EXPORT[load] * p}
     reference = cost(VERIFY["reference"], p * steps) if load == "whole" else cost(VERIFY["layers"], p)
     seconds["verify"] = VERIFY["fixed"] + cost(VERIFY["candidate"], p * steps) + reference
+    # verify-adapters (compiler/lora/verify.py) at verify's rates times LORA_VERIFY: for n adapters, 3 candidate
+    # rows each and 3 mixed (verify: 4 rows); whole, 3 reference decodes each and the mixed case's base rows
+    # (verify: 3); streamed, a pass over the layers each and one for the base rows (verify: one)
+    n = len(spec.adapters)
+    candidate = cost(VERIFY["candidate"], p * steps) * (3 * n + 3) / 4
+    ref_scale = (3 * n + 2) / 3 if load == "whole" else n + 1
+    seconds["verify-adapters"] = LORA_VERIFY["fixed"] + LORA_VERIFY["scale"] * (candidate + reference * ref_scale)
     report = QUANTIZE["report"] if load == "whole" else QUANTIZE["report_layers"]
     quantize = QUANTIZE["fixed"] + cost(QUANTIZE["codes"], pq) + cost(report, p)
     if q.weight_only and q.algorithm is WeightOnlyAlgorithm.awq:

@@ -70,7 +70,7 @@ A TensorRT build needs TensorRT and an NVIDIA GPU: the engine gets a prefill and
         return
     if as_json:
         raise typer.BadParameter("--json prints the plan: use it with --dry-run", param_hint="--json")
-    _run_build(spec, output, "package", {"export", "verify", "quantize", "draft", "tensorrt", "environment"} if force else set(),
+    _run_build(spec, output, "package", {"export", "verify", "verify-adapters", "quantize", "draft", "tensorrt", "environment"} if force else set(),
                ignore_memory_check, ignore_disk_check)
 
 
@@ -94,14 +94,17 @@ def verify(spec: SpecArg, output: OutputOpt = None, ignore_memory_check: IgnoreM
 
     The HF model runs each prompt alone; the graph runs as serving runs it: each prompt prefilled into its own KV slot, then all rows decoding side by side at their own positions. Prefill plus `verify.decode_steps` greedy steps at batch 1 and for a batch of 3 prompts of different lengths; fails (exit code 5) if |Δlogit| exceeds `verify.max_logit_diff` (unset: by the KV cache type) or a greedy token differs where the reference had no near tie (docs/build.md).
 
+    With `adapters:`, each LoRA adapter is verified the same way (the verify-adapters stage): the export with a LoRA branch beside each projection, rows under each adapter alone and then mixed with the base in one batch, against the PyTorch model with PEFT's forward of the row's adapter.
+
     A TensorRT build (re)builds its engine and compares it with ONNX Runtime driven the same way, by Polygraphy's comparator at the precision's tolerance (fp16: atol 0.25, rtol 0.02).
     """
     from llmc.compiler import load_spec
     from llmc.compiler.spec import Target
 
-    tensorrt = load_spec(spec).target is Target.tensorrt
-    _run_build(spec, output, "tensorrt" if tensorrt else "verify", {"verify", "tensorrt"} if tensorrt else {"verify"},
-               ignore_memory_check, ignore_disk_check)
+    loaded = load_spec(spec)
+    tensorrt = loaded.target is Target.tensorrt
+    until = "tensorrt" if tensorrt else "verify-adapters" if loaded.adapters else "verify"
+    _run_build(spec, output, until, {"verify", "verify-adapters", "tensorrt"}, ignore_memory_check, ignore_disk_check)
 
 
 @app.command()

@@ -153,6 +153,14 @@ class EngineCore:
             self._active[seq.request_id] = seq
         return seq
 
+    def adapter_users(self, name: str) -> tuple[int, int]:
+        """(running, queued) requests under the LoRA adapter `name` (any digest): what an unload waits for. A running
+        one holds its adapter's weights (lora_slots.py)."""
+        with self.lock:
+            seqs = [s for s in self._active.values() if s.adapter is not None and s.adapter.name == name]
+        running = sum(1 for s in seqs if s.lora is not None)
+        return running, len(seqs) - running
+
     def cancel(self, request_id: str) -> None:
         """Stop a request at the next step; its KV is freed then."""
         with self.lock:

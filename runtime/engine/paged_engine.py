@@ -119,10 +119,7 @@ class PagedEngine:
 
     def adapter_users(self, name: str) -> tuple[int, int]:
         """(running, queued) requests under the LoRA adapter `name` (any digest): what an unload waits for."""
-        with self.core.lock:
-            seqs = [s for s in self.core._active.values() if s.adapter is not None and s.adapter.name == name]
-        running = sum(1 for s in seqs if s.lora is not None)
-        return running, len(seqs) - running
+        return self.core.adapter_users(name)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request at the next step; its blocks are freed then."""

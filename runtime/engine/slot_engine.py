@@ -14,7 +14,9 @@ holds the decoding sequences; free or still-prefilling slots inside it ride alon
 that write only where nothing will be read (position 0 of a free slot, or the position a
 prefilling sequence will overwrite next). A LongRoPE model's rows carry their sequences' lengths, and
 a sequence that grows past the switch prefills prompt and output again in its slot
-(runtime/engine/longrope.py). The model is a `Runner` (runtime/runners/protocol.py): its `rows`
+(runtime/engine/longrope.py). With `lora` (lora_slots.py: the adapter store and lora.max_slots) a request may name a
+LoRA adapter, as on the paged engine: an unknown name is refused before anything runs, the scheduler caps the running
+sequences' distinct adapters, and each row carries its sequence's adapter weights to the runner (a dummy row none). The model is a `Runner` (runtime/runners/protocol.py): its `rows`
 are the slots, its `capacity` the longest sequence. The requests are the `EngineCore`'s (core.py):
 `add_request` and `cancel` may be called from other threads; `step` belongs to one loop thread.
 """
@@ -27,6 +29,7 @@ from llmc.runtime.decoding.grammar import GuideMatcher
 from llmc.runtime.decoding.sampling import SamplingParams
 from llmc.runtime.engine import longrope
 from llmc.runtime.engine.core import CacheState, EngineCore, StepOutput
+from llmc.runtime.engine.lora_slots import LoraSlots
 from llmc.runtime.engine.sequence import FinishReason, Sequence, Status
 from llmc.runtime.engine.slot_scheduler import Scheduler
 from llmc.runtime.lora.store import UnknownAdapter
@@ -35,10 +38,13 @@ from llmc.runtime.runners.protocol import Runner
 
 class SlotEngine:
     def __init__(self, runner: Runner, tokenizer=None, *, end_ids: tuple[int, ...] = (), max_queue_size: int = 256,
-                 max_num_tokens: int = 8192):
-        self.runner, self.max_num_tokens = runner, max_num_tokens
+                 max_num_tokens: int = 8192, lora: LoraSlots | None = None):
+        """`lora`: the adapters a request may name; the runner must hold the LoRA graph (its `lora`)."""
+        if lora is not None and getattr(runner, "lora", None) is None:
+            raise ValueError("LoRA adapters need a runner with the LoRA graph")
+        self.runner, self.max_num_tokens, self.lora = runner, max_num_tokens, lora
         self.longrope_switch = runner.layout.longrope_switch  # LongRoPE models only (longrope.py)
-        self.scheduler = Scheduler(runner.rows, max_queue_size)
+        self.scheduler = Scheduler(runner.rows, max_queue_size, lora)
         # the slot graph runs no beams: beam_width above 1 is refused
         self.core = EngineCore(self.scheduler, tokenizer, end_ids=end_ids, capacity=runner.capacity)
 
@@ -55,10 +61,16 @@ class SlotEngine:
                     adapter: str | None = None) -> Sequence:
         """Queue a request; raises ValueError for a request that cannot run and QueueFull when busy.
         `logprobs`: record its tokens' log probabilities with that many alternatives (logprobs.py);
-        `guide`: constrain its tokens to a compiled grammar (grammar.py); `adapter`: a slot graph serves none."""
-        if adapter is not None:
+        `guide`: constrain its tokens to a compiled grammar (grammar.py); `adapter`: the name of the LoRA adapter it runs
+        under (None: the base model; UnknownAdapter for one the model does not serve)."""
+        if adapter is not None and self.lora is None:
             raise UnknownAdapter(f"lora_name: this model serves no LoRA adapters (got {adapter!r})")
-        return self.core.queue(self.core.sequence(request_id, prompt_ids, params, logprobs, guide))
+        ref = self.lora.store.resolve(adapter) if adapter is not None else None
+        return self.core.queue(self.core.sequence(request_id, prompt_ids, params, logprobs, guide, ref))
+
+    def adapter_users(self, name: str) -> tuple[int, int]:
+        """(running, queued) requests under the LoRA adapter `name` (any digest): what an unload waits for."""
+        return self.core.adapter_users(name)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request at the next step; its slot is freed then."""
@@ -94,7 +106,7 @@ class SlotEngine:
         chunk = seq.all_token_ids()[seq.num_cached:seq.num_cached + self.max_num_tokens]
         lengths = None if self.longrope_switch is None else np.array([seq.num_tokens])
         logits = self.runner.step(np.array([chunk]), np.array([seq.num_cached]), first_row=seq.slot,
-                                  sequence_lengths=lengths)
+                                  sequence_lengths=lengths, **self._adapters([seq]))
         seq.num_cached += len(chunk)
         if seq.num_cached == seq.num_tokens:
             seq.status = Status.decoding
@@ -123,7 +135,16 @@ class SlotEngine:
             lengths = positions + 1
             for seq in seqs:
                 lengths[seq.slot - first] = seq.num_tokens
-        logits = self.runner.step(ids, positions, first_row=first, sequence_lengths=lengths)
+        rows: list[Sequence | None] = [None] * (last - first + 1)  # a dummy row runs under no adapter
+        for seq in seqs:
+            rows[seq.slot - first] = seq
+        logits = self.runner.step(ids, positions, first_row=first, sequence_lengths=lengths, **self._adapters(rows))
         for seq in seqs:
             seq.num_cached += 1
         self.core.sample(seqs, logits[[s.slot - first for s in seqs], -1], sampled)
+
+    def _adapters(self, rows: list[Sequence | None]) -> dict:
+        """The runner's `adapters` argument for a step of `rows` (none without LoRA: runners without it lack it)."""
+        if self.lora is None:
+            return {}
+        return {"adapters": [seq.lora if seq is not None else None for seq in rows]}

@@ -4,6 +4,9 @@ Each KV slot (a row of the runner's cache buffers) holds one running sequence. W
 take the lowest free slot as soon as one frees up, so they join the running batch at the next
 step, and a finished or cancelled sequence gives its slot back at once. Keeping slots low keeps
 the decode batch (a contiguous row range, free slots inside it riding along as dummy rows) short.
+With LoRA adapters (`lora`, lora_slots.py) a waiting request is admitted only while the running sequences' distinct
+adapters stay within `max_slots`; one that does not fit waits, and those behind it that fit go first. A running
+sequence holds its adapter's weights until it stops running.
 """
 
 from __future__ import annotations
@@ -11,20 +14,30 @@ from __future__ import annotations
 import heapq
 
 from llmc.runtime.engine.core import WaitingQueue
+from llmc.runtime.engine.lora_slots import LoraSlots
 from llmc.runtime.engine.sequence import Sequence, Status
 
 
 class Scheduler(WaitingQueue):
-    def __init__(self, max_batch_size: int, max_queue_size: int):
+    def __init__(self, max_batch_size: int, max_queue_size: int, lora: LoraSlots | None = None):
         super().__init__(max_queue_size)
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self._free = list(range(max_batch_size))  # a heap: the lowest free slot first
+        self.lora = lora
 
     def admit(self) -> None:
-        while self.waiting and self._free:
-            seq = self.waiting.popleft()
+        at = 0  # the first waiting sequence not passed over (without adapters: always the head)
+        while at < len(self.waiting) and self._free:
+            seq = self.waiting[at]
             if seq.is_finished:  # cancelled while waiting
+                del self.waiting[at]
                 continue
+            if self.lora is not None and not self.lora.fits(seq, self.running.values()):
+                at += 1  # its adapter waits for a slot; those behind it may fit
+                continue
+            del self.waiting[at]
+            if self.lora is not None:
+                self.lora.hold(seq)
             seq.slot, seq.status = heapq.heappop(self._free), Status.prefilling
             self.running[seq.slot] = seq
 
@@ -45,3 +58,5 @@ class Scheduler(WaitingQueue):
             del self.running[seq.slot]
             heapq.heappush(self._free, seq.slot)
         seq.slot = None
+        if self.lora is not None:
+            self.lora.drop(seq)

@@ -105,3 +105,41 @@ def token_slots(rows: Sequence[tuple[int, int]]) -> np.ndarray:
     """Each token's slot (-1: none) for a step's rows given as (tokens, slot or -1), in the order the step packs
     them."""
     return np.concatenate([np.full(n, slot, np.int64) for n, slot in rows]) if rows else np.zeros(0, np.int64)
+
+
+class StepStacks:
+    """A slot runner's LoRA inputs (runtime/runners/ort.py, trt.py): the stacks of a step's distinct adapters, one slot
+    each in a fixed order (name, then digest) at the highest rank among them, kept while the set stays; and the masks,
+    a row per token shaped like the step's input_ids ([n, S, W]: a slot graph's, compiler/lora/graph.py). A step
+    without an adapter binds stacks zero slots wide, whose masks select nothing."""
+
+    def __init__(self, sites: Sequence[Site]):
+        self.sites = list(sites)
+        self.bound: tuple[AdapterRef, ...] = ()
+        self.rank = 0
+        self.stacks = self._empty()
+        self.num_stackings = 0  # times the set changed and the stacks were rebuilt (what a device copy follows)
+
+    def _empty(self) -> dict[str, np.ndarray]:
+        stacks = {}
+        for site in self.sites:
+            a_shape, b_shape = stack_shapes(site, 0)
+            stacks[a_name(site)], stacks[b_name(site)] = np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)
+        return stacks
+
+    def inputs(self, adapters: Sequence[AdapterWeights | None], shape: tuple[int, int]) -> dict[str, np.ndarray]:
+        """The LoRA inputs of a step of `shape` (n rows, S tokens each), row i under `adapters[i]` (None: the base)."""
+        n, s = shape
+        if len(adapters) != n:
+            raise ValueError(f"a step of {n} rows got {len(adapters)} adapters (one per row, None for the base)")
+        distinct = {a.ref: a for a in adapters if a is not None}
+        if set(distinct) != set(self.bound):
+            ordered = sorted(distinct.values(), key=lambda a: (a.ref.name, a.ref.digest))
+            self.rank = max((a.rank for a in ordered), default=0)
+            self.stacks = stack_slots(self.sites, ordered, self.rank) if ordered else self._empty()
+            self.bound = tuple(a.ref for a in ordered)
+            self.num_stackings += 1
+        slot = {ref: k for k, ref in enumerate(self.bound)}
+        slots = np.repeat(np.array([-1 if a is None else slot[a.ref] for a in adapters], np.int64), s)
+        masks = slot_masks(self.sites, slots, len(self.bound), self.rank)
+        return {**self.stacks, **{name: m.reshape(n, s, -1) for name, m in masks.items()}}

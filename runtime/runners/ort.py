@@ -14,16 +14,24 @@ so a step costs ONNX Runtime's run and a few microseconds of Python (binding inp
 logits array every step had cost ~100 us, 2-3% of a SmolLM2 int4 step). Other graphs are run with
 the rows as inputs and their `present.*` outputs copied back (the whole buffer is swapped instead
 when the step covers every row).
+
+With `lora` (the sites of a LoRA graph: compiler/lora/graph.py) the session is the LoRA graph's, and a step's rows may
+each carry an adapter: the step binds the stacks of its distinct adapters and a mask row per token (runtime/lora/
+stacks.py: StepStacks); a base-only step binds stacks zero slots wide, so where llmc.LoraDelta runs each site it reads
+no adapter. Its decode steps go through the general in-place path (the LoRA inputs bound each step).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from llmc.runtime.layout import SEQUENCE_LENGTHS, KVLayout, check_step, step_lengths
+from llmc.runtime.lora.sites import Site, a_name, mask_names
+from llmc.runtime.lora.stacks import AdapterWeights, StepStacks
 from llmc.runtime.runners.protocol import RunnerClosed
 
 
@@ -106,9 +114,17 @@ class OrtRunner:
     """A `Runner` on ONNX Runtime: `step(input_ids [n, S], cache_position [n], first_row) -> logits [n, S, vocab]`."""
 
     def __init__(self, onnx_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, num_threads: int = 0,
-                 optimize: bool = True, prepack: bool = True):
+                 optimize: bool = True, prepack: bool = True, lora: Sequence[Site] | None = None):
+        """`lora`: the sites of the LoRA graph at `onnx_path`, whose inputs each step binds (its rows' adapters)."""
         self.layout, self.rows, self.capacity = layout, max_batch, capacity
         self.session = make_session(onnx_path, num_threads, optimize, prepack=prepack)
+        self.lora = None
+        if lora is not None:
+            names = {i.name for i in self.session.get_inputs()}
+            missing = sorted({*mask_names(lora), *(a_name(site) for site in lora)} - names)
+            if missing:
+                raise ValueError(f"{onnx_path} is not a LoRA graph with the manifest's sites: it lacks {missing[0]}")
+            self.lora = StepStacks(lora)
         self.cache = KVCache(layout, max_batch, capacity)
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
         self._bindings: dict[tuple[int, int], object] = {}  # (first_row, n) -> the cache rows bound
@@ -126,18 +142,24 @@ class OrtRunner:
         self._decode_bindings.clear()
 
     def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0,
-             sequence_lengths: np.ndarray | None = None) -> np.ndarray:
+             sequence_lengths: np.ndarray | None = None,
+             adapters: Sequence[AdapterWeights | None] | None = None) -> np.ndarray:
+        """`adapters`: each row's LoRA adapter (None: the base), for a runner with `lora`."""
         if self.session is None:
             raise RunnerClosed("step on a closed OrtRunner")
         input_ids, cache_position = np.asarray(input_ids), np.asarray(cache_position)
         seq_lens = step_lengths(self.layout, cache_position, input_ids.shape[-1], sequence_lengths)
-        if self.layout.in_place and input_ids.shape[1:] == (1,):
+        if self.lora is None and adapters is not None and any(a is not None for a in adapters):
+            raise ValueError("a step with LoRA adapters on a runner without the LoRA graph")
+        if self.layout.in_place and input_ids.shape[1:] == (1,) and self.lora is None:
             return self._decode(input_ids, cache_position, first_row, seq_lens)
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         cache_position = np.ascontiguousarray(cache_position, dtype=np.int64)
         n, s = input_ids.shape
         check_step(self.layout, self.rows, self.capacity, (n, s), cache_position, first_row)
         extra = {} if seq_lens is None else {SEQUENCE_LENGTHS: seq_lens}
+        if self.lora is not None:
+            extra.update(self.lora.inputs(list(adapters) if adapters is not None else [None] * n, (n, s)))
         if self.layout.in_place:
             return self._step_in_place(input_ids, cache_position, first_row, extra)
         names = self.layout.past_names()

@@ -7,7 +7,8 @@ and engine class; `ServingLoop.from_manifest` (loop.py) serves what it loads.
                                     runner also holds the LoRA graph and the engine the adapters (lora_engine_parts)
     tensorrt                        SlotEngine over a TrtRunner, or over a TrtTensorParallelRunner (one GPU a rank)
                                     when the model is split over ranks
-    onnxruntime                     SlotEngine over an OrtRunner
+    onnxruntime                     SlotEngine over an OrtRunner; with `lora`, over the LoRA graph's session
+                                    (one for base and adapter rows) and the engine the adapters
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def slot_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
     from llmc.runtime.engine.slot_engine import SlotEngine
 
     lim = m.limits
+    lora_graph, slots = lora_parts(folder, m)
     if m.target == "tensorrt" and m.tensor_parallel > 1:  # a rank engine per GPU, rank 0 here, the others workers
         from llmc.runtime.runners.parallel.trt_group import TrtTensorParallelRunner
 
@@ -50,10 +52,11 @@ def slot_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
     else:
         from llmc.runtime.runners.ort import OrtRunner
 
-        runner = OrtRunner(folder / m.model_file, m.kv_layout, max_batch=lim.max_batch_size,
-                           capacity=lim.max_seq_len, num_threads=lim.num_threads)
+        graph, sites = lora_graph if lora_graph is not None else (folder / m.model_file, None)
+        runner = OrtRunner(graph, m.kv_layout, max_batch=lim.max_batch_size, capacity=lim.max_seq_len,
+                           num_threads=lim.num_threads, lora=sites)
     return SlotEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_queue_size=lim.max_queue_size,
-                      max_num_tokens=lim.max_num_tokens)
+                      max_num_tokens=lim.max_num_tokens, lora=slots)
 
 
 def paged_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:

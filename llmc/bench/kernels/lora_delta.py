@@ -27,26 +27,27 @@ SITES = {"gate/up 576->1536": (576, [1536]), "o 576->576": (576, [576]), "down 1
          "q/k/v 576->960 (M=3)": (576, [576, 192, 192])}
 
 
-def _inputs(lead):
+def _inputs(lead, mask_lead=("n",)):
+    """`mask_lead`: the mask's dims before its width: a token's row ([n]), or a slot graph's [batch, seq]."""
     return [helper.make_tensor_value_info("y_base", TensorProto.FLOAT, [*lead, "out"]),
             helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, "in"]),
             helper.make_tensor_value_info("a", TensorProto.FLOAT, ["in", "w"]),
-            helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["n", "w"]),
+            helper.make_tensor_value_info("mask", TensorProto.FLOAT, [*mask_lead, "w"]),
             helper.make_tensor_value_info("b", TensorProto.FLOAT, ["w", "out"])]
 
 
-def branch_model(lead=(1, "n")):
+def branch_model(lead=(1, "n"), mask_lead=("n",)):
     nodes = [helper.make_node("MatMul", ["x", "a"], ["h"]), helper.make_node("Mul", ["h", "mask"], ["h_own"]),
              helper.make_node("MatMul", ["h_own", "b"], ["delta"]), helper.make_node("Add", ["y_base", "delta"], ["y"])]
-    graph = helper.make_graph(nodes, "branch", _inputs(lead),
+    graph = helper.make_graph(nodes, "branch", _inputs(lead, mask_lead),
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "out"])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def fused_model(threads: int, isa: str = "", lead=(1, "n"), site: str = "bench"):
+def fused_model(threads: int, isa: str = "", lead=(1, "n"), site: str = "bench", mask_lead=("n",)):
     node = helper.make_node("LoraDelta", ["y_base", "x", "a", "mask", "b"], ["y"], domain="llmc", threads=threads,
                             isa=isa, site=site)
-    graph = helper.make_graph([node], "fused", _inputs(lead),
+    graph = helper.make_graph([node], "fused", _inputs(lead, mask_lead),
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "out"])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("llmc", 1)])
 

@@ -3,8 +3,9 @@
  * token's own slot. runtime/kernels/lora_fusion.py puts it in place of those four nodes when a session opens.
  *
  * Inputs (float32): y_base [.., N, out] (the projection's output), x [.., N, in] (its input: the paged graph's
- * [1, N, in] or [N, in]), A [in, W], mask [N, W] (or [1, W]; it broadcasts over x's leading dims as the branch's Mul
- * does), B [W, out]; W = S*M*R, both S and R dynamic. Output y, y_base's shape.
+ * [1, N, in] or [N, in]; a slot graph's [B, S, in]), A [in, W], mask [N, W] (or [1, W]; it broadcasts over x's
+ * leading dims as the branch's Mul does; a slot graph's [B, S, W], a row per token), B [W, out]; W = S*M*R, both S and
+ * R dynamic. Output y, y_base's shape.
  * Attributes: `threads` (the session's intra-op threads, set by the fusion; default 1: no parallel passes; a call
  * below PARALLEL_WORK runs inline whatever it says), `isa`
  * ("avx512", "avx2" or "portable"; default: the best this CPU runs), `site` (the site's name, for error messages).
@@ -104,14 +105,16 @@ static void shape_text(const Input *in, char *out, size_t size) {
 }
 
 /* The shapes the four-node branch accepts: x [.., N, in], y_base [.., N, out] (x's leading dims), A [in, W],
- * mask [N or 1, W], B [W, out]. */
+ * mask [N or 1, W] or x's leading dims and W (a slot graph's [B, S, W]: row r's mask is row r of it), B [W, out]. */
 static OrtStatus *check_shapes(const LoraOp *op, const Input *in, LoraArgs *a) {
   const Input *y = &in[IN_Y_BASE], *x = &in[IN_X], *at = &in[IN_A], *m = &in[IN_MASK], *b = &in[IN_B];
   char text[512], s[5][64];
   for (int i = 0; i < IN_COUNT; i++) shape_text(&in[i], s[i], sizeof s[i]);
-  if (x->rank < 2 || y->rank != x->rank || at->rank != 2 || m->rank != 2 || b->rank != 2) {
-    snprintf(text, sizeof text, "takes x [.., N, in], y_base [.., N, out], A [in, W], mask [N, W], B [W, out]; got "
-             "y_base %s, x %s, A %s, mask %s, B %s", s[0], s[1], s[2], s[3], s[4]);
+  int per_row = m->rank > 2 && m->rank == x->rank; /* the mask has x's leading dims: one row per token */
+  for (size_t i = 0; per_row && i + 1 < x->rank; i++) per_row = m->dims[i] == x->dims[i];
+  if (x->rank < 2 || y->rank != x->rank || at->rank != 2 || (m->rank != 2 && !per_row) || b->rank != 2) {
+    snprintf(text, sizeof text, "takes x [.., N, in], y_base [.., N, out], A [in, W], mask [N, W] or [.., N, W], "
+             "B [W, out]; got y_base %s, x %s, A %s, mask %s, B %s", s[0], s[1], s[2], s[3], s[4]);
     return bad(op->site, text);
   }
   a->rows = 1;
@@ -123,12 +126,13 @@ static OrtStatus *check_shapes(const LoraOp *op, const Input *in, LoraArgs *a) {
     a->rows *= x->dims[i];
   }
   a->in = x->dims[x->rank - 1], a->out = y->dims[y->rank - 1], a->width = at->dims[1];
-  a->mask_rows = m->dims[0];
+  a->mask_rows = per_row ? a->rows : m->dims[0];
+  const int64_t mask_tokens = per_row ? x->dims[x->rank - 2] : m->dims[0];
   const char *wrong = at->dims[0] != a->in ? "A's rows are not x's last dimension"
-                      : m->dims[1] != a->width ? "mask's columns are not A's"
+                      : m->dims[m->rank - 1] != a->width ? "mask's columns are not A's"
                       : b->dims[0] != a->width ? "B's rows are not A's columns"
                       : b->dims[1] != a->out ? "B's columns are not y_base's last dimension"
-                      : m->dims[0] != x->dims[x->rank - 2] && m->dims[0] != 1 ? "mask's rows are not x's tokens (N)"
+                      : mask_tokens != x->dims[x->rank - 2] && mask_tokens != 1 ? "mask's rows are not x's tokens (N)"
                                                                                : NULL;
   if (wrong) {
     snprintf(text, sizeof text, "%s: y_base %s, x %s, A %s, mask %s, B %s", wrong, s[0], s[1], s[2], s[3], s[4]);

@@ -74,13 +74,17 @@ def _touched_stages(monkeypatch, relative: str) -> set[str]:
     # the quality report's and the engine check's, which decode through it; the family's config reader; the MoE
     # op's router and SwiGLU, which the expert quantizer runs (artifacts.py names the op's lowerings, so every
     # stage that records an artifact imports the op)
-    ("runtime/engine/longrope.py", {"verify", "quantize", "draft", "tensorrt"}),
-    ("compiler/models/config.py", {"environment", "export", "verify", "quantize", "draft", "tensorrt"}),
-    ("plugins/op/moe.py", {"environment", "export", "verify", "quantize", "draft", "tensorrt"}),
+    ("runtime/engine/longrope.py", {"verify", "verify-adapters", "quantize", "draft", "tensorrt"}),
+    ("compiler/models/config.py", {"environment", "export", "verify", "verify-adapters", "quantize", "draft",
+                                   "tensorrt"}),
+    ("plugins/op/moe.py", {"environment", "export", "verify", "verify-adapters", "quantize", "draft", "tensorrt"}),
     # and nothing beyond what imports a module
     ("compiler/quantize/awq.py", {"quantize", "draft"}),
     ("compiler/tensorrt/engine.py", {"tensorrt"}),
-    ("runtime/kernels/paged_attention/paged_attention.c", {"environment", "verify", "quantize", "draft", "tensorrt"}),
+    ("runtime/kernels/paged_attention/paged_attention.c", {"environment", "verify", "verify-adapters", "quantize",
+                                                           "draft", "tensorrt"}),
+    # the adapters' check, and nothing else, imports PEFT's forward as hooks
+    ("compiler/lora/peft_forward.py", {"verify-adapters"}),
     ("compiler/textdata/corpus.txt", {"export", "quantize", "draft", "tensorrt"}),
     ("runtime/serving/loop.py", set()),
     ("llmc/openai/app.py", set()),

@@ -139,6 +139,21 @@ def test_a_plan_estimates_exactly_the_stages_the_build_runs(ckpt):
     assert rows["build: total time (estimate)"].startswith(f"{sum(int4.stage_seconds.values()):.0f} s")
 
 
+def test_the_adapters_check_is_planned_and_estimated_with_its_adapters(ckpt, tmp_path):
+    """verify-adapters runs where `adapters:` is set and verify is on; its time grows with the adapters and lands
+    within the tolerance of the build measured with it (SmolLM2, two rank-16 adapters: 29.8 s, docs/lora.md)."""
+    two = {"adapters": {"fr": str(tmp_path / "fr"), "sql": str(tmp_path / "sql")}}
+    plan = plan_build(_spec(ckpt, **two))
+    assert plan.stages == ["source", "export", "verify", "verify-adapters", "package"] == list(plan.stage_seconds)
+    assert plan.stage_peak_bytes["verify-adapters"] == plan.stage_peak_bytes["verify"]
+    assert "verify-adapters" not in plan_build(_spec(ckpt, verify={"enabled": False}, **two)).stages
+    stages = ["verify-adapters"]
+    seconds = timing.stage_seconds(_spec(ckpt, **two), SMOLLM2, stages, "whole", None, 2)["verify-adapters"]
+    assert _error(seconds, (29.8, 29.8)) <= TOLERANCE, seconds
+    four = {"adapters": {n: str(tmp_path / n) for n in "abcd"}}
+    assert timing.stage_seconds(_spec(ckpt, **four), SMOLLM2, stages, "whole", None, 2)["verify-adapters"] > seconds
+
+
 def test_the_estimate_grows_with_parameters_calibration_and_fewer_cores(ckpt):
     assert _total(ckpt, LLAMA_1B) > _total(ckpt, QWEN_05B) > _total(ckpt, SMOLLM2)
     assert _total(ckpt, QWEN_05B, "int4") > _total(ckpt, QWEN_05B, "fp32")

@@ -51,6 +51,25 @@ def test_the_repository_holds_the_lora_graph_sites_and_adapters(built):
     assert json.loads(config.parameters["lora_adapters"].string_value) == ["a", "b"]
 
 
+def test_the_build_verified_each_adapter_like_the_base(built):
+    """The verify-adapters stage ran: its report passed, names each adapter's identity, and the build record has its
+    line; `llmc inspect` shows it."""
+    from llmc.compiler import inspect_path
+    from llmc.compiler.artifacts import AdapterVerifyReport
+    from llmc.runtime.manifest import RepositoryManifest
+
+    version, _ = built
+    out = version.parents[2]  # <output>/model_repository/<name>/<version>
+    report = AdapterVerifyReport.load(out / "verify-adapters")
+    digests = {a.name: a.digest for a in RepositoryManifest.load(version).lora.adapters}
+    assert report.passed and report.adapters == digests
+    assert [c.name for c in report.cases] == ["a: batch-3", "b: batch-3", "mixed: batch-3"]
+    stages = {s["name"]: s for s in json.loads((out / "build.json").read_text())["stages"]}
+    assert list(stages).index("verify-adapters") == list(stages).index("verify") + 1
+    assert "a, b: greedy tokens equal" in stages["verify-adapters"]["summary"]
+    assert any(section.title == "verify-adapters" for section in inspect_path(out))
+
+
 def test_each_adapter_equals_peft_and_a_mixed_batch_equals_each_alone(built, engine, tiny_checkpoints):
     _, adapters = built
     runs = [(PROMPTS[0], None), (PROMPTS[0], "a"), (PROMPTS[0], "b"), (PROMPTS[1], "b")]

@@ -131,6 +131,28 @@ def test_bad_shapes_name_the_site_and_the_input():
         _session(_op_model(3, 1, "sse9"))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_slot_graphs_per_token_mask(isa):
+    """A slot graph's branch (x [B, S, in], mask [B, S, W]: a row per token) as the op, the four nodes and the
+    reference compute it; a mask whose leading dims are not x's is refused naming it."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    batch, seq, n_in, widths, slots, rank = 3, 4, 48, [32, 16, 16], 2, 8
+    feeds, token_slots = _case(7, batch * seq, n_in, widths, slots, rank, 2)
+    feeds = {**feeds, "x": feeds["x"].reshape(batch, seq, n_in), "y_base": feeds["y_base"].reshape(batch, seq, -1),
+             "mask": feeds["mask"].reshape(batch, seq, -1)}
+    lead = ("batch", "seq")
+    got = _session(fused_model(2, isa, lead, mask_lead=lead), 2).run(None, feeds)[0]
+    branch = _session(branch_model(lead, mask_lead=lead)).run(None, feeds)[0]
+    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    want = feeds["y_base"].reshape(batch * seq, -1) + lora_delta(
+        t["x"].reshape(-1, n_in), torch.from_numpy(token_slots), t["a"], t["b"], slots).numpy()
+    assert np.allclose(got.reshape(batch * seq, -1), want, rtol=1e-5, atol=1e-5)
+    assert np.allclose(got, branch, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match=r"mask \[N, W\] or \[\.\., N, W\]"):
+        _session(fused_model(1, isa, lead, mask_lead=("k", "seq"))).run(None, {**feeds, "mask": feeds["mask"][:2]})
+
+
 IN, Q, KV = 64, 64, 32
 
 
