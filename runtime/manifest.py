@@ -140,7 +140,7 @@ class LoraConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    lora_file: str  # the graph with a branch beside each site, in the version folder
+    lora_file: str  # the graph with a branch beside each site, in the version folder (TensorRT: the engine, built so)
     sites: list[Site]
     adapters: list[AdapterInfo]
     max_slots: int = Field(ge=1)  # distinct adapters a step carries

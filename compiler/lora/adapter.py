@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc.compiler.hashing import sha256_file
 from llmc.errors import SourceError
 
 CONFIG_FILE = "adapter_config.json"
@@ -250,3 +251,13 @@ def _digest(folder: Path, tensors) -> str:
         h.update(f"\n{key} {t.dtype} {tuple(t.shape)}\n".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def adapter_files(spec) -> dict:
+    """Each of the spec's adapters' files, hashed: what keys a stage that reads them (verify-adapters, the TensorRT
+    engine's)."""
+    def digest(path: Path) -> str:
+        return sha256_file(path) if path.is_file() else "missing"
+
+    return {name: {f: digest(Path(folder) / f) for f in (CONFIG_FILE, WEIGHTS_FILE)}
+            for name, folder in sorted(spec.adapters.items())}

@@ -46,13 +46,25 @@ Where llmc's CPU kernels run, the session fuses each site's four nodes into one 
 token's own slot (runtime/kernels/lora_fusion.py matches the node names and op types written here: `lora/<site>/
 shrink`, `Mul_mask`, `expand`, `Add`; renaming them leaves the branch unfused, and its tests fail).
 
+`lora_graph` writes such a graph of an export for a check (the verify-adapters stage, the TensorRT engine's), beside
+a hard link of the export's weights.
+
 Written here by hand: onnx and onnx_ir have graph editing, not a LoRA rewrite, and ONNX Runtime's own
 adapters (onnxruntime-genai's og.Adapters) swap one adapter's weights per generator, not per token.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Sequence
+
 from onnx import ModelProto, TensorProto, helper
+
+from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, ONNX_NAME
 
 from llmc.compiler.lora import experts
 from llmc.runtime.kernels.moe_lora_fusion import base_rows_nodes, quantized_branch
@@ -157,3 +169,28 @@ def _branch_nodes(site: Site, base: str) -> list:
         helper.make_node("MatMul", [f"{p}/h_own", b_name(site)], [f"{p}/delta"], name=f"{p}/expand"),
         helper.make_node("Add", [base, f"{p}/delta"], [site.y], name=f"{p}/Add"),
     ]
+
+
+@contextlib.contextmanager
+def lora_graph(export_graph: Path, sites: Sequence[Site], folder: Path) -> Iterator[Path]:
+    """The export's graph with a branch beside each site, saved in a temporary folder under `folder` beside a hard link
+    of the export's weights file (ONNX Runtime refuses a symbolic link out of the model's folder; across file systems
+    the folder goes beside the export instead, never a copy), removed after."""
+    import onnx
+
+    graph = onnx.load(str(export_graph), load_external_data=False)  # its weights stay in the export's data file
+    add_lora_branches(graph, list(sites))
+    data = export_graph.parent / EXTERNAL_DATA_NAME
+    tmp = Path(tempfile.mkdtemp(prefix=".llmc-lora-", dir=folder))
+    try:
+        if data.is_file():
+            try:
+                os.link(data, tmp / EXTERNAL_DATA_NAME)
+            except OSError:
+                shutil.rmtree(tmp)
+                tmp = Path(tempfile.mkdtemp(prefix=".llmc-lora-", dir=export_graph.parent))
+                os.link(data, tmp / EXTERNAL_DATA_NAME)
+        onnx.save(graph, str(tmp / ONNX_NAME))
+        yield tmp / ONNX_NAME
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -16,8 +16,9 @@ export, or its weight-only form: quantization keeps the sites' tensor names).
     <version>/lora_scales.safetensors       a base AWQ scaled (weight-only modes' default): per site, what an adapter's
                                             arrays are multiplied by (fold.py), folded into the files above already
 
-What is not served yet is refused here, naming the field: Q/DQ graphs (SmoothQuant's int8, fp8), TensorRT,
-speculative decoding, tensor parallelism. The slot lowerings (export.attention: fused or reference) are served by the
+What is not served yet is refused here, naming the field: Q/DQ graphs (SmoothQuant's int8, fp8), speculative
+decoding, tensor parallelism. A TensorRT engine is built with the branch (compiler/tensorrt/stage.py), so it is the
+manifest's LoRA graph and no model_lora.onnx is written. The slot lowerings (export.attention: fused or reference) are served by the
 slot engine, the paged graph by the paged engine.
 """
 
@@ -49,11 +50,9 @@ def lora_file(model_file: str) -> str:
 
 def refusal(spec) -> str | None:
     """Why `spec`'s adapters cannot be served by this llmc (None: they can), naming the field."""
-    from llmc.compiler.spec.sections import QuantMode, Target
+    from llmc.compiler.spec.sections import QuantMode
 
     q = spec.quantization
-    if spec.target is not Target.onnxruntime:
-        return "target: tensorrt does not serve adapters yet; build with target: onnxruntime"
     if q.mode in (QuantMode.int8, QuantMode.fp8):  # before the lowering: these modes need the reference one
         return (f"quantization.mode: {q.mode.value}: adapters are not served on Q/DQ graphs yet; use mode none, "
                 f"int8-weight-only or int4-weight-only")
@@ -132,10 +131,14 @@ def package_adapters(spec, source, export_graph: Path, served_graph: Path, model
     if fold:
         scales_file = FOLD_FILE
         (version_dir / scales_file).write_bytes(fold.to_bytes())
-    graph = onnx.load(str(served_graph), load_external_data=False)  # its weights stay in the data file it names
-    add_lora_branches(graph, sites)
-    name = lora_file(model_file)
-    onnx.save(graph, str(version_dir / name))
+    from llmc.compiler.spec.sections import Target
+
+    name = model_file  # a TensorRT engine was built with the branch (compiler/tensorrt/stage.py): it is the LoRA graph
+    if spec.target is not Target.tensorrt:
+        graph = onnx.load(str(served_graph), load_external_data=False)  # its weights stay in the data file it names
+        add_lora_branches(graph, sites)
+        name = lora_file(model_file)
+        onnx.save(graph, str(version_dir / name))
     (version_dir / ADAPTERS_DIR).mkdir()
     infos = []
     for adapter in adapters:

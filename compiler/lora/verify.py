@@ -26,24 +26,19 @@ quantized build carries the same branch nodes (package.py) with AWQ's scales fol
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from llmc.compiler.artifacts import AdapterVerifyReport, ExportedModel, VerifyCase
 from llmc.compiler.graph import routing
 from llmc.compiler.graph import streamed_reference as reference
-from llmc.compiler.graph.files import EXTERNAL_DATA_NAME, ONNX_NAME
 from llmc.compiler.graph.greedy import Decoded, paged_blocks, paged_greedy, runner_greedy, torch_greedy
 from llmc.compiler.graph.segmented_candidate import continuations, forced_cases
 from llmc.compiler.graph.verify import DEFAULT_TOLERANCE, PAGED_CHUNK, ROUTING_TIE, compare, prompt_ids
-from llmc.compiler.hashing import sha256_file
-from llmc.compiler.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, Adapter
-from llmc.compiler.lora.graph import add_lora_branches
+from llmc.compiler.lora.adapter import Adapter, adapter_files
+from llmc.compiler.lora.graph import lora_graph
 from llmc.compiler.lora.package import checked_adapters
 from llmc.compiler.lora.peft_forward import peft_forward
 from llmc.compiler.lora.sites import find_sites
@@ -52,6 +47,7 @@ from llmc.compiler.spec import BuildSpec
 from llmc.compiler.stage import Context, Located, Stage, ticker
 from llmc.compiler.stream.model import StreamedModel
 from llmc.errors import UnsupportedError, VerifyError
+from llmc.plugins.op.lowering import Lowering
 from llmc.runtime.lora.sites import Site
 from llmc.runtime.lora.stacks import AdapterWeights, slot_masks, stack_slots
 from llmc.runtime.runners.ort import OrtRunner
@@ -67,31 +63,6 @@ def adapter_cases(prompts: list[list[int]], names: Sequence[str]) -> list[Case]:
     cases: list[Case] = [(f"{name}: batch-{len(prompts)}", prompts, [name] * len(prompts)) for name in names]
     cases.append((f"{MIXED}: batch-{len(prompts)}", prompts, [turns[r % len(turns)] for r in range(len(prompts))]))
     return cases
-
-
-@contextlib.contextmanager
-def lora_graph(export_graph: Path, sites: Sequence[Site], folder: Path) -> Iterator[Path]:
-    """The export's graph with a branch beside each site, saved in a temporary folder under `folder` beside a hard link
-    of the export's weights file (ONNX Runtime refuses a symbolic link out of the model's folder; across file systems
-    the folder goes beside the export instead, never a copy), removed after."""
-    import onnx
-
-    graph = onnx.load(str(export_graph), load_external_data=False)  # its weights stay in the export's data file
-    add_lora_branches(graph, list(sites))
-    data = export_graph.parent / EXTERNAL_DATA_NAME
-    tmp = Path(tempfile.mkdtemp(prefix=".llmc-lora-", dir=folder))
-    try:
-        if data.is_file():
-            try:
-                os.link(data, tmp / EXTERNAL_DATA_NAME)
-            except OSError:
-                shutil.rmtree(tmp)
-                tmp = Path(tempfile.mkdtemp(prefix=".llmc-lora-", dir=export_graph.parent))
-                os.link(data, tmp / EXTERNAL_DATA_NAME)
-        onnx.save(graph, str(tmp / ONNX_NAME))
-        yield tmp / ONNX_NAME
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def verify_adapters(exported: ExportedModel, export_dir: Path, model, tokenizer, adapters: Sequence[Adapter],
@@ -256,11 +227,11 @@ def summary(report: AdapterVerifyReport) -> str:
 # the verify-adapters stage: the LoRA graph of the export on ONNX Runtime against PyTorch with PEFT's forward
 
 def _skip(spec: BuildSpec, done: Mapping[str, Located]) -> str | None:
-    return "verify.enabled is false" if not spec.verify.enabled else None
-
-
-def _file_hash(path: Path) -> str:
-    return sha256_file(path) if path.is_file() else "missing"
+    if not spec.verify.enabled:
+        return "verify.enabled is false"
+    if not Lowering(spec.attention_lowering).runs_on_onnxruntime:
+        return "the plugin graph runs on TensorRT only; the tensorrt stage checks each adapter on the engine"
+    return None
 
 
 def _key(spec: BuildSpec, ctx: Context) -> dict:
@@ -268,10 +239,8 @@ def _key(spec: BuildSpec, ctx: Context) -> dict:
     Runtime's version."""
     import onnxruntime
 
-    return {"verify": spec.section_hash("verify"), "lora": spec.section_hash("lora"), "onnxruntime":
-            onnxruntime.__version__, "adapters": {name: {f: _file_hash(Path(folder) / f) for f in (CONFIG_FILE,
-                                                                                                   WEIGHTS_FILE)}
-                                                  for name, folder in sorted(spec.adapters.items())}}
+    return {"verify": spec.section_hash("verify"), "lora": spec.section_hash("lora"),
+            "onnxruntime": onnxruntime.__version__, "adapters": adapter_files(spec)}
 
 
 def _run(exported: Located[ExportedModel], spec: BuildSpec, ctx: Context) -> AdapterVerifyReport:

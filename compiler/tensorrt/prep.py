@@ -16,21 +16,28 @@ AutoCast then types them like any other node (an fp16 network sums fp16 partials
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from llmc.compiler.graph.files import ONNX_NAME, load_graph, save_model
 from llmc.compiler.graph.passes import deduplicate_initializers
+from llmc.compiler.lora.graph import add_lora_branches
 from llmc.plugins.op.lowering import register_schemas
 from llmc.plugins.trt import collective_node
+from llmc.runtime.lora.sites import Site
 
 FP32_OPS = ["RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"]
 
 
-def prepare_for_tensorrt(source: Path, precision: str, out_dir: Path) -> Path:
-    """Write `out_dir/model.onnx`: `source` in `precision` (fp32, fp16 or bf16)."""
+def prepare_for_tensorrt(source: Path, precision: str, out_dir: Path, lora: Sequence[Site] | None = None) -> Path:
+    """Write `out_dir/model.onnx`: `source` in `precision` (fp32, fp16 or bf16); `lora`: the sites of the spec's
+    adapters, whose branch (compiler/lora/graph.py) goes in first, so the engine takes the LoRA inputs (its stacks and
+    masks cast with the rest: in the low precision)."""
     register_schemas()  # the plugin node's types and shapes, for AutoCast's type inference
     collective_node.register_schema()
     model = load_graph(source)
     collective_node.to_dist_collectives(model)  # a split model's rank: its collectives as TensorRT's op
+    if lora:
+        add_lora_branches(model, list(lora))
     if precision != "fp32":
         import contextlib
         import io

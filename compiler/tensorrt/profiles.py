@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from typing import Sequence
 
 from llmc.compiler.spec import LimitsSpec
 from llmc.errors import EngineError
+from llmc.runtime.lora.sites import Site, a_name, b_name, mask_name, stack_shapes
 
 PREFILL_OPT_TOKENS = 512  # the prefill profile's optimum: a typical prompt chunk
 
@@ -27,10 +29,14 @@ class Profile:
     shapes: dict[str, Shapes]  # input (or pattern) -> (min, opt, max)
 
 
-def profiles(limits: LimitsSpec, num_kv_heads: int, head_dim: int, step_inputs: tuple[str, ...] = ()) -> list[Profile]:
+def profiles(limits: LimitsSpec, num_kv_heads: int, head_dim: int, step_inputs: tuple[str, ...] = (),
+             lora: tuple[Sequence[Site], int, int] | None = None) -> list[Profile]:
     """Prefill (one row, many tokens) and decode (one token per row, up to every slot) over one
     set of KV inputs `[batch, num_kv_heads, max_seq_len, head_dim]`; `step_inputs` (the layout's:
-    LongRoPE's `sequence_lengths`) are shaped as cache_position."""
+    LongRoPE's `sequence_lengths`) are shaped as cache_position. `lora`: (sites, lora.max_slots, lora.max_rank) of
+    an engine with the LoRA branch: its stacks' width from 0 (a base-only step) to every slot at the highest rank,
+    one adapter at it the optimum, and the masks [batch, seq, width] shaped as input_ids. TensorRT takes empty
+    tensors (a dimension of 0) in a profile's minimum; never run here (docs/tensorrt.md)."""
     kv = (num_kv_heads, limits.max_seq_len, head_dim)
     one_row = ((1, *kv),) * 3
     tokens, rows = limits.max_num_tokens, limits.max_batch_size
@@ -41,6 +47,18 @@ def profiles(limits: LimitsSpec, num_kv_heads: int, head_dim: int, step_inputs: 
               "past_key_values.*": ((1, *kv), (rows, *kv), (rows, *kv))}
     for name in step_inputs:
         prefill[name], decode[name] = prefill["cache_position"], decode["cache_position"]
+    if lora is not None:
+        sites, slots, rank = lora
+        for site in sites:
+            m = len(site.members)
+            widths = (0, m * rank, slots * m * rank)  # min, opt, max
+            a, b = zip(*(stack_shapes(site, w) for w in widths))
+            prefill[a_name(site)] = decode[a_name(site)] = a
+            prefill[b_name(site)] = decode[b_name(site)] = b
+        for m in sorted({len(site.members) for site in sites}):
+            lo, opt, hi = 0, m * rank, slots * m * rank
+            prefill[mask_name(m)] = tuple((*ids, w) for ids, w in zip(prefill["input_ids"], (lo, opt, hi)))
+            decode[mask_name(m)] = tuple((*ids, w) for ids, w in zip(decode["input_ids"], (lo, opt, hi)))
     return [Profile("prefill", prefill), Profile("decode", decode)]
 
 

@@ -14,11 +14,13 @@ build report; `TENSORRT` declares the stage with them. The pipeline decides the 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Callable
 
 from llmc.compiler.artifacts import EngineModel, ExportedModel, QuantizedModel, hash_outputs
+from llmc.compiler.lora.adapter import adapter_files
 from llmc.compiler.spec import BuildSpec, Target
 from llmc.compiler.stage import Context, Located, Stage
 from llmc.errors import UnsupportedError
@@ -82,8 +84,8 @@ def cache_key_parts(spec: BuildSpec) -> dict:
 
     from llmc.runtime.runners.trt import gpu_identity
 
-    return {"precision": spec.precision.value, "spec": spec.section_hash("tensorrt", "limits", "verify"),
-            "tensorrt": tensorrt.__version__, "gpu": gpu_identity()}
+    return {"precision": spec.precision.value, "spec": spec.section_hash("tensorrt", "limits", "verify", "lora"),
+            "adapters": adapter_files(spec), "tensorrt": tensorrt.__version__, "gpu": gpu_identity()}
 
 
 def carry_timing_cache(spec: BuildSpec, previous: Path, staging: Path) -> Path | None:
@@ -100,14 +102,35 @@ def carry_timing_cache(spec: BuildSpec, previous: Path, staging: Path) -> Path |
     return staging / TIMING_CACHE
 
 
+def engine_lora(spec: BuildSpec, source_info, exported: ExportedModel, export_dir: Path):
+    """The spec's adapters as the engine takes them (verify_engine.EngineLora), or None without adapters: read and
+    checked against the base (compiler/lora/package.py), the sites found on the export's graph."""
+    if not spec.adapters:
+        return None
+    import onnx
+
+    from llmc.compiler.lora.package import checked_adapters, meta_model
+    from llmc.compiler.lora.sites import find_sites
+    from llmc.compiler.lora.stacks import site_arrays
+    from llmc.compiler.tensorrt.verify_engine import EngineLora
+
+    hf = meta_model(source_info)
+    adapters, _ = checked_adapters(spec, source_info, hf)
+    sites = find_sites(onnx.load(str(export_dir / exported.onnx), load_external_data=False), hf)
+    return EngineLora(sites, spec.lora.max_slots, spec.lora.max_rank, {a.name: site_arrays(sites, a) for a in adapters})
+
+
 def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, exported: ExportedModel, spec: BuildSpec,
                 out_dir: Path, *, inputs_hash: str, load_model: Callable[[], tuple], source_hash: str,
-                timing_cache: Path | None = None, progress: Callable[[int, int], None] | None = None) -> EngineModel:
+                timing_cache: Path | None = None, progress: Callable[[int, int], None] | None = None,
+                lora=None) -> EngineModel:
     """Build `out_dir/model.plan` from `source` (in `source_dir`; `exported` is the export it
     comes from) and, when verify is enabled, compare it with ONNX Runtime. `load_model` returns
     (torch model, tokenizer) and is called only for that comparison. A split export (parallel.tensor > 1;
     the spec admits the plain export only) gives one engine per rank graph, `out_dir/rank{r}/model.plan`, each
-    with the rank's KV heads in its profiles and its collectives checked; the verify runs them together."""
+    with the rank's KV heads in its profiles and its collectives checked; the verify runs them together. `lora`
+    (engine_lora): the engine is built with the LoRA branch beside each site, its inputs in the profiles, and the
+    check compares each adapter too."""
     from llmc.compiler.tensorrt.collectives import expected_collectives
     from llmc.compiler.tensorrt.engine import ENGINE_NAME, build_engine
     from llmc.compiler.tensorrt.prep import prepare_for_tensorrt
@@ -119,11 +142,12 @@ def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, export
     graphs = exported.graphs(source_dir) if ranks > 1 else [source_dir / source.onnx]
     precision = spec.precision.value
     kv_heads = source.kv_layout.num_kv_heads if ranks > 1 else exported.model.num_kv_heads  # a rank's share
-    shapes = profiles(spec.limits, kv_heads, exported.model.head_dim, source.kv_layout.step_inputs)
+    shapes = profiles(spec.limits, kv_heads, exported.model.head_dim, source.kv_layout.step_inputs,
+                      lora.runner if lora else None)
     plans, info = [], None
     for rank, graph in enumerate(graphs):
         folder = out_dir / rank_folder(rank, ranks)
-        prepared = prepare_for_tensorrt(graph, precision, folder / "prepared")
+        prepared = prepare_for_tensorrt(graph, precision, folder / "prepared", lora.sites if lora else None)
         info = build_engine(prepared, shapes, spec.tensorrt, precision, folder, timing_cache, progress=progress,
                             collectives=expected_collectives(prepared))
         shutil.rmtree(folder / "prepared")  # the engine holds the weights
@@ -137,14 +161,38 @@ def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, export
         torch_model, tokenizer = load_model()
         scratch = out_dir / "reference"
         reference = reference_graph(source, source_dir, exported, torch_model, tokenizer, scratch, source_hash)
-        verified = verify_engine([out_dir / plan for plan in plans], layout, info, reference, tokenizer,
-                                 exported.model.vocab_size, spec, progress)
+        with _lora_reference(reference, lora, torch_model, out_dir) as (reference, lora):
+            verified = verify_engine([out_dir / plan for plan in plans], layout, info, reference, tokenizer,
+                                     exported.model.vocab_size, spec, progress, lora)
         if scratch.is_dir():  # the plugin lowering's fused stand-in
             shutil.rmtree(scratch)
     engine = EngineModel(inputs_hash=inputs_hash, files=hash_outputs(out_dir, plans), plan=ENGINE_NAME,
                          kv_layout=layout, tensorrt=info, verified=verified, tensor_parallel=ranks)
     engine.save(out_dir)
     return engine
+
+
+@contextlib.contextmanager
+def _lora_reference(reference: tuple[Path, object], lora, torch_model, folder: Path):
+    """(`reference`, `lora`) as the engine check takes them: with adapters, the reference graph with the same branch
+    (compiler/lora/graph.py: lora_graph; its sites found on it, the engine's by name) for the block's length."""
+    if lora is None:
+        yield reference, None
+        return
+    import dataclasses
+
+    import onnx
+
+    from llmc.compiler.lora.sites import find_sites
+    from llmc.compiler.lora.graph import lora_graph
+
+    sites = find_sites(onnx.load(str(reference[0]), load_external_data=False), torch_model)
+    if [(s.name, s.in_features, s.out_features) for s in sites] != \
+            [(s.name, s.in_features, s.out_features) for s in lora.sites]:
+        raise UnsupportedError(f"the ONNX Runtime reference graph {reference[0].name} has other LoRA sites than the "
+                               f"engine's graph; its adapters cannot be compared")
+    with lora_graph(reference[0], sites, folder) as graph:
+        yield (graph, reference[1]), dataclasses.replace(lora, reference_sites=sites)
 
 
 def summary(engine: EngineModel) -> str:
@@ -161,7 +209,8 @@ def _run(source: Located, spec: BuildSpec, ctx: Context) -> EngineModel:
     exported = ctx.done["export"]
     return make_engine(source.artifact, source.folder, exported.artifact, spec, ctx.out,
                        inputs_hash=ctx.inputs_hash, load_model=ctx.model, source_hash=ctx.source_hash,
-                       timing_cache=carry_timing_cache(spec, ctx.previous, ctx.out), progress=ctx.progress)
+                       timing_cache=carry_timing_cache(spec, ctx.previous, ctx.out), progress=ctx.progress,
+                       lora=engine_lora(spec, ctx.source, exported.artifact, exported.folder))
 
 
 TENSORRT = Stage("tensorrt", describe=lambda spec: f"building the TensorRT engine ({spec.precision.value})",

@@ -12,6 +12,12 @@ engine's prefill profile (one row), one-token steps its decode profile; each pro
 execution context, and everything runs on one CUDA stream (`execute_async_v3`). `close()` frees
 the device buffers, the contexts, the engine and the stream.
 
+With `lora` (an engine built from a LoRA graph: compiler/tensorrt/stage.py) each step binds the LoRA inputs too: the
+stacks of its rows' distinct adapters (runtime/lora/stacks.py: StepStacks, copied to the GPU only when the set
+changes) and a mask row per token, [n, S, width], in the engine's types, into buffers allocated once at the largest
+width (lora.max_slots x the site's modules x lora.max_rank). A base-only step binds stacks zero slots wide. Written
+against TensorRT's API like the rest of this module, never run (docs/tensorrt.md).
+
 `check_engine(info, ...)` refuses, before deserializing, an engine built by another TensorRT
 version (unless version-compatible) or for another GPU generation, or whose attention plugin's PTX this
 driver or GPU cannot run (trt_ptx.py), with a message that says which and why.
@@ -20,10 +26,13 @@ driver or GPU cannot run (trt_ptx.py), with a message that says which and why.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from llmc.runtime.layout import ITEMSIZE, SEQUENCE_LENGTHS, KVLayout, check_step, step_lengths
+from llmc.runtime.lora.sites import Site, a_name, b_name, mask_name, stack_shapes
+from llmc.runtime.lora.stacks import AdapterWeights, StepStacks
 from llmc.runtime.manifest import TensorRTInfo
 from llmc.runtime.runners.protocol import RunnerClosed
 from llmc.runtime.runners.trt_ptx import ptx_problem
@@ -130,7 +139,8 @@ class TrtRunner:
     """A `Runner` on a TensorRT engine, its KV cache on the GPU."""
 
     def __init__(self, engine_path: Path, layout: KVLayout, *, max_batch: int, capacity: int, max_num_tokens: int,
-                 info: TensorRTInfo | None = None):
+                 info: TensorRTInfo | None = None, lora: tuple[Sequence[Site], int, int] | None = None):
+        """`lora`: (the sites, lora.max_slots, lora.max_rank) of an engine built with the LoRA branch."""
         try:
             import tensorrt as trt
 
@@ -169,6 +179,53 @@ class TrtRunner:
         if layout.step_inputs:  # LongRoPE's sequence_lengths
             self._seq_lens = _ok(cudart.cudaMalloc(max_batch * 8))
             self._io += (self._seq_lens,)
+        self.lora, self._lora_buffers, self._lora_stacked = None, {}, -1
+        if lora is not None:
+            sites, max_slots, max_rank = lora
+            self.lora = StepStacks(sites)
+            for site in sites:
+                widest = stack_shapes(site, max_slots * len(site.members) * max_rank)
+                for name, shape in zip((a_name(site), b_name(site)), widest):
+                    self._lora_buffers[name] = self._lora_malloc(name, int(np.prod(shape)))
+            for members in sorted({len(site.members) for site in sites}):
+                widest = max(tokens, max_batch) * max_slots * members * max_rank
+                self._lora_buffers[mask_name(members)] = self._lora_malloc(mask_name(members), widest)
+
+    def _lora_malloc(self, name: str, elements: int) -> int:
+        """A device buffer for the LoRA input `name`, `elements` of the engine's type for it (one at least)."""
+        ptr = _ok(_cuda().cudaMalloc(max(elements, 1) * np.dtype(self._dtype(name)).itemsize))
+        self._io += (ptr,)
+        return ptr
+
+    def _dtype(self, name: str):
+        """The numpy type the engine takes `name` in (bfloat16: its bits, uint16)."""
+        dtype = self.engine.get_tensor_dtype(name)
+        return np.uint16 if dtype == self.trt.bfloat16 else self.trt.nptype(dtype)
+
+    def _host(self, name: str, value: np.ndarray) -> np.ndarray:
+        """`value` (float32) in the engine's type for `name`, contiguous."""
+        dtype = self._dtype(name)
+        if dtype is np.uint16:  # bfloat16: the high half of each float32, rounded to nearest even
+            bits = np.ascontiguousarray(value, np.float32).view(np.uint32)
+            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.ascontiguousarray(value, dtype=dtype)
+
+    def _bind_lora(self, context, adapters, shape: tuple[int, int], h2d) -> list[np.ndarray]:
+        """Bind the step's LoRA inputs on `context`; the host arrays the queued copies read (kept until the step
+        syncs)."""
+        cudart = _cuda()
+        inputs = self.lora.inputs(list(adapters) if adapters is not None else [None] * shape[0], shape)
+        restacked = self.lora.num_stackings != self._lora_stacked
+        self._lora_stacked = self.lora.num_stackings
+        held = []
+        for name, value in inputs.items():
+            if restacked or name.startswith("lora_mask"):  # the stacks stay on the GPU while the set stays
+                host = self._host(name, value)
+                held.append(host)
+                _ok(cudart.cudaMemcpyAsync(self._lora_buffers[name], host.ctypes.data, host.nbytes, h2d, self.stream))
+            context.set_input_shape(name, value.shape)
+            context.set_tensor_address(name, self._lora_buffers[name])
+        return held
 
     def close(self) -> None:
         """Wait for the stream, then free the KV cache and the step buffers, destroy the execution
@@ -190,9 +247,13 @@ class TrtRunner:
         _ok(cudart.cudaStreamDestroy(stream))
 
     def step(self, input_ids: np.ndarray, cache_position: np.ndarray, first_row: int = 0,
-             sequence_lengths: np.ndarray | None = None) -> np.ndarray:
+             sequence_lengths: np.ndarray | None = None,
+             adapters: Sequence[AdapterWeights | None] | None = None) -> np.ndarray:
+        """`adapters`: each row's LoRA adapter (None: the base), for an engine built with the LoRA branch."""
         if self.stream is None:
             raise RunnerClosed("step on a closed TrtRunner")
+        if self.lora is None and adapters is not None and any(a is not None for a in adapters):
+            raise ValueError("a step with LoRA adapters on an engine built without the LoRA branch")
         cudart = _cuda()
         h2d, d2h, d2d = (cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost,
                          cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice)
@@ -221,6 +282,7 @@ class TrtRunner:
             context.set_tensor_address(past, rows)
             context.set_tensor_address(present, out)
         context.set_tensor_address("logits", self._logits)
+        held = self._bind_lora(context, adapters, (n, s), h2d) if self.lora is not None else []
         if not context.execute_async_v3(self.stream):
             raise RuntimeError("TensorRT failed to run the step (see the log)")
         if self.scratch is not None:
@@ -229,6 +291,7 @@ class TrtRunner:
         logits = np.empty((n, s, self.vocab_size), dtype=self._logits_type)
         _ok(cudart.cudaMemcpyAsync(logits.ctypes.data, self._logits, logits.nbytes, d2h, self.stream))
         _ok(cudart.cudaStreamSynchronize(self.stream))
+        del held  # the LoRA inputs' host copies, read by the copies queued above
         if self._logits_type is np.uint16:  # bfloat16: the high half of a float32
             return (logits.astype(np.uint32) << 16).view(np.float32)
         return logits.astype(np.float32, copy=False)

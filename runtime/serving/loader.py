@@ -6,7 +6,7 @@ and engine class; `ServingLoop.from_manifest` (loop.py) serves what it loads.
                                     a TensorParallelRunner when the model is split over ranks; with `lora`, the
                                     runner also holds the LoRA graph and the engine the adapters (lora_engine_parts)
     tensorrt                        SlotEngine over a TrtRunner, or over a TrtTensorParallelRunner (one GPU a rank)
-                                    when the model is split over ranks
+                                    when the model is split over ranks; with `lora`, the engine has the LoRA inputs
     onnxruntime                     SlotEngine over an OrtRunner; with `lora`, over the LoRA graph's session
                                     (one for base and adapter rows) and the engine the adapters
 """
@@ -47,8 +47,9 @@ def slot_engine(folder: Path, m: RepositoryManifest, tokenizer) -> Engine:
     elif m.target == "tensorrt":
         from llmc.runtime.runners.trt import TrtRunner
 
+        lora = (m.lora.sites, m.lora.max_slots, m.lora.max_rank) if m.lora is not None else None  # in the engine
         runner = TrtRunner(folder / m.model_file, m.kv_layout, max_batch=lim.max_batch_size,
-                           capacity=lim.max_seq_len, max_num_tokens=lim.max_num_tokens, info=m.tensorrt)
+                           capacity=lim.max_seq_len, max_num_tokens=lim.max_num_tokens, info=m.tensorrt, lora=lora)
     else:
         from llmc.runtime.runners.ort import OrtRunner
 

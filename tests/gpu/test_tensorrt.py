@@ -41,3 +41,36 @@ def test_tiny_engine_builds_verifies_packages_and_decodes_like_onnxruntime(tiny_
     rebuilt = build(spec, output=tmp_path / "out")  # unchanged: the engine is reused
     assert {s.name: s.status for s in rebuilt.stages}["tensorrt"] == "cached"
     np.testing.assert_equal(rebuilt.tensorrt.tensorrt.profiles, result.tensorrt.tensorrt.profiles)
+
+
+def test_an_engine_with_lora_adapters_verifies_each_and_serves_them_mixed(tiny_llama, tmp_path):
+    """The tiny Llama's engine built with two PEFT adapters (docs/tensorrt.md: the LoRA inputs in its profiles): the
+    tensorrt stage compares each adapter with ONNX Runtime's LoRA graph, the manifest names the engine as the LoRA
+    graph, and the slot engine serves base and adapter rows in one batch as ONNX Runtime's slot engine does."""
+    import sys
+    from pathlib import Path
+
+    sys.path.append(str(Path(__file__).parents[1] / "e2e" / "lora"))
+    from lora_build import SPEC, engine_greedy, two_adapters
+
+    from llmc.compiler import build
+    from llmc.compiler.spec import parse_spec
+    from llmc.runtime.serving.loader import load
+
+    adapters = two_adapters(tiny_llama, tmp_path)
+    runs = [([5, 9, 200, 17], None), ([5, 9, 200, 17], "a"), (list(range(1, 20)), "b")]
+    got = {}
+    for target in ("tensorrt", "onnxruntime"):
+        fields = {"target": "tensorrt", "precision": "fp16"} if target == "tensorrt" else \
+            {"export": {"attention": "fused"}}
+        result = build(parse_spec({"name": "tiny", "source": str(tiny_llama), **SPEC, **fields, "adapters": adapters}),
+                       output=tmp_path / target)
+        if target == "tensorrt":
+            assert "adapter a: " in result.tensorrt.verified and "adapter b: " in result.tensorrt.verified
+            assert result.manifest.lora.lora_file == result.manifest.model_file
+        engine = load(result.repository / "tiny" / "1")[0]
+        try:
+            got[target] = engine_greedy(engine, runs, 8)
+        finally:
+            engine.close()
+    assert got["tensorrt"] == got["onnxruntime"]

@@ -20,6 +20,12 @@ SPEC = {"limits": {"max_batch_size": 4, "max_seq_len": 128, "max_num_tokens": 64
         "lora": {"max_slots": 2, "max_rank": 16, "max_host_adapters": 2}}
 
 
+def two_adapters(checkpoint: Path, root: Path) -> dict[str, str]:
+    """Adapters A and B made by PEFT on `checkpoint` in `root`: {name: folder}, as a spec's `adapters:` takes them."""
+    return {"a": str(make_adapter(checkpoint, root / "a", 1, **ADAPTER_A)),
+            "b": str(make_adapter(checkpoint, root / "b", 2, **ADAPTER_B))}
+
+
 def lora_build(tmp_path_factory, checkpoint: Path):
     """(the build's version folder, {adapter name: its PEFT folder}): made by the first worker that asks."""
     from llmc.compiler import build

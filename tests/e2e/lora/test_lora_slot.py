@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_build import ADAPTER_A, ADAPTER_B, SPEC, engine_greedy, make_adapter, peft_greedy
+from lora_build import SPEC, engine_greedy, peft_greedy, two_adapters
 
 PROMPTS = [[5, 17, 99, 3, 42, 200, 7, 8, 9, 10, 11], [11, 12, 13, 14, 60, 61]]
 MAX_TOKENS = 10
@@ -21,10 +21,9 @@ def built(tiny_checkpoints, tmp_path_factory):
 
     checkpoint = tiny_checkpoints["llama"]
     root = tmp_path_factory.mktemp("lora-slot")
-    adapters = {"a": make_adapter(checkpoint, root / "a", 1, **ADAPTER_A),
-                "b": make_adapter(checkpoint, root / "b", 2, **ADAPTER_B)}
+    adapters = two_adapters(checkpoint, root)
     spec = parse_spec({"name": "tiny_slot", "source": str(checkpoint), **SPEC, "export": {"attention": "fused"},
-                       "adapters": {k: str(v) for k, v in adapters.items()}})
+                       "adapters": adapters})
     out = root / "out"
     build(spec, output=out)
     return out, out / "model_repository" / "tiny_slot" / VERSION, adapters, checkpoint

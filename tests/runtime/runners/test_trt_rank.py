@@ -12,7 +12,7 @@ import types
 
 import numpy as np
 import pytest
-from test_trt_runner import _Cuda as _RuntimeCuda
+from trt_stand_ins import Cuda as _RuntimeCuda
 
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.runners.parallel import trt_rank as trt_parallel
@@ -81,7 +81,7 @@ def test_the_capsule_holds_the_pointer_under_tensorrts_name():
 
 
 class _Cuda(_RuntimeCuda):
-    """test_trt_runner.py's cuda-python stand-in, with the device each rank selects recorded (and synchronizing not)."""
+    """tests/trt_stand_ins.py's cuda-python stand-in, with the device each rank selects recorded (and synchronizing not)."""
 
     def cudaSetDevice(self, device):
         self.events.append(f"device {device}")

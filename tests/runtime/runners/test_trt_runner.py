@@ -1,66 +1,16 @@
-"""TrtRunner as a Runner (runtime/runners/protocol.py), over stand-ins for TensorRT and cuda-python that
-record what it allocates and frees: close() frees every device buffer once, the contexts before the
+"""TrtRunner as a Runner (runtime/runners/protocol.py), over stand-ins for TensorRT and cuda-python
+(tests/trt_stand_ins.py) that record what it allocates and frees: close() frees every device buffer once, the contexts before the
 engine before its runtime, the stream last. The real engine runs in test_tensorrt.py, on a GPU."""
 
 import sys
-import types
 
 import numpy as np
 import pytest
 
+from trt_stand_ins import Cuda, tensorrt
+
 from llmc.runtime.layout import KVLayout
 from llmc.runtime.runners.protocol import Runner, RunnerClosed
-
-
-class _Cuda:
-    """cuda-python's runtime calls TrtRunner makes, each returning (error, *values) as cuda-python does."""
-
-    class cudaMemcpyKind:
-        cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice = 1, 2, 3
-
-    def __init__(self, events: list[str]):
-        self.events, self.live, self.next = events, set(), 0x1000
-
-    def cudaMalloc(self, size):
-        self.next += size + 256
-        self.live.add(self.next)
-        return 0, self.next
-
-    def cudaMemset(self, ptr, value, size):
-        return (0,)
-
-    def cudaFree(self, ptr):
-        self.live.remove(ptr)  # a pointer freed twice, or never allocated, fails here
-        return (0,)
-
-    def cudaStreamCreate(self):
-        return 0, "stream"
-
-    def cudaStreamSynchronize(self, stream):
-        self.events.append("synchronized")
-        return (0,)
-
-    def cudaStreamDestroy(self, stream):
-        self.events.append(f"{stream} destroyed")
-        return (0,)
-
-
-def _tensorrt(events: list[str]):
-    """TensorRT's runtime objects; each records when its last reference goes (when TensorRT frees it)."""
-    def freed(name):
-        return {"__del__": lambda self: events.append(f"{name} freed")}
-
-    context = type("Context", (), {**freed("context"), "set_optimization_profile_async": lambda self, p, s: True})
-    engine = type("Engine", (), {**freed("engine"), "create_execution_context": lambda self: context(),
-                                 "get_tensor_shape": lambda self, name: (-1, -1, 50),
-                                 "get_tensor_dtype": lambda self, name: "float16"})
-    runtime = type("Runtime", (), {**freed("runtime"), "__init__": lambda self, logger: None,
-                                   "deserialize_cuda_engine": lambda self, data: engine()})
-    trt = types.ModuleType("tensorrt")
-    trt.__version__, trt.bfloat16, trt.nptype = "10.14.1", "bfloat16", lambda dtype: np.float16
-    trt.Logger = type("Logger", (), {"WARNING": 2, "__init__": lambda self, severity: None})
-    trt.Runtime = runtime
-    return trt
 
 
 @pytest.mark.parametrize("in_place", [True, False])
@@ -68,8 +18,8 @@ def test_trt_runner_close_frees_every_device_buffer_and_the_engine_once(monkeypa
     from llmc.runtime.runners import trt as trt_runner
 
     events = []
-    cuda = _Cuda(events)
-    monkeypatch.setitem(sys.modules, "tensorrt", _tensorrt(events))
+    cuda = Cuda(events)
+    monkeypatch.setitem(sys.modules, "tensorrt", tensorrt(events))
     monkeypatch.setattr(trt_runner, "_cuda", lambda: cuda)
     monkeypatch.setattr(trt_runner, "gpu_identity", lambda: ("NVIDIA H100", 90))
     (tmp_path / "model.plan").write_bytes(b"plan")
