@@ -25,8 +25,9 @@ A site that sees only some tokens' rows (the LM head: `rows` = logits_indices) r
 that input, one node before its branch: `lora/<site>/mask` = Gather(mask, logits_indices), [L, S*M*R].
 x and y keep the projection's own shapes (the paged graph's tokens: [1, N, in] or [N, in]); the mask [N, S*M*R]
 broadcasts over the leading 1. A slot graph's (the TensorRT target's, and the fused and reference lowerings on ONNX
-Runtime) are [batch, seq, in], and its masks [batch, seq, S*M*R]: a row per token as well. S and R are dynamic: a step binds only the adapters its tokens use (S >= 1, the
-distinct ones) padded to the highest rank among them (R >= 1, zeros beyond a module's rank), not lora.max_slots x
+Runtime) are [batch, seq, in], and its masks [batch, seq, S*M*R]: a row per token as well. S and R are dynamic: a
+step binds only the adapters its tokens use (S >= 1, the distinct ones; 0 for a step with none, where one graph serves
+both) padded to the highest rank among them (R >= 1, zeros beyond a module's rank), not lora.max_slots x
 lora.max_rank. (The stacked-slot layout before it, [S, in, M*R] stacks and an int64 slot per token, was ten nodes a
 site: reshapes, a batched shrink, a transpose copy; docs/lora.md has what the change measured.)
 

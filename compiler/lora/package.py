@@ -18,8 +18,8 @@ export, or its weight-only form: quantization keeps the sites' tensor names).
 
 What is not served yet is refused here, naming the field: Q/DQ graphs (SmoothQuant's int8, fp8), speculative
 decoding, tensor parallelism. A TensorRT engine is built with the branch (compiler/tensorrt/stage.py), so it is the
-manifest's LoRA graph and no model_lora.onnx is written. The slot lowerings (export.attention: fused or reference) are served by the
-slot engine, the paged graph by the paged engine.
+manifest's LoRA graph and no model_lora.onnx is written. The slot lowerings (export.attention: fused or reference)
+are served by the slot engine, the paged graph by the paged engine.
 """
 
 from __future__ import annotations

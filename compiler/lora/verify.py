@@ -2,8 +2,9 @@
 own verify and before anything is quantized.
 
     candidate   the fp32 export with a LoRA branch beside each site (graph.py), its weights the export's (a hard link
-                beside it), run as the paged engine runs it: one session for base and adapter rows (PagedRunner's shared
-                LoRA session; llmc.LoraDelta where llmc's kernels load), rows joining a step apart, prompts in chunks
+                beside it), run as its engine runs it, one session for base and adapter rows (llmc.LoraDelta where
+                llmc's kernels load): a paged graph's rows joining a step apart, prompts in chunks (PagedRunner's
+                shared LoRA session); a slot graph's prompts each prefilled into its slot, then every row in one batch
     reference   the checkpoint's own PyTorch model with PEFT's forward of the row's adapter added (peft_forward.py),
                 each prompt alone, greedy
 
@@ -144,7 +145,8 @@ def _decoded(graph_file: Path, layout, sites, prompts, cases: list[Case], weight
                      num_blocks=sum(map(len, paged_blocks(prompts, steps, layout.block_size))))
         runner = PagedRunner(graph_file, layout, prepack=False, lora=(graph_file, list(sites)),
                              share_lora_session=True, **sizes)
-        drive = lambda batch, names: paged_greedy(runner, batch, steps, tick, PAGED_CHUNK, adapters=rows(names))  # noqa: E731
+        drive = lambda batch, names: paged_greedy(  # noqa: E731
+            runner, batch, steps, tick, PAGED_CHUNK, adapters=rows(names))
     else:
         runner = OrtRunner(graph_file, layout, max_batch=len(prompts), capacity=max(map(len, prompts)) + steps,
                            num_threads=num_threads, prepack=False, lora=list(sites))

@@ -82,7 +82,8 @@ def reference_graph(source: ExportedModel | QuantizedModel, source_dir: Path, ex
 
 def engine_runner(plans: list[Path], layout: KVLayout, info: TensorRTInfo, lora=None, **sizes) -> Runner:
     """The runner of the engine `plans` (one per rank: a split model's run together, TrtTensorParallelRunner);
-    `lora`: (sites, max_slots, max_rank) of an engine built with the LoRA branch (one rank: the spec refuses a split)."""
+    `lora`: (sites, max_slots, max_rank) of an engine built with the LoRA branch (one rank: adapters refuse a
+    split)."""
     if len(plans) > 1:
         from llmc.runtime.runners.parallel.trt_group import TrtTensorParallelRunner
 

@@ -16,7 +16,8 @@ prefilling sequence will overwrite next). A LongRoPE model's rows carry their se
 a sequence that grows past the switch prefills prompt and output again in its slot
 (runtime/engine/longrope.py). With `lora` (lora_slots.py: the adapter store and lora.max_slots) a request may name a
 LoRA adapter, as on the paged engine: an unknown name is refused before anything runs, the scheduler caps the running
-sequences' distinct adapters, and each row carries its sequence's adapter weights to the runner (a dummy row none). The model is a `Runner` (runtime/runners/protocol.py): its `rows`
+sequences' distinct adapters, and each row carries its sequence's adapter weights to the runner (a dummy row none).
+The model is a `Runner` (runtime/runners/protocol.py): its `rows`
 are the slots, its `capacity` the longest sequence. The requests are the `EngineCore`'s (core.py):
 `add_request` and `cancel` may be called from other threads; `step` belongs to one loop thread.
 """

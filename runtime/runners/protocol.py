@@ -11,7 +11,9 @@ runs a contiguous range of slots, `first_row .. first_row + n`, each on its own 
 Row i's S tokens take positions `cache_position[i] ..+S` of slot `first_row + i`, whose earlier
 positions hold what earlier steps wrote. `sequence_lengths` matters to LongRoPE graphs only
 (runtime/layout.py): row i's whole sequence length, which picks its RoPE table; left out, it is
-`cache_position[i] + S`, the row's tokens taken as its whole sequence. `close()` frees the model and the cache (device memory for
+`cache_position[i] + S`, the row's tokens taken as its whole sequence. A runner over a LoRA graph (its `lora` set:
+OrtRunner, TrtRunner) also takes `adapters`, each row's adapter weights (None: the base); the others take none.
+`close()` frees the model and the cache (device memory for
 TensorRT); a closed runner cannot step. Implemented by `OrtRunner` (runtime/runners/ort.py, ONNX
 Runtime, cache in host memory) and `TrtRunner` (runtime/runners/trt.py, TensorRT, cache on the GPU).
 """

@@ -50,7 +50,7 @@ def is_control(inputs: Mapping[str, np.ndarray]) -> bool:
 
 class LoraAdmin:
     def __init__(self, engine, lock: threading.Lock):
-        """`engine`: a PagedEngine serving adapters (engine.lora); `lock`: the loop's, held while requests are
+        """`engine`: a paged or slot engine serving adapters (engine.lora); `lock`: the loop's, held while requests are
         queued, so a request never resolves an adapter an unload is taking away."""
         self.engine, self.lock = engine, lock
         self._scratch: Path | None = None  # this model's copies of the adapters loaded at run time

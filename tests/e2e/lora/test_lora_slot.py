@@ -75,3 +75,27 @@ def test_an_unknown_adapter_is_refused_before_anything_runs(engine):
     with pytest.raises(UnknownAdapter, match="nope"):
         engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2), adapter="nope")
     assert not engine.has_work
+
+
+def test_an_adapter_loaded_at_run_time_serves_on_the_slot_engine(built, tiny_checkpoints, tmp_path):
+    """The serving loop's adapter admin (runtime/serving/lora_admin.py) on the slot engine: a PEFT adapter converted
+    and loaded while serving gives PEFT's greedy tokens."""
+    from test_lora_runtime_load import PROMPT, control, generate
+
+    from lora_build import ADAPTER_A, make_adapter
+    from llmc.compiler.lora.convert import convert
+    from llmc.runtime.decoding.tokenizer import encode, load
+    from llmc.runtime.manifest import RepositoryManifest
+    from llmc.runtime.serving.loop import ServingLoop
+
+    _, version, _, checkpoint = built
+    folder = make_adapter(checkpoint, tmp_path / "c", 10, **ADAPTER_A)
+    data = convert("c", folder, RepositoryManifest.load(version).lora)[0]
+    want = peft_greedy(checkpoint, {"c": folder}, [(encode(load(version / "tokenizer.json"), PROMPT), "c")], 12)[0]
+    loop = ServingLoop.from_manifest(version).start()
+    try:
+        result, error = control(loop, {"op": "load"}, data)
+        assert error is None and result["loaded"] == "c"
+        assert generate(loop, lora_name="c", max_tokens=12).wait().ids == want
+    finally:
+        loop.stop()
