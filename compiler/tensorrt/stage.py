@@ -187,8 +187,8 @@ def _lora_reference(reference: tuple[Path, object], lora, torch_model, folder: P
     from llmc.compiler.lora.graph import lora_graph
 
     sites = find_sites(onnx.load(str(reference[0]), load_external_data=False), torch_model)
-    if [(s.name, s.in_features, s.out_features) for s in sites] != \
-            [(s.name, s.in_features, s.out_features) for s in lora.sites]:
+    if {(s.name, s.in_features, s.out_features, s.members) for s in sites} != \
+            {(s.name, s.in_features, s.out_features, s.members) for s in lora.sites}:
         raise UnsupportedError(f"the ONNX Runtime reference graph {reference[0].name} has other LoRA sites than the "
                                f"engine's graph; its adapters cannot be compared")
     with lora_graph(reference[0], sites, folder) as graph:
