@@ -72,6 +72,15 @@ def stack_slots(sites: Sequence[Site], adapters: Sequence[AdapterWeights], rank:
     return feeds
 
 
+def empty_stacks(sites: Sequence[Site]) -> dict[str, np.ndarray]:
+    """Every site's stacks zero slots wide: what a step with no adapter binds."""
+    stacks = {}
+    for site in sites:
+        a_shape, b_shape = stack_shapes(site, 0)
+        stacks[a_name(site)], stacks[b_name(site)] = np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)
+    return stacks
+
+
 def fill_slot(sites: Sequence[Site], feeds: dict[str, np.ndarray], s: int, adapter: AdapterWeights,
               rank: int) -> None:
     """Write `adapter` into slot `s` of flat stacks made by stack_slots at `rank` (the adapter's within it), in place:
@@ -117,15 +126,8 @@ class StepStacks:
         self.sites = list(sites)
         self.bound: tuple[AdapterRef, ...] = ()
         self.rank = 0
-        self.stacks = self._empty()
+        self.stacks = empty_stacks(self.sites)
         self.num_stackings = 0  # times the set changed and the stacks were rebuilt (what a device copy follows)
-
-    def _empty(self) -> dict[str, np.ndarray]:
-        stacks = {}
-        for site in self.sites:
-            a_shape, b_shape = stack_shapes(site, 0)
-            stacks[a_name(site)], stacks[b_name(site)] = np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)
-        return stacks
 
     def inputs(self, adapters: Sequence[AdapterWeights | None], shape: tuple[int, int]) -> dict[str, np.ndarray]:
         """The LoRA inputs of a step of `shape` (n rows, S tokens each), row i under `adapters[i]` (None: the base)."""
@@ -136,7 +138,7 @@ class StepStacks:
         if set(distinct) != set(self.bound):
             ordered = sorted(distinct.values(), key=lambda a: (a.ref.name, a.ref.digest))
             self.rank = max((a.rank for a in ordered), default=0)
-            self.stacks = stack_slots(self.sites, ordered, self.rank) if ordered else self._empty()
+            self.stacks = stack_slots(self.sites, ordered, self.rank) if ordered else empty_stacks(self.sites)
             self.bound = tuple(a.ref for a in ordered)
             self.num_stackings += 1
         slot = {ref: k for k, ref in enumerate(self.bound)}

@@ -27,8 +27,8 @@ from typing import Sequence
 
 import numpy as np
 
-from llmc.runtime.lora.sites import OLD_SLOTS, Site, a_name, b_name, mask_names, stack_shapes
-from llmc.runtime.lora.stacks import AdapterWeights, fill_slot, slot_masks, stack_slots
+from llmc.runtime.lora.sites import OLD_SLOTS, Site, a_name, b_name, mask_names
+from llmc.runtime.lora.stacks import AdapterWeights, empty_stacks, fill_slot, slot_masks, stack_slots
 
 
 class LoraGraph:
@@ -66,10 +66,7 @@ class LoraGraph:
         if not distinct and not self.shared:
             raise ValueError("a step with no adapter runs the base graph, not the LoRA graph")
         if not distinct and not self._stacks:  # the first step, base-only: stacks of no slot at all
-            for site in self.sites:
-                a_shape, b_shape = stack_shapes(site, 0)
-                self._stacks[a_name(site)], self._stacks[b_name(site)] = np.zeros(a_shape, np.float32), \
-                    np.zeros(b_shape, np.float32)
+            self._stacks = empty_stacks(self.sites)
             for name, value in self._stacks.items():
                 self.binding.bind_cpu_input(name, value)
         elif distinct and not (set(distinct) <= set(self._bound) if self.keep_stale else

@@ -169,8 +169,7 @@ class TrtRunner:
         self.cache = DeviceKVCache(layout, max_batch, capacity)
         self.scratch = None if layout.in_place else DeviceKVCache(layout, max_batch, capacity)
         self.vocab_size = int(self.engine.get_tensor_shape("logits")[-1])
-        self._logits_type = trt.nptype(self.engine.get_tensor_dtype("logits")) \
-            if self.engine.get_tensor_dtype("logits") != trt.bfloat16 else np.uint16
+        self._logits_type = self._dtype("logits")
         tokens = max(max_num_tokens, max_batch)
         self._ids = _ok(cudart.cudaMalloc(tokens * 8))
         self._positions = _ok(cudart.cudaMalloc(max_batch * 8))
