@@ -79,6 +79,11 @@ def check_memory(stage_peaks: dict[str, int], available: int | None, *, ignore: 
         raise ResourceError(reason)
 
 
+# return_freed_memory's floor: a build whose weights are smaller frees less than this a stage, not worth the full
+# garbage collection it starts with (0.5 s or more with PyTorch loaded: a fifth of a tiny model's whole build).
+TRIM_FLOOR = 256 * 2**20
+
+
 def return_freed_memory() -> bool:
     """Hand the memory a finished stage freed back to the system, so that the next stage starts from what is
     still held. Python frees a stage's arrays into glibc's heaps, which keep freed chunks for reuse rather than

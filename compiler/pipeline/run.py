@@ -22,7 +22,7 @@ from llmc.compiler.artifacts import Artifact
 from llmc.compiler.graph.files import EXTERNAL_THRESHOLD
 from llmc.compiler.hashing import code_hash, hash_json
 from llmc.compiler.pipeline.disk import DiskPlan, check_disk
-from llmc.compiler.pipeline.memory import return_freed_memory
+from llmc.compiler.pipeline.memory import TRIM_FLOOR, return_freed_memory
 from llmc.compiler.pipeline.plan import BUILD_PEAK, check_plan_memory, plan_build
 from llmc.compiler.pipeline.stages import STAGES
 from llmc.compiler.repository.package import REPOSITORY_DIR
@@ -112,9 +112,10 @@ def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package"
     stages = [s for s in STAGES[:STAGE_NAMES.index(until) + 1]
               if s.applies(spec) and (until == STAGE_NAMES[-1] or not s.for_package)]
     names = [s.name for s in stages]
-    layers, disk = spec.source.load is SourceLoad.layers, None
+    layers, disk, trim = spec.source.load is SourceLoad.layers, None, False
     if any(name in BUILD_PEAK for name in names):  # from the config alone: before hashing or loading weights
         plan = plan_build(spec, output)
+        trim = plan.weights_bytes >= TRIM_FLOOR
         check_plan_memory(plan, names, ignore=ignore_memory_check)
         layers = plan.load == "layers"
         disk = None if ignore_disk_check else replace(plan.disk, stages={
@@ -128,7 +129,8 @@ def build(spec: BuildSpec, *, output: Path | None = None, until: str = "package"
             run.stage(stage)
             if not any(later.loads_model for later in stages[i + 1:]):
                 run.model.release()  # the PyTorch weights (as large as the graph's) leave before quantize
-            return_freed_memory()  # what the stage freed leaves the process before the next one's peak
+            if trim and run.result.stages[-1].status == "ran":
+                return_freed_memory()  # what the stage freed leaves the process before the next one's peak
             if stage.opens:  # the checkpoint is known: the limits it decides, then every later check
                 run.source_found(run.result.artifacts[stage.name].artifact, stages[i + 1:])
         run.write_record()

@@ -66,6 +66,8 @@ class AdapterStore:
             if task_id is not None:
                 self._tasks[task_id] = ref.name
             if weights is not None and ref not in self._resident and self._room():
+                while len(self._resident) >= self.capacity:  # room made by an adapter no request holds
+                    self._evict_one()
                 self._resident[ref] = weights
 
     def replace(self, ref: AdapterRef, path: Path, weights: AdapterWeights | None = None,

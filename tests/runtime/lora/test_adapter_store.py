@@ -61,6 +61,21 @@ def test_the_store_evicts_the_least_recently_released_adapter_no_request_holds()
         store.resolve("d")
 
 
+def test_an_adapter_registered_with_its_weights_keeps_the_store_within_capacity():
+    store, loads = store_of(2, "a", "b")
+    a, b = store.resolve("a"), store.resolve("b")
+    store.pin(a)
+    store.pin(b)
+    store.unpin(b)
+    store.register(AdapterRef("c", "d0"), "/nowhere/c", weights("c"))  # read already (a run-time load)
+    c = store.resolve("c")
+    assert store.resident == [a, c] and loads == ["a", "b"]  # b, held by no request, made room
+    store.register(AdapterRef("d", "d0"), "/nowhere/d", weights("d"))
+    assert len(store.resident) == 2 and store.resident[0] == a  # c went; a is held
+    store.pin(c)  # read back from its file
+    assert loads == ["a", "b", "c"]
+
+
 def test_an_adapter_in_use_is_not_unloaded_under_its_request():
     store, _ = store_of(2, "a")
     ref = store.resolve("a")
