@@ -214,6 +214,11 @@ def test_bench_lora_tiny(monkeypatch, tiny_checkpoints, tmp_path):
     assert result["held"] == 3 and result["held_bytes"] > 0
     assert 0 < result["load_s"]["convert"] <= result["load_s"]["until_served"] < result["load_s"]["until_first_token"]
     assert result["ttft_s"]["first_request"] > 0 and result["ttft_s"]["warm_adapter"] > 0
+    run_bench(monkeypatch, "lora", "--checkpoint", str(tiny_checkpoints["qwen3_moe"]), "--passes", "1", "--streams",
+              "3", "--prompt-tokens", "8", "--new-tokens", "3", "--rank", "4", "--adapters", "2", "--held", "3",
+              "--threads", "1", "--mode", "int4-weight-only", "--out", str(tmp_path), "--loading-only")  # built: reused
+    result = json.loads((tmp_path / "lora.json").read_text())
+    assert "tok_s" not in result and "lockstep" not in result and result["ttft_first/warm"] > 0
 
 
 @smokes("moe")

@@ -25,10 +25,11 @@ turn, each engine's tok/s over its own steps' time. A load change then slows bot
 
 Then, once: --held adapters loaded at run time through the serving loop's control requests (runtime/serving/
 lora_admin.py) and held in host memory at once (their bytes); one more adapter from its PEFT folder on disk until it
-serves (convert + load, target < 1 s at 0.5B rank 16), and the first request's TTFT on it against a warm adapter's
-(target <= 1.2x), medians over --passes.
+serves (converted in a process of its own, as `llmc adapters load` does, then loaded; target < 1 s at 0.5B rank 16),
+and the first request's TTFT on it against a warm adapter's (target <= 1.2x), medians over --passes.
 
     .venv/bin/python -m llmc.bench lora [--passes 3] [--streams 16] [--held 32] [--checkpoint DIR] [--mode int4-weight-only]
+    .venv/bin/python -m llmc.bench lora --loading-only ...      # only the held adapters, the load and the TTFTs
     LLMC_LORA_FUSION=0 .venv/bin/python -m llmc.bench lora ...   # the four-node branch instead of llmc.LoraDelta
 Writes build/bench/lora.json (`lora_fusion`: whether the LoRA graph's sites ran fused).
 """
@@ -59,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--mode", default="none", choices=["none", "int8-weight-only", "int4-weight-only"],
                    help="the base's quantization.mode (weight-only: a mixture's experts become QMoE)")
+    p.add_argument("--loading-only", action="store_true",
+                   help="only the adapters held, one loaded from disk and the TTFTs (no throughput passes)")
     p.add_argument("--out", type=Path, default=BENCH)
 
 
@@ -221,17 +224,21 @@ def run(args) -> dict:
                "one_adapter": (enabled, [names[0]] * args.streams),
                "four_adapters": (enabled, [names[i % min(4, len(names))] for i in range(args.streams)])}
     throughput(enabled, prompts(2), [None, names[0]], 2)  # warm both sessions
-    runs = Runs("8.1f", 14)
-    found = passes({k: (lambda p, k=k: throughput(traffic[k][0], prompts(args.streams), traffic[k][1],
-                                                  args.new_tokens)) for k in CONTENDERS}, args.passes,
-                   lambda p, name, value: runs.record(f"{name} tok/s", value))
     result = {"environment": environment(), "checkpoint": args.checkpoint.name, "mode": args.mode,
-              "tok_s": medians(found), "resident_at_open": memory,
-              "ratios": {"base_enabled/base": median_ratio(found["base_enabled"], found["base"]),
-                         "four_adapters/base": median_ratio(found["four_adapters"], found["base"]),
-                         "one_adapter/base": median_ratio(found["one_adapter"], found["base"]),
-                         "four_adapters/one_adapter": median_ratio(found["four_adapters"], found["one_adapter"])}}
-    result["lockstep"] = lockstep_passes(args, traffic, prompts)
+              "resident_at_open": memory}
+    if not args.loading_only:
+        runs = Runs("8.1f", 14)
+        found = passes({k: (lambda p, k=k: throughput(traffic[k][0], prompts(args.streams), traffic[k][1],
+                                                      args.new_tokens)) for k in CONTENDERS}, args.passes,
+                       lambda p, name, value: runs.record(f"{name} tok/s", value))
+        result["tok_s"] = medians(found)
+        result["ratios"] = {"base_enabled/base": median_ratio(found["base_enabled"], found["base"]),
+                            "four_adapters/base": median_ratio(found["four_adapters"], found["base"]),
+                            "one_adapter/base": median_ratio(found["one_adapter"], found["base"]),
+                            "four_adapters/one_adapter": median_ratio(found["four_adapters"], found["one_adapter"])}
+        result["lockstep"] = lockstep_passes(args, traffic, prompts)
+    else:
+        throughput(enabled, prompts(4), names[:4], 4)  # every slot bound, as after the traffic
     plain.close()
     result.update(held_and_loaded(args, enabled, version, adapters[-1], tokenizer, prompts))
     enabled.close()
@@ -244,18 +251,38 @@ def run(args) -> dict:
     return result
 
 
-def held_and_loaded(args, engine, version: Path, peft_folder: Path, tokenizer, prompts) -> dict:
-    """--held adapters loaded at run time and held at once; one more from disk until it serves; TTFTs."""
-    import numpy as np
+IDLE = 0.5  # seconds the engine waits before each TTFT measured: the same idle spell before the first and the warm
 
+
+def _converted(root: str, model: str, name: str, folder: str) -> tuple[bytes, float]:
+    """In the converting process (the operator's, as `llmc adapters load` converts): the adapter file's bytes and the
+    seconds convert took."""
     from llmc.fleet.adapters import Served, convert
     from llmc.fleet.localstore import LocalStore
+
+    served = Served.read(LocalStore(Path(root)), model)  # as `llmc adapters load` reads it
+    start = time.perf_counter()
+    data = convert(served, name, Path(folder))  # an AWQ base's fold included
+    return data, time.perf_counter() - start
+
+
+def held_and_loaded(args, engine, version: Path, peft_folder: Path, tokenizer, prompts) -> dict:
+    """--held adapters loaded at run time and held at once; one more from disk until it serves; TTFTs.
+
+    The PEFT folder is converted in a process of its own, as `llmc adapters load` converts it outside the server: the
+    torch work would otherwise run in the serving process, where a served model never runs it. Each TTFT starts after the same pause (IDLE): on this host the first step after an
+    idle spell runs up to 1.7x slower than one right after another, with an adapter or without, which would otherwise
+    be charged to the first request (it follows the load) and not to the warm one (it follows the first)."""
+    import multiprocessing
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+
+    import numpy as np
+
     from llmc.runtime.lora.files import adapter_bytes
     from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights
     from llmc.runtime.serving.lora_admin import LoraAdmin
-    import threading
 
-    served = Served.read(LocalStore(version.parents[1]), version.parent.name)  # as `llmc adapters load` reads it
     admin = LoraAdmin(engine, threading.Lock())
     template = engine.lora.store.pin(engine.lora.store.resolve("a0"))
     engine.lora.store.unpin(template.ref)
@@ -270,16 +297,20 @@ def held_and_loaded(args, engine, version: Path, peft_folder: Path, tokenizer, p
     for r in held:
         store.unpin(r)
     loads, cold, warm = [], [], []
-    for p in range(args.passes):
-        start = time.perf_counter()
-        data = convert(served, f"disk{p}", peft_folder)  # an AWQ base's fold included
-        converted = time.perf_counter() - start
-        admin.load(data, None)
-        loads.append((converted, time.perf_counter() - start))
-        cold.append(ttft(engine, prompts(1)[0], f"disk{p}"))
-        warm.append(ttft(engine, prompts(1)[0], f"disk{p}"))
+    where = (str(version.parents[1]), version.parent.name)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as operator:
+        operator.submit(_converted, *where, "warmup", str(peft_folder)).result()  # its imports, once
+        for p in range(args.passes):
+            data, converted = operator.submit(_converted, *where, f"disk{p}", str(peft_folder)).result()
+            start = time.perf_counter()
+            admin.load(data, None)
+            loads.append((converted, converted + time.perf_counter() - start))
+            time.sleep(IDLE)
+            cold.append(ttft(engine, prompts(1)[0], f"disk{p}"))
+            time.sleep(IDLE)
+            warm.append(ttft(engine, prompts(1)[0], f"disk{p}"))
     admin.close()
     return {**out, "load_s": {"convert": median(c for c, _ in loads), "until_served": median(t for _, t in loads),
-                       "until_first_token": median(t + c for (_, t), c in zip(loads, cold))},
+                              "until_first_token": median(t + c for (_, t), c in zip(loads, cold))},
             "ttft_s": {"first_request": median(cold), "warm_adapter": median(warm)},
             "ttft_first/warm": median_ratio(cold, warm)}
