@@ -270,9 +270,10 @@ def held_and_loaded(args, engine, version: Path, peft_folder: Path, tokenizer, p
     """--held adapters loaded at run time and held at once; one more from disk until it serves; TTFTs.
 
     The PEFT folder is converted in a process of its own, as `llmc adapters load` converts it outside the server: the
-    torch work would otherwise run in the serving process, where a served model never runs it. Each TTFT starts after the same pause (IDLE): on this host the first step after an
-    idle spell runs up to 1.7x slower than one right after another, with an adapter or without, which would otherwise
-    be charged to the first request (it follows the load) and not to the warm one (it follows the first)."""
+    torch work would otherwise run in the serving process, where a served model never runs it. Each TTFT starts after
+    the same pause (IDLE): on the shared 2-core hosts measured, the first step after an idle spell ran up to 1.7x
+    slower than one right after another, with an adapter or without, which would otherwise be charged to the first
+    request (it follows the load) and not to the warm one (it follows the first)."""
     import multiprocessing
     import threading
     from concurrent.futures import ProcessPoolExecutor
