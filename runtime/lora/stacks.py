@@ -63,10 +63,7 @@ def stack_slots(sites: Sequence[Site], adapters: Sequence[AdapterWeights], rank:
             raise ValueError(f"adapter {adapter.ref.name!r}: no site {', '.join(unknown)} in this graph")
         if adapter.rank > r_max:
             raise ValueError(f"adapter {adapter.ref.name!r} has rank {adapter.rank}, above the stacks' {r_max}")
-    feeds = {}
-    for site in sites:
-        a_shape, b_shape = stack_shapes(site, len(adapters) * len(site.members) * r_max)
-        feeds[a_name(site)], feeds[b_name(site)] = np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)
+    feeds = _zeros(sites, len(adapters), r_max)
     for s, adapter in enumerate(adapters):
         fill_slot(sites, feeds, s, adapter, r_max)
     return feeds
@@ -74,9 +71,14 @@ def stack_slots(sites: Sequence[Site], adapters: Sequence[AdapterWeights], rank:
 
 def empty_stacks(sites: Sequence[Site]) -> dict[str, np.ndarray]:
     """Every site's stacks zero slots wide: what a step with no adapter binds."""
+    return _zeros(sites, 0, 0)
+
+
+def _zeros(sites: Sequence[Site], slots: int, rank: int) -> dict[str, np.ndarray]:
+    """Every site's flat stacks, all 0, `slots` slots at `rank` wide."""
     stacks = {}
     for site in sites:
-        a_shape, b_shape = stack_shapes(site, 0)
+        a_shape, b_shape = stack_shapes(site, slots * len(site.members) * rank)
         stacks[a_name(site)], stacks[b_name(site)] = np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)
     return stacks
 
