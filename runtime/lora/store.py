@@ -66,8 +66,7 @@ class AdapterStore:
             if task_id is not None:
                 self._tasks[task_id] = ref.name
             if weights is not None and ref not in self._resident and self._room():
-                while len(self._resident) >= self.capacity:  # room made by an adapter no request holds
-                    self._evict_one()
+                self._make_room()
                 self._resident[ref] = weights
 
     def replace(self, ref: AdapterRef, path: Path, weights: AdapterWeights | None = None,
@@ -134,8 +133,7 @@ class AdapterStore:
                     raise UnknownAdapter(f"lora_name: adapter {ref.name!r} (digest {ref.digest[:12]}) was unloaded")
                 weights = self._load(ref, path)
                 self.num_loads += 1
-                while len(self._resident) >= self.capacity:
-                    self._evict_one()
+                self._make_room()
                 self._resident[ref] = weights
             self._pins[ref] = self._pins.get(ref, 0) + 1
             self._resident.move_to_end(ref)
@@ -183,6 +181,8 @@ class AdapterStore:
                      "resident": ref in self._resident, "running": self._pins.get(ref, 0),
                      "draining": name in self._draining} for name, ref in sorted(self._catalog.items())]
 
-    def _evict_one(self) -> None:
-        victim = next(r for r in self._resident if not self._pins.get(r))
-        del self._resident[victim]
+    def _make_room(self) -> None:
+        """Evict the least recently released adapters no request holds until one more fits (call when `_room()`)."""
+        while len(self._resident) >= self.capacity:
+            victim = next(r for r in self._resident if not self._pins.get(r))
+            del self._resident[victim]
