@@ -8,14 +8,20 @@ sequences' distinct adapters are every step's.
 
 A sequence holds its adapter from admission until it finishes, is cancelled or is preempted (it holds it again
 when it is admitted again).
+
+An adapter loaded while the model serves (runtime/serving/lora_admin.py) is `loaded` here, and written into a slot
+of the runner's LoRA graph the next time the engine has no work (`stage`, runtime/runners/paged_lora.py), so its first
+request finds it bound.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Iterable
 
 from llmc.runtime.engine.sequence import Sequence
-from llmc.runtime.lora.store import AdapterStore
+from llmc.runtime.lora.stacks import AdapterRef
+from llmc.runtime.lora.store import AdapterStore, UnknownAdapter
 
 
 class LoraSlots:
@@ -25,6 +31,8 @@ class LoraSlots:
             raise ValueError(f"max_slots ({max_slots}) must be between 1 and the store's capacity "
                              f"({store.capacity}, lora.max_host_adapters)")
         self.store, self.max_slots, self.max_rank = store, max_slots, max_rank
+        # adapters loaded at run time, not yet staged (appended by a request thread); no more than a step's slots
+        self._loaded: deque = deque(maxlen=max_slots)
 
     def fits(self, seq: Sequence, running: Iterable[Sequence]) -> bool:
         """Whether `seq` can join the running sequences without a step carrying more than `max_slots` adapters."""
@@ -45,3 +53,23 @@ class LoraSlots:
         if seq.lora is not None:
             seq.lora = None
             self.store.unpin(seq.adapter)
+
+    def loaded(self, ref: AdapterRef) -> None:
+        """`ref` was loaded while the model serves (any thread): stage it when the engine next has no work."""
+        self._loaded.append(ref)
+
+    def stage(self, graph) -> None:
+        """Write the adapters loaded since the last call into slots of `graph` (the runner's LoraGraph), on the engine's
+        thread with no request running; one unloaded or evicted from host memory meanwhile is skipped."""
+        while self._loaded:
+            ref = self._loaded.popleft()
+            if ref not in self.store.resident:
+                continue
+            try:
+                weights = self.store.pin(ref)
+            except (UnknownAdapter, RuntimeError):  # unloaded or pushed out between the check and the pin
+                continue
+            try:
+                graph.stage(weights)
+            finally:
+                self.store.unpin(ref)

@@ -117,6 +117,12 @@ class PagedEngine:
             longrope.check_beams(self.blocks.longrope_switch, len(prompt_ids), seq.beam.max_new_tokens)
         return self.core.queue(seq)
 
+    def idle(self) -> None:
+        """The serving loop has no request to run: adapters loaded at run time go into slots now (lora_slots.py), so
+        their first requests find them bound."""
+        if self.lora is not None and not self.has_work:
+            self.lora.stage(self.runner.lora)
+
     def adapter_users(self, name: str) -> tuple[int, int]:
         """(running, queued) requests under the LoRA adapter `name` (any digest): what an unload waits for."""
         return self.core.adapter_users(name)

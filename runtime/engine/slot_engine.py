@@ -69,6 +69,10 @@ class SlotEngine:
         ref = self.lora.store.resolve(adapter) if adapter is not None else None
         return self.core.queue(self.core.sequence(request_id, prompt_ids, params, logprobs, guide, ref))
 
+    def idle(self) -> None:
+        """Nothing to do between requests: a slot runner's LoRA stacks follow each step's adapters (runtime/lora/
+        stacks.py: StepStacks), so there is no slot to fill ahead of a request."""
+
     def adapter_users(self, name: str) -> tuple[int, int]:
         """(running, queued) requests under the LoRA adapter `name` (any digest): what an unload waits for."""
         return self.core.adapter_users(name)

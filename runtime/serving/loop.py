@@ -202,6 +202,7 @@ class ServingLoop:
         while not self._stopping.is_set():
             self._wake.clear()
             if not self.engine.has_work:
+                self.engine.idle()  # an adapter loaded meanwhile goes into a slot (runtime/engine/lora_slots.py)
                 self._wake.wait(0.1)
                 continue
             self._poll_cancellations()

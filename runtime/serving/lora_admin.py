@@ -4,9 +4,10 @@ loop (loop.py): a request carrying `lora_control`, JSON, and for a load the adap
 writing the adapter into the repository's store, where replicas started later read it (loader.py).
 
     {"op": "load", "lora_task_id": N?}       check the adapter (runtime/lora/check.py), keep its file in this model's
-                                             scratch folder, serve it (warm: its weights stay in host memory). The
-                                             same name with the same digest: nothing changes; another digest: the
-                                             new weights replace the old ones, refused while requests use the old
+                                             scratch folder, serve it (warm: its weights stay in host memory, and go
+                                             into a slot when the loop next idles). The same name with the same
+                                             digest: nothing changes; another digest: the new weights replace the
+                                             old ones, refused while requests use the old
     {"op": "unload", "name": X, "wait": S}   forget it; while requests use it: refused at once (wait 0), or no new
                                              request takes it and it goes when they end, within S seconds
     {"op": "list"}                           the adapters served and the limits
@@ -128,6 +129,7 @@ class LoraAdmin:
                 path.unlink(missing_ok=True)
                 raise ControlError(f"lora_control: {err}" if not isinstance(err, AdapterInUse) else f"in use: {err}")
             self._forget(old, keep=path)
+            self.engine.lora.loaded(ref)  # into a slot when the engine next has no work: its first request finds it
         return {"loaded": ref.name, "digest": ref.digest, "rank": weights.rank, "lora_task_id": task_id,
                 "replaced": old.digest if old is not None and old != ref else None,
                 "seconds": time.perf_counter() - start}

@@ -99,6 +99,32 @@ def test_a_slot_rewritten_in_place_serves_the_new_adapter(built, engine, tiny_ch
         lora.keep_stale = kept
 
 
+def test_a_staged_adapter_takes_the_slot_read_longest_ago(built, engine, tiny_checkpoints):
+    """An adapter staged ahead of its first request (what the serving loop does while idle: paged_lora.py) overwrites
+    the slot read longest ago; the adapter still bound keeps serving PEFT's tokens, the one pushed out is written back
+    when asked for, and one above the slots' rank is not staged."""
+    from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights
+
+    _, adapters = built
+    lora, store = engine.runner.lora, engine.lora.store
+    want = peft_greedy(tiny_checkpoints["llama"], adapters, [(PROMPTS[1], "a"), (PROMPTS[1], "b")], MAX_TOKENS)
+    kept, lora.keep_stale = lora.keep_stale, True
+    try:
+        generate(engine, [(PROMPTS[1], "a"), (PROMPTS[1], "b")])  # both bound
+        assert generate(engine, [(PROMPTS[1], "b")]) == [want[1]]  # a's slot is now the one read longest ago
+        a = store.pin(store.resolve("a"))
+        store.unpin(a.ref)
+        c = AdapterWeights(AdapterRef("c", "c" * 64), a.rank, {k: (x * 2, y) for k, (x, y) in a.sites.items()})
+        slot_a, stagings = [r.name for r in lora.bound].index("a"), lora.num_stagings
+        assert lora.stage(c) and lora.num_stagings == stagings + 1
+        assert lora.bound[slot_a] == c.ref and "b" in [r.name for r in lora.bound]
+        assert not lora.stage(c) and not lora.stage(AdapterWeights(AdapterRef("d", "d" * 64), 16, {}))
+        assert generate(engine, [(PROMPTS[1], "b")]) == [want[1]]
+        assert generate(engine, [(PROMPTS[1], "a")]) == [want[0]]  # written back over c's slot
+    finally:
+        lora.keep_stale = kept
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_base_only_steps_on_one_session_or_two(built, shared):
     """Where the sites run fused (the default), the LoRA graph's session runs base-only steps too and no session

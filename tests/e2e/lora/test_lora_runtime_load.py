@@ -8,6 +8,7 @@ stays."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -105,6 +106,22 @@ def test_a_loaded_adapter_serves_peft_tokens_and_a_reload_serves_the_new_weights
     new = generate(loop, lora_name="c").wait().ids
     assert new == expected(built, tiny_checkpoints, peft_c[1]) != want
     assert blocks.prefix_hits == before  # the old weights' blocks are never a hit for the new ones
+
+
+def test_the_loop_puts_a_loaded_adapter_into_a_slot_before_its_first_request(loop, built, peft_c, tiny_checkpoints):
+    """While it has no work, the loop writes an adapter loaded at run time into a slot (runtime/engine/lora_slots.py):
+    its first request binds nothing new and serves PEFT's tokens. The four-node branch, whose stacks follow each step's
+    adapters, stages nothing."""
+    lora = loop.engine.runner.lora
+    assert control(loop, {"op": "load"}, converted(built, peft_c[0]))[1] is None
+    deadline = time.monotonic() + 10
+    while lora.keep_stale and not lora.num_stagings and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (lora.num_stagings, [r.name for r in lora.bound]) == ((1, ["c"]) if lora.keep_stale else (0, []))
+    stacked = lora.num_stackings, lora.num_refills
+    assert generate(loop, lora_name="c").wait().ids == expected(built, tiny_checkpoints, peft_c[0])
+    if lora.keep_stale:
+        assert (lora.num_stackings, lora.num_refills) == stacked  # its first step found it bound
 
 
 def test_an_unload_while_a_request_uses_the_adapter_is_refused_or_waits(loop, built, peft_c):
