@@ -211,9 +211,13 @@ def test_bench_lora_tiny(monkeypatch, tiny_checkpoints, tmp_path):
     assert result["manifest_sites"] == 3 * 2 + 3 + 1 + 2 * 2
     assert set(result["tok_s"]) == {"base", "base_enabled", "one_adapter", "four_adapters"}
     assert all(v > 0 for v in result["tok_s"].values()) and result["ratios"]["four_adapters/base"] > 0
+    # two pairs of engines (the default), each ratio taken within a pair and pooled
+    assert result["copies"] == 2 and all(len(v) == 2 and min(v) > 0 for v in result["by_pair"].values())
+    assert len(result["lockstep"]["per_pass"]["base_enabled"]) == 2
     assert result["held"] == 3 and result["held_bytes"] > 0
     assert 0 < result["load_s"]["convert"] <= result["load_s"]["until_served"] < result["load_s"]["until_first_token"]
     assert result["ttft_s"]["first_request"] > 0 and result["ttft_s"]["warm_adapter"] > 0
+    assert result["ttft_s"]["first_request_busy"] > 0 and result["staged"] == (1 if result["lora_fusion"] else 0)
     run_bench(monkeypatch, "lora", "--checkpoint", str(tiny_checkpoints["qwen3_moe"]), "--passes", "1", "--streams",
               "3", "--prompt-tokens", "8", "--new-tokens", "3", "--rank", "4", "--adapters", "2", "--held", "3",
               "--threads", "1", "--mode", "int4-weight-only", "--out", str(tmp_path), "--loading-only")  # built: reused

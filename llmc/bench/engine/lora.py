@@ -23,10 +23,17 @@ under each other contender's traffic (`lockstep`): both engines' requests sent a
 turn, each engine's tok/s over its own steps' time. A load change then slows both alike, and the ratios
 (`lockstep.ratios`) are medians of per-pass ratios over steps interleaved within milliseconds.
 
-Then, once: --held adapters loaded at run time through the serving loop's control requests (runtime/serving/
-lora_admin.py) and held in host memory at once (their bytes); one more adapter from its PEFT folder on disk until it
-serves (converted in a process of its own, as `llmc adapters load` does, then loaded; target < 1 s at 0.5B rank 16),
-and the first request's TTFT on it against a warm adapter's (target <= 1.2x), medians over --passes.
+An engine's speed also depends on where its allocations land: two identical plain engines opened one after the other
+ran 5.6% and 4.8% apart on an AMX host, the second-opened faster. So the bench opens --copies pairs of engines, in
+turns that balance the order (enabled then base, base then enabled, ...: positions 1+4 against 2+3 for two pairs),
+runs every contender on every pair each pass, and takes each ratio within a pair; the medians pool the pairs
+(`by_pair`: each pair's own, which shows what the order was worth).
+
+Then, once (lora_loading.py): --held adapters loaded at run time through the serving loop's control requests
+(runtime/serving/lora_admin.py) and held in host memory at once (their bytes); one more adapter from its PEFT folder
+on disk until it serves (converted in a process of its own, as `llmc adapters load` does, then loaded; target < 1 s
+at 0.5B rank 16), and the first request's TTFT on it against a warm adapter's (target <= 1.2x), medians over
+--passes.
 
     .venv/bin/python -m llmc.bench lora [--passes 3] [--streams 16] [--held 32] [--checkpoint DIR] [--mode int4-weight-only]
     .venv/bin/python -m llmc.bench lora --loading-only ...      # only the held adapters, the load and the TTFTs
@@ -42,7 +49,8 @@ import time
 from pathlib import Path
 
 from llmc.bench.builds import BENCH, SMOLLM2
-from llmc.bench.harness import Runs, environment, median, median_ratio, medians, passes, prompt_for, write_json
+from llmc.bench.engine.lora_loading import held_and_loaded
+from llmc.bench.harness import Runs, UsageError, environment, median, passes, prompt_for, write_json
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONTENDERS = ("base", "base_enabled", "one_adapter", "four_adapters")
@@ -58,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapters", type=int, default=4, help="adapters built in (the four_adapters traffic's)")
     p.add_argument("--held", type=int, default=32, help="adapters loaded at run time and held at once")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--copies", type=int, default=2,
+                   help="pairs of engines (adapter-enabled and base) opened in balanced order; ratios pool them")
     p.add_argument("--mode", default="none", choices=["none", "int8-weight-only", "int4-weight-only"],
                    help="the base's quantization.mode (weight-only: a mixture's experts become QMoE)")
     p.add_argument("--loading-only", action="store_true",
@@ -116,27 +126,43 @@ def resident() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def engines(version: Path):
-    """(the adapter-enabled engine, an engine over the same graph without the LoRA graph), tokenizer, and what each
-    added to the resident set when it was opened (its sessions' packed weights, mainly; bytes)."""
+def engines(version: Path, copies: int):
+    """`copies` pairs of (the adapter-enabled engine, an engine over the same graph without the LoRA graph), opened in
+    turns that balance the order (pair k opens the enabled engine first when k is even), the tokenizer, and what each
+    of the first pair added to the resident set when it was opened (its sessions' packed weights, mainly; bytes)."""
+    from llmc.runtime.decoding.tokenizer import load as load_tokenizer
+    from llmc.runtime.manifest import RepositoryManifest
+    from llmc.runtime.serving.loader import load
+
+    tokenizer = load_tokenizer(version / RepositoryManifest.load(version).tokenizer)
+    pairs, memory = [], {}
+    for k in range(copies):
+        opened = {}
+        for kind in ("enabled", "base") if k % 2 == 0 else ("base", "enabled"):
+            before = resident()
+            opened[kind] = load(version)[0] if kind == "enabled" else plain_engine(version, tokenizer)
+            memory.setdefault(f"{kind}_bytes", resident() - before)
+        pairs.append((opened["enabled"], opened["base"]))
+    memory["enabled_sessions"] = 1 if pairs[0][0].runner.lora.shared else 2
+    return pairs, tokenizer, memory
+
+
+def plain_engine(version: Path, tokenizer):
+    """An engine over `version`'s graph without the LoRA graph, as loader.py makes one: what a build without adapters
+    serves."""
     from llmc.runtime.engine.paged_engine import PagedEngine
     from llmc.runtime.manifest import RepositoryManifest
     from llmc.runtime.runners.paged import PagedRunner
-    from llmc.runtime.serving.loader import load
 
-    before = resident()
-    enabled, tokenizer, _ = load(version)
-    m, lim = RepositoryManifest.load(version), RepositoryManifest.load(version).limits
-    between = resident()
-    runner = PagedRunner(version / m.model_file, m.kv_layout, num_blocks=enabled.runner.num_blocks,
-                         max_num_tokens=lim.max_num_tokens, num_threads=lim.num_threads)
-    memory = {"enabled_bytes": between - before, "base_bytes": resident() - between,
-              "enabled_sessions": 1 if enabled.runner.lora.shared else 2}
-    plain = PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
-                        max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
-                        max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching,
-                        itl_ratio=lim.itl_ratio, max_beam_width=lim.max_beam_width)  # as loader.py makes it
-    return enabled, plain, tokenizer, memory
+    m = RepositoryManifest.load(version)
+    lim = m.limits
+    blocks = -(-lim.kv_cache_tokens // m.kv_layout.block_size)
+    runner = PagedRunner(version / m.model_file, m.kv_layout, num_blocks=blocks, max_num_tokens=lim.max_num_tokens,
+                         num_threads=lim.num_threads)
+    return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
+                       max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
+                       max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching,
+                       itl_ratio=lim.itl_ratio, max_beam_width=lim.max_beam_width)  # as loader.py makes it
 
 
 def throughput(engine, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> float:
@@ -149,19 +175,6 @@ def throughput(engine, prompts: list[list[int]], names: list[str | None], new_to
     while engine.has_work:
         tokens += sum(len(o.token_ids) for o in engine.step())
     return tokens / (time.perf_counter() - start)
-
-
-def ttft(engine, ids: list[int], name: str | None) -> float:
-    from llmc.runtime.decoding.sampling import SamplingParams
-
-    start = time.perf_counter()
-    engine.add_request(f"t{start}", ids, SamplingParams(max_tokens=1, temperature=0.0), adapter=name)
-    first = None
-    while engine.has_work:
-        outs = engine.step()
-        if first is None and any(o.token_ids for o in outs):
-            first = time.perf_counter() - start
-    return first
 
 
 def lockstep(runs: list[tuple], new_tokens: int) -> list[float]:
@@ -187,59 +200,85 @@ def lockstep(runs: list[tuple], new_tokens: int) -> list[float]:
     return [t / s for t, s in zip(tokens, spent)]
 
 
-def lockstep_passes(args, traffic: dict, prompts) -> dict:
-    """Each pass: the base engine (base traffic) in lockstep with the enabled engine under each other contender's
-    traffic, the pairs in an order that turns pass by pass; ratios to the base engine's tok/s in the same pair."""
-    plain = traffic["base"][0]
-    pairs = {k: (lambda p, k=k: lockstep([(plain, prompts(args.streams), [None] * args.streams),
-                                          (traffic[k][0], prompts(args.streams), traffic[k][1])], args.new_tokens))
-             for k in CONTENDERS[1:]}
-    runs = Runs("8.3f", 30)
-    found = passes(pairs, args.passes, lambda p, name, v: runs.record(f"lockstep {name} / base", v[1] / v[0]))
-    ratio = {k: [v[1] / v[0] for v in found[k]] for k in found}
-    return {"tok_s": {k: {"base": median(v[0] for v in found[k]), k: median(v[1] for v in found[k])} for k in found},
-            "ratios": {"base_enabled/base": median(ratio["base_enabled"]),
-                       "four_adapters/base": median(ratio["four_adapters"]),
-                       "one_adapter/base": median(ratio["one_adapter"]),
-                       "four_adapters/one_adapter": median_ratio(ratio["four_adapters"], ratio["one_adapter"])},
-            "per_pass": ratio}
+RATIOS = (("base_enabled", "base"), ("four_adapters", "base"), ("one_adapter", "base"),
+          ("four_adapters", "one_adapter"))
+
+
+def ratios(found: dict[str, list[float]], copies: int) -> tuple[dict, dict]:
+    """Each of RATIOS from `found` (keyed `<contender> <pair>`, a value a pass): the median over every pass and pair
+    of the numerator over the denominator in the same pass and pair, and each pair's own median."""
+    pooled, by_pair = {}, {}
+    for num, den in RATIOS:
+        per = [[a / b for a, b in zip(found[f"{num} {k}"], found[f"{den} {k}"])] for k in range(copies)]
+        pooled[f"{num}/{den}"] = median(r for pair in per for r in pair)
+        by_pair[f"{num}/{den}"] = [median(pair) for pair in per]
+    return pooled, by_pair
+
+
+def lockstep_passes(args, traffic: list[dict], prompts) -> dict:
+    """Each pass, on every pair: the base engine (base traffic) in lockstep with the enabled engine under each other
+    contender's traffic, in an order that turns pass by pass; each ratio to the base engine's tok/s in the same run."""
+    def paired(kind: str, k: int):
+        plain, enabled = traffic[k]["base"][0], traffic[k][kind]
+        return lambda p: lockstep([(plain, prompts(args.streams), [None] * args.streams),
+                                   (enabled[0], prompts(args.streams), enabled[1])], args.new_tokens)
+
+    runs = Runs("8.3f", 32)
+    found = passes({f"{kind} {k}": paired(kind, k) for k in range(len(traffic)) for kind in CONTENDERS[1:]},
+                   args.passes, lambda p, name, v: runs.record(f"lockstep {name} / base", v[1] / v[0]))
+    relative = {name: [v[1] / v[0] for v in values] for name, values in found.items()}  # each to its own base run
+    relative.update({f"base {k}": [1.0] * args.passes for k in range(len(traffic))})
+    pooled, by_pair = ratios(relative, len(traffic))
+    return {"tok_s": {kind: {"base": median(v[0] for k in range(len(traffic)) for v in found[f"{kind} {k}"]),
+                             kind: median(v[1] for k in range(len(traffic)) for v in found[f"{kind} {k}"])}
+                      for kind in CONTENDERS[1:]},
+            "ratios": pooled, "by_pair": by_pair,
+            "per_pass": {kind: [r for k in range(len(traffic)) for r in relative[f"{kind} {k}"]]
+                         for kind in CONTENDERS[1:]}}
 
 
 def run(args) -> dict:
     from llmc.runtime.kernels import cpu_kernels
     from llmc.runtime.manifest import RepositoryManifest
 
+    if args.copies < 1:
+        raise UsageError(f"--copies must be at least 1 (got {args.copies})")
     print(environment())
     folder = args.out / "lora" / f"adapters-{args.checkpoint.name}-r{args.rank}"
     adapters = make_adapters(args.checkpoint, folder, args.adapters + 1, args.rank)
     version = build(args, adapters[:args.adapters])
-    enabled, plain, tokenizer, memory = engines(version)
+    pairs, tokenizer, memory = engines(version, args.copies)
     seeds = iter(range(10**6))
 
     def prompts(n):
         return [prompt_for(tokenizer, args.prompt_tokens, next(seeds) * 7 + 1000)[1] for _ in range(n)]
 
     names = [f"a{i}" for i in range(args.adapters)]
-    traffic = {"base": (plain, [None] * args.streams), "base_enabled": (enabled, [None] * args.streams),
-               "one_adapter": (enabled, [names[0]] * args.streams),
-               "four_adapters": (enabled, [names[i % min(4, len(names))] for i in range(args.streams)])}
-    throughput(enabled, prompts(2), [None, names[0]], 2)  # warm both sessions
+    traffic = [{"base": (plain, [None] * args.streams), "base_enabled": (enabled, [None] * args.streams),
+                "one_adapter": (enabled, [names[0]] * args.streams),
+                "four_adapters": (enabled, [names[i % min(4, len(names))] for i in range(args.streams)])}
+               for enabled, plain in pairs]
+    for enabled, _ in pairs:
+        throughput(enabled, prompts(2), [None, names[0]], 2)  # warm both sessions
     result = {"environment": environment(), "checkpoint": args.checkpoint.name, "mode": args.mode,
-              "resident_at_open": memory}
+              "copies": args.copies, "resident_at_open": memory}
     if not args.loading_only:
-        runs = Runs("8.1f", 14)
-        found = passes({k: (lambda p, k=k: throughput(traffic[k][0], prompts(args.streams), traffic[k][1],
-                                                      args.new_tokens)) for k in CONTENDERS}, args.passes,
-                       lambda p, name, value: runs.record(f"{name} tok/s", value))
-        result["tok_s"] = medians(found)
-        result["ratios"] = {"base_enabled/base": median_ratio(found["base_enabled"], found["base"]),
-                            "four_adapters/base": median_ratio(found["four_adapters"], found["base"]),
-                            "one_adapter/base": median_ratio(found["one_adapter"], found["base"]),
-                            "four_adapters/one_adapter": median_ratio(found["four_adapters"], found["one_adapter"])}
+        runs = Runs("8.1f", 16)
+        contenders = {f"{kind} {k}": (lambda p, t=t[kind]: throughput(t[0], prompts(args.streams), t[1],
+                                                                        args.new_tokens))
+                      for k, t in enumerate(traffic) for kind in CONTENDERS}
+        found = passes(contenders, args.passes, lambda p, name, value: runs.record(f"{name} tok/s", value))
+        result["tok_s"] = {kind: median(v for k in range(args.copies) for v in found[f"{kind} {k}"])
+                           for kind in CONTENDERS}
+        result["ratios"], result["by_pair"] = ratios(found, args.copies)
         result["lockstep"] = lockstep_passes(args, traffic, prompts)
-    else:
+    enabled = pairs[0][0]
+    for other, plain in pairs:
+        plain.close()
+        if other is not enabled:
+            other.close()
+    if args.loading_only:
         throughput(enabled, prompts(4), names[:4], 4)  # every slot bound, as after the traffic
-    plain.close()
     result.update(held_and_loaded(args, enabled, version, adapters[-1], tokenizer, prompts))
     enabled.close()
     result["lora_session_stackings"] = enabled.runner.lora.num_stackings if enabled.runner.lora else None
@@ -249,69 +288,3 @@ def run(args) -> dict:
     print(json.dumps(result, indent=1))
     write_json(args.out / "lora.json", result)
     return result
-
-
-IDLE = 0.5  # seconds the engine waits before each TTFT measured: the same idle spell before the first and the warm
-
-
-def _converted(root: str, model: str, name: str, folder: str) -> tuple[bytes, float]:
-    """In the converting process (the operator's, as `llmc adapters load` converts): the adapter file's bytes and the
-    seconds convert took."""
-    from llmc.fleet.adapters import Served, convert
-    from llmc.fleet.localstore import LocalStore
-
-    served = Served.read(LocalStore(Path(root)), model)  # as `llmc adapters load` reads it
-    start = time.perf_counter()
-    data = convert(served, name, Path(folder))  # an AWQ base's fold included
-    return data, time.perf_counter() - start
-
-
-def held_and_loaded(args, engine, version: Path, peft_folder: Path, tokenizer, prompts) -> dict:
-    """--held adapters loaded at run time and held at once; one more from disk until it serves; TTFTs.
-
-    The PEFT folder is converted in a process of its own, as `llmc adapters load` converts it outside the server: the
-    torch work would otherwise run in the serving process, where a served model never runs it. Each TTFT starts after
-    the same pause (IDLE): on the shared 2-core hosts measured, the first step after an idle spell ran up to 1.7x
-    slower than one right after another, with an adapter or without, which would otherwise be charged to the first
-    request (it follows the load) and not to the warm one (it follows the first)."""
-    import multiprocessing
-    import threading
-    from concurrent.futures import ProcessPoolExecutor
-
-    import numpy as np
-
-    from llmc.runtime.lora.files import adapter_bytes
-    from llmc.runtime.lora.stacks import AdapterRef, AdapterWeights
-    from llmc.runtime.serving.lora_admin import LoraAdmin
-
-    admin = LoraAdmin(engine, threading.Lock())
-    template = engine.lora.store.pin(engine.lora.store.resolve("a0"))
-    engine.lora.store.unpin(template.ref)
-    rng = np.random.default_rng(0)
-    for i in range(args.held):
-        sites = {s: (rng.standard_normal(a.shape, np.float32) * 0.02, rng.standard_normal(b.shape, np.float32) * 0.02)
-                 for s, (a, b) in template.sites.items()}
-        admin.load(adapter_bytes(AdapterWeights(AdapterRef(f"h{i}", f"{i:064x}"), template.rank, sites)), None)
-    store = engine.lora.store
-    held = [r for r in store.resident if r.name.startswith("h")]
-    out = {"held": len(held), "held_bytes": int(sum(store.pin(r).nbytes for r in held))}
-    for r in held:
-        store.unpin(r)
-    loads, cold, warm = [], [], []
-    where = (str(version.parents[1]), version.parent.name)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as operator:
-        operator.submit(_converted, *where, "warmup", str(peft_folder)).result()  # its imports, once
-        for p in range(args.passes):
-            data, converted = operator.submit(_converted, *where, f"disk{p}", str(peft_folder)).result()
-            start = time.perf_counter()
-            admin.load(data, None)
-            loads.append((converted, converted + time.perf_counter() - start))
-            time.sleep(IDLE)
-            cold.append(ttft(engine, prompts(1)[0], f"disk{p}"))
-            time.sleep(IDLE)
-            warm.append(ttft(engine, prompts(1)[0], f"disk{p}"))
-    admin.close()
-    return {**out, "load_s": {"convert": median(c for c, _ in loads), "until_served": median(t for _, t in loads),
-                              "until_first_token": median(t + c for (_, t), c in zip(loads, cold))},
-            "ttft_s": {"first_request": median(cold), "warm_adapter": median(warm)},
-            "ttft_first/warm": median_ratio(cold, warm)}
