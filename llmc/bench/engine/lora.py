@@ -264,9 +264,9 @@ def run(args) -> dict:
               "copies": args.copies, "resident_at_open": memory}
     if not args.loading_only:
         runs = Runs("8.1f", 16)
-        contenders = {f"{kind} {k}": (lambda p, t=t[kind]: throughput(t[0], prompts(args.streams), t[1],
-                                                                        args.new_tokens))
-                      for k, t in enumerate(traffic) for kind in CONTENDERS}
+        contenders = {f"{kind} {k}": (lambda p, run=mix[kind]: throughput(run[0], prompts(args.streams), run[1],
+                                                                            args.new_tokens))
+                      for k, mix in enumerate(traffic) for kind in CONTENDERS}
         found = passes(contenders, args.passes, lambda p, name, value: runs.record(f"{name} tok/s", value))
         result["tok_s"] = {kind: median(v for k in range(args.copies) for v in found[f"{kind} {k}"])
                            for kind in CONTENDERS}
