@@ -50,6 +50,7 @@ class Sequence:
     guide: GuideMatcher | None = None  # structured output: its grammar's state (decoding/grammar.py)
     adapter: AdapterRef | None = None  # its LoRA adapter (None: the base model)
     lora: AdapterWeights | None = None  # that adapter's weights, held while it runs (engine/lora_slots.py)
+    lora_passes: int = 0  # schedules that passed it over while its adapter waited for a slot (engine/lora_slots.py)
     text: str = ""  # everything emitted so far
     _pending: str = ""  # emitted by the last step, not yet taken by the caller
 

@@ -5,8 +5,8 @@ take the lowest free slot as soon as one frees up, so they join the running batc
 step, and a finished or cancelled sequence gives its slot back at once. Keeping slots low keeps
 the decode batch (a contiguous row range, free slots inside it riding along as dummy rows) short.
 With LoRA adapters (`lora`, lora_slots.py) a waiting request is admitted only while the running sequences' distinct
-adapters stay within `max_slots`; one that does not fit waits, and those behind it that fit go first. A running
-sequence holds its adapter's weights until it stops running.
+adapters stay within `max_slots`; one that does not fit waits, and those behind it that fit go first, until it has
+waited too long (lora_slots.py: Admission). A running sequence holds its adapter's weights until it stops running.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ class Scheduler(WaitingQueue):
 
     def admit(self) -> None:
         at = 0  # the first waiting sequence not passed over (without adapters: always the head)
+        admission = self.lora.admission() if self.lora is not None else None
         while at < len(self.waiting) and self._free:
             seq = self.waiting[at]
             if seq.is_finished:  # cancelled while waiting
                 del self.waiting[at]
                 continue
-            if self.lora is not None and not self.lora.fits(seq, self.running.values()):
-                at += 1  # its adapter waits for a slot; those behind it may fit
+            if admission is not None and not admission.admits(seq, self.running.values()):
+                at += 1  # its adapter waits for a slot (or for one that waited too long); those behind it may fit
                 continue
             del self.waiting[at]
             if self.lora is not None:

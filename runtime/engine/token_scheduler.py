@@ -29,7 +29,8 @@ once every decode row has its blocks (speculation/proposals.py).
 
 With LoRA adapters (`lora`, lora_slots.py) a waiting request is admitted only while the running sequences' distinct
 adapters stay within `max_slots` (every step carries them all); one that does not fit waits, and the requests behind
-it that fit are admitted past it. A running sequence holds its adapter's weights until it stops running.
+it that fit are admitted past it, until it has waited too long (lora_slots.py: Admission). A running sequence holds
+its adapter's weights until it stops running.
 
 A beam request (runtime/engine/beam.py) is one sequence here that counts `beam_width` rows from its
 admission on: it prefills its prompt as one row, then its beams decode as rows of their own, all
@@ -88,13 +89,14 @@ class TokenScheduler(WaitingQueue):
             if seq.num_tokens - seq.num_cached > 1 and not _forked(seq):
                 budget -= self._chunk(seq, budget, chunks)
         at = 0  # the first waiting sequence not passed over (without adapters: always the head)
+        admission = self.lora.admission() if self.lora is not None else None
         while at < len(self.waiting) and budget > 0:
             seq = self.waiting[at]
             if seq.is_finished:  # cancelled while waiting
                 del self.waiting[at]
                 continue
-            if self.lora is not None and not self.lora.fits(seq, self.running):
-                at += 1  # its adapter waits for a slot; those behind it may fit
+            if admission is not None and not admission.admits(seq, self.running):
+                at += 1  # its adapter waits for a slot (or for one that waited too long); those behind it may fit
                 continue
             if self.num_rows + seq.params.beam_width > self.max_rows or not self.blocks.can_allocate(seq):
                 break

@@ -128,3 +128,47 @@ def test_a_step_carries_at_most_max_slots_adapters_and_the_others_wait():
         scheduler.release(s)
     assert store.pins(store.resolve("a")) == 0
     assert [c.seq.request_id for c in scheduler.schedule()] == ["3", "2"] and other.lora is not None
+
+
+def test_a_request_passed_over_too_long_for_a_slot_stops_other_adapters_until_a_slot_frees():
+    """With the one slot held by a's requests, b waits while a's newcomers keep the slot busy; once b was passed over
+    `starved_after` schedules, a's newcomers wait behind it (the base model's still pass), a's running requests drain,
+    and b takes the slot before them."""
+    store, _ = store_of(2, "a", "b")
+    scheduler = TokenScheduler(BlockManager(64, 4), max_rows=8, max_num_tokens=64, max_queue_size=16, capacity=64,
+                               lora=LoraSlots(store, max_slots=1, starved_after=3))
+    a, b = store.resolve("a"), store.resolve("b")
+
+    def admitted(*new: Sequence) -> list[str]:
+        before = {s.request_id for s in scheduler.running}
+        for s in new:
+            scheduler.add(s)
+        scheduler.schedule()
+        return [s.request_id for s in scheduler.running if s.request_id not in before]
+
+    waiting = seq("b0", [3, 4], b)
+    assert admitted(seq("a0", [1, 2], a), waiting) == ["a0"] and waiting.lora_passes == 1
+    assert admitted(seq("a1", [5, 6], a)) == ["a1"] and waiting.lora_passes == 2  # a's newcomer passes b
+    assert admitted(seq("a2", [7, 8], a), seq("base", [9, 10])) == ["base"] and waiting.lora_passes == 3
+    assert [s.request_id for s in scheduler.waiting] == ["b0", "a2"]  # b waited 3 schedules: a2 waits behind it
+    for s in [s for s in scheduler.running if s.adapter == a]:
+        scheduler.release(s)
+    assert admitted() == ["b0"] and waiting.lora is not None  # b took the freed slot; a2 waits for it now
+    assert [s.request_id for s in scheduler.waiting] == ["a2"]
+
+
+def test_the_slot_scheduler_stops_other_adapters_behind_a_request_passed_over_too_long():
+    from llmc.runtime.engine.slot_scheduler import Scheduler
+
+    store, _ = store_of(2, "a", "b")
+    scheduler = Scheduler(max_batch_size=8, max_queue_size=16, lora=LoraSlots(store, max_slots=1, starved_after=2))
+    a, b = store.resolve("a"), store.resolve("b")
+    waiting = seq("b0", [3, 4], b)
+    for s in (seq("a0", [1], a), waiting, seq("a1", [2], a)):
+        scheduler.add(s)
+    scheduler.admit()  # b passed over once: a1 passes it
+    scheduler.add(seq("a2", [5], a))
+    scheduler.add(seq("base", [6]))
+    scheduler.admit()  # twice: a2 waits behind it, the base passes
+    assert sorted(s.request_id for s in scheduler.running.values()) == ["a0", "a1", "base"]
+    assert [s.request_id for s in scheduler.waiting] == ["b0", "a2"] and waiting.lora_passes == 2
