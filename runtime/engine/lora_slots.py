@@ -7,8 +7,8 @@ base model's, or an adapter already running) go first. Every running sequence de
 sequences' distinct adapters are every step's.
 
 So that it does not wait forever while requests for the running adapters keep their slots busy, a request passed
-over `starved_after` schedules (steps) in a row stops the admission of every request behind it that would hold an
-adapter (`Admission`): the running adapters drain, the first to finish frees its slot, and the waiting request takes
+over by `starved_after` schedules (steps) stops the admission of every request behind it that would hold an adapter
+(`Admission`): the running adapters drain, the first to finish frees its slot, and the waiting request takes
 it. The base model's requests still pass it; they hold no slot. (vLLM's scheduler passes such a request over for as
 long as the slots stay busy.)
 
