@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 55's GPU figures in one run: the `cuda`-marked kernel tests (tests/gpu: every kernel against the op's
+# reference, the plugins' PTX launched through the CUDA driver), then the GPU kernels' benchmark at the issue's
+# shapes (decode 32 x 4k, 8 x 32k, 64 x 8k, 1 x 128k at head_dim 128 and 256; prefill 2k/8k/32k fresh and after
+# cached tokens), its JSON and both logs in $OUT (default build/gpu-check).
+#
+# Needs an NVIDIA GPU that PyTorch sees, Triton (the `kernels` extra), pytest, and llmc importable. On a machine
+# without network (the device machines), llmc travels as a wheel:
+#
+#     here:   .venv/bin/pip wheel --no-deps -w .whl .          # .whl/ ignored (.git/info/exclude), carried
+#     there:  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+#               && PYTHONPATH=/tmp/site bash scripts/gpu_check.sh
+#
+# Exits 2 at once without a GPU; otherwise non-zero when the tests or the benchmark failed (both always run).
+set -uo pipefail
+
+out=${OUT:-build/gpu-check}
+python=${PYTHON:-python3}
+mkdir -p "$out"
+
+if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_check: needs an NVIDIA GPU that PyTorch sees (torch.cuda.is_available() is false here)" >&2
+    exit 2
+fi
+"$python" -c 'import torch; print("gpu_check:", torch.cuda.get_device_name(), "torch", torch.__version__)'
+
+PYTHONUNBUFFERED=1 "$python" -m pytest -m cuda tests/gpu -q -p no:cacheprovider \
+    --junitxml "$out/cuda_tests.xml" 2>&1 | tee "$out/cuda_tests.log"
+tests=$?
+
+PYTHONUNBUFFERED=1 "$python" -m llmc.bench gpu-kernels --kind all --sweep --out "$out/gpu_kernels.json" 2>&1 \
+    | tee "$out/gpu_kernels.log"
+bench=$?
+
+echo "gpu_check: cuda tests exit $tests, benchmark exit $bench; figures in $out/gpu_kernels.json"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
