@@ -148,21 +148,13 @@ def engines(version: Path, copies: int):
 
 
 def plain_engine(version: Path, tokenizer):
-    """An engine over `version`'s graph without the LoRA graph, as loader.py makes one: what a build without adapters
-    serves."""
-    from llmc.runtime.engine.paged_engine import PagedEngine
+    """The engine loader.py makes of `version` with its manifest's `lora` dropped: what a build without adapters
+    serves (the same graph, pools and limits, no LoRA graph)."""
     from llmc.runtime.manifest import RepositoryManifest
-    from llmc.runtime.runners.paged import PagedRunner
+    from llmc.runtime.serving.loader import paged_engine
 
     m = RepositoryManifest.load(version)
-    lim = m.limits
-    blocks = -(-lim.kv_cache_tokens // m.kv_layout.block_size)
-    runner = PagedRunner(version / m.model_file, m.kv_layout, num_blocks=blocks, max_num_tokens=lim.max_num_tokens,
-                         num_threads=lim.num_threads)
-    return PagedEngine(runner, tokenizer, end_ids=tuple(m.end_ids), max_rows=lim.max_batch_size,
-                       max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_num_tokens,
-                       max_queue_size=lim.max_queue_size, prefix_caching=lim.prefix_caching,
-                       itl_ratio=lim.itl_ratio, max_beam_width=lim.max_beam_width)  # as loader.py makes it
+    return paged_engine(version, m.model_copy(update={"lora": None}), tokenizer)
 
 
 def throughput(engine, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> float:
