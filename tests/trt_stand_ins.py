@@ -50,10 +50,15 @@ class Cuda:
         return (0,)
 
 
-def tensorrt(events: list[str], shapes: dict | None = None) -> types.ModuleType:
+def tensorrt(events: list[str], shapes: dict | None = None, fixed: dict | None = None,
+             addresses: dict | None = None) -> types.ModuleType:
     """TensorRT's runtime objects; each records in `events` when its last reference goes (when TensorRT frees it), and
-    an execution context records in `shapes` each input shape it is given."""
+    an execution context records in `shapes` each input shape it is given and in `addresses` each tensor's address.
+    `fixed`: the engine's I/O tensors of a fixed shape (name -> shape) besides the logits, listed by the engine."""
     shapes = shapes if shapes is not None else {}
+    addresses = addresses if addresses is not None else {}
+    fixed = fixed or {}
+    names = ["input_ids", "logits", *fixed]
 
     def freed(name):
         return {"__del__": lambda self: events.append(f"{name} freed")}
@@ -61,9 +66,11 @@ def tensorrt(events: list[str], shapes: dict | None = None) -> types.ModuleType:
     context = type("Context", (), {
         **freed("context"), "set_optimization_profile_async": lambda self, p, s: True,
         "set_input_shape": lambda self, name, shape: shapes.__setitem__(name, tuple(shape)),
-        "set_tensor_address": lambda self, name, ptr: None, "execute_async_v3": lambda self, stream: True})
+        "set_tensor_address": lambda self, name, ptr: addresses.__setitem__(name, ptr),
+        "execute_async_v3": lambda self, stream: True})
     engine = type("Engine", (), {**freed("engine"), "create_execution_context": lambda self: context(),
-                                 "get_tensor_shape": lambda self, name: (-1, -1, 50),
+                                 "num_io_tensors": len(names), "get_tensor_name": lambda self, i: names[i],
+                                 "get_tensor_shape": lambda self, name: fixed.get(name, (-1, -1, 50)),
                                  "get_tensor_dtype": lambda self, name: "float16"})
     runtime = type("Runtime", (), {**freed("runtime"), "__init__": lambda self, logger: None,
                                    "deserialize_cuda_engine": lambda self, data: engine()})

@@ -30,13 +30,15 @@ class Profile:
 
 
 def profiles(limits: LimitsSpec, num_kv_heads: int, head_dim: int, step_inputs: tuple[str, ...] = (),
-             lora: tuple[Sequence[Site], int, int] | None = None) -> list[Profile]:
+             lora: tuple[Sequence[Site], int, int] | None = None,
+             fixed: dict[str, tuple[int, ...]] | None = None) -> list[Profile]:
     """Prefill (one row, many tokens) and decode (one token per row, up to every slot) over one
     set of KV inputs `[batch, num_kv_heads, max_seq_len, head_dim]`; `step_inputs` (the layout's:
     LongRoPE's `sequence_lengths`) are shaped as cache_position. `lora`: (sites, lora.max_slots, lora.max_rank) of
     an engine with the LoRA branch: its stacks' width from 0 (a base-only step) to every slot at the highest rank,
     one adapter at it the optimum, and the masks [batch, seq, width] shaped as input_ids. TensorRT takes empty
-    tensors (a dimension of 0) in a profile's minimum; never run here (docs/tensorrt.md)."""
+    tensors (a dimension of 0) in a profile's minimum; never run here (docs/tensorrt.md). `fixed`: inputs of one
+    shape in every profile (the attention plugins' key-split buffers, split_kv.py)."""
     kv = (num_kv_heads, limits.max_seq_len, head_dim)
     one_row = ((1, *kv),) * 3
     tokens, rows = limits.max_num_tokens, limits.max_batch_size
@@ -59,6 +61,8 @@ def profiles(limits: LimitsSpec, num_kv_heads: int, head_dim: int, step_inputs: 
             lo, opt, hi = 0, m * rank, slots * m * rank
             prefill[mask_name(m)] = tuple((*ids, w) for ids, w in zip(prefill["input_ids"], (lo, opt, hi)))
             decode[mask_name(m)] = tuple((*ids, w) for ids, w in zip(decode["input_ids"], (lo, opt, hi)))
+    for name, shape in (fixed or {}).items():
+        prefill[name] = decode[name] = (shape,) * 3
     return [Profile("prefill", prefill), Profile("decode", decode)]
 
 

@@ -135,6 +135,7 @@ def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, export
     from llmc.compiler.tensorrt.engine import ENGINE_NAME, build_engine
     from llmc.compiler.tensorrt.prep import prepare_for_tensorrt
     from llmc.compiler.tensorrt.profiles import profiles
+    from llmc.compiler.tensorrt.split_kv import SplitBuffers, build_gpu_sms
     from llmc.runtime.manifest import rank_folder
 
     ranks = exported.tensor_parallel
@@ -142,12 +143,14 @@ def make_engine(source: ExportedModel | QuantizedModel, source_dir: Path, export
     graphs = exported.graphs(source_dir) if ranks > 1 else [source_dir / source.onnx]
     precision = spec.precision.value
     kv_heads = source.kv_layout.num_kv_heads if ranks > 1 else exported.model.num_kv_heads  # a rank's share
+    split = SplitBuffers(spec.limits.max_seq_len, exported.model.head_dim, build_gpu_sms()) \
+        if exported.lowering.value == "plugin" else None  # the attention plugins' key-split buffers
     shapes = profiles(spec.limits, kv_heads, exported.model.head_dim, source.kv_layout.step_inputs,
-                      lora.runner if lora else None)
+                      lora.runner if lora else None, split.shapes() if split else None)
     plans, info = [], None
     for rank, graph in enumerate(graphs):
         folder = out_dir / rank_folder(rank, ranks)
-        prepared = prepare_for_tensorrt(graph, precision, folder / "prepared", lora.sites if lora else None)
+        prepared = prepare_for_tensorrt(graph, precision, folder / "prepared", lora.sites if lora else None, split)
         info = build_engine(prepared, shapes, spec.tensorrt, precision, folder, timing_cache, progress=progress,
                             collectives=expected_collectives(prepared))
         shutil.rmtree(folder / "prepared")  # the engine holds the weights

@@ -3,8 +3,9 @@ one_launch.py's kernel, the whole op in one launch, cut to TensorRT's calling co
 and the resource test (`kernel_sources`, `compile_ptx`: the one-launch kernel with and without key splits,
 over a 16-bit or an fp8 cache).
 
-The plugin's kernel has no key splits (SPLITS = 1): a split kernel needs a workspace and counters that persist
-between launches, which an ahead-of-time plugin cannot get from TensorRT (docs/tensorrt.md).
+The plugin's kernel splits keys (split_kv.py) when its launch's grid leaves the GPU idle: its workspace and counters,
+which an ahead-of-time plugin cannot get from TensorRT, are two more inputs, engine inputs bound once by the runner
+(compiler/tensorrt/split_kv.py, docs/tensorrt.md), aliased to two more outputs.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from llmc.plugins.gpu.ptx import PTX_ISA, entry_params, plain_target, trim_param
 
 
 _TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-PLUGIN_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "pos_ptr", "cos_ptr", "sin_ptr", "sink_ptr")
+PLUGIN_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "pos_ptr", "cos_ptr", "sin_ptr", "sink_ptr", "part_ptr",
+                 "lock_ptr")
 PLUGIN_SCALARS = ("S", "C")
-PLUGIN_OUTPUTS = ("o_ptr", "kc_out", "vc_out")
-# after the outputs: the split workspace and counters, read only with SPLITS > 1, then an fp8 cache's per-KV-head
-# scales, read only with FP8_KV; a plugin's PTX drops them with Triton's scratch pointers (trim_params)
-SPLIT_BUFFERS = {"part_ptr": "*fp32", "lock_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+PLUGIN_OUTPUTS = ("o_ptr", "kc_out", "vc_out", "part_out", "lock_out")
+# the split workspace and counters, inputs and their aliased outputs (read only with SPLITS > 1), then, after the
+# outputs, an fp8 cache's per-KV-head scales, read only with FP8_KV (a plugin's PTX drops them with Triton's scratch
+# pointers: trim_params)
+SPLIT_BUFFERS = {"part_ptr": "*fp32", "lock_ptr": "*i32", "part_out": "*fp32", "lock_out": "*i32",
+                 "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
 CACHES = ("kc_ptr", "vc_ptr", "kc_out", "vc_out")
 SHARED_MEM_LIMIT = 48 * 1024  # what a kernel launch gets without opting in to more
 
@@ -39,11 +43,12 @@ class PluginKernel:
     num_warps: int
     shared_mem: int
     block_m: int
+    splits: int = 1  # the grid's third axis: the most key splits a launch takes (split_kv.launch_splits)
 
     def grid(self, tokens, batch, num_heads: int, num_kv_heads: int, cdiv=triton.cdiv):
-        """(grid_x, grid_y) for `tokens` new tokens per row and `batch` rows; works on ints and on
+        """(grid_x, grid_y, grid_z) for `tokens` new tokens per row and `batch` rows; works on ints and on
         TensorRT's symbolic shape expressions alike (pass `trtp.cdiv`)."""
-        return cdiv(tokens * (num_heads // num_kv_heads), self.block_m), batch * num_kv_heads
+        return cdiv(tokens * (num_heads // num_kv_heads), self.block_m), batch * num_kv_heads, self.splits
 
 
 def _compile(fn, signature: dict[str, str], constexprs: dict, capability: int, *, aligned: bool = False, **options):
@@ -83,7 +88,7 @@ _ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 def _one_launch_source(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, t: str, rotary: bool,
                        position_type: str, rotary_dim: int | None = None, softcap: float = 0.0, window: int = -1,
-                       sinks: bool = False, splits: int = 1, fp8_kv: bool = False):
+                       sinks: bool = False, splits: int = 1, fp8_kv: bool = False, slots: int = 0):
     config = attention_config(head_dim, _ITEMSIZE[t], fresh=True)
     signature = {**{n: f"*{t}" for n in PLUGIN_INPUTS + PLUGIN_OUTPUTS}, "pos_ptr": f"*{position_type}",
                  **{n: "i32" for n in PLUGIN_SCALARS}, **SPLIT_BUFFERS,
@@ -93,26 +98,29 @@ def _one_launch_source(num_heads: int, num_kv_heads: int, head_dim: int, scale: 
                   "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": triton.next_power_of_2(head_dim),
                   "ROTARY": rotary, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "UPCAST": False,
                   "SOFTCAP": float(softcap), "WINDOW": int(window), "SINKS": bool(sinks),
-                  "SPLITS": splits, "FP8_KV": fp8_kv}
+                  "SPLITS": splits, "FP8_KV": fp8_kv, "SLOTS": slots}
     return signature, constexprs, config
 
 
 def plugin_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str, capability: int, *,
                   rotary: bool, rotary_dim: int | None = None, softcap: float = 0.0, window: int = -1,
-                  sinks: bool = False) -> PluginKernel:
+                  sinks: bool = False, splits: int = 1, slots: int = 0) -> PluginKernel:
     """The plugin's kernel for `dtype` ("fp16", "bf16", "fp32") on sm_<capability>, for rotary over
-    `rotary_dim` channels (default: all), a logit softcap, a window and sinks as the node sets them.
+    `rotary_dim` channels (default: all), a logit softcap, a window and sinks as the node sets them, and up to
+    `splits` key splits over a workspace of `slots` partials (split_kv.py; the node's key_splits and split_slots).
     TensorRT launches it with exactly its inputs, integer extras and outputs, so the parameters the PTX
-    declares after those (the global/profile scratch pointers newer Tritons append, unused here) are removed;
-    its target is the plain sm_<capability> (ptx.py), which later GPUs run too. No key splits: the split
-    workspace and counters, unused without them, go with those trailing parameters."""
+    declares after those (the fp8 scales, unused here, and the global/profile scratch pointers newer Tritons
+    append) are removed; its target is the plain sm_<capability> (ptx.py), which later GPUs run too."""
+    if splits > 1 and slots < 2:
+        raise ValueError(f"a plugin kernel of {splits} key splits needs a workspace of 2 partials at least, not {slots}")
     signature, constexprs, config = _one_launch_source(num_heads, num_kv_heads, head_dim, scale, dtype, rotary, "i32",
-                                                       rotary_dim, softcap, window, sinks)
+                                                       rotary_dim, softcap, window, sinks, splits,
+                                                       slots=slots if splits > 1 else 0)
     what = f"the attention kernel for head_dim {head_dim} ({dtype})"
     compiled = compile_for_plugin(_attention_one_launch, (signature, constexprs), capability, what, config)
     meta = compiled.metadata
     ptx = trim_params(compiled.asm["ptx"], meta.name, len(PLUGIN_INPUTS + PLUGIN_SCALARS + PLUGIN_OUTPUTS))
-    return PluginKernel(meta.name, plain_target(ptx, what), meta.num_warps, meta.shared, config.block_m)
+    return PluginKernel(meta.name, plain_target(ptx, what), meta.num_warps, meta.shared, config.block_m, splits)
 
 
 def kernel_sources(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, rotary: bool,

@@ -41,12 +41,12 @@ import triton
 import triton.language as tl
 
 # (token, head) pairs per program, keys per inner step, and the stages by head size: configs.py
-from llmc.plugins.gpu.configs import BLOCK_M, attention_config, decode_splits
+from llmc.plugins.gpu.configs import BLOCK_M, attention_config
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, kv_scales, kv_view, load_kv, store_kv
 from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
 # the launches' argument handling, shared with paged_kernels_aot.py and prefill.py
 from llmc.plugins.gpu.paged_launch import int32, kernel_options, sinks, split_packed  # noqa: F401  (API)
-from llmc.plugins.gpu.split_kv import merge_splits, num_sms, split_keys, split_workspace, tile_and_split
+from llmc.plugins.gpu.split_kv import launch_splits, merge_splits, split_buffers, split_keys, tile_and_split
 
 
 @triton.jit
@@ -147,17 +147,24 @@ def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped,
 
 @triton.jit
 def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, cos_ptr, sin_ptr, sink_ptr,
-                     B, MB, NB, BS, o_ptr, kc_out, vc_out, part_ptr, lock_ptr, ks_ptr, vs_ptr,
+                     part_ptr, lock_ptr, B, MB, NB, BS, o_ptr, kc_out, vc_out, part_out, lock_out, ks_ptr, vs_ptr,
                      SCALE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr,
                      INTERLEAVED: tl.constexpr, FRESH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SINKS: tl.constexpr,
-                     SPLITS: tl.constexpr, FP8_KV: tl.constexpr = False):
+                     SPLITS: tl.constexpr, FP8_KV: tl.constexpr = False, SLOTS: tl.constexpr = 0):
     """One program per (block of a row's (token, group head) pairs, KV head, key split). Parameters in
-    TensorRT's AOT-plugin order: input tensors, int32 scalars, output tensors (the caches aliased to the
-    inputs); then the split workspace and counters, read only when SPLITS > 1, and the fp8 caches' per-KV-head
-    scales, read only with FP8_KV (fp8.py: the caches then hold e4m3 bytes).
+    TensorRT's AOT-plugin order: input tensors (the split workspace and counters last), int32 scalars, output
+    tensors (the caches, workspace and counters aliased to the inputs); the workspace and counters are read only
+    when SPLITS > 1 (SLOTS > 0, a plugin's kernel: as many of SPLITS as the grid and the block table's reach
+    call for, split_kv.launch_splits); then the fp8 caches' per-KV-head scales, read only with FP8_KV (fp8.py:
+    the caches then hold e4m3 bytes).
     UPCAST: tiles reach the dots as fp32 (under the interpreter for bf16, which NumPy lacks)."""
+    splits = SPLITS
+    if SLOTS > 0:
+        splits = launch_splits(MB * BS, SPLITS, SLOTS)
+        if tl.program_id(2) >= splits:
+            return
     G: tl.constexpr = H // KVH
     kv = tl.program_id(1)
     b = find_row(cu_ptr, B, tl.program_id(0), G, BLOCK_M, True)
@@ -185,7 +192,7 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
     if WINDOW > 0:
         lo = tl.maximum(tl.min(tl.where(row_ok, pos, hi), 0) - WINDOW + 1, 0)
     if SPLITS > 1:  # this program's slice of the keys (slot_of masks the keys past its end)
-        lo, hi, active = split_keys(lo, hi, SPLITS, BLOCK_N)
+        lo, hi, active = split_keys(lo, hi, splits, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -208,11 +215,12 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
             visible = visible & (n[None, :] > pos[:, None] - WINDOW)
         p, alpha, m_i, l_i = softmax_block(tl.where(visible, scores, float("-inf")), m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    writes = True  # whether this program writes the output: with splits, the tile's last to finish
-    if SPLITS > 1:
-        tile, split = tile_and_split()
-        acc, m_i, l_i, writes = merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D, SPLITS,
-                                             BLOCK_M)
+    writes = tl.full([BLOCK_M, 1], 1, tl.int1)  # whether this program writes the output: with splits, the tile's
+    if SPLITS > 1:  # last to finish
+        if splits > 1:
+            tile, split = tile_and_split()
+            acc, m_i, l_i, writes = merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D, splits,
+                                                 BLOCK_M)
     if SINKS:
         head = kv * G + r % G
         acc, l_i = with_sink(acc, m_i, l_i, tl.load(sink_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32))
@@ -233,16 +241,6 @@ def attention_grid(tokens, rows, num_heads: int, num_kv_heads: int, block_m: int
     """(programs over the rows' packed (token, head) pairs, KV heads, key splits): enough for any split of
     `tokens` among `rows`; works on ints and on TensorRT's symbolic shape expressions (pass `trtp.cdiv`)."""
     return cdiv(tokens * (num_heads // num_kv_heads), block_m) + rows, num_kv_heads, splits
-
-
-def split_buffers(query, grid_x: int, kv_num_heads: int, context: int, head_size: int, splits: int | None):
-    """(key splits, workspace, counters) of a paged launch of `grid_x` x `kv_num_heads` tiles: `splits`, or
-    decode_splits from the shapes (`context`: what the block table reaches) and the GPU's SMs; without splits,
-    placeholders the kernel never reads."""
-    splits = splits or decode_splits(grid_x, kv_num_heads, context, num_sms(query.device))
-    if splits == 1:
-        return 1, query, query
-    return splits, *split_workspace(query.device, grid_x * kv_num_heads, splits, BLOCK_M, head_size)
 
 
 def write_new_kv(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
@@ -292,6 +290,6 @@ def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequen
                                                           w.table.shape[1] * w.block_size, options["D"], splits)
         _paged_attention[attention_grid(tokens, rows, num_heads, kv_num_heads, splits=options["SPLITS"])](
             query, w.key, w.value, w.kc, w.vc, w.cu, w.past, w.table, w.cos, w.sin, sinks(head_sink, num_heads, query),
-            *w.scalars, out, w.kc, w.vc, part, counters, w.k_scale, w.v_scale, FRESH=False, **options,
+            part, counters, *w.scalars, out, w.kc, w.vc, part, counters, w.k_scale, w.v_scale, FRESH=False, **options,
             **attention_config(options["D"], query.element_size(), fresh=False).launch())
     return out, key_cache, value_cache

@@ -18,17 +18,18 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from llmc.plugins.gpu.configs import attention_config, block_d, default_config
+from llmc.plugins.gpu.configs import BLOCK_M, attention_config, block_d, default_config
 from llmc.plugins.gpu.fp8 import FP8, kv_scales, kv_view
 from llmc.plugins.gpu.kernels_aot import CACHES, SPLIT_BUFFERS, _TRITON_TYPES, _compile, compile_for_plugin
 from llmc.plugins.gpu.ptx import PTX_ISA, plain_target, trim_params
 from llmc.plugins.gpu.paged_kernels import (_paged_attention, _paged_write, attention_grid, int32, kernel_options,
-                                            sinks, split_buffers, split_packed)
+                                            sinks, split_packed)
+from llmc.plugins.gpu.split_kv import split_buffers, split_workspace
 
 PAGED_PLUGIN_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "cu_ptr", "past_ptr", "table_ptr", "cos_ptr",
-                       "sin_ptr", "sink_ptr")
+                       "sin_ptr", "sink_ptr", "part_ptr", "lock_ptr")
 PAGED_PLUGIN_SCALARS = ("B", "MB", "NB", "BS")  # rows, block-table width, blocks in the pool, block size
-PAGED_PLUGIN_OUTPUTS = ("o_ptr", "kc_out", "vc_out")
+PAGED_PLUGIN_OUTPUTS = ("o_ptr", "kc_out", "vc_out", "part_out", "lock_out")
 _INTS = ("cu_ptr", "past_ptr", "table_ptr")
 
 
@@ -36,9 +37,11 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
                                block_table, num_heads: int, kv_num_heads: int, scale: float = 0.0, cos_cache=None,
                                sin_cache=None, *, slot_mapping=None, rotary_interleaved: bool = False,
                                softcap: float = 0.0, local_window_size: int = -1, is_causal: bool = True,
-                               head_sink=None, splits: int | None = None, k_scale=None, v_scale=None):
+                               head_sink=None, splits: int | None = None, k_scale=None, v_scale=None,
+                               slots: int = 0):
     """`reference_paged_attention` in one launch (the TensorRT plugin's kernel), caches updated in place;
-    `splits`, and `k_scale` / `v_scale` of an fp8 cache, as paged_attention's."""
+    `splits`, and `k_scale` / `v_scale` of an fp8 cache, as paged_attention's. `slots`: launched as the plugin
+    launches it, `splits` the most a launch takes over a workspace of `slots` partials (split_kv.launch_splits)."""
     if slot_mapping is not None:
         raise ValueError("the one-launch paged kernel reads the new keys where block_table puts them: "
                          "no slot_mapping (use paged_kernels.paged_attention)")
@@ -52,11 +55,15 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
     out = torch.empty_like(query)
     if query.shape[0]:
         grid_x = attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads)[0]
-        options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads,
-                                                          table.shape[1] * key_cache.shape[1], options["D"], splits)
+        if slots and splits and splits > 1:  # as the plugin launches it (split_kv.launch_splits)
+            options["SPLITS"], options["SLOTS"] = splits, slots
+            part, counters = split_workspace(query.device, slots, 1, BLOCK_M, options["D"])
+        else:
+            options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads,
+                                                              table.shape[1] * key_cache.shape[1], options["D"], splits)
         _paged_attention[attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads,
                                         splits=options["SPLITS"])](
-            query, key, value, kc, vc, cu, past, table, cos, sin, sinks(head_sink, num_heads, query),
+            query, key, value, kc, vc, cu, past, table, cos, sin, sinks(head_sink, num_heads, query), part, counters,
             past.shape[0], table.shape[1], key_cache.shape[0], key_cache.shape[1], out, kc, vc, part,
             counters, k_scale, v_scale, FRESH=True, **options, **attention_config(options["D"], query.element_size(),
                                                                          fresh=True).launch())
@@ -72,16 +79,16 @@ class PagedPluginKernel:
     num_warps: int
     shared_mem: int
     block_m: int
+    splits: int = 1  # the grid's third axis: the most key splits a launch takes (split_kv.launch_splits)
 
     def grid(self, tokens, rows, num_heads: int, num_kv_heads: int, cdiv=triton.cdiv):
-        """(grid_x, grid_y) for `tokens` packed tokens of `rows` rows; ints or TensorRT shape expressions. No
-        key splits: the plugin's kernel is compiled without (kernels_aot.py says why)."""
-        return attention_grid(tokens, rows, num_heads, num_kv_heads, self.block_m, cdiv)[:2]
+        """(grid_x, grid_y, grid_z) for `tokens` packed tokens of `rows` rows; ints or TensorRT shape expressions."""
+        return attention_grid(tokens, rows, num_heads, num_kv_heads, self.block_m, cdiv, self.splits)
 
 
 def _attention_source(num_heads: int, num_kv_heads: int, head_size: int, scale: float, t: str, *, rotary_dim: int,
                       interleaved: bool, softcap: float, window: int, fresh: bool, causal: bool = True,
-                      sinks: bool = False, splits: int = 1, fp8_kv: bool = False):
+                      sinks: bool = False, splits: int = 1, fp8_kv: bool = False, slots: int = 0):
     names = PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_OUTPUTS
     signature = {**{n: "*i32" if n in _INTS else f"*{t}" for n in names}, **{n: "i32" for n in PAGED_PLUGIN_SCALARS},
                  **SPLIT_BUFFERS, **({n: "*u8" for n in CACHES} if fp8_kv else {})}  # an fp8 cache as bytes
@@ -92,23 +99,28 @@ def _attention_source(num_heads: int, num_kv_heads: int, head_size: int, scale: 
                                 scale, cos, interleaved, softcap, window, causal,
                                 torch.empty(num_heads) if sinks else None, splits)
     config = attention_config(head_size, dtype.itemsize, fresh=fresh)
-    return signature, {**constexprs, "FRESH": fresh, "UPCAST": False}, config
+    return signature, {**constexprs, "FRESH": fresh, "UPCAST": False, "SLOTS": slots}, config
 
 
 def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale: float, dtype: str, capability: int,
                         *, rotary_dim: int, interleaved: bool = False, softcap: float = 0.0, window: int = -1,
-                        causal: bool = True, sinks: bool = False) -> PagedPluginKernel:
-    """The plugin's kernel for `dtype` ("fp16", "bf16", "fp32") on sm_<capability>, its parameters cut
-    to what TensorRT passes (inputs, int32 extras, outputs; Triton's trailing scratch pointers removed)."""
+                        causal: bool = True, sinks: bool = False, splits: int = 1,
+                        slots: int = 0) -> PagedPluginKernel:
+    """The plugin's kernel for `dtype` ("fp16", "bf16", "fp32") on sm_<capability>, up to `splits` key splits over
+    a workspace of `slots` partials (kernels_aot.plugin_kernel's), its parameters cut to what TensorRT passes
+    (inputs, int32 extras, outputs; the fp8 scales and Triton's trailing scratch pointers removed)."""
+    if splits > 1 and slots < 2:
+        raise ValueError(f"a plugin kernel of {splits} key splits needs a workspace of 2 partials at least, not {slots}")
     signature, constexprs, config = _attention_source(
         num_heads, num_kv_heads, head_size, scale, dtype, rotary_dim=rotary_dim, interleaved=interleaved,
-        softcap=softcap, window=window, fresh=True, causal=causal, sinks=sinks)
+        softcap=softcap, window=window, fresh=True, causal=causal, sinks=sinks, splits=splits,
+        slots=slots if splits > 1 else 0)
     what = f"the paged attention kernel for head_size {head_size} ({dtype})"
     compiled = compile_for_plugin(_paged_attention, (signature, constexprs), capability, what, config)
     meta = compiled.metadata
     count = len(PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_SCALARS + PAGED_PLUGIN_OUTPUTS)
     ptx = plain_target(trim_params(compiled.asm["ptx"], meta.name, count), what)
-    return PagedPluginKernel(meta.name, ptx, meta.num_warps, meta.shared, config.block_m)
+    return PagedPluginKernel(meta.name, ptx, meta.num_warps, meta.shared, config.block_m, splits)
 
 
 def paged_kernel_sources(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, *, rotary_dim: int,

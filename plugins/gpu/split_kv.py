@@ -19,6 +19,15 @@ the sum of each row); `workspace_floats` gives the size from shapes. Counters: o
 the first launch; the kernel leaves them at zero. Two launches that share counters must not run at the same
 time (one stream).
 
+Two ways to size them. A PyTorch launch picks its split count from the shapes (configs.decode_splits) and gets
+a workspace for exactly that (`split_workspace`). A TensorRT plugin's launch cannot: its grid's third axis is a
+count fixed at build (SPLITS: the most a batch of one row would take) and its buffers are engine inputs of a
+fixed size, bound once (compiler/tensorrt/split_kv.py). So the plugin's kernel is compiled with SLOTS, the
+partials its workspace holds, and takes at run time as many of its SPLITS as decode_splits' rule gives for the
+grid it was launched with (`launch_splits`): at most SLOTS // tiles, so the partials always fit; the programs
+past that count return at once, and at one split nothing touches the workspace (a prefill or a large batch,
+whose tiles already fill the GPU). SLOTS = 2 x the SMs is enough: the rule stops at about 2 programs per SM.
+
 Memory ordering (compiled; the interpreter has none to get wrong): a block's partial is stored by all its
 threads, then `debug_barrier` (bar.sync) and the atomic with acq_rel at GPU scope, which Triton issues from one
 thread: the CUTLASS semaphore's order (sync the block, then one thread releases). The merging block reads the
@@ -31,15 +40,29 @@ import torch
 import triton
 import triton.language as tl
 
+from llmc.plugins.gpu.configs import BLOCK_M, SPLIT_KEYS, decode_splits
+
 _counters: dict[torch.device, torch.Tensor] = {}
+_MIN_KEYS = tl.constexpr(SPLIT_KEYS)
 
 
 @triton.jit
-def split_keys(lo, hi, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's slice [start, stop) of a tile's keys [lo, hi), in whole key blocks of BLOCK_N, and how many
-    splits hold any key (the rest, past the tile's keys, hold none: a short row leaves most splits empty)."""
+def launch_splits(keys, SPLITS: tl.constexpr, SLOTS: tl.constexpr):
+    """The key splits a plugin's launch takes (SLOTS > 0: its workspace's partials; the module's docstring): of its
+    grid's SPLITS, no more than the partials fit (SLOTS // tiles) nor than slices of SPLIT_KEYS of `keys` (a bound
+    from shapes: the cache's capacity, the block table's reach), at least 1. decode_splits' rule, not rounded to a
+    power of two (the merge takes any count)."""
+    tiles = tl.num_programs(0) * tl.num_programs(1)
+    return tl.maximum(tl.minimum(tl.minimum(SLOTS // tiles, keys // _MIN_KEYS), SPLITS), 1)
+
+
+@triton.jit
+def split_keys(lo, hi, splits, BLOCK_N: tl.constexpr):
+    """This program's slice [start, stop) of a tile's keys [lo, hi) among `splits`, in whole key blocks of BLOCK_N,
+    and how many splits hold any key (the rest, past the tile's keys, hold none: a short row leaves most splits
+    empty)."""
     keys = tl.maximum(hi - lo, 0)
-    per = tl.maximum(tl.cdiv(tl.cdiv(keys, SPLITS), BLOCK_N), 1) * BLOCK_N
+    per = tl.maximum(tl.cdiv(tl.cdiv(keys, splits), BLOCK_N), 1) * BLOCK_N
     start = lo + tl.program_id(2) * per
     return start, tl.minimum(start + per, hi), tl.cdiv(keys, per)
 
@@ -51,28 +74,29 @@ def tile_and_split():
 
 
 @triton.jit
-def merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D: tl.constexpr, SPLITS: tl.constexpr,
+def merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D: tl.constexpr, splits,
                  BLOCK_M: tl.constexpr):
     """Store this program's partial softmax of its tile (acc [BLOCK_M, BLOCK_D], running max and sum [BLOCK_M])
     and count it in; returns the tile's merged (acc, max, sum) and, as a [BLOCK_M, 1] mask, whether this program
     is the tile's last, the one to write the output (for the others the merged values are meaningless).
-    `active`: the splits that hold keys (split_keys); empty ones store nothing and are not read."""
+    `active`: the splits that hold keys (split_keys); empty ones store nothing and are not read. `splits`: the
+    tile's programs (a constant, or launch_splits' count)."""
     rows = tl.arange(0, BLOCK_M)
     d_ok = (d < D)[None, :]
     SIZE: tl.constexpr = BLOCK_M * (D + 2)
-    at = (tile.to(tl.int64) * SPLITS + split) * SIZE
+    at = (tile.to(tl.int64) * splits + split) * SIZE
     holds = (split + 0 * rows) < active  # as a row tensor: the interpreter takes no scalar masks on tiles
     tl.store(part_ptr + at + rows[:, None] * D + d[None, :], acc, mask=d_ok & holds[:, None])
     tl.store(part_ptr + at + BLOCK_M * D + rows, m_i, mask=holds)
     tl.store(part_ptr + at + BLOCK_M * (D + 1) + rows, l_i, mask=holds)
     tl.debug_barrier()  # every thread's stores before the count, which one thread makes
-    last = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+    last = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1
     reads = (last + 0 * rows) != 0
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
     merged = tl.zeros_like(acc)
     for other in range(0, active):  # the online softmax's rescaling, one partial at a time
-        at = (tile.to(tl.int64) * SPLITS + other) * SIZE
+        at = (tile.to(tl.int64) * splits + other) * SIZE
         m_o = tl.load(part_ptr + at + BLOCK_M * D + rows, mask=reads, other=float("-inf"), cache_modifier=".cg")
         l_o = tl.load(part_ptr + at + BLOCK_M * (D + 1) + rows, mask=reads, other=0.0, cache_modifier=".cg")
         a_o = tl.load(part_ptr + at + rows[:, None] * D + d[None, :], mask=d_ok & reads[:, None], other=0.0,
@@ -107,3 +131,13 @@ def split_workspace(device: torch.device, tiles: int, splits: int, block_m: int,
     if counters is None or counters.numel() < tiles:
         counters = _counters[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
     return part, counters
+
+
+def split_buffers(query, grid_x: int, kv_num_heads: int, context: int, head_size: int, splits: int | None):
+    """(key splits, workspace, counters) of a paged launch of `grid_x` x `kv_num_heads` tiles: `splits`, or
+    decode_splits from the shapes (`context`: what the block table reaches) and the GPU's SMs; without splits,
+    placeholders the kernel never reads."""
+    splits = splits or decode_splits(grid_x, kv_num_heads, context, num_sms(query.device))
+    if splits == 1:
+        return 1, query, query
+    return splits, *split_workspace(query.device, grid_x * kv_num_heads, splits, BLOCK_M, head_size)

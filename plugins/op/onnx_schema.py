@@ -16,8 +16,23 @@ PLUGIN_NAMESPACE = "llmc"
 PLUGIN_VERSION = "1"
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 # the type letters a schema's inputs and outputs may use (a schema constrains those it uses)
-_TYPES = [("T", _FLOATS, "activations, caches, float weights"), ("M", ["tensor(int32)"], "lengths"),
-          ("P", ["tensor(int64)"], "positions"), ("T1", ["tensor(uint8)"], "packed weights")]
+_TYPES = [("T", _FLOATS, "activations, caches, float weights"), ("M", ["tensor(int32)"], "lengths, counters"),
+          ("P", ["tensor(int64)"], "positions"), ("T1", ["tensor(uint8)"], "packed weights"),
+          ("W", ["tensor(float)"], "fp32 workspaces")]
+# the split-KV buffers a TensorRT engine's attention plugin nodes take last and return aliased (set by
+# compiler/tensorrt/split_kv.py; absent from an export): the partials' workspace (fp32) and the tiles' counters
+SPLIT_INPUTS = [("split_partials?", "W"), ("split_counters?", "M")]
+SPLIT_OUTPUTS = [("split_partials_out?", "W"), ("split_counters_out?", "M")]
+SPLIT_TRT_TYPES = ["FP32", "INT32"]  # their types in the plugins' format combinations, whatever the float type
+SPLIT_ATTRIBUTES = (("key_splits", 1, "the most key splits a launch takes (its grid's third axis)"),
+                    ("split_slots", 0, "partials the split_partials workspace holds (0: no key splits)"))
+
+
+def split_attributes() -> list[OpSchema.Attribute]:
+    """The plugin nodes' split-KV attributes, optional (an export's node has none: no splits)."""
+    from onnx import helper
+
+    return [OpSchema.Attribute(n, helper.make_attribute(n, default), doc) for n, default, doc in SPLIT_ATTRIBUTES]
 
 
 @dataclass(frozen=True)
@@ -28,23 +43,25 @@ class Heads:
 
 
 def copy_types(pairs: list[tuple[int, int]]):
-    """Shape inference that gives output `o` the type and shape of input `i` for each (o, i)."""
+    """Shape inference that gives output `o` the type and shape of input `i` for each (o, i) the node has."""
     def infer(ctx) -> None:
         for o, i in pairs:
-            ctx.set_output_type(o, ctx.get_input_type(i))
+            if o < ctx.get_num_outputs() and ctx.has_input(i):
+                ctx.set_output_type(o, ctx.get_input_type(i))
     return infer
 
 
 def make_schema(name: str, domain: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
             attributes: list[OpSchema.Attribute], doc: str, infer) -> OpSchema:
-    """Inputs named with a trailing '?' are optional; the types are _TYPES' letters."""
+    """Inputs and outputs named with a trailing '?' are optional; the types are _TYPES' letters."""
     optional = OpSchema.FormalParameterOption.Optional
     used = {t for _, t in inputs + outputs}
     schema = OpSchema(
         name, domain, 1, doc,
         inputs=[OpSchema.FormalParameter(n.rstrip("?"), t, **({"param_option": optional} if n.endswith("?") else {}))
                 for n, t in inputs],
-        outputs=[OpSchema.FormalParameter(n, t) for n, t in outputs],
+        outputs=[OpSchema.FormalParameter(n.rstrip("?"), t, **({"param_option": optional} if n.endswith("?") else {}))
+                 for n, t in outputs],
         type_constraints=[c for c in _TYPES if c[0] in used],
         attributes=attributes,
     )

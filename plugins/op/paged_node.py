@@ -4,14 +4,18 @@ in place of a paged export's `llmc.PagedAttention` nodes (ONNX Runtime's contrac
     LlmcPagedAttention(query [T, H*D], key [T, KVH*D], value [T, KVH*D],
                        key_cache [num_blocks, block_size, KVH, D], value_cache (same),
                        cumulative_sequence_length int32 [B + 1], past_seqlens int32 [B],
-                       block_table int32 [B, max_blocks], cos_cache [P, R/2], sin_cache [P, R/2], head_sink [H])
-      -> (output [T, H*D], key_cache_out, value_cache_out)     the caches aliased: updated in place
+                       block_table int32 [B, max_blocks], cos_cache [P, R/2], sin_cache [P, R/2], head_sink [H]
+                       [, split_partials fp32 [N], split_counters int32 [slots]])
+      -> (output [T, H*D], key_cache_out, value_cache_out[, split_partials_out, split_counters_out])
+                                                          the caches and split buffers aliased: updated in place
 
     attributes  plugin_version, plugin_namespace (the parser's registry key), num_heads, kv_num_heads,
                 head_size, scale, rotary_dim (R; 0: no rotary, the tables a [1, D/2] zero placeholder, since
                 a TensorRT plugin has a fixed number of inputs), rotary_interleaved, softcap,
                 local_window_size, is_causal, sinks (1: head_sink, the contract's input 11, joins each head's
-                softmax denominator; 0: head_sink is a [H] zero placeholder the kernel never reads)
+                softmax denominator; 0: head_sink is a [H] zero placeholder the kernel never reads); key_splits
+                and split_slots with the split buffers (threaded through by compiler/tensorrt/split_kv.py, as
+                LlmcFusedAttention's: plugins/op/fused_node.py)
 
 TensorRT's ONNX parser imports a node whose op type is a registered plugin's name (the domain is
 ignored); plugins/trt/plugin.py registers the plugin, whose kernel is paged_kernels_aot.py's one launch.
@@ -27,6 +31,7 @@ from onnx import helper, numpy_helper
 from onnx.defs import OpSchema
 
 from llmc.plugins.op import paged_schema
+from llmc.plugins.op.onnx_schema import SPLIT_INPUTS, SPLIT_OUTPUTS, copy_types, split_attributes
 
 PAGED_PLUGIN_OP = "LlmcPagedAttention"
 PLUGIN_NAMESPACE = "llmc"
@@ -45,29 +50,28 @@ _UNSUPPORTED_ATTRIBUTES = {"k_quant_type": b"NONE", "v_quant_type": b"NONE", "k_
 _UNSUPPORTED_INPUTS = ("slot_mapping", "q_norm_weight", "k_norm_weight", "k_scale", "v_scale")
 
 
-def _infer(ctx) -> None:
-    for o, i in ((0, 0), (1, 3), (2, 4)):
-        ctx.set_output_type(o, ctx.get_input_type(i))
-
-
 def plugin_schema() -> OpSchema:
     A = OpSchema.AttrType
     attributes = [OpSchema.Attribute(n, A.STRING, "TensorRT plugin registry key") for n in ("plugin_version",
                                                                                             "plugin_namespace")]
     attributes += [OpSchema.Attribute(n, A.INT, "") for n in INT_ATTRIBUTES]
-    attributes += [OpSchema.Attribute(n, A.FLOAT, "") for n in FLOAT_ATTRIBUTES]
+    attributes += [OpSchema.Attribute(n, A.FLOAT, "") for n in FLOAT_ATTRIBUTES] + split_attributes()
+    optional = {"param_option": OpSchema.FormalParameterOption.Optional}
     schema = OpSchema(
         PAGED_PLUGIN_OP, LLMC_DOMAIN, 1,
         "ONNX Runtime's PagedAttention contract as a TensorRT plugin node (plugins/op/paged_node.py): separate "
         "query/key/value, the caches updated in place, cos/sin tables and head_sink always present (placeholders "
         "without rotary or sinks).",
-        inputs=[OpSchema.FormalParameter(n, t) for n, t in _INPUTS],
-        outputs=[OpSchema.FormalParameter(n, t) for n, t in _OUTPUTS],
+        inputs=[OpSchema.FormalParameter(n, t) for n, t in _INPUTS]
+        + [OpSchema.FormalParameter(n.rstrip("?"), {"M": "S"}.get(t, t), **optional) for n, t in SPLIT_INPUTS],
+        outputs=[OpSchema.FormalParameter(n, t) for n, t in _OUTPUTS]
+        + [OpSchema.FormalParameter(n.rstrip("?"), {"M": "S"}.get(t, t), **optional) for n, t in SPLIT_OUTPUTS],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations and caches"),
-                          ("S", ["tensor(int32)"], "lengths and block tables")],
+                          ("S", ["tensor(int32)"], "lengths, block tables and split counters"),
+                          ("W", ["tensor(float)"], "the split workspace")],
         attributes=attributes,
     )
-    schema.set_type_and_shape_inference_function(_infer)
+    schema.set_type_and_shape_inference_function(copy_types([(0, 0), (1, 3), (2, 4), (3, 11), (4, 12)]))
     return schema
 
 

@@ -2,14 +2,16 @@
 deployable plugin (`tensorrt.plugin`) with an ahead-of-time implementation only.
 
     @trtp.register   output like the query; key_cache' / value_cache' aliased to the cache inputs (the
-                     engine's block pools are bound once and updated in place)
-    @trtp.autotune   one float type for every float tensor (fp32, fp16 or bf16), int32 lengths and tables
+                     engine's block pools are bound once and updated in place), the split workspace' and
+                     counters' to theirs (as the slot plugin's: plugin.py)
+    @trtp.autotune   one float type for every float tensor (fp32, fp16 or bf16), int32 lengths and tables,
+                     the workspace fp32 and the counters int32
     @trtp.aot_impl   paged_kernels_aot.py's one-launch kernel compiled to PTX for the node's heads, head
                      size, rotary and softmax options (softcap, window, causal, sinks; head_sink an input);
-                     its grid (packed tokens x group / BLOCK_M + rows, KV heads) and int32 extras (rows,
-                     block-table width, pool blocks, block size) as shape expressions, so one engine
-                     serves any batch and any split of its tokens; without key splits (split_kv.py: see
-                     plugin.py)
+                     its grid (packed tokens x group / BLOCK_M + rows, KV heads, key_splits) and int32 extras
+                     (rows, block-table width, pool blocks, block size) as shape expressions, so one engine
+                     serves any batch and any split of its tokens; as many key splits as a launch's grid calls
+                     for (split_kv.py)
 
 TensorRT checks these functions' signatures (real annotations, not strings: this module has no
 `from __future__ import annotations`) and embeds the PTX in the engine; nothing here runs at inference.
@@ -18,6 +20,7 @@ TensorRT checks these functions' signatures (real annotations, not strings: this
 from typing import Tuple, Union
 
 from llmc.plugins.gpu import paged_kernels_aot
+from llmc.plugins.op.onnx_schema import SPLIT_TRT_TYPES
 from llmc.plugins.op.paged_node import PAGED_PLUGIN_OP, PLUGIN_NAMESPACE
 
 PAGED_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PAGED_PLUGIN_OP}"
@@ -33,32 +36,38 @@ def register_paged(trtp, capability, float_type) -> None:
     def describe(query: TensorDesc, key: TensorDesc, value: TensorDesc, key_cache: TensorDesc,
                  value_cache: TensorDesc, cumulative_sequence_length: TensorDesc, past_seqlens: TensorDesc,
                  block_table: TensorDesc, cos_cache: TensorDesc, sin_cache: TensorDesc, head_sink: TensorDesc,
-                 num_heads: int, kv_num_heads: int, head_size: int, rotary_dim: int, rotary_interleaved: int,
-                 local_window_size: int, is_causal: int, sinks: int, scale: float,
-                 softcap: float) -> Tuple[TensorDesc, TensorDesc, TensorDesc]:
-        return query.like(), key_cache.aliased(), value_cache.aliased()
+                 split_partials: TensorDesc, split_counters: TensorDesc, num_heads: int, kv_num_heads: int,
+                 head_size: int, rotary_dim: int, rotary_interleaved: int, local_window_size: int, is_causal: int,
+                 sinks: int, scale: float, softcap: float, key_splits: int,
+                 split_slots: int) -> Tuple[TensorDesc, TensorDesc, TensorDesc, TensorDesc, TensorDesc]:
+        return (query.like(), key_cache.aliased(), value_cache.aliased(), split_partials.aliased(),
+                split_counters.aliased())
 
     @trtp.autotune(PAGED_PLUGIN_ID)
     def formats(query: TensorDesc, key: TensorDesc, value: TensorDesc, key_cache: TensorDesc, value_cache: TensorDesc,
                 cumulative_sequence_length: TensorDesc, past_seqlens: TensorDesc, block_table: TensorDesc,
-                cos_cache: TensorDesc, sin_cache: TensorDesc, head_sink: TensorDesc, outputs: Tuple[TensorDesc]):
-        return [trtp.AutoTuneCombination(", ".join([_FLOATS] * 5 + ["INT32"] * 3 + [_FLOATS] * 6))]
+                cos_cache: TensorDesc, sin_cache: TensorDesc, head_sink: TensorDesc, split_partials: TensorDesc,
+                split_counters: TensorDesc, outputs: Tuple[TensorDesc]):
+        return [trtp.AutoTuneCombination(", ".join([_FLOATS] * 5 + ["INT32"] * 3 + [_FLOATS] * 3 + SPLIT_TRT_TYPES
+                                                   + [_FLOATS] * 3 + SPLIT_TRT_TYPES))]
 
     @trtp.aot_impl(PAGED_PLUGIN_ID)
     def compile_kernel(query: TensorDesc, key: TensorDesc, value: TensorDesc, key_cache: TensorDesc,
                        value_cache: TensorDesc, cumulative_sequence_length: TensorDesc, past_seqlens: TensorDesc,
                        block_table: TensorDesc, cos_cache: TensorDesc, sin_cache: TensorDesc, head_sink: TensorDesc,
+                       split_partials: TensorDesc, split_counters: TensorDesc,
                        num_heads: int, kv_num_heads: int, head_size: int, rotary_dim: int, rotary_interleaved: int,
                        local_window_size: int, is_causal: int, sinks: int, scale: float, softcap: float,
-                       outputs: Tuple[TensorDesc], tactic: int,
+                       key_splits: int, split_slots: int, outputs: Tuple[TensorDesc], tactic: int,
                        ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs]:
         kernel = paged_kernels_aot.paged_plugin_kernel(
             num_heads, kv_num_heads, head_size, scale, float_type(query.dtype), capability(), rotary_dim=rotary_dim,
             interleaved=bool(rotary_interleaved), softcap=softcap, window=local_window_size, causal=bool(is_causal),
-            sinks=bool(sinks))
+            sinks=bool(sinks), splits=key_splits, slots=split_slots)
         rows = past_seqlens.shape_expr[0]
         launch = trtp.KernelLaunchParams()
-        launch.grid_x, launch.grid_y = kernel.grid(query.shape_expr[0], rows, num_heads, kv_num_heads, cdiv=trtp.cdiv)
+        launch.grid_x, launch.grid_y, launch.grid_z = kernel.grid(query.shape_expr[0], rows, num_heads, kv_num_heads,
+                                                                  cdiv=trtp.cdiv)
         launch.block_x = kernel.num_warps * 32
         launch.shared_mem = kernel.shared_mem
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (

@@ -3,13 +3,16 @@
 implementations only; `register()` registers both.
 
     @trtp.register   output like the query; k_cache' / v_cache' aliased to the cache inputs, so
-                     the cache is updated in place (the engine's KV buffers are bound once)
-    @trtp.autotune   one float type for every float tensor (fp32, fp16 or bf16), int32 positions
+                     the cache is updated in place (the engine's KV buffers are bound once), and the split
+                     workspace' / counters' aliased to theirs (engine inputs bound once, threaded through
+                     every attention node: compiler/tensorrt/split_kv.py)
+    @trtp.autotune   one float type for every float tensor (fp32, fp16 or bf16), int32 positions, the
+                     workspace fp32 and the counters int32
     @trtp.aot_impl   the one-launch kernel (one_launch.py) compiled to PTX by kernels_aot.py for the node's shapes,
                      scale and attention features (rotary width, softcap, window, sinks: plugin fields,
                      plugins/op/fused_node.py; the sinks an input), its grid and integer arguments
-                     as shape expressions; without key splits (split_kv.py), whose workspace and counters an
-                     AOT plugin cannot get from TensorRT (docs/tensorrt.md, "Split-KV in one launch")
+                     as shape expressions; up to key_splits key splits (the grid's third axis) over a
+                     workspace of split_slots partials, as many as a launch's grid calls for (split_kv.py)
 
 TensorRT embeds the PTX in the engine, so the engine runs without Python or Triton: in Triton's
 TensorRT backend, in `trtexec`, and in llmc's TensorRT runner. The ONNX parser finds the plugin by
@@ -18,7 +21,7 @@ TensorRT validates the decorated functions' annotations as classes, so this modu
 `from __future__ import annotations` (which turns them into strings), and `aot_impl` declares its return.
 """
 
-from llmc.plugins.op.onnx_schema import PLUGIN_NAMESPACE, PLUGIN_OP
+from llmc.plugins.op.onnx_schema import PLUGIN_NAMESPACE, PLUGIN_OP, SPLIT_TRT_TYPES
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_OP}"
 _state = {"registered": False, "capability": None}
@@ -63,32 +66,39 @@ def register() -> None:
     @trtp.register(PLUGIN_ID)
     def describe(query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc, k_cache: trtp.TensorDesc,
                  v_cache: trtp.TensorDesc, cache_position: trtp.TensorDesc, cos_cache: trtp.TensorDesc,
-                 sin_cache: trtp.TensorDesc, head_sink: trtp.TensorDesc, num_heads: int, num_kv_heads: int,
-                 head_dim: int, scale: float, rotary: int, rotary_dim: int, softcap: float, local_window_size: int,
-                 sinks: int) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
-        return query.like(), k_cache.aliased(), v_cache.aliased()
+                 sin_cache: trtp.TensorDesc, head_sink: trtp.TensorDesc, split_partials: trtp.TensorDesc,
+                 split_counters: trtp.TensorDesc, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 rotary: int, rotary_dim: int, softcap: float, local_window_size: int, sinks: int, key_splits: int,
+                 split_slots: int) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc,
+                                            trtp.TensorDesc]:
+        return (query.like(), k_cache.aliased(), v_cache.aliased(), split_partials.aliased(),
+                split_counters.aliased())
 
     @trtp.autotune(PLUGIN_ID)
     def formats(query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc, k_cache: trtp.TensorDesc,
                 v_cache: trtp.TensorDesc, cache_position: trtp.TensorDesc, cos_cache: trtp.TensorDesc,
-                sin_cache: trtp.TensorDesc, head_sink: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc]):
+                sin_cache: trtp.TensorDesc, head_sink: trtp.TensorDesc, split_partials: trtp.TensorDesc,
+                split_counters: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc]):
         floats = "FP32|FP16|BF16"  # alternatives line up position by position: one type for all
-        return [trtp.AutoTuneCombination(", ".join([floats] * 5 + ["INT32"] + [floats] * 6))]
+        return [trtp.AutoTuneCombination(", ".join([floats] * 5 + ["INT32"] + [floats] * 3 + SPLIT_TRT_TYPES
+                                                   + [floats] * 3 + SPLIT_TRT_TYPES))]
 
     @trtp.aot_impl(PLUGIN_ID)
     def compile_kernel(query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc,
                        k_cache: trtp.TensorDesc, v_cache: trtp.TensorDesc, cache_position: trtp.TensorDesc,
                        cos_cache: trtp.TensorDesc, sin_cache: trtp.TensorDesc, head_sink: trtp.TensorDesc,
+                       split_partials: trtp.TensorDesc, split_counters: trtp.TensorDesc,
                        num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rotary: int, rotary_dim: int,
-                       softcap: float, local_window_size: int, sinks: int, outputs: Tuple[trtp.TensorDesc],
-                       tactic: int,
+                       softcap: float, local_window_size: int, sinks: int, key_splits: int, split_slots: int,
+                       outputs: Tuple[trtp.TensorDesc], tactic: int,
                        ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs]:
         kernel = plugin_kernel(num_heads, num_kv_heads, head_dim, scale, _float_type(query.dtype), _capability(),
                                rotary=bool(rotary), rotary_dim=rotary_dim or head_dim, softcap=softcap,
-                               window=local_window_size, sinks=bool(sinks))
+                               window=local_window_size, sinks=bool(sinks), splits=key_splits, slots=split_slots)
         batch, tokens = query.shape_expr[0], query.shape_expr[1]
         launch = trtp.KernelLaunchParams()
-        launch.grid_x, launch.grid_y = kernel.grid(tokens, batch, num_heads, num_kv_heads, cdiv=trtp.cdiv)
+        launch.grid_x, launch.grid_y, launch.grid_z = kernel.grid(tokens, batch, num_heads, num_kv_heads,
+                                                                  cdiv=trtp.cdiv)
         launch.block_x = kernel.num_warps * 32
         launch.shared_mem = kernel.shared_mem
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(tokens), trtp.SymInt32(k_cache.shape_expr[2])])

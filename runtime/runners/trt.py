@@ -10,7 +10,8 @@ output — nothing is copied. Graphs that return a new cache (the reference lowe
 scratch set whose rows are copied back on the device. Steps with several tokens per row use the
 engine's prefill profile (one row), one-token steps its decode profile; each profile has its own
 execution context, and everything runs on one CUDA stream (`execute_async_v3`). `close()` frees
-the device buffers, the contexts, the engine and the stream.
+the device buffers, the contexts, the engine and the stream. The attention plugins' key-split workspace and
+counters, when the engine has them, are allocated and zeroed once and bound on every step (trt_split.py).
 
 With `lora` (an engine built from a LoRA graph: compiler/tensorrt/stage.py) each step binds the LoRA inputs too: the
 stacks of its rows' distinct adapters (runtime/lora/stacks.py: StepStacks, copied to the GPU only when the set
@@ -36,6 +37,7 @@ from llmc.runtime.lora.stacks import AdapterWeights, StepStacks
 from llmc.runtime.manifest import TensorRTInfo
 from llmc.runtime.runners.protocol import RunnerClosed
 from llmc.runtime.runners.trt_ptx import ptx_problem
+from llmc.runtime.runners.trt_split import SplitBuffers
 
 PREFILL, DECODE = 0, 1  # optimization profile indices (compiler/tensorrt/profiles.py order)
 
@@ -160,6 +162,7 @@ class TrtRunner:
         if self.engine is None:
             raise EngineLoadError(f"{engine_path}: TensorRT {trt.__version__} could not deserialize the engine (built "
                                   "by another version or for another GPU, or the file is damaged); rebuild it here")
+        self.split = SplitBuffers(self.engine, cudart, _ok)  # the attention plugins' key-split buffers (trt_split.py)
         self.stream = _ok(cudart.cudaStreamCreate())
         self.contexts = []
         for profile in (PREFILL, DECODE):
@@ -174,7 +177,7 @@ class TrtRunner:
         self._ids = _ok(cudart.cudaMalloc(tokens * 8))
         self._positions = _ok(cudart.cudaMalloc(max_batch * 8))
         self._logits = _ok(cudart.cudaMalloc(tokens * self.vocab_size * np.dtype(self._logits_type).itemsize))
-        self._io = (self._ids, self._positions, self._logits)  # what close() frees besides the caches
+        self._io = (self._ids, self._positions, self._logits, *self.split.pointers.values())  # freed by close()
         if layout.step_inputs:  # LongRoPE's sequence_lengths
             self._seq_lens = _ok(cudart.cudaMalloc(max_batch * 8))
             self._io += (self._seq_lens,)
@@ -281,6 +284,7 @@ class TrtRunner:
             context.set_tensor_address(past, rows)
             context.set_tensor_address(present, out)
         context.set_tensor_address("logits", self._logits)
+        self.split.bind(context)
         held = self._bind_lora(context, adapters, (n, s), h2d) if self.lora is not None else []
         if not context.execute_async_v3(self.stream):
             raise RuntimeError("TensorRT failed to run the step (see the log)")

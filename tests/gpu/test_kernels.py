@@ -152,18 +152,20 @@ def test_kernels_compile_to_ptx_without_a_gpu(capability):
 
 
 def test_plugin_kernel_has_tensorrt_aot_calling_convention():
-    """9 input pointers (head_sink's too, read or not), 2 int32 extras, 3 output pointers, nothing after
-    (TensorRT passes exactly these), for every float type, with and without rotary (partial; with softcap,
-    else with sinks and a window), for sm_80 and sm_90."""
+    """11 input pointers (head_sink's too, read or not, and the split workspace and counters), 2 int32 extras, 5
+    output pointers (the split buffers aliased last), nothing after (TensorRT passes exactly these), for every
+    float type, with and without rotary (partial; with softcap, else with sinks, a window and key splits), for
+    sm_80 and sm_90."""
     code = (
         "from llmc.plugins.gpu.kernels_aot import entry_params, plugin_kernel\n"
         "for cap in (80, 90):\n"
         "    for dtype in ('fp16', 'bf16', 'fp32'):  # fp32 D=128: configs.py's one stage\n"
         "        for rotary in (True, False):\n"
         "            k = plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary=rotary, rotary_dim=64, sinks=not rotary,\n"
-        "                              softcap=50.0 * rotary, window=-1 if rotary else 256)\n"
+        "                              softcap=50.0 * rotary, window=-1 if rotary else 256,\n"
+        "                              splits=1 if rotary else 16, slots=0 if rotary else 264)\n"
         "            types = [t for t, _ in entry_params(k.ptx, k.name)]\n"
-        "            assert types == ['.u64'] * 9 + ['.u32'] * 2 + ['.u64'] * 3, types\n"
+        "            assert types == ['.u64'] * 11 + ['.u32'] * 2 + ['.u64'] * 5, types\n"
         "            assert f'.target sm_{cap}' in k.ptx and k.num_warps > 0 and 0 < k.shared_mem <= 48 * 1024\n"
         "print('ok')\n"
     )
@@ -195,10 +197,10 @@ def test_trim_params_drops_only_unused_trailing_parameters():
 
 
 def test_plugin_grid_covers_every_row_of_every_kv_group():
-    kernel = PluginKernel("k", "", num_warps=4, shared_mem=0, block_m=16)
+    kernel = PluginKernel("k", "", num_warps=4, shared_mem=0, block_m=16, splits=8)
     for tokens, batch, heads, kv_heads in ((1, 32, 32, 8), (300, 1, 9, 3), (7, 5, 4, 4)):
-        grid_x, grid_y = kernel.grid(tokens, batch, heads, kv_heads)
-        assert grid_y == batch * kv_heads
+        grid_x, grid_y, grid_z = kernel.grid(tokens, batch, heads, kv_heads)
+        assert grid_y == batch * kv_heads and grid_z == 8  # the most key splits, fixed at build
         assert (grid_x - 1) * 16 < tokens * (heads // kv_heads) <= grid_x * 16
 
 

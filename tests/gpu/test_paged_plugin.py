@@ -224,18 +224,25 @@ def test_both_plugins_register_with_signatures_tensorrt_accepts(monkeypatch):
         tensors, attrs = _check_signature(describe, None, [], "register")
         assert all(inspect.signature(describe).parameters[a].annotation in (int, float) for a in attrs)
         outputs = typing.get_args(inspect.signature(describe).return_annotation)
-        assert outputs == (_TensorDesc,) * 3
+        assert outputs == (_TensorDesc,) * 5  # the output, the caches and the split buffers aliased
         _check_signature(registry[(plugin_id, "autotune")], attrs, ["outputs"], "autotune")
         aot = registry[(plugin_id, "aot_impl")]
         _check_signature(aot, attrs, ["outputs", "tactic"], "aot_impl")
         assert len(typing.get_args(inspect.signature(aot).return_annotation)) == 4
     paged = registry[("llmc::LlmcPagedAttention", "register")]
-    formats = registry[("llmc::LlmcPagedAttention", "autotune")](*[None] * 12)[0].split(", ")
-    assert len(formats) == 14 and formats[5:8] == ["INT32"] * 3 and set(formats) - {"INT32"} == {"FP32|FP16|BF16"}
+    formats = registry[("llmc::LlmcPagedAttention", "autotune")](*[None] * 14)[0].split(", ")
+    assert len(formats) == 18 and formats[5:8] == ["INT32"] * 3
+    assert formats[11:13] == formats[16:] == ["FP32", "INT32"]  # the split workspace and counters, in and out
+    assert set(formats[:5] + formats[8:11] + formats[13:16]) == {"FP32|FP16|BF16"}
+    descs = [_TensorDesc() for _ in range(13)]
+    assert paged(*descs, *[0] * 12) == (("like", descs[0]), ("aliased", descs[3]), ("aliased", descs[4]),
+                                        ("aliased", descs[11]), ("aliased", descs[12]))
+    fused = registry[("llmc::LlmcFusedAttention", "autotune")](*[None] * 12)[0].split(", ")
+    assert len(fused) == 16 and fused[5] == "INT32" and fused[9:11] == fused[14:] == ["FP32", "INT32"]
+    assert set(fused[:5] + fused[6:9] + fused[11:14]) == {"FP32|FP16|BF16"}
     descs = [_TensorDesc() for _ in range(11)]
-    assert paged(*descs, *[0] * 10) == (("like", descs[0]), ("aliased", descs[3]), ("aliased", descs[4]))
-    fused = registry[("llmc::LlmcFusedAttention", "autotune")](*[None] * 10)[0].split(", ")
-    assert len(fused) == 12 and fused[5] == "INT32" and set(fused) - {"INT32"} == {"FP32|FP16|BF16"}
+    assert registry[("llmc::LlmcFusedAttention", "register")](*descs, *[0] * 11)[3:] == (("aliased", descs[9]),
+                                                                                       ("aliased", descs[10]))
 
 
 def test_paged_aot_impl_compiles_for_the_node_and_launches_over_shape_expressions(monkeypatch):
@@ -244,20 +251,22 @@ def test_paged_aot_impl_compiles_for_the_node_and_launches_over_shape_expression
 
     def compiled(*args, **kwargs):
         asked.append((args, kwargs))
-        return paged_kernels_aot.PagedPluginKernel("_paged_attention", "ptx", 4, 9216, 16)
+        return paged_kernels_aot.PagedPluginKernel("_paged_attention", "ptx", 4, 9216, 16, kwargs["splits"])
 
     monkeypatch.setattr(paged_kernels_aot, "paged_plugin_kernel", compiled)
     trt_plugin.register()
     tokens, rows, width, blocks, block_size = 37, 3, 9, 50, 16
     descs = [_TensorDesc("bf16", s) for s in ([tokens, H * D], [tokens, KVH * D], [tokens, KVH * D],
                                               [blocks, block_size, KVH, D], [blocks, block_size, KVH, D], [rows + 1],
-                                              [rows], [rows, width], [64, D // 2], [64, D // 2], [H])]
+                                              [rows], [rows, width], [64, D // 2], [64, D // 2], [H],
+                                              [264 * 16 * (D + 2)], [264])]
     name, ptx, launch, extra = registry[("llmc::LlmcPagedAttention", "aot_impl")](
-        *descs, H, KVH, D, D, 0, 7, 1, 1, 0.25, 2.5, outputs=(), tactic=0)
+        *descs, H, KVH, D, D, 0, 7, 1, 1, 0.25, 2.5, 8, 264, outputs=(), tactic=0)
     assert asked == [((H, KVH, D, 0.25, "bf16", 80), {"rotary_dim": D, "interleaved": False, "softcap": 2.5,
-                                                      "window": 7, "causal": True, "sinks": True})]
+                                                      "window": 7, "causal": True, "sinks": True, "splits": 8,
+                                                      "slots": 264})]
     assert (name, ptx, launch.block_x, launch.shared_mem) == ("_paged_attention", "ptx", 128, 9216)
-    assert (launch.grid_x, launch.grid_y) == (-(-tokens * (H // KVH) // 16) + rows, KVH)
+    assert (launch.grid_x, launch.grid_y, launch.grid_z) == (-(-tokens * (H // KVH) // 16) + rows, KVH, 8)
     assert extra == (("i32", rows), ("i32", width), ("i32", blocks), ("i32", block_size))
 
 

@@ -197,8 +197,9 @@ def test_paged_kernels_compile_to_ptx_without_a_gpu(capability):
 
 
 def test_paged_plugin_kernel_has_tensorrt_aot_calling_convention():
-    """11 input pointers (head_sink's too, read or not), 4 int32 extras, 3 output pointers and nothing after,
-    for every float type, with and without rotary (without: with sinks and softcap), for sm_80 and sm_90."""
+    """13 input pointers (head_sink's too, read or not, and the split workspace and counters), 4 int32 extras, 5
+    output pointers and nothing after, for every float type, with and without rotary (without: with sinks,
+    softcap and key splits), for sm_80 and sm_90."""
     code = (
         "from llmc.plugins.gpu.kernels_aot import entry_params\n"
         "from llmc.plugins.gpu.paged_kernels_aot import paged_plugin_kernel\n"
@@ -206,9 +207,10 @@ def test_paged_plugin_kernel_has_tensorrt_aot_calling_convention():
         "    for dtype in ('fp16', 'bf16', 'fp32'):\n"
         "        for rotary_dim in (128, 0):\n"
         "            k = paged_plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary_dim=rotary_dim,\n"
-        "                                    sinks=rotary_dim == 0, softcap=50.0 * (rotary_dim == 0))\n"
+        "                                    sinks=rotary_dim == 0, softcap=50.0 * (rotary_dim == 0),\n"
+        "                                    splits=16 if rotary_dim == 0 else 1, slots=264 * (rotary_dim == 0))\n"
         "            types = [t for t, _ in entry_params(k.ptx, k.name)]\n"
-        "            assert types == ['.u64'] * 11 + ['.u32'] * 4 + ['.u64'] * 3, types\n"
+        "            assert types == ['.u64'] * 13 + ['.u32'] * 4 + ['.u64'] * 5, types\n"
         "            assert f'.target sm_{cap}' in k.ptx and k.num_warps > 0 and 0 < k.shared_mem <= 48 * 1024\n"
         "print('ok')\n"
     )

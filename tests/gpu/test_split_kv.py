@@ -115,3 +115,71 @@ def test_split_count_fills_the_gpu_from_shapes():
     assert decode_splits(1, 8, 1000) == 2  # 3 slices of 256 keys at most, rounded down to a power of two
     assert decode_splits(1, 8, 1 << 20, num_sms=108) == 16  # an A100: 216 // 8 = 27
     assert decode_splits(1, 8, 200) == 1  # under one slice
+
+
+@triton.jit
+def _counts(out_ptr, keys, SPLITS: tl.constexpr, SLOTS: tl.constexpr):
+    """Each program's launch_splits, at its place in the grid."""
+    at = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(out_ptr + at, split_kv.launch_splits(keys, SPLITS, SLOTS))
+
+
+@pytest.mark.parametrize("tiles, keys, slots, want", [
+    ((1, 8), 32768, 264, 16),  # one row, 8 KV heads: the grid's 16 (264 // 8 = 33 would allow more)
+    ((1, 64), 32768, 264, 4),  # 8 rows: 264 // 64
+    ((2, 132), 32768, 264, 1),  # the tiles already fill the partials: no splits
+    ((20, 64), 4096, 264, 1),  # a prefill's many row tiles
+    ((1, 2), 700, 264, 2),  # 700 keys: two slices of 256 at most
+    ((1, 2), 100, 264, 1),  # under one slice
+])
+def test_a_plugin_launch_takes_the_splits_its_grid_and_workspace_allow(tiles, keys, slots, want):
+    """The plugin's grid has a fixed third axis (its key_splits: 16 here); each launch takes as many as its
+    grid's tiles leave room for in the workspace's partials, and slices of 256 keys at least."""
+    out = torch.full((tiles[0] * tiles[1] * 16,), -1, dtype=torch.int32)
+    _counts[(*tiles, 16)](out, keys, 16, slots)
+    assert set(out.tolist()) == {want}
+
+
+def _guarded(monkeypatch, module, slots, head_dim, block_m=16):
+    """Make `module`'s split_workspace hand out a NaN-filled workspace of exactly `slots` partials followed by a
+    guard of NaNs; returns (workspace, counters) as the kernel gets them."""
+    size = split_kv.workspace_floats(slots, 1, block_m, head_dim)
+    held = {"part": torch.full((size + 4096,), float("nan")), "counters": torch.zeros(slots, dtype=torch.int32)}
+
+    def workspace(device, tiles, splits, m, d):
+        assert (tiles, splits, m, d) == (slots, 1, block_m, head_dim)  # a plugin's: `slots` partials, whatever the grid
+        return held["part"], held["counters"]
+
+    monkeypatch.setattr(module, "split_workspace", workspace)
+    return held, size
+
+
+@pytest.mark.parametrize("slots, splits_taken", [(24, 4), (6, 1)])
+def test_plugin_launches_match_the_reference_within_their_workspace(monkeypatch, slots, splits_taken):
+    """The slot kernel as the plugin launches it (a grid of 8 splits over a fixed workspace, the count taken at run
+    time): the op's reference, nothing written past the workspace's `slots` partials, counters back at zero. With
+    room for 4 splits of the 6 tiles' keys, partials are written; with room for one, the workspace is untouched."""
+    from llmc.plugins.gpu import one_launch
+
+    held, size = _guarded(monkeypatch, one_launch, slots, 16)
+    case = _case(3, 1, 6, 2, 16, 1100, [0, 700, 1090], torch.float32, rotary=True, seed=12)
+    _check(case, 0.3, one_launch_attention, splits=8, slots=slots)
+    part = held["part"]
+    assert torch.isnan(part[size:]).all(), "written past the workspace"
+    assert (not torch.isnan(part[:size]).all()) == (splits_taken > 1)
+    assert int(held["counters"].abs().sum()) == 0
+
+
+def test_paged_plugin_launch_matches_the_reference_within_its_workspace(monkeypatch):
+    """The paged one-launch kernel as the plugin launches it: 8 splits in the grid, a workspace of 40 partials for
+    its 2 + 4 (rows) = 6 row tiles x 2 KV heads, so 3 splits taken (40 // 12) over a 1,088-key reach."""
+    import functools
+
+    from llmc.plugins.gpu import paged_kernels_aot
+
+    held, size = _guarded(monkeypatch, paged_kernels_aot, 40, 16)
+    case = make_case([1, 0, 5, 1], [600, 3, 40, 900], 6, 2, 16, 64, torch.float32, rotary_dim=16, seed=13)
+    check(case, functools.partial(PAGED["one launch"], slots=40), splits=8)
+    part = held["part"]
+    assert torch.isnan(part[size:]).all() and not torch.isnan(part[:size]).all()
+    assert int(held["counters"].abs().sum()) == 0

@@ -101,6 +101,8 @@ def report(device: str, args: argparse.Namespace, runs: list[dict], prefill: lis
 
 def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
     """One decode shape: every kernel checked against the reference, timed, printed; its figures returned."""
+    import functools
+
     import torch
 
     from llmc.plugins.op.attention import reference_attention
@@ -125,10 +127,16 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
     sms = num_sms(q.device)
     slot_splits = args.splits or decode_splits(b * -(-group // BLOCK_M), kvh, c, sms)
     paged_splits = args.splits or decode_splits(-(-b * group // BLOCK_M) + b, kvh, c, sms)
-    print(f"key splits (min {SPLIT_KEYS} keys each, {sms} SMs): slot {slot_splits}, paged {paged_splits}")
+    # as a TensorRT engine launches them (compiler/tensorrt/split_kv.py): a grid of key_splits (one row at this
+    # context) over a workspace of 2 partials an SM, the count taken at run time (split_kv.launch_splits)
+    slots, plugin_splits = 2 * sms, decode_splits(-(-group // BLOCK_M), kvh, c, sms)
+    print(f"key splits (min {SPLIT_KEYS} keys each, {sms} SMs): slot {slot_splits}, paged {paged_splits}; "
+          f"the plugins' grid {plugin_splits} over {slots} partials")
     kernels = {"llmc one launch": lambda: one_launch_attention(q, k, v, kc, vc, pos, scale, splits=1),
                f"llmc one launch, {slot_splits} splits": lambda: one_launch_attention(q, k, v, kc, vc, pos, scale,
-                                                                                      splits=slot_splits)}
+                                                                                      splits=slot_splits),
+               "llmc one launch, as the plugin": lambda: one_launch_attention(q, k, v, kc, vc, pos, scale,
+                                                                              splits=plugin_splits, slots=slots)}
     # the same cache as block pools: row r's position t lives in block table[r, t // bs] at offset t % bs
     bs = args.block_size
     if c % bs:
@@ -145,11 +153,13 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
     cu = torch.arange(b + 1, device="cuda", dtype=torch.int32)
     past = pos.to(torch.int32)
     flat = {"query": q.reshape(b, h * d), "key": k.reshape(b, kvh * d), "value": v.reshape(b, kvh * d)}
+    plugin = functools.partial(paged_attention_one_launch, slots=slots)
     for name, kernel, splits in (("llmc paged two launches", paged_attention, 1),
                                  (f"llmc paged two launches, {paged_splits} splits", paged_attention, paged_splits),
                                  ("llmc paged one launch", paged_attention_one_launch, 1),
                                  (f"llmc paged one launch, {paged_splits} splits", paged_attention_one_launch,
-                                  paged_splits)):
+                                  paged_splits),
+                                 ("llmc paged one launch, as the plugin", plugin, plugin_splits)):
         kernels[name] = (lambda kernel=kernel, splits=splits: kernel(
             **flat, key_cache=kp, value_cache=vp, cumulative_sequence_length=cu, past_seqlens=past, block_table=table,
             num_heads=h, kv_num_heads=kvh, scale=scale, splits=splits)[0].view(b, 1, h, d))
@@ -192,7 +202,8 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
         share = f"{row['peak_share']:7.0%}" if row["peak_share"] is not None else "      ?"
         print(f"{name:36} {row['ms']:8.3f} {row['tb_s']:15.2f} {share:>8} {row['vs_sdpa']:7.2f}x")
     shape = {"batch": b, "context": c, "heads": h, "kv_heads": kvh, "head_dim": d, "dtype": args.dtype,
-             "block_size": bs, "splits": {"slot": slot_splits, "paged": paged_splits}, "passes": args.passes}
+             "block_size": bs, "splits": {"slot": slot_splits, "paged": paged_splits, "plugin_grid": plugin_splits,
+                                          "plugin_slots": slots}, "passes": args.passes}
     return {"shape": shape, "kernels": rows}
 
 

@@ -146,10 +146,12 @@ def split_plugin_export(tiny_checkpoints, tmp_path_factory):
 def test_a_split_plugin_export_prepares_for_tensorrt_in_fp16(split_plugin_export, tmp_path):
     from llmc.compiler.tensorrt.collectives import expected_collectives
     from llmc.compiler.tensorrt.prep import prepare_for_tensorrt
+    from llmc.compiler.tensorrt.split_kv import SplitBuffers
 
     exported, folder = split_plugin_export
     layers, vocab = exported.model.num_layers, exported.model.vocab_size
-    prepared = prepare_for_tensorrt(folder / "rank1" / "model.onnx", "fp16", tmp_path / "trt")
+    prepared = prepare_for_tensorrt(folder / "rank1" / "model.onnx", "fp16", tmp_path / "trt",
+                                    split=SplitBuffers(64, exported.model.head_dim))
     model = onnx.load(str(prepared), load_external_data=False)
     onnx.checker.check_model(model)
     assert not [n for n in model.graph.node if n.domain == "llmc" and n.op_type in ("AllReduce", "AllGather")]

@@ -49,11 +49,13 @@ def test_the_prepared_graph_takes_the_lora_inputs_in_fp16_and_every_input_has_a_
 
     from llmc.compiler.tensorrt.prep import prepare_for_tensorrt
     from llmc.compiler.tensorrt.profiles import profile_shapes, profiles
+    from llmc.compiler.tensorrt.split_kv import SplitBuffers
 
     spec, exported, folder, _ = plugin_build
     lora = _lora(plugin_build)
     assert set(lora.adapters) == {"a", "b"} and lora.sites and all(s.rows is None for s in lora.sites)
-    path = prepare_for_tensorrt(folder / exported.onnx, "fp16", tmp_path / "prep", lora.sites)
+    split = SplitBuffers(spec.limits.max_seq_len, exported.model.head_dim)
+    path = prepare_for_tensorrt(folder / exported.onnx, "fp16", tmp_path / "prep", lora.sites, split)
     onnx.checker.check_model(str(path), full_check=True)
     model = onnx.load(str(path), load_external_data=False)
     inputs = {i.name: i for i in model.graph.input}
@@ -61,7 +63,8 @@ def test_the_prepared_graph_takes_the_lora_inputs_in_fp16_and_every_input_has_a_
     assert len(lora_inputs) == 2 * len(lora.sites) + 2  # A and B per site, the masks of 1 and 3 modules
     assert all(inputs[n].type.tensor_type.elem_type == TensorProto.FLOAT16 for n in lora_inputs)
     assert len(inputs["lora_mask_x3"].type.tensor_type.shape.dim) == 3
-    built = profiles(spec.limits, exported.model.num_kv_heads, exported.model.head_dim, (), lora.runner)
+    built = profiles(spec.limits, exported.model.num_kv_heads, exported.model.head_dim, (), lora.runner,
+                     split.shapes())
     for profile in built:
         shapes = profile_shapes(profile, list(inputs))  # every network input has a shape
         ids = shapes["input_ids"]
