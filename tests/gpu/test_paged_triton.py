@@ -222,7 +222,7 @@ def test_paged_kernels_on_the_gpu_match_the_reference():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU here (the paged kernels are checked under the interpreter and compiled to PTX)")
     code = (  # a fresh process: this module put the kernels in interpreter mode
-        "import torch\n"
+        "import functools, torch\n"
         "from test_paged_triton import make_case, check, KERNELS\n"
         "for dtype in (torch.float16, torch.bfloat16):\n"
         "    case = make_case([1, 300, 1, 37], [4000, 700, 17, 0], 32, 8, 128, 16, dtype, rotary_dim=128)\n"
@@ -230,6 +230,9 @@ def test_paged_kernels_on_the_gpu_match_the_reference():
         "    for kernel in KERNELS.values():\n"
         "        for splits in (None, 1, 8):  # their own choice (1 here: 89 tiles x 8 KV heads), none, 8\n"
         "            check(case, kernel, tol=2e-2, splits=splits)\n"
+        "    decode = make_case([1], [4000], 32, 8, 128, 16, dtype, rotary_dim=128)  # one row: 8 tiles\n"
+        "    decode = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in decode.items()}\n"
+        "    check(decode, functools.partial(KERNELS['one launch'], slots=264), tol=2e-2, splits=32)  # the plugin's\n"
         "print('ok')\n"
     )
     here = os.path.dirname(os.path.abspath(__file__))  # test_paged_triton, and the helpers module above it
