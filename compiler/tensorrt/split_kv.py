@@ -12,9 +12,10 @@ as two inputs of a fixed size:
 
 threaded through every plugin node in graph order (node i's aliased outputs are node i + 1's inputs, so TensorRT
 sees each buffer written by one layer at a time) and returned by the last as `*_out`; the runner binds each once,
-zeroed, as the input and the output (runtime/runners/trt_split.py). `slots` is 2 x the GPU's SMs: a launch takes as
-many of its `key_splits` as keep its partials within them (split_kv.launch_splits), which is decode_splits' rule
-of about 2 programs per SM. `key_splits` is what a batch of one row at the longest context takes.
+zeroed, as the input and the output (runtime/runners/trt_split.py). `slots` is 2 x the GPU's SMs: a launch's grid
+takes as many of its `key_splits` as keep its partials within them (plugins/gpu/split_kv.py plugin_splits, a shape
+expression), which is decode_splits' rule of about 2 programs per SM. `key_splits` is what a batch of one row at
+the longest context takes.
 """
 
 from __future__ import annotations

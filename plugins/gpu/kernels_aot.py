@@ -18,6 +18,7 @@ import triton
 from llmc.plugins.gpu.configs import attention_config
 from llmc.plugins.gpu.one_launch import _attention_one_launch, one_launch_attention  # noqa: F401  (API)
 from llmc.plugins.gpu.ptx import PTX_ISA, entry_params, plain_target, trim_params  # noqa: F401  (entry_params: API)
+from llmc.plugins.gpu.split_kv import plugin_splits
 
 
 _TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -43,12 +44,15 @@ class PluginKernel:
     num_warps: int
     shared_mem: int
     block_m: int
-    splits: int = 1  # the grid's third axis: the most key splits a launch takes (split_kv.launch_splits)
+    splits: int = 1  # the most key splits a launch takes (the node's key_splits)
+    slots: int = 0  # the partials its workspace holds (split_slots)
 
-    def grid(self, tokens, batch, num_heads: int, num_kv_heads: int, cdiv=triton.cdiv):
-        """(grid_x, grid_y, grid_z) for `tokens` new tokens per row and `batch` rows; works on ints and on
-        TensorRT's symbolic shape expressions alike (pass `trtp.cdiv`)."""
-        return cdiv(tokens * (num_heads // num_kv_heads), self.block_m), batch * num_kv_heads, self.splits
+    def grid(self, tokens, batch, num_heads: int, num_kv_heads: int, capacity, cdiv=triton.cdiv, **ops):
+        """(grid_x, grid_y, key splits) for `tokens` new tokens per row, `batch` rows and a cache of `capacity`
+        tokens a row; works on ints and on TensorRT's symbolic shape expressions alike (pass `trtp.cdiv` and
+        split_kv.plugin_splits' `minimum`, `maximum`, `constant` as TensorRT's)."""
+        x, y = cdiv(tokens * (num_heads // num_kv_heads), self.block_m), batch * num_kv_heads
+        return x, y, plugin_splits(x * y, capacity, self.splits, self.slots, **ops)
 
 
 def _compile(fn, signature: dict[str, str], constexprs: dict, capability: int, *, aligned: bool = False, **options):
@@ -88,7 +92,7 @@ _ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 def _one_launch_source(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, t: str, rotary: bool,
                        position_type: str, rotary_dim: int | None = None, softcap: float = 0.0, window: int = -1,
-                       sinks: bool = False, splits: int = 1, fp8_kv: bool = False, slots: int = 0):
+                       sinks: bool = False, splits: int = 1, fp8_kv: bool = False):
     config = attention_config(head_dim, _ITEMSIZE[t], fresh=True)
     signature = {**{n: f"*{t}" for n in PLUGIN_INPUTS + PLUGIN_OUTPUTS}, "pos_ptr": f"*{position_type}",
                  **{n: "i32" for n in PLUGIN_SCALARS}, **SPLIT_BUFFERS,
@@ -98,7 +102,7 @@ def _one_launch_source(num_heads: int, num_kv_heads: int, head_dim: int, scale: 
                   "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": triton.next_power_of_2(head_dim),
                   "ROTARY": rotary, "DOT_PRECISION": "ieee" if t == "fp32" else "tf32", "UPCAST": False,
                   "SOFTCAP": float(softcap), "WINDOW": int(window), "SINKS": bool(sinks),
-                  "SPLITS": splits, "FP8_KV": fp8_kv, "SLOTS": slots}
+                  "SPLITS": splits, "FP8_KV": fp8_kv}
     return signature, constexprs, config
 
 
@@ -114,13 +118,13 @@ def plugin_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float
     if splits > 1 and slots < 2:
         raise ValueError(f"a plugin kernel of {splits} key splits needs a workspace of 2 partials at least, not {slots}")
     signature, constexprs, config = _one_launch_source(num_heads, num_kv_heads, head_dim, scale, dtype, rotary, "i32",
-                                                       rotary_dim, softcap, window, sinks, splits,
-                                                       slots=slots if splits > 1 else 0)
+                                                       rotary_dim, softcap, window, sinks, splits)
     what = f"the attention kernel for head_dim {head_dim} ({dtype})"
     compiled = compile_for_plugin(_attention_one_launch, (signature, constexprs), capability, what, config)
     meta = compiled.metadata
     ptx = trim_params(compiled.asm["ptx"], meta.name, len(PLUGIN_INPUTS + PLUGIN_SCALARS + PLUGIN_OUTPUTS))
-    return PluginKernel(meta.name, plain_target(ptx, what), meta.num_warps, meta.shared, config.block_m, splits)
+    return PluginKernel(meta.name, plain_target(ptx, what), meta.num_warps, meta.shared, config.block_m, splits,
+                        slots if splits > 1 else 0)
 
 
 def kernel_sources(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, rotary: bool,

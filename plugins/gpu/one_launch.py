@@ -9,9 +9,9 @@ than the cache, so no program waits for another's cache write; one program per t
 
 Split-KV (SPLITS > 1, split_kv.py): a third grid axis divides each tile's keys among SPLITS programs, whose
 partials the tile's last program merges in the same launch; at a small batch and a long context batch x KV heads
-alone leaves a GPU idle. SPLITS = 1 is the kernel without a workspace. The plugin's kernel (SLOTS > 0) is compiled
-with the most splits a launch may take and takes as many as its grid calls for; its workspace and counters are
-engine inputs, bound once (docs/tensorrt.md: an ahead-of-time plugin gets no scratch memory from TensorRT).
+alone leaves a GPU idle. SPLITS = 1 is the kernel without a workspace. A plugin's launch sizes that axis from its
+shapes over a workspace and counters of a fixed size, engine inputs bound once (split_kv.plugin_splits;
+docs/tensorrt.md: an ahead-of-time plugin gets no scratch memory from TensorRT).
 
 The attention features are kernels.py's: partial rotary (HALF = the tables' width), softcap and window as
 compile-time constants, sinks read from the head_sink input (a placeholder the kernel skips when SINKS is off,
@@ -29,7 +29,7 @@ import triton.language as tl
 from llmc.plugins.gpu.configs import attention_config, decode_splits
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, in_type, kv_scales, kv_view, load_kv, store_kv
 from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
-from llmc.plugins.gpu.split_kv import (launch_splits, merge_splits, num_sms, split_keys, split_workspace,
+from llmc.plugins.gpu.split_kv import (merge_splits, num_sms, plugin_splits, split_keys, split_workspace,
                                       tile_and_split)
 
 
@@ -40,7 +40,7 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
                           HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           ROTARY: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                           SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, SPLITS: tl.constexpr,
-                          FP8_KV: tl.constexpr = False, SLOTS: tl.constexpr = 0):
+                          FP8_KV: tl.constexpr = False):
     """One program per (query-row block, b * KVH + kv head, key split); rows are (new token s, query head of
     the group) pairs. Keys before the row's position come from the cache, the new ones straight from
     the inputs (rotated on the fly over the tables' 2 * HALF channels).
@@ -50,15 +50,10 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
     integer scalars (S, C), then its output tensors (output, k_cache', v_cache', workspace', counters' — all but
     the output aliased to the inputs, so the same memory; the kernel reads and writes through the inputs'
     pointers); the softmax scale, softcap and window are compile-time constants (AOT extra arguments are
-    integers only), SINKS says whether head_sink is read (else it is a placeholder). The workspace and counters
-    (split_kv.py) are read only when SPLITS > 1; SLOTS > 0 (a plugin's kernel): the launch takes as many of its
-    SPLITS as its grid and C call for (launch_splits). Last, the fp8 caches' per-KV-head scales (fp8.py), read
-    only with FP8_KV (the caches then hold e4m3 bytes)."""
-    splits = SPLITS
-    if SLOTS > 0:
-        splits = launch_splits(C, SPLITS, SLOTS)
-        if tl.program_id(2) >= splits:
-            return
+    integers only), SINKS says whether head_sink is read (else it is a placeholder). SPLITS > 1 compiles the key
+    splits (split_kv.py), as many as the grid's third axis (a plugin's launch sizes it: split_kv.plugin_splits);
+    only then are the workspace and counters read. Last, the fp8 caches' per-KV-head scales (fp8.py), read only
+    with FP8_KV (the caches then hold e4m3 bytes)."""
     start_m = tl.program_id(0) * BLOCK_M
     bk = tl.program_id(1)
     b = bk // KVH
@@ -88,7 +83,7 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
     if WINDOW > 0:  # the first row's window (rows are in token order)
         first = tl.maximum(pos + start_m // G - WINDOW + 1, 0)
     if SPLITS > 1:  # this program's slice of them
-        first, last, active = split_keys(first, last, splits, BLOCK_N)
+        first, last, active = split_keys(first, last, tl.num_programs(2), BLOCK_N)
     cache = (b * KVH + kv) * C * D
     k_scale = head_scale(ks_ptr, kv, FP8_KV)
     v_scale = head_scale(vs_ptr, kv, FP8_KV)
@@ -125,10 +120,10 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
         m_i = m_new
     writes = tl.full([BLOCK_M, 1], 1, tl.int1)  # whether this program writes the tile's output: with splits, the
     if SPLITS > 1:  # tile's last to finish
-        if splits > 1:
+        if tl.num_programs(2) > 1:  # a launch sized to one split touches no workspace
             tile, split = tile_and_split()
-            acc, m_i, l_i, writes = merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D, splits,
-                                                 BLOCK_M)
+            acc, m_i, l_i, writes = merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D,
+                                                 tl.num_programs(2), BLOCK_M)
     if SINKS:
         acc, l_i = with_sink(acc, m_i, l_i, tl.load(sink_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32))
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -159,7 +154,7 @@ def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, sc
     """`llmc::attention` in one kernel launch (the TensorRT plugin's kernel), caches updated in place. `splits`:
     ways to split each tile's keys (default: decode_splits from the shapes and the GPU's SMs; 1: none). `slots`:
     launched as the plugin launches it, `splits` the most a launch takes over a workspace of `slots` partials
-    (split_kv.launch_splits). fp8 (float8_e4m3fn) caches take `k_scale` / `v_scale`, fp32 [KVH] (fp8.py;
+    (split_kv.plugin_splits). fp8 (float8_e4m3fn) caches take `k_scale` / `v_scale`, fp32 [KVH] (fp8.py;
     `reference_attention`'s)."""
     b, s, h, d = query.shape
     kvh, capacity = key.shape[2], k_cache.shape[2]
@@ -173,8 +168,11 @@ def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, sc
     config = attention_config(d, query.element_size(), fresh=True)
     tiles = triton.cdiv(s * (h // kvh), config.block_m)
     splits = splits or decode_splits(tiles * b, kvh, capacity, num_sms(query.device))
+    compiled = splits  # the kernel's SPLITS: its split code compiled in when > 1
+    if slots:  # as the plugin: the grid's third axis from its shapes, a workspace of `slots` partials
+        splits = plugin_splits(tiles * b * kvh, capacity, splits, slots)
     grid = one_launch_grid(s, b, h, kvh, config.block_m, splits)
-    if splits > 1:  # this launch's own workspace, or as a plugin's: `slots` partials, whatever the grid
+    if compiled > 1:
         part, counters = split_workspace(query.device, *((slots, 1) if slots else (tiles * b * kvh, splits)),
                                          config.block_m, d)
     else:
@@ -186,6 +184,5 @@ def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, sc
                                 capacity, out, kc, vc, part, counters, k_scale, v_scale, float(scale), h, kvh, d,
                                 cos_cache.shape[1] if rotary else 1, config.block_m, config.block_n,
                                 triton.next_power_of_2(d), rotary, precision, upcast, float(softcap),
-                                int(local_window_size), head_sink is not None, splits, fp8, slots if splits > 1 else 0,
-                                **config.launch())
+                                int(local_window_size), head_sink is not None, compiled, fp8, **config.launch())
     return out

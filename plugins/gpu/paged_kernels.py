@@ -46,7 +46,7 @@ from llmc.plugins.gpu.fp8 import as_stored, head_scale, kv_scales, kv_view, load
 from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
 # the launches' argument handling, shared with paged_kernels_aot.py and prefill.py
 from llmc.plugins.gpu.paged_launch import int32, kernel_options, sinks, split_packed  # noqa: F401  (API)
-from llmc.plugins.gpu.split_kv import launch_splits, merge_splits, split_buffers, split_keys, tile_and_split
+from llmc.plugins.gpu.split_kv import merge_splits, split_buffers, split_keys, tile_and_split
 
 
 @triton.jit
@@ -152,19 +152,14 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr,
                      INTERLEAVED: tl.constexpr, FRESH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SINKS: tl.constexpr,
-                     SPLITS: tl.constexpr, FP8_KV: tl.constexpr = False, SLOTS: tl.constexpr = 0):
+                     SPLITS: tl.constexpr, FP8_KV: tl.constexpr = False):
     """One program per (block of a row's (token, group head) pairs, KV head, key split). Parameters in
     TensorRT's AOT-plugin order: input tensors (the split workspace and counters last), int32 scalars, output
-    tensors (the caches, workspace and counters aliased to the inputs); the workspace and counters are read only
-    when SPLITS > 1 (SLOTS > 0, a plugin's kernel: as many of SPLITS as the grid and the block table's reach
-    call for, split_kv.launch_splits); then the fp8 caches' per-KV-head scales, read only with FP8_KV (fp8.py:
-    the caches then hold e4m3 bytes).
+    tensors (the caches, workspace and counters aliased to the inputs); SPLITS > 1 compiles the key splits, as
+    many as the grid's third axis (a plugin's launch sizes it: split_kv.plugin_splits), and only then are the
+    workspace and counters read; then the fp8 caches' per-KV-head scales, read only with FP8_KV (fp8.py: the
+    caches then hold e4m3 bytes).
     UPCAST: tiles reach the dots as fp32 (under the interpreter for bf16, which NumPy lacks)."""
-    splits = SPLITS
-    if SLOTS > 0:
-        splits = launch_splits(MB * BS, SPLITS, SLOTS)
-        if tl.program_id(2) >= splits:
-            return
     G: tl.constexpr = H // KVH
     kv = tl.program_id(1)
     b = find_row(cu_ptr, B, tl.program_id(0), G, BLOCK_M, True)
@@ -192,7 +187,7 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
     if WINDOW > 0:
         lo = tl.maximum(tl.min(tl.where(row_ok, pos, hi), 0) - WINDOW + 1, 0)
     if SPLITS > 1:  # this program's slice of the keys (slot_of masks the keys past its end)
-        lo, hi, active = split_keys(lo, hi, splits, BLOCK_N)
+        lo, hi, active = split_keys(lo, hi, tl.num_programs(2), BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -217,10 +212,10 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     writes = tl.full([BLOCK_M, 1], 1, tl.int1)  # whether this program writes the output: with splits, the tile's
     if SPLITS > 1:  # last to finish
-        if splits > 1:
+        if tl.num_programs(2) > 1:  # a launch sized to one split touches no workspace
             tile, split = tile_and_split()
-            acc, m_i, l_i, writes = merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D, splits,
-                                                 BLOCK_M)
+            acc, m_i, l_i, writes = merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D,
+                                                 tl.num_programs(2), BLOCK_M)
     if SINKS:
         head = kv * G + r % G
         acc, l_i = with_sink(acc, m_i, l_i, tl.load(sink_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32))

@@ -24,7 +24,7 @@ from llmc.plugins.gpu.kernels_aot import CACHES, SPLIT_BUFFERS, _TRITON_TYPES, _
 from llmc.plugins.gpu.ptx import PTX_ISA, plain_target, trim_params
 from llmc.plugins.gpu.paged_kernels import (_paged_attention, _paged_write, attention_grid, int32, kernel_options,
                                             sinks, split_packed)
-from llmc.plugins.gpu.split_kv import split_buffers, split_workspace
+from llmc.plugins.gpu.split_kv import plugin_splits, split_buffers, split_workspace
 
 PAGED_PLUGIN_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "cu_ptr", "past_ptr", "table_ptr", "cos_ptr",
                        "sin_ptr", "sink_ptr", "part_ptr", "lock_ptr")
@@ -41,7 +41,7 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
                                slots: int = 0):
     """`reference_paged_attention` in one launch (the TensorRT plugin's kernel), caches updated in place;
     `splits`, and `k_scale` / `v_scale` of an fp8 cache, as paged_attention's. `slots`: launched as the plugin
-    launches it, `splits` the most a launch takes over a workspace of `slots` partials (split_kv.launch_splits)."""
+    launches it, `splits` the most a launch takes over a workspace of `slots` partials (split_kv.plugin_splits)."""
     if slot_mapping is not None:
         raise ValueError("the one-launch paged kernel reads the new keys where block_table puts them: "
                          "no slot_mapping (use paged_kernels.paged_attention)")
@@ -55,14 +55,14 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
     out = torch.empty_like(query)
     if query.shape[0]:
         grid_x = attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads)[0]
-        if slots and splits and splits > 1:  # as the plugin launches it (split_kv.launch_splits)
-            options["SPLITS"], options["SLOTS"] = splits, slots
+        keys = table.shape[1] * key_cache.shape[1]
+        if slots and splits and splits > 1:  # as the plugin launches it: the grid's third axis from its shapes
+            options["SPLITS"], z = splits, plugin_splits(grid_x * kv_num_heads, keys, splits, slots)
             part, counters = split_workspace(query.device, slots, 1, BLOCK_M, options["D"])
         else:
-            options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads,
-                                                              table.shape[1] * key_cache.shape[1], options["D"], splits)
-        _paged_attention[attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads,
-                                        splits=options["SPLITS"])](
+            options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads, keys, options["D"], splits)
+            z = options["SPLITS"]
+        _paged_attention[attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads, splits=z)](
             query, key, value, kc, vc, cu, past, table, cos, sin, sinks(head_sink, num_heads, query), part, counters,
             past.shape[0], table.shape[1], key_cache.shape[0], key_cache.shape[1], out, kc, vc, part,
             counters, k_scale, v_scale, FRESH=True, **options, **attention_config(options["D"], query.element_size(),
@@ -79,16 +79,19 @@ class PagedPluginKernel:
     num_warps: int
     shared_mem: int
     block_m: int
-    splits: int = 1  # the grid's third axis: the most key splits a launch takes (split_kv.launch_splits)
+    splits: int = 1  # the most key splits a launch takes (the node's key_splits)
+    slots: int = 0  # the partials its workspace holds (split_slots)
 
-    def grid(self, tokens, rows, num_heads: int, num_kv_heads: int, cdiv=triton.cdiv):
-        """(grid_x, grid_y, grid_z) for `tokens` packed tokens of `rows` rows; ints or TensorRT shape expressions."""
-        return attention_grid(tokens, rows, num_heads, num_kv_heads, self.block_m, cdiv, self.splits)
+    def grid(self, tokens, rows, num_heads: int, num_kv_heads: int, keys, cdiv=triton.cdiv, **ops):
+        """(grid_x, grid_y, key splits) for `tokens` packed tokens of `rows` rows whose block tables reach `keys`
+        tokens; ints or TensorRT shape expressions (kernels_aot.PluginKernel.grid's `cdiv` and `ops`)."""
+        x, y, _ = attention_grid(tokens, rows, num_heads, num_kv_heads, self.block_m, cdiv)
+        return x, y, plugin_splits(x * y, keys, self.splits, self.slots, **ops)
 
 
 def _attention_source(num_heads: int, num_kv_heads: int, head_size: int, scale: float, t: str, *, rotary_dim: int,
                       interleaved: bool, softcap: float, window: int, fresh: bool, causal: bool = True,
-                      sinks: bool = False, splits: int = 1, fp8_kv: bool = False, slots: int = 0):
+                      sinks: bool = False, splits: int = 1, fp8_kv: bool = False):
     names = PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_OUTPUTS
     signature = {**{n: "*i32" if n in _INTS else f"*{t}" for n in names}, **{n: "i32" for n in PAGED_PLUGIN_SCALARS},
                  **SPLIT_BUFFERS, **({n: "*u8" for n in CACHES} if fp8_kv else {})}  # an fp8 cache as bytes
@@ -99,7 +102,7 @@ def _attention_source(num_heads: int, num_kv_heads: int, head_size: int, scale: 
                                 scale, cos, interleaved, softcap, window, causal,
                                 torch.empty(num_heads) if sinks else None, splits)
     config = attention_config(head_size, dtype.itemsize, fresh=fresh)
-    return signature, {**constexprs, "FRESH": fresh, "UPCAST": False, "SLOTS": slots}, config
+    return signature, {**constexprs, "FRESH": fresh, "UPCAST": False}, config
 
 
 def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale: float, dtype: str, capability: int,
@@ -113,14 +116,14 @@ def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale
         raise ValueError(f"a plugin kernel of {splits} key splits needs a workspace of 2 partials at least, not {slots}")
     signature, constexprs, config = _attention_source(
         num_heads, num_kv_heads, head_size, scale, dtype, rotary_dim=rotary_dim, interleaved=interleaved,
-        softcap=softcap, window=window, fresh=True, causal=causal, sinks=sinks, splits=splits,
-        slots=slots if splits > 1 else 0)
+        softcap=softcap, window=window, fresh=True, causal=causal, sinks=sinks, splits=splits)
     what = f"the paged attention kernel for head_size {head_size} ({dtype})"
     compiled = compile_for_plugin(_paged_attention, (signature, constexprs), capability, what, config)
     meta = compiled.metadata
     count = len(PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_SCALARS + PAGED_PLUGIN_OUTPUTS)
     ptx = plain_target(trim_params(compiled.asm["ptx"], meta.name, count), what)
-    return PagedPluginKernel(meta.name, ptx, meta.num_warps, meta.shared, config.block_m, splits)
+    return PagedPluginKernel(meta.name, ptx, meta.num_warps, meta.shared, config.block_m, splits,
+                             slots if splits > 1 else 0)
 
 
 def paged_kernel_sources(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, *, rotary_dim: int,

@@ -20,18 +20,12 @@ the first launch; the kernel leaves them at zero. Two launches that share counte
 time (one stream).
 
 Two ways to size them. A PyTorch launch picks its split count from the shapes (configs.decode_splits) and gets
-a workspace for exactly that (`split_workspace`). A TensorRT plugin's launch cannot: its grid's third axis is a
-count fixed at build (SPLITS: the most a batch of one row would take) and its buffers are engine inputs of a
-fixed size, bound once (compiler/tensorrt/split_kv.py). So the plugin's kernel is compiled with SLOTS, the
-partials its workspace holds, and takes at run time as many of its SPLITS as decode_splits' rule gives for the
-grid it was launched with (`launch_splits`): at most SLOTS // tiles, so the partials always fit; the programs
-past that count return at once, and at one split nothing touches the workspace (a prefill or a large batch,
-whose tiles already fill the GPU). SLOTS = 2 x the SMs is enough: the rule stops at about 2 programs per SM.
-
-Memory ordering (compiled; the interpreter has none to get wrong): a block's partial is stored by all its
-threads, then `debug_barrier` (bar.sync) and the atomic with acq_rel at GPU scope, which Triton issues from one
-thread: the CUTLASS semaphore's order (sync the block, then one thread releases). The merging block reads the
-partials after its acquire through L2 (`.cg`), never a stale L1 line. Unverified on a GPU so far.
+a workspace for exactly that (`split_workspace`). A TensorRT plugin's launch cannot: its buffers are engine inputs
+of a fixed size, bound once (compiler/tensorrt/split_kv.py), SLOTS partials. So its grid's third axis is a shape
+expression (`plugin_splits`): decode_splits' rule on the launch's own tiles, capped at the node's key_splits and at
+SLOTS // tiles, so the partials always fit; at one split nothing touches the workspace (a prefill, or a batch whose
+tiles fill the GPU). SLOTS = 2 x the SMs is enough: the rule stops at about 2 programs per SM. The kernels take
+their split count from the grid (`tl.num_programs(2)`), whichever way it was sized.
 """
 
 from __future__ import annotations
@@ -43,24 +37,24 @@ import triton.language as tl
 from llmc.plugins.gpu.configs import BLOCK_M, SPLIT_KEYS, decode_splits
 
 _counters: dict[torch.device, torch.Tensor] = {}
-_MIN_KEYS = tl.constexpr(SPLIT_KEYS)
 
 
-@triton.jit
-def launch_splits(keys, SPLITS: tl.constexpr, SLOTS: tl.constexpr):
-    """The key splits a plugin's launch takes (SLOTS > 0: its workspace's partials; the module's docstring): of its
-    grid's SPLITS, no more than the partials fit (SLOTS // tiles) nor than slices of SPLIT_KEYS of `keys` (a bound
-    from shapes: the cache's capacity, the block table's reach), at least 1. decode_splits' rule, not rounded to a
-    power of two (the merge takes any count)."""
-    tiles = tl.num_programs(0) * tl.num_programs(1)
-    return tl.maximum(tl.minimum(tl.minimum(SLOTS // tiles, keys // _MIN_KEYS), SPLITS), 1)
+def plugin_splits(tiles, keys, splits: int, slots: int, *, minimum=min, maximum=max, constant=int):
+    """A plugin launch's key splits, its grid's third axis: of the node's `splits`, no more than the workspace's
+    `slots` partials hold for `tiles` (grid x times grid y) nor than slices of SPLIT_KEYS of `keys` (a bound from
+    shapes: the cache's capacity, the block table's reach), at least 1: decode_splits' rule, not rounded to a power
+    of two (the merge takes any count). On ints, or on TensorRT's shape expressions (`minimum=trtp.min`,
+    `maximum=trtp.max`, `constant=trtp.ShapeExpr`: an expression's // takes an int on its right only)."""
+    if splits <= 1:
+        return 1
+    return maximum(minimum(minimum(constant(slots) // tiles, keys // SPLIT_KEYS), splits), 1)
 
 
 @triton.jit
 def split_keys(lo, hi, splits, BLOCK_N: tl.constexpr):
     """This program's slice [start, stop) of a tile's keys [lo, hi) among `splits`, in whole key blocks of BLOCK_N,
     and how many splits hold any key (the rest, past the tile's keys, hold none: a short row leaves most splits
-    empty)."""
+    empty). `splits`: the grid's third axis."""
     keys = tl.maximum(hi - lo, 0)
     per = tl.maximum(tl.cdiv(tl.cdiv(keys, splits), BLOCK_N), 1) * BLOCK_N
     start = lo + tl.program_id(2) * per
@@ -80,7 +74,7 @@ def merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D: t
     and count it in; returns the tile's merged (acc, max, sum) and, as a [BLOCK_M, 1] mask, whether this program
     is the tile's last, the one to write the output (for the others the merged values are meaningless).
     `active`: the splits that hold keys (split_keys); empty ones store nothing and are not read. `splits`: the
-    tile's programs (a constant, or launch_splits' count)."""
+    tile's programs (the grid's third axis)."""
     rows = tl.arange(0, BLOCK_M)
     d_ok = (d < D)[None, :]
     SIZE: tl.constexpr = BLOCK_M * (D + 2)

@@ -10,8 +10,8 @@ deployable plugin (`tensorrt.plugin`) with an ahead-of-time implementation only.
                      size, rotary and softmax options (softcap, window, causal, sinks; head_sink an input);
                      its grid (packed tokens x group / BLOCK_M + rows, KV heads, key_splits) and int32 extras
                      (rows, block-table width, pool blocks, block size) as shape expressions, so one engine
-                     serves any batch and any split of its tokens; as many key splits as a launch's grid calls
-                     for (split_kv.py)
+                     serves any batch and any split of its tokens; the key splits (the grid's third axis) a
+                     shape expression too (split_kv.plugin_splits)
 
 TensorRT checks these functions' signatures (real annotations, not strings: this module has no
 `from __future__ import annotations`) and embeds the PTX in the engine; nothing here runs at inference.
@@ -25,6 +25,12 @@ from llmc.plugins.op.paged_node import PAGED_PLUGIN_OP, PLUGIN_NAMESPACE
 
 PAGED_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PAGED_PLUGIN_OP}"
 _FLOATS = "FP32|FP16|BF16"  # alternatives line up position by position: one type for all
+
+
+def shape_ops(trtp) -> dict:
+    """The grid's arithmetic on TensorRT's shape expressions (kernels_aot.PluginKernel.grid): its ceiling division,
+    and split_kv.plugin_splits' min, max and constants (an expression's // takes an int on its right only)."""
+    return {"cdiv": trtp.cdiv, "minimum": trtp.min, "maximum": trtp.max, "constant": trtp.ShapeExpr}
 
 
 def register_paged(trtp, capability, float_type) -> None:
@@ -66,8 +72,9 @@ def register_paged(trtp, capability, float_type) -> None:
             sinks=bool(sinks), splits=key_splits, slots=split_slots)
         rows = past_seqlens.shape_expr[0]
         launch = trtp.KernelLaunchParams()
+        keys = block_table.shape_expr[1] * key_cache.shape_expr[1]  # what a row's block table reaches
         launch.grid_x, launch.grid_y, launch.grid_z = kernel.grid(query.shape_expr[0], rows, num_heads, kv_num_heads,
-                                                                  cdiv=trtp.cdiv)
+                                                                  keys, **shape_ops(trtp))
         launch.block_x = kernel.num_warps * 32
         launch.shared_mem = kernel.shared_mem
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (

@@ -11,8 +11,8 @@ implementations only; `register()` registers both.
     @trtp.aot_impl   the one-launch kernel (one_launch.py) compiled to PTX by kernels_aot.py for the node's shapes,
                      scale and attention features (rotary width, softcap, window, sinks: plugin fields,
                      plugins/op/fused_node.py; the sinks an input), its grid and integer arguments
-                     as shape expressions; up to key_splits key splits (the grid's third axis) over a
-                     workspace of split_slots partials, as many as a launch's grid calls for (split_kv.py)
+                     as shape expressions; up to key_splits key splits over a workspace of split_slots
+                     partials, the grid's third axis a shape expression too (split_kv.plugin_splits)
 
 TensorRT embeds the PTX in the engine, so the engine runs without Python or Triton: in Triton's
 TensorRT backend, in `trtexec`, and in llmc's TensorRT runner. The ONNX parser finds the plugin by
@@ -61,7 +61,7 @@ def register() -> None:
     import tensorrt.plugin as trtp
 
     from llmc.plugins.gpu.kernels_aot import plugin_kernel
-    from llmc.plugins.trt.paged_plugin import register_paged
+    from llmc.plugins.trt.paged_plugin import register_paged, shape_ops
 
     @trtp.register(PLUGIN_ID)
     def describe(query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc, k_cache: trtp.TensorDesc,
@@ -98,7 +98,7 @@ def register() -> None:
         batch, tokens = query.shape_expr[0], query.shape_expr[1]
         launch = trtp.KernelLaunchParams()
         launch.grid_x, launch.grid_y, launch.grid_z = kernel.grid(tokens, batch, num_heads, num_kv_heads,
-                                                                  cdiv=trtp.cdiv)
+                                                                  k_cache.shape_expr[2], **shape_ops(trtp))
         launch.block_x = kernel.num_warps * 32
         launch.shared_mem = kernel.shared_mem
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(tokens), trtp.SymInt32(k_cache.shape_expr[2])])

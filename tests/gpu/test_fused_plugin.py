@@ -103,19 +103,22 @@ def test_fused_aot_impl_compiles_the_kernel_for_the_nodes_fields(monkeypatch):
 
     def compiled(*args, **kwargs):
         asked.append((args, kwargs))
-        return kernels_aot.PluginKernel("_attention_one_launch", "ptx", 4, 8192, 16, kwargs["splits"])
+        return kernels_aot.PluginKernel("_attention_one_launch", "ptx", 4, 8192, 16, kwargs["splits"],
+                                        kwargs["slots"])
 
     monkeypatch.setattr(kernels_aot, "plugin_kernel", compiled)
     trt_plugin.register()
-    descs = [_TensorDesc("half", s) for s in ([B, S, H, D], [B, S, KVH, D], [B, S, KVH, D], [B, KVH, C, D],
-                                               [B, KVH, C, D], [B], [C, 4], [C, 4], [H], [264 * 16 * (D + 2)], [264])]
+    cap = 4096  # a cache of 4,096 tokens a row: 16 slices of 256 keys
+    descs = [_TensorDesc("half", s) for s in ([B, S, H, D], [B, S, KVH, D], [B, S, KVH, D], [B, KVH, cap, D],
+                                               [B, KVH, cap, D], [B], [C, 4], [C, 4], [H], [264 * 16 * (D + 2)], [264])]
     name, ptx, launch, extra = registry[("llmc::LlmcFusedAttention", "aot_impl")](
         *descs, H, KVH, D, 0.3, 1, 8, 2.5, 9, 1, 16, 264, outputs=(), tactic=0)
     assert asked == [((H, KVH, D, 0.3, "fp16", 80), {"rotary": True, "rotary_dim": 8, "softcap": 2.5, "window": 9,
                                                      "sinks": True, "splits": 16, "slots": 264})]
     assert (name, ptx, launch.block_x, launch.shared_mem) == ("_attention_one_launch", "ptx", 128, 8192)
+    # one row tile x 4: 264 // 4 = 66 splits' partials would fit, 16 slices of the capacity, key_splits 16
     assert (launch.grid_x, launch.grid_y, launch.grid_z) == (-(-S * (H // KVH) // 16), B * KVH, 16)
-    assert extra == (("i32", S), ("i32", C))
+    assert extra == (("i32", S), ("i32", cap))
     registry[("llmc::LlmcFusedAttention", "aot_impl")](*descs, H, KVH, D, 0.3, 0, 0, 0.0, -1, 0, 1, 0, outputs=(),
                                                        tactic=0)
     assert asked[-1][1] == {"rotary": False, "rotary_dim": D, "softcap": 0.0, "window": -1, "sinks": False,

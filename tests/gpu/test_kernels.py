@@ -197,10 +197,11 @@ def test_trim_params_drops_only_unused_trailing_parameters():
 
 
 def test_plugin_grid_covers_every_row_of_every_kv_group():
-    kernel = PluginKernel("k", "", num_warps=4, shared_mem=0, block_m=16, splits=8)
-    for tokens, batch, heads, kv_heads in ((1, 32, 32, 8), (300, 1, 9, 3), (7, 5, 4, 4)):
-        grid_x, grid_y, grid_z = kernel.grid(tokens, batch, heads, kv_heads)
-        assert grid_y == batch * kv_heads and grid_z == 8  # the most key splits, fixed at build
+    kernel = PluginKernel("k", "", num_warps=4, shared_mem=0, block_m=16, splits=8, slots=264)
+    # key splits: as many as 264 partials hold for the tiles, up to 8 (1 x 256, 57 x 3 tiles: none; 1 x 20: 8)
+    for (tokens, batch, heads, kv_heads), splits in zip(((1, 32, 32, 8), (300, 1, 9, 3), (7, 5, 4, 4)), (1, 1, 8)):
+        grid_x, grid_y, grid_z = kernel.grid(tokens, batch, heads, kv_heads, 32768)
+        assert grid_y == batch * kv_heads and grid_z == splits
         assert (grid_x - 1) * 16 < tokens * (heads // kv_heads) <= grid_x * 16
 
 

@@ -164,11 +164,55 @@ def test_a_paged_export_becomes_plugin_nodes(tiny_checkpoints, tmp_path):
            {result.exported.model.head_dim}
 
 
+class _Expr:
+    """A TensorRT shape expression (tensorrt.plugin's ShapeExpr) over a known value: +, -, * and // with an int or an
+    expression on the right and no reflected operators, as TensorRT's has; compared with ints by value."""
+
+    def __init__(self, value):
+        self.value = value.value if isinstance(value, _Expr) else int(value)
+
+    @staticmethod
+    def _of(other):
+        assert isinstance(other, (_Expr, int)), other
+        return other.value if isinstance(other, _Expr) else other
+
+    def __add__(self, other):
+        return _Expr(self.value + self._of(other))
+
+    def __sub__(self, other):
+        return _Expr(self.value - self._of(other))
+
+    def __mul__(self, other):
+        return _Expr(self.value * self._of(other))
+
+    def __floordiv__(self, other):
+        return _Expr(self.value // self._of(other))
+
+    def __neg__(self):
+        return _Expr(-self.value)
+
+    def __eq__(self, other):
+        return self.value == self._of(other)
+
+    def __hash__(self):
+        return hash(self.value)
+
+    def __repr__(self):
+        return f"Expr({self.value})"
+
+
+def _extremum(pick):
+    def apply(first, second):  # tensorrt.plugin.min / max refuse two ints
+        assert isinstance(first, _Expr) or isinstance(second, _Expr), "two ints: TensorRT raises ValueError"
+        return _Expr(pick(_Expr(first).value, _Expr(second).value))
+    return apply
+
+
 class _TensorDesc:
-    """A TensorRT tensor description: a dtype and a shape expression (ints stand in for expressions)."""
+    """A TensorRT tensor description: a dtype and a shape expression (its dimensions `_Expr`s)."""
 
     def __init__(self, dtype="half", shape=()):
-        self.dtype, self.shape_expr = dtype, list(shape)
+        self.dtype, self.shape_expr = dtype, [_Expr(d) for d in shape]
 
     def like(self):
         return ("like", self)
@@ -204,6 +248,7 @@ def _standin(monkeypatch):
     trtp.SymInt32 = lambda e: ("i32", e)
     trtp.SymIntExprs = types.SimpleNamespace(from_tuple=tuple)
     trtp.cdiv = lambda a, b: -(-a // b)
+    trtp.min, trtp.max, trtp.ShapeExpr = _extremum(min), _extremum(max), _Expr
     trt = types.ModuleType("tensorrt")
     trt.float32, trt.float16, trt.bfloat16, trt.plugin = "float", "half", "bf16", trtp
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
@@ -251,11 +296,12 @@ def test_paged_aot_impl_compiles_for_the_node_and_launches_over_shape_expression
 
     def compiled(*args, **kwargs):
         asked.append((args, kwargs))
-        return paged_kernels_aot.PagedPluginKernel("_paged_attention", "ptx", 4, 9216, 16, kwargs["splits"])
+        return paged_kernels_aot.PagedPluginKernel("_paged_attention", "ptx", 4, 9216, 16, kwargs["splits"],
+                                                   kwargs["slots"])
 
     monkeypatch.setattr(paged_kernels_aot, "paged_plugin_kernel", compiled)
     trt_plugin.register()
-    tokens, rows, width, blocks, block_size = 37, 3, 9, 50, 16
+    tokens, rows, width, blocks, block_size = 37, 3, 40, 150, 16
     descs = [_TensorDesc("bf16", s) for s in ([tokens, H * D], [tokens, KVH * D], [tokens, KVH * D],
                                               [blocks, block_size, KVH, D], [blocks, block_size, KVH, D], [rows + 1],
                                               [rows], [rows, width], [64, D // 2], [64, D // 2], [H],
@@ -266,7 +312,8 @@ def test_paged_aot_impl_compiles_for_the_node_and_launches_over_shape_expression
                                                       "window": 7, "causal": True, "sinks": True, "splits": 8,
                                                       "slots": 264})]
     assert (name, ptx, launch.block_x, launch.shared_mem) == ("_paged_attention", "ptx", 128, 9216)
-    assert (launch.grid_x, launch.grid_y, launch.grid_z) == (-(-tokens * (H // KVH) // 16) + rows, KVH, 8)
+    # 7 + 3 row tiles x 2 KV heads: 264 // 20 = 13 splits' partials fit; 640 keys a row make 2 slices of 256
+    assert (launch.grid_x, launch.grid_y, launch.grid_z) == (-(-tokens * (H // KVH) // 16) + rows, KVH, 2)
     assert extra == (("i32", rows), ("i32", width), ("i32", blocks), ("i32", block_size))
 
 

@@ -117,27 +117,19 @@ def test_split_count_fills_the_gpu_from_shapes():
     assert decode_splits(1, 8, 200) == 1  # under one slice
 
 
-@triton.jit
-def _counts(out_ptr, keys, SPLITS: tl.constexpr, SLOTS: tl.constexpr):
-    """Each program's launch_splits, at its place in the grid."""
-    at = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-    tl.store(out_ptr + at, split_kv.launch_splits(keys, SPLITS, SLOTS))
-
-
 @pytest.mark.parametrize("tiles, keys, slots, want", [
-    ((1, 8), 32768, 264, 16),  # one row, 8 KV heads: the grid's 16 (264 // 8 = 33 would allow more)
-    ((1, 64), 32768, 264, 4),  # 8 rows: 264 // 64
-    ((2, 132), 32768, 264, 1),  # the tiles already fill the partials: no splits
-    ((20, 64), 4096, 264, 1),  # a prefill's many row tiles
-    ((1, 2), 700, 264, 2),  # 700 keys: two slices of 256 at most
-    ((1, 2), 100, 264, 1),  # under one slice
+    (8, 32768, 264, 16),  # one row, 8 KV heads: the node's 16 (264 // 8 = 33 would allow more)
+    (64, 32768, 264, 4),  # 8 rows: 264 // 64
+    (264, 32768, 264, 1),  # the tiles already fill the partials: no splits
+    (1280, 4096, 264, 1),  # a prefill's many row tiles
+    (2, 700, 264, 2),  # 700 keys: two slices of 256 at most
+    (2, 100, 264, 1),  # under one slice
 ])
-def test_a_plugin_launch_takes_the_splits_its_grid_and_workspace_allow(tiles, keys, slots, want):
-    """The plugin's grid has a fixed third axis (its key_splits: 16 here); each launch takes as many as its
-    grid's tiles leave room for in the workspace's partials, and slices of 256 keys at least."""
-    out = torch.full((tiles[0] * tiles[1] * 16,), -1, dtype=torch.int32)
-    _counts[(*tiles, 16)](out, keys, 16, slots)
-    assert set(out.tolist()) == {want}
+def test_a_plugin_launch_takes_the_splits_its_tiles_and_workspace_allow(tiles, keys, slots, want):
+    """The plugin's grid's third axis (a shape expression in TensorRT, ints here): of the node's 16 key splits, as
+    many as the workspace's partials hold for the launch's tiles, in slices of 256 keys at least."""
+    assert split_kv.plugin_splits(tiles, keys, 16, slots) == want
+    assert split_kv.plugin_splits(tiles, keys, 1, slots) == 1  # a node without splits
 
 
 def _guarded(monkeypatch, module, slots, head_dim, block_m=16):
@@ -156,9 +148,10 @@ def _guarded(monkeypatch, module, slots, head_dim, block_m=16):
 
 @pytest.mark.parametrize("slots, splits_taken", [(24, 4), (6, 1)])
 def test_plugin_launches_match_the_reference_within_their_workspace(monkeypatch, slots, splits_taken):
-    """The slot kernel as the plugin launches it (a grid of 8 splits over a fixed workspace, the count taken at run
-    time): the op's reference, nothing written past the workspace's `slots` partials, counters back at zero. With
-    room for 4 splits of the 6 tiles' keys, partials are written; with room for one, the workspace is untouched."""
+    """The slot kernel as the plugin launches it (up to 8 splits over a fixed workspace, the grid sized by
+    plugin_splits): the op's reference, nothing written past the workspace's `slots` partials, counters back at
+    zero. With room for 4 splits of the 6 tiles' keys, partials are written; with room for one, the workspace is
+    untouched."""
     from llmc.plugins.gpu import one_launch
 
     held, size = _guarded(monkeypatch, one_launch, slots, 16)

@@ -128,7 +128,7 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
     slot_splits = args.splits or decode_splits(b * -(-group // BLOCK_M), kvh, c, sms)
     paged_splits = args.splits or decode_splits(-(-b * group // BLOCK_M) + b, kvh, c, sms)
     # as a TensorRT engine launches them (compiler/tensorrt/split_kv.py): a grid of key_splits (one row at this
-    # context) over a workspace of 2 partials an SM, the count taken at run time (split_kv.launch_splits)
+    # context) over a workspace of 2 partials an SM, the grid sized from the shapes (split_kv.plugin_splits)
     slots, plugin_splits = 2 * sms, decode_splits(-(-group // BLOCK_M), kvh, c, sms)
     print(f"key splits (min {SPLIT_KEYS} keys each, {sms} SMs): slot {slot_splits}, paged {paged_splits}; "
           f"the plugins' grid {plugin_splits} over {slots} partials")
