@@ -29,7 +29,7 @@ PLUGIN_OUTPUTS = ("o_ptr", "kc_out", "vc_out", "part_out", "lock_out")
 # the split workspace and counters, inputs and their aliased outputs (read only with SPLITS > 1), then, after the
 # outputs, an fp8 cache's per-KV-head scales, read only with FP8_KV (a plugin's PTX drops them with Triton's scratch
 # pointers: trim_params)
-SPLIT_BUFFERS = {"part_ptr": "*fp32", "lock_ptr": "*i32", "part_out": "*fp32", "lock_out": "*i32",
+BUFFER_PARAMS = {"part_ptr": "*fp32", "lock_ptr": "*i32", "part_out": "*fp32", "lock_out": "*i32",
                  "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
 CACHES = ("kc_ptr", "vc_ptr", "kc_out", "vc_out")
 SHARED_MEM_LIMIT = 48 * 1024  # what a kernel launch gets without opting in to more
@@ -95,7 +95,7 @@ def _one_launch_source(num_heads: int, num_kv_heads: int, head_dim: int, scale: 
                        sinks: bool = False, splits: int = 1, fp8_kv: bool = False):
     config = attention_config(head_dim, _ITEMSIZE[t], fresh=True)
     signature = {**{n: f"*{t}" for n in PLUGIN_INPUTS + PLUGIN_OUTPUTS}, "pos_ptr": f"*{position_type}",
-                 **{n: "i32" for n in PLUGIN_SCALARS}, **SPLIT_BUFFERS,
+                 **{n: "i32" for n in PLUGIN_SCALARS}, **BUFFER_PARAMS,
                  **({n: "*u8" for n in CACHES} if fp8_kv else {})}  # an fp8 cache as bytes (fp8.py)
     constexprs = {"SCALE": float(scale), "H": num_heads, "KVH": num_kv_heads, "D": head_dim,
                   "HALF": (rotary_dim or head_dim) // 2 if rotary else 1,

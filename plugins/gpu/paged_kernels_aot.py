@@ -20,7 +20,7 @@ import triton
 
 from llmc.plugins.gpu.configs import BLOCK_M, attention_config, block_d, default_config
 from llmc.plugins.gpu.fp8 import FP8, kv_scales, kv_view
-from llmc.plugins.gpu.kernels_aot import CACHES, SPLIT_BUFFERS, _TRITON_TYPES, _compile, compile_for_plugin
+from llmc.plugins.gpu.kernels_aot import BUFFER_PARAMS, CACHES, _TRITON_TYPES, _compile, compile_for_plugin
 from llmc.plugins.gpu.ptx import PTX_ISA, plain_target, trim_params
 from llmc.plugins.gpu.paged_kernels import (_paged_attention, _paged_write, attention_grid, int32, kernel_options,
                                             sinks, split_packed)
@@ -94,7 +94,7 @@ def _attention_source(num_heads: int, num_kv_heads: int, head_size: int, scale: 
                       sinks: bool = False, splits: int = 1, fp8_kv: bool = False):
     names = PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_OUTPUTS
     signature = {**{n: "*i32" if n in _INTS else f"*{t}" for n in names}, **{n: "i32" for n in PAGED_PLUGIN_SCALARS},
-                 **SPLIT_BUFFERS, **({n: "*u8" for n in CACHES} if fp8_kv else {})}  # an fp8 cache as bytes
+                 **BUFFER_PARAMS, **({n: "*u8" for n in CACHES} if fp8_kv else {})}  # an fp8 cache as bytes
     dtype = {v: k for k, v in _TRITON_TYPES.items()}[t]
     cache = torch.empty((1, 1, num_kv_heads, head_size), dtype=FP8 if fp8_kv else dtype)
     cos = torch.empty((1, rotary_dim // 2)) if rotary_dim else None

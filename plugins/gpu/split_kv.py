@@ -3,15 +3,14 @@
 
 Why: a decode step has one query per row, so a kernel with one program per (row tile, KV head) runs batch x KV
 heads programs; at a small batch and a long context that leaves most of a GPU's SMs idle (the H100/H200 runs of
-issue 55: 0.15x SDPA at batch 8, context 32k). A third grid axis of SPLITS programs divides each tile's keys
-among them, each computing a partial softmax over its slice.
+issue 55: 0.15x SDPA at batch 8, context 32k). A third grid axis of programs divides each tile's keys among them,
+each computing a partial softmax over its slice (compiled in with SPLITS > 1; the axis's size is the count).
 
 Why merged in the same launch: the TensorRT plugin gets one kernel per node (an ahead-of-time plugin returns
-one PTX entry and one grid), and its grid must be a function of tensor shapes only. So SPLITS is a compile-time
-constant, every program stores its partial (running max, sum, fp32 accumulator) in a workspace, and counts
-itself in with an atomic on its tile's counter; the program that finds the count at SPLITS - 1 is the tile's
-last, reads every partial back, merges them and writes the output, then sets the counter back to 0 for the
-next launch. No program waits for another, so it runs under the interpreter too (programs there run one
+one PTX entry and one grid), and its grid must be a function of tensor shapes only. So every program stores its
+partial (running max, sum, fp32 accumulator) in a workspace, and counts itself in with an atomic on its tile's
+counter; the program that finds the count at the axis's size - 1 is the tile's last, reads every partial back,
+merges them and writes the output, then sets the counter back to 0 for the next launch. No program waits for another, so it runs under the interpreter too (programs there run one
 after another; the last one merges).
 
 Workspace, per tile (grid x, grid y) and split: BLOCK_M x (D + 2) fp32 (the accumulator rows, then the max and
