@@ -1,6 +1,8 @@
 """Launch configurations of the attention kernels, as a function of head size and element size: the one
 place both the PyTorch launches (kernels.py, paged_kernels.py) and the ahead-of-time compiles for the
-TensorRT plugin (kernels_aot.py, paged_kernels_aot.py) take them from.
+TensorRT plugin (kernels_aot.py, paged_kernels_aot.py) take them from. Plain Python, no triton import: the
+TensorRT preparation reads it (compiler/tensorrt/split_kv.py), and a process that imports triton before setting
+TRITON_INTERPRET gets compiled kernels where the interpreter's are wanted (the CPU tests).
 
 Why it is needed: Triton software-pipelines the loads of a loop, buffering `num_stages - 1` iterations of
 every loaded tile in shared memory. A kernel launched from PyTorch is specialized on its 16-byte-aligned
@@ -29,8 +31,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import triton
-
 BLOCK_M, BLOCK_N = 16, 32  # queries (or (token, head) pairs) per program, keys per inner step
 # The fewest keys a split of the one-launch and paged kernels gets: its fixed cost (the query tile, a partial of
 # BLOCK_M x (D + 2) fp32 written and read back: 8 KiB at D 128) stays ~6% of the 128 KiB of fp16 keys and
@@ -58,7 +58,7 @@ class KernelConfig:
 
 def block_d(head_dim: int) -> int:
     """The channel tile of a head: the next power of two (a dot needs at least 16)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, 1 << (head_dim - 1).bit_length())  # triton.next_power_of_2, without importing triton here
 
 
 def attention_config(head_dim: int, itemsize: int, *, fresh: bool) -> KernelConfig:

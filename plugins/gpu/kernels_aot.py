@@ -10,6 +10,7 @@ which an ahead-of-time plugin cannot get from TensorRT, are two more inputs, eng
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import triton
 from llmc.plugins.gpu.configs import attention_config
 from llmc.plugins.gpu.one_launch import _attention_one_launch, one_launch_attention  # noqa: F401  (API)
 from llmc.plugins.gpu.ptx import PTX_ISA, entry_params, plain_target, trim_params  # noqa: F401  (entry_params: API)
+from llmc.plugins.gpu.slot_prefill import PLUGIN_PREFILL_CONFIGS, _slot_prefill, slot_prefill_grid
 from llmc.plugins.gpu.split_kv import plugin_splits
 
 
@@ -46,11 +48,14 @@ class PluginKernel:
     block_m: int
     splits: int = 1  # the most key splits a launch takes (the node's key_splits)
     slots: int = 0  # the partials its workspace holds (split_slots)
+    prefill: bool = False  # slot_prefill.py's kernel: BLOCK_M tokens of one query head a program
 
     def grid(self, tokens, batch, num_heads: int, num_kv_heads: int, capacity, cdiv=triton.cdiv, **ops):
         """(grid_x, grid_y, key splits) for `tokens` new tokens per row, `batch` rows and a cache of `capacity`
         tokens a row; works on ints and on TensorRT's symbolic shape expressions alike (pass `trtp.cdiv` and
         split_kv.plugin_splits' `minimum`, `maximum`, `constant` as TensorRT's)."""
+        if self.prefill:
+            return slot_prefill_grid(tokens, batch, num_heads, self.block_m, cdiv)
         x, y = cdiv(tokens * (num_heads // num_kv_heads), self.block_m), batch * num_kv_heads
         return x, y, plugin_splits(x * y, capacity, self.splits, self.slots, **ops)
 
@@ -85,6 +90,31 @@ def compile_for_plugin(fn, source: tuple[dict, dict], capability: int, what: str
     if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
         raise RuntimeError(f"{meta.name} needs Triton scratch memory, which a TensorRT AOT plugin cannot provide")
     return compiled
+
+
+@contextlib.contextmanager
+def no_cubin():
+    """Triton's compile without its last stage, ptxas (the shared memory a kernel needs is fixed at the LLVM stage;
+    ptxas took minutes and 1.7 GB for the widest tiles, which are the ones pruned): the cubin stage replaced by an
+    empty binary through Triton's stage hook (`knobs.runtime.add_stages_inspection_hook`, which also changes the
+    cache key, so no real kernel's cache entry is shadowed). Written by hand: Triton has no "stop at PTX" option.
+    A Triton without the hook compiles in full."""
+    runtime = triton.knobs.runtime
+    if not hasattr(runtime, "add_stages_inspection_hook"):
+        yield
+        return
+
+    def hook(*args):
+        if not args:  # asked for its part of the cache key
+            return "llmc-no-cubin", "llmc-no-cubin"
+        args[1]["cubin"] = lambda src, metadata: b""
+
+    saved = runtime.add_stages_inspection_hook
+    runtime.add_stages_inspection_hook = hook
+    try:
+        yield
+    finally:
+        runtime.add_stages_inspection_hook = saved
 
 
 _ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -125,6 +155,34 @@ def plugin_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float
     ptx = trim_params(compiled.asm["ptx"], meta.name, len(PLUGIN_INPUTS + PLUGIN_SCALARS + PLUGIN_OUTPUTS))
     return PluginKernel(meta.name, plain_target(ptx, what), meta.num_warps, meta.shared, config.block_m, splits,
                         slots if splits > 1 else 0)
+
+
+def plugin_prefill_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str,
+                          capability: int, *, rotary: bool, rotary_dim: int | None = None, softcap: float = 0.0,
+                          window: int = -1, sinks: bool = False) -> PluginKernel:
+    """The plugin's prefill tactic (slot_prefill.py): plugin_kernel's arguments and calling convention, in the first
+    of PLUGIN_PREFILL_CONFIGS' tiles whose compiled kernel fits the shared memory a plugin launch gets (measured
+    without ptxas, no_cubin). For capability 90 and later it is compiled for sm_80: Triton gives tiles of
+    64 rows Hopper's `wgmma`, which only the arch-specific sm_90a target has (ptx.py), and the engine's PTX must
+    run on later GPUs too; sm_80's `mma.sync` runs on all of them."""
+    signature, constexprs, _ = _one_launch_source(num_heads, num_kv_heads, head_dim, scale, dtype, rotary, "i32",
+                                                  rotary_dim, softcap, window, sinks)
+    del constexprs["SPLITS"]
+    target = capability if capability < 90 else 80
+    what = f"the prefill attention kernel for head_dim {head_dim} ({dtype})"
+    for config in PLUGIN_PREFILL_CONFIGS:
+        source = (signature, {**constexprs, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n})
+        with no_cubin():
+            shared = _compile(_slot_prefill, *source, target, ptx_version=PTX_ISA, **config.launch()).metadata.shared
+        if shared > SHARED_MEM_LIMIT:  # the next, smaller tiles
+            continue
+        compiled = compile_for_plugin(_slot_prefill, source, target, what, config)
+        meta = compiled.metadata
+        ptx = trim_params(compiled.asm["ptx"], meta.name, len(PLUGIN_INPUTS + PLUGIN_SCALARS + PLUGIN_OUTPUTS))
+        return PluginKernel(meta.name, plain_target(ptx, what), meta.num_warps, meta.shared, config.block_m,
+                            prefill=True)
+    raise ValueError(f"{what} fits the {SHARED_MEM_LIMIT} bytes of shared memory a plugin launch gets in none of "
+                     f"{PLUGIN_PREFILL_CONFIGS}")
 
 
 def kernel_sources(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, rotary: bool,

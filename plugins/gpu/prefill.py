@@ -25,7 +25,6 @@ op (rotary in the kernel, softcap, window, sinks, not causal) as paged_kernels.p
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -162,40 +161,15 @@ def prefill_source(num_heads: int, num_kv_heads: int, head_size: int, dtype: tor
     return _paged_prefill, signature, constexprs, config
 
 
-@contextlib.contextmanager
-def _no_cubin():
-    """Triton's compile without its last stage, ptxas (the shared memory a kernel needs is fixed at the LLVM stage;
-    ptxas took minutes and 1.7 GB for the widest tiles, which are the ones pruned): the cubin stage replaced by an
-    empty binary through Triton's stage hook (`knobs.runtime.add_stages_inspection_hook`, which also changes the
-    cache key, so no real kernel's cache entry is shadowed). Written by hand: Triton has no "stop at PTX" option.
-    A Triton without the hook compiles in full."""
-    runtime = triton.knobs.runtime
-    if not hasattr(runtime, "add_stages_inspection_hook"):
-        yield
-        return
-
-    def hook(*args):
-        if not args:  # asked for its part of the cache key
-            return "llmc-no-cubin", "llmc-no-cubin"
-        args[1]["cubin"] = lambda src, metadata: b""
-
-    saved = runtime.add_stages_inspection_hook
-    runtime.add_stages_inspection_hook = hook
-    try:
-        yield
-    finally:
-        runtime.add_stages_inspection_hook = saved
-
-
 @functools.lru_cache(maxsize=None)
 def compiled_shared(capability: int, head_size: int, dtype: torch.dtype, fp8_kv: bool, config: KernelConfig) -> int:
     """Bytes of shared memory `_paged_prefill` states compiled for sm_<capability> with `config`, as a PyTorch
     launch specializes it (16-byte-aligned pointers: Triton buffers the pipelined loads). Compiles to PTX without a
     GPU (not under the interpreter, which replaces compiling); Triton caches the result on disk."""
-    from llmc.plugins.gpu.kernels_aot import _compile
+    from llmc.plugins.gpu.kernels_aot import _compile, no_cubin
 
     fn, signature, constexprs, _ = prefill_source(8, 2, head_size, dtype, config, fp8_kv=fp8_kv)
-    with _no_cubin():
+    with no_cubin():
         return _compile(fn, signature, constexprs, capability, aligned=True, **config.launch()).metadata.shared
 
 

@@ -7,8 +7,10 @@ implementations only; `register()` registers both.
                      workspace' / counters' aliased to theirs (engine inputs bound once, threaded through
                      every attention node: compiler/tensorrt/split_kv.py)
     @trtp.autotune   one float type for every float tensor (fp32, fp16 or bf16), int32 positions, the
-                     workspace fp32 and the counters int32
-    @trtp.aot_impl   the one-launch kernel (one_launch.py) compiled to PTX by kernels_aot.py for the node's shapes,
+                     workspace fp32 and the counters int32; two tactics, TensorRT keeping the faster for each
+                     optimization profile: the one-launch kernel (decode: a KV group's heads share a tile) and
+                     the prefill kernel (slot_prefill.py: 64 tokens of one head a tile, FlashAttention-2's loop)
+    @trtp.aot_impl   the tactic's kernel compiled to PTX by kernels_aot.py for the node's shapes,
                      scale and attention features (rotary width, softcap, window, sinks: plugin fields,
                      plugins/op/fused_node.py; the sinks an input), its grid and integer arguments
                      as shape expressions; up to key_splits key splits over a workspace of split_slots
@@ -24,6 +26,7 @@ TensorRT validates the decorated functions' annotations as classes, so this modu
 from llmc.plugins.op.onnx_schema import PLUGIN_NAMESPACE, PLUGIN_OP, SPLIT_TRT_TYPES
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_OP}"
+ONE_LAUNCH, PREFILL = 1, 2  # the plugin's tactics (positive: TensorRT's custom tactics)
 _state = {"registered": False, "capability": None}
 
 
@@ -60,7 +63,7 @@ def register() -> None:
 
     import tensorrt.plugin as trtp
 
-    from llmc.plugins.gpu.kernels_aot import plugin_kernel
+    from llmc.plugins.gpu.kernels_aot import plugin_kernel, plugin_prefill_kernel
     from llmc.plugins.trt.paged_plugin import register_paged, shape_ops
 
     @trtp.register(PLUGIN_ID)
@@ -81,7 +84,7 @@ def register() -> None:
                 split_counters: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc]):
         floats = "FP32|FP16|BF16"  # alternatives line up position by position: one type for all
         return [trtp.AutoTuneCombination(", ".join([floats] * 5 + ["INT32"] + [floats] * 3 + SPLIT_TRT_TYPES
-                                                   + [floats] * 3 + SPLIT_TRT_TYPES))]
+                                                   + [floats] * 3 + SPLIT_TRT_TYPES), tactics=[ONE_LAUNCH, PREFILL])]
 
     @trtp.aot_impl(PLUGIN_ID)
     def compile_kernel(query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc,
@@ -92,9 +95,13 @@ def register() -> None:
                        softcap: float, local_window_size: int, sinks: int, key_splits: int, split_slots: int,
                        outputs: Tuple[trtp.TensorDesc], tactic: int,
                        ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs]:
-        kernel = plugin_kernel(num_heads, num_kv_heads, head_dim, scale, _float_type(query.dtype), _capability(),
-                               rotary=bool(rotary), rotary_dim=rotary_dim or head_dim, softcap=softcap,
-                               window=local_window_size, sinks=bool(sinks), splits=key_splits, slots=split_slots)
+        features = {"rotary": bool(rotary), "rotary_dim": rotary_dim or head_dim, "softcap": softcap,
+                    "window": local_window_size, "sinks": bool(sinks)}
+        shapes = (num_heads, num_kv_heads, head_dim, scale, _float_type(query.dtype), _capability())
+        if tactic == PREFILL:
+            kernel = plugin_prefill_kernel(*shapes, **features)
+        else:
+            kernel = plugin_kernel(*shapes, **features, splits=key_splits, slots=split_slots)
         batch, tokens = query.shape_expr[0], query.shape_expr[1]
         launch = trtp.KernelLaunchParams()
         launch.grid_x, launch.grid_y, launch.grid_z = kernel.grid(tokens, batch, num_heads, num_kv_heads,

@@ -62,14 +62,14 @@ def assert_same_bytes(got: torch.Tensor, want: torch.Tensor):
     assert not differ.any(), f"{int(differ.sum())} of {differ.numel()} cache entries differ"
 
 
-def check_slot(case, scale, features=(), splits=None, ref_scales=(K_SCALE, V_SCALE)):
+def check_slot(case, scale, features=(), splits=None, ref_scales=(K_SCALE, V_SCALE), kernel=one_launch_attention):
     q, k, v, kc, vc, pos, cos, sin = case
     kc, vc = fp8_copy(kc), fp8_copy(vc)
     ref_out, ref_k, ref_v = reference_attention(q, k, v, kc, vc, pos, scale, cos, sin, *features,
                                                 k_scale=ref_scales[0], v_scale=ref_scales[1])
     kc2, vc2 = kc.clone(), vc.clone()
-    out = one_launch_attention(q, k, v, kc2, vc2, pos, scale, cos, sin, *features, splits=splits,
-                               k_scale=K_SCALE, v_scale=V_SCALE)
+    out = kernel(q, k, v, kc2, vc2, pos, scale, cos, sin, *features, k_scale=K_SCALE, v_scale=V_SCALE,
+                 **({"splits": splits} if kernel is one_launch_attention else {}))
     tol = TOLERANCE[q.dtype]
     torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
     assert_same_bytes(vc2, ref_v)

@@ -120,6 +120,31 @@ def test_fused_aot_impl_compiles_the_kernel_for_the_nodes_fields(monkeypatch):
     assert (launch.grid_x, launch.grid_y, launch.grid_z) == (-(-S * (H // KVH) // 16), B * KVH, 16)
     assert extra == (("i32", S), ("i32", cap))
     registry[("llmc::LlmcFusedAttention", "aot_impl")](*descs, H, KVH, D, 0.3, 0, 0, 0.0, -1, 0, 1, 0, outputs=(),
-                                                       tactic=0)
+                                                       tactic=trt_plugin.ONE_LAUNCH)
     assert asked[-1][1] == {"rotary": False, "rotary_dim": D, "softcap": 0.0, "window": -1, "sinks": False,
                             "splits": 1, "slots": 0}
+
+
+def test_the_prefill_tactic_compiles_the_prefill_kernel_with_its_own_grid(monkeypatch):
+    """Tactic PREFILL: slot_prefill.py's kernel for the same fields (no key splits), one program per 64 tokens of
+    one query head: (tiles of S, B x H, 1)."""
+    registry = _standin(monkeypatch)
+    asked = []
+
+    def compiled(*args, **kwargs):
+        asked.append((args, kwargs))
+        return kernels_aot.PluginKernel("_slot_prefill", "ptx", 4, 32768, 64, prefill=True)
+
+    monkeypatch.setattr(kernels_aot, "plugin_prefill_kernel", compiled)
+    trt_plugin.register()
+    tokens = 300
+    descs = [_TensorDesc("half", s) for s in ([B, tokens, H, D], [B, tokens, KVH, D], [B, tokens, KVH, D],
+                                               [B, KVH, 4096, D], [B, KVH, 4096, D], [B], [C, 4], [C, 4], [H],
+                                               [264 * 16 * (D + 2)], [264])]
+    name, ptx, launch, extra = registry[("llmc::LlmcFusedAttention", "aot_impl")](
+        *descs, H, KVH, D, 0.3, 1, 8, 2.5, 9, 1, 16, 264, outputs=(), tactic=trt_plugin.PREFILL)
+    assert asked == [((H, KVH, D, 0.3, "fp16", 80), {"rotary": True, "rotary_dim": 8, "softcap": 2.5, "window": 9,
+                                                     "sinks": True})]
+    assert (name, launch.block_x, launch.shared_mem) == ("_slot_prefill", 128, 32768)
+    assert (launch.grid_x, launch.grid_y, launch.grid_z) == (-(-tokens // 64), B * H, 1)
+    assert extra == (("i32", tokens), ("i32", 4096))

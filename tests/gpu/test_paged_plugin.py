@@ -208,6 +208,15 @@ def _extremum(pick):
     return apply
 
 
+class _Combination(str):
+    """tensorrt.plugin.AutoTuneCombination: its I/O types (this string) and its custom tactics."""
+
+    def __new__(cls, io_types, layouts=None, tactics=None):
+        combination = super().__new__(cls, io_types)
+        combination.tactics = list(tactics) if tactics is not None else None
+        return combination
+
+
 class _TensorDesc:
     """A TensorRT tensor description: a dtype and a shape expression (its dimensions `_Expr`s)."""
 
@@ -243,7 +252,7 @@ def _standin(monkeypatch):
     trtp = types.ModuleType("tensorrt.plugin")
     trtp.TensorDesc, trtp.register, trtp.autotune, trtp.aot_impl = _TensorDesc, *map(decorator, ("register", "autotune",
                                                                                                  "aot_impl"))
-    trtp.AutoTuneCombination = lambda formats: formats
+    trtp.AutoTuneCombination = _Combination
     trtp.KernelLaunchParams = types.SimpleNamespace
     trtp.SymInt32 = lambda e: ("i32", e)
     trtp.SymIntExprs = types.SimpleNamespace(from_tuple=tuple)
@@ -282,7 +291,9 @@ def test_both_plugins_register_with_signatures_tensorrt_accepts(monkeypatch):
     descs = [_TensorDesc() for _ in range(13)]
     assert paged(*descs, *[0] * 12) == (("like", descs[0]), ("aliased", descs[3]), ("aliased", descs[4]),
                                         ("aliased", descs[11]), ("aliased", descs[12]))
-    fused = registry[("llmc::LlmcFusedAttention", "autotune")](*[None] * 12)[0].split(", ")
+    combination = registry[("llmc::LlmcFusedAttention", "autotune")](*[None] * 12)[0]
+    assert combination.tactics == [trt_plugin.ONE_LAUNCH, trt_plugin.PREFILL]  # TensorRT times both per profile
+    fused = combination.split(", ")
     assert len(fused) == 16 and fused[5] == "INT32" and fused[9:11] == fused[14:] == ["FP32", "INT32"]
     assert set(fused[:5] + fused[6:9] + fused[11:14]) == {"FP32|FP16|BF16"}
     descs = [_TensorDesc() for _ in range(11)]

@@ -8,6 +8,10 @@ attention); SDPA gets the cache as one contiguous tensor with the chunk already 
 after cached tokens with a lower-right causal mask). Throughput counts the multiply-adds the causal mask leaves
 (4 x heads x head_dim per visible (query, key) pair), and its share of the GPU's data-sheet dense fp16/bf16
 peak is printed beside the ratio to SDPA from the same run. The kernel's output is checked against SDPA's.
+
+The TensorRT plugin's two tactics run too, over a slot cache holding the same cached tokens: its prefill kernel
+(plugins/gpu/slot_prefill.py, in the tiles the plugin's compile picks for this head size) and its one-launch
+kernel (the decode tactic), so a GPU session sees what TensorRT chooses between for the prefill profile.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ def measure_prefill(args, tokens: int, cached: int, d: int, time_fn) -> dict:
     kernels = {"llmc paged prefill": lambda: paged_prefill(**step, key_cache=kc, value_cache=vc)[0],
                "llmc paged prefill, fp8 KV": lambda: paged_prefill(**step, key_cache=kc8, value_cache=vc8,
                                                                    k_scale=scales, v_scale=scales)[0]}
+    kernels.update(_plugin_tactics(q, k, v, past_k, past_v, h, kvh, d, cached, tokens, args.dtype))
     keys = torch.cat([past_k, k.view(tokens, kvh, d)]).transpose(0, 1)[None]  # [1, KVH, total, D]
     values = torch.cat([past_v, v.view(tokens, kvh, d)]).transpose(0, 1)[None]
     qs = q.view(1, tokens, h, d).transpose(1, 2)
@@ -99,10 +104,33 @@ def measure_prefill(args, tokens: int, cached: int, d: int, time_fn) -> dict:
     rows = summarize_prefill(timings, prefill_flops(tokens, cached, h, d), device)
     print(f"\ncausal prefill, {tokens} tokens after {cached} cached, heads {h}/{kvh}, head_dim {d}, {args.dtype} "
           f"on {device}")
-    print(f"{'kernel':36} {'ms':>9} {'TFLOP/s':>9} {'of peak':>8} {'vs SDPA':>8}")
+    print(f"{'kernel':52} {'ms':>9} {'TFLOP/s':>9} {'of peak':>8} {'vs SDPA':>8}")
     for name, row in rows.items():
         share = f"{row['peak_share']:7.0%}" if row["peak_share"] is not None else "      ?"
-        print(f"{name:36} {row['ms']:9.3f} {row['tflops']:9.1f} {share:>8} {row['vs_sdpa']:7.2f}x")
+        print(f"{name:52} {row['ms']:9.3f} {row['tflops']:9.1f} {share:>8} {row['vs_sdpa']:7.2f}x")
     shape = {"tokens": tokens, "cached": cached, "heads": h, "kv_heads": kvh, "head_dim": d, "dtype": args.dtype,
              "block_size": bs, "passes": args.passes}
     return {"shape": shape, "kernels": rows}
+
+
+def _plugin_tactics(q, k, v, past_k, past_v, h: int, kvh: int, d: int, cached: int, tokens: int, dtype: str) -> dict:
+    """The TensorRT plugin's tactics over a slot cache of one row (the cached tokens, room for the new ones), each
+    returning the output as [tokens, h * d]: the prefill kernel in the tiles plugin_prefill_kernel picks for this
+    GPU and head size, and the one-launch kernel unsplit."""
+    import torch
+
+    from llmc.plugins.gpu.kernels_aot import plugin_prefill_kernel
+    from llmc.plugins.gpu.one_launch import one_launch_attention
+    from llmc.plugins.gpu.slot_prefill import PLUGIN_PREFILL_CONFIGS, slot_prefill
+
+    major, minor = torch.cuda.get_device_capability()
+    rows = plugin_prefill_kernel(h, kvh, d, d ** -0.5, dtype, 10 * major + minor, rotary=False).block_m
+    config = next(c for c in PLUGIN_PREFILL_CONFIGS if c.block_m == rows)
+    kc, vc = (torch.zeros(1, kvh, cached + tokens, d, device="cuda", dtype=q.dtype) for _ in range(2))
+    kc[0, :, :cached], vc[0, :, :cached] = past_k.transpose(0, 1), past_v.transpose(0, 1)
+    qs, ks, vs = q.view(1, tokens, h, d), k.view(1, tokens, kvh, d), v.view(1, tokens, kvh, d)
+    pos = torch.tensor([cached], device="cuda")
+    return {f"llmc slot prefill (plugin tactic, {config.block_m}x{config.block_n})":
+            lambda: slot_prefill(qs, ks, vs, kc, vc, pos, d ** -0.5, config=config).view(tokens, h * d),
+            "llmc one launch (plugin decode tactic)":
+            lambda: one_launch_attention(qs, ks, vs, kc, vc, pos, d ** -0.5, splits=1).view(tokens, h * d)}

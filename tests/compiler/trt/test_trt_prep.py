@@ -89,3 +89,16 @@ def test_a_qdq_graph_keeps_the_tensorrt_rules_in_fp16(tiny_llama, tmp_path):
     scales = {t.name: t.data_type for t in model.graph.initializer}
     dequantizers = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
     assert dequantizers and all(scales[n.input[1]] == TensorProto.FLOAT16 for n in dequantizers)  # fp16 network
+
+
+def test_preparing_for_tensorrt_imports_no_triton():
+    """The preparation (its split buffers' sizes from plugins/gpu/configs.py) leaves triton unimported: a process
+    that imports triton before the CPU kernel tests set TRITON_INTERPRET gets compiled kernels where interpreted
+    ones are wanted, and pytest imports this file before tests/gpu/'s."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport llmc.compiler.tensorrt.prep, llmc.compiler.tensorrt.split_kv\n"
+            "assert 'triton' not in sys.modules, 'triton imported'\nprint('ok')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip() == "ok", run.stderr[-2000:]
