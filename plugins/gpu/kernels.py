@@ -1,4 +1,5 @@
-"""The Triton building blocks every attention kernel shares: rotary embedding on the fly (`rotated`), one block
+"""The Triton building blocks every attention kernel shares: rotary embedding on the fly (`rotated`; `rows` reads
+a tile of the inputs, rotated or not), one block
 of an online softmax (`softmax_block`), the logit softcap (`capped`) and attention sinks joining a finished softmax
 (`with_sink`). The kernels built from them:
 
@@ -46,6 +47,18 @@ def rotated(x_ptr, offsets, d, mask, positions, cos_ptr, sin_ptr, HALF: tl.const
     sin = tl.load(sin_ptr + table, mask=rot, other=0.0).to(tl.float32)
     other = tl.load(x_ptr + offsets + partner[None, :], mask=rot, other=0.0).to(tl.float32)
     return x * cos + sign[None, :] * other * sin
+
+
+@triton.jit
+def rows(x_ptr, offsets, d, mask, positions, cos_ptr, sin_ptr, HALF: tl.constexpr, ROTARY: tl.constexpr,
+         INTERLEAVED: tl.constexpr):
+    """x[offsets + d] in fp32: `rotated` at `positions` when ROTARY, else as stored (every kernel's query and new
+    keys, read from the inputs)."""
+    if ROTARY:
+        x = rotated(x_ptr, offsets, d, mask, positions, cos_ptr, sin_ptr, HALF, INTERLEAVED)
+    else:
+        x = tl.load(x_ptr + offsets + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x
 
 
 @triton.jit

@@ -28,9 +28,31 @@ import triton.language as tl
 
 from llmc.plugins.gpu.configs import attention_config, decode_splits
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, in_type, kv_scales, kv_view, load_kv, store_kv
-from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
+from llmc.plugins.gpu.kernels import capped, rows, softmax_block, with_sink
 from llmc.plugins.gpu.split_kv import (merge_splits, num_sms, plugin_splits, split_keys, split_workspace,
                                       tile_and_split)
+
+
+@triton.jit
+def query_tile(q_ptr, q_off, d, q_mask, positions, cos_ptr, sin_ptr, HALF: tl.constexpr, ROTARY: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """A tile of queries as the slot kernels dot them: rotated at `positions` in their own type (reference_attention
+    rotates queries in the inputs' type), in fp32 under UPCAST, else in the inputs' type."""
+    q = in_type(rows(q_ptr, q_off, d, q_mask, positions, cos_ptr, sin_ptr, HALF, ROTARY, False), q_ptr, UPCAST)
+    if not UPCAST:
+        q = q.to(q_ptr.dtype.element_ty)
+    return q
+
+
+@triton.jit
+def write_new_kv(k_ptr, v_ptr, kc_out, vc_out, src, slot, d, mask, positions, cos_ptr, sin_ptr, k_scale, v_scale,
+                 HALF: tl.constexpr, ROTARY: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr):
+    """The slot kernels' cache write: new keys (rotated at `positions` in the inputs' type) and values read at row
+    offsets `src` of the inputs, stored at `slot` in the caches (with FP8_KV as e4m3 bytes under the heads'
+    scales)."""
+    k = in_type(rows(k_ptr, src, d, mask, positions, cos_ptr, sin_ptr, HALF, ROTARY, False), k_ptr, UPCAST)
+    store_kv(kc_out, slot, k, mask, k_scale, FP8_KV)
+    store_kv(vc_out, slot, tl.load(v_ptr + src + d[None, :], mask=mask, other=0.0), mask, v_scale, FP8_KV)
 
 
 @triton.jit
@@ -68,13 +90,7 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
     d_ok = d < D
     q_off = ((b * S + s) * H + head)[:, None] * D
     q_mask = row_ok[:, None] & d_ok[None, :]
-    if ROTARY:
-        q = rotated(q_ptr, q_off, d, q_mask, pos + s, cos_ptr, sin_ptr, HALF, False)
-    else:
-        q = tl.load(q_ptr + q_off + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    q = in_type(q, q_ptr, UPCAST)  # the op rotates queries in their own type (reference_attention)
-    if not UPCAST:
-        q = q.to(q_ptr.dtype.element_ty)
+    q = query_tile(q_ptr, q_off, d, q_mask, pos + s, cos_ptr, sin_ptr, HALF, ROTARY, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -97,10 +113,7 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
         mask_new = fresh[:, None] & d_ok[None, :]
         new_off = ((b * S + new_s) * KVH + kv)[:, None] * D
         k = load_kv(kc_ptr, cache + n[:, None] * D + d[None, :], mask_old, k_scale, FP8_KV)
-        if ROTARY:
-            k_new = rotated(k_ptr, new_off, d, mask_new, n, cos_ptr, sin_ptr, HALF, False)
-        else:
-            k_new = tl.load(k_ptr + new_off + d[None, :], mask=mask_new, other=0.0).to(tl.float32)
+        k_new = rows(k_ptr, new_off, d, mask_new, n, cos_ptr, sin_ptr, HALF, ROTARY, False)
         if FP8_KV:  # the op rotates keys in the inputs' type, then stores them (reference_attention)
             k_new = in_type(k_new, k_ptr, UPCAST)
         k = tl.where(mask_new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)  # as the cache will hold it
@@ -132,14 +145,9 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
     # first split (any one would do: the other programs read the new keys from the inputs, never from the cache)
     writer = row_ok & (r % G == 0) & (tl.program_id(2) + 0 * r == 0)
     w_mask = writer[:, None] & d_ok[None, :]
-    kv_off = ((b * S + s) * KVH + kv)[:, None] * D
-    if ROTARY:
-        k_w = rotated(k_ptr, kv_off, d, w_mask, pos + s, cos_ptr, sin_ptr, HALF, False)
-    else:
-        k_w = tl.load(k_ptr + kv_off + d[None, :], mask=w_mask, other=0.0).to(tl.float32)
-    slot = cache + (pos + s)[:, None] * D + d[None, :]
-    store_kv(kc_out, slot, in_type(k_w, k_ptr, UPCAST), w_mask, k_scale, FP8_KV)
-    store_kv(vc_out, slot, tl.load(v_ptr + kv_off + d[None, :], mask=w_mask, other=0.0), w_mask, v_scale, FP8_KV)
+    write_new_kv(k_ptr, v_ptr, kc_out, vc_out, ((b * S + s) * KVH + kv)[:, None] * D,
+                 cache + (pos + s)[:, None] * D + d[None, :], d, w_mask, pos + s, cos_ptr, sin_ptr, k_scale, v_scale,
+                 HALF, ROTARY, UPCAST, FP8_KV)
 
 
 def one_launch_grid(tokens, batch, num_heads: int, num_kv_heads: int, block_m: int, splits: int = 1,

@@ -43,7 +43,7 @@ import triton.language as tl
 # (token, head) pairs per program, keys per inner step, and the stages by head size: configs.py
 from llmc.plugins.gpu.configs import BLOCK_M, attention_config
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, kv_scales, kv_view, load_kv, store_kv
-from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
+from llmc.plugins.gpu.kernels import capped, rows, softmax_block, with_sink
 # the launches' argument handling, shared with paged_kernels_aot.py and prefill.py
 from llmc.plugins.gpu.paged_launch import int32, kernel_options, sinks, split_packed  # noqa: F401  (API)
 from llmc.plugins.gpu.split_kv import merge_splits, split_buffers, split_keys, tile_and_split
@@ -72,11 +72,8 @@ def write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, src, dst, d, mask, positions, cos_ptr
     """New keys (rotated at `positions` when ROTARY) and values, read from the inputs at row offsets `src`,
     stored into the block pools at `dst` (with FP8_KV as e4m3 bytes under the heads' scales): the separate
     write kernel's and the one-launch kernel's step."""
-    if ROTARY:
-        k = rotated(k_ptr, src, d, mask, positions, cos_ptr, sin_ptr, HALF, INTERLEAVED)
-    else:
-        k = tl.load(k_ptr + src + d[None, :], mask=mask, other=0.0)
-    store_kv(kc_ptr, dst, k, mask, k_scale, FP8_KV)
+    store_kv(kc_ptr, dst, rows(k_ptr, src, d, mask, positions, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED), mask,
+             k_scale, FP8_KV)
     store_kv(vc_ptr, dst, tl.load(v_ptr + src + d[None, :], mask=mask, other=0.0), mask, v_scale, FP8_KV)
 
 
@@ -135,10 +132,7 @@ def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped,
     if FRESH:
         new = (mapped & (n >= past))[:, None] & d_ok[None, :]
         src = ((start + n - past).to(tl.int64) * KVH + kv)[:, None] * D
-        if ROTARY:
-            k_new = rotated(k_ptr, src, d, new, n, cos_ptr, sin_ptr, HALF, INTERLEAVED)
-        else:
-            k_new = tl.load(k_ptr + src + d[None, :], mask=new, other=0.0).to(tl.float32)
+        k_new = rows(k_ptr, src, d, new, n, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
         k = tl.where(new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)
         v_new = tl.load(v_ptr + src + d[None, :], mask=new, other=0.0).to(tl.float32)
         v = tl.where(new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
@@ -173,10 +167,7 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
     d_ok = d < D
     q_at = ((start + s).to(tl.int64) * H + kv * G + r % G)[:, None] * D
     q_mask = row_ok[:, None] & d_ok[None, :]
-    if ROTARY:
-        q = rotated(q_ptr, q_at, d, q_mask, pos, cos_ptr, sin_ptr, HALF, INTERLEAVED)
-    else:
-        q = tl.load(q_ptr + q_at + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    q = rows(q_ptr, q_at, d, q_mask, pos, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
     if not UPCAST:
         q = q.to(q_ptr.dtype.element_ty)
     if CAUSAL:

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from llmc.plugins.gpu.configs import PREFILL_CONFIGS, SHARED_LIMITS, KernelConfig, generation
 from llmc.plugins.gpu.fp8 import head_scale, load_kv
-from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
+from llmc.plugins.gpu.kernels import capped, rows, softmax_block, with_sink
 from llmc.plugins.gpu.paged_kernels import find_row, kernel_options, sinks, slot_of, write_new_kv
 
 
@@ -89,10 +89,7 @@ def _paged_prefill(q_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, cos_ptr, 
     d_ok = d < D
     q_at = ((start + m).to(tl.int64) * H + h)[:, None] * D
     q_mask = row_ok[:, None] & d_ok[None, :]
-    if ROTARY:
-        q = rotated(q_ptr, q_at, d, q_mask, pos, cos_ptr, sin_ptr, HALF, INTERLEAVED)
-    else:
-        q = tl.load(q_ptr + q_at + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    q = rows(q_ptr, q_at, d, q_mask, pos, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
     if not UPCAST:
         q = q.to(q_ptr.dtype.element_ty)
     # the tile's queries: t0 .. t1 - 1 of the row (none for a spare program: every part below is empty)

@@ -31,8 +31,9 @@ import triton
 import triton.language as tl
 
 from llmc.plugins.gpu.configs import KernelConfig
-from llmc.plugins.gpu.fp8 import as_stored, head_scale, in_type, kv_scales, kv_view, load_kv, store_kv
-from llmc.plugins.gpu.kernels import capped, rotated, softmax_block, with_sink
+from llmc.plugins.gpu.fp8 import as_stored, head_scale, in_type, kv_scales, kv_view, load_kv
+from llmc.plugins.gpu.kernels import capped, rows, softmax_block, with_sink
+from llmc.plugins.gpu.one_launch import query_tile, write_new_kv
 
 # The tiles a plugin launch can take within the 48 KiB of shared memory it gets without opting in (kernels_aot
 # SHARED_MEM_LIMIT), in order of preference; kernels_aot.plugin_prefill_kernel keeps the first that compiles within
@@ -66,10 +67,7 @@ def _new_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, b, S, kv, j, pos, 
     ok = j < S
     at = ((b * S + j) * KVH + kv)[:, None] * D
     mask = ok[:, None] & d_ok[None, :]
-    if ROTARY:
-        k = rotated(k_ptr, at, d, mask, pos + j, cos_ptr, sin_ptr, HALF, False)
-    else:
-        k = tl.load(k_ptr + at + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    k = rows(k_ptr, at, d, mask, pos + j, cos_ptr, sin_ptr, HALF, ROTARY, False)
     if FP8_KV:  # the op rotates keys in the inputs' type, then stores them
         k = in_type(k, k_ptr, UPCAST)
     v = tl.load(v_ptr + at + d[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -98,13 +96,7 @@ def _slot_prefill(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr, sin_ptr
     d_ok = d < D
     q_off = ((b * S + m) * H + h)[:, None] * D
     q_mask = row_ok[:, None] & d_ok[None, :]
-    if ROTARY:
-        q = rotated(q_ptr, q_off, d, q_mask, pos + m, cos_ptr, sin_ptr, HALF, False)
-    else:
-        q = tl.load(q_ptr + q_off + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    q = in_type(q, q_ptr, UPCAST)  # the op rotates queries in their own type (reference_attention)
-    if not UPCAST:
-        q = q.to(q_ptr.dtype.element_ty)
+    q = query_tile(q_ptr, q_off, d, q_mask, pos + m, cos_ptr, sin_ptr, HALF, ROTARY, UPCAST)
     cache = (b * KVH + kv) * C * D
     k_scale = head_scale(ks_ptr, kv, FP8_KV)
     v_scale = head_scale(vs_ptr, kv, FP8_KV)
@@ -143,15 +135,9 @@ def _slot_prefill(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr, sin_ptr
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(o_ptr + q_off + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
     if h % G == 0:  # the tile's new keys and values into the cache, by the group's first head
-        w_mask = q_mask
-        kv_off = ((b * S + m) * KVH + kv)[:, None] * D
-        if ROTARY:
-            k_w = rotated(k_ptr, kv_off, d, w_mask, pos + m, cos_ptr, sin_ptr, HALF, False)
-        else:
-            k_w = tl.load(k_ptr + kv_off + d[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        slot = cache + (pos + m)[:, None] * D + d[None, :]
-        store_kv(kc_out, slot, in_type(k_w, k_ptr, UPCAST), w_mask, k_scale, FP8_KV)
-        store_kv(vc_out, slot, tl.load(v_ptr + kv_off + d[None, :], mask=w_mask, other=0.0), w_mask, v_scale, FP8_KV)
+        write_new_kv(k_ptr, v_ptr, kc_out, vc_out, ((b * S + m) * KVH + kv)[:, None] * D,
+                     cache + (pos + m)[:, None] * D + d[None, :], d, q_mask, pos + m, cos_ptr, sin_ptr, k_scale,
+                     v_scale, HALF, ROTARY, UPCAST, FP8_KV)
 
 
 def slot_prefill_grid(tokens, batch, num_heads: int, block_m: int, cdiv=triton.cdiv):
