@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
 from llmc.plugins.gpu.configs import BLOCK_M, decode_splits
 from llmc.plugins.op.onnx_schema import PLUGIN_OP
 from llmc.plugins.op.paged_node import PAGED_PLUGIN_OP
-from llmc.runtime.runners.trt_split import SPLIT_BUFFERS
+from llmc.runtime.runners.trt_split import SPLIT_BUFFERS, SPLIT_TYPES
 
 PARTIALS, COUNTERS = SPLIT_BUFFERS
 DEFAULT_SMS = 132  # an H100's or H200's, where no GPU says otherwise
@@ -83,8 +84,12 @@ def add_split_buffers(model: onnx.ModelProto, buffers: SplitBuffers) -> int:
     if taken & {*SPLIT_BUFFERS, *SPLIT_BUFFERS.values()}:
         raise ValueError(f"the graph already has split buffers ({sorted(taken & {*SPLIT_BUFFERS})}): prepared twice?")
     shapes = buffers.shapes()
-    model.graph.input.extend([helper.make_tensor_value_info(PARTIALS, TensorProto.FLOAT, shapes[PARTIALS]),
-                              helper.make_tensor_value_info(COUNTERS, TensorProto.INT32, shapes[COUNTERS])])
+
+    def info(name: str, buffer: str):  # the type the runner allocates (trt_split.SPLIT_TYPES)
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(SPLIT_TYPES[buffer])),
+                                             shapes[buffer])
+
+    model.graph.input.extend([info(PARTIALS, PARTIALS), info(COUNTERS, COUNTERS)])
     read = {*(i for n in model.graph.node for i in n.input), *(o.name for o in model.graph.output)}
     current = [PARTIALS, COUNTERS]
     for i, node in enumerate(nodes):
@@ -108,8 +113,5 @@ def add_split_buffers(model: onnx.ModelProto, buffers: SplitBuffers) -> int:
         node.attribute.extend([*kept, helper.make_attribute("key_splits", buffers.key_splits(heads, kv_heads)),
                                helper.make_attribute("split_slots", buffers.slots)])
         current = outputs
-    model.graph.output.extend([helper.make_tensor_value_info(SPLIT_BUFFERS[PARTIALS], TensorProto.FLOAT,
-                                                             shapes[PARTIALS]),
-                               helper.make_tensor_value_info(SPLIT_BUFFERS[COUNTERS], TensorProto.INT32,
-                                                             shapes[COUNTERS])])
+    model.graph.output.extend([info(SPLIT_BUFFERS[PARTIALS], PARTIALS), info(SPLIT_BUFFERS[COUNTERS], COUNTERS)])
     return len(nodes)
