@@ -1,5 +1,5 @@
-"""The Triton building blocks every attention kernel shares: rotary embedding on the fly (`rotated`; `rows` reads
-a tile of the inputs, rotated or not), one block
+"""The Triton building blocks every attention kernel shares: rotary embedding on the fly (`rows`: a tile of the
+inputs, rotated or not), one block
 of an online softmax (`softmax_block`), the logit softcap (`capped`) and attention sinks joining a finished softmax
 (`with_sink`). The kernels built from them:
 
@@ -29,35 +29,28 @@ import triton.language as tl
 
 
 @triton.jit
-def rotated(x_ptr, offsets, d, mask, positions, cos_ptr, sin_ptr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """x[offsets + d] in fp32, rotated at `positions` ([rows]) over its first 2 * HALF channels:
-    pairs (i, i + HALF) (rotate-half) or (2i, 2i + 1) (interleaved); the channels after pass through."""
-    x = tl.load(x_ptr + offsets + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    if INTERLEAVED:
-        partner = d ^ 1
-        sign = tl.where(d % 2 == 0, -1.0, 1.0)
-        freq = d // 2
-    else:
-        partner = tl.where(d < HALF, d + HALF, d - HALF)
-        sign = tl.where(d < HALF, -1.0, 1.0)
-        freq = d % HALF
-    rot = mask & (d < 2 * HALF)[None, :]
-    table = positions.to(tl.int64)[:, None] * HALF + freq[None, :]
-    cos = tl.load(cos_ptr + table, mask=rot, other=1.0).to(tl.float32)
-    sin = tl.load(sin_ptr + table, mask=rot, other=0.0).to(tl.float32)
-    other = tl.load(x_ptr + offsets + partner[None, :], mask=rot, other=0.0).to(tl.float32)
-    return x * cos + sign[None, :] * other * sin
-
-
-@triton.jit
 def rows(x_ptr, offsets, d, mask, positions, cos_ptr, sin_ptr, HALF: tl.constexpr, ROTARY: tl.constexpr,
          INTERLEAVED: tl.constexpr):
-    """x[offsets + d] in fp32: `rotated` at `positions` when ROTARY, else as stored (every kernel's query and new
-    keys, read from the inputs)."""
+    """x[offsets + d] in fp32 (every kernel's queries and new keys, read from the inputs); with ROTARY rotated at
+    `positions` ([rows]) over its first 2 * HALF channels: pairs (i, i + HALF) (rotate-half) or (2i, 2i + 1)
+    (interleaved); the channels after pass through. One function, not a wrapper around a rotating one: the
+    interpreter, which runs the CPU tests, pays for every call inside a key loop (a wrapper cost 10-15% of a kernel)."""
+    x = tl.load(x_ptr + offsets + d[None, :], mask=mask, other=0.0).to(tl.float32)
     if ROTARY:
-        x = rotated(x_ptr, offsets, d, mask, positions, cos_ptr, sin_ptr, HALF, INTERLEAVED)
-    else:
-        x = tl.load(x_ptr + offsets + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if INTERLEAVED:
+            partner = d ^ 1
+            sign = tl.where(d % 2 == 0, -1.0, 1.0)
+            freq = d // 2
+        else:
+            partner = tl.where(d < HALF, d + HALF, d - HALF)
+            sign = tl.where(d < HALF, -1.0, 1.0)
+            freq = d % HALF
+        rot = mask & (d < 2 * HALF)[None, :]
+        table = positions.to(tl.int64)[:, None] * HALF + freq[None, :]
+        cos = tl.load(cos_ptr + table, mask=rot, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + table, mask=rot, other=0.0).to(tl.float32)
+        other = tl.load(x_ptr + offsets + partner[None, :], mask=rot, other=0.0).to(tl.float32)
+        x = x * cos + sign[None, :] * other * sin
     return x
 
 
