@@ -12,6 +12,7 @@
  *   asymmetric: (base, round(-lo / base)), then for each factor f: scale = base * f and zero points
  *               round(-lo / scale) + {-1, 0, 1}, clipped to [0, qmax];
  *   symmetric:  zero point (qmax + 1) / 2, scales base, then base * f for each factor.
+ * Every scale is first made an fp16 value where it is a normal one (half_scale, blockwise.half_scales).
  * A candidate's codes are clip(round(w / scale) + zero, 0, qmax) (round half to even, as np.round), its
  * error sum_k h_k ((code - zero) * scale - w_k)^2 summed in k order. Compile with -ffp-contract=off:
  * a fused multiply-add would round differently from NumPy.
@@ -23,6 +24,13 @@
 #define COLS 64 /* columns searched together: the inner loops run across them (vectorized) */
 
 static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+/* s as the nearest fp16 value where that is a normal fp16 number (round half to even, as NumPy's astype), else
+ * s: llmc's 4-bit kernel stores a layer's scales in half the bytes when every one is an fp16 value */
+static inline float half_scale(float s) {
+    const float h = (float)(_Float16)s;
+    return isfinite(h) && fabsf(h) >= 0x1p-14f ? h : s;
+}
 
 int llmc_block_codes(const float *w, int64_t K, int64_t N, int64_t n0, int64_t n1, const float *h, int bits,
                      int block, int symmetric, const float *factors, int nfactors, uint8_t *codes, float *scales,
@@ -49,9 +57,9 @@ int llmc_block_codes(const float *w, int64_t K, int64_t N, int64_t n0, int64_t n
                 lo[j] = mn;
                 if (symmetric) {
                     float amax = -mn > mx ? -mn : mx;
-                    base[j] = amax > 0 ? amax / (float)((int)(qmax + 1) / 2) : 1.0f;
+                    base[j] = half_scale(amax > 0 ? amax / (float)((int)(qmax + 1) / 2) : 1.0f);
                 } else {
-                    base[j] = mx > mn ? (mx - mn) / qmax : 1.0f;
+                    base[j] = half_scale(mx > mn ? (mx - mn) / qmax : 1.0f);
                 }
                 best_err[j] = INFINITY;
                 best_scale[j] = base[j];
@@ -61,7 +69,7 @@ int llmc_block_codes(const float *w, int64_t K, int64_t N, int64_t n0, int64_t n
                 /* candidate -1 is (base, its zero point); then the grid: per factor, up to 3 zero points */
                 for (int f = -1; f < nfactors; f++) {
                     for (int j = 0; j < cols; j++) {
-                        scale[j] = f < 0 ? base[j] : base[j] * factors[f];
+                        scale[j] = f < 0 ? base[j] : half_scale(base[j] * factors[f]);
                         zero0[j] = symmetric ? mid : nearbyintf(-lo[j] / scale[j]);
                     }
                     for (int k = 0; k < block; k++)
@@ -128,10 +136,10 @@ int llmc_block_fake_quantize(const float *w, const float *row_scale, int64_t K, 
                 }
                 if (symmetric) {
                     float amax = -mn > mx ? -mn : mx;
-                    scale[j] = amax > 0 ? amax / (float)((int)(qmax + 1) / 2) : 1.0f;
+                    scale[j] = half_scale(amax > 0 ? amax / (float)((int)(qmax + 1) / 2) : 1.0f);
                     zero[j] = mid;
                 } else {
-                    scale[j] = mx > mn ? (mx - mn) / qmax : 1.0f;
+                    scale[j] = half_scale(mx > mn ? (mx - mn) / qmax : 1.0f);
                     zero[j] = clampf(nearbyintf(-mn / scale[j]), 0.0f, qmax);
                 }
             }

@@ -63,7 +63,7 @@ static OrtStatus *fail(int code, const char *msg) { return llmc_fail(code, msg);
 /* ---- the custom op ---- */
 typedef struct {
   int64_t k, n, threads;
-  int isa, zero_points;
+  int isa, zero_points, half_scales; /* half_scales: q4_pack stored the scales as fp16 (q4_half_scales) */
   uint8_t *packed; /* B, scales and zero points in the kernel's layout (q4_pack), from the node's initializers */
   size_t packed_bytes; /* its mapping's */
 } Kernel;
@@ -175,14 +175,15 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const 
     return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4: B and scales must be initializers (the kernel repacks "
                                       "them when the session opens)");
   Kernel *kernel = (Kernel *)malloc(sizeof(Kernel));
-  size_t bytes = page_multiple(q4_packed_bytes(k, n, zero_points != NULL));
+  const int half_scales = q4_half_scales((const float *)scales, scale_count);
+  size_t bytes = page_multiple(q4_packed_bytes(k, n, zero_points != NULL, half_scales));
   uint8_t *packed = map_copy(bytes);
   if (!kernel || !packed) {
     free(kernel);
     if (packed) munmap(packed, bytes);
     return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory for the repacked weights");
   }
-  q4_pack(k, n, (const uint8_t *)b, (const float *)scales, (const uint8_t *)zero_points, packed);
+  q4_pack(k, n, (const uint8_t *)b, (const float *)scales, (const uint8_t *)zero_points, half_scales, packed);
   page_out(b, (size_t)b_bytes);
   page_out(scales, (size_t)scale_count * sizeof(float));
   if (zero_points) page_out(zero_points, (size_t)zero_point_bytes);
@@ -191,6 +192,7 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const 
   kernel->threads = threads;
   kernel->isa = isa;
   kernel->zero_points = zero_points != NULL;
+  kernel->half_scales = half_scales;
   kernel->packed = packed;
   kernel->packed_bytes = bytes;
   *out = kernel;
@@ -236,7 +238,7 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   if (!memory) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   size_t tasks;
   Q4Matmul *call = q4_prepare(memory, kernel->isa, (const float *)a, m, kernel->k, kernel->n, kernel->threads,
-                              kernel->packed, kernel->zero_points, (const float *)bias, (float *)y, &tasks);
+                              kernel->packed, kernel->zero_points, kernel->half_scales, (const float *)bias, (float *)y, &tasks);
   OrtStatus *status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, q4_run, tasks, 0, call);
   if (!status && q4_failed(call)) status = fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   free(memory);

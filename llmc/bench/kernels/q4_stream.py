@@ -6,13 +6,15 @@
 Batch-1 decode streams every weight once a step, so its ceiling is the bytes the cores can read. This
 measures the tile alone, with no ONNX Runtime around it: a C harness (compiled here with the kernel's own
 sources) runs q4_prepare / q4_run at one row, on one thread, over `--layers` random K x N layers made in
-MatMulNBits' layout (4-bit codes, fp32 scales, 4-bit zero points: 0.64 bytes a weight; 300 x 2048 x 2048
-is 806 MB, out of any cache) and repacked by q4_pack into the kernel's one stream, as a session does; the
-best of `--reps` passes is its time. The same harness reads the same
+MatMulNBits' layout (4-bit codes, scales, 4-bit zero points) and repacked by q4_pack into the kernel's one
+stream, as a session does: once with the scales kept fp32 (0.64 bytes a weight; 300 x 2048 x 2048 is 806 MB,
+out of any cache), once stored as fp16 (0.58 bytes a weight: what a session packs when every scale is an
+fp16 value, as llmc's quantizer writes them); the best of `--reps` passes is a run's time. The same harness
+reads the fp32 layout's
 number of bytes with a plain vector loop that asks for lines as far ahead as the tile does. `--copies` copies of each run at once, each on its own thread
 (one per core, as a decode step's threads do), in `--rounds` rounds with the order alternating; the benchmark
-prints the GB/s of each (summed over the copies; medians over the rounds) and the tile's share of the read's rate, the
-share of the memory stream the tile leaves unused.
+prints the GB/s of each (summed over the copies; medians over the rounds), each tile's share of the read's rate (the
+share of the memory stream the tile leaves unused), and how much faster the same layers run with fp16 scales.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from llmc.bench.harness import UsageError, in_turn, median
 from llmc.runtime.kernels import cpu_kernels
 
 KERNEL = cpu_kernels.HERE / "matmul_nbits4"
+TILES = {False: "tile, fp32 scales", True: "tile, fp16 scales"}
 HARNESS = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,9 +41,9 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
 static uint64_t next(uint64_t *s) { *s = *s * 6364136223846793005ull + 1442695040888963407ull; return *s >> 33; }
 
 /* best seconds of `reps` passes of one row through `layers` random k x n layers (made in MatMulNBits' layout,
- * then repacked by q4_pack as a session does); < 0: out of memory */
-double llmc_q4_stream(int64_t k, int64_t n, int64_t layers, int64_t reps, int isa) {
-  int64_t blocks = k / 32, per_layer = (int64_t)q4_packed_bytes(k, n, 1);
+ * then repacked by q4_pack as a session does, the scales as fp16 when `half_scales`); < 0: out of memory */
+double llmc_q4_stream(int64_t k, int64_t n, int64_t layers, int64_t reps, int isa, int half_scales) {
+  int64_t blocks = k / 32, per_layer = (int64_t)q4_packed_bytes(k, n, 1, half_scales);
   uint8_t *all = malloc((size_t)(layers * per_layer)), *b = malloc(n * blocks * 16), *zp = malloc(n * blocks / 2);
   float *s = malloc(n * blocks * 4), *a = malloc(k * 4), *y = malloc(n * 4);
   void *memory = malloc(q4_memory(1, k));
@@ -48,9 +51,9 @@ double llmc_q4_stream(int64_t k, int64_t n, int64_t layers, int64_t reps, int is
   uint64_t seed = 1;
   for (int64_t l = 0; l < layers; l++) {
     for (int64_t i = 0; i < n * blocks * 16; i++) b[i] = (uint8_t)next(&seed);
-    for (int64_t i = 0; i < n * blocks; i++) s[i] = 0.01f * (float)(1 + next(&seed) % 7);
+    for (int64_t i = 0; i < n * blocks; i++) s[i] = (float)(1 + next(&seed) % 7) / 512.f; /* fp16 values */
     for (int64_t i = 0; i < n * blocks / 2; i++) zp[i] = (uint8_t)next(&seed);
-    q4_pack(k, n, b, s, zp, all + l * per_layer);
+    q4_pack(k, n, b, s, zp, half_scales, all + l * per_layer);
   }
   for (int64_t i = 0; i < k; i++) a[i] = (float)(next(&seed) % 2001) * 1e-3f - 1.f;
   double best = 1e30;
@@ -58,7 +61,7 @@ double llmc_q4_stream(int64_t k, int64_t n, int64_t layers, int64_t reps, int is
     double start = now();
     for (int64_t l = 0; l < layers; l++) {
       size_t tasks;
-      Q4Matmul *call = q4_prepare(memory, isa, a, 1, k, n, 1, all + l * per_layer, 1, NULL, y, &tasks);
+      Q4Matmul *call = q4_prepare(memory, isa, a, 1, k, n, 1, all + l * per_layer, 1, half_scales, NULL, y, &tasks);
       for (size_t t = 0; t < tasks; t++) q4_run(call, t);
     }
     double took = now() - start;
@@ -93,10 +96,10 @@ __attribute__((target("avx2"))) double llmc_read_stream(int64_t bytes, int64_t r
 """
 
 
-def layer_bytes(k: int, n: int) -> int:
+def layer_bytes(k: int, n: int, half_scales: bool = False) -> int:
     """q4_packed_bytes: a layer's records, with zero points (the last column group padded to four columns)."""
     blocks = k // 32
-    return (n + 3) // 4 * 4 * (blocks * 16 + blocks * 4 + blocks // 2)
+    return (n + 3) // 4 * 4 * (blocks * 16 + blocks * (2 if half_scales else 4) + blocks // 2)
 
 
 def harness(out_dir: Path) -> Path:
@@ -108,24 +111,26 @@ def harness(out_dir: Path) -> Path:
 
 
 def runs(path: Path, isa: str, args) -> dict:
-    """The two runs, each a callable returning (seconds, bytes) from the harness at `path`. ctypes lets go of
-    the GIL for a call, so copies on threads of this process run at once, one a core."""
+    """The runs (TILES, then the read), each a callable returning (seconds, bytes) from the harness at `path`.
+    ctypes lets go of the GIL for a call, so copies on threads of this process run at once, one a core."""
     lib = ctypes.CDLL(str(path))
     lib.q4_isa_name.restype = ctypes.c_char_p
     index = next(i for i in itertools.count() if lib.q4_isa_name(i) in (isa.encode(), None))  # Q4_ISA_* of `isa`
-    lib.llmc_q4_stream.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.llmc_q4_stream.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
     lib.llmc_read_stream.argtypes = [ctypes.c_int64] * 2
     lib.llmc_q4_stream.restype = lib.llmc_read_stream.restype = ctypes.c_double
-    tile_bytes = args.layers * layer_bytes(args.k, args.n)
-    read_bytes = tile_bytes // 64 * 64
+    read_bytes = args.layers * layer_bytes(args.k, args.n) // 64 * 64
 
     def checked(what: str, seconds: float, nbytes: int) -> tuple[float, int]:
         if seconds < 0:
             raise MemoryError(f"{what}: out of memory")
         return seconds, nbytes
 
-    return {"tile": lambda: checked("tile", lib.llmc_q4_stream(args.k, args.n, args.layers, args.reps, index),
-                                    tile_bytes),
+    def tile(half: bool):
+        return lambda: checked(TILES[half], lib.llmc_q4_stream(args.k, args.n, args.layers, args.reps, index, half),
+                               args.layers * layer_bytes(args.k, args.n, half))
+
+    return {TILES[False]: tile(False), TILES[True]: tile(True),
             "read": lambda: checked("read", lib.llmc_read_stream(read_bytes, args.reps), read_bytes)}
 
 
@@ -152,15 +157,22 @@ def run(args: argparse.Namespace) -> None:
     nbytes = args.layers * layer_bytes(args.k, args.n)
     with tempfile.TemporaryDirectory() as tmp:
         run = runs(harness(Path(tmp)), isa, args)
-        rates: dict[str, list[float]] = {"tile": [], "read": []}
+        rates: dict[str, list[float]] = {what: [] for what in run}
+        seconds: dict[str, list[float]] = {what: [] for what in run}
         with ThreadPoolExecutor(args.copies) as pool:
             for r in range(args.rounds):
-                for what in in_turn(("tile", "read"), r):
-                    done = [pool.submit(run[what]) for _ in range(args.copies)]
-                    rates[what].append(sum(moved / seconds for seconds, moved in (f.result() for f in done)) / 1e9)
-    tile, read = median(rates["tile"]), median(rates["read"])
-    shares = [t / r for t, r in zip(rates["tile"], rates["read"])]
+                for what in in_turn(tuple(run), r):
+                    done = [f.result() for f in [pool.submit(run[what]) for _ in range(args.copies)]]
+                    rates[what].append(sum(moved / took for took, moved in done) / 1e9)
+                    seconds[what].append(max(took for took, _ in done))
+    read = median(rates["read"])
     print(f"llmc 4-bit decode tile ({isa}), one row, {args.layers} layers of {args.k} x {args.n} "
-          f"({nbytes / 1e6:.0f} MB), {args.copies} at once, {args.rounds} rounds:")
-    print(f"  tile {tile:.1f} GB/s, plain read {read:.1f} GB/s: the tile streams at {median(shares):.0%} "
-          f"of the read (per round {', '.join(f'{s:.2f}' for s in shares)})")
+          f"({nbytes / 1e6:.0f} MB with fp32 scales), {args.copies} at once, {args.rounds} rounds:")
+    print(f"  plain read {read:.1f} GB/s")
+    for what in TILES.values():
+        shares = [t / r for t, r in zip(rates[what], rates["read"])]
+        print(f"  {what}: {median(rates[what]):.1f} GB/s, {median(shares):.0%} of the read "
+              f"(per round {', '.join(f'{s:.2f}' for s in shares)})")
+    speedups = [a / b for a, b in zip(seconds[TILES[False]], seconds[TILES[True]])]
+    print(f"  the same layers with fp16 scales: {median(speedups):.2f}x faster "
+          f"(per round {', '.join(f'{s:.2f}' for s in speedups)})")

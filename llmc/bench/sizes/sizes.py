@@ -68,11 +68,17 @@ def bandwidth(threads: int, gib: float = 1.0, passes: int = 7) -> float:
     return x.numel() * 4 / min(times)
 
 
-def step_bytes(model_dir: Path) -> int:
+def step_bytes(model_dir: Path, llmc_kernel: bool = False) -> int:
     """Bytes of the initializers a decode step reads whole: every one in the folder's ONNX graphs but
-    those only Gather reads (an embedding table: one row a step)."""
+    those only Gather reads (an embedding table: one row a step). `llmc_kernel`: the graphs run where llmc's
+    4-bit kernel swaps in, which packs a node's scales as fp16 when every one is an fp16 value (as llmc's quantizer
+    writes them): those count two bytes a scale, as the kernel streams them."""
     import onnx
+    from onnx import numpy_helper
 
+    from llmc.runtime.kernels import cpu_kernels, graph_edits
+
+    half = llmc_kernel and cpu_kernels.load() is not None
     total = 0
     for path in model_dir.glob("*.onnx"):
         model = onnx.load(str(path), load_external_data=False)
@@ -80,12 +86,23 @@ def step_bytes(model_dir: Path) -> int:
         for node in model.graph.node:
             for name in node.input:
                 readers.setdefault(name, set()).add(node.op_type)
+        packed = {node.input[2] for node in graph_edits.swappable(model)} if half else set()
         for t in model.graph.initializer:
             if readers.get(t.name, {"Gather"}) == {"Gather"}:
                 continue
             stored = {e.key: e.value for e in t.external_data}
-            total += int(stored["length"]) if "length" in stored else len(t.raw_data) or _size(t)
+            size = int(stored["length"]) if "length" in stored else len(t.raw_data) or _size(t)
+            if t.name in packed and _fp16_values(numpy_helper.to_array(t, str(model_dir))):
+                size //= 2
+            total += size
     return total
+
+
+def _fp16_values(a) -> bool:
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        return a.dtype == np.float32 and bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
 
 
 def _size(tensor) -> int:
@@ -204,7 +221,8 @@ def _table(shape: str, builds: dict, passes: dict, bw: float, args) -> dict:
     rows = {}
     for (engine, mode), values in passes.items():
         b = builds[(engine, mode)]
-        weights = step_bytes(b["version"] if engine == "llmc" else b["dir"]) if engine != "llama.cpp" \
+        weights = step_bytes(b["version"], llmc_kernel=True) if engine == "llmc" else step_bytes(b["dir"]) \
+            if engine != "llama.cpp" \
             else b["gguf"].stat().st_size
         decode = median(v["decode_tok_s"] for v in values)
         row = {"decode_tok_s": decode, "prefill_tok_s": median(v["prefill_tok_s"] for v in values),

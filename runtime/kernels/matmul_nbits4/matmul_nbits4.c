@@ -94,7 +94,8 @@ static size_t row_bytes(int64_t k) { return (size_t)k + sizeof(float) * (size_t)
 size_t q4_memory(int64_t m, int64_t k) { return sizeof(Q4Matmul) + (size_t)m * (sizeof(QRow) + row_bytes(k)); }
 
 Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k, int64_t n, int64_t threads,
-                     const uint8_t *packed, int zero_points, const float *bias, float *y, size_t *tasks) {
+                     const uint8_t *packed, int zero_points, int half_scales, const float *bias, float *y,
+                     size_t *tasks) {
   Q4Matmul *call = (Q4Matmul *)memory;
   QRow *rows = (QRow *)(call + 1);
   char *data = (char *)(rows + m);
@@ -116,31 +117,51 @@ Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k
    * 1.1-1.2x) */
   int64_t chunk = m > ROWS ? (TILE_CHUNK_BYTES / (k / 2 + k / 8)) & ~(int64_t)3 : span;
   if (chunk < 4) chunk = 4;
-  Work work = {ISAS[isa], q4_layout(k, zero_points), m, k, n, span, chunk, 0, rows, packed, bias, y};
+  Work work = {ISAS[isa], q4_layout(k, zero_points, half_scales), m, k, n, span, chunk, 0, rows, packed, bias, y};
   call->work = work;
   *tasks = (size_t)((n + span - 1) / span);
   return call;
 }
 
-size_t q4_packed_bytes(int64_t k, int64_t n, int zero_points) {
-  return (size_t)((n + 3) / 4 * q4_layout(k, zero_points).column_group_bytes);
+size_t q4_packed_bytes(int64_t k, int64_t n, int zero_points, int half_scales) {
+  return (size_t)((n + 3) / 4 * q4_layout(k, zero_points, half_scales).column_group_bytes);
+}
+
+__attribute__((target("f16c"))) static uint16_t to_half(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+
+__attribute__((target("f16c"))) static int is_half(float x) { return _cvtsh_ss(to_half(x)) == x; }
+
+int q4_half_scales(const float *scales, int64_t count) {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("f16c")) return 0;
+  for (int64_t i = 0; i < count; i++)
+    if (!is_half(scales[i])) return 0; /* NaN too: it equals nothing */
+  return 1;
 }
 
 /* ONNX Runtime's layout into the records (matmul_nbits4_isa.h): a copy, plain C, once per layer a session */
 void q4_pack(int64_t k, int64_t n, const uint8_t *b, const float *scales, const uint8_t *zero_points,
-             uint8_t *packed) {
-  const Q4Layout l = q4_layout(k, zero_points != NULL);
+             int half_scales, uint8_t *packed) {
+  const Q4Layout l = q4_layout(k, zero_points != NULL, half_scales);
   for (int64_t cg = 0; cg < (n + 3) / 4; cg++) {
     for (int64_t g = 0; g < l.groups; g++) {
       const int64_t blocks = g < l.quads ? 4 : 2;
       uint8_t *at = (uint8_t *)record(&l, packed, cg, g);
-      float *s = (float *)(at + record_scales(blocks));
+      uint8_t *s = at + record_scales(blocks);
       for (int64_t i = 0; i < 4; i++) {
         const int64_t c = 4 * cg + i < n ? 4 * cg + i : n - 1; /* the padding repeats the last column */
         memcpy(at + 16 * blocks * i, b + (c * l.blocks + 4 * g) * 16, (size_t)(16 * blocks));
-        for (int64_t j = 0; j < blocks; j++) s[4 * j + i] = scales[c * l.blocks + 4 * g + j];
+        for (int64_t j = 0; j < blocks; j++) {
+          const float scale = scales[c * l.blocks + 4 * g + j];
+          if (half_scales) {
+            const uint16_t h = to_half(scale);
+            memcpy(s + 2 * (4 * j + i), &h, sizeof h);
+          } else {
+            memcpy(s + 4 * (4 * j + i), &scale, sizeof scale);
+          }
+        }
         if (zero_points)
-          memcpy(at + record_zero_points(blocks) + i * (blocks / 2), zero_points + c * (l.blocks / 2) + 2 * g,
+          memcpy(at + record_zero_points(blocks, half_scales) + i * (blocks / 2), zero_points + c * (l.blocks / 2) + 2 * g,
                  (size_t)(blocks / 2));
       }
     }

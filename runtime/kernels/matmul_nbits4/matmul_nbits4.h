@@ -21,14 +21,18 @@ const char *q4_isa_name(int isa);
 /* whether this CPU has what that instruction set's kernel needs */
 int q4_isa_supported(int isa);
 
+/* whether every one of `count` scales is an fp16 value, on a CPU that converts them (F16C): q4_pack can then
+ * store them in half the bytes, and the products are the same */
+int q4_half_scales(const float *scales, int64_t count);
+
 /* bytes q4_pack writes for a layer of k x n */
-size_t q4_packed_bytes(int64_t k, int64_t n, int zero_points);
+size_t q4_packed_bytes(int64_t k, int64_t n, int zero_points, int half_scales);
 
 /* B, its scales and zero points (NULL for none) in ONNX Runtime's layout, rewritten into `packed`
  * (q4_packed_bytes, 64-byte aligned at best): the kernel's layout, in which a decode tile reads one stream
  * (matmul_nbits4_isa.h, Q4Layout). Once per layer, when a session opens. */
 void q4_pack(int64_t k, int64_t n, const uint8_t *b, const float *scales, const uint8_t *zero_points,
-             uint8_t *packed);
+             int half_scales, uint8_t *packed);
 
 /* bytes of memory q4_prepare needs for m rows of k */
 size_t q4_memory(int64_t m, int64_t k);
@@ -36,9 +40,10 @@ size_t q4_memory(int64_t m, int64_t k);
 /* Quantizes A into `memory` (q4_memory bytes) and returns the call on a supported `isa`; *tasks is
  * how many independent pieces it splits into (for `threads` threads): run q4_run(call, 0 .. *tasks
  * - 1) in any order, in parallel, then free `memory`. `packed`: q4_pack's (`zero_points`: whether it was
- * given some); `bias` ([n], or NULL) is added to every row of y. */
+ * given some; `half_scales`: whether it was told to store them as fp16); `bias` ([n], or NULL) is added to every row of y. */
 Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k, int64_t n, int64_t threads,
-                     const uint8_t *packed, int zero_points, const float *bias, float *y, size_t *tasks);
+                     const uint8_t *packed, int zero_points, int half_scales, const float *bias, float *y,
+                     size_t *tasks);
 
 /* one piece of a prepared call: a void * so it fits a thread pool's callback */
 void q4_run(void *call, size_t task);

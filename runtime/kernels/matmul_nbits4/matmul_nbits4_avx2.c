@@ -20,7 +20,7 @@
 
 #include "matmul_nbits4_isa.h"
 
-#define KERNEL_ISA __attribute__((target("avx2,fma")))
+#define KERNEL_ISA __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 
 KERNEL_ISA INLINE float hmax8(__m256 v) {
@@ -95,14 +95,14 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
       const int quad = g < l->quads;
       const int64_t blocks = quad ? 4 : 2;
       const uint8_t *at = record(l, packed, col / 4, g);
-      prefetch_ahead(at, record_bytes(blocks, l->zero_points));
+      prefetch_ahead(at, record_bytes(blocks, l->zero_points, l->half_scales));
       /* zero points: the group's nibbles per column, lane i column i's (8 in every nibble without) */
-      __m256i z8 = l->zero_points ? _mm256_broadcastsi128_si256(record_zero_point_lanes(at, quad))
+      __m256i z8 = l->zero_points ? _mm256_broadcastsi128_si256(record_zero_point_lanes(l, at, quad))
                                   : _mm256_set1_epi32((int)0x88888888);
       for (int pair = 0; pair < blocks / 2; pair++) {
         const int64_t p = g * 2 + pair; /* pairs of blocks so far */
         /* lanes 0-3: block 2 pair of the four columns, lanes 4-7: block 2 pair + 1 (the record's order) */
-        __m256 wscale = _mm256_loadu_ps((const float *)(at + record_scales(blocks)) + 8 * pair);
+        __m256 wscale = scales8(l, at + record_scales(blocks), 8 * pair);
         const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4); /* block A's nibble, block B's */
         __m256i nibbles = _mm256_srlv_epi32(z8, _mm256_add_epi32(shift, _mm256_set1_epi32(8 * pair)));
         __m256 wzero = _mm256_cvtepi32_ps(_mm256_and_si256(nibbles, mask4));
@@ -150,8 +150,8 @@ KERNEL_ISA void q4_unpack_panel(const Q4Layout *l, const uint8_t *packed, int64_
     for (int64_t blk = 0; blk < l->blocks; blk++) {
       const int64_t g = blk / 4, blocks = g < l->quads ? 4 : 2, j = blk - 4 * g, i = (n0 + c) % 4;
       const uint8_t *at = record(l, packed, (n0 + c) / 4, g);
-      wscale[blk * COLS_PER_TASK + c] = c < cols ? ((const float *)(at + record_scales(blocks)))[4 * j + i] : 0.f;
-      uint8_t z = c < cols && l->zero_points ? at[record_zero_points(blocks) + i * (blocks / 2) + j / 2] : 0x88;
+      wscale[blk * COLS_PER_TASK + c] = c < cols ? scale_at(l, at + record_scales(blocks), 4 * j + i) : 0.f;
+      uint8_t z = c < cols && l->zero_points ? at[record_zero_points(blocks, l->half_scales) + i * (blocks / 2) + j / 2] : 0x88;
       wzero[blk * COLS_PER_TASK + c] = (float)(blk % 2 ? z >> 4 : z & 15);
     }
   }
@@ -238,7 +238,7 @@ KERNEL_ISA static void panel_row(int64_t k, const QRow *rows, const uint32_t *pa
 
 static int supported(void) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 /* prefill_rows 20: the panel's unpacking pays from about 20 rows here (one thread, a 576 x 3072 layer:

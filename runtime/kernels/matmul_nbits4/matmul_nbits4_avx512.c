@@ -12,7 +12,7 @@
 
 #include "matmul_nbits4_isa.h"
 
-#define KERNEL_ISA __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+#define KERNEL_ISA __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 
 /* lane_scale / lane_sum here: two 16-lane float vectors per group whose lanes follow the four-column
@@ -68,7 +68,7 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
     for (int64_t g = 0; g < l->groups; g++) {
       const int quad = g < l->quads;
       const uint8_t *at = record(l, packed, col / 4, g);
-      prefetch_ahead(at, record_bytes(quad ? 4 : 2, l->zero_points));
+      prefetch_ahead(at, record_bytes(quad ? 4 : 2, l->zero_points, l->half_scales));
       __m512i lo[4], hi[4];
       __m512 wscale;
       if (quad) {
@@ -77,19 +77,21 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
           lo[i] = _mm512_and_si512(packed_at, low4);
           hi[i] = _mm512_and_si512(_mm512_srli_epi16(packed_at, 4), low4);
         }
-        wscale = _mm512_loadu_ps((const float *)(at + record_scales(4))); /* lane (j, c): block j of column c */
+        /* lane (j, c): block j of column c */
+        wscale = l->half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + record_scales(4))))
+                                : _mm512_loadu_ps((const float *)(at + record_scales(4)));
       } else { /* a final pair: 32 bytes a column, whose low then high nibbles make the 64 codes */
         for (int i = 0; i < 4; i++) {
           __m256i half = _mm256_loadu_si256((const __m256i *)(at + 32 * i));
           lo[i] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(half), _mm256_srli_epi16(half, 4), 1), low4);
           hi[i] = _mm512_setzero_si512();
         }
-        __m512 s8 = _mm512_castps256_ps512(_mm256_loadu_ps((const float *)(at + record_scales(2))));
+        __m512 s8 = _mm512_castps256_ps512(scales8(l, at + record_scales(2), 0));
         wscale = _mm512_shuffle_f32x4(s8, s8, 0x44); /* lanes (j, c) and (j + 2, c): block j of column c */
       }
       __m512 wzero = _mm512_set1_ps(8.f);
       if (l->zero_points) {
-        __m512i z4 = _mm512_broadcast_i32x4(record_zero_point_lanes(at, quad));
+        __m512i z4 = _mm512_broadcast_i32x4(record_zero_point_lanes(l, at, quad));
         __m512i shifted = _mm512_srlv_epi32(z4, quad ? quad_shift : pair_shift);
         wzero = _mm512_cvtepi32_ps(_mm512_and_si512(shifted, mask4));
       }
@@ -163,7 +165,8 @@ KERNEL_ISA static void panel_row(int64_t k, const QRow *rows, const uint32_t *pa
 static int supported(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 }
 
 /* prefill_rows 20: about where the panel starts to pay for its unpacking (2 threads, all linear layers of a

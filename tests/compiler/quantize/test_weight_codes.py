@@ -99,6 +99,33 @@ def test_the_c_search_picks_exactly_the_numpy_codes(k, n, bits, block, symmetric
     np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_scales_are_fp16_values_where_fp16_holds_them(symmetric):
+    """The scales search and minmax pick (in C and in NumPy alike) are fp16 values, so llmc's 4-bit kernel packs
+    them in half the bytes; a block whose scale fp16 would make subnormal (a range of 1e-6) or infinite (1e6)
+    keeps its float32 scale, and round to nearest still reconstructs each block within half its step (symmetric:
+    a step, less the clipped top code)."""
+    from llmc.compiler.quantize import blockwise
+
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((96, 70)).astype(np.float32)
+    w[:, 3] *= 1e-6
+    w[:, 4] *= 1e6
+    importance = (rng.random(96) + 0.1).astype(np.float32)
+    for codes in (blockwise.search(w, importance, 4, 32, symmetric), blockwise.minmax(w, 4, 32, symmetric),
+                  blockwise.BlockCodes(*blockwise.search_numpy(w, importance, 4, 32, symmetric), 96, 4, symmetric)):
+        scales = codes.scales[:, 0, :]
+        with np.errstate(over="ignore"):  # the 1e6 column's scales: inf in fp16
+            as_half = scales.astype(np.float16).astype(np.float32)
+        normal = np.ones(70, bool)
+        normal[[3, 4]] = False
+        np.testing.assert_array_equal(scales[:, normal], as_half[:, normal])
+        assert not np.array_equal(scales[:, ~normal], as_half[:, ~normal])
+    steps = np.ptp(w.reshape(3, 32, 70), axis=1) / 15  # round to nearest within half a step of its range's
+    error = np.abs(blockwise.minmax(w, 4, 32, symmetric).dequantize() - w).reshape(3, 32, 70).max(1)
+    assert (error <= (0.55 if not symmetric else 1.9) * steps).all()  # symmetric clips the top code
+
+
 def test_without_a_c_compiler_the_search_runs_in_numpy(monkeypatch):
     from llmc.compiler.quantize import blockwise
 

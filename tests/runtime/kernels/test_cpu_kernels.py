@@ -22,12 +22,17 @@ needs_kernel = pytest.mark.skipif(KERNELS is None, reason="llmc's CPU kernel nee
 ISAS = KERNELS.isas if KERNELS else ("avx2",)  # every kernel this CPU runs (AVX512 hosts run both)
 
 
-def _model(k: int, n: int, *, zero_points: bool = True, rank: int = 2, **attrs) -> onnx.ModelProto:
-    """One MatMulNBits over random 4-bit codes, blocks of 32 (scales and zero points random too)."""
+def _model(k: int, n: int, *, zero_points: bool = True, rank: int = 2, half_scales: bool = False,
+           **attrs) -> onnx.ModelProto:
+    """One MatMulNBits over random 4-bit codes, blocks of 32 (scales and zero points random too; `half_scales`:
+    scales that are fp16 values, as llmc's quantizer writes them, which the kernel packs as fp16)."""
     rng = np.random.default_rng(k * 1000 + n)
     blocks = (k + 31) // 32
+    scales = (rng.random(n * blocks, dtype=np.float32) + 0.1) * 0.02
+    if half_scales:
+        scales = scales.astype(np.float16).astype(np.float32)
     inits = [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8), "B"),
-             numpy_helper.from_array((rng.random(n * blocks, dtype=np.float32) + 0.1) * 0.02, "scales")]
+             numpy_helper.from_array(scales, "scales")]
     if zero_points:
         inits.append(numpy_helper.from_array(rng.integers(0, 256, n * ((blocks + 1) // 2), dtype=np.uint8), "zp"))
     attributes = {"K": k, "N": n, "bits": 4, "block_size": 32, "accuracy_level": 4, **attrs}
@@ -52,12 +57,14 @@ def _session(model: onnx.ModelProto, library=None) -> ort.InferenceSession:
 @pytest.mark.parametrize("k, n, zero_points", [(576, 40, True), (128, 576, True), (1536, 33, False), (64, 16, True),
                                                (192, 7, True), (4096, 210, True)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 21, 29])
-def test_llmc_kernel_computes_what_matmulnbits_computes(isa, k, n, zero_points, rows):
+@pytest.mark.parametrize("half_scales", [False, True], ids=["fp32-scales", "fp16-scales"])
+def test_llmc_kernel_computes_what_matmulnbits_computes(isa, k, n, zero_points, rows, half_scales):
     """Every path of the kernel (one to four rows a tile, more rows in turns over chunks of columns (K 4096: a
     thread's 105 columns in chunks of 48, 48 and 9), the prefill panel from 20 rows, a tail of rows; K with and
-    without a final pair of blocks; N not a multiple of 4, 8 or 16; no zero points)
-    against ONNX Runtime's kernel, which quantizes the activations the same way: equal to float rounding."""
-    model = _model(k, n, zero_points=zero_points)
+    without a final pair of blocks; N not a multiple of 4, 8 or 16; no zero points; the scales packed as fp32 or,
+    when they are fp16 values, as fp16) against ONNX Runtime's kernel, which quantizes the activations the same
+    way: equal to float rounding."""
+    model = _model(k, n, zero_points=zero_points, half_scales=half_scales)
     reference = _session(model)
     swapped = onnx.ModelProto.FromString(model.SerializeToString())
     assert graph_edits.accelerate(swapped, 2, isa) == 1 and swapped.graph.node[0].op_type == graph_edits.OP
@@ -67,6 +74,30 @@ def test_llmc_kernel_computes_what_matmulnbits_computes(isa, k, n, zero_points, 
     expected, got = reference.run(None, {"A": a})[0], ours.run(None, {"A": a})[0]
     assert got.shape == (rows, n)
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+
+
+@needs_kernel
+def test_scales_that_are_fp16_values_pack_in_fewer_bytes():
+    """The layout the session picks: fp16 scales only when every scale of the layer survives the round trip (one
+    that does not, a NaN among them, or an fp32 value between two fp16 ones keeps the layer's scales fp32), and
+    those records are a tenth shorter: the bytes a decode step streams."""
+    library = ctypes.CDLL(str(cpu_kernels.library()))
+    library.q4_half_scales.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    library.q4_packed_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    library.q4_packed_bytes.restype = ctypes.c_size_t
+    fits = (np.random.default_rng(0).random(1000, dtype=np.float32) * 0.02).astype(np.float16).astype(np.float32)
+
+    def half(scales: np.ndarray) -> bool:
+        return bool(library.q4_half_scales(scales.ctypes.data, scales.size))
+
+    assert half(fits) and half(np.array([0.0, -0.0, 2.0**-24, 65504.0], np.float32))
+    for odd in (np.float32(0.01), np.float32(np.nan), np.float32(2.0**-25), np.float32(65520.0)):
+        changed = fits.copy()
+        changed[500] = odd
+        assert not half(changed), odd
+    for zero_points, per_quad in ((1, (328, 296)), (0, (320, 288))):
+        # K 4096, N 64: 32 quads per column group, 16 column groups
+        assert [library.q4_packed_bytes(4096, 64, zero_points, h) for h in (0, 1)] == [16 * 32 * b for b in per_quad]
 
 
 @needs_kernel
