@@ -26,10 +26,16 @@
 static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
 /* s as the nearest fp16 value where that is a normal fp16 number (round half to even, as NumPy's astype), else
- * s: llmc's 4-bit kernel stores a layer's scales in half the bytes when every one is an fp16 value */
+ * s: llmc's 4-bit kernel stores a layer's scales in half the bytes when every one is an fp16 value. In integer
+ * arithmetic on the bits (the mantissa rounded to fp16's 10 bits), which the compiler vectorizes where a
+ * conversion to _Float16 and back cost the search a quarter of its time. */
 static inline float half_scale(float s) {
-    const float h = (float)(_Float16)s;
-    return isfinite(h) && fabsf(h) >= 0x1p-14f ? h : s;
+    uint32_t u;
+    memcpy(&u, &s, sizeof u);
+    u = (u + 0x0FFFu + ((u >> 13) & 1u)) & ~0x1FFFu;
+    float h;
+    memcpy(&h, &u, sizeof h);
+    return fabsf(h) >= 0x1p-14f && fabsf(h) <= 65504.0f ? h : s;
 }
 
 int llmc_block_codes(const float *w, int64_t K, int64_t N, int64_t n0, int64_t n1, const float *h, int bits,
