@@ -74,7 +74,6 @@ def step_bytes(model_dir: Path, llmc_kernel: bool = False) -> int:
     4-bit kernel swaps in, which packs a node's scales as fp16 when every one is an fp16 value (as llmc's quantizer
     writes them): those count two bytes a scale, as the kernel streams them."""
     import onnx
-    from onnx import numpy_helper
 
     from llmc.runtime.kernels import cpu_kernels, graph_edits
 
@@ -92,10 +91,22 @@ def step_bytes(model_dir: Path, llmc_kernel: bool = False) -> int:
                 continue
             stored = {e.key: e.value for e in t.external_data}
             size = int(stored["length"]) if "length" in stored else len(t.raw_data) or _size(t)
-            if t.name in packed and _fp16_values(numpy_helper.to_array(t, str(model_dir))):
+            if t.name in packed and _fp16_values(_floats(t, stored, model_dir)):
                 size //= 2
             total += size
     return total
+
+
+def _floats(t, stored: dict, folder: Path):
+    """A float32 initializer's values: read from its external data file directly (onnx's own reader refuses a
+    data file with more than one hard link, which a packaged version's is), or from the graph."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    if "location" not in stored:
+        return numpy_helper.to_array(t)
+    count = int(stored["length"]) // 4
+    return np.fromfile(folder / stored["location"], np.float32, count, offset=int(stored.get("offset", 0)))
 
 
 def _fp16_values(a) -> bool:
