@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from llmc.bench import checkpoints, harness, peers, streams
@@ -178,3 +179,35 @@ def test_llama_cpp_perplexity_is_the_checkpoints_own_on_the_held_out_windows(tmp
     got = llama_cpp_perplexity(gguf, checkpoint, threads=1)
     assert got == pytest.approx(expected, rel=1e-3)
     assert abs(math.log(expected / 49152)) > 1, expected  # far from uniform (a uniform guess's is the vocabulary)
+
+
+def test_a_steps_bytes_count_the_scales_llmcs_kernel_packs_as_fp16(tmp_path):
+    """The roofline's bytes: a 4-bit node whose scales are all fp16 values streams them at two bytes each through
+    llmc's kernel (read from a data file with two hard links, as a packaged version's), one with any other scale at
+    four; an embedding table only Gather reads is left out."""
+    import os
+
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from llmc.bench.sizes.sizes import step_bytes
+    from llmc.runtime.kernels import cpu_kernels
+
+    rng = np.random.default_rng(0)
+    half = (rng.random(64 * 4, dtype=np.float32) * 0.02).astype(np.float16).astype(np.float32)
+    inits, nodes = [numpy_helper.from_array(rng.random((10, 128), dtype=np.float32), "embed")], []
+    for name, scales in (("a", half), ("b", half + np.float32(1e-7))):
+        inits += [numpy_helper.from_array(rng.integers(0, 256, (64, 4, 16), dtype=np.uint8), f"{name}.B"),
+                  numpy_helper.from_array(scales, f"{name}.scales")]
+        nodes.append(helper.make_node("MatMulNBits", ["x", f"{name}.B", f"{name}.scales"], [name], domain="com.microsoft",
+                                      K=128, N=64, bits=4, block_size=32, accuracy_level=4))
+    nodes.append(helper.make_node("Gather", ["embed", "ids"], ["x"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "b")], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, str(tmp_path / "model.onnx"), save_as_external_data=True, location="model.onnx.data",
+              size_threshold=0)
+    os.link(tmp_path / "model.onnx.data", tmp_path / "linked.data")
+    stored = 2 * (64 * 4 * 16 + 64 * 4 * 4)
+    assert step_bytes(tmp_path) == stored
+    assert step_bytes(tmp_path, llmc_kernel=True) == stored - (64 * 4 * 2 if cpu_kernels.load() else 0)
