@@ -238,7 +238,8 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   if (!memory) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   size_t tasks;
   Q4Matmul *call = q4_prepare(memory, kernel->isa, (const float *)a, m, kernel->k, kernel->n, kernel->threads,
-                              kernel->packed, kernel->zero_points, kernel->half_scales, (const float *)bias, (float *)y, &tasks);
+                              kernel->packed, kernel->zero_points, kernel->half_scales, (const float *)bias,
+                              (float *)y, &tasks);
   OrtStatus *status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, q4_run, tasks, 0, call);
   if (!status && q4_failed(call)) status = fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   free(memory);

@@ -127,7 +127,9 @@ size_t q4_packed_bytes(int64_t k, int64_t n, int zero_points, int half_scales) {
   return (size_t)((n + 3) / 4 * q4_layout(k, zero_points, half_scales).column_group_bytes);
 }
 
-__attribute__((target("f16c"))) static uint16_t to_half(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+__attribute__((target("f16c"))) static uint16_t to_half(float x) {
+  return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+}
 
 __attribute__((target("f16c"))) static int is_half(float x) { return _cvtsh_ss(to_half(x)) == x; }
 
@@ -161,8 +163,8 @@ void q4_pack(int64_t k, int64_t n, const uint8_t *b, const float *scales, const 
           }
         }
         if (zero_points)
-          memcpy(at + record_zero_points(blocks, half_scales) + i * (blocks / 2), zero_points + c * (l.blocks / 2) + 2 * g,
-                 (size_t)(blocks / 2));
+          memcpy(at + record_zero_points(blocks, half_scales) + i * (blocks / 2),
+                 zero_points + c * (l.blocks / 2) + 2 * g, (size_t)(blocks / 2));
       }
     }
   }

@@ -40,7 +40,8 @@ size_t q4_memory(int64_t m, int64_t k);
 /* Quantizes A into `memory` (q4_memory bytes) and returns the call on a supported `isa`; *tasks is
  * how many independent pieces it splits into (for `threads` threads): run q4_run(call, 0 .. *tasks
  * - 1) in any order, in parallel, then free `memory`. `packed`: q4_pack's (`zero_points`: whether it was
- * given some; `half_scales`: whether it was told to store them as fp16); `bias` ([n], or NULL) is added to every row of y. */
+ * given some; `half_scales`: whether it was told to store them as fp16); `bias` ([n], or NULL) is added to
+ * every row of y. */
 Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k, int64_t n, int64_t threads,
                      const uint8_t *packed, int zero_points, int half_scales, const float *bias, float *y,
                      size_t *tasks);

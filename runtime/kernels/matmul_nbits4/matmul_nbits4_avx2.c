@@ -151,7 +151,8 @@ KERNEL_ISA void q4_unpack_panel(const Q4Layout *l, const uint8_t *packed, int64_
       const int64_t g = blk / 4, blocks = g < l->quads ? 4 : 2, j = blk - 4 * g, i = (n0 + c) % 4;
       const uint8_t *at = record(l, packed, (n0 + c) / 4, g);
       wscale[blk * COLS_PER_TASK + c] = c < cols ? scale_at(l, at + record_scales(blocks), 4 * j + i) : 0.f;
-      uint8_t z = c < cols && l->zero_points ? at[record_zero_points(blocks, l->half_scales) + i * (blocks / 2) + j / 2] : 0x88;
+      const int64_t zero_at = record_zero_points(blocks, l->half_scales) + i * (blocks / 2) + j / 2;
+      uint8_t z = c < cols && l->zero_points ? at[zero_at] : 0x88;
       wzero[blk * COLS_PER_TASK + c] = (float)(blk % 2 ? z >> 4 : z & 15);
     }
   }

@@ -78,8 +78,9 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
           hi[i] = _mm512_and_si512(_mm512_srli_epi16(packed_at, 4), low4);
         }
         /* lane (j, c): block j of column c */
-        wscale = l->half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + record_scales(4))))
-                                : _mm512_loadu_ps((const float *)(at + record_scales(4)));
+        const uint8_t *scales = at + record_scales(4);
+        wscale = l->half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales))
+                                : _mm512_loadu_ps((const float *)scales);
       } else { /* a final pair: 32 bytes a column, whose low then high nibbles make the 64 codes */
         for (int i = 0; i < 4; i++) {
           __m256i half = _mm256_loadu_si256((const __m256i *)(at + 32 * i));

@@ -60,8 +60,8 @@ static inline void block_codes(int64_t blk, int64_t blocks, int64_t *even, int64
  *   zero points  [4 columns][blocks / 2] bytes  only when the layer has them
  * A quad's record is 296 bytes with fp16 scales and zero points (328 with fp32 scales; 8 fewer without
  * zero points), a pair's half that. Scales take a fifth of fp32 records' bytes, and a decode step is a
- * stream over them: fp16 scales make it 10% shorter with the same products (scripts: `python -m llmc.bench
- * q4-stream`). */
+ * stream over them: fp16 scales make it 10% shorter with the same products (`python -m llmc.bench
+ * q4-stream` times both). */
 typedef struct {
   int64_t blocks, quads, groups; /* groups: quads, and the final pair if any */
   int zero_points, half_scales;
@@ -79,7 +79,8 @@ static inline int64_t record_bytes(int64_t blocks, int zero_points, int half_sca
 }
 
 static inline Q4Layout q4_layout(int64_t k, int zero_points, int half_scales) {
-  Q4Layout l = {k / 32, k / 128, (k / 32 + 3) / 4, zero_points, half_scales, record_bytes(4, zero_points, half_scales), 0};
+  Q4Layout l = {k / 32, k / 128, (k / 32 + 3) / 4, zero_points, half_scales,
+                record_bytes(4, zero_points, half_scales), 0};
   l.column_group_bytes = l.quads * l.quad_bytes + (l.groups > l.quads ? record_bytes(2, zero_points, half_scales) : 0);
   return l;
 }
