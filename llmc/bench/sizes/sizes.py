@@ -232,9 +232,12 @@ def _table(shape: str, builds: dict, passes: dict, bw: float, args) -> dict:
     rows = {}
     for (engine, mode), values in passes.items():
         b = builds[(engine, mode)]
-        weights = step_bytes(b["version"], llmc_kernel=True) if engine == "llmc" else step_bytes(b["dir"]) \
-            if engine != "llama.cpp" \
-            else b["gguf"].stat().st_size
+        if engine == "llama.cpp":
+            weights = b["gguf"].stat().st_size
+        elif engine == "llmc":
+            weights = step_bytes(b["version"], llmc_kernel=True)
+        else:
+            weights = step_bytes(b["dir"])
         decode = median(v["decode_tok_s"] for v in values)
         row = {"decode_tok_s": decode, "prefill_tok_s": median(v["prefill_tok_s"] for v in values),
                "step_bytes": weights, "roofline_share": decode * weights / bw, "build_s": b["build_s"],
