@@ -211,3 +211,23 @@ def test_a_steps_bytes_count_the_scales_llmcs_kernel_packs_as_fp16(tmp_path):
     stored = 2 * (64 * 4 * 16 + 64 * 4 * 4)
     assert step_bytes(tmp_path) == stored
     assert step_bytes(tmp_path, llmc_kernel=True) == stored - (64 * 4 * 2 if cpu_kernels.load() else 0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_gguf_step_reads_every_tensor_but_a_gathered_embedding(tmp_path, tied):
+    """llama.cpp's roofline bytes: the token embedding is left out where an `output.weight` reads the LM head, and
+    counted where the file ties them (the embedding is then read whole every step)."""
+    import gguf
+
+    from llmc.bench.sizes.sizes import gguf_step_bytes
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    sizes = {"token_embd.weight": (32, 16), "blk.0.attn_q.weight": (16, 16)}
+    sizes |= {} if tied else {"output.weight": (32, 16)}
+    for name, shape in sizes.items():
+        writer.add_tensor(name, np.ones(shape, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_step_bytes(tmp_path / "m.gguf") == 4 * (32 * 16 + 16 * 16)

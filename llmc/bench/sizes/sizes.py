@@ -97,6 +97,17 @@ def step_bytes(model_dir: Path, llmc_kernel: bool = False) -> int:
     return total
 
 
+def gguf_step_bytes(path: Path) -> int:
+    """A GGUF's counterpart of step_bytes: every tensor's bytes but the token embedding's, which a step gathers
+    one row of, unless the file has no `output.weight` (tied: the embedding is read whole as the LM head)."""
+    from gguf.gguf_reader import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
+
 def _floats(t, stored: dict, folder: Path):
     """A float32 initializer's values: read from its external data file directly (onnx's own reader refuses a
     data file with more than one hard link, which a packaged version's is), or from the graph."""
@@ -233,7 +244,7 @@ def _table(shape: str, builds: dict, passes: dict, bw: float, args) -> dict:
     for (engine, mode), values in passes.items():
         b = builds[(engine, mode)]
         if engine == "llama.cpp":
-            weights = b["gguf"].stat().st_size
+            weights = gguf_step_bytes(b["gguf"])
         elif engine == "llmc":
             weights = step_bytes(b["version"], llmc_kernel=True)
         else:
