@@ -27,6 +27,7 @@ import onnx
 from onnx import helper
 
 from llmc.plugins.gpu.configs import BLOCK_M, decode_splits
+from llmc.plugins.op import fused_node, paged_node
 from llmc.plugins.op.onnx_schema import PLUGIN_OP
 from llmc.plugins.op.paged_node import PAGED_PLUGIN_OP
 from llmc.runtime.runners.trt_split import SPLIT_BUFFERS, SPLIT_TYPES
@@ -98,7 +99,7 @@ def add_split_buffers(model: onnx.ModelProto, buffers: SplitBuffers) -> int:
         if head_dim > buffers.head_dim:
             raise ValueError(f"{node.op_type} node {node.name!r}: head size {head_dim} is wider than the split "
                              f"workspace's {buffers.head_dim}")
-        if len(node.input) != (9 if node.op_type == PLUGIN_OP else 11):
+        if len(node.input) != len(fused_node.INPUTS if node.op_type == PLUGIN_OP else paged_node.INPUTS):
             raise ValueError(f"{node.op_type} node {node.name!r} has {len(node.input)} inputs: split buffers already "
                              "given, or not an exported plugin node")
         if read & set(node.output[3:]):  # an export names the schema's optional outputs too; nothing reads them

@@ -37,7 +37,7 @@ PAGED_PLUGIN_OP = "LlmcPagedAttention"
 PLUGIN_NAMESPACE = "llmc"
 PLUGIN_VERSION = "1"
 LLMC_DOMAIN = "llmc"
-_INPUTS = [("query", "T"), ("key", "T"), ("value", "T"), ("key_cache", "T"), ("value_cache", "T"),
+INPUTS = [("query", "T"), ("key", "T"), ("value", "T"), ("key_cache", "T"), ("value_cache", "T"),
            ("cumulative_sequence_length", "S"), ("past_seqlens", "S"), ("block_table", "S"), ("cos_cache", "T"),
            ("sin_cache", "T"), ("head_sink", "T")]
 _OUTPUTS = [("output", "T"), ("key_cache_out", "T"), ("value_cache_out", "T")]
@@ -62,7 +62,7 @@ def plugin_schema() -> OpSchema:
         "ONNX Runtime's PagedAttention contract as a TensorRT plugin node (plugins/op/paged_node.py): separate "
         "query/key/value, the caches updated in place, cos/sin tables and head_sink always present (placeholders "
         "without rotary or sinks).",
-        inputs=[OpSchema.FormalParameter(n, t) for n, t in _INPUTS]
+        inputs=[OpSchema.FormalParameter(n, t) for n, t in INPUTS]
         + [OpSchema.FormalParameter(n.rstrip("?"), {"M": "S"}.get(t, t), **optional) for n, t in SPLIT_INPUTS],
         outputs=[OpSchema.FormalParameter(n, t) for n, t in _OUTPUTS]
         + [OpSchema.FormalParameter(n.rstrip("?"), {"M": "S"}.get(t, t), **optional) for n, t in SPLIT_OUTPUTS],

@@ -9,7 +9,8 @@ from llmc.compiler import build
 from llmc.compiler.spec import parse_spec
 from llmc.compiler.tensorrt.compat import qdq_problems
 from llmc.compiler.tensorrt.prep import FP32_OPS, prepare_for_tensorrt
-from llmc.compiler.tensorrt.split_kv import COUNTERS, PARTIALS, SplitBuffers
+from llmc.compiler.tensorrt.split_kv import COUNTERS, PARTIALS, SplitBuffers, add_split_buffers
+from llmc.plugins.op.fused_node import INPUTS
 from llmc.runtime.runners.trt_split import SPLIT_BUFFERS
 from llmc.plugins.op.lowering import PLUGIN_OP
 
@@ -49,7 +50,7 @@ def test_plugin_graph_is_cast_with_kv_io_in_low_precision_and_norms_in_fp32(tiny
     assert io[COUNTERS] == io[SPLIT_BUFFERS[COUNTERS]] == TensorProto.INT32
     chain = [PARTIALS, COUNTERS]
     for node in plugins:
-        assert list(node.input[9:]) == chain and len(node.output) == 5
+        assert list(node.input[len(INPUTS):]) == chain and len(node.output) == 5
         chain = list(node.output[3:])
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert (attrs["key_splits"], attrs["split_slots"]) == (split.key_splits(attrs["num_heads"],
@@ -75,6 +76,16 @@ def test_split_buffers_size_the_splits_by_the_gpu_and_a_plugin_graph_needs_them(
         prepare_for_tensorrt(tmp_path / "out" / "export" / "model.onnx", "fp32", tmp_path / "trt",
                              split=SplitBuffers(64, 4))
     assert not (tmp_path / "trt").exists()
+    exported = tmp_path / "out" / "export" / "model.onnx"
+    model = onnx.load(str(exported), load_external_data=False)
+    layers = sum(n.op_type == PLUGIN_OP for n in model.graph.node)
+    assert layers and add_split_buffers(model, SplitBuffers(64, 16)) == layers
+    with pytest.raises(ValueError, match="the graph already has split buffers .*prepared twice"):
+        add_split_buffers(model, SplitBuffers(64, 16))
+    model = onnx.load(str(exported), load_external_data=False)  # a node given buffers the graph does not name
+    next(n for n in model.graph.node if n.op_type == PLUGIN_OP).input.append("elsewhere")
+    with pytest.raises(ValueError, match=f"has {len(INPUTS) + 1} inputs: split buffers already given"):
+        add_split_buffers(model, SplitBuffers(64, 16))
 
 
 def test_a_qdq_graph_keeps_the_tensorrt_rules_in_fp16(tiny_llama, tmp_path):
