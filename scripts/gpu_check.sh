@@ -2,7 +2,8 @@
 # Issue 55's GPU figures in one run: the `cuda`-marked kernel tests (tests/gpu: every kernel against the op's
 # reference, the plugins' PTX launched through the CUDA driver), then the GPU kernels' benchmark at the issue's
 # shapes (decode 32 x 4k, 8 x 32k, 64 x 8k, 1 x 128k at head_dim 128 and 256; prefill 2k/8k/32k fresh and after
-# cached tokens), its JSON and both logs in $OUT (default build/gpu-check).
+# cached tokens), its JSON and both logs in $OUT (default build/gpu-check). The JSON is written after every shape
+# ("complete": false until the last), so a run cut short by the lease's time limit still returns what it measured.
 #
 # Needs an NVIDIA GPU that PyTorch sees, Triton (the `kernels` extra), pytest, and llmc importable. On a machine
 # without network (the device machines), llmc travels as a wheel:

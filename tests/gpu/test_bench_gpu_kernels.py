@@ -66,3 +66,59 @@ def test_the_json_holds_device_peaks_decode_and_prefill_runs(tmp_path):
     assert data["kind"] == "all" and data["dtype"] == "fp16"
     assert data["runs"][0]["kernels"]["torch SDPA"]["tb_s"] == 1.0
     assert data["prefill"][0]["kernels"]["torch SDPA"]["tflops"] == 1000.0
+
+
+def test_a_failing_kernel_is_a_row_with_its_error_and_the_others_still_run():
+    import torch
+
+    from llmc.bench.kernels.gpu_prefill import check_kernels
+
+    def out_of_resources():
+        raise RuntimeError("out of resource: shared memory, Required: 270336, Hardware limit: 232448")
+
+    ref = torch.ones(4)
+    kernels = {"good": lambda: torch.ones(4, dtype=torch.float16), "too big": out_of_resources,
+               "off": lambda: torch.full((4,), 1.5)}
+    failed = check_kernels(kernels, ref)
+    assert list(kernels) == ["good", "off"]  # what is timed next
+    assert failed == {"too big": {"error": "RuntimeError: out of resource: shared memory, Required: 270336, "
+                                           "Hardware limit: 232448"}}
+
+
+def test_the_json_is_written_after_every_shape_and_failures_end_the_run_named(monkeypatch, tmp_path):
+    """A GPU lease's time limit may stop the sweep: the JSON holds every shape measured so far; a shape that raised
+    is an entry with its error, the others run, and the run exits non-zero naming the failures."""
+    import pytest
+    import torch
+
+    from llmc.bench.kernels import gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    seen = []
+
+    def measure(args, b, c, d):
+        if d == 256 and b == 32:
+            raise RuntimeError("out of resource: shared memory")
+        kernels = summarize({"torch SDPA": 1.0}, 10 ** 9, "NVIDIA H200")
+        if b == 1:
+            kernels["llmc paged one launch"] = {"error": "CompilationError: no"}
+        return {"shape": {"batch": b, "context": c, "head_dim": d}, "kernels": kernels}
+
+    def written(path, data):
+        seen.append(json.loads(json.dumps(data)))
+        return write_json(path, data)
+
+    monkeypatch.setattr(gpu, "measure", measure)
+    monkeypatch.setattr(gpu, "measure_prefill", lambda args, t, c, d, time_fn: {"shape": {"tokens": t}, "kernels": {}})
+    monkeypatch.setattr(gpu, "write_json", written)
+    args = parse("--kind", "all", "--sweep", "--out", str(tmp_path / "gpu.json"))
+    with pytest.raises(SystemExit, match=r"gpu-kernels: 3 failed .*: \(1, 131072, 128\) llmc paged one launch: "
+                                         r"CompilationError: no; \(32, 4096, 256\): RuntimeError: out of resource"):
+        gpu.run(args)
+    assert len(seen) == len(SWEEP) + len(PREFILL_SWEEP) + 1
+    assert [len(s["runs"]) + len(s["prefill"]) for s in seen[:-1]] == list(range(1, len(seen)))
+    assert [s["complete"] for s in seen] == [False] * (len(seen) - 1) + [True]
+    final = json.loads((tmp_path / "gpu.json").read_text())
+    assert final == seen[-1] and len(final["runs"]) == len(SWEEP) and len(final["prefill"]) == len(PREFILL_SWEEP)
+    assert final["runs"][4] == {"shape": [32, 4096, 256], "error": "RuntimeError: out of resource: shared memory"}

@@ -23,7 +23,10 @@ Decode (the default kind): one decode step (one new token per row, every row at 
     less work than the kernels, which also write the cache).
 Each is timed with CUDA events (median of `--passes` x 50 steps after warm-up); the achieved memory
 bandwidth counts the KV bytes a step must read (2 x batch x kv_heads x context x head_dim x size), and its share
-of the GPU's data-sheet peak is printed beside the ratio to SDPA (`--out FILE`: the same as JSON).
+of the GPU's data-sheet peak is printed beside the ratio to SDPA (`--out FILE`: the same as JSON, written after
+every shape, `"complete": false` until the last, so a run stopped by a time limit keeps what it measured). A kernel
+that fails (out of shared memory, a compile error) is a row with its error, and a shape that fails, one entry: the
+others still run, and the run exits non-zero naming them.
 Needs an NVIDIA GPU (the `device` machines have one); refused with a usage message otherwise.
 """
 
@@ -33,7 +36,7 @@ import argparse
 from pathlib import Path
 
 from llmc.bench.harness import UsageError, median, write_json
-from llmc.bench.kernels.gpu_prefill import PREFILL_SWEEP, measure_prefill, peak_tflops
+from llmc.bench.kernels.gpu_prefill import PREFILL_SWEEP, check_kernels, measure_prefill, peak_tflops
 
 
 def _time(fn, torch, passes: int, steps: int = 50) -> float:
@@ -80,10 +83,27 @@ def run(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise UsageError("needs an NVIDIA GPU (CUDA); none is visible here")
     decode, prefill = plan(args)
-    results = [measure(args, b, c, d) for b, c, d in decode]
-    prefills = [measure_prefill(args, t, c, d, _time) for t, c, d in prefill]
-    if args.out:
-        write_json(args.out, report(torch.cuda.get_device_name(), args, results, prefills))
+    device, results, prefills, failed = torch.cuda.get_device_name(), [], [], []
+
+    def save(complete: bool) -> None:  # after every shape: a run stopped by its time limit keeps what it measured
+        if args.out:
+            write_json(args.out, {**report(device, args, results, prefills), "complete": complete})
+
+    for rows, shapes, fn in ((results, decode, lambda b, c, d: measure(args, b, c, d)),
+                             (prefills, prefill, lambda t, c, d: measure_prefill(args, t, c, d, _time))):
+        for shape in shapes:
+            try:
+                rows.append(fn(*shape))
+            except Exception as error:  # noqa: BLE001  (recorded, named at the end; the other shapes still run)
+                rows.append({"shape": list(shape), "error": f"{type(error).__name__}: {error}"})
+                print(f"shape {shape} failed: {rows[-1]['error']}")
+            row = rows[-1]
+            failed += [f"{shape}: {row['error']}"] if "error" in row else [
+                f"{shape} {name}: {kernel['error']}" for name, kernel in row["kernels"].items() if "error" in kernel]
+            save(False)
+    save(True)
+    if failed:
+        raise SystemExit(f"gpu-kernels: {len(failed)} failed (in the JSON as errors): " + "; ".join(failed)[:2000])
 
 
 def plan(args: argparse.Namespace) -> tuple[list, list]:
@@ -176,13 +196,11 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
             **flat, key_cache=kp8, value_cache=vp8, cumulative_sequence_length=cu, past_seqlens=past,
             block_table=table, num_heads=h, kv_num_heads=kvh, scale=scale, splits=paged_splits, k_scale=scales,
             v_scale=scales)[0].view(b, 1, h, d))
-    for name, run in kernels.items():
-        err = (run().float() - ref).abs().max().item()
-        print(f"{name}: max |error| vs reference {err:.2e}")
-    for name, (_, run) in fp8.items():
-        err = (run().float() - ref8).abs().max().item()
-        print(f"{name}: max |error| vs reference over the same fp8 cache {err:.2e}")
-    kernels.update({name: run for name, (_, run) in fp8.items()})
+    failed = check_kernels(kernels, ref)
+    fp8_runs = {name: run for name, (_, run) in fp8.items()}
+    failed |= check_kernels(fp8_runs, ref8, "reference over the same fp8 cache")
+    fp8 = {name: fp8[name] for name in fp8_runs}
+    kernels.update(fp8_runs)
     qs = q.transpose(1, 2)  # [B, H, 1, D]; SDPA over the full cache, GQA read once per KV head
 
     def sdpa():
@@ -195,7 +213,8 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
     device = torch.cuda.get_device_name()
     rows = summarize(timings, kv_bytes, device, {name: kv_bytes // q.element_size() for name in fp8})
     for name, (same, _) in fp8.items():
-        rows[name]["vs_16bit"] = rows[same]["ms"] / rows[name]["ms"]
+        if same in rows:
+            rows[name]["vs_16bit"] = rows[same]["ms"] / rows[name]["ms"]
     print(f"\ndecode step, batch {b}, context {c}, heads {h}/{kvh}, head_dim {d}, {args.dtype} on {device}")
     print(f"{'kernel':36} {'ms/step':>8} {'TB/s (KV read)':>15} {'of peak':>8} {'vs SDPA':>8}")
     for name, row in rows.items():
@@ -204,7 +223,7 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
     shape = {"batch": b, "context": c, "heads": h, "kv_heads": kvh, "head_dim": d, "dtype": args.dtype,
              "block_size": bs, "splits": {"slot": slot_splits, "paged": paged_splits, "plugin_grid": plugin_splits,
                                           "plugin_slots": slots}, "passes": args.passes}
-    return {"shape": shape, "kernels": rows}
+    return {"shape": shape, "kernels": {**rows, **failed}}
 
 
 # HBM bandwidth by GPU, TB/s (the vendors' data sheets): a kernel's share of it is how close to the roofline a

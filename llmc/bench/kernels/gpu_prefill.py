@@ -50,6 +50,23 @@ def summarize_prefill(timings: dict[str, float], flops: int, device: str) -> dic
     return out
 
 
+def check_kernels(kernels: dict, ref, against: str = "reference") -> dict[str, dict]:
+    """Run each kernel once and print its largest error against `ref`. A kernel that raises (out of shared memory,
+    a compile error) leaves `kernels`, so the shape's others are still timed; its error is returned by name as a
+    row of the table."""
+    failed = {}
+    for name in list(kernels):
+        try:
+            err = (kernels[name]().float() - ref).abs().max().item()
+        except Exception as error:  # noqa: BLE001  (a row of the JSON)
+            failed[name] = {"error": f"{type(error).__name__}: {error}"}
+            del kernels[name]
+            print(f"{name}: FAILED, {failed[name]['error']}")
+            continue
+        print(f"{name}: max |error| vs {against} {err:.2e}")
+    return failed
+
+
 def measure_prefill(args, tokens: int, cached: int, d: int, time_fn) -> dict:
     """One prefill shape on the GPU: llmc's paged prefill (fp16/bf16 cache, and fp8 with per-head scales) and
     SDPA, checked, timed by `time_fn(fn, torch, passes)` (ms), printed; its figures returned."""
@@ -96,8 +113,7 @@ def measure_prefill(args, tokens: int, cached: int, d: int, time_fn) -> dict:
         return torch.nn.functional.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)
 
     want = sdpa().transpose(1, 2).reshape(tokens, h * d).float()
-    for name, run in kernels.items():
-        print(f"{name}: max |error| vs SDPA {(run().float() - want).abs().max().item():.2e}")
+    failed = check_kernels(kernels, want, "SDPA")
     timings = {"torch SDPA": time_fn(sdpa, torch, args.passes)}
     timings.update({name: time_fn(run, torch, args.passes) for name, run in kernels.items()})
     device = torch.cuda.get_device_name()
@@ -110,7 +126,7 @@ def measure_prefill(args, tokens: int, cached: int, d: int, time_fn) -> dict:
         print(f"{name:52} {row['ms']:9.3f} {row['tflops']:9.1f} {share:>8} {row['vs_sdpa']:7.2f}x")
     shape = {"tokens": tokens, "cached": cached, "heads": h, "kv_heads": kvh, "head_dim": d, "dtype": args.dtype,
              "block_size": bs, "passes": args.passes}
-    return {"shape": shape, "kernels": rows}
+    return {"shape": shape, "kernels": {**rows, **failed}}
 
 
 def _plugin_tactics(q, k, v, past_k, past_v, h: int, kvh: int, d: int, cached: int, tokens: int, dtype: str) -> dict:
