@@ -12,7 +12,9 @@
 #     there:  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #               && PYTHONPATH=/tmp/site bash scripts/gpu_check.sh
 #
-# Exits 2 at once without a GPU; otherwise non-zero when the tests or the benchmark failed (both always run).
+# Exits 2 at once without a GPU; otherwise non-zero when the tests or the benchmark failed (both always run). The
+# tests get GPU_CHECK_TESTS_S seconds (240) and the benchmark GPU_CHECK_BENCH_S (300): together within a device
+# call's 600; a part cut short exits 124 (its timeout's status).
 set -uo pipefail
 
 out=${OUT:-build/gpu-check}
@@ -25,12 +27,14 @@ if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
 fi
 "$python" -c 'import torch; print("gpu_check:", torch.cuda.get_device_name(), "torch", torch.__version__)'
 
-PYTHONUNBUFFERED=1 "$python" -m pytest -m cuda tests/gpu -q -p no:cacheprovider \
-    --junitxml "$out/cuda_tests.xml" 2>&1 | tee "$out/cuda_tests.log"
+# each part within its own time (SIGINT at the end: pytest writes its report of the tests that ran, the bench keeps
+# the JSON of the shapes it finished), so one part running long cannot take the other's
+PYTHONUNBUFFERED=1 timeout -s INT -k 20 "${GPU_CHECK_TESTS_S:-240}" "$python" -m pytest -m cuda tests/gpu -q \
+    -p no:cacheprovider --junitxml "$out/cuda_tests.xml" 2>&1 | tee "$out/cuda_tests.log"
 tests=$?
 
-PYTHONUNBUFFERED=1 "$python" -m llmc.bench gpu-kernels --kind all --sweep --out "$out/gpu_kernels.json" 2>&1 \
-    | tee "$out/gpu_kernels.log"
+PYTHONUNBUFFERED=1 timeout -s INT -k 20 "${GPU_CHECK_BENCH_S:-300}" "$python" -m llmc.bench gpu-kernels --kind all \
+    --sweep --out "$out/gpu_kernels.json" 2>&1 | tee "$out/gpu_kernels.log"
 bench=$?
 
 echo "gpu_check: cuda tests exit $tests, benchmark exit $bench; figures in $out/gpu_kernels.json"
