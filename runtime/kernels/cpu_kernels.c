@@ -1,7 +1,7 @@
 /* llmc's CPU kernels for ONNX Runtime, loaded as a custom-op library (runtime/kernels/cpu_kernels.py builds
  * and registers it).
  *
- * llmc.MatMulNBits4: a drop-in for com.microsoft.MatMulNBits with bits=4, block_size=32 and
+ * llmc.MatMulNBits4: a drop-in for com.microsoft.MatMulNBits with bits=4, block_size 32, 64 or 128 and
  * accuracy_level=4 (int8 activations) — the same inputs (A, B, scales, optional zero_points, no g_idx,
  * optional bias), the
  * same attributes plus `threads` (the session's intra-op threads) and `isa` (which instruction
@@ -64,6 +64,7 @@ static OrtStatus *fail(int code, const char *msg) { return llmc_fail(code, msg);
 typedef struct {
   int64_t k, n, threads;
   int isa, zero_points, half_scales; /* half_scales: q4_pack stored the scales as fp16 (q4_half_scales) */
+  int share;                         /* blocks of 32 to a scale: the node's block_size / 32 */
   uint8_t *packed; /* B, scales and zero points in the kernel's layout (q4_pack), from the node's initializers */
   size_t packed_bytes; /* its mapping's */
 } Kernel;
@@ -161,12 +162,16 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const 
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "accuracy_level", &level));
   TRY(CALL(KernelInfoGetAttribute_int64, fn_attr_int64, info, "threads", &threads)); /* the session's, set by the swap */
   TRY(isa_named(info, &isa));
-  if (bits != 4 || block != 32 || level != 4 || k <= 0 || k % 64 || n <= 0 || threads < 1)
-    return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4 takes bits=4, block_size=32, accuracy_level=4 and K a "
-                                      "multiple of 64 (leave other MatMulNBits nodes as they are)");
+  if (bits != 4 || (block != 32 && block != 64 && block != 128) || level != 4 || k <= 0 || k % 64 || k % block ||
+      n <= 0 || threads < 1)
+    return fail(ORT_INVALID_ARGUMENT, "llmc.MatMulNBits4 takes bits=4, block_size 32, 64 or 128, accuracy_level=4 "
+                                      "and K a multiple of 64 and of the block size (leave other MatMulNBits nodes "
+                                      "as they are)");
+  const int share = (int)(block / 32);
   /* the weights are repacked once, here, so B and its scales must be initializers (graph_edits swaps only such
    * nodes); zero points, when the node has them, too: compute refuses any that were not packed */
-  const int64_t b_bytes = n * (k / 32) * 16, scale_count = n * (k / 32), zero_point_bytes = n * (k / 64);
+  const int64_t b_bytes = n * (k / 32) * 16, scale_count = n * (k / block);
+  const int64_t zero_point_bytes = n * ((k / block + 1) / 2);
   const void *b, *scales, *zero_points;
   TRY(constant_input(info, 1, "B", b_bytes, &b));
   TRY(constant_input(info, 2, "scales", scale_count, &scales));
@@ -176,14 +181,14 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const 
                                       "them when the session opens)");
   Kernel *kernel = (Kernel *)malloc(sizeof(Kernel));
   const int half_scales = q4_half_scales((const float *)scales, scale_count);
-  size_t bytes = page_multiple(q4_packed_bytes(k, n, zero_points != NULL, half_scales));
+  size_t bytes = page_multiple(q4_packed_bytes(k, n, zero_points != NULL, half_scales, share));
   uint8_t *packed = map_copy(bytes);
   if (!kernel || !packed) {
     free(kernel);
     if (packed) munmap(packed, bytes);
     return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory for the repacked weights");
   }
-  q4_pack(k, n, (const uint8_t *)b, (const float *)scales, (const uint8_t *)zero_points, half_scales, packed);
+  q4_pack(k, n, (const uint8_t *)b, (const float *)scales, (const uint8_t *)zero_points, half_scales, share, packed);
   page_out(b, (size_t)b_bytes);
   page_out(scales, (size_t)scale_count * sizeof(float));
   if (zero_points) page_out(zero_points, (size_t)zero_point_bytes);
@@ -193,6 +198,7 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable table, const 
   kernel->isa = isa;
   kernel->zero_points = zero_points != NULL;
   kernel->half_scales = half_scales;
+  kernel->share = share;
   kernel->packed = packed;
   kernel->packed_bytes = bytes;
   *out = kernel;
@@ -238,8 +244,8 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   if (!memory) return fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   size_t tasks;
   Q4Matmul *call = q4_prepare(memory, kernel->isa, (const float *)a, m, kernel->k, kernel->n, kernel->threads,
-                              kernel->packed, kernel->zero_points, kernel->half_scales, (const float *)bias,
-                              (float *)y, &tasks);
+                              kernel->packed, kernel->zero_points, kernel->half_scales, kernel->share,
+                              (const float *)bias, (float *)y, &tasks);
   OrtStatus *status = CALL(KernelContext_ParallelFor, fn_parallel_for, context, q4_run, tasks, 0, call);
   if (!status && q4_failed(call)) status = fail(ORT_FAIL, "llmc.MatMulNBits4: out of memory");
   free(memory);

@@ -13,7 +13,7 @@ processes of one model instance over a shared-memory group (collective.py's `Gro
 group=name)` gives their nodes the group's name and registers the library, as for PagedAttention.
 
 `MatMulNBits4` (domain `llmc`) is a drop-in for ONNX Runtime's `MatMulNBits` with bits=4,
-block_size=32 and accuracy_level=4: same inputs, attributes and packed layout (repacked into the kernel's
+block_size 32, 64 or 128 and accuracy_level=4: same inputs, attributes and packed layout (repacked into the kernel's
 own when the session opens, so its weights must be initializers), faster at batch-1 decode
 (matmul_nbits4.c says why and how), with kernels for AVX512-VNNI and for AVX2 + FMA CPUs.
 Stored graphs keep the standard op, so they run on any ONNX Runtime and in onnxruntime-genai;

@@ -22,7 +22,8 @@ def _attributes(node) -> dict:
 
 def eligible(node, uint8_initializers: set[str], float_initializers: set[str]) -> bool:
     """Whether a node is a MatMulNBits the llmc kernel computes as ONNX Runtime's does: 4 bits in blocks
-    of 32, int8 activations, K a multiple of 64, no g_idx, zero points (if any) packed uint8, a bias or none;
+    of 32, 64 or 128, int8 activations, K a multiple of 64 and of the block, no g_idx,
+    zero points (if any) packed uint8, a bias or none;
     B, its scales and zero points initializers (the kernel repacks them when the session opens)."""
     if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) > 6:
         return False
@@ -33,8 +34,9 @@ def eligible(node, uint8_initializers: set[str], float_initializers: set[str]) -
     if len(node.input) >= 5 and node.input[4]:  # g_idx
         return False
     a = _attributes(node)
-    return (a.get("bits", 4) == 4 and a.get("block_size") == 32 and a.get("accuracy_level", 0) == 4
-            and a.get("K", 0) % 64 == 0)
+    block = a.get("block_size")
+    return (a.get("bits", 4) == 4 and block in (32, 64, 128) and a.get("accuracy_level", 0) == 4
+            and a.get("K", 0) % max(64, block) == 0)
 
 
 def swappable(model) -> list:

@@ -98,9 +98,9 @@ def test_bench_sampling(monkeypatch, capsys):
 
 @smokes("cpu-kernels")
 def test_bench_cpu_kernels(monkeypatch, capsys):
-    run_bench(monkeypatch, "cpu-kernels", "--threads", "1", "--rows", "1", "--repeats", "1", "--fp32")
+    run_bench(monkeypatch, "cpu-kernels", "--threads", "1", "--rows", "1", "--repeats", "1", "--fp32", "--block", "64")
     out = capsys.readouterr().out
-    assert "onnxruntime" in out and "fp32 MatMul" in out
+    assert "onnxruntime" in out and "fp32 MatMul" in out and "181 4-bit linear layers in blocks of 64" in out
     row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["1"])
     assert len(row) == 1 + 2 * (out.count("llmc ") + 2)  # rows, then each kernel's ms and ratio
 
@@ -109,9 +109,10 @@ def test_bench_cpu_kernels(monkeypatch, capsys):
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="llmc's 4-bit kernel does not run on this host")
 def test_bench_q4_stream(monkeypatch, capsys):
     run_bench(monkeypatch, "q4-stream", "--k", "128", "--n", "64", "--layers", "3", "--copies", "1", "--rounds", "2",
-              "--reps", "2")
+              "--reps", "2", "--blocks", "32,128")
     out = capsys.readouterr().out
-    assert "3 layers of 128 x 64" in out and "GB/s" in out and "of the read (per round" in out
+    assert "3 layers of 128 x 64" in out and "GB/s" in out and out.count("of the read (per round") == 4
+    assert "blocks of 128 against 32 (fp16 scales):" in out
 
 
 @smokes("paged-attention")

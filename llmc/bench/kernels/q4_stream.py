@@ -1,20 +1,22 @@
 """How fast llmc's 4-bit decode tile streams weights, against a plain read of the same bytes:
 
-    .venv/bin/python -m llmc.bench q4-stream [--k 2048] [--n 2048] [--layers 300] [--copies 2]
+    .venv/bin/python -m llmc.bench q4-stream [--k 2048] [--n 2048] [--blocks 32,128] [--layers 300] [--copies 2]
         [--rounds 6] [--reps 4] [--isa avx512vnni]
 
 Batch-1 decode streams every weight once a step, so its ceiling is the bytes the cores can read. This
 measures the tile alone, with no ONNX Runtime around it: a C harness (compiled here with the kernel's own
 sources) runs q4_prepare / q4_run at one row, on one thread, over `--layers` random K x N layers made in
-MatMulNBits' layout (4-bit codes, scales, 4-bit zero points) and repacked by q4_pack into the kernel's one
-stream, as a session does: once with the scales kept fp32 (0.64 bytes a weight; 300 x 2048 x 2048 is 806 MB,
-out of any cache), once stored as fp16 (0.58 bytes a weight: what a session packs when every scale is an
-fp16 value, as llmc's quantizer writes them); the best of `--reps` passes is a run's time. The same harness
-reads the fp32 layout's
-number of bytes with a plain vector loop that asks for lines as far ahead as the tile does. `--copies` copies of each run at once, each on its own thread
-(one per core, as a decode step's threads do), in `--rounds` rounds with the order alternating; the benchmark
-prints the GB/s of each (summed over the copies; medians over the rounds), each tile's share of the read's rate (the
-share of the memory stream the tile leaves unused), and how much faster the same layers run with fp16 scales.
+MatMulNBits' layout (4-bit codes; a scale and a 4-bit zero point a block of weights, each of `--blocks`: 32, 64
+or 128) and repacked by q4_pack into the kernel's one stream, as a session does: once with the scales kept fp32
+(0.64 bytes a weight in blocks of 32; 300 x 2048 x 2048 is 806 MB, out of any cache), once stored as fp16 (0.58
+bytes a weight: what a session packs when every scale is an fp16 value, as llmc's quantizer writes them); the best
+of `--reps` passes is a run's time. The same harness reads the first block size's fp32 layout's number of bytes
+with a plain vector loop that asks for lines as far ahead as the tile does. `--copies` copies of each run at once,
+each on its own thread (one per core, as a decode step's threads do), in `--rounds` rounds with the order
+alternating; the benchmark prints the GB/s of each (summed over the copies; medians over the rounds), each tile's
+share of the read's rate (the share of the memory stream the tile leaves unused), how much faster the same layers
+run with fp16 scales, and, with more than one block size, how much faster each runs (fp16 scales) than the first:
+what the bytes of wider blocks' fewer scales save.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from llmc.bench.harness import UsageError, in_turn, median
 from llmc.runtime.kernels import cpu_kernels
 
 KERNEL = cpu_kernels.HERE / "matmul_nbits4"
-TILES = {False: "tile, fp32 scales", True: "tile, fp16 scales"}
+def tile_name(block: int, half: bool) -> str:
+    return f"tile, blocks of {block}, {'fp16' if half else 'fp32'} scales"
 HARNESS = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,18 +45,19 @@ static uint64_t next(uint64_t *s) { *s = *s * 6364136223846793005ull + 144269504
 
 /* best seconds of `reps` passes of one row through `layers` random k x n layers (made in MatMulNBits' layout,
  * then repacked by q4_pack as a session does, the scales as fp16 when `half_scales`); < 0: out of memory */
-double llmc_q4_stream(int64_t k, int64_t n, int64_t layers, int64_t reps, int isa, int half_scales) {
-  int64_t blocks = k / 32, per_layer = (int64_t)q4_packed_bytes(k, n, 1, half_scales);
-  uint8_t *all = malloc((size_t)(layers * per_layer)), *b = malloc(n * blocks * 16), *zp = malloc(n * blocks / 2);
-  float *s = malloc(n * blocks * 4), *a = malloc(k * 4), *y = malloc(n * 4);
+double llmc_q4_stream(int64_t k, int64_t n, int64_t layers, int64_t reps, int isa, int half_scales, int share) {
+  int64_t blocks = k / 32, wide = blocks / share, zeros = n * ((wide + 1) / 2);
+  int64_t per_layer = (int64_t)q4_packed_bytes(k, n, 1, half_scales, share);
+  uint8_t *all = malloc((size_t)(layers * per_layer)), *b = malloc(n * blocks * 16), *zp = malloc(zeros);
+  float *s = malloc(n * wide * 4), *a = malloc(k * 4), *y = malloc(n * 4);
   void *memory = malloc(q4_memory(1, k));
   if (!all || !b || !zp || !s || !a || !y || !memory) return -1.0;
   uint64_t seed = 1;
   for (int64_t l = 0; l < layers; l++) {
     for (int64_t i = 0; i < n * blocks * 16; i++) b[i] = (uint8_t)next(&seed);
-    for (int64_t i = 0; i < n * blocks; i++) s[i] = (float)(1 + next(&seed) % 7) / 512.f; /* fp16 values */
-    for (int64_t i = 0; i < n * blocks / 2; i++) zp[i] = (uint8_t)next(&seed);
-    q4_pack(k, n, b, s, zp, half_scales, all + l * per_layer);
+    for (int64_t i = 0; i < n * wide; i++) s[i] = (float)(1 + next(&seed) % 7) / 512.f; /* fp16 values */
+    for (int64_t i = 0; i < zeros; i++) zp[i] = (uint8_t)next(&seed);
+    q4_pack(k, n, b, s, zp, half_scales, share, all + l * per_layer);
   }
   for (int64_t i = 0; i < k; i++) a[i] = (float)(next(&seed) % 2001) * 1e-3f - 1.f;
   double best = 1e30;
@@ -61,7 +65,8 @@ double llmc_q4_stream(int64_t k, int64_t n, int64_t layers, int64_t reps, int is
     double start = now();
     for (int64_t l = 0; l < layers; l++) {
       size_t tasks;
-      Q4Matmul *call = q4_prepare(memory, isa, a, 1, k, n, 1, all + l * per_layer, 1, half_scales, NULL, y, &tasks);
+      Q4Matmul *call = q4_prepare(memory, isa, a, 1, k, n, 1, all + l * per_layer, 1, half_scales, share, NULL, y,
+                                  &tasks);
       for (size_t t = 0; t < tasks; t++) q4_run(call, t);
     }
     double took = now() - start;
@@ -96,10 +101,11 @@ __attribute__((target("avx2"))) double llmc_read_stream(int64_t bytes, int64_t r
 """
 
 
-def layer_bytes(k: int, n: int, half_scales: bool = False) -> int:
-    """q4_packed_bytes: a layer's records, with zero points (the last column group padded to four columns)."""
+def layer_bytes(k: int, n: int, half_scales: bool = False, block: int = 32) -> int:
+    """q4_packed_bytes: a layer's records, with zero points (a nibble a block of 32) and a scale a `block` of weights
+    (the last column group padded to four columns)."""
     blocks = k // 32
-    return (n + 3) // 4 * 4 * (blocks * 16 + blocks * (2 if half_scales else 4) + blocks // 2)
+    return (n + 3) // 4 * 4 * (blocks * 16 + k // block * (2 if half_scales else 4) + blocks // 2)
 
 
 def harness(out_dir: Path) -> Path:
@@ -116,27 +122,30 @@ def runs(path: Path, isa: str, args) -> dict:
     lib = ctypes.CDLL(str(path))
     lib.q4_isa_name.restype = ctypes.c_char_p
     index = next(i for i in itertools.count() if lib.q4_isa_name(i) in (isa.encode(), None))  # Q4_ISA_* of `isa`
-    lib.llmc_q4_stream.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
+    lib.llmc_q4_stream.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] * 3
     lib.llmc_read_stream.argtypes = [ctypes.c_int64] * 2
     lib.llmc_q4_stream.restype = lib.llmc_read_stream.restype = ctypes.c_double
-    read_bytes = args.layers * layer_bytes(args.k, args.n) // 64 * 64
+    read_bytes = args.layers * layer_bytes(args.k, args.n, block=args.blocks[0]) // 64 * 64
 
     def checked(what: str, seconds: float, nbytes: int) -> tuple[float, int]:
         if seconds < 0:
             raise MemoryError(f"{what}: out of memory")
         return seconds, nbytes
 
-    def tile(half: bool):
-        return lambda: checked(TILES[half], lib.llmc_q4_stream(args.k, args.n, args.layers, args.reps, index, half),
-                               args.layers * layer_bytes(args.k, args.n, half))
+    def tile(block: int, half: bool):
+        return lambda: checked(tile_name(block, half), lib.llmc_q4_stream(args.k, args.n, args.layers, args.reps,
+                                                                         index, half, block // 32),
+                               args.layers * layer_bytes(args.k, args.n, half, block))
 
-    return {TILES[False]: tile(False), TILES[True]: tile(True),
+    return {**{tile_name(b, h): tile(b, h) for b in args.blocks for h in (False, True)},
             "read": lambda: checked("read", lib.llmc_read_stream(read_bytes, args.reps), read_bytes)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=2048, help="input width (a multiple of 64)")
     p.add_argument("--n", type=int, default=2048, help="output width")
+    p.add_argument("--blocks", type=lambda v: [int(b) for b in v.split(",")], default=[32],
+                   help="weights a scale and zero point, comma-separated (32, 64, 128): each timed in the same rounds")
     p.add_argument("--layers", type=int, default=300, help="layers a pass streams (300 x 2048 x 2048: 806 MB)")
     p.add_argument("--copies", type=int, default=2, help="copies running at once, each on a thread (one per core)")
     p.add_argument("--rounds", type=int, default=6)
@@ -145,8 +154,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    if args.k % 64:
-        raise UsageError(f"--k {args.k}: the kernel takes multiples of 64")
+    if any(b not in (32, 64, 128) for b in args.blocks):
+        raise UsageError(f"--blocks {','.join(map(str, args.blocks))}: the kernel takes blocks of 32, 64 or 128")
+    if args.k % max(64, *args.blocks):
+        raise UsageError(f"--k {args.k}: the kernel takes multiples of 64 and of the block ({max(args.blocks)})")
     kernels = cpu_kernels.load()
     if kernels is None:
         raise UsageError("llmc's 4-bit kernel does not run here (it needs AVX2 + FMA or AVX512-VNNI and a C compiler; "
@@ -154,7 +165,7 @@ def run(args: argparse.Namespace) -> None:
     isa = args.isa or kernels.isa
     if isa not in kernels.isas:
         raise UsageError(f"--isa {isa}: this CPU runs llmc's 4-bit kernel on {', '.join(kernels.isas)}")
-    nbytes = args.layers * layer_bytes(args.k, args.n)
+    nbytes = args.layers * layer_bytes(args.k, args.n, block=args.blocks[0])
     with tempfile.TemporaryDirectory() as tmp:
         run = runs(harness(Path(tmp)), isa, args)
         rates: dict[str, list[float]] = {what: [] for what in run}
@@ -167,12 +178,19 @@ def run(args: argparse.Namespace) -> None:
                     seconds[what].append(max(took for took, _ in done))
     read = median(rates["read"])
     print(f"llmc 4-bit decode tile ({isa}), one row, {args.layers} layers of {args.k} x {args.n} "
-          f"({nbytes / 1e6:.0f} MB with fp32 scales), {args.copies} at once, {args.rounds} rounds:")
+          f"({nbytes / 1e6:.0f} MB in blocks of {args.blocks[0]} with fp32 scales), {args.copies} at once, "
+          f"{args.rounds} rounds:")
     print(f"  plain read {read:.1f} GB/s")
-    for what in TILES.values():
-        shares = [t / r for t, r in zip(rates[what], rates["read"])]
-        print(f"  {what}: {median(rates[what]):.1f} GB/s, {median(shares):.0%} of the read "
-              f"(per round {', '.join(f'{s:.2f}' for s in shares)})")
-    speedups = [a / b for a, b in zip(seconds[TILES[False]], seconds[TILES[True]])]
-    print(f"  the same layers with fp16 scales: {median(speedups):.2f}x faster "
-          f"(per round {', '.join(f'{s:.2f}' for s in speedups)})")
+    for block in args.blocks:
+        for half in (False, True):
+            what = tile_name(block, half)
+            shares = [t / r for t, r in zip(rates[what], rates["read"])]
+            print(f"  {what}: {median(rates[what]):.1f} GB/s, {median(shares):.0%} of the read "
+                  f"(per round {', '.join(f'{s:.2f}' for s in shares)})")
+        speedups = [a / b for a, b in zip(seconds[tile_name(block, False)], seconds[tile_name(block, True)])]
+        print(f"  blocks of {block}, fp16 scales against fp32: {median(speedups):.2f}x faster "
+              f"(per round {', '.join(f'{s:.2f}' for s in speedups)})")
+    for block in args.blocks[1:]:
+        speedups = [a / b for a, b in zip(seconds[tile_name(args.blocks[0], True)], seconds[tile_name(block, True)])]
+        print(f"  blocks of {block} against {args.blocks[0]} (fp16 scales): {median(speedups):.2f}x faster "
+              f"(per round {', '.join(f'{s:.2f}' for s in speedups)})")

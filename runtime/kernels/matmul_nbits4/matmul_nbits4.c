@@ -1,8 +1,8 @@
 /* llmc's 4-bit matmul: y = A x dequant(B) with B in ONNX Runtime's MatMulNBits layout (bits 4,
- * blocks of 32, uint8 zero points or none), repacked when a session opens (q4_pack: each column group's
- * weights, scales and zero points in one stream, matmul_nbits4_isa.h), and A quantized to int8 per block
- * of 32 on the fly (as MLAS does at accuracy_level 4). The API is matmul_nbits4.h; cpu_kernels.c wraps it
- * as an ONNX Runtime custom op.
+ * blocks of 32, 64 or 128, uint8 zero points or none), repacked when a session opens (q4_pack: each column
+ * group's weights, scales and zero points in one stream, matmul_nbits4_isa.h), and A quantized to int8 per
+ * block of 32 on the fly (as MLAS does at accuracy_level 4; scaled per weight block, as MLAS scales it). The
+ * API is matmul_nbits4.h; cpu_kernels.c wraps it as an ONNX Runtime custom op.
  *
  * Why it exists: batch-1 decode is a stream over the weights, and MLAS's 4-bit kernel leaves memory
  * bandwidth unused there (SmolLM2's 151 linear layers of a decode step, 2 threads, AVX512-VNNI host:
@@ -16,6 +16,7 @@
  */
 #include "matmul_nbits4.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -91,14 +92,27 @@ struct Q4Matmul {
 
 static size_t row_bytes(int64_t k) { return (size_t)k + sizeof(float) * (size_t)(2 * (k / 4) + 2 * (k / 32)); }
 
-size_t q4_memory(int64_t m, int64_t k) { return sizeof(Q4Matmul) + (size_t)m * (sizeof(QRow) + row_bytes(k)); }
+size_t q4_memory(int64_t m, int64_t k) {
+  return sizeof(Q4Matmul) + (size_t)m * (sizeof(QRow) + row_bytes(k)) + sizeof(float) * (size_t)(k / 32);
+}
+
+/* each block of 32's largest |a| over the weights' block of 32 x share it lies in (MLAS quantizes A per weight
+ * block, so its scale does) */
+static void wide_amax(const float *a, int64_t k, int share, float *amax) {
+  for (int64_t w = 0; w < k; w += 32 * share) {
+    float m = 0.f;
+    for (int64_t i = w; i < w + 32 * share; i++) m = fabsf(a[i]) > m ? fabsf(a[i]) : m;
+    for (int j = 0; j < share; j++) amax[w / 32 + j] = m;
+  }
+}
 
 Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k, int64_t n, int64_t threads,
-                     const uint8_t *packed, int zero_points, int half_scales, const float *bias, float *y,
-                     size_t *tasks) {
+                     const uint8_t *packed, int zero_points, int half_scales, int share, const float *bias,
+                     float *y, size_t *tasks) {
   Q4Matmul *call = (Q4Matmul *)memory;
   QRow *rows = (QRow *)(call + 1);
   char *data = (char *)(rows + m);
+  float *amax = share > 1 ? (float *)(data + (size_t)m * row_bytes(k)) : NULL;
   for (int64_t r = 0; r < m; r++) {
     char *base = data + (size_t)r * row_bytes(k);
     rows[r].lane_scale = (float *)base;
@@ -106,7 +120,8 @@ Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k
     rows[r].block_scale = (float *)base + 2 * (k / 4);
     rows[r].block_sum = (int32_t *)base + 2 * (k / 4) + k / 32;
     rows[r].codes = (int8_t *)(base + sizeof(float) * (size_t)(2 * (k / 4) + 2 * (k / 32)));
-    ISAS[isa]->quantize_row(a + r * k, k, &rows[r]);
+    if (amax) wide_amax(a + r * k, k, share, amax);
+    ISAS[isa]->quantize_row(a + r * k, k, amax, &rows[r]);
   }
   /* decode: one run of columns per thread, each one stream of records (2.3 ms a SmolLM2 step's layers,
    * 2.5 in 8 runs, on AVX512-VNNI); prefill: panels of 16 columns, dealt out as the threads free up */
@@ -117,14 +132,15 @@ Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k
    * 1.1-1.2x) */
   int64_t chunk = m > ROWS ? (TILE_CHUNK_BYTES / (k / 2 + k / 8)) & ~(int64_t)3 : span;
   if (chunk < 4) chunk = 4;
-  Work work = {ISAS[isa], q4_layout(k, zero_points, half_scales), m, k, n, span, chunk, 0, rows, packed, bias, y};
+  Work work = {ISAS[isa], q4_layout(k, zero_points, half_scales, share), m, k, n, span, chunk, 0, rows, packed, bias,
+               y};
   call->work = work;
   *tasks = (size_t)((n + span - 1) / span);
   return call;
 }
 
-size_t q4_packed_bytes(int64_t k, int64_t n, int zero_points, int half_scales) {
-  return (size_t)((n + 3) / 4 * q4_layout(k, zero_points, half_scales).column_group_bytes);
+size_t q4_packed_bytes(int64_t k, int64_t n, int zero_points, int half_scales, int share) {
+  return (size_t)((n + 3) / 4 * q4_layout(k, zero_points, half_scales, share).column_group_bytes);
 }
 
 __attribute__((target("f16c"))) static uint16_t to_half(float x) {
@@ -141,30 +157,39 @@ int q4_half_scales(const float *scales, int64_t count) {
   return 1;
 }
 
-/* ONNX Runtime's layout into the records (matmul_nbits4_isa.h): a copy, plain C, once per layer a session */
+/* ONNX Runtime's layout into the records (matmul_nbits4_isa.h): a copy, plain C, once per layer a session. ONNX
+ * Runtime's blocks are `share` x 32 weights: their codes lie as those of blocks of 32 do (a column's K / 2 bytes in
+ * k order), their scales and zero points one a block (a column's zero points (K / (32 share) + 1) / 2 bytes) */
 void q4_pack(int64_t k, int64_t n, const uint8_t *b, const float *scales, const uint8_t *zero_points,
-             int half_scales, uint8_t *packed) {
-  const Q4Layout l = q4_layout(k, zero_points != NULL, half_scales);
+             int half_scales, int share, uint8_t *packed) {
+  const Q4Layout l = q4_layout(k, zero_points != NULL, half_scales, share);
+  const int64_t wide = l.blocks / share, zero_stride = (wide + 1) / 2; /* ONNX Runtime's blocks a column */
   for (int64_t cg = 0; cg < (n + 3) / 4; cg++) {
     for (int64_t g = 0; g < l.groups; g++) {
       const int64_t blocks = g < l.quads ? 4 : 2;
       uint8_t *at = (uint8_t *)record(&l, packed, cg, g);
-      uint8_t *s = at + record_scales(blocks);
+      uint8_t *s = at + record_scales(blocks), *z = at + record_zero_points(&l, blocks);
       for (int64_t i = 0; i < 4; i++) {
         const int64_t c = 4 * cg + i < n ? 4 * cg + i : n - 1; /* the padding repeats the last column */
         memcpy(at + 16 * blocks * i, b + (c * l.blocks + 4 * g) * 16, (size_t)(16 * blocks));
-        for (int64_t j = 0; j < blocks; j++) {
-          const float scale = scales[c * l.blocks + 4 * g + j];
+        for (int64_t j = 0; j < blocks; j += share) {
+          const float scale = scales[c * wide + (4 * g + j) / share];
           if (half_scales) {
             const uint16_t h = to_half(scale);
-            memcpy(s + 2 * (4 * j + i), &h, sizeof h);
+            memcpy(s + 2 * (4 * (j / share) + i), &h, sizeof h);
           } else {
-            memcpy(s + 4 * (4 * j + i), &scale, sizeof scale);
+            memcpy(s + 4 * (4 * (j / share) + i), &scale, sizeof scale);
           }
         }
-        if (zero_points)
-          memcpy(at + record_zero_points(blocks, half_scales) + i * (blocks / 2),
-                 zero_points + c * (l.blocks / 2) + 2 * g, (size_t)(blocks / 2));
+        if (!zero_points) continue;
+        for (int64_t j = 0; j < blocks; j += 2) { /* a byte: blocks j and j + 1 of 32, low nibble first */
+          uint8_t byte = 0;
+          for (int64_t h = 0; h < 2; h++) {
+            const int64_t w = (4 * g + j + h) / share; /* the ONNX Runtime block holding it */
+            byte |= (uint8_t)(((zero_points[c * zero_stride + w / 2] >> (4 * (w % 2))) & 15) << (4 * h));
+          }
+          z[i * (blocks / 2) + j / 2] = byte;
+        }
       }
     }
   }

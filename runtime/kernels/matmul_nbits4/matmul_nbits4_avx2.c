@@ -37,7 +37,7 @@ KERNEL_ISA INLINE int32_t hsum8(__m256i v) {
 
 /* lane_scale / lane_sum here: 8 floats per pair of blocks (2p, 2p + 1), lanes 0-3 block 2p's and
  * lanes 4-7 block 2p + 1's, as the decode tile's folded sums lay them out. */
-KERNEL_ISA static void quantize_row(const float *a, int64_t k, QRow *q) {
+KERNEL_ISA static void quantize_row(const float *a, int64_t k, const float *wide_amax, QRow *q) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t start = 0; start < k;) {
@@ -50,7 +50,7 @@ KERNEL_ISA static void quantize_row(const float *a, int64_t k, QRow *q) {
              x3 = _mm256_loadu_ps(x + 24);
       __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
                                _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
-      float scale = hmax8(m) / 127.f; /* and its inverse, as MLAS computes them (same codes) */
+      float scale = (wide_amax ? wide_amax[blk] : hmax8(m)) / 127.f; /* and its inverse, as MLAS computes them */
       __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
       __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, inv)),
               q2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, inv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, inv));
@@ -95,7 +95,7 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
       const int quad = g < l->quads;
       const int64_t blocks = quad ? 4 : 2;
       const uint8_t *at = record(l, packed, col / 4, g);
-      prefetch_ahead(at, record_bytes(blocks, l->zero_points, l->half_scales));
+      prefetch_ahead(at, record_bytes(l, blocks));
       /* zero points: the group's nibbles per column, lane i column i's (8 in every nibble without) */
       __m256i z8 = l->zero_points ? _mm256_broadcastsi128_si256(record_zero_point_lanes(l, at, quad))
                                   : _mm256_set1_epi32((int)0x88888888);
@@ -151,7 +151,7 @@ KERNEL_ISA void q4_unpack_panel(const Q4Layout *l, const uint8_t *packed, int64_
       const int64_t g = blk / 4, blocks = g < l->quads ? 4 : 2, j = blk - 4 * g, i = (n0 + c) % 4;
       const uint8_t *at = record(l, packed, (n0 + c) / 4, g);
       wscale[blk * COLS_PER_TASK + c] = c < cols ? scale_at(l, at + record_scales(blocks), 4 * j + i) : 0.f;
-      const int64_t zero_at = record_zero_points(blocks, l->half_scales) + i * (blocks / 2) + j / 2;
+      const int64_t zero_at = record_zero_points(l, blocks) + i * (blocks / 2) + j / 2;
       uint8_t z = c < cols && l->zero_points ? at[zero_at] : 0x88;
       wzero[blk * COLS_PER_TASK + c] = (float)(blk % 2 ? z >> 4 : z & 15);
     }

@@ -19,14 +19,15 @@
  * sums' lanes (lane group j: block j of a group of four; j % 2 of a pair, whose halves land in
  * groups j and j + 2) — each block's scale, and its code sum (halved for a pair: each half carries
  * half the zero-point correction, exactly). */
-KERNEL_ISA static void quantize_row(const float *a, int64_t k, QRow *q) {
+KERNEL_ISA static void quantize_row(const float *a, int64_t k, const float *wide_amax, QRow *q) {
   for (int64_t start = 0, group = 0; start < k; group++) {
     int blocks = k - start >= 128 ? 4 : 2;
     int8_t *out = q->codes + start;
     for (int j = 0; j < blocks; j++) {
       const float *x = a + start + 32 * j;
       __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      float amax = wide_amax ? wide_amax[start / 32 + j]
+                             : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
       float scale = amax / 127.f; /* and its inverse, as MLAS computes them (same codes) */
       __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
       __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
@@ -62,13 +63,15 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
   /* lane (j, c) <- column c's zero point nibble for the group's block j (a pair's lanes j and j+2 share block j%2) */
   const __m512i quad_shift = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
   const __m512i pair_shift = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
+  /* lane (j, c) <- scale (j / 2, c) of a record in blocks of 64 */
+  const __m512i twice = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7);
   for (int64_t col = n0; col < n1; col += 4) {
     __m512 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < l->groups; g++) {
       const int quad = g < l->quads;
       const uint8_t *at = record(l, packed, col / 4, g);
-      prefetch_ahead(at, record_bytes(quad ? 4 : 2, l->zero_points, l->half_scales));
+      prefetch_ahead(at, record_bytes(l, quad ? 4 : 2));
       __m512i lo[4], hi[4];
       __m512 wscale;
       if (quad) {
@@ -77,10 +80,19 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
           lo[i] = _mm512_and_si512(packed_at, low4);
           hi[i] = _mm512_and_si512(_mm512_srli_epi16(packed_at, 4), low4);
         }
-        /* lane (j, c): block j of column c */
+        /* lane (j, c): block j of column c (a wider block's scale repeated over its blocks of 32: scales8) */
         const uint8_t *scales = at + record_scales(4);
-        wscale = l->half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales))
-                                : _mm512_loadu_ps((const float *)scales);
+        if (l->share == 1) {
+          wscale = l->half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales))
+                                  : _mm512_loadu_ps((const float *)scales);
+        } else if (l->share == 2) { /* scales [2][4 columns]: each over two blocks' lanes */
+          __m256 eight = l->half_scales ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales))
+                                        : _mm256_loadu_ps((const float *)scales);
+          wscale = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(eight));
+        } else { /* share 4: scales [4 columns], over all four blocks' lanes */
+          wscale = _mm512_broadcast_f32x4(l->half_scales ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)scales))
+                                                         : _mm_loadu_ps((const float *)scales));
+        }
       } else { /* a final pair: 32 bytes a column, whose low then high nibbles make the 64 codes */
         for (int i = 0; i < 4; i++) {
           __m256i half = _mm256_loadu_si256((const __m256i *)(at + 32 * i));

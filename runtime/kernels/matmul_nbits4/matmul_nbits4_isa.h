@@ -14,7 +14,9 @@
  * packed weights through decode tiles) */
 enum { ROWS = 4, COLS_PER_TASK = 16 };
 
-/* One row of A quantized to int8 per block of 32 (scale amax/127, as MLAS does at accuracy_level 4).
+/* One row of A quantized to int8 per block of 32 (scale amax/127, as MLAS does at accuracy_level 4; with weights
+ * in wider blocks, amax over the weights' block, as MLAS quantizes A per weight block: each block of 32 then
+ * shares its wide block's scale).
  * The codes follow the weights' grouping: groups of four blocks (128 values, the 64 packed bytes of
  * a column) and, when K is an odd number of 64s, one final pair; per group the codes of the even k
  * of each block, then those of the odd k (the order the low and high nibbles unpack to). Every
@@ -50,38 +52,45 @@ static inline void block_codes(int64_t blk, int64_t blocks, int64_t *even, int64
 
 /* The kernel's own layout of a layer's weights, scales and zero points (q4_pack writes it from ONNX
  * Runtime's when a session opens): the columns in groups of four (the last group padded with copies of
- * its last column), K in groups of four blocks (a quad; a final pair when K is an odd number of 64s),
+ * its last column), K in groups of four blocks of 32 (a quad; a final pair when K is an odd number of 64s),
  * and one record per column group and block group, so a decode tile reads one stream where ONNX
  * Runtime's layout makes it three:
  *   weights      [4 columns][16 x blocks bytes]  each column's packed bytes as ONNX Runtime packs them
- *   scales       [blocks][4 columns]            block j of column i at 4 j + i: the tiles' lane order;
+ *   scales       [blocks / share][4 columns]    scale j of column i at 4 j + i: the tiles' lane order; `share`
+ *                                               blocks of 32 to a scale (a node's block_size / 32: 1, 2 or 4);
  *                                               fp16 when every scale of the layer is an fp16 value
  *                                               (q4_half_scales: llmc's quantizer rounds them so), else fp32
- *   zero points  [4 columns][blocks / 2] bytes  only when the layer has them
- * A quad's record is 296 bytes with fp16 scales and zero points (328 with fp32 scales; 8 fewer without
- * zero points), a pair's half that. Scales take a fifth of fp32 records' bytes, and a decode step is a
- * stream over them: fp16 scales make it 10% shorter with the same products (`python -m llmc.bench
- * q4-stream` times both). */
+ *   zero points  [4 columns][blocks / 2] bytes  one nibble a block of 32 (a wider block's repeated), only when
+ *                                               the layer has them
+ * A quad's record is 296 bytes with fp16 scales and zero points in blocks of 32 (328 with fp32 scales; 8 fewer
+ * without zero points; 280 in blocks of 64, 272 in blocks of 128), a pair's half that. Scales take a fifth of
+ * fp32 records' bytes, and a decode step is a stream over them: fp16 scales make it 10% shorter with the same
+ * products (`python -m llmc.bench q4-stream` times both). Within a tile, scales are always per block of 32
+ * (a wider block's repeated as they are read: scales8), as the activations' blocks are. */
 typedef struct {
   int64_t blocks, quads, groups; /* groups: quads, and the final pair if any */
-  int zero_points, half_scales;
+  int zero_points, half_scales, share;
   int64_t quad_bytes, column_group_bytes; /* a quad's record; a column group's records, all of K */
 } Q4Layout;
 
-/* bytes of a record of `blocks` (4 or 2) blocks; where its scales and zero points start */
-static inline int64_t record_scale_bytes(int64_t blocks, int half_scales) { return (half_scales ? 8 : 16) * blocks; }
-static inline int64_t record_scales(int64_t blocks) { return 64 * blocks; }
-static inline int64_t record_zero_points(int64_t blocks, int half_scales) {
-  return 64 * blocks + record_scale_bytes(blocks, half_scales);
+/* bytes of the scales of a record of `blocks` (4 or 2) blocks; where its scales and zero points start; its bytes */
+static inline int64_t record_scale_bytes(const Q4Layout *l, int64_t blocks) {
+  return (l->half_scales ? 8 : 16) * (blocks / l->share);
 }
-static inline int64_t record_bytes(int64_t blocks, int zero_points, int half_scales) {
-  return record_zero_points(blocks, half_scales) + (zero_points ? 2 * blocks : 0);
+static inline int64_t record_scales(int64_t blocks) { return 64 * blocks; }
+static inline int64_t record_zero_points(const Q4Layout *l, int64_t blocks) {
+  return 64 * blocks + record_scale_bytes(l, blocks);
+}
+static inline int64_t record_bytes(const Q4Layout *l, int64_t blocks) {
+  return record_zero_points(l, blocks) + (l->zero_points ? 2 * blocks : 0);
 }
 
-static inline Q4Layout q4_layout(int64_t k, int zero_points, int half_scales) {
-  Q4Layout l = {k / 32, k / 128, (k / 32 + 3) / 4, zero_points, half_scales,
-                record_bytes(4, zero_points, half_scales), 0};
-  l.column_group_bytes = l.quads * l.quad_bytes + (l.groups > l.quads ? record_bytes(2, zero_points, half_scales) : 0);
+/* `share`: blocks of 32 to a scale (1, 2 or 4); K a multiple of 32 x max(2, share), so a pair has one scale a
+ * column at most */
+static inline Q4Layout q4_layout(int64_t k, int zero_points, int half_scales, int share) {
+  Q4Layout l = {k / 32, k / 128, (k / 32 + 3) / 4, zero_points, half_scales, share, 0, 0};
+  l.quad_bytes = record_bytes(&l, 4);
+  l.column_group_bytes = l.quads * l.quad_bytes + (l.groups > l.quads ? record_bytes(&l, 2) : 0);
   return l;
 }
 
@@ -90,15 +99,25 @@ static inline const uint8_t *record(const Q4Layout *l, const uint8_t *packed, in
   return packed + cg * l->column_group_bytes + g * l->quad_bytes;
 }
 
-/* Scales `first` .. `first + 7` of a record whose scales start at `scales`, as floats, in either width */
+/* Lanes `first` .. `first + 7` (lane 4 j + i: block j of column i; `first` a multiple of 8) of a record whose
+ * scales start at `scales`, as floats, in either width: with blocks of 32 (share 1) lanes and scales are one to
+ * one; a wider block's scale fills the lanes of each of its blocks of 32 (share 2: scales 4 (first / 8) + i
+ * twice; share 4: scales i, twice) */
 __attribute__((target("avx2,f16c"))) static inline __m256 scales8(const Q4Layout *l, const uint8_t *scales,
                                                                  int64_t first) {
-  if (l->half_scales) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 2 * first)));
-  return _mm256_loadu_ps((const float *)scales + first);
+  if (l->share == 1) {
+    if (l->half_scales) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 2 * first)));
+    return _mm256_loadu_ps((const float *)scales + first);
+  }
+  const int64_t at = 4 * (first / 4 / l->share);
+  const __m128 four = l->half_scales ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(scales + 2 * at)))
+                                     : _mm_loadu_ps((const float *)scales + at);
+  return _mm256_set_m128(four, four);
 }
 
-/* One of them, scale `index` */
+/* One of them, lane `index` (block index / 4 of column index % 4) */
 __attribute__((target("f16c"))) static inline float scale_at(const Q4Layout *l, const uint8_t *scales, int64_t index) {
+  index = 4 * (index / 4 / l->share) + index % 4;
   if (!l->half_scales) return ((const float *)scales)[index];
   uint16_t h;
   memcpy(&h, scales + 2 * index, sizeof h);
@@ -109,9 +128,9 @@ __attribute__((target("f16c"))) static inline float scale_at(const Q4Layout *l, 
  * record (`quad`), its one byte in a pair's */
 __attribute__((target("avx2"))) static inline __m128i record_zero_point_lanes(const Q4Layout *l, const uint8_t *at,
                                                                              int quad) {
-  if (quad) return _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(at + record_zero_points(4, l->half_scales))));
+  if (quad) return _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(at + record_zero_points(l, 4))));
   int32_t z;
-  memcpy(&z, at + record_zero_points(2, l->half_scales), sizeof z);
+  memcpy(&z, at + record_zero_points(l, 2), sizeof z);
   return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(z));
 }
 
@@ -156,7 +175,9 @@ typedef struct {
   const char *name;
   int64_t prefill_rows; /* from how many rows the prefill panel pays for its unpacking */
   int (*supported)(void);
-  void (*quantize_row)(const float *a, int64_t k, QRow *q);
+  /* `amax`: NULL, each block of 32 scaled by its own largest |a|; else amax[block] is the one to scale by (the
+   * largest over the weights' wider block, as ONNX Runtime quantizes A per weight block: q4_prepare) */
+  void (*quantize_row)(const float *a, int64_t k, const float *amax, QRow *q);
   TileFn tile[ROWS]; /* tile[r - 1] computes r rows */
   PanelFn panel_rows, panel_row; /* ROWS rows, one row */
 } Q4Isa;

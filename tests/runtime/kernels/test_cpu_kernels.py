@@ -22,20 +22,20 @@ needs_kernel = pytest.mark.skipif(KERNELS is None, reason="llmc's CPU kernel nee
 ISAS = KERNELS.isas if KERNELS else ("avx2",)  # every kernel this CPU runs (AVX512 hosts run both)
 
 
-def _model(k: int, n: int, *, zero_points: bool = True, rank: int = 2, half_scales: bool = False,
+def _model(k: int, n: int, *, zero_points: bool = True, rank: int = 2, half_scales: bool = False, block: int = 32,
            **attrs) -> onnx.ModelProto:
-    """One MatMulNBits over random 4-bit codes, blocks of 32 (scales and zero points random too; `half_scales`:
-    scales that are fp16 values, as llmc's quantizer writes them, which the kernel packs as fp16)."""
+    """One MatMulNBits over random 4-bit codes, blocks of `block` (scales and zero points random too;
+    `half_scales`: scales that are fp16 values, as llmc's quantizer writes them, which the kernel packs as fp16)."""
     rng = np.random.default_rng(k * 1000 + n)
-    blocks = (k + 31) // 32
+    blocks = (k + block - 1) // block
     scales = (rng.random(n * blocks, dtype=np.float32) + 0.1) * 0.02
     if half_scales:
         scales = scales.astype(np.float16).astype(np.float32)
-    inits = [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8), "B"),
+    inits = [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block // 2), dtype=np.uint8), "B"),
              numpy_helper.from_array(scales, "scales")]
     if zero_points:
         inits.append(numpy_helper.from_array(rng.integers(0, 256, n * ((blocks + 1) // 2), dtype=np.uint8), "zp"))
-    attributes = {"K": k, "N": n, "bits": 4, "block_size": 32, "accuracy_level": 4, **attrs}
+    attributes = {"K": k, "N": n, "bits": 4, "block_size": block, "accuracy_level": 4, **attrs}
     node = helper.make_node("MatMulNBits", ["A", "B", "scales", *(["zp"] if zero_points else [])], ["Y"],
                             domain="com.microsoft", **attributes)
     lead = ["rows"] if rank == 2 else ["batch", "rows"]
@@ -58,13 +58,17 @@ def _session(model: onnx.ModelProto, library=None) -> ort.InferenceSession:
                                                (192, 7, True), (4096, 210, True)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 21, 29])
 @pytest.mark.parametrize("half_scales", [False, True], ids=["fp32-scales", "fp16-scales"])
-def test_llmc_kernel_computes_what_matmulnbits_computes(isa, k, n, zero_points, rows, half_scales):
+@pytest.mark.parametrize("block", [32, 64, 128])
+def test_llmc_kernel_computes_what_matmulnbits_computes(isa, k, n, zero_points, rows, half_scales, block):
     """Every path of the kernel (one to four rows a tile, more rows in turns over chunks of columns (K 4096: a
     thread's 105 columns in chunks of 48, 48 and 9), the prefill panel from 20 rows, a tail of rows; K with and
     without a final pair of blocks; N not a multiple of 4, 8 or 16; no zero points; the scales packed as fp32 or,
-    when they are fp16 values, as fp16) against ONNX Runtime's kernel, which quantizes the activations the same
-    way: equal to float rounding."""
-    model = _model(k, n, zero_points=zero_points, half_scales=half_scales)
+    when they are fp16 values, as fp16; a scale and zero point a block of 32, 64 or 128 weights, K 192 making
+    64's blocks odd in number) against ONNX Runtime's kernel, which quantizes the activations the same way: equal
+    to float rounding."""
+    if k % block:
+        pytest.skip(f"K {k} is not a number of blocks of {block} (MatMulNBits pads it; the kernel leaves such nodes)")
+    model = _model(k, n, zero_points=zero_points, half_scales=half_scales, block=block)
     reference = _session(model)
     swapped = onnx.ModelProto.FromString(model.SerializeToString())
     assert graph_edits.accelerate(swapped, 2, isa) == 1 and swapped.graph.node[0].op_type == graph_edits.OP
@@ -83,7 +87,7 @@ def test_scales_that_are_fp16_values_pack_in_fewer_bytes():
     those records are a tenth shorter: the bytes a decode step streams."""
     library = ctypes.CDLL(str(cpu_kernels.library()))
     library.q4_half_scales.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    library.q4_packed_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    library.q4_packed_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     library.q4_packed_bytes.restype = ctypes.c_size_t
     fits = (np.random.default_rng(0).random(1000, dtype=np.float32) * 0.02).astype(np.float16).astype(np.float32)
 
@@ -95,9 +99,11 @@ def test_scales_that_are_fp16_values_pack_in_fewer_bytes():
         changed = fits.copy()
         changed[500] = odd
         assert not half(changed), odd
-    for zero_points, per_quad in ((1, (328, 296)), (0, (320, 288))):
-        # K 4096, N 64: 32 quads per column group, 16 column groups
-        assert [library.q4_packed_bytes(4096, 64, zero_points, h) for h in (0, 1)] == [16 * 32 * b for b in per_quad]
+    for zero_points, share, per_quad in ((1, 1, (328, 296)), (0, 1, (320, 288)), (1, 2, (296, 280)),
+                                         (1, 4, (280, 272))):
+        # K 4096, N 64: 32 quads per column group, 16 column groups; wider blocks: fewer scales a quad
+        assert [library.q4_packed_bytes(4096, 64, zero_points, h, share) for h in (0, 1)] == [16 * 32 * b
+                                                                                               for b in per_quad]
 
 
 @needs_kernel
@@ -131,7 +137,8 @@ def test_llmc_kernel_takes_leading_dimensions(isa):
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("change", [{"bits": 8}, {"block_size": 64}, {"accuracy_level": 0}, {"K": 96}])
+@pytest.mark.parametrize("change", [{"bits": 8}, {"block_size": 16}, {"block_size": 256}, {"accuracy_level": 0},
+                                    {"K": 96}, {"block_size": 128, "K": 192}])
 def test_only_nodes_the_kernel_computes_as_onnxruntime_does_are_swapped(change):
     k = change.get("K", 128)
     attrs = {key: value for key, value in change.items() if key != "K"}
