@@ -42,8 +42,7 @@ size_t q4_memory(int64_t m, int64_t k);
  * how many independent pieces it splits into (for `threads` threads): run q4_run(call, 0 .. *tasks
  * - 1) in any order, in parallel, then free `memory`. `packed`: q4_pack's (`zero_points`: whether it was
  * given some; `half_scales`: whether it was told to store them as fp16; `share` as it was given); `bias` ([n],
- * or NULL) is added to
- * every row of y. */
+ * or NULL) is added to every row of y. */
 Q4Matmul *q4_prepare(void *memory, int isa, const float *a, int64_t m, int64_t k, int64_t n, int64_t threads,
                      const uint8_t *packed, int zero_points, int half_scales, int share, const float *bias,
                      float *y, size_t *tasks);

@@ -80,7 +80,7 @@ KERNEL_ISA INLINE void tile(int R, const Q4Layout *l, const QRow *rows, const ui
           lo[i] = _mm512_and_si512(packed_at, low4);
           hi[i] = _mm512_and_si512(_mm512_srli_epi16(packed_at, 4), low4);
         }
-        /* lane (j, c): block j of column c (a wider block's scale repeated over its blocks of 32: scales8) */
+        /* lane (j, c): block j of column c (a wider block's scale repeated over the lanes of its blocks of 32) */
         const uint8_t *scales = at + record_scales(4);
         if (l->share == 1) {
           wscale = l->half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales))
