@@ -2,8 +2,10 @@
 over tritonclient's asyncio client), health-checked in the background, picked by fewest requests
 in flight.
 
-- A server that fails its health check (not ready, unreachable) is skipped until a later check
-  finds it ready again; one whose stream breaks is marked down at once.
+- A server that answers not ready, or fails UNHEALTHY_AFTER health checks in a row (unreachable, or slower than
+  HEALTH_TIMEOUT), is skipped until a later check finds it ready again; one whose stream breaks is marked down at
+  once. A single slow check does not: on a busy host one answer past the timeout made every request 503 until
+  the next check, with the server up.
 - A request goes to the server with the fewest in flight among those serving its model (ties:
   the one picked least often). A stream stays on its server; nothing is retried silently: a
   server that fails mid-request answers 503.
@@ -36,6 +38,7 @@ from llmc.openai.protocol import OpenAIError
 
 HEALTH_INTERVAL = 2.0  # seconds between health checks
 HEALTH_TIMEOUT = 2.0
+UNHEALTHY_AFTER = 2  # failed checks in a row that mark a server down (the first of them keeps what it knew)
 
 
 @dataclass(frozen=True)
@@ -120,12 +123,15 @@ class Backend:
         self.url = url
         self.client = None  # tritonclient's asyncio client, opened in the serving event loop (aio binds to it)
         self.healthy = False
+        self.failed_checks = 0  # in a row
         self.in_flight = 0
         self.picked = 0
         self.models: dict[str, ModelInfo] = {}
 
     async def check(self) -> None:
-        """Refresh health and the model list; any failure marks the server down."""
+        """Refresh health and the model list. A server that answers not ready is down; one whose check fails
+        (unreachable, past HEALTH_TIMEOUT) keeps its state and models until UNHEALTHY_AFTER checks in a row have
+        failed."""
         grpc = self.client
         try:
             ready = await grpc.is_server_ready(client_timeout=HEALTH_TIMEOUT)
@@ -146,8 +152,11 @@ class Backend:
                 if info.lora and LORA_CONTROL in (info.inputs or ()):
                     models[name] = replace(info, adapters=await self._loaded(name, info.adapters))
         except Exception:
-            self.healthy = False
+            self.failed_checks += 1
+            if self.failed_checks >= UNHEALTHY_AFTER:
+                self.healthy = False
             return
+        self.failed_checks = 0
         self.models, self.healthy = models, bool(ready)
 
 

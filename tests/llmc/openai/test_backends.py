@@ -23,3 +23,44 @@ def test_outputs_read_in_one_pass_equal_tritonclients_as_numpy():
         expected, got = result.as_numpy(name), _Outputs(result).as_numpy(name)
         assert got.dtype == expected.dtype and got.shape == expected.shape and (got == expected).all(), name
     assert _Outputs(result).as_numpy("finish_reason") is None
+
+
+def test_a_server_is_marked_down_by_failed_checks_in_a_row_or_a_not_ready_answer():
+    """One check past its timeout on a busy host keeps the server and its models (every request 503 until the next
+    check was the cost, with the server up); UNHEALTHY_AFTER failures in a row, or a not-ready answer, mark it down;
+    a good check counts from zero again."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from llmc.openai.backends import UNHEALTHY_AFTER, Backend
+
+    class Client:
+        def __init__(self):
+            self.answers = []  # per check: True / False (ready or not), or an exception to raise
+
+        async def is_server_ready(self, client_timeout):
+            answer = self.answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        async def get_model_repository_index(self, client_timeout):
+            return SimpleNamespace(models=[])
+
+    backend, client = Backend("127.0.0.1:1"), Client()
+    backend.client = client
+
+    def after(*answers) -> list[bool]:
+        client.answers = list(answers)
+        states = []
+        for _ in answers:
+            asyncio.run(backend.check())
+            states.append(backend.healthy)
+        return states
+
+    slow = TimeoutError("Deadline Exceeded")
+    assert after(slow, True) == [False, True]  # never up: stays down until a check succeeds
+    assert UNHEALTHY_AFTER == 2
+    assert after(slow, True, slow, True) == [True, True, True, True]  # one slow check at a time: still up
+    assert after(slow, slow, True) == [True, False, True]
+    assert after(False) == [False]  # not ready: down at once
