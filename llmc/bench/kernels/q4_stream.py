@@ -32,8 +32,6 @@ from llmc.bench.harness import UsageError, in_turn, median
 from llmc.runtime.kernels import cpu_kernels
 
 KERNEL = cpu_kernels.HERE / "matmul_nbits4"
-def tile_name(block: int, half: bool) -> str:
-    return f"tile, blocks of {block}, {'fp16' if half else 'fp32'} scales"
 HARNESS = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -101,11 +99,8 @@ __attribute__((target("avx2"))) double llmc_read_stream(int64_t bytes, int64_t r
 """
 
 
-def layer_bytes(k: int, n: int, half_scales: bool = False, block: int = 32) -> int:
-    """q4_packed_bytes: a layer's records, with zero points (a nibble a block of 32) and a scale a `block` of weights
-    (the last column group padded to four columns)."""
-    blocks = k // 32
-    return (n + 3) // 4 * 4 * (blocks * 16 + k // block * (2 if half_scales else 4) + blocks // 2)
+def tile_name(block: int, half: bool) -> str:
+    return f"tile, blocks of {block}, {'fp16' if half else 'fp32'} scales"
 
 
 def harness(out_dir: Path) -> Path:
@@ -116,16 +111,25 @@ def harness(out_dir: Path) -> Path:
     return cpu_kernels.compile_library(sources, out_dir / "libq4_stream.so", cpu_kernels.FLAGS, [KERNEL], ["-lm"])
 
 
-def runs(path: Path, isa: str, args) -> dict:
-    """The runs (TILES, then the read), each a callable returning (seconds, bytes) from the harness at `path`.
-    ctypes lets go of the GIL for a call, so copies on threads of this process run at once, one a core."""
+def runs(path: Path, isa: str, args) -> tuple[dict, int]:
+    """The runs (the tiles of each block size, fp32 then fp16 scales, then the read), each a callable returning
+    (seconds, bytes) from the harness at `path`, and the bytes of the first block size's fp32 layers (the read's, to
+    64 bytes). A layer's bytes are the kernel's own q4_packed_bytes. ctypes lets go of the GIL for a call, so copies
+    on threads of this process run at once, one a core."""
     lib = ctypes.CDLL(str(path))
     lib.q4_isa_name.restype = ctypes.c_char_p
     index = next(i for i in itertools.count() if lib.q4_isa_name(i) in (isa.encode(), None))  # Q4_ISA_* of `isa`
     lib.llmc_q4_stream.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] * 3
     lib.llmc_read_stream.argtypes = [ctypes.c_int64] * 2
     lib.llmc_q4_stream.restype = lib.llmc_read_stream.restype = ctypes.c_double
-    read_bytes = args.layers * layer_bytes(args.k, args.n, block=args.blocks[0]) // 64 * 64
+    lib.q4_packed_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_int] * 3
+    lib.q4_packed_bytes.restype = ctypes.c_size_t
+
+    def layers_bytes(block: int, half: bool) -> int:  # with zero points, as the harness makes them
+        return args.layers * lib.q4_packed_bytes(args.k, args.n, 1, half, block // 32)
+
+    nbytes = layers_bytes(args.blocks[0], False)
+    read_bytes = nbytes // 64 * 64
 
     def checked(what: str, seconds: float, nbytes: int) -> tuple[float, int]:
         if seconds < 0:
@@ -135,10 +139,10 @@ def runs(path: Path, isa: str, args) -> dict:
     def tile(block: int, half: bool):
         return lambda: checked(tile_name(block, half), lib.llmc_q4_stream(args.k, args.n, args.layers, args.reps,
                                                                          index, half, block // 32),
-                               args.layers * layer_bytes(args.k, args.n, half, block))
+                               layers_bytes(block, half))
 
     return {**{tile_name(b, h): tile(b, h) for b in args.blocks for h in (False, True)},
-            "read": lambda: checked("read", lib.llmc_read_stream(read_bytes, args.reps), read_bytes)}
+            "read": lambda: checked("read", lib.llmc_read_stream(read_bytes, args.reps), read_bytes)}, nbytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,9 +169,8 @@ def run(args: argparse.Namespace) -> None:
     isa = args.isa or kernels.isa
     if isa not in kernels.isas:
         raise UsageError(f"--isa {isa}: this CPU runs llmc's 4-bit kernel on {', '.join(kernels.isas)}")
-    nbytes = args.layers * layer_bytes(args.k, args.n, block=args.blocks[0])
     with tempfile.TemporaryDirectory() as tmp:
-        run = runs(harness(Path(tmp)), isa, args)
+        run, nbytes = runs(harness(Path(tmp)), isa, args)
         rates: dict[str, list[float]] = {what: [] for what in run}
         seconds: dict[str, list[float]] = {what: [] for what in run}
         with ThreadPoolExecutor(args.copies) as pool:
