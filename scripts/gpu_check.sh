@@ -9,6 +9,7 @@
 # without network (the device machines), llmc travels as a wheel:
 #
 #     here:   .venv/bin/pip wheel --no-deps -w .whl .          # .whl/ ignored (.git/info/exclude), carried
+#             .venv/bin/pip download --no-deps -d .whl allpairspy       # the tests' pairwise sweeps
 #     there:  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #               && PYTHONPATH=/tmp/site bash scripts/gpu_check.sh
 #
@@ -17,6 +18,10 @@
 # call's 600; a part cut short exits 124 (its timeout's status).
 set -uo pipefail
 
+# Python puts the working folder first on sys.path, where the checkout's llmc/ (without compiler/, runtime/ and
+# plugins/, which pyproject maps into the package) would hide the installed wheel: no llmc.plugins. Safe-path mode
+# (Python 3.11+) leaves it out, for the tests' child processes too.
+export PYTHONSAFEPATH=1
 out=${OUT:-build/gpu-check}
 python=${PYTHON:-python3}
 mkdir -p "$out"
@@ -25,12 +30,20 @@ if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     echo "gpu_check: needs an NVIDIA GPU that PyTorch sees (torch.cuda.is_available() is false here)" >&2
     exit 2
 fi
-"$python" -c 'import torch; print("gpu_check:", torch.cuda.get_device_name(), "torch", torch.__version__)'
+"$python" -c 'import torch, triton; print("gpu_check:", torch.cuda.get_device_name(), "torch", torch.__version__,
+      "CUDA", torch.version.cuda, "triton", triton.__version__)'
+nvidia-smi --query-gpu=driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv 2>&1 \
+    | tee "$out/nvidia_smi.csv"
+
+# the tests run their kernels in child processes, each compiling its own: several at once where pytest-xdist is
+# there (the device machines have it), one after another where it is not
+workers=()
+"$python" -c 'import xdist' 2>/dev/null && workers=(-n "${GPU_CHECK_WORKERS:-4}")
 
 # each part within its own time (SIGINT at the end: pytest writes its report of the tests that ran, the bench keeps
 # the JSON of the shapes it finished), so one part running long cannot take the other's
 PYTHONUNBUFFERED=1 timeout -s INT -k 20 "${GPU_CHECK_TESTS_S:-240}" "$python" -m pytest -m cuda tests/gpu -q \
-    -p no:cacheprovider --junitxml "$out/cuda_tests.xml" 2>&1 | tee "$out/cuda_tests.log"
+    "${workers[@]}" -p no:cacheprovider --junitxml "$out/cuda_tests.xml" 2>&1 | tee "$out/cuda_tests.log"
 tests=$?
 
 PYTHONUNBUFFERED=1 timeout -s INT -k 20 "${GPU_CHECK_BENCH_S:-300}" "$python" -m llmc.bench gpu-kernels --kind all \

@@ -21,12 +21,12 @@ Decode (the default kind): one decode step (one new token per row, every row at 
     their speed against the same kernel's over the fp16/bf16 cache (`vs_16bit`; their TB/s count fp8 bytes),
   - torch SDPA over the same cache (`enable_gqa`; the new token already written, so SDPA does
     less work than the kernels, which also write the cache).
-Each is timed with CUDA events (median of `--passes` x 50 steps after warm-up); the achieved memory
-bandwidth counts the KV bytes a step must read (2 x batch x kv_heads x context x head_dim x size), and its share
-of the GPU's data-sheet peak is printed beside the ratio to SDPA (`--out FILE`: the same as JSON, written after
-every shape, `"complete": false` until the last, so a run stopped by a time limit keeps what it measured). A kernel
-that fails (out of shared memory, a compile error) is a row with its error, and a shape that fails, one entry: the
-others still run, and the run exits non-zero naming them.
+Each is timed with CUDA events (median of `--passes` passes of 50 steps, or of as many as fill 20 ms, after
+warm-up); the achieved memory bandwidth counts the KV bytes a step must read (2 x batch x kv_heads x context x
+head_dim x size), and its share of the GPU's data-sheet peak is printed beside the ratio to SDPA (`--out FILE`: the
+same as JSON, written after every shape, `"complete": false` until the last, so a run stopped by a time limit keeps
+what it measured). A kernel that fails (out of shared memory, a compile error) is a row with its error, and a shape
+that fails, one entry: the others still run, and the run exits non-zero naming them.
 Needs an NVIDIA GPU (the `device` machines have one); refused with a usage message otherwise.
 """
 
@@ -39,8 +39,19 @@ from llmc.bench.harness import UsageError, median, write_json
 from llmc.bench.kernels.gpu_prefill import PREFILL_SWEEP, check_kernels, measure_prefill, peak_tflops
 
 
-def _time(fn, torch, passes: int, steps: int = 50) -> float:
-    for _ in range(5):
+def _time(fn, torch, passes: int, steps: int = 50, pass_ms: float = 20.0) -> float:
+    """Median ms of one call over `passes` passes, each timed with CUDA events around a run of calls: `steps` of
+    them, or as many as fill about `pass_ms` when one call is longer (a 32k-token prefill takes tens of ms, and a
+    decode kernel run as a prefill tactic far more; fixed 50-call passes of those would take minutes of the GPU
+    lease for no better median)."""
+    fn()  # compile (and autotune) outside the timings
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    steps = max(1, min(steps, int(pass_ms / max(start.elapsed_time(end), 1e-3))))
+    for _ in range(min(steps, 5)):
         fn()
     times = []
     for _ in range(passes):
