@@ -10,6 +10,9 @@
 #
 #     here:   .venv/bin/pip wheel --no-deps -w .whl .          # .whl/ ignored (.git/info/exclude), carried
 #             .venv/bin/pip download --no-deps -d .whl allpairspy       # the tests' pairwise sweeps
+#             python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#               --platform manylinux_2_17_x86_64 -d .whl pydantic pydantic-core annotated-types typing-inspection
+#             (llmc's own requirements that machine lacks: tests/conftest.py imports the spec's models)
 #     there:  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #               && PYTHONPATH=/tmp/site bash scripts/gpu_check.sh
 #

@@ -11,9 +11,16 @@ the carry of a rounding that overflows the mantissa. So the kernels see an fp8 c
 launches pass `cache.view(torch.uint8)`, the ahead-of-time compiles a `*u8` pointer), and convert with the
 integer operations below: the same bits on sm_80, sm_90 and the interpreter, equal to PyTorch's cast
 (tests/gpu/test_fp8_kv.py checks every code and the rounding ties).
+
+On a GPU that has it (capability 8.9 on: Ada, Hopper and later), a PyTorch launch reads the cache with the GPU's
+own conversion instead (FP8_KV = NATIVE: the bytes bitcast to `fp8e4nv`, converted two at a time by one
+instruction). Measured on an H200: by hand, a decode step over the fp8 cache took 1.3-2x the fp16 step (the
+integer operations bound it, not the bytes). Writing stays by hand on every GPU: it happens once a new token.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -21,6 +28,9 @@ import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# FP8_KV, the kernels' compile-time switch: 0 (False) a 16-bit or fp32 cache; 1 (True) an fp8 cache converted by
+# hand (every GPU, the interpreter, the plugins' ahead-of-time compiles); NATIVE, read with the GPU's conversion
+NATIVE = 2
 
 
 @triton.jit
@@ -66,8 +76,11 @@ def in_type(x, ptr, UPCAST: tl.constexpr):
 
 @triton.jit
 def load_kv(ptr, offsets, mask, scale, FP8_KV: tl.constexpr):
-    """Cache entries at `offsets` as fp32: with FP8_KV, e4m3 bytes times the head's `scale`."""
-    if FP8_KV:
+    """Cache entries at `offsets` as fp32: with FP8_KV, e4m3 bytes times the head's `scale` (FP8_KV == NATIVE:
+    converted by the GPU, exactly as by hand)."""
+    if FP8_KV == 2:  # NATIVE (a literal: a jit function reads only constexpr globals)
+        x = tl.load(ptr + offsets, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    elif FP8_KV:
         x = fp8_decode(tl.load(ptr + offsets, mask=mask, other=0)) * scale
     else:
         x = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -110,13 +123,21 @@ def kv_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype == FP8 else cache
 
 
+def fp8_mode(device: torch.device) -> int:
+    """FP8_KV for an fp8 cache on `device`: NATIVE on a GPU of capability 8.9 or later (not under the
+    interpreter), else 1 (by hand)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return 1
+    return NATIVE if torch.cuda.get_device_capability(device) >= (8, 9) else 1
+
+
 def kv_scales(cache: torch.Tensor, k_scale, v_scale, kv_heads: int, placeholder):
-    """(FP8_KV, k_scale, v_scale) for a launch: fp32 [KVH] scales for an fp8 cache (required), placeholders the
-    kernel never reads otherwise."""
+    """(FP8_KV, k_scale, v_scale) for a launch: for an fp8 cache its mode (fp8_mode) and fp32 [KVH] scales
+    (required); 0 and placeholders the kernel never reads otherwise."""
     if cache.dtype != FP8:
         assert k_scale is None and v_scale is None, "k_scale / v_scale are for an fp8 (float8_e4m3fn) cache"
-        return False, placeholder, placeholder
+        return 0, placeholder, placeholder
     assert k_scale is not None and v_scale is not None, "an fp8 KV cache needs k_scale and v_scale ([kv_heads])"
     scales = [s.to(device=cache.device, dtype=torch.float32).reshape(-1).contiguous() for s in (k_scale, v_scale)]
     assert all(s.numel() == kv_heads for s in scales), f"k_scale / v_scale are one per KV head ({kv_heads})"
-    return True, *scales
+    return fp8_mode(cache.device), *scales

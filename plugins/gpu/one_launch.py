@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmc.plugins.gpu.configs import attention_config, decode_splits
+from llmc.plugins.gpu.configs import KernelConfig, attention_config, decode_splits
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, in_type, kv_scales, kv_view, load_kv, store_kv
 from llmc.plugins.gpu.kernels import capped, rows, softmax_block, with_sink
 from llmc.plugins.gpu.split_kv import (merge_splits, num_sms, plugin_splits, split_keys, split_workspace,
@@ -113,13 +113,16 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
         mask_new = fresh[:, None] & d_ok[None, :]
         new_off = ((b * S + new_s) * KVH + kv)[:, None] * D
         k = load_kv(kc_ptr, cache + n[:, None] * D + d[None, :], mask_old, k_scale, FP8_KV)
-        k_new = rows(k_ptr, new_off, d, mask_new, n, cos_ptr, sin_ptr, HALF, ROTARY, False)
-        if FP8_KV:  # the op rotates keys in the inputs' type, then stores them (reference_attention)
-            k_new = in_type(k_new, k_ptr, UPCAST)
-        k = tl.where(mask_new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)  # as the cache will hold it
         v = load_kv(vc_ptr, cache + n[:, None] * D + d[None, :], mask_old, v_scale, FP8_KV)
-        v_new = tl.load(v_ptr + new_off + d[None, :], mask=mask_new, other=0.0).to(tl.float32)
-        v = tl.where(mask_new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
+        if start_n + BLOCK_N > pos:  # a block reaching the new keys (a decode row's last): only there their loads,
+            # rotation and rounding as the cache will hold them (for an fp8 cache, an IEEE division and an encode
+            # per element: done on every block, they bound an fp8 decode step at 3% of an H200's bandwidth)
+            k_new = rows(k_ptr, new_off, d, mask_new, n, cos_ptr, sin_ptr, HALF, ROTARY, False)
+            if FP8_KV:  # the op rotates keys in the inputs' type, then stores them (reference_attention)
+                k_new = in_type(k_new, k_ptr, UPCAST)
+            k = tl.where(mask_new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)
+            v_new = tl.load(v_ptr + new_off + d[None, :], mask=mask_new, other=0.0).to(tl.float32)
+            v = tl.where(mask_new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
         if not UPCAST:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -158,12 +161,12 @@ def one_launch_grid(tokens, batch, num_heads: int, num_kv_heads: int, block_m: i
 
 def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, scale, cos_cache=None, sin_cache=None,
                          head_sink=None, softcap: float = 0.0, local_window_size: int = -1, splits: int | None = None,
-                         *, k_scale=None, v_scale=None, slots: int = 0):
+                         *, k_scale=None, v_scale=None, slots: int = 0, config: KernelConfig | None = None):
     """`llmc::attention` in one kernel launch (the TensorRT plugin's kernel), caches updated in place. `splits`:
     ways to split each tile's keys (default: decode_splits from the shapes and the GPU's SMs; 1: none). `slots`:
     launched as the plugin launches it, `splits` the most a launch takes over a workspace of `slots` partials
     (split_kv.plugin_splits). fp8 (float8_e4m3fn) caches take `k_scale` / `v_scale`, fp32 [KVH] (fp8.py;
-    `reference_attention`'s)."""
+    `reference_attention`'s). `config`: the tiles and launch (default: configs.attention_config's)."""
     b, s, h, d = query.shape
     kvh, capacity = key.shape[2], k_cache.shape[2]
     assert h % kvh == 0 and k_cache.shape == v_cache.shape == (b, kvh, capacity, d), (query.shape, k_cache.shape)
@@ -173,7 +176,7 @@ def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, sc
     out = torch.empty_like(query)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    config = attention_config(d, query.element_size(), fresh=True)
+    config = config or attention_config(d, query.element_size(), fresh=True)
     tiles = triton.cdiv(s * (h // kvh), config.block_m)
     splits = splits or decode_splits(tiles * b, kvh, capacity, num_sms(query.device))
     compiled = splits  # the kernel's SPLITS: its split code compiled in when > 1

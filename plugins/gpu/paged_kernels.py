@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 # (token, head) pairs per program, keys per inner step, and the stages by head size: configs.py
-from llmc.plugins.gpu.configs import BLOCK_M, attention_config
+from llmc.plugins.gpu.configs import BLOCK_M, KernelConfig, attention_config
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, kv_scales, kv_view, load_kv, store_kv
 from llmc.plugins.gpu.kernels import capped, rows, softmax_block, with_sink
 # the launches' argument handling, shared with paged_kernels_aot.py and prefill.py
@@ -117,12 +117,13 @@ def _paged_write(k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, slot
 
 
 @triton.jit
-def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped, past, start, kv, d_ok, d, k_scale,
-                v_scale, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr,
+def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, end, slot, mapped, past, start, kv, d_ok, d,
+                k_scale, v_scale, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr,
                 INTERLEAVED: tl.constexpr, FRESH: tl.constexpr, FP8_KV: tl.constexpr):
-    """One block of keys and values (fp32) at positions n: from the cache (fp8 entries times the head's scales
-    with FP8_KV), or with FRESH those at or past the row's cached length `past` from the new-token inputs
-    (rotated, rounded as the cache holds them)."""
+    """One block of keys and values (fp32) at positions n (up to `end`, exclusive): from the cache (fp8 entries
+    times the head's scales with FP8_KV), or with FRESH those at or past the row's cached length `past` from the
+    new-token inputs (rotated, rounded as the cache holds them), read only in a block that reaches them (their
+    rounding into an fp8 cache, an IEEE division and an encode per element, bounded every block otherwise)."""
     cached = mapped
     if FRESH:
         cached = mapped & (n < past)
@@ -130,12 +131,13 @@ def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped,
     k = load_kv(kc_ptr, at, cached[:, None] & d_ok[None, :], k_scale, FP8_KV)
     v = load_kv(vc_ptr, at, cached[:, None] & d_ok[None, :], v_scale, FP8_KV)
     if FRESH:
-        new = (mapped & (n >= past))[:, None] & d_ok[None, :]
-        src = ((start + n - past).to(tl.int64) * KVH + kv)[:, None] * D
-        k_new = rows(k_ptr, src, d, new, n, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
-        k = tl.where(new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)
-        v_new = tl.load(v_ptr + src + d[None, :], mask=new, other=0.0).to(tl.float32)
-        v = tl.where(new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
+        if end > past:
+            new = (mapped & (n >= past))[:, None] & d_ok[None, :]
+            src = ((start + n - past).to(tl.int64) * KVH + kv)[:, None] * D
+            k_new = rows(k_ptr, src, d, new, n, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
+            k = tl.where(new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)
+            v_new = tl.load(v_ptr + src + d[None, :], mask=new, other=0.0).to(tl.float32)
+            v = tl.where(new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
     return k, v
 
 
@@ -189,8 +191,8 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
     for step in range(0, tl.cdiv(hi - lo, BLOCK_N)):
         n = lo + step * BLOCK_N + tl.arange(0, BLOCK_N)
         slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS)
-        k, v = _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, slot, mapped, past, start, kv, d_ok, d,
-                           k_scale, v_scale, KVH, D, HALF, ROTARY, INTERLEAVED, FRESH, FP8_KV)
+        k, v = _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, lo + (step + 1) * BLOCK_N, slot, mapped,
+                           past, start, kv, d_ok, d, k_scale, v_scale, KVH, D, HALF, ROTARY, INTERLEAVED, FRESH, FP8_KV)
         if not UPCAST:
             k, v = k.to(q.dtype), v.to(q.dtype)
         scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE, SOFTCAP)
@@ -260,22 +262,25 @@ def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequen
                     num_heads: int, kv_num_heads: int, scale: float = 0.0, cos_cache=None, sin_cache=None, *,
                     slot_mapping=None, rotary_interleaved: bool = False, softcap: float = 0.0,
                     local_window_size: int = -1, is_causal: bool = True, head_sink=None, splits: int | None = None,
-                    k_scale=None, v_scale=None):
+                    k_scale=None, v_scale=None, config: KernelConfig | None = None):
     """`reference_paged_attention` on the GPU kernels: the new keys and values written into the caches
     (in place), then attention; returns (output [T, H*D], key_cache, value_cache). `splits`: ways to split
     each program's keys (default: from the shapes and the GPU, split_buffers; 1: none). fp8 (float8_e4m3fn)
-    caches take `k_scale` / `v_scale`, fp32 [KVH] (fp8.py)."""
+    caches take `k_scale` / `v_scale`, fp32 [KVH] (fp8.py). `config`: the attention kernel's keys per step,
+    warps and stages (default: configs.attention_config's; its rows stay BLOCK_M)."""
     w = write_new_kv(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
                      num_heads, kv_num_heads, scale, cos_cache, sin_cache, slot_mapping, rotary_interleaved, softcap,
                      local_window_size, is_causal, head_sink, k_scale, v_scale)
     query, options, tokens, rows = w.query, w.options, w.tokens, w.rows
     out = torch.empty_like(query)
     if tokens:
+        config = config or attention_config(options["D"], query.element_size(), fresh=False)
+        options["BLOCK_N"] = config.block_n
         grid_x = attention_grid(tokens, rows, num_heads, kv_num_heads)[0]
         options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads,
                                                           w.table.shape[1] * w.block_size, options["D"], splits)
         _paged_attention[attention_grid(tokens, rows, num_heads, kv_num_heads, splits=options["SPLITS"])](
             query, w.key, w.value, w.kc, w.vc, w.cu, w.past, w.table, w.cos, w.sin, sinks(head_sink, num_heads, query),
             part, counters, *w.scalars, out, w.kc, w.vc, part, counters, w.k_scale, w.v_scale, FRESH=False, **options,
-            **attention_config(options["D"], query.element_size(), fresh=False).launch())
+            **config.launch())
     return out, key_cache, value_cache

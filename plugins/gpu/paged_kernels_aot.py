@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from llmc.plugins.gpu.configs import BLOCK_M, attention_config, block_d, default_config
+from llmc.plugins.gpu.configs import BLOCK_M, KernelConfig, attention_config, block_d, default_config
 from llmc.plugins.gpu.fp8 import FP8, kv_scales, kv_view
 from llmc.plugins.gpu.kernels_aot import BUFFER_PARAMS, CACHES, _TRITON_TYPES, _compile, compile_for_plugin
 from llmc.plugins.gpu.ptx import PTX_ISA, plain_target, trim_params
@@ -38,10 +38,11 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
                                sin_cache=None, *, slot_mapping=None, rotary_interleaved: bool = False,
                                softcap: float = 0.0, local_window_size: int = -1, is_causal: bool = True,
                                head_sink=None, splits: int | None = None, k_scale=None, v_scale=None,
-                               slots: int = 0):
+                               slots: int = 0, config: KernelConfig | None = None):
     """`reference_paged_attention` in one launch (the TensorRT plugin's kernel), caches updated in place;
     `splits`, and `k_scale` / `v_scale` of an fp8 cache, as paged_attention's. `slots`: launched as the plugin
-    launches it, `splits` the most a launch takes over a workspace of `slots` partials (split_kv.plugin_splits)."""
+    launches it, `splits` the most a launch takes over a workspace of `slots` partials (split_kv.plugin_splits).
+    `config`: keys per step, warps and stages (default: configs.attention_config's; rows stay BLOCK_M)."""
     if slot_mapping is not None:
         raise ValueError("the one-launch paged kernel reads the new keys where block_table puts them: "
                          "no slot_mapping (use paged_kernels.paged_attention)")
@@ -54,6 +55,8 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
     kc, vc = kv_view(key_cache), kv_view(value_cache)
     out = torch.empty_like(query)
     if query.shape[0]:
+        config = config or attention_config(options["D"], query.element_size(), fresh=True)
+        options["BLOCK_N"] = config.block_n
         grid_x = attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads)[0]
         keys = table.shape[1] * key_cache.shape[1]
         if slots and splits and splits > 1:  # as the plugin launches it: the grid's third axis from its shapes
@@ -65,8 +68,7 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
         _paged_attention[attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads, splits=z)](
             query, key, value, kc, vc, cu, past, table, cos, sin, sinks(head_sink, num_heads, query), part, counters,
             past.shape[0], table.shape[1], key_cache.shape[0], key_cache.shape[1], out, kc, vc, part,
-            counters, k_scale, v_scale, FRESH=True, **options, **attention_config(options["D"], query.element_size(),
-                                                                         fresh=True).launch())
+            counters, k_scale, v_scale, FRESH=True, **options, **config.launch())
     return out, key_cache, value_cache
 
 

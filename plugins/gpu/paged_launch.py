@@ -10,7 +10,7 @@ import torch
 import triton
 
 from llmc.plugins.gpu.configs import BLOCK_M, BLOCK_N
-from llmc.plugins.gpu.fp8 import FP8
+from llmc.plugins.gpu.fp8 import FP8, fp8_mode
 
 
 def split_packed(query, key, value, num_heads: int, kv_num_heads: int):
@@ -35,7 +35,7 @@ def kernel_options(query, key_cache, num_heads, kv_num_heads, scale, cos_cache, 
             "BLOCK_D": max(16, triton.next_power_of_2(head_size)),
             "DOT_PRECISION": "ieee" if query.dtype == torch.float32 else "tf32",
             "UPCAST": query.dtype == torch.bfloat16 and interpreted, "SINKS": head_sink is not None, "SPLITS": splits,
-            "FP8_KV": key_cache.dtype == FP8}
+            "FP8_KV": fp8_mode(key_cache.device) if key_cache.dtype == FP8 else 0}
 
 
 def sinks(head_sink, num_heads: int, placeholder):

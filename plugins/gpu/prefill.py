@@ -47,9 +47,10 @@ def _key_block(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_ptr, b, kv, start_n, hi, 
     masks (parts 1 and 3); otherwise only the keys' own validity (mapped, before `hi`: part 2)."""
     n = start_n + tl.arange(0, BLOCK_N)
     slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS)
-    row = (slot * KVH + kv) * D
-    k_t = load_kv(kc_ptr, row[None, :] + d[:, None], mapped[None, :] & d_ok[:, None], k_scale, FP8_KV)  # [D, N]
-    scores = capped(tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION) * SCALE, SOFTCAP)
+    at = ((slot * KVH + kv) * D)[:, None] + d[None, :]  # [N, D]: each key's channels contiguous, as stored
+    kv_mask = mapped[:, None] & d_ok[None, :]
+    k = load_kv(kc_ptr, at, kv_mask, k_scale, FP8_KV)
+    scores = capped(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * SCALE, SOFTCAP)
     if MASKED:
         visible = mapped[None, :] & row_ok[:, None]
         if CAUSAL:
@@ -60,7 +61,7 @@ def _key_block(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_ptr, b, kv, start_n, hi, 
     else:
         scores = tl.where(mapped[None, :], scores, float("-inf"))
     p, alpha, m_i, l_i = softmax_block(scores, m_i, l_i)
-    v = load_kv(vc_ptr, row[:, None] + d[None, :], mapped[:, None] & d_ok[None, :], v_scale, FP8_KV)
+    v = load_kv(vc_ptr, at, kv_mask, v_scale, FP8_KV)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 

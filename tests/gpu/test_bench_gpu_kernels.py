@@ -122,3 +122,17 @@ def test_the_json_is_written_after_every_shape_and_failures_end_the_run_named(mo
     final = json.loads((tmp_path / "gpu.json").read_text())
     assert final == seen[-1] and len(final["runs"]) == len(SWEEP) and len(final["prefill"]) == len(PREFILL_SWEEP)
     assert final["runs"][4] == {"shape": [32, 4096, 256], "error": "RuntimeError: out of resource: shared memory"}
+
+
+def test_tuning_times_every_configuration_at_the_default_split_count_and_at_twice_it():
+    from llmc.bench.kernels.gpu_tune import KERNELS, TUNE_CONFIGS, variants
+
+    defaults = {"slot one launch": 4, "paged two launches": 2, "paged one launch": 2}
+    runs = variants(defaults, 32768)
+    assert len(runs) == len(KERNELS) * len(TUNE_CONFIGS) * 2
+    assert {s for k, _, s in runs if k == "slot one launch"} == {4, 8}
+    assert {s for k, _, s in runs if k == "paged one launch"} == {2, 4}
+    assert {c.block_n for _, c, _ in runs} == {32, 64, 128} and {c.num_warps for _, c, _ in runs} == {4, 8}
+    # a split never gets fewer keys than the widest configuration's step: one count at a short context
+    assert {s for _, _, s in variants({k: 1 for k in KERNELS}, 128)} == {1}
+    assert parse("--kind", "tune").tune_workers == 8

@@ -18,7 +18,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from helpers import all_pairs  # noqa: E402
-from llmc.plugins.gpu.fp8 import FP8, fp8_decode, fp8_encode  # noqa: E402
+from llmc.plugins.gpu.fp8 import FP8, NATIVE, fp8_decode, fp8_encode, fp8_mode  # noqa: E402
 from llmc.plugins.gpu.one_launch import one_launch_attention  # noqa: E402
 from llmc.plugins.op.attention import reference_attention, reference_paged_attention  # noqa: E402
 from test_kernels import FEATURES, _case  # noqa: E402
@@ -134,6 +134,16 @@ def test_an_fp8_cache_without_scales_is_refused():
     q, k, v, kc, vc, pos, _, _ = case
     with pytest.raises(AssertionError, match="k_scale and v_scale"):
         one_launch_attention(q, k, v, fp8_copy(kc), fp8_copy(vc), pos, 0.3)
+
+
+def test_the_cache_is_read_by_hand_off_the_gpu_and_under_the_interpreter(monkeypatch):
+    assert fp8_mode(torch.device("cpu")) == 1 != NATIVE
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8_mode(torch.device("cuda")) == 1  # this module runs the kernels interpreted
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert fp8_mode(torch.device("cuda")) == NATIVE  # Hopper's conversion
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert fp8_mode(torch.device("cuda")) == 1  # an A100 has none
 
 
 @pytest.mark.cuda

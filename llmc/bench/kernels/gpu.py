@@ -1,9 +1,12 @@
 """GPU attention: llmc's slot and paged Triton kernels against torch SDPA, ratios from one run.
 
-    .venv/bin/python -m llmc.bench gpu-kernels [--kind decode|prefill|all] [--batch 32] [--context 4096]
+    .venv/bin/python -m llmc.bench gpu-kernels [--kind decode|prefill|all|tune] [--batch 32] [--context 4096]
                                                [--tokens 2048] [--cached 0] [--heads 32] [--kv-heads 8]
                                                [--head-dim 128] [--dtype fp16|bf16] [--passes 5] [--sweep]
-                                               [--out FILE]
+                                               [--tune-workers 8] [--out FILE]
+
+`--kind tune` (gpu_tune.py): the decode kernels' launch configurations (keys a step, warps, stages, split
+count) timed at the sweep's decode shapes, the fastest per kernel and shape.
 
 `--kind prefill` (gpu_prefill.py): one causal prefill of `--tokens` after `--cached` tokens through the paged
 prefill kernel, fp16/bf16 and fp8 KV, in TFLOP/s against SDPA; `--sweep` there runs 2k/8k/32k fresh and a 2k
@@ -37,6 +40,7 @@ from pathlib import Path
 
 from llmc.bench.harness import UsageError, median, write_json
 from llmc.bench.kernels.gpu_prefill import PREFILL_SWEEP, check_kernels, measure_prefill, peak_tflops
+from llmc.bench.kernels.gpu_tune import tune
 
 
 def _time(fn, torch, passes: int, steps: int = 50, pass_ms: float = 20.0) -> float:
@@ -66,7 +70,8 @@ def _time(fn, torch, passes: int, steps: int = 50, pass_ms: float = 20.0) -> flo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kind", choices=("decode", "prefill", "all"), default="decode")
+    p.add_argument("--kind", choices=("decode", "prefill", "all", "tune"), default="decode",
+                   help="tune: the decode kernels' launch configurations timed at the sweep's shapes (gpu_tune.py)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=2048, help="prefill: the prompt (or chunk) length")
@@ -81,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", action="store_true", help="issue 55's shapes: decode batch x context 32 x 4k, 8 x "
                    "32k, 64 x 8k and 1 x 128k; prefill 2k/8k/32k fresh and a 2k chunk after 2k/8k/32k cached; each "
                    "at head_dim 128 and 256 (--batch, --context, --tokens, --cached, --head-dim ignored)")
+    p.add_argument("--tune-workers", type=int, default=8, help="tune: processes compiling the variants at once")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here too")
 
 
@@ -93,8 +99,14 @@ def run(args: argparse.Namespace) -> None:
 
     if not torch.cuda.is_available():
         raise UsageError("needs an NVIDIA GPU (CUDA); none is visible here")
+    device = torch.cuda.get_device_name()
+    if args.kind == "tune":
+        tune(args, _time, lambda tuned, complete: args.out and write_json(args.out, {
+            "device": device, "peak_tb_s": peak_bandwidth(device), "peak_tflops": peak_tflops(device), "kind": "tune",
+            "tune": tuned, "complete": complete}))
+        return
     decode, prefill = plan(args)
-    device, results, prefills, failed = torch.cuda.get_device_name(), [], [], []
+    results, prefills, failed = [], [], []
 
     def save(complete: bool) -> None:  # after every shape: a run stopped by its time limit keeps what it measured
         if args.out:
