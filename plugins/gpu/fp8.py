@@ -20,11 +20,11 @@ integer operations bound it, not the bytes). Writing stays by hand on every GPU:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from llmc.plugins.gpu.kernels import INTERPRETED
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -123,10 +123,10 @@ def kv_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype == FP8 else cache
 
 
-def fp8_mode(device: torch.device) -> int:
-    """FP8_KV for an fp8 cache on `device`: NATIVE on a GPU of capability 8.9 or later (not under the
-    interpreter), else 1 (by hand)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+def fp8_mode(device: torch.device, interpreted: bool = INTERPRETED) -> int:
+    """FP8_KV for an fp8 cache on `device`: NATIVE on a GPU of capability 8.9 or later (kernels compiled, not
+    `interpreted`), else 1 (by hand)."""
+    if device.type != "cuda" or interpreted:
         return 1
     return NATIVE if torch.cuda.get_device_capability(device) >= (8, 9) else 1
 

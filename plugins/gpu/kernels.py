@@ -54,6 +54,12 @@ def rows(x_ptr, offsets, d, mask, positions, cos_ptr, sin_ptr, HALF: tl.constexp
     return x
 
 
+# Whether this process's kernels run under Triton's interpreter: read from how they were made (TRITON_INTERPRET=1
+# when plugins/gpu was imported), not from the variable at a launch, which a test module sets after a GPU
+# process has compiled them (a GPU test's child process imports the kernels, then the test modules' helpers)
+INTERPRETED = type(rows).__name__ == "InterpretedFunction"
+
+
 @triton.jit
 def softmax_block(scores, m_i, l_i):
     """One block of keys in an online softmax over rows: the block's unnormalized probabilities, the

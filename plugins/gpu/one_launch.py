@@ -20,15 +20,13 @@ since the plugin's inputs are fixed).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from llmc.plugins.gpu.configs import KernelConfig, attention_config, decode_splits
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, in_type, kv_scales, kv_view, load_kv, store_kv
-from llmc.plugins.gpu.kernels import capped, rows, softmax_block, with_sink
+from llmc.plugins.gpu.kernels import INTERPRETED, capped, rows, softmax_block, with_sink
 from llmc.plugins.gpu.split_kv import (merge_splits, num_sms, plugin_splits, split_keys, split_workspace,
                                       tile_and_split)
 
@@ -175,7 +173,7 @@ def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, sc
     fp8, k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale, kvh, query)
     out = torch.empty_like(query)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    upcast = query.dtype == torch.bfloat16 and INTERPRETED
     config = config or attention_config(d, query.element_size(), fresh=True)
     tiles = triton.cdiv(s * (h // kvh), config.block_m)
     splits = splits or decode_splits(tiles * b, kvh, capacity, num_sms(query.device))

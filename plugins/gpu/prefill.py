@@ -26,7 +26,6 @@ op (rotary in the kernel, softcap, window, sinks, not causal) as paged_kernels.p
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -34,7 +33,7 @@ import triton.language as tl
 
 from llmc.plugins.gpu.configs import PREFILL_CONFIGS, SHARED_LIMITS, KernelConfig, generation
 from llmc.plugins.gpu.fp8 import head_scale, load_kv
-from llmc.plugins.gpu.kernels import capped, rows, softmax_block, with_sink
+from llmc.plugins.gpu.kernels import INTERPRETED, capped, rows, softmax_block, with_sink
 from llmc.plugins.gpu.paged_kernels import find_row, kernel_options, sinks, slot_of, write_new_kv
 
 
@@ -219,7 +218,7 @@ def paged_prefill(query, key, value, key_cache, value_cache, cumulative_sequence
     constexprs = {n: v for n, v in options.items() if n in _paged_prefill.arg_names and n not in ("BLOCK_M", "BLOCK_N")}
     args = (query, w.kc, w.vc, w.cu, w.past, w.table, w.cos, w.sin, sinks(head_sink, num_heads, query), w.k_scale,
             w.v_scale, out, *w.scalars)
-    if config is None and query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if config is None and query.is_cuda and not INTERPRETED:
         _TUNED[lambda meta: prefill_grid(tokens, rows, num_heads, meta["BLOCK_M"])](*args, **constexprs)
     else:
         config = config or PREFILL_CONFIGS[90][0]

@@ -24,15 +24,13 @@ in the parameters because the plugin passes them).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from llmc.plugins.gpu.configs import KernelConfig
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, in_type, kv_scales, kv_view, load_kv
-from llmc.plugins.gpu.kernels import capped, rows, softmax_block, with_sink
+from llmc.plugins.gpu.kernels import INTERPRETED, capped, rows, softmax_block, with_sink
 from llmc.plugins.gpu.one_launch import query_tile, write_new_kv
 
 # The tiles a plugin launch can take within the 48 KiB of shared memory it gets without opting in (kernels_aot
@@ -156,7 +154,7 @@ def slot_prefill(query, key, value, k_cache, v_cache, cache_position, scale, cos
     rotary = cos_cache is not None
     fp8, k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale, kvh, query)
     out = torch.empty_like(query)
-    upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    upcast = query.dtype == torch.bfloat16 and INTERPRETED
     kc, vc = kv_view(k_cache), kv_view(v_cache)
     _slot_prefill[slot_prefill_grid(s, b, h, config.block_m)](
         query, key, value, kc, vc, cache_position, cos_cache if rotary else query, sin_cache if rotary else query,

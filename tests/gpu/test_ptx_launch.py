@@ -70,36 +70,48 @@ def test_a_launch_that_drifts_from_the_entry_is_refused_naming_the_parameter(com
         check_arguments(kernel["ptx"], kernel["name"], inputs[:-1] + extras + outputs)
 
 
+GPU_CHILD = r"""
+import numpy as np
+import torch
+from llmc.plugins.gpu.kernels_aot import plugin_kernel
+from llmc.plugins.gpu.ptx_launch import PtxKernel, plugin_arguments
+from llmc.plugins.op.attention import reference_attention
+
+b, s, h, kvh, d, cap, slots = 2, 1, 8, 2, 64, 2048, 264
+capability = torch.cuda.get_device_capability()
+kernel = plugin_kernel(h, kvh, d, d ** -0.5, "fp16", 10 * capability[0] + capability[1], rotary=False, splits=8,
+                       slots=slots)
+g = torch.Generator(device="cuda").manual_seed(0)
+q = torch.randn(b, s, h, d, device="cuda", dtype=torch.float16, generator=g)
+k, v = (torch.randn(b, s, kvh, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+kc, vc = (torch.randn(b, kvh, cap, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+pos = torch.tensor([5, 1900], device="cuda", dtype=torch.int32)  # 2 x 2 tiles: 8 splits at 2048 keys
+want = reference_attention(q, k, v, kc.clone(), vc.clone(), pos.long(), d ** -0.5)[0]
+out = torch.empty_like(q)
+unused = torch.zeros(1, device="cuda", dtype=torch.float16)  # cos, sin and sinks: the kernel reads none here
+part = torch.empty(slots * 16 * (d + 2), device="cuda", dtype=torch.float32)
+counters = torch.zeros(slots, device="cuda", dtype=torch.int32)
+inputs = [t.data_ptr() for t in (q, k, v, kc, vc, pos, unused, unused, unused, part, counters)]
+arguments = plugin_arguments(inputs, (s, cap), [out.data_ptr(), kc.data_ptr(), vc.data_ptr(), part.data_ptr(),
+                                                counters.data_ptr()])
+launched = PtxKernel(kernel.ptx, kernel.name, kernel.shared_mem)
+for _ in range(3):  # the counters each launch leaves at zero serve the next
+    launched.launch(kernel.grid(s, b, h, kvh), kernel.num_warps * 32, arguments)
+torch.cuda.synchronize()
+np.testing.assert_allclose(out.float().cpu().numpy(), want.float().cpu().numpy(), atol=4e-3)
+assert int(counters.abs().sum()) == 0
+print("ok")
+"""
+
+
 @pytest.mark.cuda
 def test_the_fused_plugin_ptx_runs_through_the_driver_as_the_reference():
+    """The plugin's PTX compiled here for this GPU (in a child process: this module put the kernels in interpreter
+    mode, which cannot compile), loaded through CuPy and launched with the plugin's grid and arguments."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU here (the launch order is checked against the compiled PTX instead)")
     pytest.importorskip("cupy", reason="the PTX is loaded through CuPy's RawModule")
-    from llmc.plugins.gpu.kernels_aot import plugin_kernel
-    from llmc.plugins.gpu.ptx_launch import PtxKernel
-    from llmc.plugins.op.attention import reference_attention
-
-    b, s, h, kvh, d, cap, slots = 2, 1, 8, 2, 64, 2048, 264
-    capability = torch.cuda.get_device_capability()
-    kernel = plugin_kernel(h, kvh, d, d ** -0.5, "fp16", 10 * capability[0] + capability[1], rotary=False, splits=8,
-                           slots=slots)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.float16, generator=g)
-    k, v = (torch.randn(b, s, kvh, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
-    kc, vc = (torch.randn(b, kvh, cap, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
-    pos = torch.tensor([5, 1900], device="cuda", dtype=torch.int32)  # 2 x 2 tiles: 8 splits at 2048 keys
-    want = reference_attention(q, k, v, kc.clone(), vc.clone(), pos.long(), d ** -0.5)[0]
-    out = torch.empty_like(q)
-    unused = torch.zeros(1, device="cuda", dtype=torch.float16)  # cos, sin and sinks: the kernel reads none here
-    part = torch.empty(slots * 16 * (d + 2), device="cuda", dtype=torch.float32)
-    counters = torch.zeros(slots, device="cuda", dtype=torch.int32)
-    inputs = [t.data_ptr() for t in (q, k, v, kc, vc, pos, unused, unused, unused, part, counters)]
-    arguments = plugin_arguments(inputs, (s, cap), [out.data_ptr(), kc.data_ptr(), vc.data_ptr(), part.data_ptr(),
-                                                    counters.data_ptr()])
-    launched = PtxKernel(kernel.ptx, kernel.name, kernel.shared_mem)
-    for _ in range(3):  # the counters each launch leaves at zero serve the next
-        launched.launch(kernel.grid(s, b, h, kvh), kernel.num_warps * 32, arguments)
-    torch.cuda.synchronize()
-    np.testing.assert_allclose(out.float().cpu().numpy(), want.float().cpu().numpy(), atol=4e-3)
-    assert int(counters.abs().sum()) == 0
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", GPU_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]

@@ -40,8 +40,9 @@ def label(config: KernelConfig) -> str:
 
 
 def decode_case(batch: int, context: int, head_dim: int, heads: int, kv_heads: int, dtype_name: str,
-                block_size: int):
-    """One decode step's tensors (as gpu.measure builds them), the reference output, SDPA, and a run function
+                block_size: int, reference: bool = True):
+    """One decode step's tensors (as gpu.measure builds them), the reference output (None without `reference`:
+    its fp32 copies of the cache, repeated per query head, take 17 GB at 64 x 8k), SDPA, and a run function
     `run(kernel, config, splits)` for each of KERNELS; plus each kernel's default split count."""
     import torch
 
@@ -58,7 +59,7 @@ def decode_case(batch: int, context: int, head_dim: int, heads: int, kv_heads: i
     kc, vc = (torch.randn(b, kvh, c, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     pos = torch.full((b,), c - 1, device="cuda", dtype=torch.int64)
     scale = d ** -0.5
-    ref = reference_attention(q, k, v, kc.clone(), vc.clone(), pos, scale)[0].float()
+    ref = reference_attention(q, k, v, kc.clone(), vc.clone(), pos, scale)[0].float() if reference else None
     per_row = c // block_size
     table = torch.randperm(b * per_row, device="cuda", generator=g).view(b, per_row).to(torch.int32)
 
@@ -91,7 +92,7 @@ def decode_case(batch: int, context: int, head_dim: int, heads: int, kv_heads: i
 
 
 def prefill_case(tokens: int, cached: int, head_dim: int, heads: int, kv_heads: int, dtype_name: str,
-                 block_size: int):
+                 block_size: int, reference: bool = True):
     """One causal prefill's tensors (as gpu_prefill.measure_prefill builds them): SDPA's output as the reference,
     SDPA, and `run(kernel, config, splits)` for each of PREFILL_KERNELS (splits unused)."""
     import torch
@@ -159,11 +160,11 @@ def cases() -> list[tuple[str, tuple[int, int]]]:
     return [("decode", shape) for shape in TUNE_SHAPES] + [("prefill", shape) for shape in PREFILL_SHAPES]
 
 
-def build(case: tuple[str, tuple[int, int]], args: argparse.Namespace):
+def build(case: tuple[str, tuple[int, int]], args: argparse.Namespace, reference: bool = True):
     """(run, reference, sdpa, default splits, work) of one case: KV bytes a decode step reads, or prefill FLOPs."""
     kind, (x, y) = case
     make = decode_case if kind == "decode" else prefill_case
-    return make(x, y, args.head_dim, args.heads, args.kv_heads, args.dtype, args.block_size)
+    return make(x, y, args.head_dim, args.heads, args.kv_heads, args.dtype, args.block_size, reference)
 
 
 def shape_variants(case: tuple[str, tuple[int, int]], args: argparse.Namespace) -> list[tuple[str, KernelConfig, int]]:
@@ -177,7 +178,7 @@ def _compile_share(args: argparse.Namespace, share: list[tuple[int, int]]) -> li
     for case_index, variant_index in share:
         case = cases()[case_index]
         if case_index not in built:
-            built = {case_index: build(case, args)}  # one case's tensors at a time
+            built = {case_index: build(case, args, reference=False)}  # one case's tensors at a time
         kernel, config, splits = shape_variants(case, args)[variant_index]
         try:
             built[case_index][0](kernel, config, splits)
