@@ -61,11 +61,26 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())  # triton.next_power_of_2, without importing triton here
 
 
-def attention_config(head_dim: int, itemsize: int, *, fresh: bool) -> KernelConfig:
+# Hopper's decode configurations, timed on an H200 (`python -m llmc.bench gpu-kernels --kind tune`, 2026-11-30,
+# fp16, 32 query heads over 8 KV heads, head 128, at batch x context 32 x 4k, 8 x 32k, 64 x 8k and 1 x 128k; 9
+# configurations x 2 split counts a kernel). Fastest at all four shapes, against 32 keys, 4 warps, 3 stages:
+#   cached-only (the paged kernel after its write launch): 128 keys, 8 warps: 0.69-0.80x SDPA (was 0.24-0.74x);
+#   fresh (the one-launch kernels):                        64 keys, 4 warps:  0.60-0.61x SDPA (was 0.51-0.55x);
+# the paged one-launch kernel gained least (0.40-0.44x, was 0.20-0.42x). Used by PyTorch launches on a GPU of
+# capability 9.0 or later, for 16-bit heads up to 128 (what was measured); the TensorRT plugins' ahead-of-time
+# kernels keep the configurations below, as do other GPUs and head sizes.
+HOPPER_DECODE = {True: KernelConfig(BLOCK_M, 64, 4, 3), False: KernelConfig(BLOCK_M, 128, 8, 3)}
+
+
+def attention_config(head_dim: int, itemsize: int, *, fresh: bool, capability: int | None = None) -> KernelConfig:
     """The configuration of an attention kernel over heads of `head_dim` channels of `itemsize` bytes.
     `fresh`: the kernel also reads the step's new keys and values from its inputs (the one-launch kernels),
     which more than triples the tiles each pipeline stage buffers. Stages never increase with the row
-    width, so the widest row that gets a stage count is its largest footprint (what the resource test uses)."""
+    width, so the widest row that gets a stage count is its largest footprint (what the resource test uses).
+    `capability` (as 90): a PyTorch launch's GPU, which on Hopper and later takes HOPPER_DECODE where it was
+    measured; None (the plugins' compiles, the interpreter) the portable rule."""
+    if capability is not None and capability >= 90 and itemsize == 2 and block_d(head_dim) <= 128:
+        return HOPPER_DECODE[fresh]
     row = block_d(head_dim) * itemsize
     if fresh:
         stages = 3 if row <= FRESH_ROW_BYTES else 1
@@ -85,15 +100,16 @@ def decode_splits(batch: int, kv_heads: int, context: int, num_sms: int = 132, m
 
 # The prefill kernel's tiles (plugins/gpu/prefill.py: FlashAttention-2's loop, one query head a program), per GPU
 # generation, in order of preference: FlashAttention-2's and Triton's fused-attention tutorial's choices for A100
-# (sm_80: 128 x 64, 4 warps) and H100 (sm_90: 128 x 128 or 128 x 64, 8 warps, more stages), then smaller
-# ones. Not every one fits every head size and type: prefill.fitting_configs drops those whose compiled shared
-# memory passes the generation's limit (compiling for the target, as the resource test does), and on a GPU
-# triton.autotune picks among the rest. The last of each list fits every head size up to 256 in fp32.
+# (sm_80: 128 x 64, 4 warps) and H100 (sm_90: 128 x 128 or 128 x 64, 8 warps, more stages), then smaller ones; 128 x
+# 32 with 4 warps was the fastest on an H200 (153 TFLOP/s at 8k tokens, head 128, against 138 for the best of the
+# others: gpu-kernels --kind tune). Not every one fits every head size and type: prefill.fitting_configs drops those
+# whose compiled shared memory passes the generation's limit (compiling for the target, as the resource test does),
+# and on a GPU triton.autotune picks among the rest. The last of each list fits every head size up to 256 in fp32.
 PREFILL_CONFIGS = {
     80: (KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3), KernelConfig(64, 32, 4, 2),
          KernelConfig(32, 32, 4, 1)),
-    90: (KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 3),
-         KernelConfig(32, 32, 4, 1)),
+    90: (KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 4, 3),
+         KernelConfig(64, 64, 4, 3), KernelConfig(32, 32, 4, 1)),
 }
 
 

@@ -27,8 +27,8 @@ import triton.language as tl
 from llmc.plugins.gpu.configs import KernelConfig, attention_config, decode_splits
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, in_type, kv_scales, kv_view, load_kv, store_kv
 from llmc.plugins.gpu.kernels import INTERPRETED, capped, rows, softmax_block, with_sink
-from llmc.plugins.gpu.split_kv import (merge_splits, num_sms, plugin_splits, split_keys, split_workspace,
-                                      tile_and_split)
+from llmc.plugins.gpu.split_kv import (launch_capability, merge_splits, num_sms, plugin_splits, split_keys,
+                                      split_workspace, tile_and_split)
 
 
 @triton.jit
@@ -174,7 +174,9 @@ def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, sc
     out = torch.empty_like(query)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     upcast = query.dtype == torch.bfloat16 and INTERPRETED
-    config = config or attention_config(d, query.element_size(), fresh=True)
+    # launched as the plugin: the plugin's own configuration (its ahead-of-time compile's), not this GPU's
+    config = config or attention_config(d, query.element_size(), fresh=True,
+                                        capability=None if slots else launch_capability(query))
     tiles = triton.cdiv(s * (h // kvh), config.block_m)
     splits = splits or decode_splits(tiles * b, kvh, capacity, num_sms(query.device))
     compiled = splits  # the kernel's SPLITS: its split code compiled in when > 1

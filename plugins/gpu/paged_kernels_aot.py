@@ -22,9 +22,9 @@ from llmc.plugins.gpu.configs import BLOCK_M, KernelConfig, attention_config, bl
 from llmc.plugins.gpu.fp8 import FP8, kv_scales, kv_view
 from llmc.plugins.gpu.kernels_aot import BUFFER_PARAMS, CACHES, _TRITON_TYPES, _compile, compile_for_plugin
 from llmc.plugins.gpu.ptx import PTX_ISA, plain_target, trim_params
-from llmc.plugins.gpu.paged_kernels import (_paged_attention, _paged_write, attention_grid, int32, kernel_options,
-                                            sinks, split_packed)
-from llmc.plugins.gpu.split_kv import plugin_splits, split_buffers, split_workspace
+from llmc.plugins.gpu.paged_kernels import (_paged_attention, _paged_write, attention_grid, busy_tiles, int32,
+                                            kernel_options, sinks, split_packed)
+from llmc.plugins.gpu.split_kv import launch_capability, plugin_splits, split_buffers, split_workspace
 
 PAGED_PLUGIN_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "cu_ptr", "past_ptr", "table_ptr", "cos_ptr",
                        "sin_ptr", "sink_ptr", "part_ptr", "lock_ptr")
@@ -55,7 +55,8 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
     kc, vc = kv_view(key_cache), kv_view(value_cache)
     out = torch.empty_like(query)
     if query.shape[0]:
-        config = config or attention_config(options["D"], query.element_size(), fresh=True)
+        config = config or attention_config(options["D"], query.element_size(), fresh=True,
+                                            capability=None if slots else launch_capability(query))
         options["BLOCK_N"] = config.block_n
         grid_x = attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads)[0]
         keys = table.shape[1] * key_cache.shape[1]
@@ -63,7 +64,9 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
             options["SPLITS"], z = splits, plugin_splits(grid_x * kv_num_heads, keys, splits, slots)
             part, counters = split_workspace(query.device, slots, 1, BLOCK_M, options["D"])
         else:
-            options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads, keys, options["D"], splits)
+            options["SPLITS"], part, counters = split_buffers(query, grid_x, kv_num_heads, keys, options["D"], splits,
+                                                              busy_tiles(query.shape[0], past.shape[0], num_heads,
+                                                                         kv_num_heads))
             z = options["SPLITS"]
         _paged_attention[attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads, splits=z)](
             query, key, value, kc, vc, cu, past, table, cos, sin, sinks(head_sink, num_heads, query), part, counters,

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from llmc.plugins.gpu.configs import BLOCK_M, SPLIT_KEYS, decode_splits
+from llmc.plugins.gpu.kernels import INTERPRETED
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -111,6 +112,15 @@ def num_sms(device: torch.device) -> int:
     return 132
 
 
+def launch_capability(tensor: torch.Tensor) -> int | None:
+    """The compute capability (as 90) of the GPU a PyTorch launch over `tensor` runs on, for configs'
+    per-generation choices; None off the GPU or under the interpreter."""
+    if tensor.device.type != "cuda" or INTERPRETED:
+        return None
+    major, minor = torch.cuda.get_device_capability(tensor.device)
+    return 10 * major + minor
+
+
 def workspace_floats(tiles: int, splits: int, block_m: int, head_dim: int) -> int:
     """fp32 elements of the partials' workspace for `tiles` (grid x times grid y) programs split `splits` ways."""
     return tiles * splits * block_m * (head_dim + 2)
@@ -126,11 +136,12 @@ def split_workspace(device: torch.device, tiles: int, splits: int, block_m: int,
     return part, counters
 
 
-def split_buffers(query, grid_x: int, kv_num_heads: int, context: int, head_size: int, splits: int | None):
+def split_buffers(query, grid_x: int, kv_num_heads: int, context: int, head_size: int, splits: int | None,
+                  busy: int | None = None):
     """(key splits, workspace, counters) of a paged launch of `grid_x` x `kv_num_heads` tiles: `splits`, or
-    decode_splits from the shapes (`context`: what the block table reaches) and the GPU's SMs; without splits,
-    placeholders the kernel never reads."""
-    splits = splits or decode_splits(grid_x, kv_num_heads, context, num_sms(query.device))
+    decode_splits from the shapes (`context`: what the block table reaches), the GPU's SMs and the `busy` tiles of
+    the grid's x (paged_kernels.busy_tiles; default all); without splits, placeholders the kernel never reads."""
+    splits = splits or decode_splits(busy or grid_x, kv_num_heads, context, num_sms(query.device))
     if splits == 1:
         return 1, query, query
     return splits, *split_workspace(query.device, grid_x * kv_num_heads, splits, BLOCK_M, head_size)

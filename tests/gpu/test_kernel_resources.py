@@ -26,7 +26,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # as every kernel test file sets it before
 # interpreter tests collected after this file need it (the compiles here run in a child without it)
 pytest.importorskip("triton", reason="the kernels need OpenAI Triton (installed by scripts/setup.sh)")
 
-from llmc.plugins.gpu.configs import SHARED_LIMITS, attention_config, block_d  # noqa: E402
+from llmc.plugins.gpu.configs import HOPPER_DECODE, SHARED_LIMITS, attention_config, block_d  # noqa: E402
 
 HEAD_SIZES = (64, 80, 96, 128, 256)
 # the kernels that read an fp8 cache (plugins/gpu/fp8.py), compiled over one too: the configurations are the
@@ -104,6 +104,48 @@ def test_every_kernel_fits_sm80_and_sm90_shared_memory_at_every_head_size():
                                                                               (90, 256, "torch.float32")}, results
     print("\n".join(f"{r['capability']} {r['kernel']} stages={r.get('stages', '-')} head={r['head']} {r['dtype']}: "
                     f"{r['shared']}" for r in results))
+
+
+def test_hopper_takes_the_decode_configurations_measured_there_and_nothing_else_does():
+    for fresh in (True, False):
+        assert attention_config(128, 2, fresh=fresh, capability=90) == HOPPER_DECODE[fresh]
+        assert attention_config(64, 2, fresh=fresh, capability=100) == HOPPER_DECODE[fresh]
+        for other in (attention_config(128, 2, fresh=fresh, capability=80),  # an A100: unmeasured
+                      attention_config(128, 2, fresh=fresh),  # the plugins' compiles, the interpreter
+                      attention_config(256, 2, fresh=fresh, capability=90),  # wider heads: not measured there
+                      attention_config(128, 4, fresh=fresh, capability=90)):  # fp32
+            assert other != HOPPER_DECODE[fresh] and other.block_n == 32
+
+
+HOPPER_CHILD = r"""
+import json
+import torch
+from llmc.plugins.gpu.configs import HOPPER_DECODE
+from llmc.plugins.gpu.kernels_aot import _compile, kernel_sources
+from llmc.plugins.gpu.paged_kernels_aot import paged_kernel_sources
+
+# the widest rows HOPPER_DECODE is used for (16-bit, head 128; head 80 and 96 take its tiles), compiled for sm_90
+# as a PyTorch launch specializes them (aligned): the fresh kernels and the cached-only paged one
+for fp8 in (False, True):
+    kernels = {**kernel_sources(32, 8, 128, torch.float16, rotary=True, fp8_kv=fp8),
+               **paged_kernel_sources(32, 8, 128, torch.float16, rotary_dim=128, fp8_kv=fp8)}
+    for name, fresh in (("attention_one_launch_split", True), ("paged_attention_one_launch_split", True),
+                        ("paged_attention_split", False)):
+        fn, signature, constexprs, _ = kernels[name]
+        config = HOPPER_DECODE[fresh]
+        constexprs = {**constexprs, "BLOCK_N": config.block_n}
+        shared = _compile(fn, signature, constexprs, 90, aligned=True, **config.launch()).metadata.shared
+        print(json.dumps({"kernel": name, "fp8": fp8, "shared": shared}), flush=True)
+"""
+
+
+def test_hoppers_decode_configurations_fit_its_shared_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", HOPPER_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 6
+    assert all(0 < r["shared"] <= SHARED_LIMITS[90] for r in results), results
 
 
 PREFILL_CHILD = r"""

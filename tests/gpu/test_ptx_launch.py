@@ -96,7 +96,7 @@ arguments = plugin_arguments(inputs, (s, cap), [out.data_ptr(), kc.data_ptr(), v
                                                 counters.data_ptr()])
 launched = PtxKernel(kernel.ptx, kernel.name, kernel.shared_mem)
 for _ in range(3):  # the counters each launch leaves at zero serve the next
-    launched.launch(kernel.grid(s, b, h, kvh), kernel.num_warps * 32, arguments)
+    launched.launch(kernel.grid(s, b, h, kvh, cap), kernel.num_warps * 32, arguments)
 torch.cuda.synchronize()
 np.testing.assert_allclose(out.float().cpu().numpy(), want.float().cpu().numpy(), atol=4e-3)
 assert int(counters.abs().sum()) == 0

@@ -117,6 +117,18 @@ def test_split_count_fills_the_gpu_from_shapes():
     assert decode_splits(1, 8, 200) == 1  # under one slice
 
 
+
+def test_a_paged_decode_counts_only_the_tiles_holding_queries():
+    """attention_grid gives each row a spare tile past the packed ones (any split of the tokens fits), which
+    finishes at once: counted, 8 decode rows took 2 splits where 4 ran 3.2x faster on an H200."""
+    from llmc.plugins.gpu.paged_kernels import attention_grid, busy_tiles
+
+    assert attention_grid(8, 8, 32, 8)[0] == 10 and busy_tiles(8, 8, 32, 8) == 8  # a tile a decode row
+    assert decode_splits(busy_tiles(8, 8, 32, 8), 8, 32768) == 4 != decode_splits(10, 8, 32768)
+    assert decode_splits(busy_tiles(1, 1, 32, 8), 8, 131072) == 32
+    assert busy_tiles(300, 2, 32, 8) == 75  # a prefill chunk: its (token, head) pairs in tiles of 16
+
+
 @pytest.mark.parametrize("tiles, keys, slots, want", [
     (8, 32768, 264, 16),  # one row, 8 KV heads: the node's 16 (264 // 8 = 33 would allow more)
     (64, 32768, 264, 4),  # 8 rows: 264 // 64

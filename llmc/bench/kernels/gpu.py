@@ -151,7 +151,7 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
     from llmc.plugins.op.attention import reference_attention
     from llmc.plugins.gpu.configs import BLOCK_M, SPLIT_KEYS, decode_splits
     from llmc.plugins.gpu.one_launch import one_launch_attention
-    from llmc.plugins.gpu.paged_kernels import paged_attention
+    from llmc.plugins.gpu.paged_kernels import busy_tiles, paged_attention
     from llmc.plugins.gpu.paged_kernels_aot import paged_attention_one_launch
     from llmc.plugins.gpu.split_kv import num_sms
 
@@ -164,12 +164,12 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
     pos = torch.full((b,), c - 1, device="cuda", dtype=torch.int64)
     scale = d ** -0.5
     ref = reference_attention(q, k, v, kc.clone(), vc.clone(), pos, scale)[0].float()
-    # what the split forms' launches pick: slot, a row's group heads in whole tiles; paged, the rows' group heads
-    # packed (attention_grid), plus a spare tile per row
+    # what the split forms' launches pick: slot, a row's group heads in whole tiles; paged, the tiles holding
+    # queries (paged_kernels.busy_tiles: a tile a decode row)
     group = h // kvh
     sms = num_sms(q.device)
     slot_splits = args.splits or decode_splits(b * -(-group // BLOCK_M), kvh, c, sms)
-    paged_splits = args.splits or decode_splits(-(-b * group // BLOCK_M) + b, kvh, c, sms)
+    paged_splits = args.splits or decode_splits(busy_tiles(b, b, h, kvh), kvh, c, sms)
     # as a TensorRT engine launches them (compiler/tensorrt/split_kv.py): a grid of key_splits (one row at this
     # context) over a workspace of 2 partials an SM, the grid sized from the shapes (split_kv.plugin_splits)
     slots, plugin_splits = 2 * sms, decode_splits(-(-group // BLOCK_M), kvh, c, sms)

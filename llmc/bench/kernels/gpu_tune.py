@@ -1,7 +1,7 @@
 """The attention kernels' launch configurations, timed on a GPU: `python -m llmc.bench gpu-kernels --kind tune`.
 
-configs.py gives every decode kernel 32 keys a step, 4 warps and 3 stages, a choice made without a GPU. This
-times the alternatives where it matters:
+configs.attention_config's portable rule gives every decode kernel 32 keys a step, 4 warps and 3 stages, a choice
+made without a GPU; this run's fastest on an H200 became Hopper's (configs.HOPPER_DECODE). It times:
   - decode, at issue 55's shapes (batch x context 32 x 4k, 8 x 32k, 64 x 8k, 1 x 128k; `--head-dim`, default
     128): keys a step 32/64/128, with 4 warps over 3 or 4 stages or 8 warps over 3, each at the split count the
     launch picks and at twice it, for the slot kernel in one launch and the paged kernel in two launches and in one;
@@ -239,9 +239,10 @@ def default_splits(batch: int, context: int, heads: int, kv_heads: int) -> dict[
     import torch
 
     from llmc.plugins.gpu.configs import decode_splits
+    from llmc.plugins.gpu.paged_kernels import busy_tiles
     from llmc.plugins.gpu.split_kv import num_sms
 
     group, sms = heads // kv_heads, num_sms(torch.device("cuda"))
-    paged = decode_splits(-(-batch * group // BLOCK_M) + batch, kv_heads, context, sms)
+    paged = decode_splits(busy_tiles(batch, batch, heads, kv_heads), kv_heads, context, sms)
     return {"slot one launch": decode_splits(batch * -(-group // BLOCK_M), kv_heads, context, sms),
             "paged two launches": paged, "paged one launch": paged}
