@@ -26,7 +26,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # as every kernel test file sets it before
 # interpreter tests collected after this file need it (the compiles here run in a child without it)
 pytest.importorskip("triton", reason="the kernels need OpenAI Triton (installed by scripts/setup.sh)")
 
-from llmc.plugins.gpu.configs import HOPPER_DECODE, SHARED_LIMITS, attention_config, block_d  # noqa: E402
+from llmc.plugins.gpu.configs import (HOPPER_DECODE, PREFILL_CONFIGS, SHARED_LIMITS, attention_config,  # noqa: E402
+                                      block_d)
 
 HEAD_SIZES = (64, 80, 96, 128, 256)
 # the kernels that read an fp8 cache (plugins/gpu/fp8.py), compiled over one too: the configurations are the
@@ -175,7 +176,7 @@ def test_prefill_configurations_are_pruned_by_the_shared_memory_they_compile_to(
     run = subprocess.run([sys.executable, "-c", PREFILL_CHILD], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 3 * 4 + 2, results
+    assert len(results) == len(PREFILL_CONFIGS[80]) + 2 * len(PREFILL_CONFIGS[90]) + 2, results  # fp32: the last
     for r in results:
         assert r["kept"] == (r["shared"] <= SHARED_LIMITS[r["capability"]]), r
     cases = {(r["capability"], r["dtype"], r["fp8"]) for r in results}
