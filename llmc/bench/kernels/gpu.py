@@ -40,7 +40,7 @@ from pathlib import Path
 
 from llmc.bench.harness import UsageError, median, write_json
 from llmc.bench.kernels.gpu_prefill import PREFILL_SWEEP, check_kernels, measure_prefill, peak_tflops
-from llmc.bench.kernels.gpu_tune import tune
+from llmc.bench.kernels.gpu_tune import decode_step, default_splits, tune
 
 
 def _time(fn, torch, passes: int, steps: int = 50, pass_ms: float = 20.0) -> float:
@@ -151,25 +151,25 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
     from llmc.plugins.op.attention import reference_attention
     from llmc.plugins.gpu.configs import BLOCK_M, SPLIT_KEYS, decode_splits
     from llmc.plugins.gpu.one_launch import one_launch_attention
-    from llmc.plugins.gpu.paged_kernels import busy_tiles, paged_attention
+    from llmc.plugins.gpu.paged_kernels import paged_attention
     from llmc.plugins.gpu.paged_kernels_aot import paged_attention_one_launch
     from llmc.plugins.gpu.split_kv import num_sms
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    h, kvh = args.heads, args.kv_heads
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, 1, h, d, device="cuda", dtype=dtype, generator=g)
-    k, v = (torch.randn(b, 1, kvh, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
-    kc, vc = (torch.randn(b, kvh, c, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
-    pos = torch.full((b,), c - 1, device="cuda", dtype=torch.int64)
-    scale = d ** -0.5
+    h, kvh, bs = args.heads, args.kv_heads, args.block_size
+    if c % bs:
+        raise UsageError(f"--context {c} must be a multiple of --block-size {bs}")
+    # the slot cache and the same cache as block pools in a shuffled table (gpu_tune.decode_step)
+    step = decode_step(b, c, d, h, kvh, dtype, bs)
+    q, k, v, kc, vc, pos, scale = step.q, step.k, step.v, step.kc, step.vc, step.pos, step.scale
     ref = reference_attention(q, k, v, kc.clone(), vc.clone(), pos, scale)[0].float()
-    # what the split forms' launches pick: slot, a row's group heads in whole tiles; paged, the tiles holding
-    # queries (paged_kernels.busy_tiles: a tile a decode row)
+    # what the split forms' launches pick (gpu_tune.default_splits): slot, a row's group heads in whole tiles; paged,
+    # the tiles holding queries (paged_kernels.busy_tiles: a tile a decode row)
     group = h // kvh
     sms = num_sms(q.device)
-    slot_splits = args.splits or decode_splits(b * -(-group // BLOCK_M), kvh, c, sms)
-    paged_splits = args.splits or decode_splits(busy_tiles(b, b, h, kvh), kvh, c, sms)
+    picked = default_splits(b, c, h, kvh)
+    slot_splits = args.splits or picked["slot one launch"]
+    paged_splits = args.splits or picked["paged two launches"]
     # as a TensorRT engine launches them (compiler/tensorrt/split_kv.py): a grid of key_splits (one row at this
     # context) over a workspace of 2 partials an SM, the grid sized from the shapes (split_kv.plugin_splits)
     slots, plugin_splits = 2 * sms, decode_splits(-(-group // BLOCK_M), kvh, c, sms)
@@ -180,22 +180,6 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
                                                                                       splits=slot_splits),
                "llmc one launch, as the plugin": lambda: one_launch_attention(q, k, v, kc, vc, pos, scale,
                                                                               splits=plugin_splits, slots=slots)}
-    # the same cache as block pools: row r's position t lives in block table[r, t // bs] at offset t % bs
-    bs = args.block_size
-    if c % bs:
-        raise UsageError(f"--context {c} must be a multiple of --block-size {bs}")
-    per_row = c // bs
-    table = torch.randperm(b * per_row, device="cuda", generator=g).view(b, per_row).to(torch.int32)
-
-    def pool(cache):  # [B, KVH, C, D] -> [blocks, bs, KVH, D] in the table's (shuffled) order
-        blocks = torch.empty(b * per_row, bs, kvh, d, device="cuda", dtype=dtype)
-        blocks[table.flatten().long()] = cache.permute(0, 2, 1, 3).reshape(b * per_row, bs, kvh, d)
-        return blocks
-
-    kp, vp = pool(kc), pool(vc)
-    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32)
-    past = pos.to(torch.int32)
-    flat = {"query": q.reshape(b, h * d), "key": k.reshape(b, kvh * d), "value": v.reshape(b, kvh * d)}
     plugin = functools.partial(paged_attention_one_launch, slots=slots)
     for name, kernel, splits in (("llmc paged two launches", paged_attention, 1),
                                  (f"llmc paged two launches, {paged_splits} splits", paged_attention, paged_splits),
@@ -203,22 +187,19 @@ def measure(args: argparse.Namespace, b: int, c: int, d: int) -> dict:
                                  (f"llmc paged one launch, {paged_splits} splits", paged_attention_one_launch,
                                   paged_splits),
                                  ("llmc paged one launch, as the plugin", plugin, plugin_splits)):
-        kernels[name] = (lambda kernel=kernel, splits=splits: kernel(
-            **flat, key_cache=kp, value_cache=vp, cumulative_sequence_length=cu, past_seqlens=past, block_table=table,
-            num_heads=h, kv_num_heads=kvh, scale=scale, splits=splits)[0].view(b, 1, h, d))
+        kernels[name] = (lambda kernel=kernel, splits=splits: kernel(**step.paged, splits=splits)[0].view(b, 1, h, d))
     # the same caches in fp8 (e4m3) with one scale per KV head: the split forms, against their 16-bit rows
     scales = torch.full((kvh,), 1 / 64, device="cuda")  # randn / (1/64) stays within e4m3's 448
     kc8, vc8 = ((t.float() / scales.view(1, -1, 1, 1)).to(torch.float8_e4m3fn) for t in (kc, vc))  # [B, KVH, C, D]
-    kp8, vp8 = ((t.float() / scales.view(1, 1, -1, 1)).to(torch.float8_e4m3fn) for t in (kp, vp))  # [N, bs, KVH, D]
+    paged8 = {**step.paged, **{n: (step.paged[n].float() / scales.view(1, 1, -1, 1)).to(torch.float8_e4m3fn)
+                               for n in ("key_cache", "value_cache")}}  # [N, bs, KVH, D]
     ref8 = reference_attention(q, k, v, kc8.clone(), vc8.clone(), pos, scale, k_scale=scales, v_scale=scales)[0].float()
     fp8 = {f"llmc one launch, {slot_splits} splits, fp8 KV": (f"llmc one launch, {slot_splits} splits", lambda:
            one_launch_attention(q, k, v, kc8, vc8, pos, scale, splits=slot_splits, k_scale=scales, v_scale=scales))}
     for name, kernel in ((f"llmc paged two launches, {paged_splits} splits", paged_attention),
                          (f"llmc paged one launch, {paged_splits} splits", paged_attention_one_launch)):
         fp8[name + ", fp8 KV"] = (name, lambda kernel=kernel: kernel(
-            **flat, key_cache=kp8, value_cache=vp8, cumulative_sequence_length=cu, past_seqlens=past,
-            block_table=table, num_heads=h, kv_num_heads=kvh, scale=scale, splits=paged_splits, k_scale=scales,
-            v_scale=scales)[0].view(b, 1, h, d))
+            **paged8, splits=paged_splits, k_scale=scales, v_scale=scales)[0].view(b, 1, h, d))
     failed = check_kernels(kernels, ref)
     fp8_runs = {name: run for name, (_, run) in fp8.items()}
     failed |= check_kernels(fp8_runs, ref8, "reference over the same fp8 cache")

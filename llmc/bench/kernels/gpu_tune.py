@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import multiprocessing
+from types import SimpleNamespace
 
 from llmc.bench.kernels.gpu_prefill import prefill_flops
 from llmc.plugins.gpu.configs import BLOCK_M, KernelConfig
@@ -39,27 +40,19 @@ def label(config: KernelConfig) -> str:
     return f"{config.block_m}x{config.block_n}, {config.num_warps} warps, {config.num_stages} stages"
 
 
-def decode_case(batch: int, context: int, head_dim: int, heads: int, kv_heads: int, dtype_name: str,
-                block_size: int, reference: bool = True):
-    """One decode step's tensors (as gpu.measure builds them), the reference output (None without `reference`:
-    its fp32 copies of the cache, repeated per query head, take 17 GB at 64 x 8k), SDPA, and a run function
-    `run(kernel, config, splits)` for each of KERNELS; plus each kernel's default split count."""
+def decode_step(batch: int, context: int, head_dim: int, heads: int, kv_heads: int, dtype, block_size: int):
+    """One decode step's tensors, shared by this tuning and gpu.measure: queries and new keys/values for `batch`
+    rows at position `context - 1`, a slot cache [B, KVH, C, D] of random (stale) entries, the same cache as block
+    pools of `block_size` in a shuffled block table (row r's position t in block table[r, t // bs] at offset
+    t % bs), and the paged launch's keyword arguments over them (`paged`, without splits)."""
     import torch
 
-    from llmc.plugins.gpu.one_launch import one_launch_attention
-    from llmc.plugins.gpu.paged_kernels import paged_attention
-    from llmc.plugins.gpu.paged_kernels_aot import paged_attention_one_launch
-    from llmc.plugins.op.attention import reference_attention
-
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
     b, c, d, h, kvh = batch, context, head_dim, heads, kv_heads
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, 1, h, d, device="cuda", dtype=dtype, generator=g)
     k, v = (torch.randn(b, 1, kvh, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     kc, vc = (torch.randn(b, kvh, c, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     pos = torch.full((b,), c - 1, device="cuda", dtype=torch.int64)
-    scale = d ** -0.5
-    ref = reference_attention(q, k, v, kc.clone(), vc.clone(), pos, scale)[0].float() if reference else None
     per_row = c // block_size
     table = torch.randperm(b * per_row, device="cuda", generator=g).view(b, per_row).to(torch.int32)
 
@@ -73,21 +66,41 @@ def decode_case(batch: int, context: int, head_dim: int, heads: int, kv_heads: i
              "key_cache": kp, "value_cache": vp, "cumulative_sequence_length": torch.arange(b + 1, device="cuda",
                                                                                             dtype=torch.int32),
              "past_seqlens": pos.to(torch.int32), "block_table": table, "num_heads": h, "kv_num_heads": kvh,
-             "scale": scale}
-    defaults = default_splits(b, c, h, kvh)
+             "scale": d ** -0.5}
+    return SimpleNamespace(q=q, k=k, v=v, kc=kc, vc=vc, pos=pos, scale=d ** -0.5, paged=paged)
+
+
+def decode_case(batch: int, context: int, head_dim: int, heads: int, kv_heads: int, dtype_name: str,
+                block_size: int, reference: bool = True):
+    """One decode step (decode_step), the reference output (None without `reference`: its fp32 copies of the
+    cache, repeated per query head, take 17 GB at 64 x 8k), SDPA, and a run function `run(kernel, config, splits)`
+    for each of KERNELS; plus each kernel's default split count."""
+    import torch
+
+    from llmc.plugins.gpu.one_launch import one_launch_attention
+    from llmc.plugins.gpu.paged_kernels import paged_attention
+    from llmc.plugins.gpu.paged_kernels_aot import paged_attention_one_launch
+    from llmc.plugins.op.attention import reference_attention
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    b, h, d = batch, heads, head_dim
+    t = decode_step(batch, context, head_dim, heads, kv_heads, dtype, block_size)
+    q, k, v, kc, vc, pos, scale = t.q, t.k, t.v, t.kc, t.vc, t.pos, t.scale
+    ref = reference_attention(q, k, v, kc.clone(), vc.clone(), pos, scale)[0].float() if reference else None
+    defaults = default_splits(b, context, h, kv_heads)
 
     def run(kernel: str, config: KernelConfig, splits: int):
         if kernel == "slot one launch":
             return one_launch_attention(q, k, v, kc, vc, pos, scale, splits=splits, config=config)
         launch = paged_attention if kernel == "paged two launches" else paged_attention_one_launch
-        return launch(**paged, splits=splits, config=config)[0].view(b, 1, h, d)
+        return launch(**t.paged, splits=splits, config=config)[0].view(b, 1, h, d)
 
     qs = q.transpose(1, 2)
 
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(qs, kc, vc, scale=scale, enable_gqa=True)
 
-    kv_bytes = 2 * b * kvh * c * d * q.element_size()
+    kv_bytes = 2 * b * kv_heads * context * d * q.element_size()
     return run, ref, sdpa, defaults, kv_bytes
 
 
