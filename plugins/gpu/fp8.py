@@ -14,10 +14,15 @@ integer operations below: the same bits on sm_80, sm_90 and the interpreter, equ
 
 On a GPU that has it (capability 8.9 on: Ada, Hopper and later), a PyTorch launch reads the cache with the GPU's
 own conversion instead (FP8_KV = NATIVE: the bytes bitcast to `fp8e4nv`, converted two at a time by one
-instruction). Writing stays by hand on every GPU: it happens once a new token. Measured on an H200 (2026-11-30):
-an fp8 decode step is still no faster than the fp16 one with either conversion (the paged two-launch kernel's
-step 0.47-0.78x as fast as fp16's by hand, 0.49-0.96x natively): converting and scaling each element costs what
-the halved bytes save.
+instruction). Writing stays by hand on every GPU: it happens once a new token.
+
+The kernels read the codes' values unscaled (`load_kv`: exact in fp16, so in the dots' fp16 or bf16 too) and
+apply the per-head scales after the dots: the key scale with the softmax scale on the logits, the value scale on
+the output (the partials of a split and a sink are linear in the values, so it commutes with their merge).
+Measured on an H200 (2026-11-30) when each element was scaled before its dot (decoded to fp32, multiplied,
+rounded to the dot's type): an fp8 decode step was no faster than the fp16 one with either conversion (the paged
+two-launch kernel's step 0.47-0.78x as fast as fp16's by hand, 0.49-0.96x natively). Scaling after the dots
+leaves one conversion an element (natively, one instruction for two); not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -51,11 +56,12 @@ def fp8_encode(x):
 
 @triton.jit
 def fp8_decode(code):
-    """e4m3fn byte (uint8) -> fp32, exactly: its bits moved into an fp16's (sign, exponent and mantissa shifted
-    by 7; subnormals land on fp16 subnormals), whose exponent bias (15) is 8 more than e4m3's (7): times 2^8."""
+    """e4m3fn byte (uint8) -> fp16, exactly (every e4m3 value is an fp16 one): its bits moved into an fp16's (sign,
+    exponent and mantissa shifted by 7; subnormals land on fp16 subnormals), whose exponent bias (15) is 8 more
+    than e4m3's (7): times 2^8, exact in fp16."""
     c = code.to(tl.uint16)
     half = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
-    return half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return half.to(tl.float16, bitcast=True) * 256.0
 
 
 @triton.jit
@@ -77,15 +83,18 @@ def in_type(x, ptr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def load_kv(ptr, offsets, mask, scale, FP8_KV: tl.constexpr):
-    """Cache entries at `offsets` as fp32: with FP8_KV, e4m3 bytes times the head's `scale` (FP8_KV == NATIVE:
-    converted by the GPU, exactly as by hand)."""
+def load_kv(ptr, offsets, mask, FP8_KV: tl.constexpr):
+    """Cache entries at `offsets` in the cache's units: a 16-bit or fp32 cache's in its type; with FP8_KV the e4m3
+    codes' values as fp16 (exact; FP8_KV == NATIVE: converted by the GPU, two a instruction), not yet times the
+    head's scale: the kernels fold the key scale into the logits' and the value scale into the output's (one
+    multiply a logit and an output element, where a scaled tile cost a conversion to fp32, a multiply and a
+    rounding back a cache element)."""
     if FP8_KV == 2:  # NATIVE (a literal: a jit function reads only constexpr globals)
-        x = tl.load(ptr + offsets, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+        x = tl.load(ptr + offsets, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     elif FP8_KV:
-        x = fp8_decode(tl.load(ptr + offsets, mask=mask, other=0)) * scale
+        x = fp8_decode(tl.load(ptr + offsets, mask=mask, other=0))
     else:
-        x = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(ptr + offsets, mask=mask, other=0.0)
     return x
 
 
@@ -101,12 +110,12 @@ def store_kv(ptr, offsets, x, mask, scale, FP8_KV: tl.constexpr):
 
 @triton.jit
 def as_stored(x, ptr, scale, FP8_KV: tl.constexpr):
-    """`x` (fp32) as the cache will hold it, read back: what a later step reads of it (the one-launch kernels
-    attend to the new keys from their inputs, so they round them like the cache first)."""
+    """`x` (fp32) as the cache will hold it, read back in load_kv's units and type: what a later step reads of it
+    (the one-launch kernels attend to the new keys from their inputs, so they round them like the cache first)."""
     if FP8_KV:
-        y = fp8_decode(fp8_encode(tl.div_rn(x, scale))) * scale
+        y = fp8_decode(fp8_encode(tl.div_rn(x, scale)))
     else:
-        y = x.to(ptr.dtype.element_ty).to(tl.float32)
+        y = x.to(ptr.dtype.element_ty)
     return y
 
 

@@ -61,13 +61,17 @@ class PluginKernel:
 
 
 def _compile(fn, signature: dict[str, str], constexprs: dict, capability: int, *, aligned: bool = False, **options):
-    """`fn` compiled for sm_<capability> without a GPU. `aligned`: as a launch from PyTorch specializes it, on
+    """`fn` compiled for sm_<capability> without a GPU (its constexprs' defaults for those `constexprs` leaves out).
+    `aligned`: as a launch from PyTorch specializes it, on
     pointers 16-byte aligned (torch's allocations are), which lets Triton turn the loop's loads into buffered
     asynchronous copies: the larger shared-memory footprint of the two. `options`: Triton's (num_warps,
     num_stages, ptx_version)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # a compile-time constant left out takes its default (PAGE, the paged kernels' block size: 0, read at run time)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default
+                     and p.name not in signature}, **constexprs}
     signature = {**signature, **{c: "constexpr" for c in constexprs}}
     ordered = {arg: signature[arg] for arg in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)

@@ -110,8 +110,8 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
         mask_old = old[:, None] & d_ok[None, :]
         mask_new = fresh[:, None] & d_ok[None, :]
         new_off = ((b * S + new_s) * KVH + kv)[:, None] * D
-        k = load_kv(kc_ptr, cache + n[:, None] * D + d[None, :], mask_old, k_scale, FP8_KV)
-        v = load_kv(vc_ptr, cache + n[:, None] * D + d[None, :], mask_old, v_scale, FP8_KV)
+        k = load_kv(kc_ptr, cache + n[:, None] * D + d[None, :], mask_old, FP8_KV)  # the cache's units (fp8.py)
+        v = load_kv(vc_ptr, cache + n[:, None] * D + d[None, :], mask_old, FP8_KV)
         if start_n + BLOCK_N > pos:  # a block reaching the new keys (a decode row's last): only there their loads,
             # rotation and rounding as the cache will hold them (for an fp8 cache, an IEEE division and an encode
             # per element: done on every block, they bound an fp8 decode step at 3% of an H200's bandwidth)
@@ -121,10 +121,9 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
             k = tl.where(mask_new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)
             v_new = tl.load(v_ptr + new_off + d[None, :], mask=mask_new, other=0.0).to(tl.float32)
             v = tl.where(mask_new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
-        if not UPCAST:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE, SOFTCAP)
+        k = k.to(q.dtype)  # exact for an fp8 cache's codes; fp32 under UPCAST
+        v = v.to(q.dtype)
+        scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (SCALE * k_scale), SOFTCAP)
         visible = (n[None, :] <= (pos + s)[:, None]) & row_ok[:, None] & ours[None, :]
         if WINDOW > 0:
             visible = visible & (n[None, :] > (pos + s)[:, None] - WINDOW)
@@ -140,7 +139,7 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
                                                  tl.num_programs(2), BLOCK_M)
     if SINKS:
         acc, l_i = with_sink(acc, m_i, l_i, tl.load(sink_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32))
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # the values' fp8 scale (1 otherwise)
     tl.store(o_ptr + q_off + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask & writes)
     # the new keys and values into the cache: once per token, by the row holding the group's first head, in the
     # first split (any one would do: the other programs read the new keys from the inputs, never from the cache)

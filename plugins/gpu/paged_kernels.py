@@ -78,20 +78,28 @@ def write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, src, dst, d, mask, positions, cos_ptr
 
 
 @triton.jit
-def slot_of(table_ptr, b, positions, valid, MB, NB, BS):
+def slot_of(table_ptr, b, positions, valid, MB, NB, BS, PAGE: tl.constexpr = 0):
     """Cache slot (block * BS + offset) of each position of row b through the block table, and whether
-    it is mapped (the entry exists and names a block in [0, NB))."""
-    index = positions // BS
+    it is mapped (the entry exists and names a block in [0, NB)). PAGE > 0: the block size BS as a compile-time
+    constant (the PyTorch launches'), which turns the two divisions a key into shifts or a multiply (a runtime
+    divisor costs a few dozen instructions each: 44-163 of them in a compiled key loop); the plugins' kernels,
+    whose block size is a shape TensorRT passes at run time, divide."""
+    if PAGE > 0:
+        index = positions // PAGE
+        offset = positions % PAGE
+    else:
+        index = positions // BS
+        offset = positions % BS
     block = tl.load(table_ptr + b * MB + index, mask=valid & (index < MB), other=-1).to(tl.int64)
     mapped = valid & (block >= 0) & (block < NB)
-    return block * BS + positions % BS, mapped
+    return block * BS + offset, mapped
 
 
 @triton.jit
 def _paged_write(k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, slots_ptr, cos_ptr, sin_ptr,
                  B, MB, NB, BS, ks_ptr, vs_ptr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_KVH: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 SLOTS: tl.constexpr, FP8_KV: tl.constexpr = False):
+                 SLOTS: tl.constexpr, FP8_KV: tl.constexpr = False, PAGE: tl.constexpr = 0):
     """One program per packed token: its keys (rotated) and values into its cache slot, all KV heads."""
     t = tl.program_id(0)
     b = find_row(cu_ptr, B, t, 1, 1, False)
@@ -104,7 +112,7 @@ def _paged_write(k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, slot
         slot = tl.load(slots_ptr + t + 0 * g).to(tl.int64)
         ok = heads & (slot >= 0) & (slot < NB * BS)
     else:
-        slot, ok = slot_of(table_ptr, b, positions, heads, MB, NB, BS)
+        slot, ok = slot_of(table_ptr, b, positions, heads, MB, NB, BS, PAGE)
     mask = ok[:, None] & (d < D)[None, :]
     src = (t * KVH + g).to(tl.int64)[:, None] * D
     dst = (slot * KVH + g)[:, None] * D + d[None, :]
@@ -120,16 +128,16 @@ def _paged_write(k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, slot
 def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, end, slot, mapped, past, start, kv, d_ok, d,
                 k_scale, v_scale, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr,
                 INTERLEAVED: tl.constexpr, FRESH: tl.constexpr, FP8_KV: tl.constexpr):
-    """One block of keys and values (fp32) at positions n (up to `end`, exclusive): from the cache (fp8 entries
-    times the head's scales with FP8_KV), or with FRESH those at or past the row's cached length `past` from the
-    new-token inputs (rotated, rounded as the cache holds them), read only in a block that reaches them (their
-    rounding into an fp8 cache, an IEEE division and an encode per element, bounded every block otherwise)."""
+    """One block of keys and values at positions n (up to `end`, exclusive), in the cache's units (fp8.py load_kv):
+    from the cache, or with FRESH those at or past the row's cached length `past` from the new-token inputs
+    (rotated, rounded as the cache holds them), read only in a block that reaches them (their rounding into an fp8
+    cache, an IEEE division and an encode per element, bounded every block otherwise)."""
     cached = mapped
     if FRESH:
         cached = mapped & (n < past)
     at = (slot * KVH + kv)[:, None] * D + d[None, :]
-    k = load_kv(kc_ptr, at, cached[:, None] & d_ok[None, :], k_scale, FP8_KV)
-    v = load_kv(vc_ptr, at, cached[:, None] & d_ok[None, :], v_scale, FP8_KV)
+    k = load_kv(kc_ptr, at, cached[:, None] & d_ok[None, :], FP8_KV)
+    v = load_kv(vc_ptr, at, cached[:, None] & d_ok[None, :], FP8_KV)
     if FRESH:
         if end > past:
             new = (mapped & (n >= past))[:, None] & d_ok[None, :]
@@ -148,13 +156,13 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
                      SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr,
                      INTERLEAVED: tl.constexpr, FRESH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SINKS: tl.constexpr,
-                     SPLITS: tl.constexpr, FP8_KV: tl.constexpr = False):
+                     SPLITS: tl.constexpr, FP8_KV: tl.constexpr = False, PAGE: tl.constexpr = 0):
     """One program per (block of a row's (token, group head) pairs, KV head, key split). Parameters in
     TensorRT's AOT-plugin order: input tensors (the split workspace and counters last), int32 scalars, output
     tensors (the caches, workspace and counters aliased to the inputs); SPLITS > 1 compiles the key splits, as
     many as the grid's third axis (a plugin's launch sizes it: split_kv.plugin_splits), and only then are the
     workspace and counters read; then the fp8 caches' per-KV-head scales, read only with FP8_KV (fp8.py: the
-    caches then hold e4m3 bytes).
+    caches then hold e4m3 bytes). PAGE: the block size when compiled (slot_of; 0: BS at run time).
     UPCAST: tiles reach the dots as fp32 (under the interpreter for bf16, which NumPy lacks)."""
     G: tl.constexpr = H // KVH
     kv = tl.program_id(1)
@@ -190,12 +198,11 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
     # or a window's start: 13568 bytes of shared memory against 21760 at fp16 head 128), all 9 from a trip count
     for step in range(0, tl.cdiv(hi - lo, BLOCK_N)):
         n = lo + step * BLOCK_N + tl.arange(0, BLOCK_N)
-        slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS)
+        slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS, PAGE)
         k, v = _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, lo + (step + 1) * BLOCK_N, slot, mapped,
                            past, start, kv, d_ok, d, k_scale, v_scale, KVH, D, HALF, ROTARY, INTERLEAVED, FRESH, FP8_KV)
-        if not UPCAST:
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE, SOFTCAP)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # exact for an fp8 cache's codes; fp32 under UPCAST
+        scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (SCALE * k_scale), SOFTCAP)
         visible = mapped[None, :] & row_ok[:, None]
         if CAUSAL:
             visible = visible & (n[None, :] <= pos[:, None])
@@ -212,11 +219,11 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
     if SINKS:
         head = kv * G + r % G
         acc, l_i = with_sink(acc, m_i, l_i, tl.load(sink_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32))
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # the values' fp8 scale (1 otherwise)
     tl.store(o_ptr + q_at + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask & writes)
     if FRESH:  # the row's new keys and values into the blocks, once per token: by its group's first head, in the
         writer = row_ok & (r % G == 0) & (tl.program_id(2) + 0 * r == 0)  # first split (the others read the inputs)
-        slot, mapped = slot_of(table_ptr, b, pos, writer, MB, NB, BS)
+        slot, mapped = slot_of(table_ptr, b, pos, writer, MB, NB, BS, PAGE)
         w_mask = mapped[:, None] & d_ok[None, :]
         src = ((start + s).to(tl.int64) * KVH + kv)[:, None] * D
         dst = (slot * KVH + kv)[:, None] * D + d[None, :]
@@ -260,7 +267,8 @@ def write_new_kv(query, key, value, key_cache, value_cache, cumulative_sequence_
         _paged_write[(tokens,)](key, value, kc, vc, cu, past, table, slots, cos, sin, *scalars, k_scale, v_scale,
                                 kv_num_heads, options["D"], options["HALF"], triton.next_power_of_2(kv_num_heads),
                                 options["BLOCK_D"], options["ROTARY"], options["INTERLEAVED"], slot_mapping is not None,
-                                fp8)
+                                fp8, PAGE=block_size)
+    options["PAGE"] = block_size  # the attention launches' too: a PyTorch launch compiles per block size
     return SimpleNamespace(query=query, key=key, value=value, options=options, cu=cu, past=past, table=table,
                            tokens=tokens, rows=rows, block_size=block_size, scalars=scalars, cos=cos, sin=sin,
                            k_scale=k_scale, v_scale=v_scale, kc=kc, vc=vc)

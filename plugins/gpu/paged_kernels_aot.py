@@ -58,6 +58,7 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
         config = config or attention_config(options["D"], query.element_size(), fresh=True,
                                             capability=None if slots else launch_capability(query))
         options["BLOCK_N"] = config.block_n
+        options["PAGE"] = 0 if slots else key_cache.shape[1]  # as the plugin: its block size a run-time scalar
         grid_x = attention_grid(query.shape[0], past.shape[0], num_heads, kv_num_heads)[0]
         keys = table.shape[1] * key_cache.shape[1]
         if slots and splits and splits > 1:  # as the plugin launches it: the grid's third axis from its shapes

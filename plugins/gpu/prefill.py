@@ -31,25 +31,26 @@ import torch
 import triton
 import triton.language as tl
 
-from llmc.plugins.gpu.configs import PREFILL_CONFIGS, SHARED_LIMITS, KernelConfig, generation
+from llmc.plugins.gpu.configs import PREFILL_CONFIGS, SHARED_LIMITS, KernelConfig, block_d, generation
 from llmc.plugins.gpu.fp8 import head_scale, load_kv
 from llmc.plugins.gpu.kernels import INTERPRETED, capped, rows, softmax_block, with_sink
 from llmc.plugins.gpu.paged_kernels import find_row, kernel_options, sinks, slot_of, write_new_kv
+from llmc.plugins.gpu.pipelining import KeyPipelining, key_pipelining
 
 
 @triton.jit
 def _key_block(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_ptr, b, kv, start_n, hi, pos, row_ok, d, d_ok, k_scale,
-               v_scale, MB, NB, BS, SCALE: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, SOFTCAP: tl.constexpr,
+               MB, NB, BS, SCALE: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, SOFTCAP: tl.constexpr,
                WINDOW: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               FP8_KV: tl.constexpr, MASKED: tl.constexpr):
+               FP8_KV: tl.constexpr, MASKED: tl.constexpr, PAGE: tl.constexpr):
     """One block of keys from `start_n` folded into the tile's online softmax. MASKED: apply the causal and window
     masks (parts 1 and 3); otherwise only the keys' own validity (mapped, before `hi`: part 2)."""
     n = start_n + tl.arange(0, BLOCK_N)
-    slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS)
+    slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS, PAGE)
     at = ((slot * KVH + kv) * D)[:, None] + d[None, :]  # [N, D]: each key's channels contiguous, as stored
     kv_mask = mapped[:, None] & d_ok[None, :]
-    k = load_kv(kc_ptr, at, kv_mask, k_scale, FP8_KV)
-    scores = capped(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * SCALE, SOFTCAP)
+    k = load_kv(kc_ptr, at, kv_mask, FP8_KV)  # the cache's units (fp8.py): the key scale joins the logits'
+    scores = capped(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (SCALE * k_scale), SOFTCAP)
     if MASKED:
         visible = mapped[None, :] & row_ok[:, None]
         if CAUSAL:
@@ -60,7 +61,7 @@ def _key_block(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_ptr, b, kv, start_n, hi, 
     else:
         scores = tl.where(mapped[None, :], scores, float("-inf"))
     p, alpha, m_i, l_i = softmax_block(scores, m_i, l_i)
-    v = load_kv(vc_ptr, at, kv_mask, v_scale, FP8_KV)
+    v = load_kv(vc_ptr, at, kv_mask, FP8_KV)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -71,7 +72,7 @@ def _paged_prefill(q_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, cos_ptr, 
                    HALF: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
                    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SINKS: tl.constexpr,
-                   FP8_KV: tl.constexpr):
+                   FP8_KV: tl.constexpr, PAGE: tl.constexpr = 0):
     """One program per (tile of BLOCK_M queries of one row, query head). Rows are packed: program i belongs to the
     row whose first tile `cu[b] // BLOCK_M + b` is the last one <= i (prefill_grid covers any split of the
     tokens); a spare program finds no query of its row and writes nothing."""
@@ -116,19 +117,19 @@ def _paged_prefill(q_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, cos_ptr, 
     if WINDOW > 0:
         for start_n in range(lo, full_lo, BLOCK_N):
             acc, m_i, l_i = _key_block(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_ptr, b, kv, start_n, hi, pos, row_ok, d,
-                                       d_ok, k_scale, v_scale, MB, NB, BS, SCALE, KVH, D, SOFTCAP, WINDOW, CAUSAL,
-                                       BLOCK_N, DOT_PRECISION, FP8_KV, True)
+                                       d_ok, k_scale, MB, NB, BS, SCALE, KVH, D, SOFTCAP, WINDOW, CAUSAL,
+                                       BLOCK_N, DOT_PRECISION, FP8_KV, True, PAGE)
     for step in range(0, (full_hi - full_lo) // BLOCK_N):  # counted from 0: Triton pipelines a trip count's loads
         acc, m_i, l_i = _key_block(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_ptr, b, kv, full_lo + step * BLOCK_N, hi,
-                                   pos, row_ok, d, d_ok, k_scale, v_scale, MB, NB, BS, SCALE, KVH, D, SOFTCAP, WINDOW,
-                                   CAUSAL, BLOCK_N, DOT_PRECISION, FP8_KV, False)
+                                   pos, row_ok, d, d_ok, k_scale, MB, NB, BS, SCALE, KVH, D, SOFTCAP, WINDOW,
+                                   CAUSAL, BLOCK_N, DOT_PRECISION, FP8_KV, False, PAGE)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _key_block(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_ptr, b, kv, start_n, hi, pos, row_ok, d,
-                                   d_ok, k_scale, v_scale, MB, NB, BS, SCALE, KVH, D, SOFTCAP, WINDOW, CAUSAL,
-                                   BLOCK_N, DOT_PRECISION, FP8_KV, True)
+                                   d_ok, k_scale, MB, NB, BS, SCALE, KVH, D, SOFTCAP, WINDOW, CAUSAL,
+                                   BLOCK_N, DOT_PRECISION, FP8_KV, True, PAGE)
     if SINKS:
         acc, l_i = with_sink(acc, m_i, l_i, tl.load(sink_ptr + h + 0 * m).to(tl.float32))
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # the values' fp8 scale (1 otherwise)
     tl.store(o_ptr + q_at + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -159,15 +160,22 @@ def prefill_source(num_heads: int, num_kv_heads: int, head_size: int, dtype: tor
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_shared(capability: int, head_size: int, dtype: torch.dtype, fp8_kv: bool, config: KernelConfig) -> int:
-    """Bytes of shared memory `_paged_prefill` states compiled for sm_<capability> with `config`, as a PyTorch
-    launch specializes it (16-byte-aligned pointers: Triton buffers the pipelined loads). Compiles to PTX without a
-    GPU (not under the interpreter, which replaces compiling); Triton caches the result on disk."""
+def compiled_facts(capability: int, head_size: int, dtype: torch.dtype, fp8_kv: bool,
+                   config: KernelConfig) -> tuple[int, KeyPipelining]:
+    """(bytes of shared memory, key-loop pipelining) of `_paged_prefill` compiled for sm_<capability> with `config`,
+    as a PyTorch launch specializes it (16-byte-aligned pointers: Triton buffers the pipelined loads). Compiles to
+    PTX without a GPU (not under the interpreter, which replaces compiling); Triton caches the result on disk."""
     from llmc.plugins.gpu.kernels_aot import _compile, no_cubin
 
     fn, signature, constexprs, _ = prefill_source(8, 2, head_size, dtype, config, fp8_kv=fp8_kv)
     with no_cubin():
-        return _compile(fn, signature, constexprs, capability, aligned=True, **config.launch()).metadata.shared
+        compiled = _compile(fn, signature, constexprs, capability, aligned=True, **config.launch())
+    return compiled.metadata.shared, key_pipelining(compiled.asm["ttgir"], config.block_n, block_d(head_size))
+
+
+def compiled_shared(capability: int, head_size: int, dtype: torch.dtype, fp8_kv: bool, config: KernelConfig) -> int:
+    """Bytes of shared memory `_paged_prefill` states compiled for sm_<capability> with `config` (compiled_facts)."""
+    return compiled_facts(capability, head_size, dtype, fp8_kv, config)[0]
 
 
 def fitting_configs(capability: int, head_size: int, dtype: torch.dtype, fp8_kv: bool = False,

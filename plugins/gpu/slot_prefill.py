@@ -41,11 +41,12 @@ PLUGIN_PREFILL_CONFIGS = (KernelConfig(64, 32, 4, 2), KernelConfig(64, 32, 4, 1)
 
 
 @triton.jit
-def _fold(acc, m_i, l_i, q, k, v, n, qpos, valid, SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+def _fold(acc, m_i, l_i, q, k, v, n, qpos, valid, k_scale, SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
           WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
-    """One block of keys `k` [N, D] and values `v` at positions `n` folded into the tile's online softmax; `valid`
-    [N] the keys that exist. CAUSAL: the diagonal's mask (key at or before the query); a window masks too."""
-    scores = capped(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * SCALE, SOFTCAP)
+    """One block of keys `k` [N, D] and values `v` at positions `n`, in the cache's units (fp8.py load_kv: the key
+    scale `k_scale` joins the logits'), folded into the tile's online softmax; `valid` [N] the keys that exist.
+    CAUSAL: the diagonal's mask (key at or before the query); a window masks too."""
+    scores = capped(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (SCALE * k_scale), SOFTCAP)
     visible = valid[None, :] & (qpos[:, None] >= 0)
     if CAUSAL:
         visible = visible & (n[None, :] <= qpos[:, None])
@@ -61,7 +62,7 @@ def _new_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, b, S, kv, j, pos, 
               KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr, UPCAST: tl.constexpr,
               FP8_KV: tl.constexpr):
     """The new tokens `j` [N] of row b (valid below S): keys rotated at their positions and values, each as the
-    cache will hold it ([N, D] fp32), and which exist."""
+    cache will hold it ([N, D], in load_kv's units), and which exist."""
     ok = j < S
     at = ((b * S + j) * KVH + kv)[:, None] * D
     mask = ok[:, None] & d_ok[None, :]
@@ -109,9 +110,10 @@ def _slot_prefill(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr, sin_ptr
     for step in range(0, tl.cdiv(tl.maximum(pos - lo, 0), BLOCK_N)):  # counted from 0: Triton pipelines a trip count
         n = lo + step * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = n < pos
-        k = load_kv(kc_ptr, cache + n[:, None] * D + d[None, :], ok[:, None] & d_ok[None, :], k_scale, FP8_KV)
-        v = load_kv(vc_ptr, cache + n[:, None] * D + d[None, :], ok[:, None] & d_ok[None, :], v_scale, FP8_KV)
-        acc, m_i, l_i = _fold(acc, m_i, l_i, q, k, v, n, qpos, ok, SCALE, SOFTCAP, WINDOW, DOT_PRECISION, False)
+        k = load_kv(kc_ptr, cache + n[:, None] * D + d[None, :], ok[:, None] & d_ok[None, :], FP8_KV)
+        v = load_kv(vc_ptr, cache + n[:, None] * D + d[None, :], ok[:, None] & d_ok[None, :], FP8_KV)
+        acc, m_i, l_i = _fold(acc, m_i, l_i, q, k, v, n, qpos, ok, k_scale, SCALE, SOFTCAP, WINDOW, DOT_PRECISION,
+                              False)
     # 2. the new keys before the tile's first query (every query sees them but for a window), then the diagonal
     f_lo = 0
     if WINDOW > 0:
@@ -121,16 +123,17 @@ def _slot_prefill(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr, sin_ptr
         j = f_lo + step * BLOCK_N + tl.arange(0, BLOCK_N)
         k, v, ok = _new_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, b, S, kv, j, pos, d, d_ok, k_scale,
                              v_scale, KVH, D, HALF, ROTARY, UPCAST, FP8_KV)
-        acc, m_i, l_i = _fold(acc, m_i, l_i, q, k, v, pos + j, qpos, ok, SCALE, SOFTCAP, WINDOW, DOT_PRECISION, False)
+        acc, m_i, l_i = _fold(acc, m_i, l_i, q, k, v, pos + j, qpos, ok, k_scale, SCALE, SOFTCAP, WINDOW,
+                              DOT_PRECISION, False)
     for start in range(f_lo + full * BLOCK_N, t1, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         k, v, ok = _new_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, b, S, kv, j, pos, d, d_ok, k_scale,
                              v_scale, KVH, D, HALF, ROTARY, UPCAST, FP8_KV)
-        acc, m_i, l_i = _fold(acc, m_i, l_i, q, k, v, pos + j, qpos, ok & (j < t1), SCALE, SOFTCAP, WINDOW,
+        acc, m_i, l_i = _fold(acc, m_i, l_i, q, k, v, pos + j, qpos, ok & (j < t1), k_scale, SCALE, SOFTCAP, WINDOW,
                               DOT_PRECISION, True)
     if SINKS:
         acc, l_i = with_sink(acc, m_i, l_i, tl.load(sink_ptr + h + 0 * m).to(tl.float32))
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # the values' fp8 scale (1 otherwise)
     tl.store(o_ptr + q_off + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
     if h % G == 0:  # the tile's new keys and values into the cache, by the group's first head
         write_new_kv(k_ptr, v_ptr, kc_out, vc_out, ((b * S + m) * KVH + kv)[:, None] * D,
