@@ -18,7 +18,7 @@ the same on sm_80 and sm_90):
     one-launch (fresh), 3 stages   67584     135168    270336
                         2 stages   38912      77824    155648
                         1 stage    10240      20480     40960
-    paged (two-launch), 3 stages   11520      21760     42240
+    paged (two-launch), 5 stages   19968      38400     75264   (TABLE_STAGES; fp32 at 256: 150080)
     (the split-KV forms, split_kv.py: the same figures, same configurations)
 
 Every configuration a kernel may get stays within sm_80's 166912 bytes per block (the smaller of the two
@@ -38,9 +38,16 @@ BLOCK_M, BLOCK_N = 16, 32  # queries (or (token, head) pairs) per program, keys 
 SPLIT_KEYS = 256
 NUM_WARPS = 4
 SHARED_LIMITS = {80: 166912, 90: 232448}  # bytes of shared memory one block may opt in to, by capability
-# The widest tile row (bytes) each kernel kind keeps 3 stages for; past it, fewer stages (attention_config)
-FRESH_ROW_BYTES = 256  # one-launch kernels: fp16 up to BLOCK_D 128 (135168 bytes at 3 stages)
-CACHED_ROW_BYTES = 512  # kernels reading only the cache: fp16 up to BLOCK_D 256 (paged: 42240 bytes)
+# The widest tile row (bytes) the one-launch kernels keep 3 stages for (fp16 up to BLOCK_D 128: 135168 bytes);
+# past it, one (attention_config)
+FRESH_ROW_BYTES = 256
+# The stages of the paged kernel that reads only the cache (the two-launch form's attention): 2 more than a direct
+# load's 3, because Triton's pipeliner counts its block-table read as a level of indirection and shares the
+# stages among the levels: at 3 or 4 its key and value copies got one buffer and were waited for with nothing in
+# flight, each tile loaded after the previous one's compute (plugins/gpu/pipelining.py reads it from the compiled
+# IR; tests/gpu/test_kernel_resources.py checks every configuration). At 5, two buffers stay in flight, as the
+# slot kernels' do at 3. The one-launch paged kernel pipelines at 3 as it is (its loop's loads are not counted so).
+TABLE_STAGES = 5
 
 
 @dataclass(frozen=True)
@@ -63,13 +70,16 @@ def block_d(head_dim: int) -> int:
 
 # Hopper's decode configurations, timed on an H200 (`python -m llmc.bench gpu-kernels --kind tune`, 2026-11-30,
 # fp16, 32 query heads over 8 KV heads, head 128, at batch x context 32 x 4k, 8 x 32k, 64 x 8k and 1 x 128k; 9
-# configurations x 2 split counts a kernel). Fastest at all four shapes, against 32 keys, 4 warps, 3 stages:
+# configurations x 2 split counts a kernel, all at 3 or 4 stages). Fastest at all four shapes, against 32 keys, 4
+# warps, 3 stages:
 #   cached-only (the paged kernel after its write launch): 128 keys, 8 warps: 0.69-0.80x SDPA (was 0.24-0.74x);
 #   fresh (the one-launch kernels):                        64 keys, 4 warps:  0.60-0.61x SDPA (was 0.51-0.55x);
-# the paged one-launch kernel gained least (0.40-0.44x, was 0.20-0.42x). Used by PyTorch launches on a GPU of
-# capability 9.0 or later, for 16-bit heads up to 128 (what was measured); the TensorRT plugins' ahead-of-time
-# kernels keep the configurations below, as do other GPUs and head sizes.
-HOPPER_DECODE = {True: KernelConfig(BLOCK_M, 64, 4, 3), False: KernelConfig(BLOCK_M, 128, 8, 3)}
+# the paged one-launch kernel gained least (0.40-0.44x, was 0.20-0.42x). The cached-only kernel was timed only
+# at stage counts that overlap none of its loads (TABLE_STAGES); it now takes 64 keys, 4 warps and TABLE_STAGES
+# (72,704 bytes at head 128, two tiles in flight), chosen from the compiled IR and not yet timed on a GPU. Used
+# by PyTorch launches on a GPU of capability 9.0 or later, for 16-bit heads up to 128 (what was measured); the
+# TensorRT plugins' ahead-of-time kernels keep the configurations below, as do other GPUs and head sizes.
+HOPPER_DECODE = {True: KernelConfig(BLOCK_M, 64, 4, 3), False: KernelConfig(BLOCK_M, 64, 4, TABLE_STAGES)}
 
 
 def attention_config(head_dim: int, itemsize: int, *, fresh: bool, capability: int | None = None) -> KernelConfig:
@@ -84,8 +94,8 @@ def attention_config(head_dim: int, itemsize: int, *, fresh: bool, capability: i
     row = block_d(head_dim) * itemsize
     if fresh:
         stages = 3 if row <= FRESH_ROW_BYTES else 1
-    else:
-        stages = 3 if row <= CACHED_ROW_BYTES else 2
+    else:  # every head size and type fits (fp32 at head 256: 150,080 bytes)
+        stages = TABLE_STAGES
     return KernelConfig(BLOCK_M, BLOCK_N, NUM_WARPS, stages)
 
 
@@ -100,16 +110,19 @@ def decode_splits(batch: int, kv_heads: int, context: int, num_sms: int = 132, m
 
 # The prefill kernel's tiles (plugins/gpu/prefill.py: FlashAttention-2's loop, one query head a program), per GPU
 # generation, in order of preference: FlashAttention-2's and Triton's fused-attention tutorial's choices for A100
-# (sm_80: 128 x 64, 4 warps) and H100 (sm_90: 128 x 128 or 128 x 64, 8 warps, more stages), then smaller ones; 128 x
-# 32 with 4 warps was the fastest on an H200 (153 TFLOP/s at 8k tokens, head 128, against 138 for the best of the
-# others: gpu-kernels --kind tune). Not every one fits every head size and type: prefill.fitting_configs drops those
-# whose compiled shared memory passes the generation's limit (compiling for the target, as the resource test does),
-# and on a GPU triton.autotune picks among the rest. The last of each list fits every head size up to 256 in fp32.
+# (sm_80: 128 x 64, 4 warps) and H100 (sm_90: 128 x 128 or 128 x 64, 8 warps), then smaller ones. They read the
+# paged cache through the block table, so they take TABLE_STAGES: at 3 stages (the tutorial's) every one of them
+# compiled to a loop that waits for all its copies at each step; 128 x 32 with 4 warps, 3 stages, was the fastest
+# of them on an H200 (153 TFLOP/s at 8k tokens, head 128, against 138 for the best of the others, and 290-302 for
+# the slot cache's kernel, which has no table: gpu-kernels --kind tune, 2026-11-30); the 5-stage tiles are not yet
+# timed. Not every one fits every head size and type: prefill.fitting_configs drops those whose compiled shared
+# memory passes the generation's limit (compiling for the target, as the resource test does), and on a GPU
+# triton.autotune picks among the rest. The last of each list (one stage) fits every head size up to 256 in fp32.
 PREFILL_CONFIGS = {
-    80: (KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3), KernelConfig(64, 32, 4, 2),
-         KernelConfig(32, 32, 4, 1)),
-    90: (KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 4, 3),
-         KernelConfig(64, 64, 4, 3), KernelConfig(32, 32, 4, 1)),
+    80: (KernelConfig(128, 64, 4, TABLE_STAGES), KernelConfig(64, 64, 4, TABLE_STAGES),
+         KernelConfig(64, 32, 4, TABLE_STAGES), KernelConfig(32, 32, 4, 1)),
+    90: (KernelConfig(128, 128, 8, TABLE_STAGES), KernelConfig(128, 64, 8, TABLE_STAGES),
+         KernelConfig(128, 32, 4, TABLE_STAGES), KernelConfig(64, 64, 4, TABLE_STAGES), KernelConfig(32, 32, 4, 1)),
 }
 
 

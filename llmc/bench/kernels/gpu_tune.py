@@ -1,12 +1,14 @@
 """The attention kernels' launch configurations, timed on a GPU: `python -m llmc.bench gpu-kernels --kind tune`.
 
-configs.attention_config's portable rule gives every decode kernel 32 keys a step, 4 warps and 3 stages, a choice
-made without a GPU; this run's fastest on an H200 became Hopper's (configs.HOPPER_DECODE). It times:
+configs.attention_config's portable rule gives every decode kernel 32 keys a step and 4 warps, a choice made
+without a GPU; this run's fastest on an H200 became Hopper's (configs.HOPPER_DECODE). It times:
   - decode, at issue 55's shapes (batch x context 32 x 4k, 8 x 32k, 64 x 8k, 1 x 128k; `--head-dim`, default
-    128): keys a step 32/64/128, with 4 warps over 3 or 4 stages or 8 warps over 3, each at the split count the
-    launch picks and at twice it, for the slot kernel in one launch and the paged kernel in two launches and in one;
+    128): keys a step 32/64/128, with 4 warps over 3 or 5 stages or 8 warps over 5, each at the split count the
+    launch picks and at twice it, for the slot kernel in one launch and the paged kernel in two launches and in one
+    (the paged kernel that reads only the cache overlaps its loads from 5 stages on, configs.TABLE_STAGES: its 3
+    and 4 compile to the same loop, so the first run's 4-stage variants timed nothing new for it);
   - prefill, 8k fresh and a 2k chunk after 8k cached: the paged prefill kernel and the plugin's slot prefill in
-    each of PREFILL_TILES (configs.PREFILL_CONFIGS' Hopper list and neighbours).
+    each of PREFILL_TILES (configs.PREFILL_CONFIGS' Hopper list, and the 3-stage tiles timed before).
 Every variant is checked against the reference before it is timed; its step time, KV bandwidth (decode) or
 TFLOP/s (prefill) and ratio to torch SDPA from the same run are printed and written (`--out`), with the fastest
 per kernel and shape.
@@ -24,15 +26,15 @@ import multiprocessing
 from types import SimpleNamespace
 
 from llmc.bench.kernels.gpu_prefill import prefill_flops
-from llmc.plugins.gpu.configs import BLOCK_M, KernelConfig
+from llmc.plugins.gpu.configs import BLOCK_M, PREFILL_CONFIGS, TABLE_STAGES, KernelConfig
 
 TUNE_SHAPES = ((32, 4096), (8, 32768), (64, 8192), (1, 131072))
-TUNE_CONFIGS = tuple(KernelConfig(BLOCK_M, n, w, s) for n in (32, 64, 128) for w, s in ((4, 3), (4, 4), (8, 3)))
+TUNE_CONFIGS = tuple(KernelConfig(BLOCK_M, n, w, s) for n in (32, 64, 128)
+                     for w, s in ((4, 3), (4, TABLE_STAGES), (8, TABLE_STAGES)))
 KERNELS = ("slot one launch", "paged two launches", "paged one launch")
 PREFILL_SHAPES = ((8192, 0), (2048, 8192))  # (tokens, cached)
-PREFILL_TILES = (KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 3), KernelConfig(128, 64, 4, 3),
-                 KernelConfig(128, 32, 4, 3), KernelConfig(64, 64, 4, 3), KernelConfig(64, 32, 4, 2),
-                 KernelConfig(64, 128, 4, 2))
+PREFILL_TILES = (*PREFILL_CONFIGS[90][:-1], KernelConfig(128, 64, 4, TABLE_STAGES), KernelConfig(128, 32, 4, 3),
+                 KernelConfig(64, 64, 4, 3))
 PREFILL_KERNELS = ("paged prefill", "slot prefill")
 
 
