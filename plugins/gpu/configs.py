@@ -38,15 +38,15 @@ BLOCK_M, BLOCK_N = 16, 32  # queries (or (token, head) pairs) per program, keys 
 SPLIT_KEYS = 256
 NUM_WARPS = 4
 SHARED_LIMITS = {80: 166912, 90: 232448}  # bytes of shared memory one block may opt in to, by capability
-# The widest tile row (bytes) the one-launch kernels keep 3 stages for (fp16 up to BLOCK_D 128: 135168 bytes);
-# past it, one (attention_config)
+# The widest tile row (bytes) the slot cache's one-launch kernel keeps 3 stages for (fp16 up to BLOCK_D 128); past
+# it, the one stage it was measured at on the H200 (head 256: 0.96-1.03x SDPA) (attention_config)
 FRESH_ROW_BYTES = 256
-# The stages of the paged kernel that reads only the cache (the two-launch form's attention): 2 more than a direct
-# load's 3, because Triton's pipeliner counts its block-table read as a level of indirection and shares the
-# stages among the levels: at 3 or 4 its key and value copies got one buffer and were waited for with nothing in
-# flight, each tile loaded after the previous one's compute (plugins/gpu/pipelining.py reads it from the compiled
-# IR; tests/gpu/test_kernel_resources.py checks every configuration). At 5, two buffers stay in flight, as the
-# slot kernels' do at 3. The one-launch paged kernel pipelines at 3 as it is (its loop's loads are not counted so).
+# The stages of the paged kernels' key loop (the two-launch form's attention, and the one-launch form's loop over
+# cached blocks): 2 more than a direct load's 3, because Triton's pipeliner counts the block-table read before
+# each key tile as a level of indirection and shares the stages among the levels: at 3 or 4 the key and value
+# copies got one buffer and were waited for with nothing in flight, each tile loaded after the previous one's
+# compute (plugins/gpu/pipelining.py reads it from the compiled IR; tests/gpu/test_kernel_resources.py checks
+# every configuration). At 5, two buffers stay in flight, as the slot kernel's do at 3.
 TABLE_STAGES = 5
 
 
@@ -68,34 +68,36 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())  # triton.next_power_of_2, without importing triton here
 
 
-# Hopper's decode configurations, timed on an H200 (`python -m llmc.bench gpu-kernels --kind tune`, 2026-11-30,
-# fp16, 32 query heads over 8 KV heads, head 128, at batch x context 32 x 4k, 8 x 32k, 64 x 8k and 1 x 128k; 9
-# configurations x 2 split counts a kernel, all at 3 or 4 stages). Fastest at all four shapes, against 32 keys, 4
-# warps, 3 stages:
-#   cached-only (the paged kernel after its write launch): 128 keys, 8 warps: 0.69-0.80x SDPA (was 0.24-0.74x);
-#   fresh (the one-launch kernels):                        64 keys, 4 warps:  0.60-0.61x SDPA (was 0.51-0.55x);
-# the paged one-launch kernel gained least (0.40-0.44x, was 0.20-0.42x). The cached-only kernel was timed only
-# at stage counts that overlap none of its loads (TABLE_STAGES); it now takes 64 keys, 4 warps and TABLE_STAGES
-# (72,704 bytes at head 128, two tiles in flight), chosen from the compiled IR and not yet timed on a GPU. Used
-# by PyTorch launches on a GPU of capability 9.0 or later, for 16-bit heads up to 128 (what was measured); the
-# TensorRT plugins' ahead-of-time kernels keep the configurations below, as do other GPUs and head sizes.
-HOPPER_DECODE = {True: KernelConfig(BLOCK_M, 64, 4, 3), False: KernelConfig(BLOCK_M, 64, 4, TABLE_STAGES)}
+# Hopper's decode configurations, keyed by `paged`, from an H200 (`python -m llmc.bench gpu-kernels --kind tune`,
+# 2026-11-30, fp16, 32 query heads over 8 KV heads, head 128, at batch x context 32 x 4k, 8 x 32k, 64 x 8k and 1 x
+# 128k; 9 configurations x 2 split counts a kernel, all at 3 or 4 stages). Fastest at all four shapes, against 32
+# keys, 4 warps, 3 stages:
+#   the slot cache's one-launch kernel:            64 keys, 4 warps: 0.60-0.61x SDPA (was 0.51-0.55x);
+#   the paged kernel after its write launch:      128 keys, 8 warps: 0.69-0.80x SDPA (was 0.24-0.74x);
+#   the paged one-launch kernel, at 64 x 4 x 3:    0.40-0.44x (was 0.20-0.42x).
+# The paged kernels were timed only at stage counts that overlap none of their loads (TABLE_STAGES), and the
+# one-launch forms with the new keys' branch in their key loop (now in a loop of its own); both paged kernels
+# now take 64 keys, 4 warps and TABLE_STAGES (72,704 bytes at head 128, two tiles in flight), chosen from the
+# compiled IR and not yet timed on a GPU. Used by PyTorch launches on a GPU of capability 9.0 or later, for 16-bit
+# heads up to 128 (what was measured); the TensorRT plugins' ahead-of-time kernels keep the configurations below,
+# as do other GPUs and head sizes.
+HOPPER_DECODE = {False: KernelConfig(BLOCK_M, 64, 4, 3), True: KernelConfig(BLOCK_M, 64, 4, TABLE_STAGES)}
 
 
-def attention_config(head_dim: int, itemsize: int, *, fresh: bool, capability: int | None = None) -> KernelConfig:
-    """The configuration of an attention kernel over heads of `head_dim` channels of `itemsize` bytes.
-    `fresh`: the kernel also reads the step's new keys and values from its inputs (the one-launch kernels),
-    which more than triples the tiles each pipeline stage buffers. Stages never increase with the row
-    width, so the widest row that gets a stage count is its largest footprint (what the resource test uses).
-    `capability` (as 90): a PyTorch launch's GPU, which on Hopper and later takes HOPPER_DECODE where it was
-    measured; None (the plugins' compiles, the interpreter) the portable rule."""
+def attention_config(head_dim: int, itemsize: int, *, paged: bool, capability: int | None = None) -> KernelConfig:
+    """The configuration of a decode attention kernel over heads of `head_dim` channels of `itemsize` bytes.
+    `paged`: a paged kernel (two launches or one), whose key loop reads the cache through the block table
+    (TABLE_STAGES); else the slot cache's one-launch kernel (3 stages up to FRESH_ROW_BYTES rows, then 1). The
+    one-launch forms read the step's new keys in a one-stage loop of their own, after the key loop. Stages never
+    increase with the row width, so the widest row that gets a stage count is its largest footprint (what the
+    resource test uses). `capability` (as 90): a PyTorch launch's GPU, which on Hopper and later takes
+    HOPPER_DECODE where it was measured; None (the plugins' compiles, the interpreter) the portable rule."""
     if capability is not None and capability >= 90 and itemsize == 2 and block_d(head_dim) <= 128:
-        return HOPPER_DECODE[fresh]
-    row = block_d(head_dim) * itemsize
-    if fresh:
-        stages = 3 if row <= FRESH_ROW_BYTES else 1
-    else:  # every head size and type fits (fp32 at head 256: 150,080 bytes)
+        return HOPPER_DECODE[paged]
+    if paged:  # every head size and type fits (fp32 at head 256: 150,080 bytes)
         stages = TABLE_STAGES
+    else:
+        stages = 3 if block_d(head_dim) * itemsize <= FRESH_ROW_BYTES else 1
     return KernelConfig(BLOCK_M, BLOCK_N, NUM_WARPS, stages)
 
 

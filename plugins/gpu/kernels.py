@@ -1,6 +1,6 @@
 """The Triton building blocks every attention kernel shares: rotary embedding on the fly (`rows`: a tile of the
-inputs, rotated or not), one block
-of an online softmax (`softmax_block`), the logit softcap (`capped`) and attention sinks joining a finished softmax
+inputs, rotated or not), one block of an online softmax (`softmax_block`), a block of keys and values folded into
+it with the masks (`fold_keys`), the logit softcap (`capped`) and attention sinks joining a finished softmax
 (`with_sink`). The kernels built from them:
 
 - one_launch.py: `llmc::attention` (plugins/op/attention.py) over the slot cache in one launch, prefill and
@@ -69,6 +69,25 @@ def softmax_block(scores, m_i, l_i):
     p = tl.exp(scores - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def fold_keys(acc, m_i, l_i, q, k, v, n, valid, row_ok, pos, k_scale, SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+              WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A block of keys `k` [N, D] and values `v` at positions `n` [N], in the cache's units (fp8.py load_kv: the key
+    scale `k_scale` joins the softmax scale on the logits), folded into the online softmax (acc, m_i, l_i) of the
+    tile's queries `q`: masked where `valid` [N] or `row_ok` [M] is false, and by the rows' positions `pos` [M] with
+    CAUSAL (keys at or before) and WINDOW (within it)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)  # exact for an fp8 cache's codes; fp32 under UPCAST
+    scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (SCALE * k_scale), SOFTCAP)
+    visible = valid[None, :] & row_ok[:, None]
+    if CAUSAL:
+        visible = visible & (n[None, :] <= pos[:, None])
+    if WINDOW > 0:
+        visible = visible & (n[None, :] > pos[:, None] - WINDOW)
+    p, alpha, m_i, l_i = softmax_block(tl.where(visible, scores, float("-inf")), m_i, l_i)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
 
 
 @triton.jit

@@ -96,6 +96,18 @@ def compile_for_plugin(fn, source: tuple[dict, dict], capability: int, what: str
     return compiled
 
 
+def plugin_config(fn, source_for, capability: int, configs, what: str):
+    """The first of `configs` whose kernel, compiled for a plugin launch on sm_<capability> (`source_for(config)`:
+    its signature and constexprs; to PTX only, no_cubin), fits the shared memory a plugin launch gets."""
+    for config in configs:
+        with no_cubin():
+            compiled = _compile(fn, *source_for(config), capability, ptx_version=PTX_ISA, **config.launch())
+        if compiled.metadata.shared <= SHARED_MEM_LIMIT:
+            return config
+    raise ValueError(f"{what} fits the {SHARED_MEM_LIMIT} bytes of shared memory a plugin launch gets in none of "
+                     f"{configs}")
+
+
 @contextlib.contextmanager
 def no_cubin():
     """Triton's compile without its last stage, ptxas (the shared memory a kernel needs is fixed at the LLVM stage;
@@ -127,7 +139,7 @@ _ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 def _one_launch_source(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, t: str, rotary: bool,
                        position_type: str, rotary_dim: int | None = None, softcap: float = 0.0, window: int = -1,
                        sinks: bool = False, splits: int = 1, fp8_kv: bool = False):
-    config = attention_config(head_dim, _ITEMSIZE[t], fresh=True)
+    config = attention_config(head_dim, _ITEMSIZE[t], paged=False)
     signature = {**{n: f"*{t}" for n in PLUGIN_INPUTS + PLUGIN_OUTPUTS}, "pos_ptr": f"*{position_type}",
                  **{n: "i32" for n in PLUGIN_SCALARS}, **BUFFER_PARAMS,
                  **({n: "*u8" for n in CACHES} if fp8_kv else {})}  # an fp8 cache as bytes (fp8.py)
@@ -174,19 +186,15 @@ def plugin_prefill_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scal
     del constexprs["SPLITS"]
     target = capability if capability < 90 else 80
     what = f"the prefill attention kernel for head_dim {head_dim} ({dtype})"
-    for config in PLUGIN_PREFILL_CONFIGS:
-        source = (signature, {**constexprs, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n})
-        with no_cubin():
-            shared = _compile(_slot_prefill, *source, target, ptx_version=PTX_ISA, **config.launch()).metadata.shared
-        if shared > SHARED_MEM_LIMIT:  # the next, smaller tiles
-            continue
-        compiled = compile_for_plugin(_slot_prefill, source, target, what, config)
-        meta = compiled.metadata
-        ptx = trim_params(compiled.asm["ptx"], meta.name, len(PLUGIN_INPUTS + PLUGIN_SCALARS + PLUGIN_OUTPUTS))
-        return PluginKernel(meta.name, plain_target(ptx, what), meta.num_warps, meta.shared, config.block_m,
-                            prefill=True)
-    raise ValueError(f"{what} fits the {SHARED_MEM_LIMIT} bytes of shared memory a plugin launch gets in none of "
-                     f"{PLUGIN_PREFILL_CONFIGS}")
+
+    def source(config):
+        return signature, {**constexprs, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
+
+    config = plugin_config(_slot_prefill, source, target, PLUGIN_PREFILL_CONFIGS, what)
+    compiled = compile_for_plugin(_slot_prefill, source(config), target, what, config)
+    meta = compiled.metadata
+    ptx = trim_params(compiled.asm["ptx"], meta.name, len(PLUGIN_INPUTS + PLUGIN_SCALARS + PLUGIN_OUTPUTS))
+    return PluginKernel(meta.name, plain_target(ptx, what), meta.num_warps, meta.shared, config.block_m, prefill=True)
 
 
 def kernel_sources(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, rotary: bool,

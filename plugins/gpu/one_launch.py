@@ -26,7 +26,7 @@ import triton.language as tl
 
 from llmc.plugins.gpu.configs import KernelConfig, attention_config, decode_splits
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, in_type, kv_scales, kv_view, load_kv, store_kv
-from llmc.plugins.gpu.kernels import INTERPRETED, capped, rows, softmax_block, with_sink
+from llmc.plugins.gpu.kernels import INTERPRETED, fold_keys, rows, with_sink
 from llmc.plugins.gpu.split_kv import (launch_capability, merge_splits, num_sms, plugin_splits, split_keys,
                                       split_workspace, tile_and_split)
 
@@ -101,36 +101,37 @@ def _attention_one_launch(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr,
     cache = (b * KVH + kv) * C * D
     k_scale = head_scale(ks_ptr, kv, FP8_KV)
     v_scale = head_scale(vs_ptr, kv, FP8_KV)
-    for start_n in range(first, last, BLOCK_N):
-        n = start_n + tl.arange(0, BLOCK_N)
+    rows_at = pos + s  # each row's position
+    # The cached keys in whole blocks before the new ones, in a loop without the new keys' branch (the paged kernel
+    # ran at half its two-launch form's rate on the H200 with it); counted from 0, so Triton pipelines it fully
+    steps = tl.maximum(tl.minimum(last, pos) - first, 0) // BLOCK_N
+    for step in range(0, steps):
+        n = first + step * BLOCK_N + tl.arange(0, BLOCK_N)
+        at = cache + n[:, None] * D + d[None, :]
+        k = load_kv(kc_ptr, at, d_ok[None, :], FP8_KV)  # the cache's units (fp8.py)
+        v = load_kv(vc_ptr, at, d_ok[None, :], FP8_KV)
+        acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k, v, n, n < last, row_ok, rows_at, k_scale, SCALE, SOFTCAP,
+                                  WINDOW, True, DOT_PRECISION)
+    # the rest: the block holding the position and those after it (a decode row's last), its keys from the cache
+    # before the position and from the inputs from it on (rotated on the fly, rounded as the cache will hold them);
+    # one stage: its seven loads, buffered, would more than double the kernel's shared memory
+    rest = first + steps * BLOCK_N
+    for step in tl.range(0, tl.cdiv(last - rest, BLOCK_N), num_stages=1):
+        n = rest + step * BLOCK_N + tl.arange(0, BLOCK_N)
         ours = n < last  # a block past a split's end belongs to the next split
-        old = (n < pos) & ours
-        new_s = n - pos  # row of the new-token inputs for keys at or past the position
-        fresh = (n >= pos) & ours
-        mask_old = old[:, None] & d_ok[None, :]
-        mask_new = fresh[:, None] & d_ok[None, :]
-        new_off = ((b * S + new_s) * KVH + kv)[:, None] * D
-        k = load_kv(kc_ptr, cache + n[:, None] * D + d[None, :], mask_old, FP8_KV)  # the cache's units (fp8.py)
+        mask_old = ((n < pos) & ours)[:, None] & d_ok[None, :]
+        mask_new = ((n >= pos) & ours)[:, None] & d_ok[None, :]
+        new_off = ((b * S + n - pos) * KVH + kv)[:, None] * D  # rows of the new-token inputs
+        k = load_kv(kc_ptr, cache + n[:, None] * D + d[None, :], mask_old, FP8_KV)
         v = load_kv(vc_ptr, cache + n[:, None] * D + d[None, :], mask_old, FP8_KV)
-        if start_n + BLOCK_N > pos:  # a block reaching the new keys (a decode row's last): only there their loads,
-            # rotation and rounding as the cache will hold them (for an fp8 cache, an IEEE division and an encode
-            # per element: done on every block, they bound an fp8 decode step at 3% of an H200's bandwidth)
-            k_new = rows(k_ptr, new_off, d, mask_new, n, cos_ptr, sin_ptr, HALF, ROTARY, False)
-            if FP8_KV:  # the op rotates keys in the inputs' type, then stores them (reference_attention)
-                k_new = in_type(k_new, k_ptr, UPCAST)
-            k = tl.where(mask_new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)
-            v_new = tl.load(v_ptr + new_off + d[None, :], mask=mask_new, other=0.0).to(tl.float32)
-            v = tl.where(mask_new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
-        k = k.to(q.dtype)  # exact for an fp8 cache's codes; fp32 under UPCAST
-        v = v.to(q.dtype)
-        scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (SCALE * k_scale), SOFTCAP)
-        visible = (n[None, :] <= (pos + s)[:, None]) & row_ok[:, None] & ours[None, :]
-        if WINDOW > 0:
-            visible = visible & (n[None, :] > (pos + s)[:, None] - WINDOW)
-        scores = tl.where(visible, scores, float("-inf"))
-        p, alpha, m_new, l_i = softmax_block(scores, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k_new = rows(k_ptr, new_off, d, mask_new, n, cos_ptr, sin_ptr, HALF, ROTARY, False)
+        if FP8_KV:  # the op rotates keys in the inputs' type, then stores them (reference_attention)
+            k_new = in_type(k_new, k_ptr, UPCAST)
+        k = tl.where(mask_new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)
+        v_new = tl.load(v_ptr + new_off + d[None, :], mask=mask_new, other=0.0).to(tl.float32)
+        v = tl.where(mask_new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
+        acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k, v, n, ours, row_ok, rows_at, k_scale, SCALE, SOFTCAP, WINDOW,
+                                  True, DOT_PRECISION)
     writes = tl.full([BLOCK_M, 1], 1, tl.int1)  # whether this program writes the tile's output: with splits, the
     if SPLITS > 1:  # tile's last to finish
         if tl.num_programs(2) > 1:  # a launch sized to one split touches no workspace
@@ -174,7 +175,7 @@ def one_launch_attention(query, key, value, k_cache, v_cache, cache_position, sc
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     upcast = query.dtype == torch.bfloat16 and INTERPRETED
     # launched as the plugin: the plugin's own configuration (its ahead-of-time compile's), not this GPU's
-    config = config or attention_config(d, query.element_size(), fresh=True,
+    config = config or attention_config(d, query.element_size(), paged=False,
                                         capability=None if slots else launch_capability(query))
     tiles = triton.cdiv(s * (h // kvh), config.block_m)
     splits = splits or decode_splits(tiles * b, kvh, capacity, num_sms(query.device))

@@ -43,7 +43,7 @@ import triton.language as tl
 # (token, head) pairs per program, keys per inner step, and the stages by head size: configs.py
 from llmc.plugins.gpu.configs import BLOCK_M, KernelConfig, attention_config
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, kv_scales, kv_view, load_kv, store_kv
-from llmc.plugins.gpu.kernels import capped, rows, softmax_block, with_sink
+from llmc.plugins.gpu.kernels import fold_keys, rows, with_sink
 # the launches' argument handling, shared with paged_kernels_aot.py and prefill.py
 from llmc.plugins.gpu.paged_launch import int32, kernel_options, sinks, split_packed  # noqa: F401  (API)
 from llmc.plugins.gpu.split_kv import launch_capability, merge_splits, split_buffers, split_keys, tile_and_split
@@ -125,27 +125,25 @@ def _paged_write(k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, table_ptr, slot
 
 
 @triton.jit
-def _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, end, slot, mapped, past, start, kv, d_ok, d,
+def _fresh_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, end, slot, mapped, past, start, kv, d_ok, d,
                 k_scale, v_scale, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr,
-                INTERLEAVED: tl.constexpr, FRESH: tl.constexpr, FP8_KV: tl.constexpr):
-    """One block of keys and values at positions n (up to `end`, exclusive), in the cache's units (fp8.py load_kv):
-    from the cache, or with FRESH those at or past the row's cached length `past` from the new-token inputs
-    (rotated, rounded as the cache holds them), read only in a block that reaches them (their rounding into an fp8
-    cache, an IEEE division and an encode per element, bounded every block otherwise)."""
-    cached = mapped
-    if FRESH:
-        cached = mapped & (n < past)
+                INTERLEAVED: tl.constexpr, FP8_KV: tl.constexpr):
+    """The one-launch form's block of keys and values at positions n (up to `end`, exclusive) around the row's
+    cached length `past`, in the cache's units (fp8.py load_kv): those before it from the cache, those at or past
+    it from the new-token inputs (rotated, rounded as the cache holds them), read only if the block reaches them
+    (their rounding into an fp8 cache, an IEEE division and an encode per element, bounded every block
+    otherwise)."""
     at = (slot * KVH + kv)[:, None] * D + d[None, :]
-    k = load_kv(kc_ptr, at, cached[:, None] & d_ok[None, :], FP8_KV)
-    v = load_kv(vc_ptr, at, cached[:, None] & d_ok[None, :], FP8_KV)
-    if FRESH:
-        if end > past:
-            new = (mapped & (n >= past))[:, None] & d_ok[None, :]
-            src = ((start + n - past).to(tl.int64) * KVH + kv)[:, None] * D
-            k_new = rows(k_ptr, src, d, new, n, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
-            k = tl.where(new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)
-            v_new = tl.load(v_ptr + src + d[None, :], mask=new, other=0.0).to(tl.float32)
-            v = tl.where(new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
+    cached = (mapped & (n < past))[:, None] & d_ok[None, :]
+    k = load_kv(kc_ptr, at, cached, FP8_KV)
+    v = load_kv(vc_ptr, at, cached, FP8_KV)
+    if end > past:
+        new = (mapped & (n >= past))[:, None] & d_ok[None, :]
+        src = ((start + n - past).to(tl.int64) * KVH + kv)[:, None] * D
+        k_new = rows(k_ptr, src, d, new, n, cos_ptr, sin_ptr, HALF, ROTARY, INTERLEAVED)
+        k = tl.where(new, as_stored(k_new, kc_ptr, k_scale, FP8_KV), k)
+        v_new = tl.load(v_ptr + src + d[None, :], mask=new, other=0.0).to(tl.float32)
+        v = tl.where(new, as_stored(v_new, vc_ptr, v_scale, FP8_KV), v)
     return k, v
 
 
@@ -194,22 +192,32 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_scale = head_scale(ks_ptr, kv, FP8_KV)
     v_scale = head_scale(vs_ptr, kv, FP8_KV)
+    # The keys from the cache alone: all of them, or with FRESH the whole blocks before the row's new keys, in a loop
+    # without the new keys' branch (with it, the one-launch form ran at half the two-launch one's rate on the H200);
     # counted from 0: Triton 3.9 buffers 3 of this loop's 9 loads when it starts at a runtime bound (a key split's
     # or a window's start: 13568 bytes of shared memory against 21760 at fp16 head 128), all 9 from a trip count
-    for step in range(0, tl.cdiv(hi - lo, BLOCK_N)):
+    if FRESH:
+        steps = tl.maximum(tl.minimum(hi, past) - lo, 0) // BLOCK_N
+    else:
+        steps = tl.cdiv(hi - lo, BLOCK_N)
+    for step in range(0, steps):
         n = lo + step * BLOCK_N + tl.arange(0, BLOCK_N)
         slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS, PAGE)
-        k, v = _paged_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, lo + (step + 1) * BLOCK_N, slot, mapped,
-                           past, start, kv, d_ok, d, k_scale, v_scale, KVH, D, HALF, ROTARY, INTERLEAVED, FRESH, FP8_KV)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # exact for an fp8 cache's codes; fp32 under UPCAST
-        scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (SCALE * k_scale), SOFTCAP)
-        visible = mapped[None, :] & row_ok[:, None]
-        if CAUSAL:
-            visible = visible & (n[None, :] <= pos[:, None])
-        if WINDOW > 0:
-            visible = visible & (n[None, :] > pos[:, None] - WINDOW)
-        p, alpha, m_i, l_i = softmax_block(tl.where(visible, scores, float("-inf")), m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        at = (slot * KVH + kv)[:, None] * D + d[None, :]
+        k = load_kv(kc_ptr, at, mapped[:, None] & d_ok[None, :], FP8_KV)
+        v = load_kv(vc_ptr, at, mapped[:, None] & d_ok[None, :], FP8_KV)
+        acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k, v, n, mapped, row_ok, pos, k_scale, SCALE, SOFTCAP, WINDOW,
+                                  CAUSAL, DOT_PRECISION)
+    if FRESH:  # the rest: the block holding the row's cached length and those after it (a decode row's last), not
+        rest = lo + steps * BLOCK_N  # pipelined (one stage: its seven loads buffered would triple the shared memory)
+        for step in tl.range(0, tl.cdiv(hi - rest, BLOCK_N), num_stages=1):
+            n = rest + step * BLOCK_N + tl.arange(0, BLOCK_N)
+            slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS, PAGE)
+            k, v = _fresh_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, n, rest + (step + 1) * BLOCK_N, slot,
+                               mapped, past, start, kv, d_ok, d, k_scale, v_scale, KVH, D, HALF, ROTARY, INTERLEAVED,
+                               FP8_KV)
+            acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k, v, n, mapped, row_ok, pos, k_scale, SCALE, SOFTCAP,
+                                      WINDOW, CAUSAL, DOT_PRECISION)
     writes = tl.full([BLOCK_M, 1], 1, tl.int1)  # whether this program writes the output: with splits, the tile's
     if SPLITS > 1:  # last to finish
         if tl.num_programs(2) > 1:  # a launch sized to one split touches no workspace
@@ -290,7 +298,7 @@ def paged_attention(query, key, value, key_cache, value_cache, cumulative_sequen
     query, options, tokens, rows = w.query, w.options, w.tokens, w.rows
     out = torch.empty_like(query)
     if tokens:
-        config = config or attention_config(options["D"], query.element_size(), fresh=False,
+        config = config or attention_config(options["D"], query.element_size(), paged=True,
                                             capability=launch_capability(query))
         options["BLOCK_N"] = config.block_n
         grid_x = attention_grid(tokens, rows, num_heads, kv_num_heads)[0]

@@ -13,14 +13,15 @@ for any batch without knowing how the tokens split among the rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 
 from llmc.plugins.gpu.configs import BLOCK_M, KernelConfig, attention_config, block_d, default_config
 from llmc.plugins.gpu.fp8 import FP8, kv_scales, kv_view
-from llmc.plugins.gpu.kernels_aot import BUFFER_PARAMS, CACHES, _TRITON_TYPES, _compile, compile_for_plugin
+from llmc.plugins.gpu.kernels_aot import (BUFFER_PARAMS, CACHES, _TRITON_TYPES, _compile, compile_for_plugin,
+                                         plugin_config)
 from llmc.plugins.gpu.ptx import PTX_ISA, plain_target, trim_params
 from llmc.plugins.gpu.paged_kernels import (_paged_attention, _paged_write, attention_grid, busy_tiles, int32,
                                             kernel_options, sinks, split_packed)
@@ -55,7 +56,7 @@ def paged_attention_one_launch(query, key, value, key_cache, value_cache, cumula
     kc, vc = kv_view(key_cache), kv_view(value_cache)
     out = torch.empty_like(query)
     if query.shape[0]:
-        config = config or attention_config(options["D"], query.element_size(), fresh=True,
+        config = config or attention_config(options["D"], query.element_size(), paged=True,
                                             capability=None if slots else launch_capability(query))
         options["BLOCK_N"] = config.block_n
         options["PAGE"] = 0 if slots else key_cache.shape[1]  # as the plugin: its block size a run-time scalar
@@ -107,7 +108,7 @@ def _attention_source(num_heads: int, num_kv_heads: int, head_size: int, scale: 
     constexprs = kernel_options(torch.empty((1, num_heads * head_size), dtype=dtype), cache, num_heads, num_kv_heads,
                                 scale, cos, interleaved, softcap, window, causal,
                                 torch.empty(num_heads) if sinks else None, splits)
-    config = attention_config(head_size, dtype.itemsize, fresh=fresh)
+    config = attention_config(head_size, dtype.itemsize, paged=True)
     return signature, {**constexprs, "FRESH": fresh, "UPCAST": False}, config
 
 
@@ -124,6 +125,10 @@ def paged_plugin_kernel(num_heads: int, num_kv_heads: int, head_size: int, scale
         num_heads, num_kv_heads, head_size, scale, dtype, rotary_dim=rotary_dim, interleaved=interleaved,
         softcap=softcap, window=window, fresh=True, causal=causal, sinks=sinks, splits=splits)
     what = f"the paged attention kernel for head_size {head_size} ({dtype})"
+    # its configuration's stages, or one where their buffers pass a plugin launch's shared memory (fp32: unaligned,
+    # a plugin's 4-byte loads are still copied asynchronously and buffered; 16-bit ones are not)
+    config = plugin_config(_paged_attention, lambda c: (signature, constexprs), capability,
+                           (config, replace(config, num_stages=1)), what)
     compiled = compile_for_plugin(_paged_attention, (signature, constexprs), capability, what, config)
     meta = compiled.metadata
     count = len(PAGED_PLUGIN_INPUTS + PAGED_PLUGIN_SCALARS + PAGED_PLUGIN_OUTPUTS)

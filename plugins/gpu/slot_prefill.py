@@ -30,7 +30,7 @@ import triton.language as tl
 
 from llmc.plugins.gpu.configs import KernelConfig
 from llmc.plugins.gpu.fp8 import as_stored, head_scale, in_type, kv_scales, kv_view, load_kv
-from llmc.plugins.gpu.kernels import INTERPRETED, capped, rows, softmax_block, with_sink
+from llmc.plugins.gpu.kernels import INTERPRETED, fold_keys, rows, with_sink
 from llmc.plugins.gpu.one_launch import query_tile, write_new_kv
 
 # The tiles a plugin launch can take within the 48 KiB of shared memory it gets without opting in (kernels_aot
@@ -38,23 +38,6 @@ from llmc.plugins.gpu.one_launch import query_tile, write_new_kv
 # it. FlashAttention-2's 128-row tiles need 66-99 KiB at head 128.
 PLUGIN_PREFILL_CONFIGS = (KernelConfig(64, 32, 4, 2), KernelConfig(64, 32, 4, 1), KernelConfig(32, 32, 4, 1),
                           KernelConfig(16, 32, 4, 1))
-
-
-@triton.jit
-def _fold(acc, m_i, l_i, q, k, v, n, qpos, valid, k_scale, SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
-          WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
-    """One block of keys `k` [N, D] and values `v` at positions `n`, in the cache's units (fp8.py load_kv: the key
-    scale `k_scale` joins the logits'), folded into the tile's online softmax; `valid` [N] the keys that exist.
-    CAUSAL: the diagonal's mask (key at or before the query); a window masks too."""
-    scores = capped(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (SCALE * k_scale), SOFTCAP)
-    visible = valid[None, :] & (qpos[:, None] >= 0)
-    if CAUSAL:
-        visible = visible & (n[None, :] <= qpos[:, None])
-    if WINDOW > 0:
-        visible = visible & (n[None, :] > qpos[:, None] - WINDOW)
-    p, alpha, m_i, l_i = softmax_block(tl.where(visible, scores, float("-inf")), m_i, l_i)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-    return acc, m_i, l_i
 
 
 @triton.jit
@@ -112,8 +95,8 @@ def _slot_prefill(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr, sin_ptr
         ok = n < pos
         k = load_kv(kc_ptr, cache + n[:, None] * D + d[None, :], ok[:, None] & d_ok[None, :], FP8_KV)
         v = load_kv(vc_ptr, cache + n[:, None] * D + d[None, :], ok[:, None] & d_ok[None, :], FP8_KV)
-        acc, m_i, l_i = _fold(acc, m_i, l_i, q, k, v, n, qpos, ok, k_scale, SCALE, SOFTCAP, WINDOW, DOT_PRECISION,
-                              False)
+        acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k, v, n, ok, row_ok, qpos, k_scale, SCALE, SOFTCAP, WINDOW, False,
+                                  DOT_PRECISION)
     # 2. the new keys before the tile's first query (every query sees them but for a window), then the diagonal
     f_lo = 0
     if WINDOW > 0:
@@ -123,14 +106,14 @@ def _slot_prefill(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cos_ptr, sin_ptr
         j = f_lo + step * BLOCK_N + tl.arange(0, BLOCK_N)
         k, v, ok = _new_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, b, S, kv, j, pos, d, d_ok, k_scale,
                              v_scale, KVH, D, HALF, ROTARY, UPCAST, FP8_KV)
-        acc, m_i, l_i = _fold(acc, m_i, l_i, q, k, v, pos + j, qpos, ok, k_scale, SCALE, SOFTCAP, WINDOW,
-                              DOT_PRECISION, False)
+        acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k, v, pos + j, ok, row_ok, qpos, k_scale, SCALE, SOFTCAP, WINDOW,
+                                  False, DOT_PRECISION)
     for start in range(f_lo + full * BLOCK_N, t1, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         k, v, ok = _new_keys(k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, b, S, kv, j, pos, d, d_ok, k_scale,
                              v_scale, KVH, D, HALF, ROTARY, UPCAST, FP8_KV)
-        acc, m_i, l_i = _fold(acc, m_i, l_i, q, k, v, pos + j, qpos, ok & (j < t1), k_scale, SCALE, SOFTCAP, WINDOW,
-                              DOT_PRECISION, True)
+        acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k, v, pos + j, ok & (j < t1), row_ok, qpos, k_scale, SCALE,
+                                  SOFTCAP, WINDOW, True, DOT_PRECISION)
     if SINKS:
         acc, l_i = with_sink(acc, m_i, l_i, tl.load(sink_ptr + h + 0 * m).to(tl.float32))
     out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # the values' fp8 scale (1 otherwise)

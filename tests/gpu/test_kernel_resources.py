@@ -83,13 +83,13 @@ for head, dtype in ((256, "fp16"),):
 
 
 def test_stages_never_grow_as_tile_rows_widen():
-    for fresh in (True, False):
-        rows = sorted({(block_d(h) * size, attention_config(h, size, fresh=fresh).num_stages)
+    for paged in (True, False):
+        rows = sorted({(block_d(h) * size, attention_config(h, size, paged=paged).num_stages)
                        for h in HEAD_SIZES for size in (2, 4)})
         stages = [s for _, s in rows]
-        assert stages == sorted(stages, reverse=True), (fresh, rows)
-    assert attention_config(80, 2, fresh=True) == attention_config(96, 2, fresh=True) == attention_config(128, 2,
-                                                                                                         fresh=True)
+        assert stages == sorted(stages, reverse=True), (paged, rows)
+    assert attention_config(80, 2, paged=False) == attention_config(96, 2, paged=False) == attention_config(
+        128, 2, paged=False)
 
 
 def test_every_kernel_fits_sm80_and_sm90_shared_memory_at_every_head_size():
@@ -116,7 +116,7 @@ def test_every_kernel_fits_sm80_and_sm90_shared_memory_at_every_head_size():
                                                                      "paged_attention_one_launch"}, results
     # the case the H200 failed on (fp16, head_dim 256, 3 stages: 270336 bytes) now gets one stage, whose widest
     # row (fp32 256) was compiled for both targets
-    assert attention_config(256, 2, fresh=True).num_stages == 1
+    assert attention_config(256, 2, paged=False).num_stages == 1
     assert {(r["capability"], r["head"], r["dtype"]) for r in results
             if r["kernel"] == "attention_one_launch" and r["stages"] == 1} == {(80, 256, "torch.float32"),
                                                                               (90, 256, "torch.float32")}, results
@@ -125,14 +125,14 @@ def test_every_kernel_fits_sm80_and_sm90_shared_memory_at_every_head_size():
 
 
 def test_hopper_takes_the_decode_configurations_measured_there_and_nothing_else_does():
-    for fresh in (True, False):
-        assert attention_config(128, 2, fresh=fresh, capability=90) == HOPPER_DECODE[fresh]
-        assert attention_config(64, 2, fresh=fresh, capability=100) == HOPPER_DECODE[fresh]
-        for other in (attention_config(128, 2, fresh=fresh, capability=80),  # an A100: unmeasured
-                      attention_config(128, 2, fresh=fresh),  # the plugins' compiles, the interpreter
-                      attention_config(256, 2, fresh=fresh, capability=90),  # wider heads: not measured there
-                      attention_config(128, 4, fresh=fresh, capability=90)):  # fp32
-            assert other != HOPPER_DECODE[fresh] and other.block_n == 32
+    for paged in (True, False):
+        assert attention_config(128, 2, paged=paged, capability=90) == HOPPER_DECODE[paged]
+        assert attention_config(64, 2, paged=paged, capability=100) == HOPPER_DECODE[paged]
+        for other in (attention_config(128, 2, paged=paged, capability=80),  # an A100: unmeasured
+                      attention_config(128, 2, paged=paged),  # the plugins' compiles, the interpreter
+                      attention_config(256, 2, paged=paged, capability=90),  # wider heads: not measured there
+                      attention_config(128, 4, paged=paged, capability=90)):  # fp32
+            assert other != HOPPER_DECODE[paged] and other.block_n == 32
 
 
 HOPPER_CHILD = r"""
@@ -149,10 +149,10 @@ from llmc.plugins.gpu.pipelining import key_pipelining
 for fp8 in (False, True):
     kernels = {**kernel_sources(32, 8, 128, torch.float16, rotary=True, fp8_kv=fp8),
                **paged_kernel_sources(32, 8, 128, torch.float16, rotary_dim=128, fp8_kv=fp8)}
-    for name, fresh in (("attention_one_launch_split", True), ("paged_attention_one_launch_split", True),
-                        ("paged_attention_split", False)):
+    for name, paged in (("attention_one_launch_split", False), ("paged_attention_one_launch_split", True),
+                        ("paged_attention_split", True)):
         fn, signature, constexprs, _ = kernels[name]
-        config = HOPPER_DECODE[fresh]
+        config = HOPPER_DECODE[paged]
         constexprs = {**constexprs, "BLOCK_N": config.block_n}
         compiled = _compile(fn, signature, constexprs, 90, aligned=True, **config.launch())
         pipelining = key_pipelining(compiled.asm["ttgir"], config.block_n, 128)
@@ -169,7 +169,7 @@ print(json.dumps({"kernel": "paged_attention_split at 3 stages", "shared": compi
 # the unsplit cached-only kernel as a PyTorch launch compiles it, its block size a constant (PAGE), and as a plugin
 # does (PAGE 0: the block size a run-time scalar): the PTX's integer divisions and remainders
 fn, signature, constexprs, _ = kernels["paged_attention"]
-config = HOPPER_DECODE[False]
+config = HOPPER_DECODE[True]
 for page in (16, 0):
     with no_cubin():
         compiled = _compile(fn, signature, {**constexprs, "BLOCK_N": config.block_n, "PAGE": page}, 90, aligned=True,
