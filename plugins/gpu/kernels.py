@@ -1,7 +1,7 @@
 """The Triton building blocks every attention kernel shares: rotary embedding on the fly (`rows`: a tile of the
 inputs, rotated or not), one block of an online softmax (`softmax_block`), a block of keys and values folded into
-it with the masks (`fold_keys`), the logit softcap (`capped`) and attention sinks joining a finished softmax
-(`with_sink`). The kernels built from them:
+it with the masks (`fold_keys`), base-2 logits with the softcap (`logits`, `capped`) and attention sinks joining a
+finished softmax (`with_sink`). The kernels built from them:
 
 - one_launch.py: `llmc::attention` (plugins/op/attention.py) over the slot cache in one launch, prefill and
   decode, split-KV merged in the launch (split_kv.py); the TensorRT plugin's kernel (kernels_aot.py);
@@ -61,13 +61,28 @@ INTERPRETED = type(rows).__name__ == "InterpretedFunction"
 
 
 @triton.jit
+def logits(dots, scale, SOFTCAP: tl.constexpr):
+    """The logits of query-key dots in base 2, as every online softmax here keeps them: times `scale` (the softmax
+    scale, with an fp8 cache's key scale), capped by SOFTCAP, times log2(e). So the softmax exponentiates with exp2,
+    and without a softcap both factors are one multiply (tl.exp multiplies by log2(e) inside: one more an element,
+    FlashAttention's own saving). The running maxima, the split merge (split_kv.py) and the sinks (`with_sink`) are
+    in the same units."""
+    if SOFTCAP > 0:
+        s = capped(dots * scale, SOFTCAP) * 1.4426950408889634
+    else:
+        s = dots * (scale * 1.4426950408889634)
+    return s
+
+
+@triton.jit
 def softmax_block(scores, m_i, l_i):
-    """One block of keys in an online softmax over rows: the block's unnormalized probabilities, the
-    factor that rescales what came before, and the new running max and sum (fully masked rows stay 0)."""
+    """One block of keys in an online softmax over rows, its logits in base 2 (`logits`): the block's
+    unnormalized probabilities, the factor that rescales what came before, and the new running max and sum
+    (fully masked rows stay 0)."""
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(scores - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
@@ -79,7 +94,7 @@ def fold_keys(acc, m_i, l_i, q, k, v, n, valid, row_ok, pos, k_scale, SCALE: tl.
     tile's queries `q`: masked where `valid` [N] or `row_ok` [M] is false, and by the rows' positions `pos` [M] with
     CAUSAL (keys at or before) and WINDOW (within it)."""
     k, v = k.to(q.dtype), v.to(q.dtype)  # exact for an fp8 cache's codes; fp32 under UPCAST
-    scores = capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (SCALE * k_scale), SOFTCAP)
+    scores = logits(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), SCALE * k_scale, SOFTCAP)
     visible = valid[None, :] & row_ok[:, None]
     if CAUSAL:
         visible = visible & (n[None, :] <= pos[:, None])
@@ -100,10 +115,11 @@ def capped(scores, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def with_sink(acc, m_i, l_i, sink):
-    """A finished online softmax (acc [rows, D], running max and sum [rows]) with each row's sink logit
-    joining the denominator: the max taken over both, the values rescaled to it. A row that saw nothing
-    keeps acc 0 (its output stays 0); a sink of -inf changes nothing."""
+    """A finished online softmax (acc [rows, D], running max in base 2 and sum [rows]) with each row's sink logit
+    (natural units, as the op's head_sink holds it) joining the denominator: the max taken over both, the values
+    rescaled to it. A row that saw nothing keeps acc 0 (its output stays 0); a sink of -inf changes nothing."""
+    sink = sink * 1.4426950408889634  # in base 2, as the running max (`logits`)
     top = tl.maximum(m_i, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
-    factor = tl.exp(m_i - top)
-    return acc * factor[:, None], l_i * factor + tl.exp(sink - top)
+    factor = tl.exp2(m_i - top)
+    return acc * factor[:, None], l_i * factor + tl.exp2(sink - top)

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from llmc.plugins.gpu.configs import PREFILL_CONFIGS, SHARED_LIMITS, KernelConfig, block_d, generation
 from llmc.plugins.gpu.fp8 import head_scale, load_kv
-from llmc.plugins.gpu.kernels import INTERPRETED, capped, rows, softmax_block, with_sink
+from llmc.plugins.gpu.kernels import INTERPRETED, logits, rows, softmax_block, with_sink
 from llmc.plugins.gpu.paged_kernels import find_row, kernel_options, sinks, slot_of, write_new_kv
 from llmc.plugins.gpu.pipelining import KeyPipelining, key_pipelining
 
@@ -50,7 +50,7 @@ def _key_block(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_ptr, b, kv, start_n, hi, 
     at = ((slot * KVH + kv) * D)[:, None] + d[None, :]  # [N, D]: each key's channels contiguous, as stored
     kv_mask = mapped[:, None] & d_ok[None, :]
     k = load_kv(kc_ptr, at, kv_mask, FP8_KV)  # the cache's units (fp8.py): the key scale joins the logits'
-    scores = capped(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (SCALE * k_scale), SOFTCAP)
+    scores = logits(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION), SCALE * k_scale, SOFTCAP)
     if MASKED:
         visible = mapped[None, :] & row_ok[:, None]
         if CAUSAL:

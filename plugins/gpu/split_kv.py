@@ -97,7 +97,7 @@ def merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, tile, split, active, d, D: t
                       cache_modifier=".cg")
         top = tl.maximum(m, m_o)
         safe = tl.where(top == float("-inf"), 0.0, top)  # rows no split saw stay 0, not NaN
-        mine, theirs = tl.exp(m - safe), tl.exp(m_o - safe)
+        mine, theirs = tl.exp2(m - safe), tl.exp2(m_o - safe)  # the maxima are in base 2 (kernels.logits)
         merged = merged * mine[:, None] + a_o * theirs[:, None]
         s = s * mine + l_o * theirs
         m = top

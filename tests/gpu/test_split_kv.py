@@ -101,7 +101,8 @@ def test_exactly_one_program_per_tile_merges_and_it_sees_every_split():
     out = torch.full((tiles, block_m, block_d), float("nan"))
     merges = torch.zeros(tiles, dtype=torch.int32)
     _arrivals[(tiles, splits)](part, counters, out, merges, active, splits, block_m, block_d)
-    weights = [math.exp(s) for s in range(active)]  # exp(max) x sum of each split's partial, over row r's e^-r
+    # 2^max x sum of each split's partial, over row r's 2^-r: the maxima are in base 2, as the kernels keep them
+    weights = [2.0 ** s for s in range(active)]  # (kernels.logits)
     expected = sum((s + 1) * w for s, w in enumerate(weights)) / sum(weights)
     torch.testing.assert_close(out, torch.full_like(out, expected))
     assert merges.tolist() == [1] * tiles and counters.tolist() == [0] * tiles
