@@ -18,20 +18,21 @@ def start_server(build_dir: Path | str, http_port: int | None, grpc_port: int | 
     name what to change."""
     from llmc.supervisor import EXPLICIT_ARGS
     from llmc.triton_server import (Ports, TritonError, TritonServer, assemble, check_port_free,
-                                    default_server_dir, find_serving_env, free_port)
+                                    default_server_dir, find_serving_env)
 
     try:
         repository = _repository(build_dir)
         env = find_serving_env(serving_env)
-        http_port, grpc_port, metrics_port = (p or free_port() for p in (http_port, grpc_port, metrics_port))
-        for port, flag in ((http_port, "--http-port"), (grpc_port, "--grpc-port"), (metrics_port, "--metrics-port")):
+        ports = Ports.free(http_port, grpc_port, metrics_port)
+        flags = ("--http-port", "--grpc-port", "--metrics-port")
+        for port, flag in zip((ports.http, ports.grpc, ports.metrics), flags):
             check_port_free(port, flag)
         server_dir = assemble(default_server_dir())
         label = repository.rstrip("/").rsplit("/", 1)[-1] if isinstance(repository, str) else repository.parent.name
         log = server_dir.parent / "logs" / f"serve-{label}-{time.strftime('%Y%m%d-%H%M%S')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         server = TritonServer(repository, server_dir=server_dir, serving_env=env,
-                              ports=Ports(http_port, grpc_port, metrics_port), log_path=log, extra_args=EXPLICIT_ARGS)
+                              ports=ports, log_path=log, extra_args=EXPLICIT_ARGS)
         return server.start(timeout=300)
     except TritonError as err:
         raise ServingError(str(err)) from None

@@ -115,10 +115,27 @@ def check_port_free(port: int, flag: str) -> None:
             raise TritonError(f"port {port} on 127.0.0.1 is in use; pick another with {flag}") from None
 
 
+def free_ports(count: int, avoid=()) -> list[int]:
+    """`count` distinct free ports on 127.0.0.1, none of them in `avoid`. Their sockets are held open together while
+    they are drawn: drawn one at a time (each socket closed before the next bind), the OS may hand the same port
+    out twice, and a server given it for HTTP and for metrics refused to start ("cannot listen to HTTP requests
+    and metrics requests at the same address and port")."""
+    held, ports = [], []
+    try:
+        while len(ports) < count:
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] not in avoid:
+                ports.append(s.getsockname()[1])
+    finally:
+        for s in held:
+            s.close()
+    return ports
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @dataclass(frozen=True)
@@ -128,8 +145,11 @@ class Ports:
     metrics: int
 
     @classmethod
-    def free(cls) -> "Ports":
-        return cls(free_port(), free_port(), free_port())
+    def free(cls, http: int | None = None, grpc: int | None = None, metrics: int | None = None) -> "Ports":
+        """The ports given, and distinct free ones for those not given (free_ports)."""
+        given = [p for p in (http, grpc, metrics) if p]
+        drawn = iter(free_ports(3 - len(given), avoid=given))
+        return cls(*(p or next(drawn) for p in (http, grpc, metrics)))
 
 
 class TritonServer:

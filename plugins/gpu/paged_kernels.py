@@ -209,7 +209,7 @@ def _paged_attention(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, past_ptr, tabl
         acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k, v, n, mapped, row_ok, pos, k_scale, SCALE, SOFTCAP, WINDOW,
                                   CAUSAL, DOT_PRECISION)
     if FRESH:  # the rest: the block holding the row's cached length and those after it (a decode row's last), not
-        rest = lo + steps * BLOCK_N  # pipelined (one stage: its seven loads buffered would triple the shared memory)
+        rest = lo + steps * BLOCK_N  # pipelined (one stage: its seven loads, buffered, would double the shared memory)
         for step in tl.range(0, tl.cdiv(hi - rest, BLOCK_N), num_stages=1):
             n = rest + step * BLOCK_N + tl.arange(0, BLOCK_N)
             slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS, PAGE)

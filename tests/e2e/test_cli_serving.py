@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llmc.supervisor import children as children_of
-from llmc.triton_server import free_port
+from llmc.triton_server import free_port, free_ports
 from serving_rig import SERVING_ENV, serving_env, shm, stub_shm_regions
 
 LLMC = Path(sys.executable).parent / "llmc"
@@ -33,7 +33,7 @@ def _llmc(*args, env):
 
 
 def test_serve_generate_and_sigterm_stop_clean(tiny_build, env, tmp_path):
-    ports = [free_port() for _ in range(4)]
+    ports = free_ports(4)  # drawn together: distinct
     log = open(tmp_path / "serve.err", "w+")
     serve = subprocess.Popen([str(LLMC), "serve", tiny_build.output, "--http-port", str(ports[0]), "--grpc-port",
                               str(ports[1]), "--metrics-port", str(ports[2]), "--openai-port", str(ports[3])],
