@@ -6,19 +6,18 @@ TRITON_INTERPRET gets compiled kernels where the interpreter's are wanted (the C
 
 Why it is needed: Triton software-pipelines the loads of a loop, buffering `num_stages - 1` iterations of
 every loaded tile in shared memory. A kernel launched from PyTorch is specialized on its 16-byte-aligned
-pointers, which lets those loads become asynchronous copies and be buffered; the default 3 stages then put
-the one-launch kernels (7 tiles of BLOCK_N x BLOCK_D per iteration: cached keys and values, new keys, their
-rotary partners, cos, sin, new values) at 264 KiB for head_dim 256 in fp16, over even an H100/H200's
-232448 bytes ("out of resource: shared memory, Required: 270336"). Compiled without the alignment facts,
-as the plugin's AOT compile does, the same kernel buffers nothing and states 40 KiB. So the stage count
-follows the bytes of one tile row (BLOCK_D x element size), measured for Triton 3.6 and 3.9 (fp16, aligned,
-the same on sm_80 and sm_90):
+pointers, which lets those loads become asynchronous copies and be buffered. When the one-launch kernels read
+the step's new keys inside their key loop (7 tiles of BLOCK_N x BLOCK_D an iteration: cached keys and values,
+new keys, their rotary partners, cos, sin, new values), 3 stages put them at 270,336 bytes for head_dim 256 in
+fp16, over even an H100/H200's 232,448 ("out of resource: shared memory, Required: 270336"); that is where the
+one stage past FRESH_ROW_BYTES comes from. Compiled without the alignment facts, as the plugins' ahead-of-time
+compiles are, 16-bit loads are not buffered at all. Since the new keys moved to a one-stage loop of their own,
+the key loops buffer keys and values only (fp16, aligned, 16 x 32 tiles, Triton 3.6 and 3.9, sm_80 = sm_90):
 
-    kernel                       BLOCK_D 64     128       256   (bytes of shared memory)
-    one-launch (fresh), 3 stages   67584     135168    270336
-                        2 stages   38912      77824    155648
-                        1 stage    10240      20480     40960
-    paged (two-launch), 5 stages   19968      38400     75264   (TABLE_STAGES; fp32 at 256: 150080)
+    kernel                          BLOCK_D 64     128       256   (bytes of shared memory)
+    slot one-launch, 3 stages         19456      37888     74752
+                     1 stage          10240      20480     40960   (head 256 fp16 keeps the stage it was measured at)
+    paged, two launches or one, 5     19968      38400     75264   (TABLE_STAGES; fp32 at 256: 150080)
     (the split-KV forms, split_kv.py: the same figures, same configurations)
 
 Every configuration a kernel may get stays within sm_80's 166912 bytes per block (the smaller of the two
