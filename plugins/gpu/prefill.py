@@ -33,7 +33,7 @@ import triton.language as tl
 
 from llmc.plugins.gpu.configs import PREFILL_CONFIGS, SHARED_LIMITS, KernelConfig, block_d, generation
 from llmc.plugins.gpu.fp8 import head_scale, load_kv
-from llmc.plugins.gpu.kernels import INTERPRETED, logits, rows, softmax_block, with_sink
+from llmc.plugins.gpu.kernels import INTERPRETED, fold_keys, rows, with_sink
 from llmc.plugins.gpu.paged_kernels import find_row, kernel_options, sinks, slot_of, write_new_kv
 from llmc.plugins.gpu.pipelining import KeyPipelining, key_pipelining
 
@@ -43,26 +43,21 @@ def _key_block(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_ptr, b, kv, start_n, hi, 
                MB, NB, BS, SCALE: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, SOFTCAP: tl.constexpr,
                WINDOW: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                FP8_KV: tl.constexpr, MASKED: tl.constexpr, PAGE: tl.constexpr):
-    """One block of keys from `start_n` folded into the tile's online softmax. MASKED: apply the causal and window
-    masks (parts 1 and 3); otherwise only the keys' own validity (mapped, before `hi`: part 2)."""
+    """One block of keys from `start_n` folded into the tile's online softmax (kernels.fold_keys). MASKED: apply the
+    causal and window masks (parts 1 and 3); otherwise only the keys' own validity (mapped, before `hi`: part 2,
+    whose keys every query of the tile sees: its row mask a constant, which the compiler folds away)."""
     n = start_n + tl.arange(0, BLOCK_N)
     slot, mapped = slot_of(table_ptr, b, n, n < hi, MB, NB, BS, PAGE)
     at = ((slot * KVH + kv) * D)[:, None] + d[None, :]  # [N, D]: each key's channels contiguous, as stored
     kv_mask = mapped[:, None] & d_ok[None, :]
     k = load_kv(kc_ptr, at, kv_mask, FP8_KV)  # the cache's units (fp8.py): the key scale joins the logits'
-    scores = logits(tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION), SCALE * k_scale, SOFTCAP)
-    if MASKED:
-        visible = mapped[None, :] & row_ok[:, None]
-        if CAUSAL:
-            visible = visible & (n[None, :] <= pos[:, None])
-        if WINDOW > 0:
-            visible = visible & (n[None, :] > pos[:, None] - WINDOW)
-        scores = tl.where(visible, scores, float("-inf"))
-    else:
-        scores = tl.where(mapped[None, :], scores, float("-inf"))
-    p, alpha, m_i, l_i = softmax_block(scores, m_i, l_i)
     v = load_kv(vc_ptr, at, kv_mask, FP8_KV)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    if MASKED:
+        acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k, v, n, mapped, row_ok, pos, k_scale, SCALE, SOFTCAP, WINDOW,
+                                  CAUSAL, DOT_PRECISION)
+    else:
+        acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k, v, n, mapped, row_ok | True, pos, k_scale, SCALE, SOFTCAP, 0,
+                                  False, DOT_PRECISION)
     return acc, m_i, l_i
 
 

@@ -55,6 +55,7 @@ def decode_step(batch: int, context: int, head_dim: int, heads: int, kv_heads: i
     k, v = (torch.randn(b, 1, kvh, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     kc, vc = (torch.randn(b, kvh, c, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     pos = torch.full((b,), c - 1, device="cuda", dtype=torch.int64)
+    scale = d ** -0.5
     per_row = c // block_size
     table = torch.randperm(b * per_row, device="cuda", generator=g).view(b, per_row).to(torch.int32)
 
@@ -68,8 +69,8 @@ def decode_step(batch: int, context: int, head_dim: int, heads: int, kv_heads: i
              "key_cache": kp, "value_cache": vp, "cumulative_sequence_length": torch.arange(b + 1, device="cuda",
                                                                                             dtype=torch.int32),
              "past_seqlens": pos.to(torch.int32), "block_table": table, "num_heads": h, "kv_num_heads": kvh,
-             "scale": d ** -0.5}
-    return SimpleNamespace(q=q, k=k, v=v, kc=kc, vc=vc, pos=pos, scale=d ** -0.5, paged=paged)
+             "scale": scale}
+    return SimpleNamespace(q=q, k=k, v=v, kc=kc, vc=vc, pos=pos, scale=scale, paged=paged)
 
 
 def decode_case(batch: int, context: int, head_dim: int, heads: int, kv_heads: int, dtype_name: str,
