@@ -61,11 +61,13 @@ class PluginKernel:
 
 
 def _compile(fn, signature: dict[str, str], constexprs: dict, capability: int, *, aligned: bool = False, **options):
-    """`fn` compiled for sm_<capability> without a GPU (its constexprs' defaults for those `constexprs` leaves out).
-    `aligned`: as a launch from PyTorch specializes it, on
-    pointers 16-byte aligned (torch's allocations are), which lets Triton turn the loop's loads into buffered
-    asynchronous copies: the larger shared-memory footprint of the two. `options`: Triton's (num_warps,
-    num_stages, ptx_version)."""
+    """`fn` compiled for sm_<capability> without a GPU (its constexprs' defaults for those `constexprs` leaves out),
+    to PTX (no_cubin): what a plugin hands TensorRT, and what the checks read (shared memory, IR, PTX). The cubin
+    Triton would assemble is of its arch-specific PTX (sm_90a), which ships nowhere; the plugin's own PTX, on the
+    plain target, is assembled by tests/gpu/test_ptx_target.py. `aligned`: as a launch from PyTorch specializes
+    it, on pointers 16-byte aligned (torch's allocations are), which lets Triton turn the loop's loads into
+    buffered asynchronous copies: the larger shared-memory footprint of the two. `options`: Triton's
+    (num_warps, num_stages, ptx_version)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -78,7 +80,8 @@ def _compile(fn, signature: dict[str, str], constexprs: dict, capability: int, *
              if aligned and ordered[arg].startswith("*")}
     constants = {(fn.arg_names.index(c),): v for c, v in constexprs.items()}
     source = ASTSource(fn=fn, signature=ordered, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options or None)
+    with no_cubin():
+        return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options or None)
 
 
 def compile_for_plugin(fn, source: tuple[dict, dict], capability: int, what: str, config):
@@ -98,10 +101,10 @@ def compile_for_plugin(fn, source: tuple[dict, dict], capability: int, what: str
 
 def plugin_config(fn, source_for, capability: int, configs, what: str):
     """The first of `configs` whose kernel, compiled for a plugin launch on sm_<capability> (`source_for(config)`:
-    its signature and constexprs; to PTX only, no_cubin), fits the shared memory a plugin launch gets."""
+    its signature and constexprs), fits the shared memory a plugin launch gets. The one chosen is compile_for_plugin's
+    next compile, which Triton's cache then answers."""
     for config in configs:
-        with no_cubin():
-            compiled = _compile(fn, *source_for(config), capability, ptx_version=PTX_ISA, **config.launch())
+        compiled = _compile(fn, *source_for(config), capability, ptx_version=PTX_ISA, **config.launch())
         if compiled.metadata.shared <= SHARED_MEM_LIMIT:
             return config
     raise ValueError(f"{what} fits the {SHARED_MEM_LIMIT} bytes of shared memory a plugin launch gets in none of "
@@ -111,7 +114,8 @@ def plugin_config(fn, source_for, capability: int, configs, what: str):
 @contextlib.contextmanager
 def no_cubin():
     """Triton's compile without its last stage, ptxas (the shared memory a kernel needs is fixed at the LLVM stage;
-    ptxas took minutes and 1.7 GB for the widest tiles, which are the ones pruned): the cubin stage replaced by an
+    ptxas took minutes and 1.7 GB for the widest prefill tiles, which are the ones pruned, and a tenth to a quarter
+    of every other compile here): the cubin stage replaced by an
     empty binary through Triton's stage hook (`knobs.runtime.add_stages_inspection_hook`, which also changes the
     cache key, so no real kernel's cache entry is shadowed). Written by hand: Triton has no "stop at PTX" option.
     A Triton without the hook compiles in full."""

@@ -160,11 +160,10 @@ def compiled_facts(capability: int, head_size: int, dtype: torch.dtype, fp8_kv: 
     """(bytes of shared memory, key-loop pipelining) of `_paged_prefill` compiled for sm_<capability> with `config`,
     as a PyTorch launch specializes it (16-byte-aligned pointers: Triton buffers the pipelined loads). Compiles to
     PTX without a GPU (not under the interpreter, which replaces compiling); Triton caches the result on disk."""
-    from llmc.plugins.gpu.kernels_aot import _compile, no_cubin
+    from llmc.plugins.gpu.kernels_aot import _compile
 
     fn, signature, constexprs, _ = prefill_source(8, 2, head_size, dtype, config, fp8_kv=fp8_kv)
-    with no_cubin():
-        compiled = _compile(fn, signature, constexprs, capability, aligned=True, **config.launch())
+    compiled = _compile(fn, signature, constexprs, capability, aligned=True, **config.launch())
     return compiled.metadata.shared, key_pipelining(compiled.asm["ttgir"], config.block_n, block_d(head_size))
 
 

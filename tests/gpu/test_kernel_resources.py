@@ -140,7 +140,7 @@ import json
 import re
 import torch
 from llmc.plugins.gpu.configs import HOPPER_DECODE, KernelConfig
-from llmc.plugins.gpu.kernels_aot import _compile, kernel_sources, no_cubin
+from llmc.plugins.gpu.kernels_aot import _compile, kernel_sources
 from llmc.plugins.gpu.paged_kernels_aot import paged_kernel_sources
 from llmc.plugins.gpu.pipelining import key_pipelining
 
@@ -162,8 +162,7 @@ for fp8 in (False, True):
 # value copies needed), which the check must tell apart
 fn, signature, constexprs, _ = kernels["paged_attention_split"]
 config = KernelConfig(16, 128, 8, 3)
-with no_cubin():
-    compiled = _compile(fn, signature, {**constexprs, "BLOCK_N": 128}, 90, aligned=True, **config.launch())
+compiled = _compile(fn, signature, {**constexprs, "BLOCK_N": 128}, 90, aligned=True, **config.launch())
 print(json.dumps({"kernel": "paged_attention_split at 3 stages", "shared": compiled.metadata.shared,
                   "pipelining": key_pipelining(compiled.asm["ttgir"], 128, 128)}), flush=True)
 # the unsplit cached-only kernel as a PyTorch launch compiles it, its block size a constant (PAGE), and as a plugin
@@ -171,9 +170,8 @@ print(json.dumps({"kernel": "paged_attention_split at 3 stages", "shared": compi
 fn, signature, constexprs, _ = kernels["paged_attention"]
 config = HOPPER_DECODE[True]
 for page in (16, 0):
-    with no_cubin():
-        compiled = _compile(fn, signature, {**constexprs, "BLOCK_N": config.block_n, "PAGE": page}, 90, aligned=True,
-                            **config.launch())
+    compiled = _compile(fn, signature, {**constexprs, "BLOCK_N": config.block_n, "PAGE": page}, 90, aligned=True,
+                        **config.launch())
     print(json.dumps({"kernel": "paged_attention", "page": page,
                       "divisions": len(re.findall(r"\b(?:div|rem)\.[su]", compiled.asm["ptx"]))}), flush=True)
 """
