@@ -76,8 +76,9 @@ def smollm2() -> Path:
 # The files that took longest (pytest --durations, on 2 cores), slowest first: scheduling only, no effect on results.
 # Those that make an export others reuse (shared_export: SmolLM2's in test_smollm2.py, the tiny families' in
 # test_family_builds.py) come before those that reuse it, so a reuser seldom waits on the other worker's export.
-HEAVIEST = ["e2e/test_scaleout.py", "e2e/test_smollm2.py", "gpu/test_kernels.py", "compiler/models/test_family_builds.py",
-            "e2e/test_execution_env.py", "llmc/test_cli.py", "runtime/engine/test_beam.py", "e2e/test_draft_smollm2.py",
+HEAVIEST = ["e2e/test_scaleout.py", "e2e/test_smollm2.py", "gpu/test_kernel_resources.py", "gpu/test_kernels.py",
+            "gpu/test_paged_triton.py", "compiler/models/test_family_builds.py", "e2e/test_execution_env.py",
+            "llmc/test_cli.py", "runtime/engine/test_beam.py", "e2e/test_draft_smollm2.py",
             "compiler/quantize/test_families.py", "e2e/test_families_serving.py"]
 
 
