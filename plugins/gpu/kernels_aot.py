@@ -115,10 +115,9 @@ def plugin_config(fn, source_for, capability: int, configs, what: str):
 def no_cubin():
     """Triton's compile without its last stage, ptxas (the shared memory a kernel needs is fixed at the LLVM stage;
     ptxas took minutes and 1.7 GB for the widest prefill tiles, which are the ones pruned, and a tenth to a quarter
-    of every other compile here): the cubin stage replaced by an
-    empty binary through Triton's stage hook (`knobs.runtime.add_stages_inspection_hook`, which also changes the
-    cache key, so no real kernel's cache entry is shadowed). Written by hand: Triton has no "stop at PTX" option.
-    A Triton without the hook compiles in full."""
+    of every other compile here): the cubin stage replaced by an empty binary through Triton's stage hook
+    (`knobs.runtime.add_stages_inspection_hook`, which also changes the cache key, so no real kernel's cache entry
+    is shadowed). Written by hand: Triton has no "stop at PTX" option. A Triton without the hook compiles in full."""
     runtime = triton.knobs.runtime
     if not hasattr(runtime, "add_stages_inspection_hook"):
         yield
