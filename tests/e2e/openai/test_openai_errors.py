@@ -11,7 +11,7 @@ import pytest
 
 from llmc.openai.server import OpenAIServer
 from llmc.soak import llmc_metrics
-from llmc.triton_server import free_port
+from llmc.triton_server import free_port, free_ports
 from openai_server import BUSY, MESSAGES
 
 pytestmark = pytest.mark.triton
@@ -105,7 +105,8 @@ def test_api_key_guards_every_v1_route(triton):
 
 
 def test_no_server_reachable_is_503(triton):
-    with OpenAIServer([f"127.0.0.1:{free_port()}"], port=free_port()) as server:
+    dead, port = free_ports(2)  # drawn together: the dead backend is never the frontend's own port
+    with OpenAIServer([f"127.0.0.1:{dead}"], port=port) as server:
         res = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "hi"})
         assert res.status_code == 503 and res.json()["error"]["type"] == "service_unavailable"
         assert httpx.get(f"{server.url}/health").status_code == 503
