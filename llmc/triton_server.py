@@ -152,6 +152,12 @@ class Ports:
         return cls(*(p or next(drawn) for p in (http, grpc, metrics)))
 
 
+# llmc writes every config.pbtxt whole (compiler/repository/triton_config.py), so Triton's auto-completion adds
+# nothing: the served config is the same with or without it. With it, each model load first starts a Python stub
+# only to ask model.py for a completion: measured with the tiny test model, a load took 2.2 s, and 0.5 s without.
+NO_AUTO_COMPLETE = "--disable-auto-complete-config"
+
+
 class TritonServer:
     def __init__(self, repository: Path | str, *, server_dir: Path, serving_env: Path, ports: Ports | None = None,
                  log_path: Path | None = None, extra_args: tuple[str, ...] = ()):
@@ -189,7 +195,7 @@ class TritonServer:
                "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1",
                "--http-port", str(self.ports.http), "--grpc-port", str(self.ports.grpc),
                "--metrics-port", str(self.ports.metrics), "--allow-metrics", "true", "--allow-gpu-metrics", "false",
-               "--exit-timeout-secs", str(EXIT_TIMEOUT), *self.extra_args]
+               "--exit-timeout-secs", str(EXIT_TIMEOUT), NO_AUTO_COMPLETE, *self.extra_args]
         self._reap()  # a crashed server's model stubs, before its successor starts
         log = open(self.log_path, "ab")
         try:

@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from llmc.fleet.store import is_remote, parse_s3
+from llmc.triton_server import NO_AUTO_COMPLETE
 
 # Triton 2.53 (NGC 24.12), Ubuntu 24.04 with Python 3.12: the first stock container whose Python takes the
 # runtime's onnxruntime wheels (24.10, the 2.51 llmc tests with from nvidia-pytriton, has Python 3.10, which
@@ -104,7 +105,7 @@ def _labels(opts: K8sOptions) -> dict:
 def triton_container(opts: K8sOptions, repository: str) -> dict:
     args = [f"--model-repository={repository}", "--model-control-mode=explicit", f"--load-model={opts.name}",
             f"--http-port={PORTS['http']}", f"--grpc-port={PORTS['grpc']}", f"--metrics-port={PORTS['metrics']}",
-            "--allow-metrics=true", f"--exit-timeout-secs={DRAIN_SECONDS}"]
+            "--allow-metrics=true", f"--exit-timeout-secs={DRAIN_SECONDS}", NO_AUTO_COMPLETE]
     resources = {"requests": {"cpu": opts.cpu, "memory": opts.memory}, "limits": {"memory": opts.memory}}
     if opts.gpu:
         resources["limits"]["nvidia.com/gpu"] = opts.ranks  # a split TensorRT model runs a rank per GPU

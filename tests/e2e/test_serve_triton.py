@@ -55,6 +55,20 @@ def test_greedy_output_equals_pytorch(server, torch_model):
         assert gen.finish_reason in ("length", "stop")
 
 
+def test_triton_serves_the_config_as_packaged(server):
+    """Triton runs with auto-completion off (llmc.triton_server.NO_AUTO_COMPLETE): what it serves is what the
+    package wrote, nothing inferred, so the written config must be whole."""
+    import tritonclient.grpc as grpcclient
+
+    from llmc.compiler.repository.triton_config import parse
+
+    served = grpcclient.InferenceServerClient(server.grpc_url).get_model_config("tiny").config
+    written = parse((server.repository / "tiny" / "config.pbtxt").read_text())
+    for field in ("input", "output", "max_batch_size", "model_transaction_policy", "parameters", "backend"):
+        assert getattr(served, field) == getattr(written, field), field
+    assert [(g.count, g.kind) for g in served.instance_group] == [(g.count, g.kind) for g in written.instance_group]
+
+
 def test_streamed_text_concatenated_equals_the_non_streamed_text(server):
     client = Client(server.grpc_url, "tiny")
     chunks = list(client.generate("stream me", max_tokens=24))

@@ -130,7 +130,7 @@ def test_the_deployment_serves_the_bucket_and_drains(tmp_path):
     pod = deployment["spec"]["template"]["spec"]
     triton = pod["containers"][0]
     assert f"--model-repository={REPOSITORY}" in triton["args"] and "--load-model=smollm2" in triton["args"]
-    assert "--model-control-mode=explicit" in triton["args"]
+    assert "--model-control-mode=explicit" in triton["args"] and "--disable-auto-complete-config" in triton["args"]
     assert triton["resources"]["limits"]["nvidia.com/gpu"] == 1
     drain = int(next(a for a in triton["args"] if a.startswith("--exit-timeout-secs=")).split("=")[1])
     pause = int(triton["lifecycle"]["preStop"]["exec"]["command"][1])
