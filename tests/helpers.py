@@ -1,6 +1,6 @@
 """Helpers shared by tests in several folders or files: a truncated checkpoint as a draft, a metrics recorder,
 a built version served with and without speculation, an engine run to the end on greedy prompts, pairwise
-parametrization, whether a guide's grammar takes a text, and one MoE node as a graph."""
+parametrization and the plugin kernels' cases, whether a guide's grammar takes a text, and one MoE node as a graph."""
 
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def all_pairs(**levels):
     from allpairspy import AllPairs
 
     return pytest.mark.parametrize(", ".join(levels), [tuple(case) for case in AllPairs(list(levels.values()))])
+
+
+# (capability, float type, rotary) of the plugin kernels whose TensorRT calling convention the GPU tests check: both
+# forms (rotary in the kernel, or none with the other features) on both targets, and each float type at least once.
+# A kernel's parameters follow its signature, where the pointers' element type does not change their declaration.
+PLUGIN_CASES = ((80, "fp16", True), (80, "bf16", False), (90, "fp32", True), (90, "fp16", False))
 
 
 def run_greedy(engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:

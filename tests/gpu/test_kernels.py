@@ -13,7 +13,7 @@ pytest.importorskip("triton", reason="the kernels need OpenAI Triton (installed 
 
 import torch  # noqa: E402
 
-from helpers import all_pairs  # noqa: E402
+from helpers import PLUGIN_CASES, all_pairs  # noqa: E402
 from llmc.plugins.op.attention import reference_attention  # noqa: E402
 from llmc.plugins.gpu.kernels_aot import PluginKernel, entry_params, one_launch_attention, trim_params  # noqa: E402
 
@@ -130,46 +130,47 @@ def test_decode_steps_after_prefill_equal_one_prefill(kernel):
 
 @pytest.mark.parametrize("capability", [80, 90])
 def test_kernels_compile_to_ptx_without_a_gpu(capability):
+    # each float type on each target, with and without the features, each type in one of the two forms per target
+    types = ("torch.float16", "torch.bfloat16")[::1 if capability == 80 else -1]
     code = (
         "import torch\n"
         "from llmc.plugins.gpu.kernels_aot import compile_ptx\n"
         "from llmc.plugins.gpu.ptx import ptx_header\n"
-        "for dtype in (torch.float16, torch.bfloat16):\n"
-        f"    ptx = compile_ptx(9, 3, 64, dtype, {capability}, rotary=True)\n"
+        f"for dtype, features in (({types[0]}, {{}}),\n"
+        f"                        ({types[1]}, dict(rotary_dim=32, softcap=50.0, window=128, sinks=True))):\n"
+        f"    ptx = compile_ptx(9, 3, 64, dtype, {capability}, rotary=True, **features)\n"
         "    for name, text in ptx.items():\n"
         "        entry = name.removesuffix('_split')  # the split form: the one-launch kernel with SPLITS > 1\n"
         f"        assert '.target sm_{capability}' in text and f'.entry _{{entry}}' in text, name\n"
         "        assert ptx_header(text) == ('8.0', 'sm_" f"{capability}'), (name, ptx_header(text))\n"
-        f"    ptx = compile_ptx(9, 3, 64, dtype, {capability}, rotary=True, rotary_dim=32, softcap=50.0, window=128,\n"
-        "                      sinks=True)\n"
-        "    for name, text in ptx.items():\n"
-        "        entry = name.removesuffix('_split')\n"
-        f"        assert '.target sm_{capability}' in text and f'.entry _{{entry}}' in text, name\n"
         "print('ok', sorted(ptx))\n"
     )
     run = _compiled(code)
     assert "ok ['attention_one_launch', 'attention_one_launch_split']" in run.stdout
 
 
+def test_plugin_cases_cover_both_forms_on_both_targets_and_every_float_type():
+    assert {(cap, rotary) for cap, _, rotary in PLUGIN_CASES} == {(80, True), (80, False), (90, True), (90, False)}
+    assert {dtype for _, dtype, _ in PLUGIN_CASES} == {"fp16", "bf16", "fp32"}
+
+
 def test_plugin_kernel_has_tensorrt_aot_calling_convention():
     """11 input pointers (head_sink's too, read or not, and the split workspace and counters), 2 int32 extras, 5
-    output pointers (the split buffers aliased last), nothing after (TensorRT passes exactly these), for every
-    float type, with and without rotary (partial; with softcap, else with sinks, a window and key splits), for
-    sm_80 and sm_90."""
+    output pointers (the split buffers aliased last), nothing after (TensorRT passes exactly these), with and
+    without rotary (partial; with softcap, else with sinks, a window and key splits) for sm_80 and for sm_90, and
+    for each float type (helpers.PLUGIN_CASES: each type compiled once, not on both targets in both forms)."""
     code = (
         "from llmc.plugins.gpu.kernels_aot import entry_params, plugin_kernel\n"
-        "for cap in (80, 90):\n"
-        "    for dtype in ('fp16', 'bf16', 'fp32'):  # fp32 D=128: configs.py's one stage\n"
-        "        for rotary in (True, False):\n"
-        "            k = plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary=rotary, rotary_dim=64, sinks=not rotary,\n"
-        "                              softcap=50.0 * rotary, window=-1 if rotary else 256,\n"
-        "                              splits=1 if rotary else 16, slots=0 if rotary else 264)\n"
-        "            types = [t for t, _ in entry_params(k.ptx, k.name)]\n"
-        "            assert types == ['.u64'] * 11 + ['.u32'] * 2 + ['.u64'] * 5, types\n"
-        "            assert f'.target sm_{cap}' in k.ptx and k.num_warps > 0 and 0 < k.shared_mem <= 48 * 1024\n"
-        "print('ok')\n"
+        f"for cap, dtype, rotary in {PLUGIN_CASES!r}:  # fp32 D=128: configs.py's one stage\n"
+        "    k = plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary=rotary, rotary_dim=64, sinks=not rotary,\n"
+        "                      softcap=50.0 * rotary, window=-1 if rotary else 256,\n"
+        "                      splits=1 if rotary else 16, slots=0 if rotary else 264)\n"
+        "    types = [t for t, _ in entry_params(k.ptx, k.name)]\n"
+        "    assert types == ['.u64'] * 11 + ['.u32'] * 2 + ['.u64'] * 5, types\n"
+        "    assert f'.target sm_{cap}' in k.ptx and k.num_warps > 0 and 0 < k.shared_mem <= 48 * 1024\n"
+        "    print('ok', cap, dtype, rotary)\n"
     )
-    assert "ok" in _compiled(code).stdout
+    assert sum(line.startswith("ok ") for line in _compiled(code).stdout.splitlines()) == len(PLUGIN_CASES)
 
 
 _PTX = """.visible .entry kern(

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="the kernels need OpenAI Triton (installed 
 
 import torch  # noqa: E402
 
-from helpers import all_pairs  # noqa: E402
+from helpers import PLUGIN_CASES, all_pairs  # noqa: E402
 from llmc.plugins.op.attention import reference_paged_attention  # noqa: E402
 from llmc.plugins.gpu.paged_kernels import BLOCK_M, attention_grid, paged_attention  # noqa: E402
 from llmc.plugins.gpu.paged_kernels_aot import paged_attention_one_launch  # noqa: E402
@@ -180,12 +180,15 @@ def _compiled(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("capability", [80, 90])
 def test_paged_kernels_compile_to_ptx_without_a_gpu(capability):
+    # both float types on each target, rotary over every channel (sm_80) or none (sm_90), and partial with the
+    # other features
+    plain, featured = ("(torch.float16, 64, {})", "torch.bfloat16") if capability == 80 else (
+        "(torch.bfloat16, 0, {})", "torch.float16")
     code = (
         "import torch\n"
         "from llmc.plugins.gpu.paged_kernels_aot import compile_paged_ptx\n"
         "from llmc.plugins.gpu.ptx import ptx_header\n"
-        "for dtype, rotary_dim, features in ((torch.float16, 64, {}), (torch.bfloat16, 0, {}),\n"
-        "                                    (torch.float16, 32, dict(softcap=30.0, window=128, sinks=True))):\n"
+        f"for dtype, rotary_dim, features in ({plain}, ({featured}, 32, dict(softcap=30.0, window=128, sinks=True))):\n"
         f"    ptx = compile_paged_ptx(9, 3, 64, dtype, {capability}, rotary_dim=rotary_dim, **features)\n"
         "    for name, text in ptx.items():\n"
         f"        assert '.target sm_{capability}' in text and '.entry _paged_' in text, name\n"
@@ -198,23 +201,21 @@ def test_paged_kernels_compile_to_ptx_without_a_gpu(capability):
 
 def test_paged_plugin_kernel_has_tensorrt_aot_calling_convention():
     """13 input pointers (head_sink's too, read or not, and the split workspace and counters), 4 int32 extras, 5
-    output pointers and nothing after, for every float type, with and without rotary (without: with sinks,
-    softcap and key splits), for sm_80 and sm_90."""
+    output pointers and nothing after, with and without rotary (without: with sinks, softcap and key splits) for
+    sm_80 and for sm_90, and for each float type (helpers.PLUGIN_CASES: each type compiled once)."""
     code = (
         "from llmc.plugins.gpu.kernels_aot import entry_params\n"
         "from llmc.plugins.gpu.paged_kernels_aot import paged_plugin_kernel\n"
-        "for cap in (80, 90):\n"
-        "    for dtype in ('fp16', 'bf16', 'fp32'):\n"
-        "        for rotary_dim in (128, 0):\n"
-        "            k = paged_plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary_dim=rotary_dim,\n"
-        "                                    sinks=rotary_dim == 0, softcap=50.0 * (rotary_dim == 0),\n"
-        "                                    splits=16 if rotary_dim == 0 else 1, slots=264 * (rotary_dim == 0))\n"
-        "            types = [t for t, _ in entry_params(k.ptx, k.name)]\n"
-        "            assert types == ['.u64'] * 13 + ['.u32'] * 4 + ['.u64'] * 5, types\n"
-        "            assert f'.target sm_{cap}' in k.ptx and k.num_warps > 0 and 0 < k.shared_mem <= 48 * 1024\n"
-        "print('ok')\n"
+        f"for cap, dtype, rotary in {PLUGIN_CASES!r}:\n"
+        "    rotary_dim = 128 if rotary else 0\n"
+        "    k = paged_plugin_kernel(9, 3, 128, 0.125, dtype, cap, rotary_dim=rotary_dim, sinks=not rotary,\n"
+        "                            softcap=50.0 * (not rotary), splits=1 if rotary else 16, slots=0 if rotary else 264)\n"
+        "    types = [t for t, _ in entry_params(k.ptx, k.name)]\n"
+        "    assert types == ['.u64'] * 13 + ['.u32'] * 4 + ['.u64'] * 5, types\n"
+        "    assert f'.target sm_{cap}' in k.ptx and k.num_warps > 0 and 0 < k.shared_mem <= 48 * 1024\n"
+        "    print('ok', cap, dtype, rotary)\n"
     )
-    assert "ok" in _compiled(code).stdout
+    assert sum(line.startswith("ok ") for line in _compiled(code).stdout.splitlines()) == len(PLUGIN_CASES)
 
 
 @pytest.mark.cuda
