@@ -38,6 +38,9 @@ class _Sink:
     def is_cancelled(self):
         return self.sender.is_cancelled()
 
+    def finish(self):
+        self.sender.send(flags=FINAL)  # a cancelled request still needs its final flag to be released
+
 
 class TritonPythonModel:
     def initialize(self, args):

@@ -160,6 +160,7 @@ def add_model_variant(repository: Path, source: str, name: str, **limits) -> Non
 class RecordingSink:
     def __init__(self, cancel_after: int | None = None):
         self.responses, self.errors, self.done = [], [], threading.Event()
+        self.finished = 0  # final flags sent alone (a cancelled request's end)
         self.cancel_after = cancel_after
 
     def send(self, outputs, final):
@@ -173,6 +174,10 @@ class RecordingSink:
 
     def is_cancelled(self):
         return self.cancel_after is not None and len(self.responses) >= self.cancel_after
+
+    def finish(self):
+        self.finished += 1
+        self.done.set()
 
     def wait(self, timeout=30):
         assert self.done.wait(timeout), "no final response"

@@ -6,8 +6,11 @@ request's new text through its `sink` (responses.py: a request in flight, what a
 whatever delivers responses: the Python-backend model wraps Triton's response sender, tests use a recording one.
 
 Every request ends with exactly one final response (text, error, or finish_reason `cancelled`),
-except one whose sink reported it cancelled: Triton's Python backend ends a cancelled decoupled
-request's stream itself when `is_cancelled()` sees it, so nothing more is sent on that sink.
+except one whose sink reported it cancelled: that one gets the final flag alone (`sink.finish()`), as soon
+as the loop sees the cancellation, and nothing more. Triton's Python backend holds a request, and with it
+the model version, until the request's final flag, cancelled or not: without it, a version that had served
+one cancelled stream never unloaded (a deploy's old version kept its KV cache; a stopping server waited out
+its whole exit timeout).
 
 Cancelling: a client ends a request early either by closing its gRPC stream (Triton cancels the
 request; the loop notices at its next poll) or in band, with a stop request (`stop` true) under
@@ -251,6 +254,8 @@ class ServingLoop:
             if cancelled or not reachable:
                 entry.closed = True
                 self.engine.cancel(rid)
+                if cancelled:  # its final flag, which releases the request in Triton
+                    call(entry.sink.finish)
 
     def _respond(self, out: StepOutput, now: float) -> None:
         entry = self._live.get(out.request_id)

@@ -5,6 +5,7 @@ decodes). The serving loop (loop.py) holds one `LiveRequest` per request.
     sink.send(outputs: dict[str, np.ndarray], final: bool)   # a response; the last has final=True
     sink.error(message: str)                                  # a final error response
     sink.is_cancelled() -> bool                               # the client went away
+    sink.finish()                                             # the final flag alone, once a request is cancelled
 
 A streamed request sends what each step brought; any other collects until its end. Names and shapes are
 TensorRT-LLM's (tensors.py):
@@ -94,6 +95,7 @@ class Sink(Protocol):
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
     def error(self, message: str) -> None: ...
     def is_cancelled(self) -> bool: ...
+    def finish(self) -> None: ...
 
 
 @dataclass

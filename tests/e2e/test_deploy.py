@@ -62,6 +62,41 @@ def test_deploy_swaps_versions_under_load_and_rolls_back_a_broken_build(tiny_bui
     assert third.version == 3 and versions(repository / "tiny") == [2, 3]
 
 
+def test_a_version_that_served_a_cancelled_stream_unloads_at_once(tiny_build, explicit_server):
+    """A client cancels its gRPC stream mid-generation: the model still gives Triton the request's final flag, so
+    the version unloads in about a second (without it Triton held the request, and the version, for good)."""
+    import queue
+    import time
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    url = explicit_server.grpc_url
+    if not versions(explicit_server.repository / "tiny"):  # the test run alone
+        deploy(tiny_build.output, explicit_server.repository, url)
+    triton = grpcclient.InferenceServerClient(url)
+    responses: queue.Queue = queue.Queue()
+    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("max_tokens", [1], "INT32"),
+              grpcclient.InferInput("min_tokens", [1], "INT32"), grpcclient.InferInput("stream", [1], "BOOL")]
+    for tensor, value in zip(inputs, (np.array([b"a long one"], dtype=object), np.array([100], dtype=np.int32),
+                                      np.array([100], dtype=np.int32), np.array([True]))):
+        tensor.set_data_from_numpy(value)
+    triton.start_stream(callback=lambda result, error: responses.put((result, error)))
+    triton.async_stream_infer("tiny", inputs)
+    result, error = responses.get(timeout=30)
+    assert error is None and result.as_numpy("output_ids").size  # generating
+    triton.stop_stream(cancel_requests=True)
+
+    started = time.monotonic()
+    triton.unload_model("tiny")
+    while time.monotonic() - started < 15:
+        states = {m.version: m.state for m in triton.get_model_repository_index().models if m.name == "tiny"}
+        if set(states.values()) == {"UNAVAILABLE"}:  # every version (an earlier test's too)
+            break
+        time.sleep(0.1)
+    assert set(states.values()) == {"UNAVAILABLE"} and time.monotonic() - started < 5, states
+
+
 def test_deploy_refuses_what_it_cannot_do(tiny_build, tmp_path):
     with pytest.raises(DeployError, match="no such model repository"):
         deploy(tiny_build.output, tmp_path / "missing", "127.0.0.1:1")

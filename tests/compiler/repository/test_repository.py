@@ -102,6 +102,7 @@ class Sink:
         done.set() if final else None
     def error(self, message): raise SystemExit(message)
     def is_cancelled(self): return False
+    def finish(self): raise SystemExit("finished a request nobody cancelled")
 loop = ServingLoop.from_manifest({str(version)!r}).start()
 loop.submit({{"text_input": np.array([b"hello"], dtype=object), "max_tokens": np.array([4], dtype=np.int32)}}, Sink())
 assert done.wait(30)
