@@ -68,21 +68,18 @@ def test_a_version_that_served_a_cancelled_stream_unloads_at_once(tiny_build, ex
     import queue
     import time
 
-    import numpy as np
     import tritonclient.grpc as grpcclient
+
+    from llmc.client.generation import make_inputs
 
     url = explicit_server.grpc_url
     if not versions(explicit_server.repository / "tiny"):  # the test run alone
         deploy(tiny_build.output, explicit_server.repository, url)
     triton = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
-    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("max_tokens", [1], "INT32"),
-              grpcclient.InferInput("min_tokens", [1], "INT32"), grpcclient.InferInput("stream", [1], "BOOL")]
-    for tensor, value in zip(inputs, (np.array([b"a long one"], dtype=object), np.array([100], dtype=np.int32),
-                                      np.array([100], dtype=np.int32), np.array([True]))):
-        tensor.set_data_from_numpy(value)
     triton.start_stream(callback=lambda result, error: responses.put((result, error)))
-    triton.async_stream_infer("tiny", inputs)
+    triton.async_stream_infer("tiny", make_inputs(grpcclient, "a long one", True, {"max_tokens": 100,
+                                                                                   "min_tokens": 100}))
     result, error = responses.get(timeout=30)
     assert error is None and result.as_numpy("output_ids").size  # generating
     triton.stop_stream(cancel_requests=True)
